@@ -1,0 +1,77 @@
+//! The `miles` driver, as a library so the integration tests can run commands in-process.
+
+use std::ffi::OsString;
+use std::io::Write;
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+
+mod jsonl;
+pub mod linked;
+mod plugins_cmd;
+mod reward_cmd;
+
+pub use plugins_cmd::PluginsArgs;
+pub use reward_cmd::RewardArgs;
+
+/// miles-rs: LLM reinforcement-learning post-training in one binary.
+#[derive(Debug, Parser)]
+#[command(name = "miles", about, disable_version_flag = false)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// List every plugin this binary can use: kind, name, version, static or dynamic.
+    Plugins(PluginsArgs),
+    /// Score a JSONL file of samples offline with a reward, to test it before a run.
+    Reward(RewardArgs),
+}
+
+/// `miles 0.1.0 (features: tis)`: the version and the plugin features compiled in.
+pub fn version_line() -> String {
+    let features =
+        if linked::FEATURES.is_empty() { "none".to_string() } else { linked::FEATURES.join(", ") };
+    format!("{} (features: {features})", env!("CARGO_PKG_VERSION"))
+}
+
+impl Cli {
+    fn command_with_version() -> clap::Command {
+        // clap wants a 'static version string; it is built once per process.
+        let version: &'static str = Box::leak(version_line().into_boxed_str());
+        Cli::command().version(version)
+    }
+
+    /// Parses `args`; `--help`, `--version` and bad flags come back as a clap error.
+    pub fn try_parse_args<I, T>(args: I) -> Result<Cli, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        let matches = Cli::command_with_version().try_get_matches_from(args)?;
+        Cli::from_arg_matches(&matches)
+    }
+
+    /// Parses the process arguments, printing help or the error and exiting as clap does.
+    pub fn parse_or_exit() -> Cli {
+        Cli::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
+}
+
+/// Runs a parsed command, writing its report to `out`.
+pub fn execute(cli: Cli, out: &mut dyn Write) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Plugins(args) => plugins_cmd::run(&args, out),
+        Command::Reward(args) => reward_cmd::run(&args, out),
+    }
+}
+
+/// Parses and runs `args` (the first item is the program name), as `main` does.
+pub fn run<I, T>(args: I, out: &mut dyn Write) -> anyhow::Result<()>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    execute(Cli::try_parse_args(args)?, out)
+}

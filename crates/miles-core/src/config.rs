@@ -1,0 +1,396 @@
+//! Run configuration. Every key is a slime/miles flag name without the leading `--`
+//! (`rollout-batch-size`, `eps-clip-high`, …), with the same meaning and, where slime has one,
+//! the same default; a TOML file uses the same keys and flags override it. Unknown keys are
+//! refused so a typo never silently falls back to a default.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result, SamplingParams};
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageEstimator {
+    #[default]
+    Grpo,
+    Gspo,
+    ReinforcePlusPlus,
+    ReinforcePlusPlusBaseline,
+    Rloo,
+    Ppo,
+}
+
+/// Estimators of KL(policy ‖ reference) for `--kl-loss-type`; slime's `kl` is `k1`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlLossType {
+    #[default]
+    #[serde(alias = "kl")]
+    K1,
+    K2,
+    K3,
+    LowVarKl,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossType {
+    #[default]
+    PolicyLoss,
+    SftLoss,
+}
+
+/// What one importance weight covers: a token, a whole sequence (product of token ratios), or
+/// the geometric mean of a sequence's token ratios.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TisLevel {
+    #[default]
+    Token,
+    Sequence,
+    Geometric,
+}
+
+/// What happens to a weight outside the bounds: `truncate` caps it at the upper bound (TIS),
+/// `clip` clamps it into [lower, upper], `mask` drops the token from the loss (MIS).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TisMode {
+    #[default]
+    Truncate,
+    Clip,
+    Mask,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrDecayStyle {
+    #[default]
+    Constant,
+    Linear,
+    Cosine,
+}
+
+/// One run's settings, flat like slime's argument namespace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct RunConfig {
+    // Model and checkpoints.
+    pub hf_checkpoint: Option<PathBuf>,
+    pub save: Option<PathBuf>,
+    pub load: Option<PathBuf>,
+    pub save_interval: Option<usize>,
+    pub save_hf: Option<PathBuf>,
+    pub seed: u64,
+
+    // Data.
+    pub prompt_data: Option<String>,
+    pub input_key: String,
+    pub label_key: Option<String>,
+    pub metadata_key: Option<String>,
+    pub apply_chat_template: bool,
+    pub rollout_shuffle: bool,
+    pub num_rollout: Option<usize>,
+    pub num_epoch: Option<usize>,
+    pub eval_prompt_data: Option<String>,
+    pub eval_interval: Option<usize>,
+
+    // Rollout.
+    pub rollout_batch_size: usize,
+    pub n_samples_per_prompt: usize,
+    pub over_sampling_batch_size: Option<usize>,
+    pub rollout_max_response_len: usize,
+    pub rollout_max_prompt_len: Option<usize>,
+    pub rollout_temperature: f32,
+    pub rollout_top_p: f32,
+    /// slime's convention: -1 disables top-k.
+    pub rollout_top_k: i64,
+    pub rollout_stop: Vec<String>,
+    pub rollout_stop_token_ids: Vec<u32>,
+    pub rollout_seed: u64,
+    pub partial_rollout: bool,
+    pub use_rollout_routing_replay: bool,
+
+    // Reward.
+    pub rm_type: Option<String>,
+    pub custom_rm_path: Option<String>,
+    pub rm_url: Option<String>,
+    pub group_rm: bool,
+    pub reward_key: Option<String>,
+
+    // Advantage.
+    pub advantage_estimator: AdvantageEstimator,
+    pub disable_grpo_std_normalization: bool,
+    pub normalize_advantages: bool,
+    pub gamma: f32,
+    pub lambd: f32,
+
+    // Loss.
+    pub loss_type: LossType,
+    pub eps_clip: f32,
+    /// Upper clip range; slime defaults it to `eps-clip`.
+    pub eps_clip_high: Option<f32>,
+    /// Dual-clip constant (> 1); off when absent.
+    pub eps_clip_c: Option<f32>,
+    pub use_kl_loss: bool,
+    pub kl_loss_coef: f32,
+    pub kl_loss_type: KlLossType,
+    pub kl_coef: f32,
+    pub entropy_coef: f32,
+    pub calculate_per_token_loss: bool,
+    pub use_rollout_logprobs: bool,
+
+    // Off-policy correction (the `tis` plugin).
+    pub use_tis: bool,
+    pub tis_level: TisLevel,
+    pub tis_mode: TisMode,
+    /// Upper bound of the importance weight.
+    pub tis_clip: f32,
+    /// Lower bound of the importance weight (clip and mask modes).
+    pub tis_clip_low: f32,
+    /// Drop a whole sequence when any token's ratio is below this.
+    pub tis_veto_threshold: Option<f32>,
+    pub tis_batch_normalize: bool,
+
+    // Optimizer and schedule.
+    pub lr: f32,
+    pub min_lr: f32,
+    pub lr_warmup_iters: usize,
+    pub lr_decay_style: LrDecayStyle,
+    pub weight_decay: f32,
+    pub adam_beta1: f32,
+    pub adam_beta2: f32,
+    pub adam_eps: f32,
+    pub clip_grad: f32,
+    pub num_steps_per_rollout: usize,
+    pub global_batch_size: Option<usize>,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            hf_checkpoint: None,
+            save: None,
+            load: None,
+            save_interval: None,
+            save_hf: None,
+            seed: 1234,
+            prompt_data: None,
+            input_key: "input".into(),
+            label_key: None,
+            metadata_key: None,
+            apply_chat_template: false,
+            rollout_shuffle: false,
+            num_rollout: None,
+            num_epoch: None,
+            eval_prompt_data: None,
+            eval_interval: None,
+            rollout_batch_size: 8,
+            n_samples_per_prompt: 1,
+            over_sampling_batch_size: None,
+            rollout_max_response_len: 1024,
+            rollout_max_prompt_len: None,
+            rollout_temperature: 1.0,
+            rollout_top_p: 1.0,
+            rollout_top_k: -1,
+            rollout_stop: Vec::new(),
+            rollout_stop_token_ids: Vec::new(),
+            rollout_seed: 42,
+            partial_rollout: false,
+            use_rollout_routing_replay: false,
+            rm_type: None,
+            custom_rm_path: None,
+            rm_url: None,
+            group_rm: false,
+            reward_key: None,
+            advantage_estimator: AdvantageEstimator::Grpo,
+            disable_grpo_std_normalization: false,
+            normalize_advantages: false,
+            gamma: 1.0,
+            lambd: 1.0,
+            loss_type: LossType::PolicyLoss,
+            eps_clip: 0.2,
+            eps_clip_high: None,
+            eps_clip_c: None,
+            use_kl_loss: false,
+            kl_loss_coef: 0.0,
+            kl_loss_type: KlLossType::K1,
+            kl_coef: 0.0,
+            entropy_coef: 0.0,
+            calculate_per_token_loss: false,
+            use_rollout_logprobs: false,
+            use_tis: false,
+            tis_level: TisLevel::Token,
+            tis_mode: TisMode::Truncate,
+            tis_clip: 2.0,
+            tis_clip_low: 0.0,
+            tis_veto_threshold: None,
+            tis_batch_normalize: false,
+            lr: 1e-6,
+            min_lr: 0.0,
+            lr_warmup_iters: 0,
+            lr_decay_style: LrDecayStyle::Constant,
+            weight_decay: 0.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.98,
+            adam_eps: 1e-8,
+            clip_grad: 1.0,
+            num_steps_per_rollout: 1,
+            global_batch_size: None,
+        }
+    }
+}
+
+fn check(ok: bool, key: &str, message: impl FnOnce() -> String) -> Result<()> {
+    if ok { Ok(()) } else { Err(Error::config(key, message())) }
+}
+
+impl RunConfig {
+    /// Parses a JSON object of flag-named keys; an unknown key is an error that names it.
+    pub fn from_json(value: serde_json::Value) -> Result<Self> {
+        serde_json::from_value(value).map_err(|e| Error::Plugin(format!("run configuration: {e}")))
+    }
+
+    /// Checks ranges and combinations; the error names the offending flag.
+    pub fn validate(&self) -> Result<()> {
+        check(self.rollout_batch_size >= 1, "rollout-batch-size", || "must be at least 1".into())?;
+        check(self.n_samples_per_prompt >= 1, "n-samples-per-prompt", || {
+            "must be at least 1".into()
+        })?;
+        if let Some(over) = self.over_sampling_batch_size {
+            check(over >= self.rollout_batch_size, "over-sampling-batch-size", || {
+                format!("{over} is below --rollout-batch-size {}", self.rollout_batch_size)
+            })?;
+        }
+        check(self.rollout_max_response_len >= 1, "rollout-max-response-len", || {
+            "must be at least 1".into()
+        })?;
+        check(self.rollout_temperature > 0.0, "rollout-temperature", || {
+            format!("{} must be > 0 (greedy decoding is top-k 1)", self.rollout_temperature)
+        })?;
+        check(self.rollout_top_p > 0.0 && self.rollout_top_p <= 1.0, "rollout-top-p", || {
+            format!("{} is outside (0, 1]", self.rollout_top_p)
+        })?;
+        check(self.rollout_top_k == -1 || self.rollout_top_k >= 1, "rollout-top-k", || {
+            format!("{} must be -1 (off) or at least 1", self.rollout_top_k)
+        })?;
+        check(self.eps_clip > 0.0, "eps-clip", || format!("{} must be > 0", self.eps_clip))?;
+        if let Some(high) = self.eps_clip_high {
+            check(high > 0.0, "eps-clip-high", || format!("{high} must be > 0"))?;
+        }
+        if let Some(c) = self.eps_clip_c {
+            check(c > 1.0, "eps-clip-c", || format!("{c} must be > 1 (dual clip bounds -A·c)"))?;
+        }
+        check((0.0..=1.0).contains(&self.gamma), "gamma", || format!("{} outside [0, 1]", self.gamma))?;
+        check((0.0..=1.0).contains(&self.lambd), "lambd", || format!("{} outside [0, 1]", self.lambd))?;
+        check(self.tis_clip > 0.0, "tis-clip", || format!("{} must be > 0", self.tis_clip))?;
+        check(
+            self.tis_clip_low >= 0.0 && self.tis_clip_low < self.tis_clip,
+            "tis-clip-low",
+            || format!("{} must be in [0, --tis-clip {})", self.tis_clip_low, self.tis_clip),
+        )?;
+        if let Some(v) = self.tis_veto_threshold {
+            check(v > 0.0, "tis-veto-threshold", || format!("{v} must be > 0"))?;
+        }
+        check(self.lr >= 0.0, "lr", || format!("{} must be >= 0", self.lr))?;
+        check(self.min_lr <= self.lr, "min-lr", || format!("{} exceeds --lr {}", self.min_lr, self.lr))?;
+        check(self.clip_grad >= 0.0, "clip-grad", || format!("{} must be >= 0", self.clip_grad))?;
+        check(self.num_steps_per_rollout >= 1, "num-steps-per-rollout", || {
+            "must be at least 1".into()
+        })?;
+        if let Some(g) = self.global_batch_size {
+            let total = self.rollout_batch_size * self.n_samples_per_prompt;
+            check(g >= 1 && total % g == 0, "global-batch-size", || {
+                format!("{g} must divide rollout-batch-size × n-samples-per-prompt = {total}")
+            })?;
+        }
+        check(self.num_rollout.is_none() || self.num_epoch.is_none(), "num-epoch", || {
+            "give --num-rollout or --num-epoch, not both".into()
+        })?;
+        Ok(())
+    }
+
+    /// The rollout engine's sampling parameters.
+    pub fn sampling_params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.rollout_temperature,
+            top_p: self.rollout_top_p,
+            top_k: usize::try_from(self.rollout_top_k).unwrap_or(0),
+            max_new_tokens: self.rollout_max_response_len,
+            stop: self.rollout_stop.clone(),
+            stop_token_ids: self.rollout_stop_token_ids.clone(),
+            seed: self.rollout_seed,
+        }
+    }
+
+    /// The configuration of the `tis` correction plugin, from the `--tis-*` keys.
+    pub fn tis_config(&self) -> serde_json::Value {
+        serde_json::json!({
+            "level": self.tis_level,
+            "mode": self.tis_mode,
+            "upper": self.tis_clip,
+            "lower": self.tis_clip_low,
+            "veto_threshold": self.tis_veto_threshold,
+            "batch_normalize": self.tis_batch_normalize,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_slime_flag_names() {
+        let c = RunConfig::from_json(serde_json::json!({
+            "rollout-batch-size": 32,
+            "n-samples-per-prompt": 8,
+            "advantage-estimator": "reinforce_plus_plus_baseline",
+            "eps-clip-high": 0.28,
+            "kl-loss-type": "low_var_kl",
+            "use-tis": true,
+            "tis-mode": "mask",
+        }))
+        .unwrap();
+        assert_eq!(c.rollout_batch_size, 32);
+        assert_eq!(c.advantage_estimator, AdvantageEstimator::ReinforcePlusPlusBaseline);
+        assert_eq!(c.eps_clip_high, Some(0.28));
+        assert_eq!(c.kl_loss_type, KlLossType::LowVarKl);
+        assert_eq!(c.tis_mode, TisMode::Mask);
+        c.validate().unwrap();
+        let back: RunConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn slime_kl_alias_and_unknown_keys() {
+        let c = RunConfig::from_json(serde_json::json!({"kl-loss-type": "kl"})).unwrap();
+        assert_eq!(c.kl_loss_type, KlLossType::K1);
+        let err = RunConfig::from_json(serde_json::json!({"rollout-batchsize": 4})).unwrap_err();
+        assert!(err.to_string().contains("rollout-batchsize"), "{err}");
+    }
+
+    #[test]
+    fn validation_names_the_flag() {
+        let bad = |c: RunConfig| c.validate().unwrap_err().to_string();
+        let d = RunConfig::default;
+        assert!(bad(RunConfig { eps_clip_c: Some(0.5), ..d() }).starts_with("--eps-clip-c:"));
+        assert!(bad(RunConfig { tis_clip_low: 3.0, ..d() }).starts_with("--tis-clip-low:"));
+        assert!(bad(RunConfig { rollout_top_k: 0, ..d() }).starts_with("--rollout-top-k:"));
+        assert!(bad(RunConfig { over_sampling_batch_size: Some(2), ..d() })
+            .starts_with("--over-sampling-batch-size:"));
+        assert!(bad(RunConfig { global_batch_size: Some(3), ..d() })
+            .starts_with("--global-batch-size:"));
+        RunConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn sampling_params_follow_the_rollout_flags() {
+        let c = RunConfig { rollout_top_k: -1, rollout_temperature: 0.7, ..RunConfig::default() };
+        let p = c.sampling_params();
+        assert_eq!((p.top_k, p.temperature, p.seed), (0, 0.7, 42));
+        let c = RunConfig { rollout_top_k: 20, ..c };
+        assert_eq!(c.sampling_params().top_k, 20);
+    }
+}

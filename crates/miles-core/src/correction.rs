@@ -1,0 +1,50 @@
+use std::collections::BTreeMap;
+
+use crate::Result;
+
+/// Per-token inputs of an off-policy correction, packed over the sequences of a batch: the
+/// token slices are the response tokens of each sequence, one after the other, and
+/// `response_lengths` says where each sequence ends.
+#[derive(Debug, Clone, Copy)]
+pub struct CorrectionInput<'a> {
+    /// log p(token) under the policy being trained (the trainer's old logprobs).
+    pub train_log_probs: &'a [f32],
+    /// log p(token) under the rollout engine that sampled it.
+    pub rollout_log_probs: &'a [f32],
+    pub loss_mask: &'a [u8],
+    pub response_lengths: &'a [usize],
+}
+
+impl CorrectionInput<'_> {
+    /// Checks that the slices agree with each other; every implementation calls this first.
+    pub fn validate(&self) -> Result<()> {
+        let n = self.train_log_probs.len();
+        let total: usize = self.response_lengths.iter().sum();
+        if self.rollout_log_probs.len() != n || self.loss_mask.len() != n || total != n {
+            return Err(crate::Error::Invalid(format!(
+                "correction input: {} train logprobs, {} rollout logprobs, {} mask entries and \
+                 response lengths summing to {total} must all agree",
+                n,
+                self.rollout_log_probs.len(),
+                self.loss_mask.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The result: a weight per token that multiplies the policy-gradient term (constants: they
+/// carry no gradient), the mask to apply in the loss numerator (tokens or whole sequences may
+/// be dropped; aggregation keeps the input mask's denominators), and metrics by name.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CorrectionOutput {
+    pub weights: Vec<f32>,
+    pub loss_mask: Vec<u8>,
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// Off-policy correction of the loss for the gap between the rollout engine's distribution and
+/// the trainer's: truncated and masked importance sampling (TIS/MIS) and their relatives.
+pub trait Correction: Send + Sync {
+    fn correct(&self, input: &CorrectionInput<'_>) -> Result<CorrectionOutput>;
+}

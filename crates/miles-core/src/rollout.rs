@@ -1,0 +1,54 @@
+use serde::{Deserialize, Serialize};
+
+use crate::{Result, Sample};
+
+/// How the rollout engine samples. Field names follow SGLang's sampling parameters; the driver
+/// fills them from the `--rollout-*` flags.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    /// Nucleus sampling; 1.0 disables it.
+    pub top_p: f32,
+    /// Keep the k most likely tokens; 0 disables it.
+    pub top_k: usize,
+    pub max_new_tokens: usize,
+    /// Generation stops after any of these strings; the string is kept in the response.
+    pub stop: Vec<String>,
+    /// Generation stops after any of these token ids (in addition to the model's EOS).
+    pub stop_token_ids: Vec<u32>,
+    /// Seed of the per-sample counter-based RNG: a sample's draws depend on (seed, sample
+    /// index, position) only, never on its batch-mates.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: 1024,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            seed: 42,
+        }
+    }
+}
+
+/// Turns prompt groups into responses.
+///
+/// Input: groups of `Pending` samples (one group per prompt, `n_samples_per_prompt` samples each,
+/// `prompt` and `tokens` holding the prompt) or `Aborted` ones to continue (partial rollout).
+/// Output: the same groups with `tokens` extended by the response, `response`,
+/// `response_length`, `loss_mask`, `rollout_log_probs`, `status` and, for MoE models,
+/// `rollout_routed_experts` filled in. Groups keep their order; a sample the engine could not
+/// finish comes back `Failed` rather than as an error, which is reserved for the engine itself
+/// failing.
+pub trait Rollout: Send {
+    fn generate(
+        &mut self,
+        groups: Vec<Vec<Sample>>,
+        params: &SamplingParams,
+    ) -> Result<Vec<Vec<Sample>>>;
+}
