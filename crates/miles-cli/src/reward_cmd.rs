@@ -101,7 +101,14 @@ fn score_all(
         }
     } else {
         for batch in samples.chunks(BATCH) {
-            results.extend(reward.score_group(batch));
+            let scored = reward.score_group(batch);
+            // A whole batch failing is usually one sample breaking the call (a plugin panic):
+            // score those samples alone so only the culprit is marked failed.
+            if batch.len() > 1 && scored.iter().all(Result::is_err) {
+                results.extend(batch.iter().map(|s| reward.score(s)));
+            } else {
+                results.extend(scored);
+            }
         }
     }
     results
