@@ -22,8 +22,15 @@ fn the_example_plugin_scores_a_file() {
     let config = r#"{"target_chars": 20, "penalty_per_char": 0.05}"#;
     let output = dir.join("out.jsonl");
     let report = miles(&[
-        "reward", "--input", &input, "--custom-rm-path", lib, "--custom-rm-config", config,
-        "--output", output.to_str().unwrap(),
+        "reward",
+        "--input",
+        &input,
+        "--custom-rm-path",
+        lib,
+        "--custom-rm-config",
+        config,
+        "--output",
+        output.to_str().unwrap(),
     ])
     .unwrap();
     assert!(report.contains("with length_penalty 0.1.0 (dynamic"), "{report}");
@@ -52,11 +59,22 @@ fn a_panicking_plugin_fails_only_that_call() {
         &[r#"{"response": "abc"}"#, r#"{"response": "panic"}"#, r#"{"response": "error"}"#],
     );
     let output = dir.join("out.jsonl");
-    let args = ["reward", "--input", &input, "--custom-rm-path", lib, "--output", output.to_str().unwrap()];
+    let args = [
+        "reward",
+        "--input",
+        &input,
+        "--custom-rm-path",
+        lib,
+        "--output",
+        output.to_str().unwrap(),
+    ];
     let report = miles(&args).unwrap();
     assert!(report.contains("reward: n 1  mean 3.0000"), "{report}");
     assert!(report.contains("failed: 2 (first at line 2"), "{report}");
-    assert!(report.contains("plugin panicked in score: touchy plugin was asked to panic"), "{report}");
+    assert!(
+        report.contains("plugin panicked in score: touchy plugin was asked to panic"),
+        "{report}"
+    );
     let scored = std::fs::read_to_string(&output).unwrap();
     assert!(scored.contains("touchy plugin rejects this sample"), "{scored}");
 
@@ -67,7 +85,8 @@ fn a_panicking_plugin_fails_only_that_call() {
 
     // A call that panics as a whole (group scoring keeps the batch) fails each of its samples.
     let group = samples(&dir, &[r#"{"response": "ok"}"#, r#"{"response": "panic"}"#]);
-    let report = miles(&["reward", "--input", &group, "--custom-rm-path", lib, "--group-rm"]).unwrap();
+    let report =
+        miles(&["reward", "--input", &group, "--custom-rm-path", lib, "--group-rm"]).unwrap();
     assert!(report.contains("failed: 2"), "{report}");
 }
 
@@ -78,7 +97,13 @@ fn foreign_or_broken_plugins_are_refused_by_name() {
     let dir = scratch("foreign_plugins");
     let input = samples(&dir, &[r#"{"response": "a"}"#]);
     let score = |spec: String, config: Option<&str>| {
-        let mut args = vec!["reward".to_string(), "--input".into(), input.clone(), "--custom-rm-path".into(), spec];
+        let mut args = vec![
+            "reward".to_string(),
+            "--input".into(),
+            input.clone(),
+            "--custom-rm-path".into(),
+            spec,
+        ];
         if let Some(c) = config {
             args.extend(["--custom-rm-config".to_string(), c.to_string()]);
         }

@@ -88,7 +88,8 @@ fn reward_flags_are_checked() {
     let input = input.to_str().unwrap();
     let err = miles(&["reward", "--input", input, "--rm-type", "exact_mach"]).unwrap_err();
     assert!(err.contains("no reward plugin named 'exact_mach'; available: exact_match"), "{err}");
-    let err = miles(&["reward", "--input", "missing.jsonl", "--rm-type", "exact_match"]).unwrap_err();
+    let err =
+        miles(&["reward", "--input", "missing.jsonl", "--rm-type", "exact_match"]).unwrap_err();
     assert!(err.contains("cannot open missing.jsonl"), "{err}");
     let bad = ["reward", "--input", input, "--rm-type", "exact_match", "--custom-rm-config", "{"];
     assert!(miles(&bad).unwrap_err().contains("--custom-rm-config is not valid JSON"));

@@ -19,7 +19,8 @@ pub fn read_objects(path: &Path) -> anyhow::Result<Vec<Line>> {
     let mut lines = Vec::new();
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
         let number = i + 1;
-        let text = line.with_context(|| format!("{}:{number}: cannot read line", path.display()))?;
+        let text =
+            line.with_context(|| format!("{}:{number}: cannot read line", path.display()))?;
         if text.trim().is_empty() {
             continue;
         }

@@ -56,9 +56,17 @@ pub fn run(args: &PluginsArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         width(|r| r.name.len(), "NAME"),
         width(|r| r.version.len(), "VERSION"),
     );
-    writeln!(out, "{:wk$}  {:wn$}  {:wv$}  {:7}  DESCRIPTION", "KIND", "NAME", "VERSION", "SOURCE")?;
+    writeln!(
+        out,
+        "{:wk$}  {:wn$}  {:wv$}  {:7}  DESCRIPTION",
+        "KIND", "NAME", "VERSION", "SOURCE"
+    )?;
     for r in &rows {
-        writeln!(out, "{:wk$}  {:wn$}  {:wv$}  {:7}  {}", r.kind, r.name, r.version, r.source, r.detail)?;
+        writeln!(
+            out,
+            "{:wk$}  {:wn$}  {:wv$}  {:7}  {}",
+            r.kind, r.name, r.version, r.source, r.detail
+        )?;
     }
     Ok(())
 }

@@ -282,8 +282,12 @@ impl RunConfig {
         if let Some(c) = self.eps_clip_c {
             check(c > 1.0, "eps-clip-c", || format!("{c} must be > 1 (dual clip bounds -A·c)"))?;
         }
-        check((0.0..=1.0).contains(&self.gamma), "gamma", || format!("{} outside [0, 1]", self.gamma))?;
-        check((0.0..=1.0).contains(&self.lambd), "lambd", || format!("{} outside [0, 1]", self.lambd))?;
+        check((0.0..=1.0).contains(&self.gamma), "gamma", || {
+            format!("{} outside [0, 1]", self.gamma)
+        })?;
+        check((0.0..=1.0).contains(&self.lambd), "lambd", || {
+            format!("{} outside [0, 1]", self.lambd)
+        })?;
         check(self.tis_clip > 0.0, "tis-clip", || format!("{} must be > 0", self.tis_clip))?;
         check(
             self.tis_clip_low >= 0.0 && self.tis_clip_low < self.tis_clip,
@@ -294,14 +298,16 @@ impl RunConfig {
             check(v > 0.0, "tis-veto-threshold", || format!("{v} must be > 0"))?;
         }
         check(self.lr >= 0.0, "lr", || format!("{} must be >= 0", self.lr))?;
-        check(self.min_lr <= self.lr, "min-lr", || format!("{} exceeds --lr {}", self.min_lr, self.lr))?;
+        check(self.min_lr <= self.lr, "min-lr", || {
+            format!("{} exceeds --lr {}", self.min_lr, self.lr)
+        })?;
         check(self.clip_grad >= 0.0, "clip-grad", || format!("{} must be >= 0", self.clip_grad))?;
         check(self.num_steps_per_rollout >= 1, "num-steps-per-rollout", || {
             "must be at least 1".into()
         })?;
         if let Some(g) = self.global_batch_size {
             let total = self.rollout_batch_size * self.n_samples_per_prompt;
-            check(g >= 1 && total % g == 0, "global-batch-size", || {
+            check(g >= 1 && total.is_multiple_of(g), "global-batch-size", || {
                 format!("{g} must divide rollout-batch-size × n-samples-per-prompt = {total}")
             })?;
         }
@@ -378,10 +384,14 @@ mod tests {
         assert!(bad(RunConfig { eps_clip_c: Some(0.5), ..d() }).starts_with("--eps-clip-c:"));
         assert!(bad(RunConfig { tis_clip_low: 3.0, ..d() }).starts_with("--tis-clip-low:"));
         assert!(bad(RunConfig { rollout_top_k: 0, ..d() }).starts_with("--rollout-top-k:"));
-        assert!(bad(RunConfig { over_sampling_batch_size: Some(2), ..d() })
-            .starts_with("--over-sampling-batch-size:"));
-        assert!(bad(RunConfig { global_batch_size: Some(3), ..d() })
-            .starts_with("--global-batch-size:"));
+        assert!(
+            bad(RunConfig { over_sampling_batch_size: Some(2), ..d() })
+                .starts_with("--over-sampling-batch-size:")
+        );
+        assert!(
+            bad(RunConfig { global_batch_size: Some(3), ..d() })
+                .starts_with("--global-batch-size:")
+        );
         RunConfig::default().validate().unwrap();
     }
 

@@ -115,7 +115,8 @@ inventory::collect!(Registration);
 
 /// Every registered plugin, sorted by kind then name.
 pub fn list() -> Vec<&'static Plugin> {
-    let mut all: Vec<&'static Plugin> = inventory::iter::<Registration>.into_iter().map(|r| r.0).collect();
+    let mut all: Vec<&'static Plugin> =
+        inventory::iter::<Registration>.into_iter().map(|r| r.0).collect();
     all.sort_by(|a, b| (a.kind(), a.name).cmp(&(b.kind(), b.name)));
     all
 }
@@ -228,7 +229,8 @@ mod tests {
         assert!(list().iter().any(|p| p.name == "registry_test_constant"));
         let p = find(PluginKind::Reward, "registry_test_constant").unwrap();
         assert_eq!((p.kind(), p.version), (PluginKind::Reward, "9.9.9"));
-        let r = create_reward("registry_test_constant", &serde_json::json!({"value": 2.0})).unwrap();
+        let r =
+            create_reward("registry_test_constant", &serde_json::json!({"value": 2.0})).unwrap();
         assert_eq!(r.score(&Sample::default()).unwrap(), RewardValue::Scalar(2.0));
     }
 

@@ -63,7 +63,7 @@ impl RoutedExperts {
     /// Tokens covered; errors if `ids` is not a whole number of [layers × top_k] rows.
     pub fn num_tokens(&self) -> crate::Result<usize> {
         let row = self.num_layers * self.top_k;
-        if row == 0 || self.ids.len() % row != 0 {
+        if row == 0 || !self.ids.len().is_multiple_of(row) {
             return Err(crate::Error::Invalid(format!(
                 "routed experts: {} ids is not a multiple of num_layers {} × top_k {}",
                 self.ids.len(),

@@ -59,7 +59,8 @@ impl DynamicReward {
         let table = open_table(&path, &symbol)?;
         let name = c_str(table.name).unwrap_or_else(|| "<unnamed>".into());
         let version = c_str(table.version).unwrap_or_else(|| "?".into());
-        let config_bytes = if config.is_null() { Vec::new() } else { config.to_string().into_bytes() };
+        let config_bytes =
+            if config.is_null() { Vec::new() } else { config.to_string().into_bytes() };
         // SAFETY: the table passed the header checks; the buffer lives across the call.
         let handle = unsafe { (table.create)(config_bytes.as_ptr(), config_bytes.len()) };
         if handle.is_null() {
@@ -89,13 +90,16 @@ impl DynamicReward {
         &self,
         samples: &[Sample],
     ) -> Result<Vec<Result<RewardValue, RewardError>>, PluginError> {
-        let fail = |what: String| PluginError(format!("reward plugin {}: {what}", self.path.display()));
-        let input = serde_json::to_vec(samples).map_err(|e| fail(format!("encoding samples: {e}")))?;
+        let fail =
+            |what: String| PluginError(format!("reward plugin {}: {what}", self.path.display()));
+        let input =
+            serde_json::to_vec(samples).map_err(|e| fail(format!("encoding samples: {e}")))?;
         let guard = self.handle.lock().unwrap_or_else(|poison| poison.into_inner());
         let (mut out, mut out_len): (*const u8, usize) = (std::ptr::null(), 0);
         // SAFETY: the handle came from this table's `create`; the mutex serializes calls.
-        let status =
-            unsafe { (self.table.score)(guard.0, input.as_ptr(), input.len(), &mut out, &mut out_len) };
+        let status = unsafe {
+            (self.table.score)(guard.0, input.as_ptr(), input.len(), &mut out, &mut out_len)
+        };
         if status != STATUS_OK {
             return Err(fail(last_error(self.table)));
         }
@@ -128,9 +132,9 @@ impl DynamicReward {
 
 impl Reward for DynamicReward {
     fn score(&self, sample: &Sample) -> Result<RewardValue, RewardError> {
-        self.score_group(std::slice::from_ref(sample)).pop().unwrap_or_else(|| {
-            Err(RewardError::new("plugin returned no result"))
-        })
+        self.score_group(std::slice::from_ref(sample))
+            .pop()
+            .unwrap_or_else(|| Err(RewardError::new("plugin returned no result")))
     }
 
     /// One plugin call for the whole group; a failed call fails each of its samples.
@@ -170,7 +174,9 @@ fn open_table(path: &Path, symbol: &str) -> Result<&'static RewardPluginTable, P
     }
     // SAFETY: loading runs the library's initializers; that is what loading a plugin means.
     let library = unsafe { libloading::Library::new(path) }.map_err(|e| {
-        PluginError(format!("cannot load reward plugin {shown}: {e} (is it a cdylib for this platform?)"))
+        PluginError(format!(
+            "cannot load reward plugin {shown}: {e} (is it a cdylib for this platform?)"
+        ))
     })?;
     // Never unloaded: see the module comment.
     let library: &'static libloading::Library = Box::leak(Box::new(library));
@@ -229,7 +235,10 @@ mod tests {
     fn specs_split_an_optional_symbol() {
         assert_eq!(parse_spec("lib.so"), (PathBuf::from("lib.so"), DEFAULT_SYMBOL.into()));
         assert_eq!(parse_spec("a/lib.so:alt_1"), (PathBuf::from("a/lib.so"), "alt_1".into()));
-        assert_eq!(parse_spec("C:\\x\\r.dll"), (PathBuf::from("C:\\x\\r.dll"), DEFAULT_SYMBOL.into()));
+        assert_eq!(
+            parse_spec("C:\\x\\r.dll"),
+            (PathBuf::from("C:\\x\\r.dll"), DEFAULT_SYMBOL.into())
+        );
         assert_eq!(parse_spec("a:b/lib.so"), (PathBuf::from("a:b/lib.so"), DEFAULT_SYMBOL.into()));
     }
 

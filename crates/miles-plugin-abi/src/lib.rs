@@ -219,7 +219,8 @@ pub mod __private {
             let value = if bytes.is_empty() {
                 serde_json::Value::Null
             } else {
-                serde_json::from_slice(bytes).map_err(|e| format!("configuration is not JSON: {e}"))?
+                serde_json::from_slice(bytes)
+                    .map_err(|e| format!("configuration is not JSON: {e}"))?
             };
             let plugin = P::new(value)?;
             Ok(Box::into_raw(Box::new(Instance { plugin, output: Vec::new() })).cast())

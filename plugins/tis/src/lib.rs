@@ -67,19 +67,20 @@ pub struct Tis {
 impl Tis {
     pub fn new(config: TisConfig) -> Result<Self> {
         let c = &config;
-        if !(c.upper > 0.0 && c.upper.is_finite()) {
+        // Written so that NaN fails every check.
+        let upper_ok = c.upper.is_finite() && c.upper > 0.0;
+        if !upper_ok {
             return Err(Error::config("tis-clip", format!("upper bound {} must be > 0", c.upper)));
         }
-        if !(c.lower >= 0.0 && c.lower < c.upper) {
+        let lower_ok = c.lower >= 0.0 && c.lower < c.upper;
+        if !lower_ok {
             return Err(Error::config(
                 "tis-clip-low",
                 format!("lower bound {} must be in [0, upper {})", c.lower, c.upper),
             ));
         }
-        if let Some(v) = c.veto_threshold {
-            if !(v > 0.0) {
-                return Err(Error::config("tis-veto-threshold", format!("{v} must be > 0")));
-            }
+        if let Some(v) = c.veto_threshold.filter(|v| v.is_nan() || *v <= 0.0) {
+            return Err(Error::config("tis-veto-threshold", format!("{v} must be > 0")));
         }
         Ok(Tis { config })
     }
@@ -192,7 +193,8 @@ impl Correction for Tis {
             }
         }
 
-        let per_token = |x: f64| if tally.valid_tokens > 0.0 { x / tally.valid_tokens } else { 0.0 };
+        let per_token =
+            |x: f64| if tally.valid_tokens > 0.0 { x / tally.valid_tokens } else { 0.0 };
         let final_kept: Vec<f64> = weights
             .iter()
             .zip(&mask)

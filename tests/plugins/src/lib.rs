@@ -6,8 +6,7 @@
 use std::ffi::c_void;
 
 use miles_plugin_abi::{
-    PluginReward, PluginSample, RewardPlugin, RewardPluginTable, TableHeader,
-    export_reward_plugin,
+    PluginReward, PluginSample, RewardPlugin, RewardPluginTable, TableHeader, export_reward_plugin,
 };
 
 struct Touchy;
@@ -34,7 +33,13 @@ export_reward_plugin!(Touchy, "touchy");
 unsafe extern "C" fn create(_: *const u8, _: usize) -> *mut c_void {
     std::ptr::null_mut()
 }
-unsafe extern "C" fn score(_: *mut c_void, _: *const u8, _: usize, _: *mut *const u8, _: *mut usize) -> i32 {
+unsafe extern "C" fn score(
+    _: *mut c_void,
+    _: *const u8,
+    _: usize,
+    _: *mut *const u8,
+    _: *mut usize,
+) -> i32 {
     1
 }
 unsafe extern "C" fn last_error() -> *const std::ffi::c_char {
