@@ -20,7 +20,7 @@ pub use advantage::{Advantage, AdvantageOutput, SequenceScore};
 pub use correction::{Correction, CorrectionInput, CorrectionOutput};
 pub use error::{Error, Result};
 pub use quantizer::{QuantFormat, Quantized, Quantizer, WeightView};
-pub use registry::{Factory, Plugin, PluginKind, Registration};
+pub use registry::{Factory, Plugin, PluginConfig, PluginKind, Registration};
 pub use reward::{Reward, RewardError, RewardValue};
 pub use rollout::{Rollout, SamplingParams};
 pub use sample::{Message, Prompt, RoutedExperts, Sample, Status};

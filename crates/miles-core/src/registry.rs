@@ -142,53 +142,58 @@ pub fn find(kind: PluginKind, name: &str) -> Result<&'static Plugin> {
     }
 }
 
-fn wrong_kind(plugin: &Plugin, wanted: PluginKind) -> Error {
-    Error::Plugin(format!("{plugin:?} is not a {wanted} plugin"))
+/// Finds the plugin of `kind` called `name` and builds it; `pick` takes the factory out of
+/// the matching `Factory` variant (it always matches: `find` filtered by kind).
+fn create<T: ?Sized>(
+    kind: PluginKind,
+    name: &str,
+    config: &PluginConfig,
+    pick: fn(Factory) -> Option<fn(&PluginConfig) -> Result<Box<T>>>,
+) -> Result<Box<T>> {
+    let plugin = find(kind, name)?;
+    let make = pick(plugin.factory)
+        .ok_or_else(|| Error::Plugin(format!("{plugin:?} is not a {kind} plugin")))?;
+    make(config)
 }
 
 /// Instantiates the reward plugin `name`.
 pub fn create_reward(name: &str, config: &PluginConfig) -> Result<Box<dyn Reward>> {
-    let p = find(PluginKind::Reward, name)?;
-    match p.factory {
-        Factory::Reward(make) => make(config),
-        _ => Err(wrong_kind(p, PluginKind::Reward)),
-    }
+    create(PluginKind::Reward, name, config, |f| match f {
+        Factory::Reward(make) => Some(make),
+        _ => None,
+    })
 }
 
 /// Instantiates the correction plugin `name`.
 pub fn create_correction(name: &str, config: &PluginConfig) -> Result<Box<dyn Correction>> {
-    let p = find(PluginKind::Correction, name)?;
-    match p.factory {
-        Factory::Correction(make) => make(config),
-        _ => Err(wrong_kind(p, PluginKind::Correction)),
-    }
+    create(PluginKind::Correction, name, config, |f| match f {
+        Factory::Correction(make) => Some(make),
+        _ => None,
+    })
 }
 
 /// Instantiates the advantage estimator `name`.
 pub fn create_advantage(name: &str, config: &PluginConfig) -> Result<Box<dyn Advantage>> {
-    let p = find(PluginKind::Advantage, name)?;
-    match p.factory {
-        Factory::Advantage(make) => make(config),
-        _ => Err(wrong_kind(p, PluginKind::Advantage)),
-    }
+    create(PluginKind::Advantage, name, config, |f| match f {
+        Factory::Advantage(make) => Some(make),
+        _ => None,
+    })
 }
 
 /// Instantiates the quantizer `name`.
 pub fn create_quantizer(name: &str, config: &PluginConfig) -> Result<Box<dyn Quantizer>> {
-    let p = find(PluginKind::Quantizer, name)?;
-    match p.factory {
-        Factory::Quantizer(make) => make(config),
-        _ => Err(wrong_kind(p, PluginKind::Quantizer)),
-    }
+    create(PluginKind::Quantizer, name, config, |f| match f {
+        Factory::Quantizer(make) => Some(make),
+        _ => None,
+    })
 }
 
 /// Instantiates the rollout engine `name`.
 pub fn create_rollout(name: &str, config: &PluginConfig) -> Result<Box<dyn Rollout>> {
-    let p = find(PluginKind::Rollout, name)?;
-    match p.factory {
-        Factory::Rollout(make) => make(config),
-        _ => Err(wrong_kind(p, PluginKind::Rollout)),
-    }
+    create(PluginKind::Rollout, name, config, |f| match f {
+        Factory::Rollout(make) => Some(make),
+        _ => None,
+    })
 }
 
 #[cfg(test)]

@@ -23,19 +23,6 @@ impl Default for Prompt {
     }
 }
 
-impl Prompt {
-    /// The prompt as one string: the text itself, or the messages' contents joined by newlines.
-    /// For display and for rewards that only look at text; generation uses the chat template.
-    pub fn text(&self) -> String {
-        match self {
-            Prompt::Text(t) => t.clone(),
-            Prompt::Messages(m) => {
-                m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n")
-            }
-        }
-    }
-}
-
 /// Where a sample is in its life. `Truncated` means the response hit the length limit;
 /// `Aborted` means generation was stopped early (a partial rollout, resumed later); `Failed`
 /// means something (the engine, the reward) could not finish it and it must not be trained on.
