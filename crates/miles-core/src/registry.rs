@@ -142,13 +142,16 @@ pub fn find(kind: PluginKind, name: &str) -> Result<&'static Plugin> {
     }
 }
 
+/// A factory function of one kind.
+type Make<T> = fn(&PluginConfig) -> Result<Box<T>>;
+
 /// Finds the plugin of `kind` called `name` and builds it; `pick` takes the factory out of
 /// the matching `Factory` variant (it always matches: `find` filtered by kind).
 fn create<T: ?Sized>(
     kind: PluginKind,
     name: &str,
     config: &PluginConfig,
-    pick: fn(Factory) -> Option<fn(&PluginConfig) -> Result<Box<T>>>,
+    pick: fn(Factory) -> Option<Make<T>>,
 ) -> Result<Box<T>> {
     let plugin = find(kind, name)?;
     let make = pick(plugin.factory)
