@@ -6,6 +6,7 @@
 //! Reductions run in a fixed order, whatever the thread count, so results are reproducible.
 
 pub mod cpu;
+pub mod rng;
 pub mod testing;
 
 /// Errors of the op layer: shapes that do not fit, or a device that is not there.

@@ -1,0 +1,354 @@
+//! `config.json` of HF checkpoints, for the architectures this crate implements.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+use crate::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// `Qwen3ForCausalLM`: Llama's layout plus an RMSNorm on each query and key head.
+    Qwen3,
+    /// `LlamaForCausalLM` (SmolLM2 among others).
+    Llama,
+}
+
+impl Architecture {
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Llama => "LlamaForCausalLM",
+        }
+    }
+
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Qwen3 => "qwen3",
+            Architecture::Llama => "llama",
+        }
+    }
+
+    pub fn has_qk_norm(self) -> bool {
+        self == Architecture::Qwen3
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+struct Fields<'a> {
+    path: &'a Path,
+    obj: &'a serde_json::Map<String, Value>,
+}
+
+impl Fields<'_> {
+    fn err(&self, message: String) -> Error {
+        Error::Config { path: self.path.to_path_buf(), message }
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                self.err(format!("field '{key}' must be a non-negative integer, found {v}"))
+            }),
+        }
+    }
+
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?.ok_or_else(|| self.err(format!("missing field '{key}'")))
+    }
+
+    fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(|n| Some(n as f32))
+                .ok_or_else(|| self.err(format!("field '{key}' must be a number, found {v}"))),
+        }
+    }
+
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(self.err(format!("field '{key}' must be true or false, found {v}"))),
+        }
+    }
+
+    fn token_ids(&self, key: &str) -> Result<Vec<u32>> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .map(|n| n as u32)
+                        .ok_or_else(|| self.err(format!("field '{key}' holds a non-integer {v}")))
+                })
+                .collect(),
+            Some(v) => v.as_u64().map(|n| vec![n as u32]).ok_or_else(|| {
+                self.err(format!("field '{key}' must be a token id or a list of them, found {v}"))
+            }),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Reads `config.json`; a missing file, bad JSON, an unsupported architecture or a missing
+    /// field names the file and the field.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        let value: Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+            path: path.to_path_buf(),
+            message: format!("not valid JSON: {e}"),
+        })?;
+        Self::from_json(&value, path)
+    }
+
+    /// Parses a config object; `path` is only used in messages.
+    pub fn from_json(value: &Value, path: &Path) -> Result<Self> {
+        let obj = value.as_object().ok_or_else(|| Error::Config {
+            path: path.to_path_buf(),
+            message: "expected a JSON object".into(),
+        })?;
+        let f = Fields { path, obj };
+        let class = obj
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(Value::as_str)
+            .or_else(|| obj.get("model_type").and_then(Value::as_str))
+            .ok_or_else(|| {
+                f.err("missing field 'architectures' (e.g. [\"Qwen3ForCausalLM\"])".into())
+            })?;
+        let architecture = match class {
+            "Qwen3ForCausalLM" | "qwen3" => Architecture::Qwen3,
+            "LlamaForCausalLM" | "llama" => Architecture::Llama,
+            other => {
+                return Err(f.err(format!(
+                    "architecture '{other}' is not supported; supported: Qwen3ForCausalLM, LlamaForCausalLM"
+                )));
+            }
+        };
+        if let Some(act) = obj.get("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                return Err(f.err(format!("hidden_act '{act}' is not supported (only silu)")));
+            }
+        }
+        for key in ["attention_bias", "mlp_bias"] {
+            if f.opt_bool(key)? == Some(true) {
+                return Err(
+                    f.err(format!("'{key}': true is not supported (bias-free projections only)"))
+                );
+            }
+        }
+        // Newer transformers write `rope_parameters`, older `rope_theta` and `rope_scaling`.
+        let rope =
+            obj.get("rope_parameters").or_else(|| obj.get("rope_scaling")).filter(|v| !v.is_null());
+        if let Some(kind) =
+            rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(Value::as_str)
+        {
+            if kind != "default" {
+                return Err(f.err(format!(
+                    "rope type '{kind}' is not supported (only default rotary embeddings)"
+                )));
+            }
+        }
+        let rope_theta = match rope.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64) {
+            Some(t) => t as f32,
+            None => f.opt_f32("rope_theta")?.unwrap_or(10_000.0),
+        };
+        let hidden_size = f.usize("hidden_size")?;
+        let num_attention_heads = f.usize("num_attention_heads")?;
+        let num_key_value_heads =
+            f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let head_dim = match f.opt_usize("head_dim")? {
+            Some(d) => d,
+            None if num_attention_heads > 0 => hidden_size / num_attention_heads,
+            None => 0,
+        };
+        let config = ModelConfig {
+            architecture,
+            vocab_size: f.usize("vocab_size")?,
+            hidden_size,
+            intermediate_size: f.usize("intermediate_size")?,
+            num_hidden_layers: f.usize("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta,
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
+            eos_token_ids: f.token_ids("eos_token_id")?,
+        };
+        config.validate().map_err(|message| f.err(message))?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        let c = self;
+        let positive = [
+            ("vocab_size", c.vocab_size),
+            ("hidden_size", c.hidden_size),
+            ("intermediate_size", c.intermediate_size),
+            ("num_hidden_layers", c.num_hidden_layers),
+            ("num_attention_heads", c.num_attention_heads),
+            ("num_key_value_heads", c.num_key_value_heads),
+            ("head_dim", c.head_dim),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("field '{key}' must be at least 1"));
+        }
+        if !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {
+            return Err(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                c.num_attention_heads, c.num_key_value_heads
+            ));
+        }
+        if c.head_dim % 2 != 0 {
+            return Err(format!("head_dim {} must be even for rotary embeddings", c.head_dim));
+        }
+        if !(c.rms_norm_eps > 0.0 && c.rope_theta > 0.0) {
+            return Err("rms_norm_eps and rope_theta must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// The `config.json` this crate writes: readable by transformers (old and new key names).
+    pub fn to_hf_json(&self, dtype: &str) -> Value {
+        let c = self;
+        let mut v = json!({
+            "architectures": [c.architecture.hf_class()],
+            "model_type": c.architecture.model_type(),
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "max_position_embeddings": c.max_position_embeddings,
+            "tie_word_embeddings": c.tie_word_embeddings,
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "torch_dtype": dtype,
+            "use_cache": true,
+        });
+        if c.architecture == Architecture::Llama {
+            v["mlp_bias"] = json!(false);
+        }
+        if let Some(bos) = c.bos_token_id {
+            v["bos_token_id"] = json!(bos);
+        }
+        match c.eos_token_ids.as_slice() {
+            [] => {}
+            [one] => v["eos_token_id"] = json!(one),
+            many => v["eos_token_id"] = json!(many),
+        }
+        v
+    }
+
+    /// Parameters in the model (the tied head counted once).
+    pub fn num_parameters(&self) -> usize {
+        let c = self;
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let attn = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads);
+        let qk_norm = if c.architecture.has_qk_norm() { 2 * d } else { 0 };
+        let layer = attn + qk_norm + 3 * h * c.intermediate_size + 2 * h;
+        let head = if c.tie_word_embeddings { 0 } else { c.vocab_size * h };
+        c.vocab_size * h + c.num_hidden_layers * layer + h + head
+    }
+}
+
+/// `dir/config.json`.
+pub fn config_path(dir: &Path) -> PathBuf {
+    dir.join("config.json")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen3_json() -> Value {
+        json!({
+            "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
+            "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000, "tie_word_embeddings": true, "eos_token_id": 151645,
+            "hidden_act": "silu", "rope_scaling": null
+        })
+    }
+
+    #[test]
+    fn reads_qwen3_0_6b_and_counts_its_parameters() {
+        let c = ModelConfig::from_json(&qwen3_json(), Path::new("config.json")).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen3);
+        assert_eq!((c.head_dim, c.rope_theta, c.eos_token_ids.clone()), (128, 1e6, vec![151645]));
+        // Qwen3-0.6B has 596M parameters with the tied head (0.44B without embeddings).
+        assert_eq!(c.num_parameters(), 596_049_920);
+        let back = ModelConfig::from_json(&c.to_hf_json("bfloat16"), Path::new("x")).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn reads_rope_parameters_of_newer_transformers() {
+        let mut v = qwen3_json();
+        v.as_object_mut().unwrap().remove("rope_theta");
+        v["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 5000.0});
+        let c = ModelConfig::from_json(&v, Path::new("c.json")).unwrap();
+        assert_eq!(c.rope_theta, 5000.0);
+    }
+
+    #[test]
+    fn errors_name_the_file_and_the_field() {
+        let p = Path::new("ckpt/config.json");
+        let err = |v: Value| ModelConfig::from_json(&v, p).unwrap_err().to_string();
+        let mut v = qwen3_json();
+        v["architectures"] = json!(["MistralForCausalLM"]);
+        assert!(
+            err(v).starts_with(
+                "ckpt/config.json: architecture 'MistralForCausalLM' is not supported"
+            )
+        );
+        let mut v = qwen3_json();
+        v.as_object_mut().unwrap().remove("hidden_size");
+        assert_eq!(err(v), "ckpt/config.json: missing field 'hidden_size'");
+        let mut v = qwen3_json();
+        v["num_key_value_heads"] = json!(3);
+        assert!(err(v).contains("not a multiple of num_key_value_heads 3"));
+        let mut v = qwen3_json();
+        v["vocab_size"] = json!("big");
+        assert!(err(v).contains("field 'vocab_size' must be a non-negative integer"));
+        let mut v = qwen3_json();
+        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        assert!(err(v).contains("rope type 'yarn'"));
+        let dir = std::env::temp_dir().join("miles-model-bad-config.json");
+        std::fs::write(&dir, "{ not json").unwrap();
+        let e = ModelConfig::from_file(&dir).unwrap_err().to_string();
+        assert!(e.contains("miles-model-bad-config.json: not valid JSON"), "{e}");
+    }
+}

@@ -1,0 +1,16 @@
+//! Decoder-only transformers with an explicit forward and backward: Qwen3 (q/k RMSNorm) and
+//! Llama, over packed variable-length batches, with HF checkpoints in and out.
+//!
+//! The model returns, for the response tokens of each sequence, `logp` and the entropy of the
+//! tempered next-token distribution; its backward takes d(loss)/d(logp) and d(loss)/d(entropy)
+//! and yields the gradient of every weight. Losses live in host math elsewhere.
+
+pub mod config;
+mod error;
+pub mod model;
+pub mod weights;
+
+pub use config::{Architecture, ModelConfig};
+pub use error::{Error, Result};
+pub use model::{Forward, Model, PackedBatch};
+pub use weights::Weights;

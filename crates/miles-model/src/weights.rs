@@ -1,0 +1,386 @@
+//! Model weights as f32 master copies, in HF tensor names; safetensors in and out (single file
+//! or sharded with `model.safetensors.index.json`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use miles_tensor::rng::Rng;
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+
+use crate::{Architecture, Error, ModelConfig, Result};
+
+/// The weights of one decoder layer. `q_norm`/`k_norm` are empty for Llama.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerWeights {
+    pub input_norm: Vec<f32>,
+    pub q_proj: Vec<f32>,
+    pub k_proj: Vec<f32>,
+    pub v_proj: Vec<f32>,
+    pub o_proj: Vec<f32>,
+    pub q_norm: Vec<f32>,
+    pub k_norm: Vec<f32>,
+    pub post_norm: Vec<f32>,
+    pub gate_proj: Vec<f32>,
+    pub up_proj: Vec<f32>,
+    pub down_proj: Vec<f32>,
+}
+
+/// All weights (or, with the same shapes, all gradients) of a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Weights {
+    pub embed: Vec<f32>,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Vec<f32>,
+    /// `None` when the head is tied to the embedding.
+    pub lm_head: Option<Vec<f32>>,
+}
+
+/// HF name and shape of every tensor, in the order of [`Weights::tensors`].
+pub fn tensor_spec(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, d, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
+    let (q, kv) = (c.num_attention_heads * d, c.num_key_value_heads * d);
+    let mut spec = vec![("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h])];
+    for l in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{l}.");
+        spec.push((format!("{p}input_layernorm.weight"), vec![h]));
+        spec.push((format!("{p}self_attn.q_proj.weight"), vec![q, h]));
+        spec.push((format!("{p}self_attn.k_proj.weight"), vec![kv, h]));
+        spec.push((format!("{p}self_attn.v_proj.weight"), vec![kv, h]));
+        spec.push((format!("{p}self_attn.o_proj.weight"), vec![h, q]));
+        if c.architecture.has_qk_norm() {
+            spec.push((format!("{p}self_attn.q_norm.weight"), vec![d]));
+            spec.push((format!("{p}self_attn.k_norm.weight"), vec![d]));
+        }
+        spec.push((format!("{p}post_attention_layernorm.weight"), vec![h]));
+        spec.push((format!("{p}mlp.gate_proj.weight"), vec![i, h]));
+        spec.push((format!("{p}mlp.up_proj.weight"), vec![i, h]));
+        spec.push((format!("{p}mlp.down_proj.weight"), vec![h, i]));
+    }
+    spec.push(("model.norm.weight".to_string(), vec![h]));
+    if !c.tie_word_embeddings {
+        spec.push(("lm_head.weight".to_string(), vec![c.vocab_size, h]));
+    }
+    spec
+}
+
+fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+fn is_norm(name: &str) -> bool {
+    name.ends_with("norm.weight")
+}
+
+impl Weights {
+    /// Builds weights whose tensor `k` of [`tensor_spec`] is `make(name, shape)`.
+    fn build(
+        c: &ModelConfig,
+        mut make: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
+        let mut w = Weights {
+            embed: Vec::new(),
+            layers: (0..c.num_hidden_layers)
+                .map(|_| LayerWeights {
+                    input_norm: Vec::new(),
+                    q_proj: Vec::new(),
+                    k_proj: Vec::new(),
+                    v_proj: Vec::new(),
+                    o_proj: Vec::new(),
+                    q_norm: Vec::new(),
+                    k_norm: Vec::new(),
+                    post_norm: Vec::new(),
+                    gate_proj: Vec::new(),
+                    up_proj: Vec::new(),
+                    down_proj: Vec::new(),
+                })
+                .collect(),
+            final_norm: Vec::new(),
+            lm_head: (!c.tie_word_embeddings).then(Vec::new),
+        };
+        let spec = tensor_spec(c);
+        for ((name, shape), slot) in spec.iter().zip(w.tensors_mut(c.architecture)) {
+            *slot = make(name, shape)?;
+        }
+        Ok(w)
+    }
+
+    /// Zeros of every shape: the gradient buffers.
+    pub fn zeros(c: &ModelConfig) -> Self {
+        Self::build(c, |_, shape| Ok(vec![0.0; numel(shape)])).expect("zeros cannot fail")
+    }
+
+    /// HF-style initialization: normal(0, 0.02) matrices, unit norms; seeded.
+    pub fn random(c: &ModelConfig, seed: u64) -> Self {
+        let mut rng = Rng::new(seed);
+        Self::build(c, |name, shape| {
+            Ok(if is_norm(name) { vec![1.0; numel(shape)] } else { rng.vec(numel(shape), 0.02) })
+        })
+        .expect("random init cannot fail")
+    }
+
+    /// Every tensor, in [`tensor_spec`] order.
+    pub fn tensors(&self, arch: Architecture) -> Vec<&Vec<f32>> {
+        let mut out = vec![&self.embed];
+        for l in &self.layers {
+            out.extend([&l.input_norm, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj]);
+            if arch.has_qk_norm() {
+                out.extend([&l.q_norm, &l.k_norm]);
+            }
+            out.extend([&l.post_norm, &l.gate_proj, &l.up_proj, &l.down_proj]);
+        }
+        out.push(&self.final_norm);
+        out.extend(self.lm_head.as_ref());
+        out
+    }
+
+    /// Every tensor mutably, in [`tensor_spec`] order.
+    pub fn tensors_mut(&mut self, arch: Architecture) -> Vec<&mut Vec<f32>> {
+        let mut out = vec![&mut self.embed];
+        for l in &mut self.layers {
+            out.extend([
+                &mut l.input_norm,
+                &mut l.q_proj,
+                &mut l.k_proj,
+                &mut l.v_proj,
+                &mut l.o_proj,
+            ]);
+            if arch.has_qk_norm() {
+                out.extend([&mut l.q_norm, &mut l.k_norm]);
+            }
+            out.extend([&mut l.post_norm, &mut l.gate_proj, &mut l.up_proj, &mut l.down_proj]);
+        }
+        out.push(&mut self.final_norm);
+        out.extend(self.lm_head.as_mut());
+        out
+    }
+
+    /// Loads `dir/model.safetensors` or the shards listed in `dir/model.safetensors.index.json`.
+    /// A missing or mis-shaped tensor names the file and the tensor.
+    pub fn load(dir: &Path, c: &ModelConfig) -> Result<Self> {
+        let files = TensorFiles::open(dir)?;
+        Self::build(c, |name, shape| files.f32(name, shape))
+    }
+
+    /// Writes `dir/model.safetensors` (or shards of at most `max_shard_bytes` plus the index)
+    /// in `dtype`, F32 or BF16.
+    pub fn save(
+        &self,
+        dir: &Path,
+        c: &ModelConfig,
+        dtype: Dtype,
+        max_shard_bytes: usize,
+    ) -> Result<()> {
+        let elem = match dtype {
+            Dtype::F32 => 4,
+            Dtype::BF16 => 2,
+            other => {
+                return Err(Error::Invalid(format!(
+                    "cannot save weights as {other:?}: use F32 or BF16"
+                )));
+            }
+        };
+        std::fs::create_dir_all(dir)
+            .map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
+        let spec = tensor_spec(c);
+        let tensors = self.tensors(c.architecture);
+        // Group tensors into shards in order.
+        let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
+        let mut bytes = 0usize;
+        for (k, t) in tensors.iter().enumerate() {
+            let size = t.len() * elem;
+            if bytes > 0 && bytes + size > max_shard_bytes {
+                shards.push(Vec::new());
+                bytes = 0;
+            }
+            shards.last_mut().expect("one shard").push(k);
+            bytes += size;
+        }
+        let n = shards.len();
+        let file_name = |s: usize| {
+            if n == 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{n:05}.safetensors", s + 1)
+            }
+        };
+        let mut weight_map = BTreeMap::new();
+        for (s, members) in shards.iter().enumerate() {
+            let encoded: Vec<(String, Vec<usize>, Vec<u8>)> = members
+                .iter()
+                .map(|&k| (spec[k].0.clone(), spec[k].1.clone(), encode(tensors[k], dtype)))
+                .collect();
+            let views = encoded
+                .iter()
+                .map(|(name, shape, data)| {
+                    let view = TensorView::new(dtype, shape.clone(), data)
+                        .map_err(|e| Error::Invalid(format!("tensor {name}: {e}")))?;
+                    Ok((name.clone(), view))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let path = dir.join(file_name(s));
+            let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+            safetensors::serialize_to_file(views, Some(metadata), &path)
+                .map_err(|e| Error::Invalid(format!("{}: {e}", path.display())))?;
+            for &k in members {
+                weight_map.insert(spec[k].0.clone(), file_name(s));
+            }
+        }
+        if n > 1 {
+            let total: usize = tensors.iter().map(|t| t.len() * elem).sum();
+            let index =
+                serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+            let path = dir.join("model.safetensors.index.json");
+            std::fs::write(&path, serde_json::to_string_pretty(&index).expect("json"))
+                .map_err(|source| Error::Io { path, source })?;
+        }
+        Ok(())
+    }
+}
+
+fn encode(data: &[f32], dtype: Dtype) -> Vec<u8> {
+    match dtype {
+        Dtype::BF16 => data.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
+        _ => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+/// The safetensors files of a checkpoint, read into memory, with the file of each tensor.
+pub struct TensorFiles {
+    buffers: Vec<(PathBuf, Vec<u8>)>,
+    location: HashMap<String, usize>,
+}
+
+impl TensorFiles {
+    /// Opens `dir/model.safetensors.index.json` and its shards, or `dir/model.safetensors`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index = dir.join("model.safetensors.index.json");
+        if index.exists() {
+            let text = std::fs::read_to_string(&index)
+                .map_err(|source| Error::Io { path: index.clone(), source })?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+                path: index.clone(),
+                message: format!("not valid JSON: {e}"),
+            })?;
+            let map = v["weight_map"].as_object().ok_or_else(|| Error::Config {
+                path: index.clone(),
+                message: "missing object 'weight_map'".into(),
+            })?;
+            let mut files: Vec<String> =
+                map.values().filter_map(|f| f.as_str().map(String::from)).collect();
+            files.sort();
+            files.dedup();
+            let mut out = TensorFiles { buffers: Vec::new(), location: HashMap::new() };
+            for f in files {
+                out.add(&dir.join(f))?;
+            }
+            Ok(out)
+        } else {
+            let mut out = TensorFiles { buffers: Vec::new(), location: HashMap::new() };
+            out.add(&dir.join("model.safetensors"))?;
+            Ok(out)
+        }
+    }
+
+    /// One safetensors file.
+    pub fn single(path: &Path) -> Result<Self> {
+        let mut out = TensorFiles { buffers: Vec::new(), location: HashMap::new() };
+        out.add(path)?;
+        Ok(out)
+    }
+
+    fn add(&mut self, path: &Path) -> Result<()> {
+        let bytes =
+            std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        let names = SafeTensors::deserialize(&bytes)
+            .map_err(|e| Error::Config {
+                path: path.to_path_buf(),
+                message: format!("not a safetensors file: {e}"),
+            })?
+            .names()
+            .into_iter()
+            .map(String::from)
+            .collect::<Vec<_>>();
+        let k = self.buffers.len();
+        for n in names {
+            self.location.insert(n, k);
+        }
+        self.buffers.push((path.to_path_buf(), bytes));
+        Ok(())
+    }
+
+    pub fn names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.location.keys().map(String::as_str).collect();
+        v.sort();
+        v
+    }
+
+    fn view(&self, name: &str) -> Result<(&Path, TensorView<'_>)> {
+        let Some(&k) = self.location.get(name) else {
+            let path = self.buffers.first().map(|b| b.0.clone()).unwrap_or_default();
+            return Err(Error::Tensor {
+                path,
+                tensor: name.into(),
+                message: "missing from the checkpoint".into(),
+            });
+        };
+        let (path, bytes) = &self.buffers[k];
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| Error::Config { path: path.clone(), message: e.to_string() })?;
+        let view = st.tensor(name).map_err(|e| Error::Tensor {
+            path: path.clone(),
+            tensor: name.into(),
+            message: e.to_string(),
+        })?;
+        Ok((path, view))
+    }
+
+    /// The tensor `name` as f32 (from F32, BF16 or F16), checked against `shape`.
+    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (path, view) = self.view(name)?;
+        let err = |message: String| Error::Tensor {
+            path: path.to_path_buf(),
+            tensor: name.into(),
+            message,
+        };
+        if view.shape() != shape {
+            return Err(err(format!("shape {:?}, expected {shape:?}", view.shape())));
+        }
+        let data = view.data();
+        Ok(match view.dtype() {
+            Dtype::F32 => {
+                data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+            }
+            Dtype::BF16 => {
+                data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+            Dtype::F16 => {
+                data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+            other => return Err(err(format!("dtype {other:?} is not supported (F32, BF16, F16)"))),
+        })
+    }
+
+    /// The tensor `name` as i32 with its shape.
+    pub fn i32(&self, name: &str) -> Result<(Vec<usize>, Vec<i32>)> {
+        let (path, view) = self.view(name)?;
+        if view.dtype() != Dtype::I32 {
+            return Err(Error::Tensor {
+                path: path.to_path_buf(),
+                tensor: name.into(),
+                message: format!("dtype {:?}, expected I32", view.dtype()),
+            });
+        }
+        let data = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        Ok((view.shape().to_vec(), data))
+    }
+
+    /// The shape of tensor `name`.
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        Ok(self.view(name)?.1.shape().to_vec())
+    }
+}
