@@ -148,10 +148,10 @@ impl ModelConfig {
                 )));
             }
         };
-        if let Some(act) = obj.get("hidden_act").and_then(Value::as_str) {
-            if act != "silu" {
-                return Err(f.err(format!("hidden_act '{act}' is not supported (only silu)")));
-            }
+        if let Some(act) = obj.get("hidden_act").and_then(Value::as_str)
+            && act != "silu"
+        {
+            return Err(f.err(format!("hidden_act '{act}' is not supported (only silu)")));
         }
         for key in ["attention_bias", "mlp_bias"] {
             if f.opt_bool(key)? == Some(true) {
@@ -163,14 +163,13 @@ impl ModelConfig {
         // Newer transformers write `rope_parameters`, older `rope_theta` and `rope_scaling`.
         let rope =
             obj.get("rope_parameters").or_else(|| obj.get("rope_scaling")).filter(|v| !v.is_null());
-        if let Some(kind) =
-            rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(Value::as_str)
+        let rope_kind = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type")));
+        if let Some(kind) = rope_kind.and_then(Value::as_str)
+            && kind != "default"
         {
-            if kind != "default" {
-                return Err(f.err(format!(
-                    "rope type '{kind}' is not supported (only default rotary embeddings)"
-                )));
-            }
+            return Err(f.err(format!(
+                "rope type '{kind}' is not supported (only default rotary embeddings)"
+            )));
         }
         let rope_theta = match rope.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64) {
             Some(t) => t as f32,
@@ -225,7 +224,7 @@ impl ModelConfig {
                 c.num_attention_heads, c.num_key_value_heads
             ));
         }
-        if c.head_dim % 2 != 0 {
+        if !c.head_dim.is_multiple_of(2) {
             return Err(format!("head_dim {} must be even for rotary embeddings", c.head_dim));
         }
         if !(c.rms_norm_eps > 0.0 && c.rope_theta > 0.0) {

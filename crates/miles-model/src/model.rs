@@ -238,7 +238,7 @@ impl Model {
     fn run(&self, batch: &PackedBatch, temperature: f32, keep: bool) -> Result<Forward> {
         let c = &self.config;
         batch.validate(c.vocab_size)?;
-        if !(temperature > 0.0) {
+        if temperature.is_nan() || temperature <= 0.0 {
             return Err(Error::Invalid(format!("temperature {temperature} must be > 0")));
         }
         let Dims { t, h, d, nq, nkv, inter, qd, kvd } = self.dims(batch.tokens.len());
@@ -407,7 +407,7 @@ impl Model {
         a: &LayerActivations,
         batch: &PackedBatch,
         fwd: &Forward,
-        dx: &mut Vec<f32>,
+        dx: &mut [f32],
         scratch: &mut [f32],
         dims: Dims,
     ) -> Result<()> {
@@ -540,12 +540,11 @@ mod tests {
             let mut grads = Weights::zeros(&m.config);
             m.backward(&fwd, &b, &ga, &gb, &mut grads).unwrap();
             let spec = crate::weights::tensor_spec(&m.config);
-            let n = spec.len();
-            for k in 0..n {
+            for (k, (name, _)) in spec.iter().enumerate() {
                 let analytic = grads.tensors(arch)[k].clone();
                 let mut probe = m.clone();
                 let mut x = probe.weights.tensors(arch)[k].clone();
-                check_gradient(&spec[k].0, &mut x, &analytic, 12, |x| {
+                check_gradient(name, &mut x, &analytic, 12, |x| {
                     *probe.weights.tensors_mut(arch)[k] = x.to_vec();
                     let (lp, ent) = probe.logprobs(&b, t).unwrap();
                     dot(&ga, &lp) + dot(&gb, &ent)
