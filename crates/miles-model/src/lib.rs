@@ -8,9 +8,11 @@
 pub mod config;
 mod error;
 pub mod model;
+pub mod tokenizer;
 pub mod weights;
 
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
 pub use model::{Forward, Model, PackedBatch};
+pub use tokenizer::Tokenizer;
 pub use weights::Weights;
