@@ -8,6 +8,7 @@
 pub mod config;
 mod error;
 pub mod model;
+pub mod presets;
 pub mod tokenizer;
 pub mod weights;
 
