@@ -2,5 +2,7 @@
 
 mod binary;
 mod dynamic_plugins;
+mod hf_parity;
+mod model_cli;
 mod registry;
 mod reward_cmd;

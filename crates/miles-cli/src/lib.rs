@@ -5,13 +5,19 @@ use std::io::Write;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
+mod bench_cmd;
+mod init_model_cmd;
 mod jsonl;
 pub mod linked;
 mod plugins_cmd;
 mod reward_cmd;
+mod score_cmd;
 
+pub use bench_cmd::{BenchArgs, BenchCommand};
+pub use init_model_cmd::InitModelArgs;
 pub use plugins_cmd::PluginsArgs;
 pub use reward_cmd::RewardArgs;
+pub use score_cmd::ScoreArgs;
 
 /// miles-rs: LLM reinforcement-learning post-training in one binary.
 #[derive(Debug, Parser)]
@@ -27,6 +33,13 @@ pub enum Command {
     Plugins(PluginsArgs),
     /// Score a JSONL file of samples offline with a reward, to test it before a run.
     Reward(RewardArgs),
+    /// Write a random-initialized HF checkpoint (config, safetensors, tokenizer) of a preset shape.
+    InitModel(InitModelArgs),
+    /// Per-token logprobs and entropy of prompt/response pairs under a checkpoint, as JSONL.
+    Score(ScoreArgs),
+    /// Benchmarks of whole paths, one JSON line each.
+    #[command(subcommand)]
+    Bench(BenchCommand),
 }
 
 /// `miles 0.1.0 (features: tis)`: the version and the plugin features compiled in.
@@ -64,6 +77,9 @@ pub fn execute(cli: Cli, out: &mut dyn Write) -> anyhow::Result<()> {
     match cli.command {
         Command::Plugins(args) => plugins_cmd::run(&args, out),
         Command::Reward(args) => reward_cmd::run(&args, out),
+        Command::InitModel(args) => init_model_cmd::run(&args, out),
+        Command::Score(args) => score_cmd::run(&args, out),
+        Command::Bench(command) => bench_cmd::run(&command, out),
     }
 }
 

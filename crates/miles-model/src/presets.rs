@@ -1,7 +1,7 @@
 //! Model shapes by name, for `miles init-model` and benchmarks.
 
-use crate::{Architecture, Error, ModelConfig, Result};
 use crate::tokenizer::BYTE_TOKENIZER_SPECIALS;
+use crate::{Architecture, Error, ModelConfig, Result};
 
 pub const PRESETS: [&str; 3] = ["tiny", "qwen3-0.6b", "smollm2-135m"];
 
@@ -69,7 +69,10 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             eos_token_ids: vec![2],
         },
         other => {
-            return Err(Error::Invalid(format!("unknown preset '{other}'; presets: {}", PRESETS.join(", "))));
+            return Err(Error::Invalid(format!(
+                "unknown preset '{other}'; presets: {}",
+                PRESETS.join(", ")
+            )));
         }
     };
     Ok(c)
@@ -84,7 +87,10 @@ mod tests {
         assert_eq!(preset("qwen3-0.6b", None).unwrap().num_parameters(), 596_049_920);
         // SmolLM2-135M: 134.5M parameters with the tied head.
         assert_eq!(preset("smollm2-135m", None).unwrap().num_parameters(), 134_515_008);
-        assert_eq!(preset("tiny", Some(Architecture::Llama)).unwrap().architecture, Architecture::Llama);
+        assert_eq!(
+            preset("tiny", Some(Architecture::Llama)).unwrap().architecture,
+            Architecture::Llama
+        );
         let err = preset("smollm2-135m", Some(Architecture::Qwen3)).unwrap_err().to_string();
         assert!(err.contains("is a llama model"), "{err}");
         assert!(preset("gpt2", None).unwrap_err().to_string().contains("presets: tiny"));

@@ -29,14 +29,18 @@ impl Tokenizer {
     /// Loads `dir/tokenizer.json` and, when present, `dir/tokenizer_config.json`.
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| Error::Config { path: path.clone(), message: format!("cannot load tokenizer: {e}") })?;
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::Config {
+            path: path.clone(),
+            message: format!("cannot load tokenizer: {e}"),
+        })?;
         let config_path = dir.join("tokenizer_config.json");
         let config: Value = if config_path.exists() {
             let text = std::fs::read_to_string(&config_path)
                 .map_err(|source| Error::Io { path: config_path.clone(), source })?;
-            serde_json::from_str(&text)
-                .map_err(|e| Error::Config { path: config_path.clone(), message: format!("not valid JSON: {e}") })?
+            serde_json::from_str(&text).map_err(|e| Error::Config {
+                path: config_path.clone(),
+                message: format!("not valid JSON: {e}"),
+            })?
         } else {
             Value::Null
         };
@@ -44,9 +48,10 @@ impl Tokenizer {
         let jinja = dir.join("chat_template.jinja");
         let chat_template = match config.get("chat_template") {
             Some(Value::String(t)) => Some(t.clone()),
-            _ if jinja.exists() => {
-                Some(std::fs::read_to_string(&jinja).map_err(|source| Error::Io { path: jinja, source })?)
-            }
+            _ if jinja.exists() => Some(
+                std::fs::read_to_string(&jinja)
+                    .map_err(|source| Error::Io { path: jinja, source })?,
+            ),
             _ => None,
         };
         Ok(Tokenizer {
@@ -92,14 +97,24 @@ impl Tokenizer {
     /// Renders the chat template over `messages` (a JSON array of `{"role", "content"}`), with
     /// transformers' variables: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
     /// and `raise_exception`. The result is text; encode it without adding special tokens.
-    pub fn apply_chat_template(&self, messages: &Value, add_generation_prompt: bool) -> Result<String> {
+    pub fn apply_chat_template(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
             Error::Invalid(format!(
                 "{}: the tokenizer has no chat_template; drop --apply-chat-template or add one to tokenizer_config.json",
                 self.path.display()
             ))
         })?;
-        render_chat_template(template, messages, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
+        render_chat_template(
+            template,
+            messages,
+            add_generation_prompt,
+            self.bos_token.as_deref(),
+            self.eos_token.as_deref(),
+        )
     }
 }
 
@@ -114,9 +129,12 @@ pub fn render_chat_template(
     let mut env = minijinja::Environment::new();
     // HF templates call Python string methods (.strip(), .startswith(), …).
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-    });
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        },
+    );
     env.add_template("chat", template)
         .map_err(|e| Error::Invalid(format!("chat template does not parse: {e}")))?;
     let ctx = minijinja::context! {
@@ -138,7 +156,9 @@ pub const BYTE_TOKENIZER_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>",
 
 /// GPT-2's byte-to-character map: printable bytes stand for themselves, the rest move past 255.
 fn byte_to_char() -> Vec<char> {
-    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let printable = |b: u32| {
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+    };
     let mut next = 256u32;
     (0..256u32)
         .map(|b| {

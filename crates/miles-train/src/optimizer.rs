@@ -41,7 +41,12 @@ impl Optimizer {
     }
 
     /// Clips `grads` (in place) to the global norm and applies one AdamW update at `lr`.
-    pub fn step(&mut self, weights: &mut Weights, grads: &mut Weights, lr: f32) -> miles_tensor::Result<StepStats> {
+    pub fn step(
+        &mut self,
+        weights: &mut Weights,
+        grads: &mut Weights,
+        lr: f32,
+    ) -> miles_tensor::Result<StepStats> {
         let arch = self.arch;
         let grad_norm = {
             let views: Vec<&[f32]> = grads.tensors(arch).into_iter().map(Vec::as_slice).collect();

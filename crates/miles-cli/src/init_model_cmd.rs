@@ -1,0 +1,74 @@
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use miles_model::{Architecture, Weights, presets, tokenizer};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ArchArg {
+    Qwen3,
+    Llama,
+}
+
+impl From<ArchArg> for Architecture {
+    fn from(a: ArchArg) -> Self {
+        match a {
+            ArchArg::Qwen3 => Architecture::Qwen3,
+            ArchArg::Llama => Architecture::Llama,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum DtypeArg {
+    F32,
+    Bf16,
+}
+
+#[derive(Debug, Args)]
+pub struct InitModelArgs {
+    /// Architecture; the published presets have their own.
+    #[arg(long, value_enum)]
+    pub arch: Option<ArchArg>,
+    /// Shape: tiny, qwen3-0.6b or smollm2-135m.
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    /// Checkpoint directory to write (created if missing).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Storage dtype of model.safetensors.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: DtypeArg,
+}
+
+/// Shards above this size, as transformers does.
+const MAX_SHARD_BYTES: usize = 5 << 30;
+
+pub fn run(args: &InitModelArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    let config = presets::preset(&args.preset, args.arch.map(Into::into)).context("--preset")?;
+    let (dtype, name) = match args.dtype {
+        DtypeArg::F32 => (safetensors::Dtype::F32, "float32"),
+        DtypeArg::Bf16 => (safetensors::Dtype::BF16, "bfloat16"),
+    };
+    let dir = &args.out;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let config_path = dir.join("config.json");
+    let text = serde_json::to_string_pretty(&config.to_hf_json(name))?;
+    std::fs::write(&config_path, text)
+        .with_context(|| format!("cannot write {}", config_path.display()))?;
+    Weights::random(&config, args.seed).save(dir, &config, dtype, MAX_SHARD_BYTES)?;
+    tokenizer::write_byte_level_tokenizer(dir)?;
+    writeln!(
+        out,
+        "wrote {} ({} {}, {} parameters, {name}, seed {}) with the byte-level tokenizer",
+        dir.display(),
+        args.preset,
+        config.architecture.model_type(),
+        config.num_parameters(),
+        args.seed
+    )?;
+    Ok(())
+}

@@ -1,0 +1,169 @@
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use miles_model::{Model, ModelConfig, PackedBatch, Tokenizer, Weights};
+use serde_json::{Value, json};
+
+use crate::jsonl;
+
+#[derive(Debug, Args)]
+pub struct ScoreArgs {
+    /// HF checkpoint directory: config.json, model.safetensors (or shards), tokenizer.json.
+    #[arg(long, value_name = "DIR")]
+    pub hf_checkpoint: PathBuf,
+    /// JSONL: `prompt` (text or chat messages) and `response` per line, or exact `tokens` with
+    /// `response_length` (as `miles generate` writes them).
+    #[arg(long, value_name = "FILE")]
+    pub input: PathBuf,
+    /// Where to write the per-token logprobs (JSONL); standard output when absent.
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Key of the prompt in each line.
+    #[arg(long, default_value = "prompt")]
+    pub input_key: String,
+    /// Render prompts through the tokenizer's chat template (generation prompt appended).
+    #[arg(long)]
+    pub apply_chat_template: bool,
+    /// Temperature of the distribution the logprobs are taken from (the rollout's).
+    #[arg(long = "rollout-temperature", default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Tokens per packed forward pass.
+    #[arg(long, default_value_t = 8192)]
+    pub max_tokens_per_batch: usize,
+}
+
+/// One line to score: its number, the tokens and where the response starts.
+struct Item {
+    line: usize,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+}
+
+pub fn load_model(dir: &Path) -> anyhow::Result<Model> {
+    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let weights = Weights::load(dir, &config)?;
+    Ok(Model::new(config, weights))
+}
+
+fn tokenize(
+    line: usize,
+    obj: &serde_json::Map<String, Value>,
+    args: &ScoreArgs,
+    tok: &Option<Tokenizer>,
+) -> anyhow::Result<Item> {
+    let at = || format!("{}:{line}", args.input.display());
+    if let Some(tokens) = obj.get("tokens") {
+        let tokens: Vec<u32> = serde_json::from_value(tokens.clone())
+            .with_context(|| format!("{}: `tokens` must be a list of token ids", at()))?;
+        let response_length = obj
+            .get("response_length")
+            .and_then(Value::as_u64)
+            .with_context(|| format!("{}: `tokens` needs `response_length`", at()))?
+            as usize;
+        if response_length >= tokens.len() {
+            bail!(
+                "{}: response_length {response_length} leaves no prompt token of {}",
+                at(),
+                tokens.len()
+            );
+        }
+        return Ok(Item { line, prompt_len: tokens.len() - response_length, tokens });
+    }
+    let tok = tok
+        .as_ref()
+        .with_context(|| format!("{}: text input needs tokenizer.json in --hf-checkpoint", at()))?;
+    let prompt = obj
+        .get(&args.input_key)
+        .with_context(|| format!("{}: missing key '{}'", at(), args.input_key))?;
+    let response = obj
+        .get("response")
+        .and_then(Value::as_str)
+        .with_context(|| format!("{}: missing string key 'response'", at()))?;
+    let mut ids = match (prompt, args.apply_chat_template) {
+        (Value::Array(_), true) => tok.encode(&tok.apply_chat_template(prompt, true)?, false)?,
+        (Value::String(text), true) => {
+            let messages = json!([{"role": "user", "content": text}]);
+            tok.encode(&tok.apply_chat_template(&messages, true)?, false)?
+        }
+        (Value::String(text), false) => tok.encode(text, true)?,
+        (Value::Array(_), false) => bail!("{}: chat messages need --apply-chat-template", at()),
+        (other, _) => {
+            bail!("{}: '{}' must be text or chat messages, found {other}", at(), args.input_key)
+        }
+    };
+    if ids.is_empty() {
+        bail!(
+            "{}: the prompt is empty after tokenization; a response needs at least one token before it",
+            at()
+        );
+    }
+    let prompt_len = ids.len();
+    ids.extend(tok.encode(response, false)?);
+    Ok(Item { line, tokens: ids, prompt_len })
+}
+
+pub fn run(args: &ScoreArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    let lines = jsonl::read_objects(&args.input)?;
+    let dir = &args.hf_checkpoint;
+    let model = load_model(dir)?;
+    let tokenizer =
+        if dir.join("tokenizer.json").exists() { Some(Tokenizer::load(dir)?) } else { None };
+    let items: Vec<Item> = lines
+        .iter()
+        .map(|l| tokenize(l.number, &l.object, args, &tokenizer))
+        .collect::<anyhow::Result<_>>()?;
+
+    let mut rendered = String::new();
+    let mut start = 0;
+    while start < items.len() {
+        // Pack whole sequences up to the token budget (at least one per batch).
+        let mut end = start;
+        let mut tokens = 0;
+        while end < items.len()
+            && (end == start || tokens + items[end].tokens.len() <= args.max_tokens_per_batch)
+        {
+            tokens += items[end].tokens.len();
+            end += 1;
+        }
+        let group = &items[start..end];
+        let pairs: Vec<(Vec<u32>, usize)> =
+            group.iter().map(|i| (i.tokens.clone(), i.prompt_len)).collect();
+        let batch = PackedBatch::new(&pairs)?;
+        let (logp, entropy) = model.logprobs(&batch, args.temperature)?;
+        let mut offset = 0;
+        for item in group {
+            let n = item.tokens.len() - item.prompt_len;
+            let (lp, ent) = (&logp[offset..offset + n], &entropy[offset..offset + n]);
+            offset += n;
+            let row = json!({
+                "line": item.line,
+                "prompt_length": item.prompt_len,
+                "response_length": n,
+                "response_tokens": &item.tokens[item.prompt_len..],
+                "log_probs": lp,
+                "entropy": ent,
+                "sum_log_prob": lp.iter().map(|v| f64::from(*v)).sum::<f64>(),
+            });
+            rendered.push_str(&row.to_string());
+            rendered.push('\n');
+        }
+        start = end;
+    }
+    match &args.output {
+        Some(path) => {
+            std::fs::write(path, rendered)
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            writeln!(
+                out,
+                "scored {} sequences with {}, wrote {}",
+                items.len(),
+                dir.display(),
+                path.display()
+            )?;
+        }
+        None => out.write_all(rendered.as_bytes())?,
+    }
+    Ok(())
+}

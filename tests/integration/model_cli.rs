@@ -1,0 +1,212 @@
+//! `miles init-model`, `miles score` and `miles bench` end to end, and the errors a broken
+//! checkpoint gives.
+
+use std::path::Path;
+
+use miles_tests::{miles, scratch, workspace_root};
+
+fn score_lines(report: &str) -> Vec<serde_json::Value> {
+    report.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn init_model_then_score_for_both_architectures() {
+    for arch in ["qwen3", "llama"] {
+        let dir = scratch(&format!("init_model_{arch}"));
+        let ckpt = dir.join("ckpt");
+        let report = miles(&[
+            "init-model",
+            "--arch",
+            arch,
+            "--preset",
+            "tiny",
+            "--out",
+            ckpt.to_str().unwrap(),
+            "--seed",
+            "3",
+        ])
+        .unwrap();
+        assert!(report.contains(&format!("tiny {arch}")), "{report}");
+        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+            assert!(ckpt.join(f).exists(), "{f}");
+        }
+        let input = dir.join("pairs.jsonl");
+        std::fs::write(
+            &input,
+            concat!(
+                r#"{"prompt": "12 + 7 = ", "response": "19"}"#, "\n",
+                r#"{"prompt": [{"role": "user", "content": "Capital of France?"}], "response": "Paris"}"#, "\n",
+            ),
+        )
+        .unwrap();
+        let args = [
+            "score",
+            "--hf-checkpoint",
+            ckpt.to_str().unwrap(),
+            "--input",
+            input.to_str().unwrap(),
+            "--apply-chat-template",
+        ];
+        let rows = score_lines(&miles(&args).unwrap());
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0]["response_length"], 2);
+        assert_eq!(rows[1]["response_tokens"].as_array().unwrap().len(), 5);
+        for row in &rows {
+            let lp = row["log_probs"].as_array().unwrap();
+            assert!(lp.iter().all(|v| v.as_f64().unwrap() < 0.0), "{row}");
+            // A random tiny model is near uniform over 259 tokens: entropy close to ln 259.
+            assert!(row["entropy"][0].as_f64().unwrap() > 5.0, "{row}");
+        }
+        // The same seed writes the same weights.
+        let again = dir.join("again");
+        miles(&["init-model", "--arch", arch, "--out", again.to_str().unwrap(), "--seed", "3"])
+            .unwrap();
+        assert_eq!(
+            std::fs::read(ckpt.join("model.safetensors")).unwrap(),
+            std::fs::read(again.join("model.safetensors")).unwrap()
+        );
+    }
+}
+
+#[test]
+fn score_on_a_transformers_checkpoint_reproduces_its_logprobs() {
+    // The fixture has no tokenizer: score exact token ids, as when debugging a rollout.
+    let ckpt = workspace_root().join("tests/fixtures/hf/llama");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("reference.json")).unwrap())
+            .unwrap();
+    let files =
+        miles_model::weights::TensorFiles::single(&ckpt.join("reference.safetensors")).unwrap();
+    let ids = files.i32("input_ids").unwrap().1;
+    let logp = files.f32("logp", &[15]).unwrap();
+    let lens: Vec<usize> = serde_json::from_value(reference["seq_lens"].clone()).unwrap();
+    let prompts: Vec<usize> = serde_json::from_value(reference["prompt_lens"].clone()).unwrap();
+    let dir = scratch("score_transformers_checkpoint");
+    let input = dir.join("tokens.jsonl");
+    let mut text = String::new();
+    let mut start = 0;
+    for (len, prompt) in lens.iter().zip(&prompts) {
+        let tokens = &ids[start..start + len];
+        text.push_str(
+            &serde_json::json!({"tokens": tokens, "response_length": len - prompt}).to_string(),
+        );
+        text.push('\n');
+        start += len;
+    }
+    std::fs::write(&input, text).unwrap();
+    let rows = score_lines(
+        &miles(&[
+            "score",
+            "--hf-checkpoint",
+            ckpt.to_str().unwrap(),
+            "--input",
+            input.to_str().unwrap(),
+            "--rollout-temperature",
+            "0.7",
+        ])
+        .unwrap(),
+    );
+    let ours: Vec<f64> = rows
+        .iter()
+        .flat_map(|r| r["log_probs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()))
+        .collect();
+    assert_eq!(ours.len(), logp.len());
+    for (a, b) in ours.iter().zip(&logp) {
+        assert!((a - f64::from(*b)).abs() < 1e-4, "{a} vs transformers {b}");
+    }
+}
+
+fn copy_checkpoint(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(from.join(f), to.join(f)).unwrap();
+    }
+}
+
+#[test]
+fn broken_checkpoints_name_the_file_and_the_field_or_tensor() {
+    let dir = scratch("broken_checkpoints");
+    let input = dir.join("t.jsonl");
+    std::fs::write(&input, "{\"tokens\": [1, 2, 3], \"response_length\": 1}\n").unwrap();
+    let score = |ckpt: &Path| {
+        miles(&[
+            "score",
+            "--hf-checkpoint",
+            ckpt.to_str().unwrap(),
+            "--input",
+            input.to_str().unwrap(),
+        ])
+        .unwrap_err()
+    };
+    let good = workspace_root().join("tests/fixtures/hf/qwen3");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(good.join("config.json")).unwrap()).unwrap();
+
+    let ckpt = dir.join("malformed");
+    copy_checkpoint(&good, &ckpt);
+    std::fs::write(ckpt.join("config.json"), "{\"architectures\": [").unwrap();
+    let err = score(&ckpt);
+    assert!(err.contains("malformed/config.json: not valid JSON"), "{err}");
+
+    let ckpt = dir.join("unknown_arch");
+    copy_checkpoint(&good, &ckpt);
+    let mut c = config.clone();
+    c["architectures"] = serde_json::json!(["GPTNeoXForCausalLM"]);
+    std::fs::write(ckpt.join("config.json"), c.to_string()).unwrap();
+    let err = score(&ckpt);
+    assert!(
+        err.contains(
+            "unknown_arch/config.json: architecture 'GPTNeoXForCausalLM' is not supported"
+        ),
+        "{err}"
+    );
+
+    let ckpt = dir.join("missing_field");
+    copy_checkpoint(&good, &ckpt);
+    let mut c = config.clone();
+    c.as_object_mut().unwrap().remove("num_hidden_layers");
+    std::fs::write(ckpt.join("config.json"), c.to_string()).unwrap();
+    let err = score(&ckpt);
+    assert!(err.contains("missing_field/config.json: missing field 'num_hidden_layers'"), "{err}");
+
+    // Three layers where the file holds two: layer 2's tensors are missing.
+    let ckpt = dir.join("missing_tensor");
+    copy_checkpoint(&good, &ckpt);
+    let mut c = config.clone();
+    c["num_hidden_layers"] = serde_json::json!(3);
+    std::fs::write(ckpt.join("config.json"), c.to_string()).unwrap();
+    let err = score(&ckpt);
+    assert!(err.contains("missing_tensor/model.safetensors: tensor 'model.layers.2.input_layernorm.weight': missing"), "{err}");
+
+    let ckpt = dir.join("wrong_shape");
+    copy_checkpoint(&good, &ckpt);
+    let mut c = config.clone();
+    c["intermediate_size"] = serde_json::json!(96);
+    std::fs::write(ckpt.join("config.json"), c.to_string()).unwrap();
+    let err = score(&ckpt);
+    assert!(err.contains("wrong_shape/model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight': shape [128, 64], expected [96, 64]"), "{err}");
+}
+
+#[test]
+fn bench_train_prints_one_json_line() {
+    let out = miles(&[
+        "bench",
+        "train",
+        "--preset",
+        "tiny",
+        "--batch",
+        "2",
+        "--seq-len",
+        "16",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+    ])
+    .unwrap();
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["what"], "train_step");
+    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
+    let err = miles(&["bench", "train", "--device", "cuda"]).unwrap_err();
+    assert!(err.contains("--device cuda"), "{err}");
+}
