@@ -1,27 +1,6 @@
 //! Inputs shared by the benchmarks: seeded pseudo-random data, never zeros.
 
-/// SplitMix64: a tiny seeded generator, so benchmark inputs are the same on every run.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [lo, hi).
-    pub fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * unit
-    }
-}
+pub use miles_tensor::rng::Rng;
 
 /// Per-token logprobs of a batch as a trainer and a rollout engine would report them: rollout
 /// logprobs in [-8, 0), train logprobs off by a small mismatch, about 10% of tokens masked.

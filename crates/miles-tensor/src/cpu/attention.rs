@@ -12,6 +12,7 @@
 
 use rayon::prelude::*;
 
+use super::dot;
 use crate::{Result, ensure};
 
 /// Keys per block of the online softmax.
@@ -73,10 +74,6 @@ fn sequence_ends(cu_seqlens: &[usize], tokens: usize) -> Vec<usize> {
         ends[w[0]..w[1]].fill(w[1]);
     }
     ends
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// Writes `out` `[tokens × q_heads × head_dim]` and `lse` `[tokens × q_heads]`.

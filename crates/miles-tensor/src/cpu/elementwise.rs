@@ -72,7 +72,7 @@ pub fn rmsnorm_forward(
         .zip(x.par_chunks(chunk * hidden))
         .for_each(|((y, rstd), x)| {
             for ((y, r), x) in y.chunks_mut(hidden).zip(rstd.iter_mut()).zip(x.chunks(hidden)) {
-                let ms = x.iter().map(|v| v * v).sum::<f32>() / hidden as f32;
+                let ms = super::dot(x, x) / hidden as f32;
                 *r = 1.0 / (ms + eps).sqrt();
                 for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
                     *y = w * (x * *r);
