@@ -5,18 +5,24 @@
 //! Query head `h` reads kv head `h / (q_heads / kv_heads)`. Scores are scaled by
 //! `1/sqrt(head_dim)`; each token attends to itself and the earlier tokens of its sequence.
 //!
-//! The forward streams over keys in blocks with an online softmax and saves only the
-//! log-sum-exp per (token, head): memory is linear in sequence length. The backward recomputes
-//! probabilities from it, once per query (for dq) and once per key (for dk, dv), so every
-//! gradient is a sum in a fixed order, written by one task.
+//! Work is split into tiles: a block of query rows of one head (forward, dq) or a block of
+//! keys of one kv head (dk, dv). A tile copies its key and value block transposed
+//! (`[head_dim × block]`), so scores of one query against the block are axpys over contiguous
+//! memory that vectorize, with no horizontal sums. The forward keeps an online softmax over key
+//! blocks and saves only the log-sum-exp per (token, head): memory stays linear in sequence
+//! length. The backward recomputes probabilities from it. Key blocks start at the sequence's
+//! first token and every sum runs in a fixed order inside one tile, so results do not depend on
+//! how sequences are packed or how many threads run.
 
 use rayon::prelude::*;
 
 use super::dot;
 use crate::{Result, ensure};
 
-/// Keys per block of the online softmax.
+/// Keys per block: the width of the transposed tiles.
 const KEY_BLOCK: usize = 64;
+/// Query rows per forward / dq tile.
+const QUERY_BLOCK: usize = 64;
 
 /// Shapes of one attention call.
 #[derive(Debug, Clone, Copy)]
@@ -59,21 +65,68 @@ impl AttentionShape {
     }
 }
 
-/// The first token of each token's sequence.
-fn sequence_starts(cu_seqlens: &[usize], tokens: usize) -> Vec<usize> {
-    let mut starts = vec![0; tokens];
-    for w in cu_seqlens.windows(2) {
-        starts[w[0]..w[1]].fill(w[0]);
-    }
-    starts
+/// One key block of one kv head, transposed: `kt[x * KEY_BLOCK + j] = k[j0 + j][x]`.
+struct KeyTile {
+    j0: usize,
+    len: usize,
+    kt: Vec<f32>,
+    vt: Vec<f32>,
 }
 
-fn sequence_ends(cu_seqlens: &[usize], tokens: usize) -> Vec<usize> {
-    let mut ends = vec![0; tokens];
-    for w in cu_seqlens.windows(2) {
-        ends[w[0]..w[1]].fill(w[1]);
+impl KeyTile {
+    fn new(
+        k: &[f32],
+        v: &[f32],
+        j0: usize,
+        len: usize,
+        kvh: usize,
+        kv_heads: usize,
+        d: usize,
+    ) -> Self {
+        let mut kt = vec![0f32; d * KEY_BLOCK];
+        let mut vt = vec![0f32; d * KEY_BLOCK];
+        for j in 0..len {
+            let row = ((j0 + j) * kv_heads + kvh) * d;
+            for x in 0..d {
+                kt[x * KEY_BLOCK + j] = k[row + x];
+                vt[x * KEY_BLOCK + j] = v[row + x];
+            }
+        }
+        KeyTile { j0, len, kt, vt }
     }
-    ends
+
+    /// `out[j] = Σ_x a[x] · t[x][j]` for the tile's keys, x in order (so each entry is the same
+    /// sum whichever tile computes it).
+    fn project(t: &[f32], a: &[f32], out: &mut [f32; KEY_BLOCK]) {
+        out.fill(0.0);
+        for (x, &ax) in a.iter().enumerate() {
+            let col = &t[x * KEY_BLOCK..(x + 1) * KEY_BLOCK];
+            for (o, c) in out.iter_mut().zip(col) {
+                *o += ax * c;
+            }
+        }
+    }
+}
+
+fn scaled(row: &[f32], scale: f32) -> Vec<f32> {
+    row.iter().map(|x| x * scale).collect()
+}
+
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
+}
+
+/// Tiles of `block` rows over each sequence: (sequence start, sequence end, tile start, tile end).
+fn tiles(cu_seqlens: &[usize], block: usize) -> Vec<(usize, usize, usize, usize)> {
+    let mut out = Vec::new();
+    for w in cu_seqlens.windows(2) {
+        let mut s = w[0];
+        while s < w[1] {
+            out.push((w[0], w[1], s, (s + block).min(w[1])));
+            s += block;
+        }
+    }
+    out
 }
 
 /// Writes `out` `[tokens × q_heads × head_dim]` and `lse` `[tokens × q_heads]`.
@@ -94,42 +147,54 @@ pub fn attention_forward(
     })?;
     let group = q_heads / kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
-    let starts = sequence_starts(cu_seqlens, tokens);
-    out.par_chunks_mut(q_heads * d).zip(lse.par_chunks_mut(q_heads)).enumerate().for_each(
-        |(t, (out_t, lse_t))| {
-            let mut scores = [0f32; KEY_BLOCK];
-            for h in 0..q_heads {
-                let qv = &q[(t * q_heads + h) * d..][..d];
-                let kvh = h / group;
-                let acc = &mut out_t[h * d..(h + 1) * d];
-                acc.fill(0.0);
-                let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
-                let mut j0 = starts[t];
-                while j0 <= t {
-                    let j1 = (j0 + KEY_BLOCK).min(t + 1);
-                    let mut block_max = f32::NEG_INFINITY;
-                    for (s, j) in scores.iter_mut().zip(j0..j1) {
-                        *s = scale * dot(qv, &k[(j * kv_heads + kvh) * d..][..d]);
-                        block_max = block_max.max(*s);
+    let work: Vec<(usize, (usize, usize, usize, usize))> = (0..q_heads)
+        .flat_map(|h| tiles(cu_seqlens, QUERY_BLOCK).into_iter().map(move |t| (h, t)))
+        .collect();
+    let results: Vec<(Vec<f32>, Vec<f32>)> = work
+        .par_iter()
+        .map(|&(h, (a, _, i0, i1))| {
+            let kvh = h / group;
+            let rows = i1 - i0;
+            let mut acc = vec![0f32; rows * d];
+            let mut m = vec![f32::NEG_INFINITY; rows];
+            let mut l = vec![0f32; rows];
+            let qs: Vec<Vec<f32>> =
+                (i0..i1).map(|i| scaled(&q[(i * q_heads + h) * d..][..d], scale)).collect();
+            let mut s = [0f32; KEY_BLOCK];
+            let mut j0 = a;
+            while j0 < i1 {
+                let tile = KeyTile::new(k, v, j0, KEY_BLOCK.min(i1 - j0), kvh, kv_heads, d);
+                for (r, i) in (i0.max(j0)..i1).map(|i| (i - i0, i)) {
+                    let n = tile.len.min(i + 1 - tile.j0);
+                    KeyTile::project(&tile.kt, &qs[r], &mut s);
+                    let block_max = s[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let new_m = m[r].max(block_max);
+                    let rescale = (m[r] - new_m).exp();
+                    l[r] *= rescale;
+                    let acc_r = &mut acc[r * d..(r + 1) * d];
+                    acc_r.iter_mut().for_each(|x| *x *= rescale);
+                    for (jj, sj) in s[..n].iter().enumerate() {
+                        let p = (sj - new_m).exp();
+                        l[r] += p;
+                        axpy(acc_r, p, &v[((tile.j0 + jj) * kv_heads + kvh) * d..][..d]);
                     }
-                    let new_m = m.max(block_max);
-                    let rescale = (m - new_m).exp();
-                    l *= rescale;
-                    acc.iter_mut().for_each(|a| *a *= rescale);
-                    for (s, j) in scores.iter().zip(j0..j1) {
-                        let p = (s - new_m).exp();
-                        l += p;
-                        let vj = &v[(j * kv_heads + kvh) * d..][..d];
-                        acc.iter_mut().zip(vj).for_each(|(a, x)| *a += p * x);
-                    }
-                    m = new_m;
-                    j0 = j1;
+                    m[r] = new_m;
                 }
-                acc.iter_mut().for_each(|a| *a /= l);
-                lse_t[h] = m + l.ln();
+                j0 += KEY_BLOCK;
             }
-        },
-    );
+            for r in 0..rows {
+                acc[r * d..(r + 1) * d].iter_mut().for_each(|x| *x /= l[r]);
+                m[r] += l[r].ln();
+            }
+            (acc, m)
+        })
+        .collect();
+    for (&(h, (_, _, i0, i1)), (acc, row_lse)) in work.iter().zip(results) {
+        for (r, i) in (i0..i1).enumerate() {
+            out[(i * q_heads + h) * d..][..d].copy_from_slice(&acc[r * d..(r + 1) * d]);
+            lse[i * q_heads + h] = row_lse[r];
+        }
+    }
     Ok(())
 }
 
@@ -163,53 +228,83 @@ pub fn attention_backward(
     )?;
     let group = q_heads / kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
-    let starts = sequence_starts(cu_seqlens, tokens);
-    let ends = sequence_ends(cu_seqlens, tokens);
+    let q_scaled = scaled(q, scale);
     // delta[t, h] = dO·O, the softmax backward's row term.
     let delta: Vec<f32> =
         d_out.par_chunks(d).zip(out.par_chunks(d)).map(|(a, b)| dot(a, b)).collect();
 
-    // dq: one task per query token, keys in order.
-    dq.par_chunks_mut(q_heads * d).enumerate().for_each(|(t, dq_t)| {
-        dq_t.fill(0.0);
-        for h in 0..q_heads {
-            let row = t * q_heads + h;
-            let (qv, dov) = (&q[row * d..][..d], &d_out[row * d..][..d]);
+    // dq: tiles of query rows of one head, key blocks in order.
+    let work: Vec<(usize, (usize, usize, usize, usize))> = (0..q_heads)
+        .flat_map(|h| tiles(cu_seqlens, QUERY_BLOCK).into_iter().map(move |t| (h, t)))
+        .collect();
+    let dq_tiles: Vec<Vec<f32>> = work
+        .par_iter()
+        .map(|&(h, (a, _, i0, i1))| {
             let kvh = h / group;
-            let dqv = &mut dq_t[h * d..(h + 1) * d];
-            for j in starts[t]..=t {
-                let (kj, vj) =
-                    (&k[(j * kv_heads + kvh) * d..][..d], &v[(j * kv_heads + kvh) * d..][..d]);
-                let p = (scale * dot(qv, kj) - lse[row]).exp();
-                let ds = p * (dot(dov, vj) - delta[row]);
-                dqv.iter_mut().zip(kj).for_each(|(g, x)| *g += scale * ds * x);
+            let mut dq_t = vec![0f32; (i1 - i0) * d];
+            let (mut s, mut dp) = ([0f32; KEY_BLOCK], [0f32; KEY_BLOCK]);
+            let mut j0 = a;
+            while j0 < i1 {
+                let tile = KeyTile::new(k, v, j0, KEY_BLOCK.min(i1 - j0), kvh, kv_heads, d);
+                for (r, i) in (i0.max(j0)..i1).map(|i| (i - i0, i)) {
+                    let row = i * q_heads + h;
+                    let n = tile.len.min(i + 1 - tile.j0);
+                    KeyTile::project(&tile.kt, &q_scaled[row * d..][..d], &mut s);
+                    KeyTile::project(&tile.vt, &d_out[row * d..][..d], &mut dp);
+                    let dq_r = &mut dq_t[r * d..(r + 1) * d];
+                    for jj in 0..n {
+                        let p = (s[jj] - lse[row]).exp();
+                        let ds = p * (dp[jj] - delta[row]);
+                        axpy(dq_r, scale * ds, &k[((tile.j0 + jj) * kv_heads + kvh) * d..][..d]);
+                    }
+                }
+                j0 += KEY_BLOCK;
             }
+            dq_t
+        })
+        .collect();
+    for (&(h, (_, _, i0, i1)), dq_t) in work.iter().zip(dq_tiles) {
+        for (r, i) in (i0..i1).enumerate() {
+            dq[(i * q_heads + h) * d..][..d].copy_from_slice(&dq_t[r * d..(r + 1) * d]);
         }
-    });
+    }
 
-    // dk, dv: one task per key token, queries (and the query heads of the group) in order.
-    dk.par_chunks_mut(kv_heads * d).zip(dv.par_chunks_mut(kv_heads * d)).enumerate().for_each(
-        |(j, (dk_j, dv_j))| {
-            dk_j.fill(0.0);
-            dv_j.fill(0.0);
-            for kvh in 0..kv_heads {
-                let (kj, vj) =
-                    (&k[(j * kv_heads + kvh) * d..][..d], &v[(j * kv_heads + kvh) * d..][..d]);
-                let dkv = &mut dk_j[kvh * d..(kvh + 1) * d];
-                let dvv = &mut dv_j[kvh * d..(kvh + 1) * d];
-                for i in j..ends[j] {
-                    for h in kvh * group..(kvh + 1) * group {
-                        let row = i * q_heads + h;
-                        let (qv, dov) = (&q[row * d..][..d], &d_out[row * d..][..d]);
-                        let p = (scale * dot(qv, kj) - lse[row]).exp();
-                        dvv.iter_mut().zip(dov).for_each(|(g, x)| *g += p * x);
-                        let ds = p * (dot(dov, vj) - delta[row]);
-                        dkv.iter_mut().zip(qv).for_each(|(g, x)| *g += scale * ds * x);
+    // dk, dv: tiles of keys of one kv head; queries, then the group's heads, in order.
+    let work: Vec<(usize, (usize, usize, usize, usize))> = (0..kv_heads)
+        .flat_map(|g| tiles(cu_seqlens, KEY_BLOCK).into_iter().map(move |t| (g, t)))
+        .collect();
+    let kv_tiles: Vec<(Vec<f32>, Vec<f32>)> = work
+        .par_iter()
+        .map(|&(kvh, (_, b, j0, j1))| {
+            let tile = KeyTile::new(k, v, j0, j1 - j0, kvh, kv_heads, d);
+            let (mut dk_t, mut dv_t) = (vec![0f32; tile.len * d], vec![0f32; tile.len * d]);
+            let (mut s, mut dp) = ([0f32; KEY_BLOCK], [0f32; KEY_BLOCK]);
+            for i in j0..b {
+                let n = tile.len.min(i + 1 - j0);
+                for h in kvh * group..(kvh + 1) * group {
+                    let row = i * q_heads + h;
+                    let qv = &q[row * d..][..d];
+                    let dov = &d_out[row * d..][..d];
+                    KeyTile::project(&tile.kt, &q_scaled[row * d..][..d], &mut s);
+                    KeyTile::project(&tile.vt, dov, &mut dp);
+                    for jj in 0..n {
+                        let p = (s[jj] - lse[row]).exp();
+                        axpy(&mut dv_t[jj * d..(jj + 1) * d], p, dov);
+                        let ds = p * (dp[jj] - delta[row]);
+                        axpy(&mut dk_t[jj * d..(jj + 1) * d], scale * ds, qv);
                     }
                 }
             }
-        },
-    );
+            (dk_t, dv_t)
+        })
+        .collect();
+    for (&(kvh, (_, _, j0, j1)), (dk_t, dv_t)) in work.iter().zip(kv_tiles) {
+        for (r, j) in (j0..j1).enumerate() {
+            let at = (j * kv_heads + kvh) * d;
+            dk[at..at + d].copy_from_slice(&dk_t[r * d..(r + 1) * d]);
+            dv[at..at + d].copy_from_slice(&dv_t[r * d..(r + 1) * d]);
+        }
+    }
     Ok(())
 }
 
