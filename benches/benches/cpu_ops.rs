@@ -67,13 +67,22 @@ fn rowwise(c: &mut Criterion) {
     let (cos, sin) = cpu::rope_tables(&positions, 64, 100_000.0);
     let mut qv = rng.vec(TOKENS * 9 * 64, 1.0);
     g.bench_function("rope_forward_h9_d64", |b| b.iter(|| cpu::rope_forward(&mut qv, &cos, &sin, 9, 64).unwrap()));
+    g.bench_function("rope_backward_h9_d64", |b| b.iter(|| cpu::rope_backward(&mut qv, &cos, &sin, 9, 64).unwrap()));
     let gate = rng.vec(TOKENS * INTER, 1.0);
     let up = rng.vec(TOKENS * INTER, 1.0);
     let mut h = vec![0.0; gate.len()];
     g.bench_function("swiglu_forward_x1536", |b| b.iter(|| cpu::swiglu_forward(&mut h, &gate, &up).unwrap()));
+    let (mut d_gate, mut d_up) = (vec![0.0; gate.len()], vec![0.0; gate.len()]);
+    g.bench_function("swiglu_backward_x1536", |b| {
+        b.iter(|| cpu::swiglu_backward(&mut d_gate, &mut d_up, &h, &gate, &up).unwrap())
+    });
     let table = rng.vec(VOCAB * HIDDEN, 0.02);
     let ids: Vec<u32> = (0..TOKENS).map(|_| rng.below(VOCAB) as u32).collect();
     g.bench_function("embedding_forward", |b| b.iter(|| cpu::embedding_forward(&mut y, &table, &ids, HIDDEN).unwrap()));
+    let mut d_table = vec![0.0; table.len()];
+    g.bench_function("embedding_backward", |b| {
+        b.iter(|| cpu::embedding_backward(&mut d_table, &y, &ids, HIDDEN).unwrap())
+    });
     g.finish();
 }
 
