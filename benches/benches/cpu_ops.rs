@@ -19,12 +19,16 @@ fn matmul(c: &mut Criterion) {
     let mut y = vec![0.0; m * n];
     g.throughput(Throughput::Elements((2 * m * k * n) as u64));
     g.bench_function("x_wT_1024x576x1536", |b| {
-        b.iter(|| cpu::matmul(&mut y, &x, Transpose::No, &w, Transpose::Yes, m, k, n, false).unwrap())
+        b.iter(|| {
+            cpu::matmul(&mut y, &x, Transpose::No, &w, Transpose::Yes, m, k, n, false).unwrap()
+        })
     });
     let dy = rng.vec(m * n, 1.0);
     let mut dw = vec![0.0; n * k];
     g.bench_function("dyT_x_1536x1024x576", |b| {
-        b.iter(|| cpu::matmul(&mut dw, &dy, Transpose::Yes, &x, Transpose::No, n, m, k, true).unwrap())
+        b.iter(|| {
+            cpu::matmul(&mut dw, &dy, Transpose::Yes, &x, Transpose::No, n, m, k, true).unwrap()
+        })
     });
     g.finish();
 }
@@ -45,7 +49,10 @@ fn attention(c: &mut Criterion) {
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
     g.bench_function("backward", |b| {
         b.iter(|| {
-            cpu::attention_backward(&mut dq, &mut dk, &mut dv, &d_out, &q, &k, &v, &out, &lse, &cu, s).unwrap()
+            cpu::attention_backward(
+                &mut dq, &mut dk, &mut dv, &d_out, &q, &k, &v, &out, &lse, &cu, s,
+            )
+            .unwrap()
         })
     });
     g.finish();
@@ -58,7 +65,9 @@ fn rowwise(c: &mut Criterion) {
     let w = rng.vec(HIDDEN, 1.0);
     let (mut y, mut rstd) = (vec![0.0; x.len()], vec![0.0; TOKENS]);
     g.throughput(Throughput::Elements(x.len() as u64));
-    g.bench_function("rmsnorm_forward", |b| b.iter(|| cpu::rmsnorm_forward(&mut y, &mut rstd, &x, &w, 1e-5).unwrap()));
+    g.bench_function("rmsnorm_forward", |b| {
+        b.iter(|| cpu::rmsnorm_forward(&mut y, &mut rstd, &x, &w, 1e-5).unwrap())
+    });
     let (mut dx, mut dw) = (vec![0.0; x.len()], vec![0.0; HIDDEN]);
     g.bench_function("rmsnorm_backward", |b| {
         b.iter(|| cpu::rmsnorm_backward(&mut dx, &mut dw, &y, &x, &w, &rstd).unwrap())
@@ -66,19 +75,27 @@ fn rowwise(c: &mut Criterion) {
     let positions: Vec<u32> = (0..TOKENS as u32).map(|t| t % 256).collect();
     let (cos, sin) = cpu::rope_tables(&positions, 64, 100_000.0);
     let mut qv = rng.vec(TOKENS * 9 * 64, 1.0);
-    g.bench_function("rope_forward_h9_d64", |b| b.iter(|| cpu::rope_forward(&mut qv, &cos, &sin, 9, 64).unwrap()));
-    g.bench_function("rope_backward_h9_d64", |b| b.iter(|| cpu::rope_backward(&mut qv, &cos, &sin, 9, 64).unwrap()));
+    g.bench_function("rope_forward_h9_d64", |b| {
+        b.iter(|| cpu::rope_forward(&mut qv, &cos, &sin, 9, 64).unwrap())
+    });
+    g.bench_function("rope_backward_h9_d64", |b| {
+        b.iter(|| cpu::rope_backward(&mut qv, &cos, &sin, 9, 64).unwrap())
+    });
     let gate = rng.vec(TOKENS * INTER, 1.0);
     let up = rng.vec(TOKENS * INTER, 1.0);
     let mut h = vec![0.0; gate.len()];
-    g.bench_function("swiglu_forward_x1536", |b| b.iter(|| cpu::swiglu_forward(&mut h, &gate, &up).unwrap()));
+    g.bench_function("swiglu_forward_x1536", |b| {
+        b.iter(|| cpu::swiglu_forward(&mut h, &gate, &up).unwrap())
+    });
     let (mut d_gate, mut d_up) = (vec![0.0; gate.len()], vec![0.0; gate.len()]);
     g.bench_function("swiglu_backward_x1536", |b| {
         b.iter(|| cpu::swiglu_backward(&mut d_gate, &mut d_up, &h, &gate, &up).unwrap())
     });
     let table = rng.vec(VOCAB * HIDDEN, 0.02);
     let ids: Vec<u32> = (0..TOKENS).map(|_| rng.below(VOCAB) as u32).collect();
-    g.bench_function("embedding_forward", |b| b.iter(|| cpu::embedding_forward(&mut y, &table, &ids, HIDDEN).unwrap()));
+    g.bench_function("embedding_forward", |b| {
+        b.iter(|| cpu::embedding_forward(&mut y, &table, &ids, HIDDEN).unwrap())
+    });
     let mut d_table = vec![0.0; table.len()];
     g.bench_function("embedding_backward", |b| {
         b.iter(|| cpu::embedding_backward(&mut d_table, &y, &ids, HIDDEN).unwrap())
@@ -101,7 +118,10 @@ fn head_and_optimizer(c: &mut Criterion) {
     let (d_lp, d_ent) = (rng.vec(rows, 1.0), rng.vec(rows, 1.0));
     let (mut dh, mut dw) = (vec![0.0; hidden.len()], vec![0.0; weight.len()]);
     g.bench_function("backward", |b| {
-        b.iter(|| cpu::logprob_backward(&mut dh, &mut dw, &d_lp, &d_ent, &hidden, &weight, &targets, 1.0).unwrap())
+        b.iter(|| {
+            cpu::logprob_backward(&mut dh, &mut dw, &d_lp, &d_ent, &hidden, &weight, &targets, 1.0)
+                .unwrap()
+        })
     });
     g.finish();
 
@@ -111,7 +131,9 @@ fn head_and_optimizer(c: &mut Criterion) {
     let opt = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
     let mut g = c.benchmark_group("adamw");
     g.throughput(Throughput::Elements(n as u64));
-    g.bench_function("1M_params", |b| b.iter(|| opt.step(&mut p, &grad, &mut m, &mut v, 3).unwrap()));
+    g.bench_function("1M_params", |b| {
+        b.iter(|| opt.step(&mut p, &grad, &mut m, &mut v, 3).unwrap())
+    });
     g.finish();
 }
 

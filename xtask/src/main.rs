@@ -8,7 +8,20 @@ use clap::{Parser, Subcommand};
 /// Plugin names users pass to `--features`, and the driver's cargo feature each one turns on.
 /// Only plugins whose crate exists are offered; a test checks this against the driver's
 /// `Cargo.toml`.
-const PLUGINS: &[(&str, &str)] = &[("tis", "tis")];
+const PLUGINS: &[(&str, &str)] = &[("tis", "tis"), ("cuda", "cuda")];
+
+/// Names in [`PLUGINS`] that switch on a backend rather than link a plugin: `miles plugins` does
+/// not list them, `miles --version` does. `cuda` needs nvcc (`cargo xtask cuda-setup`).
+const BACKENDS: &[&str] = &["cuda"];
+
+/// nvcc 13.0 from PyPI (CUDA 13.0 matches the GPU machines' driver 580); one pip command.
+const CUDA_PACKAGES: &[&str] = &[
+    "nvidia-cuda-nvcc==13.0.88",
+    "nvidia-cuda-crt==13.0.88",
+    "nvidia-nvvm==13.0.88",
+    "nvidia-cuda-runtime==13.0.88",
+    "nvidia-cuda-cccl==13.0.85",
+];
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "miles-rs project automation")]
@@ -36,6 +49,13 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Install nvcc 13.0 from PyPI into `.cache/cuda` (skipped when it is there and works) and
+    /// check that it compiles a kernel; prints nvcc's path.
+    CudaSetup,
+    /// Build what a GPU machine needs to run the CUDA tests (no Rust there) into
+    /// `target/device-bundle/`: the miles-tensor test binary built with `--features cuda` and
+    /// `run.sh`, which runs it.
+    DeviceBundle,
 }
 
 type Result<T = ()> = std::result::Result<T, String>;
@@ -48,6 +68,10 @@ fn main() -> ExitCode {
         Task::Test => test(),
         Task::Ci => ci(),
         Task::Bench { args } => bench(&args),
+        Task::CudaSetup => cuda_setup().map(|nvcc| println!("nvcc: {}", nvcc.display())),
+        Task::DeviceBundle => device_bundle().map(|dir| {
+            println!("bundle: {} (run {}/run.sh there)", dir.display(), dir.display());
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -148,17 +172,200 @@ fn ci() -> Result {
     let mut fmt = cargo();
     fmt.args(["fmt", "--all", "--check"]);
     run(fmt)?;
+    // The `cuda` feature compiles kernels/*.cu, so CI installs nvcc (no GPU needed).
+    let nvcc = cuda_setup()?;
+    eprintln!("xtask: nvcc {}", nvcc.display());
     let mut clippy = cargo();
     clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
     run(clippy)?;
+    let mut clippy_cuda = cargo();
+    clippy_cuda.args(["clippy", "-p", "miles-tensor", "--features", "cuda", "--all-targets"]);
+    clippy_cuda.args(["--", "-D", "warnings"]);
+    run(clippy_cuda)?;
+    let mut build_cuda = cargo();
+    build_cuda.args(["build", "-p", "miles-tensor", "--features", "cuda"]);
+    run(build_cuda)?;
     check_plugin_features()?;
     test()
 }
 
+/// Where `cargo xtask cuda-setup` installs the PyPI packages.
+fn cuda_dir() -> PathBuf {
+    workspace_root().join(".cache/cuda")
+}
+
+/// Whether `nvcc --version` runs.
+fn nvcc_works(nvcc: &Path) -> bool {
+    Command::new(nvcc).arg("--version").output().is_ok_and(|o| o.status.success())
+}
+
+/// The nvcc the build script would use (`$NVCC`, the `cuda-setup` copy, `nvcc` on the PATH),
+/// when it runs.
+fn find_nvcc() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("NVCC").map(PathBuf::from),
+        Some(cuda_dir().join("nvidia/cu13/bin/nvcc")),
+        Some(PathBuf::from("nvcc")),
+    ];
+    candidates.into_iter().flatten().find(|nvcc| nvcc_works(nvcc))
+}
+
+/// Installs nvcc 13.0 from PyPI unless a working copy is there, then compiles a kernel with the
+/// build script's targets to prove the toolchain (cicc, ptxas, headers, host compiler) works.
+fn cuda_setup() -> Result<PathBuf> {
+    let dir = cuda_dir();
+    let nvcc = dir.join("nvidia/cu13/bin/nvcc");
+    if nvcc_works(&nvcc) {
+        eprintln!("xtask: nvcc already installed in {}", dir.display());
+    } else {
+        let mut pip = Command::new("python3");
+        pip.args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-warn-script-location",
+        ]);
+        pip.args(["--upgrade", "--target"]).arg(&dir).args(CUDA_PACKAGES);
+        run(pip).map_err(|e| format!("{e}: cuda-setup needs python3 with pip and PyPI access"))?;
+        if !nvcc_works(&nvcc) {
+            return Err(format!(
+                "pip installed the CUDA packages, but {} does not run",
+                nvcc.display()
+            ));
+        }
+    }
+    let check = target_dir().join("cuda-setup");
+    std::fs::create_dir_all(&check).map_err(|e| format!("{}: {e}", check.display()))?;
+    let source = check.join("check.cu");
+    let kernel = "#include <cuda_bf16.h>\n\
+        extern \"C\" __global__ void check(float* y, const __nv_bfloat16* x, int n) {\n\
+        int i = blockIdx.x * blockDim.x + threadIdx.x;\n\
+        if (i < n) y[i] = sqrtf(expf(__bfloat162float(x[i])));\n}\n";
+    std::fs::write(&source, kernel).map_err(|e| format!("{}: {e}", source.display()))?;
+    let mut compile = Command::new(&nvcc);
+    compile.args(["--fatbin", "-gencode", "arch=compute_90a,code=sm_90a"]);
+    compile.args(["-gencode", "arch=compute_90,code=compute_90", "-o"]);
+    compile.arg(check.join("check.fatbin")).arg(&source);
+    if let Some(ccbin) = std::env::var_os("NVCC_CCBIN") {
+        compile.arg("-ccbin").arg(ccbin);
+    }
+    run(compile).map_err(|e| format!("{e}: nvcc is installed but cannot compile a kernel"))?;
+    Ok(nvcc)
+}
+
+/// Builds the miles-tensor tests with `--features cuda` and copies them, with `run.sh`, into
+/// `target/device-bundle/` for a GPU machine that has no Rust toolchain.
+fn device_bundle() -> Result<PathBuf> {
+    let mut cmd = cargo();
+    cmd.args(["test", "-p", "miles-tensor", "--features", "cuda", "--no-run"]);
+    cmd.args(["--message-format=json"]);
+    cmd.stderr(std::process::Stdio::inherit());
+    eprintln!("xtask: running {cmd:?}");
+    let out = cmd.output().map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("building the miles-tensor tests failed ({})", out.status));
+    }
+    let executables: Vec<(String, PathBuf)> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["profile"]["test"] == true)
+        .filter_map(|m| {
+            let exe = m["executable"].as_str()?;
+            let kind = m["target"]["kind"][0].as_str().unwrap_or("test");
+            let name = m["target"]["name"].as_str()?;
+            Some((format!("{name}-{kind}"), PathBuf::from(exe)))
+        })
+        .collect();
+    if executables.is_empty() {
+        return Err("cargo built no miles-tensor test executable".into());
+    }
+    let dir = target_dir().join("device-bundle");
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    let tests = dir.join("tests");
+    std::fs::create_dir_all(&tests).map_err(|e| format!("{}: {e}", tests.display()))?;
+    for (name, exe) in &executables {
+        let copy = tests.join(name);
+        std::fs::copy(exe, &copy).map_err(|e| format!("{}: {e}", exe.display()))?;
+        // Line tables double the size; the bundle must travel in 64 MiB. No strip: keep them.
+        let stripped = Command::new("strip").arg("--strip-debug").arg(&copy).status();
+        if !stripped.is_ok_and(|s| s.success()) {
+            eprintln!("xtask: could not strip {}: copied with its debug info", copy.display());
+        }
+    }
+    let script = dir.join("run.sh");
+    std::fs::write(&script, RUN_SH).map_err(|e| format!("{}: {e}", script.display()))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::Permissions::from_mode(0o755);
+        std::fs::set_permissions(&script, mode)
+            .map_err(|e| format!("{}: {e}", script.display()))?;
+    }
+    let bytes: u64 = executables
+        .iter()
+        .filter_map(|(name, _)| std::fs::metadata(tests.join(name)).ok())
+        .map(|m| m.len())
+        .sum();
+    if bytes > BUNDLE_LIMIT {
+        return Err(format!(
+            "the device bundle is {:.1} MiB, over the {} MiB a device run can carry",
+            bytes as f64 / 1048576.0,
+            BUNDLE_LIMIT >> 20
+        ));
+    }
+    eprintln!(
+        "xtask: device bundle of {} test binaries, {:.1} MiB",
+        executables.len(),
+        bytes as f64 / 1048576.0
+    );
+    Ok(dir)
+}
+
+/// What one device run can carry.
+const BUNDLE_LIMIT: u64 = 64 << 20;
+
+/// The device bundle's entry point: finds cuBLAS, runs every test binary, passes its arguments
+/// on (a test name filter, say).
+const RUN_SH: &str = r#"#!/bin/sh
+# Runs the miles-tensor tests (built with --features cuda) on a machine with an NVIDIA GPU.
+# Usage: run.sh [test-filter] [libtest options]
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+# cuBLAS 13 is loaded at run time: the toolkit's, else a pip wheel's (nvidia-cublas).
+if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so\.13'; then
+  pip_libs=$(python3 -c 'import glob, nvidia; [print(f) for p in nvidia.__path__ for f in glob.glob(p + "/**/libcublas.so.13", recursive=True)]' 2>/dev/null)
+  for lib in /usr/local/cuda/lib64/libcublas.so.13 /usr/local/cuda/targets/x86_64-linux/lib/libcublas.so.13 $pip_libs; do
+    if [ -e "$lib" ]; then
+      LD_LIBRARY_PATH="$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      export LD_LIBRARY_PATH
+      echo "run.sh: cuBLAS from $lib"
+      break
+    fi
+  done
+fi
+status=0
+for t in "$here"/tests/*; do
+  echo "run.sh: $t"
+  "$t" --test-threads=1 --nocapture "$@" || status=1
+done
+exit $status
+"#;
+
 /// Builds the driver with no plugin and with every plugin, and checks what `miles plugins`
 /// lists each time: a plugin crate the linker dropped would show here.
 fn check_plugin_features() -> Result {
-    let all: Vec<String> = PLUGINS.iter().map(|(p, _)| p.to_string()).collect();
+    let has_nvcc = find_nvcc().is_some();
+    if !has_nvcc {
+        eprintln!("xtask: no nvcc (run `cargo xtask cuda-setup`): not building the cuda feature");
+    }
+    let all: Vec<String> = PLUGINS
+        .iter()
+        .map(|(p, _)| p.to_string())
+        .filter(|p| has_nvcc || !BACKENDS.contains(&p.as_str()))
+        .collect();
     for names in [Vec::new(), all] {
         let exe = build(&names, false)?;
         let out = Command::new(&exe)
@@ -177,7 +384,27 @@ fn check_plugin_features() -> Result {
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             .filter_map(|row| row["name"].as_str().map(String::from))
             .collect();
-        for (plugin, _) in PLUGINS {
+        let version = Command::new(&exe)
+            .arg("--version")
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", exe.display()))?;
+        // `miles 0.1.0 (features: tis, cuda)`: exactly the features built.
+        let version = String::from_utf8_lossy(&version.stdout).trim().to_string();
+        let mut shown: Vec<&str> = version
+            .split_once("(features: ")
+            .and_then(|(_, rest)| rest.strip_suffix(')'))
+            .map(|list| list.split(", ").filter(|f| *f != "none").collect())
+            .unwrap_or_default();
+        let mut built: Vec<&str> = names.iter().map(String::as_str).collect();
+        shown.sort_unstable();
+        built.sort_unstable();
+        if shown != built {
+            return Err(format!(
+                "built with [{}], but `miles --version` says {version}",
+                names.join(", ")
+            ));
+        }
+        for (plugin, _) in PLUGINS.iter().filter(|(p, _)| !BACKENDS.contains(p)) {
             let wanted = names.iter().any(|n| n == plugin);
             if listed.iter().any(|l| l == plugin) != wanted {
                 return Err(format!(
@@ -232,5 +459,8 @@ mod tests {
             .collect();
         let offered: Vec<&str> = PLUGINS.iter().map(|(_, f)| *f).collect();
         assert_eq!(declared, offered);
+        for backend in BACKENDS {
+            assert!(PLUGINS.iter().any(|(p, _)| p == backend), "{backend} is not offered");
+        }
     }
 }

@@ -4,17 +4,22 @@
 
 use miles_core::Plugin;
 
-/// Cargo features of this build that link a plugin crate, for `miles --version`.
+/// Cargo features of this build (plugin crates and the CUDA backend), for `miles --version`.
 pub const FEATURES: &[&str] = &[
     #[cfg(feature = "tis")]
     "tis",
+    #[cfg(feature = "cuda")]
+    "cuda",
 ];
 
 /// Every statically linked plugin, built-in rewards included.
 pub fn plugins() -> Vec<&'static Plugin> {
-    let mut all: Vec<&'static Plugin> = miles_rewards::BUILTIN.to_vec();
-    #[cfg(feature = "tis")]
-    all.push(&miles_plugin_tis::PLUGIN);
+    let features: &[&'static Plugin] = &[
+        #[cfg(feature = "tis")]
+        &miles_plugin_tis::PLUGIN,
+    ];
+    let all: Vec<&'static Plugin> =
+        miles_rewards::BUILTIN.iter().chain(features).copied().collect();
     // Keep the references alive through optimization; the registry is then read from inventory.
     std::hint::black_box(&all);
     all

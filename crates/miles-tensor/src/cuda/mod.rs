@@ -1,0 +1,304 @@
+//! The CUDA backend (feature `cuda`): one context and stream per device, the kernel modules that
+//! the build script embedded, cuBLAS, and device buffers. The driver and cuBLAS are loaded at
+//! run time (cudarc's dynamic loading), so a machine without them gets an error, not a crash.
+
+use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+
+use cudarc::cublas::{CudaBlas, sys as cublas_sys};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr,
+    DriverError, LaunchConfig,
+};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+
+pub(crate) use ops::{matmul, rmsnorm_backward, rmsnorm_forward};
+
+use crate::tensor::Storage;
+use crate::{DType, Error, Result};
+
+/// `launch!(gpu, "module", "kernel", cfg, arg, …)`: launches `kernel` of `kernels/module.cu`
+/// with those arguments (references to device slices or to scalars); evaluates to `Result<()>`.
+/// Each use must pass exactly the parameters its kernel declares, with buffers of the lengths the
+/// kernel indexes (the op checks shapes before it launches).
+macro_rules! launch {
+    ($gpu:expr, $module:expr, $kernel:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let gpu: &$crate::cuda::Gpu = $gpu;
+        let kernel: &'static str = $kernel;
+        let cfg: cudarc::driver::LaunchConfig = $cfg;
+        match gpu.function($module, kernel) {
+            Err(e) => Err(e),
+            Ok(f) => {
+                let mut args = gpu.stream().launch_builder(&f);
+                $( cudarc::driver::PushKernelArg::arg(&mut args, $arg); )+
+                // SAFETY: see the macro's documentation; the arguments match the kernel.
+                unsafe { args.launch(cfg) }
+                    .map(drop)
+                    .map_err(|e| $crate::cuda::driver_error(kernel, e))
+            }
+        }
+    }};
+}
+mod ops;
+
+mod embedded {
+    include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+}
+
+/// One opened CUDA device: its context, the stream every op runs on, the kernels, cuBLAS.
+pub(crate) struct Gpu {
+    ordinal: usize,
+    stream: Arc<CudaStream>,
+    modules: Vec<(&'static str, Arc<CudaModule>)>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Created on the first matrix product, so the kernels work where cuBLAS is missing.
+    blas: OnceLock<std::result::Result<Mutex<CudaBlas>, String>>,
+}
+
+/// Devices opened so far, by ordinal (failures are not kept: the next call tries again).
+static GPUS: Mutex<Vec<(usize, Arc<Gpu>)>> = Mutex::new(Vec::new());
+
+/// The opened device `ordinal`, opening it on first use.
+pub(crate) fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
+    let mut gpus = GPUS.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((_, gpu)) = gpus.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(gpu.clone());
+    }
+    let gpu = Arc::new(open(ordinal)?);
+    gpus.push((ordinal, gpu.clone()));
+    Ok(gpu)
+}
+
+fn no_device(why: impl std::fmt::Display) -> Error {
+    Error::Device(format!("no CUDA device: {why}"))
+}
+
+pub(crate) fn driver_error(what: &str, e: DriverError) -> Error {
+    Error::Device(format!("CUDA {what}: {e}"))
+}
+
+fn open(ordinal: usize) -> Result<Gpu> {
+    // SAFETY: only tries to dlopen the driver library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(no_device("the NVIDIA driver library (libcuda.so.1) is not on this machine"));
+    }
+    // cudarc panics on a missing driver symbol; that is an error here too.
+    let opened = catch_unwind(AssertUnwindSafe(|| -> Result<_> {
+        let count = CudaContext::device_count().map_err(no_device)?;
+        if ordinal >= count.max(0) as usize {
+            return Err(no_device(format!("cuda:{ordinal} asked for, {count} device(s) present")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(no_device)?;
+        // SAFETY: every op of this crate runs on the one stream below, so the cross-stream
+        // events that tracking records are never needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let mut modules = Vec::new();
+        for (name, fatbin) in embedded::MODULES {
+            let module = ctx
+                .load_module(Ptx::from_binary(fatbin.to_vec()))
+                .map_err(|e| driver_error(&format!("loading kernels/{name}.cu"), e))?;
+            modules.push((*name, module));
+        }
+        Ok(Gpu {
+            ordinal,
+            stream,
+            modules,
+            functions: Mutex::new(HashMap::new()),
+            blas: OnceLock::new(),
+        })
+    }));
+    opened.unwrap_or_else(|panic| Err(no_device(panic_message(&panic))))
+}
+
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "the CUDA driver library panicked".into())
+}
+
+impl Gpu {
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits for everything queued on the device.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| driver_error("synchronize", e))
+    }
+
+    /// The kernel `name` of `kernels/<module>.cu`.
+    pub(crate) fn function(&self, module: &str, name: &'static str) -> Result<CudaFunction> {
+        let mut functions = self.functions.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let (_, m) = self
+            .modules
+            .iter()
+            .find(|(n, _)| *n == module)
+            .ok_or_else(|| Error::Device(format!("no kernel module kernels/{module}.cu")))?;
+        let f = m
+            .load_function(name)
+            .map_err(|e| driver_error(&format!("kernel {name} of kernels/{module}.cu"), e))?;
+        functions.insert(name, f.clone());
+        Ok(f)
+    }
+
+    /// The cuBLAS handle (created on first use), locked: cuBLAS handles are not reentrant.
+    pub(crate) fn blas(&self) -> Result<MutexGuard<'_, CudaBlas>> {
+        let blas = self.blas.get_or_init(|| {
+            // SAFETY: only tries to dlopen the library.
+            if !unsafe { cublas_sys::is_culib_present() } {
+                return Err("cuBLAS (libcublas.so.13) is not on the library path: install CUDA \
+                            13's cuBLAS or add its lib folder to LD_LIBRARY_PATH"
+                    .to_string());
+            }
+            let made = catch_unwind(AssertUnwindSafe(|| {
+                let blas = CudaBlas::new(self.stream.clone())?;
+                // No TF32 behind f32's back (the f32 product also asks for the pedantic compute
+                // type, which ignores NVIDIA_TF32_OVERRIDE).
+                // SAFETY: the handle was just created and is not shared yet.
+                unsafe {
+                    cublas_sys::cublasSetMathMode(
+                        *blas.handle(),
+                        cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
+                    )
+                }
+                .result()?;
+                Ok::<_, cudarc::cublas::result::CublasError>(blas)
+            }));
+            match made {
+                Ok(Ok(blas)) => Ok(Mutex::new(blas)),
+                Ok(Err(e)) => Err(format!("cuBLAS: {e}")),
+                Err(panic) => Err(format!("cuBLAS: {}", panic_message(&panic))),
+            }
+        });
+        match blas {
+            Ok(blas) => Ok(blas.lock().unwrap_or_else(PoisonError::into_inner)),
+            Err(e) => Err(Error::Device(e.clone())),
+        }
+    }
+
+    /// `len` elements of uninitialized device memory, NaN-filled when [`crate::POISON_OUTPUTS`].
+    pub(crate) fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: every op writes its whole output before anyone reads it (the tests check
+        // this by poisoning), and no T of this crate has invalid bit patterns.
+        let mut slice =
+            unsafe { self.stream.alloc::<T>(len) }.map_err(|e| driver_error("alloc", e))?;
+        if crate::poison_outputs() && len > 0 {
+            let bytes = slice.num_bytes();
+            let (ptr, _sync) = slice.device_ptr_mut(&self.stream);
+            // SAFETY: `ptr` addresses `bytes` bytes of the slice just allocated.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, self.stream.cu_stream())
+            }
+            .map_err(|e| driver_error("memset", e))?;
+        }
+        Ok(slice)
+    }
+}
+
+/// Device memory of one dtype (bf16 travels as its bits).
+pub(crate) enum DeviceData {
+    F32(CudaSlice<f32>),
+    BF16(CudaSlice<u16>),
+}
+
+/// A tensor's storage on a device.
+pub(crate) struct Buffer {
+    pub(crate) gpu: Arc<Gpu>,
+    pub(crate) data: DeviceData,
+}
+
+impl Buffer {
+    pub(crate) fn dtype(&self) -> DType {
+        match self.data {
+            DeviceData::F32(_) => DType::F32,
+            DeviceData::BF16(_) => DType::BF16,
+        }
+    }
+
+    pub(crate) fn ordinal(&self) -> usize {
+        self.gpu.ordinal
+    }
+
+    pub(crate) fn from_host(gpu: &Arc<Gpu>, host: &Storage) -> Result<Buffer> {
+        let stream = gpu.stream();
+        let data = match host {
+            Storage::F32(v) => DeviceData::F32(
+                stream.clone_htod(v).map_err(|e| driver_error("copy to device", e))?,
+            ),
+            Storage::BF16(v) => {
+                let bits: Vec<u16> = v.iter().map(|x| x.to_bits()).collect();
+                DeviceData::BF16(
+                    stream.clone_htod(&bits).map_err(|e| driver_error("copy to device", e))?,
+                )
+            }
+            Storage::Cuda(_) => {
+                return Err(Error::Device("from_host: storage is on a device".into()));
+            }
+        };
+        Ok(Buffer { gpu: gpu.clone(), data })
+    }
+
+    pub(crate) fn to_host(&self) -> Result<Storage> {
+        let stream = self.gpu.stream();
+        let err = |e| driver_error("copy to host", e);
+        Ok(match &self.data {
+            DeviceData::F32(s) => Storage::F32(stream.clone_dtoh(s).map_err(err)?),
+            DeviceData::BF16(s) => Storage::BF16(
+                stream.clone_dtoh(s).map_err(err)?.into_iter().map(bf16::from_bits).collect(),
+            ),
+        })
+    }
+
+    pub(crate) fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        match self.to_host()? {
+            Storage::F32(v) => Ok(v),
+            Storage::BF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
+            Storage::Cuda(_) => Err(Error::Device("to_host returned device storage".into())),
+        }
+    }
+
+    pub(crate) fn to_dtype(&self, dtype: DType) -> Result<Buffer> {
+        let gpu = &self.gpu;
+        let stream = gpu.stream();
+        let copy = |e| driver_error("device copy", e);
+        let data = match (&self.data, dtype) {
+            (DeviceData::F32(s), DType::F32) => {
+                DeviceData::F32(stream.clone_dtod(s).map_err(copy)?)
+            }
+            (DeviceData::BF16(s), DType::BF16) => {
+                DeviceData::BF16(stream.clone_dtod(s).map_err(copy)?)
+            }
+            (DeviceData::F32(s), DType::BF16) => {
+                let mut out = gpu.alloc::<u16>(s.len())?;
+                if !s.is_empty() {
+                    let n = s.len() as i64;
+                    launch!(gpu, "convert", "f32_to_bf16", elementwise(s.len()), &mut out, s, &n)?;
+                }
+                DeviceData::BF16(out)
+            }
+            (DeviceData::BF16(s), DType::F32) => {
+                let mut out = gpu.alloc::<f32>(s.len())?;
+                if !s.is_empty() {
+                    let n = s.len() as i64;
+                    launch!(gpu, "convert", "bf16_to_f32", elementwise(s.len()), &mut out, s, &n)?;
+                }
+                DeviceData::F32(out)
+            }
+        };
+        Ok(Buffer { gpu: gpu.clone(), data })
+    }
+}
+
+/// The launch shape of the element-wise kernels of `kernels/convert.cu` over `n` elements.
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 132 * 16) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}

@@ -1,0 +1,274 @@
+//! The CUDA ops: matrix products through cuBLAS, RMSNorm through `kernels/rmsnorm.cu`. Shapes
+//! and dtypes were checked by [`crate::ops`]; these check only what the device needs.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+
+use super::{Buffer, DeviceData, Gpu, driver_error};
+use crate::cpu::Transpose;
+use crate::{Error, Result};
+
+fn to_i32(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::Device(format!("{what} = {v} is too large for CUDA")))
+}
+
+/// Row-major `c[m×n] = op(a)·op(b)`, f32 accumulation, output in the inputs' dtype. f32 runs in
+/// real f32 (pedantic compute type: no TF32), bf16 on the tensor cores.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    gpu: &Arc<Gpu>,
+    a: &DeviceData,
+    ta: Transpose,
+    b: &DeviceData,
+    tb: Transpose,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<Buffer> {
+    let (mi, ki, ni) = (to_i32(m, "m")?, to_i32(k, "k")?, to_i32(n, "n")?);
+    let data = match (a, b) {
+        (DeviceData::F32(a), DeviceData::F32(b)) => {
+            let mut c = gpu.alloc::<f32>(m * n)?;
+            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), cudaDataType::CUDA_R_32F)?;
+            DeviceData::F32(c)
+        }
+        (DeviceData::BF16(a), DeviceData::BF16(b)) => {
+            let mut c = gpu.alloc::<u16>(m * n)?;
+            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), cudaDataType::CUDA_R_16BF)?;
+            DeviceData::BF16(c)
+        }
+        _ => return Err(Error::DType { op: "matmul", message: "operands differ in dtype".into() }),
+    };
+    Ok(Buffer { gpu: gpu.clone(), data })
+}
+
+/// cuBLAS is column-major: row-major `c = op(a)·op(b)` is column-major `cᵀ = op(b)ᵀ·op(a)ᵀ`, and
+/// a row-major matrix is its column-major transpose, so b goes first and the flags carry over.
+#[allow(clippy::too_many_arguments)]
+fn gemm<T: DeviceRepr>(
+    gpu: &Gpu,
+    a: &CudaSlice<T>,
+    ta: Transpose,
+    b: &CudaSlice<T>,
+    tb: Transpose,
+    c: &mut CudaSlice<T>,
+    (m, k, n): (i32, i32, i32),
+    dtype: cudaDataType,
+) -> Result<()> {
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let stream = gpu.stream();
+    if k == 0 {
+        return stream.memset_zeros_bytes(c);
+    }
+    let op = |t| match t {
+        Transpose::No => cublasOperation_t::CUBLAS_OP_N,
+        Transpose::Yes => cublasOperation_t::CUBLAS_OP_T,
+    };
+    let ldb = if tb == Transpose::No { n } else { k };
+    let lda = if ta == Transpose::No { k } else { m };
+    let compute = match dtype {
+        cudaDataType::CUDA_R_32F => cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+        _ => cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    };
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let blas = gpu.blas()?;
+    let handle = *blas.handle();
+    stream.context().bind_to_thread().map_err(|e| driver_error("bind context", e))?;
+    let (a_ptr, _a_sync) = a.device_ptr(stream);
+    let (b_ptr, _b_sync) = b.device_ptr(stream);
+    let (c_ptr, _c_sync) = c.device_ptr_mut(stream);
+    // SAFETY: the handle is locked for the call; a, b, c hold m·k, k·n and m·n elements of
+    // `dtype` (checked by the op), which the leading dimensions above address exactly.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            handle,
+            op(tb),
+            op(ta),
+            n,
+            m,
+            k,
+            (&alpha as *const f32).cast::<c_void>(),
+            b_ptr as *const c_void,
+            dtype,
+            ldb,
+            a_ptr as *const c_void,
+            dtype,
+            lda,
+            (&beta as *const f32).cast::<c_void>(),
+            c_ptr as *mut c_void,
+            dtype,
+            n,
+            compute,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| Error::Device(format!("cuBLAS gemm ({m}×{k}·{k}×{n}): {e}")))
+}
+
+trait MemsetBytes {
+    fn memset_zeros_bytes<T: DeviceRepr>(&self, c: &mut CudaSlice<T>) -> Result<()>;
+}
+
+impl MemsetBytes for Arc<cudarc::driver::CudaStream> {
+    fn memset_zeros_bytes<T: DeviceRepr>(&self, c: &mut CudaSlice<T>) -> Result<()> {
+        let bytes = cudarc::driver::DeviceSlice::num_bytes(c);
+        let (ptr, _sync) = c.device_ptr_mut(self);
+        // SAFETY: `ptr` addresses the `bytes` bytes of `c`.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, self.cu_stream()) }
+            .map_err(|e| driver_error("memset", e))
+    }
+}
+
+/// Threads per row for `hidden` elements loaded `vec` at a time: whole warps, at most 256. A
+/// function of `hidden` alone, so a row's reduction order does not depend on the batch.
+fn row_threads(hidden: usize, vec: usize) -> u32 {
+    (hidden.div_ceil(vec).div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+fn vec_width(hidden: usize) -> usize {
+    if hidden.is_multiple_of(4) { 4 } else { 1 }
+}
+
+/// The kernel of `kernels/rmsnorm.cu` for a pass, a dtype and a vector width.
+fn kernel_name(forward: bool, f32: bool, vec: usize) -> &'static str {
+    match (forward, f32, vec == 4) {
+        (true, true, true) => "rmsnorm_forward_f32_v4",
+        (true, true, false) => "rmsnorm_forward_f32_v1",
+        (true, false, true) => "rmsnorm_forward_bf16_v4",
+        (true, false, false) => "rmsnorm_forward_bf16_v1",
+        (false, true, true) => "rmsnorm_backward_f32_v4",
+        (false, true, false) => "rmsnorm_backward_f32_v1",
+        (false, false, true) => "rmsnorm_backward_bf16_v4",
+        (false, false, false) => "rmsnorm_backward_bf16_v1",
+    }
+}
+
+fn f32_of<'a>(d: &'a DeviceData, what: &str) -> Result<&'a CudaSlice<f32>> {
+    match d {
+        DeviceData::F32(s) => Ok(s),
+        DeviceData::BF16(_) => {
+            Err(Error::DType { op: "rmsnorm", message: format!("{what} must be f32, is bf16") })
+        }
+    }
+}
+
+/// `(y, rstd)` of `x [rows × hidden]` (f32 or bf16) and `w [hidden]` (f32).
+pub(crate) fn rmsnorm_forward(
+    gpu: &Arc<Gpu>,
+    x: &DeviceData,
+    w: &DeviceData,
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+) -> Result<(Buffer, Buffer)> {
+    let w = f32_of(w, "w")?;
+    let hidden_i = to_i32(hidden, "hidden")?;
+    to_i32(rows, "rows")?;
+    let vec = vec_width(hidden);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (row_threads(hidden, vec), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut rstd = gpu.alloc::<f32>(rows)?;
+    let y = match x {
+        DeviceData::F32(x) => {
+            let mut y = gpu.alloc::<f32>(rows * hidden)?;
+            if rows > 0 {
+                let name = kernel_name(true, true, vec);
+                launch!(gpu, "rmsnorm", name, cfg, &mut y, &mut rstd, x, w, &hidden_i, &eps)?;
+            }
+            DeviceData::F32(y)
+        }
+        DeviceData::BF16(x) => {
+            let mut y = gpu.alloc::<u16>(rows * hidden)?;
+            if rows > 0 {
+                let name = kernel_name(true, false, vec);
+                launch!(gpu, "rmsnorm", name, cfg, &mut y, &mut rstd, x, w, &hidden_i, &eps)?;
+            }
+            DeviceData::BF16(y)
+        }
+    };
+    Ok((
+        Buffer { gpu: gpu.clone(), data: y },
+        Buffer { gpu: gpu.clone(), data: DeviceData::F32(rstd) },
+    ))
+}
+
+/// Most partial dw rows [`rmsnorm_backward`] keeps (one per block); with this many blocks of up
+/// to 256 threads the H200's 132 multiprocessors are full.
+const MAX_DW_PARTS: usize = 512;
+
+/// `(dx, dw)` of `dy`, `x` (f32 or bf16, `[rows × hidden]`), `w [hidden]`, `rstd [rows]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rmsnorm_backward(
+    gpu: &Arc<Gpu>,
+    dy: &DeviceData,
+    x: &DeviceData,
+    w: &DeviceData,
+    rstd: &DeviceData,
+    rows: usize,
+    hidden: usize,
+) -> Result<(Buffer, Buffer)> {
+    let w = f32_of(w, "w")?;
+    let rstd = f32_of(rstd, "rstd")?;
+    let hidden_i = to_i32(hidden, "hidden")?;
+    let rows_i = to_i32(rows, "rows")?;
+    let vec = vec_width(hidden);
+    let rows_per_block = rows.div_ceil(MAX_DW_PARTS).max(1);
+    let parts = rows.div_ceil(rows_per_block);
+    let (rpb_i, parts_i) = (to_i32(rows_per_block, "rows per block")?, to_i32(parts, "parts")?);
+    let cfg = LaunchConfig {
+        grid_dim: (parts as u32, 1, 1),
+        block_dim: (row_threads(hidden, vec), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut part = gpu.alloc::<f32>(parts * hidden)?;
+    let mismatch =
+        || Error::DType { op: "rmsnorm_backward", message: "dy and x differ in dtype".into() };
+    let dx = match (dy, x) {
+        (DeviceData::F32(dy), DeviceData::F32(x)) => {
+            let mut dx = gpu.alloc::<f32>(rows * hidden)?;
+            if rows > 0 {
+                let name = kernel_name(false, true, vec);
+                launch!(
+                    gpu, "rmsnorm", name, cfg, &mut dx, &mut part, dy, x, w, rstd, &rows_i,
+                    &hidden_i, &rpb_i
+                )?;
+            }
+            DeviceData::F32(dx)
+        }
+        (DeviceData::BF16(dy), DeviceData::BF16(x)) => {
+            let mut dx = gpu.alloc::<u16>(rows * hidden)?;
+            if rows > 0 {
+                let name = kernel_name(false, false, vec);
+                launch!(
+                    gpu, "rmsnorm", name, cfg, &mut dx, &mut part, dy, x, w, rstd, &rows_i,
+                    &hidden_i, &rpb_i
+                )?;
+            }
+            DeviceData::BF16(dx)
+        }
+        _ => return Err(mismatch()),
+    };
+    let mut dw = gpu.alloc::<f32>(hidden)?;
+    if rows == 0 {
+        gpu.stream().memset_zeros_bytes(&mut dw)?;
+    } else if hidden > 0 {
+        let cfg = LaunchConfig {
+            grid_dim: (hidden.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(gpu, "rmsnorm", "rmsnorm_dw_reduce", cfg, &mut dw, &part, &parts_i, &hidden_i)?;
+    }
+    Ok((
+        Buffer { gpu: gpu.clone(), data: dx },
+        Buffer { gpu: gpu.clone(), data: DeviceData::F32(dw) },
+    ))
+}

@@ -1,0 +1,495 @@
+//! Ops on [`Tensor`]s, dispatched on their device. The CPU goes through the [`crate::cpu`]
+//! reference (bf16 by way of f32); CUDA through cuBLAS and `kernels/*.cu`. Every op returns
+//! new tensors on its operands' device; mixing devices is an error.
+
+use half::bf16;
+
+use crate::cpu::{self, Transpose};
+use crate::tensor::Storage;
+use crate::{DType, Device, Error, Result, Tensor, ensure};
+
+/// A host buffer of `n` f32 for an op to overwrite (NaN in debug builds: see POISON_OUTPUTS).
+fn host_out(n: usize) -> Vec<f32> {
+    vec![if crate::poison_outputs() { f32::NAN } else { 0.0 }; n]
+}
+
+fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Device> {
+    let device = tensors[0].device();
+    if let Some(other) = tensors.iter().find(|t| t.device() != device) {
+        return Err(Error::Device(format!(
+            "{op}: operands on different devices ({device} and {})",
+            other.device()
+        )));
+    }
+    Ok(device)
+}
+
+fn dtype_is(op: &'static str, what: &str, t: &Tensor, want: DType) -> Result<()> {
+    if t.dtype() == want {
+        Ok(())
+    } else {
+        Err(Error::DType { op, message: format!("{what} is {}, must be {want}", t.dtype()) })
+    }
+}
+
+/// f32 storage of the result of a CPU op, stored back as `dtype`.
+fn host_tensor(shape: Vec<usize>, data: Vec<f32>, dtype: DType) -> Tensor {
+    let storage = match dtype {
+        DType::F32 => Storage::F32(data),
+        DType::BF16 => Storage::BF16(data.into_iter().map(bf16::from_f32).collect()),
+    };
+    Tensor { shape, storage }
+}
+
+/// The f32 elements of a host tensor (borrowed when f32 already).
+fn host_f32(t: &Tensor) -> std::borrow::Cow<'_, [f32]> {
+    match &t.storage {
+        Storage::F32(v) => std::borrow::Cow::Borrowed(v),
+        Storage::BF16(v) => std::borrow::Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(_) => unreachable!("host_f32 of a device tensor"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn device_data(t: &Tensor) -> &crate::cuda::DeviceData {
+    match &t.storage {
+        Storage::Cuda(buffer) => &buffer.data,
+        _ => unreachable!("device_data of a host tensor"),
+    }
+}
+
+/// `op(a)·op(b)`: `a` is stored `[m×k]` (or `[k×m]` when `ta` is [`Transpose::Yes`]), `b`
+/// `[k×n]` (or `[n×k]`); the result is `[m×n]` in the operands' dtype (both f32 or both bf16),
+/// accumulated in f32.
+pub fn matmul(a: &Tensor, ta: Transpose, b: &Tensor, tb: Transpose) -> Result<Tensor> {
+    let device = same_device("matmul", &[a, b])?;
+    ensure(a.shape.len() == 2 && b.shape.len() == 2, "matmul", || {
+        format!("operands must be 2-D, are {:?} and {:?}", a.shape, b.shape)
+    })?;
+    let (m, k) = match ta {
+        Transpose::No => (a.shape[0], a.shape[1]),
+        Transpose::Yes => (a.shape[1], a.shape[0]),
+    };
+    let (kb, n) = match tb {
+        Transpose::No => (b.shape[0], b.shape[1]),
+        Transpose::Yes => (b.shape[1], b.shape[0]),
+    };
+    ensure(k == kb, "matmul", || {
+        format!("a {:?} ({ta:?}) and b {:?} ({tb:?}): inner sizes {k} and {kb}", a.shape, b.shape)
+    })?;
+    if a.dtype() != b.dtype() {
+        return Err(Error::DType {
+            op: "matmul",
+            message: format!("a is {}, b is {}", a.dtype(), b.dtype()),
+        });
+    }
+    match device {
+        Device::Cpu => {
+            let mut c = host_out(m * n);
+            cpu::matmul(&mut c, &host_f32(a), ta, &host_f32(b), tb, m, k, n, false)?;
+            Ok(host_tensor(vec![m, n], c, a.dtype()))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let Storage::Cuda(buffer) = &a.storage else { unreachable!("a is on a device") };
+            let c =
+                crate::cuda::matmul(&buffer.gpu, device_data(a), ta, device_data(b), tb, m, k, n)?;
+            Ok(Tensor { shape: vec![m, n], storage: Storage::Cuda(c) })
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// Rows and hidden size of `x [… × hidden]` normalized with `w [hidden]`.
+fn rmsnorm_rows(op: &'static str, x: &Tensor, w: &Tensor) -> Result<(usize, usize)> {
+    ensure(w.shape.len() == 1 && !x.shape.is_empty(), op, || {
+        format!("x {:?} must be [… × hidden], w {:?} must be [hidden]", x.shape, w.shape)
+    })?;
+    let hidden = w.shape[0];
+    ensure(hidden > 0 && x.shape[x.shape.len() - 1] == hidden, op, || {
+        format!("x {:?} and w {:?}: the last size must be w's, and not 0", x.shape, w.shape)
+    })?;
+    Ok((x.len() / hidden, hidden))
+}
+
+/// RMSNorm over the last dimension: `(y, rstd)` with `y = w · x · rstd`, `rstd = 1/√(mean(x²) +
+/// eps)` per row. `x` is f32 or bf16 (y has its dtype), `w` f32; `rstd` is f32, shaped like x
+/// without its last dimension. Arithmetic is f32.
+pub fn rmsnorm_forward(x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    let device = same_device("rmsnorm", &[x, w])?;
+    let (rows, hidden) = rmsnorm_rows("rmsnorm", x, w)?;
+    dtype_is("rmsnorm", "w", w, DType::F32)?;
+    let rstd_shape = x.shape[..x.shape.len() - 1].to_vec();
+    match device {
+        Device::Cpu => {
+            let (mut y, mut rstd) = (host_out(rows * hidden), host_out(rows));
+            cpu::rmsnorm_forward(&mut y, &mut rstd, &host_f32(x), &host_f32(w), eps)?;
+            Ok((
+                host_tensor(x.shape.clone(), y, x.dtype()),
+                host_tensor(rstd_shape, rstd, DType::F32),
+            ))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let Storage::Cuda(buffer) = &x.storage else { unreachable!("x is on a device") };
+            let (y, rstd) = crate::cuda::rmsnorm_forward(
+                &buffer.gpu,
+                device_data(x),
+                device_data(w),
+                rows,
+                hidden,
+                eps,
+            )?;
+            Ok((
+                Tensor { shape: x.shape.clone(), storage: Storage::Cuda(y) },
+                Tensor { shape: rstd_shape, storage: Storage::Cuda(rstd) },
+            ))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// Gradients of [`rmsnorm_forward`]: `(dx, dw)` from `dy` and the forward's `x`, `w` and
+/// `rstd`. `dy` and `x` share a dtype (f32 or bf16, dx has it too); `w`, `rstd` and `dw` are f32.
+/// `dw` is a fresh sum over the rows, reduced in a fixed order.
+pub fn rmsnorm_backward(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "rmsnorm_backward";
+    let device = same_device(OP, &[dy, x, w, rstd])?;
+    let (rows, hidden) = rmsnorm_rows(OP, x, w)?;
+    ensure(dy.shape == x.shape && rstd.len() == rows, OP, || {
+        format!("dy {:?}, x {:?}, rstd {:?}", dy.shape, x.shape, rstd.shape)
+    })?;
+    dtype_is(OP, "w", w, DType::F32)?;
+    dtype_is(OP, "rstd", rstd, DType::F32)?;
+    dtype_is(OP, "dy", dy, x.dtype())?;
+    match device {
+        Device::Cpu => {
+            let mut dx = host_out(rows * hidden);
+            let mut dw = vec![0.0; hidden]; // cpu::rmsnorm_backward adds into dw
+            let (dy_h, x_h) = (host_f32(dy), host_f32(x));
+            cpu::rmsnorm_backward(&mut dx, &mut dw, &dy_h, &x_h, &host_f32(w), &host_f32(rstd))?;
+            Ok((
+                host_tensor(x.shape.clone(), dx, x.dtype()),
+                host_tensor(vec![hidden], dw, DType::F32),
+            ))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let Storage::Cuda(buffer) = &x.storage else { unreachable!("x is on a device") };
+            let (dx, dw) = crate::cuda::rmsnorm_backward(
+                &buffer.gpu,
+                device_data(dy),
+                device_data(x),
+                device_data(w),
+                device_data(rstd),
+                rows,
+                hidden,
+            )?;
+            Ok((
+                Tensor { shape: x.shape.clone(), storage: Storage::Cuda(dx) },
+                Tensor { shape: vec![hidden], storage: Storage::Cuda(dw) },
+            ))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    /// The CPU, and CUDA device 0 when this build and machine have one.
+    fn devices() -> Vec<Device> {
+        let mut devices = vec![Device::Cpu];
+        match Device::Cuda(0).ensure_available() {
+            Ok(()) => devices.push(Device::Cuda(0)),
+            Err(e) => println!("skipping CUDA: {e}"),
+        }
+        devices
+    }
+
+    /// Largest |got − want| over max |want| (relative to the output's scale), after checking
+    /// that every element is finite (the outputs were NaN-poisoned before the op wrote them).
+    fn max_rel_err(what: &str, got: &[f32], want: &[f32]) -> f64 {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        for (i, g) in got.iter().enumerate() {
+            assert!(g.is_finite(), "{what}[{i}] = {g}: not written, or not finite");
+        }
+        let scale = want.iter().fold(0f64, |m, w| m.max(f64::from(*w).abs())).max(1e-30);
+        let err = got
+            .iter()
+            .zip(want)
+            .fold(0f64, |m, (g, w)| m.max((f64::from(*g) - f64::from(*w)).abs()));
+        err / scale
+    }
+
+    fn round_bf16(v: &[f32]) -> Vec<f32> {
+        v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+    }
+
+    fn tensor(shape: &[usize], data: &[f32], dtype: DType, device: &Device) -> Tensor {
+        Tensor::from_f32(shape, data.to_vec(), &Device::Cpu)
+            .and_then(|t| t.to_dtype(dtype))
+            .and_then(|t| t.to_device(device))
+            .unwrap()
+    }
+
+    #[test]
+    fn matmul_matches_the_cpu_reference_on_every_device() {
+        let mut rng = Rng::new(21);
+        for device in devices() {
+            let mut worst = [0f64; 2];
+            for &(m, k, n) in &[(1, 64, 1), (7, 576, 333), (333, 1000, 64), (64, 4096, 96)] {
+                for ta in [Transpose::No, Transpose::Yes] {
+                    for tb in [Transpose::No, Transpose::Yes] {
+                        let a_shape = if ta == Transpose::No { [m, k] } else { [k, m] };
+                        let b_shape = if tb == Transpose::No { [k, n] } else { [n, k] };
+                        let a = rng.vec(m * k, 1.0);
+                        let b = rng.vec(k * n, 1.0);
+                        for (slot, dtype) in [DType::F32, DType::BF16].into_iter().enumerate() {
+                            // The reference: f32 on the (rounded, for bf16) inputs.
+                            let (ar, br) = match dtype {
+                                DType::F32 => (a.clone(), b.clone()),
+                                DType::BF16 => (round_bf16(&a), round_bf16(&b)),
+                            };
+                            let mut want = vec![0.0; m * n];
+                            cpu::matmul(&mut want, &ar, ta, &br, tb, m, k, n, false).unwrap();
+                            let at = tensor(&a_shape, &a, dtype, &device);
+                            let bt = tensor(&b_shape, &b, dtype, &device);
+                            let c = matmul(&at, ta, &bt, tb).unwrap();
+                            assert_eq!(c.shape(), [m, n]);
+                            assert_eq!((c.dtype(), c.device()), (dtype, device));
+                            let what = format!("{device} {dtype} matmul {m}×{k}×{n} {ta:?}/{tb:?}");
+                            let err = max_rel_err(&what, &c.to_vec_f32().unwrap(), &want);
+                            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+                            assert!(err <= tol, "{what}: max relative error {err:.3e} > {tol:e}");
+                            worst[slot] = worst[slot].max(err);
+                        }
+                    }
+                }
+            }
+            println!(
+                "{device}: matmul max relative error f32 {:.3e}, bf16 {:.3e}",
+                worst[0], worst[1]
+            );
+        }
+    }
+
+    #[test]
+    fn rmsnorm_matches_the_cpu_reference_on_every_device() {
+        let mut rng = Rng::new(22);
+        let eps = 1e-6;
+        for device in devices() {
+            let mut worst = [[0f64; 4]; 2]; // [dtype][y, rstd, dx, dw]
+            for &rows in &[1, 7, 333] {
+                for &hidden in &[64, 576, 1000, 1001, 4096] {
+                    let x = rng.vec(rows * hidden, 1.0);
+                    let w: Vec<f32> = rng.vec(hidden, 0.3).iter().map(|v| 1.0 + v).collect();
+                    let dy = rng.vec(rows * hidden, 1.0);
+                    for (slot, dtype) in [DType::F32, DType::BF16].into_iter().enumerate() {
+                        let (xr, dyr) = match dtype {
+                            DType::F32 => (x.clone(), dy.clone()),
+                            DType::BF16 => (round_bf16(&x), round_bf16(&dy)),
+                        };
+                        // The reference, in f32 on the (rounded) inputs.
+                        let (mut y, mut rstd) = (vec![0.0; rows * hidden], vec![0.0; rows]);
+                        cpu::rmsnorm_forward(&mut y, &mut rstd, &xr, &w, eps).unwrap();
+                        let (mut dx, mut dw) = (vec![0.0; rows * hidden], vec![0.0; hidden]);
+                        cpu::rmsnorm_backward(&mut dx, &mut dw, &dyr, &xr, &w, &rstd).unwrap();
+
+                        let shape = [rows, hidden];
+                        let xt = tensor(&shape, &x, dtype, &device);
+                        let wt = tensor(&[hidden], &w, DType::F32, &device);
+                        let dyt = tensor(&shape, &dy, dtype, &device);
+                        let (yt, rt) = rmsnorm_forward(&xt, &wt, eps).unwrap();
+                        assert_eq!((yt.shape(), rt.shape()), (&shape[..], &[rows][..]));
+                        // Backward from the reference rstd, so the two passes are checked apart.
+                        let rref = tensor(&[rows], &rstd, DType::F32, &device);
+                        let (dxt, dwt) = rmsnorm_backward(&dyt, &xt, &wt, &rref).unwrap();
+                        assert_eq!((dxt.dtype(), dwt.dtype()), (dtype, DType::F32));
+
+                        let what =
+                            |name: &str| format!("{device} {dtype} rmsnorm {name} {rows}×{hidden}");
+                        // f32: 1e-5. bf16 outputs are rounded once (2⁻⁸ relative); dw sums f32.
+                        let (tol_out, tol_f32) =
+                            if dtype == DType::F32 { (1e-5, 1e-5) } else { (1e-2, 1e-5) };
+                        let checks = [
+                            (
+                                max_rel_err(
+                                    &what("y"),
+                                    &yt.to_vec_f32().unwrap(),
+                                    &round_out(&y, dtype),
+                                ),
+                                tol_out,
+                            ),
+                            (max_rel_err(&what("rstd"), &rt.to_vec_f32().unwrap(), &rstd), tol_f32),
+                            (
+                                max_rel_err(
+                                    &what("dx"),
+                                    &dxt.to_vec_f32().unwrap(),
+                                    &round_out(&dx, dtype),
+                                ),
+                                tol_out,
+                            ),
+                            (max_rel_err(&what("dw"), &dwt.to_vec_f32().unwrap(), &dw), tol_f32),
+                        ];
+                        for (i, (err, tol)) in checks.into_iter().enumerate() {
+                            let name = ["y", "rstd", "dx", "dw"][i];
+                            assert!(
+                                err <= tol,
+                                "{}: max relative error {err:.3e} > {tol:e}",
+                                what(name)
+                            );
+                            worst[slot][i] = worst[slot][i].max(err);
+                        }
+                    }
+                }
+            }
+            for (slot, dtype) in ["f32", "bf16"].into_iter().enumerate() {
+                let [y, r, dx, dw] = worst[slot];
+                println!(
+                    "{device}: rmsnorm {dtype} max relative error y {y:.3e} rstd {r:.3e} dx {dx:.3e} dw {dw:.3e}"
+                );
+            }
+        }
+    }
+
+    /// The reference output as the op stores it (bf16 outputs are rounded once).
+    fn round_out(v: &[f32], dtype: DType) -> Vec<f32> {
+        match dtype {
+            DType::F32 => v.to_vec(),
+            DType::BF16 => round_bf16(v),
+        }
+    }
+
+    #[test]
+    fn tensors_round_trip_through_every_device_and_dtype() {
+        let mut rng = Rng::new(23);
+        let data = rng.vec(1000, 1.0);
+        for device in devices() {
+            let t = Tensor::from_f32(&[10, 100], data.clone(), &device).unwrap();
+            assert_eq!((t.shape(), t.device(), t.dtype()), (&[10, 100][..], device, DType::F32));
+            assert_eq!(t.to_vec_f32().unwrap(), data);
+            let b = t.to_dtype(DType::BF16).unwrap();
+            assert_eq!(b.device(), device);
+            assert_eq!(b.to_vec_f32().unwrap(), round_bf16(&data));
+            assert_eq!(b.to_dtype(DType::F32).unwrap().to_vec_f32().unwrap(), round_bf16(&data));
+            let host = b.to_device(&Device::Cpu).unwrap();
+            assert_eq!(host.to_vec_bf16().unwrap(), b.to_vec_bf16().unwrap());
+        }
+        assert!(Tensor::from_f32(&[3, 4], vec![0.0; 11], &Device::Cpu).is_err());
+    }
+
+    #[test]
+    fn mismatched_operands_are_errors() {
+        let dev = Device::Cpu;
+        let a = Tensor::from_f32(&[2, 3], vec![1.0; 6], &dev).unwrap();
+        let b = Tensor::from_f32(&[4, 2], vec![1.0; 8], &dev).unwrap();
+        let err = matmul(&a, Transpose::No, &b, Transpose::No).unwrap_err().to_string();
+        assert!(err.contains("matmul") && err.contains("inner"), "{err}");
+        let bb = b.to_dtype(DType::BF16).unwrap();
+        let err = matmul(&a, Transpose::Yes, &bb, Transpose::Yes).unwrap_err().to_string();
+        assert!(err.contains("dtype") && err.contains("bf16"), "{err}");
+        let w = Tensor::from_f32(&[4], vec![1.0; 4], &dev).unwrap();
+        assert!(rmsnorm_forward(&a, &w, 1e-6).unwrap_err().to_string().contains("rmsnorm"));
+    }
+
+    /// Times the CUDA ops at sizes several times the L2 (by hand: `--ignored`; debug builds
+    /// too, the work is on the device). Poisoning is off meanwhile, so run it alone.
+    #[test]
+    #[ignore = "timings on a GPU; run with --ignored --test-threads=1"]
+    fn cuda_timings() {
+        use std::sync::atomic::Ordering;
+        use std::time::Instant;
+        let device = Device::Cuda(0);
+        if let Err(e) = device.ensure_available() {
+            println!("skipping CUDA: {e}");
+            return;
+        }
+        crate::POISON_OUTPUTS.store(false, Ordering::Relaxed);
+        let mut rng = Rng::new(24);
+        let tile = rng.vec(1 << 20, 1.0);
+        let big = |n: usize| -> Vec<f32> { tile.iter().copied().cycle().take(n).collect() };
+        let time = |reps: usize, f: &mut dyn FnMut()| -> f64 {
+            f();
+            device.synchronize().unwrap();
+            let start = Instant::now();
+            for _ in 0..reps {
+                f();
+            }
+            device.synchronize().unwrap();
+            start.elapsed().as_secs_f64() / reps as f64
+        };
+        let (rows, hidden) = (8192, 4096);
+        let (x, dy) = (big(rows * hidden), big(rows * hidden + 7)[7..].to_vec());
+        let w: Vec<f32> = rng.vec(hidden, 0.3).iter().map(|v| 1.0 + v).collect();
+        for dtype in [DType::F32, DType::BF16] {
+            let xt = tensor(&[rows, hidden], &x, dtype, &device);
+            let dyt = tensor(&[rows, hidden], &dy, dtype, &device);
+            let wt = tensor(&[hidden], &w, DType::F32, &device);
+            let (_, rstd) = rmsnorm_forward(&xt, &wt, 1e-6).unwrap();
+            let fwd = time(20, &mut || drop(rmsnorm_forward(&xt, &wt, 1e-6).unwrap()));
+            let bwd = time(20, &mut || drop(rmsnorm_backward(&dyt, &xt, &wt, &rstd).unwrap()));
+            let e = (rows * hidden * dtype.size_in_bytes()) as f64;
+            println!(
+                "{device}: rmsnorm {dtype} {rows}×{hidden}: forward {:.1} µs ({:.0} GB/s: x in, y out), \
+                 backward {:.1} µs ({:.0} GB/s: dy, x in, dx out)",
+                fwd * 1e6,
+                2.0 * e / fwd / 1e9,
+                bwd * 1e6,
+                3.0 * e / bwd / 1e9
+            );
+        }
+        let n = 4096;
+        let (a, b) = (big(n * n), big(n * n + 3)[3..].to_vec());
+        for dtype in [DType::F32, DType::BF16] {
+            let at = tensor(&[n, n], &a, dtype, &device);
+            let bt = tensor(&[n, n], &b, dtype, &device);
+            let t =
+                time(10, &mut || drop(matmul(&at, Transpose::No, &bt, Transpose::Yes).unwrap()));
+            let tflops = 2.0 * (n as f64).powi(3) / t / 1e12;
+            println!(
+                "{device}: matmul {dtype} {n}×{n}×{n}: {:.2} ms ({tflops:.1} TFLOP/s)",
+                t * 1e3
+            );
+        }
+        crate::POISON_OUTPUTS.store(cfg!(debug_assertions), Ordering::Relaxed);
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_is_a_clear_error() {
+        let cuda = Device::Cuda(0);
+        let err = cuda.ensure_available().unwrap_err().to_string();
+        assert!(err.contains("built without CUDA") && err.contains("--features cuda"), "{err}");
+        let err = Tensor::from_f32(&[2], vec![1.0, 2.0], &cuda).unwrap_err();
+        assert!(matches!(err, Error::Device(_)) && err.to_string().contains("built without CUDA"));
+        let t = Tensor::from_f32(&[2], vec![1.0, 2.0], &Device::Cpu).unwrap();
+        assert!(t.to_device(&cuda).unwrap_err().to_string().contains("built without CUDA"));
+    }
+
+    /// With the feature but without a driver or GPU, asking for one is an error that says so.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_without_a_device_is_a_clear_error() {
+        match Device::Cuda(0).ensure_available() {
+            Ok(()) => println!("cuda:0 present: nothing to check"),
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.starts_with("no CUDA device: "), "{e}");
+            }
+        }
+        let err = Device::Cuda(1 << 20).ensure_available().unwrap_err().to_string();
+        assert!(err.starts_with("no CUDA device: "), "{err}");
+    }
+}

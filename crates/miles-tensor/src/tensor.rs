@@ -1,0 +1,213 @@
+//! [`Tensor`]: a shape, a dtype and storage on the host or on a CUDA device.
+
+use std::fmt;
+
+use half::bf16;
+
+use crate::Result;
+
+/// Where a tensor lives and its ops run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    Cpu,
+    /// The CUDA device of this ordinal (needs the `cuda` feature and a GPU).
+    Cuda(usize),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl Device {
+    /// Ok when tensors can be made here; else why not ("built without CUDA …", "no CUDA
+    /// device: …"). Opens the device on first use.
+    pub fn ensure_available(&self) -> Result<()> {
+        match *self {
+            Device::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::gpu(ordinal).map(drop),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(not_built()),
+        }
+    }
+
+    /// Waits until the ops queued on this device are done (ops run asynchronously on a GPU;
+    /// copies to the host wait by themselves). For timings.
+    pub fn synchronize(&self) -> Result<()> {
+        match *self {
+            Device::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::gpu(ordinal)?.synchronize(),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(not_built()),
+        }
+    }
+}
+
+/// The error for any CUDA request in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn not_built() -> crate::Error {
+    crate::Error::Device(
+        "built without CUDA: rebuild with `cargo xtask build --features cuda` \
+         (or cargo's `--features miles-tensor/cuda`)"
+            .into(),
+    )
+}
+
+/// Element types. Arithmetic is f32 whatever the storage type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    BF16,
+}
+
+impl DType {
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 => 2,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+        })
+    }
+}
+
+pub(crate) enum Storage {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::Buffer),
+}
+
+/// A dense row-major tensor: shape, dtype, and host or device storage.
+pub struct Tensor {
+    pub(crate) shape: Vec<usize>,
+    pub(crate) storage: Storage,
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor({:?}, {}, {})", self.shape, self.dtype(), self.device())
+    }
+}
+
+fn check_len(shape: &[usize], len: usize) -> Result<()> {
+    let want: usize = shape.iter().product();
+    crate::ensure(want == len, "Tensor", || {
+        format!("shape {shape:?} holds {want} elements, got {len}")
+    })
+}
+
+/// A tensor of host `storage` moved onto `device`.
+fn place(shape: Vec<usize>, storage: Storage, device: &Device) -> Result<Tensor> {
+    match *device {
+        Device::Cpu => Ok(Tensor { shape, storage }),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => {
+            let gpu = crate::cuda::gpu(ordinal)?;
+            let buffer = crate::cuda::Buffer::from_host(&gpu, &storage)?;
+            Ok(Tensor { shape, storage: Storage::Cuda(buffer) })
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(not_built()),
+    }
+}
+
+impl Tensor {
+    /// An f32 tensor of `data` (row-major, `shape`'s product elements) on `device`.
+    pub fn from_f32(shape: &[usize], data: Vec<f32>, device: &Device) -> Result<Tensor> {
+        check_len(shape, data.len())?;
+        place(shape.to_vec(), Storage::F32(data), device)
+    }
+
+    /// A bf16 tensor of `data` on `device`.
+    pub fn from_bf16(shape: &[usize], data: Vec<bf16>, device: &Device) -> Result<Tensor> {
+        check_len(shape, data.len())?;
+        place(shape.to_vec(), Storage::BF16(data), device)
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> DType {
+        match &self.storage {
+            Storage::F32(_) => DType::F32,
+            Storage::BF16(_) => DType::BF16,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(buffer) => buffer.dtype(),
+        }
+    }
+
+    pub fn device(&self) -> Device {
+        match &self.storage {
+            Storage::F32(_) | Storage::BF16(_) => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(buffer) => Device::Cuda(buffer.ordinal()),
+        }
+    }
+
+    /// A copy of this tensor on `device`.
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        let host = match &self.storage {
+            Storage::F32(v) => Storage::F32(v.clone()),
+            Storage::BF16(v) => Storage::BF16(v.clone()),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(buffer) => buffer.to_host()?,
+        };
+        place(self.shape.clone(), host, device)
+    }
+
+    /// A copy of this tensor with elements of `dtype`, on the same device (bf16 rounds to
+    /// nearest even).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        let shape = self.shape.clone();
+        let storage = match (&self.storage, dtype) {
+            (Storage::F32(v), DType::F32) => Storage::F32(v.clone()),
+            (Storage::BF16(v), DType::BF16) => Storage::BF16(v.clone()),
+            (Storage::F32(v), DType::BF16) => {
+                Storage::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect())
+            }
+            (Storage::BF16(v), DType::F32) => Storage::F32(v.iter().map(|x| x.to_f32()).collect()),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(buffer), dtype) => Storage::Cuda(buffer.to_dtype(dtype)?),
+        };
+        Ok(Tensor { shape, storage })
+    }
+
+    /// The elements as f32, copied to the host.
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        match &self.storage {
+            Storage::F32(v) => Ok(v.clone()),
+            Storage::BF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(buffer) => buffer.to_vec_f32(),
+        }
+    }
+
+    /// The elements as bf16 (rounded to nearest even from f32), copied to the host.
+    pub fn to_vec_bf16(&self) -> Result<Vec<bf16>> {
+        Ok(self.to_vec_f32()?.into_iter().map(bf16::from_f32).collect())
+    }
+}

@@ -1,0 +1,92 @@
+// Helpers shared by the kernels of miles-rs: vector loads and stores that widen to f32, and a
+// block-wide sum whose order of additions is fixed (the same bits on every run and every thread).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace miles {
+
+// Loads VEC consecutive elements at `p` (aligned to VEC elements) as f32.
+template <int VEC>
+__device__ __forceinline__ void load(const float* p, float* v) {
+    if constexpr (VEC == 4) {
+        const float4 t = *reinterpret_cast<const float4*>(p);
+        v[0] = t.x;
+        v[1] = t.y;
+        v[2] = t.z;
+        v[3] = t.w;
+    } else {
+        static_assert(VEC == 1, "VEC is 1 or 4");
+        v[0] = *p;
+    }
+}
+
+template <int VEC>
+__device__ __forceinline__ void load(const __nv_bfloat16* p, float* v) {
+    if constexpr (VEC == 4) {
+        const uint2 t = *reinterpret_cast<const uint2*>(p);
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.y));
+        v[0] = lo.x;
+        v[1] = lo.y;
+        v[2] = hi.x;
+        v[3] = hi.y;
+    } else {
+        static_assert(VEC == 1, "VEC is 1 or 4");
+        v[0] = __bfloat162float(*p);
+    }
+}
+
+// Stores VEC f32 values at `p`, rounding to nearest even for bf16.
+template <int VEC>
+__device__ __forceinline__ void store(float* p, const float* v) {
+    if constexpr (VEC == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+        static_assert(VEC == 1, "VEC is 1 or 4");
+        *p = v[0];
+    }
+}
+
+template <int VEC>
+__device__ __forceinline__ void store(__nv_bfloat16* p, const float* v) {
+    if constexpr (VEC == 4) {
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]);
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(v[2], v[3]);
+        uint2 t;
+        t.x = *reinterpret_cast<const uint32_t*>(&lo);
+        t.y = *reinterpret_cast<const uint32_t*>(&hi);
+        *reinterpret_cast<uint2*>(p) = t;
+    } else {
+        static_assert(VEC == 1, "VEC is 1 or 4");
+        *p = __float2bfloat16_rn(v[0]);
+    }
+}
+
+// Butterfly sum over a warp: every lane ends with the same bits (a + b == b + a).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
+// `scratch` is 32 floats of shared memory; calls may follow each other in a loop.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // the previous call's readers are done with scratch
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    // Every warp adds the warp totals in the same order, so all threads hold the same value.
+    return warp_sum(lane < warps ? scratch[lane] : 0.0f);
+}
+
+}  // namespace miles
