@@ -24,6 +24,16 @@ fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Device> {
     Ok(device)
 }
 
+/// The float ops take f32 or bf16 operands; i32 tensors are refused up front.
+fn floats_only(op: &'static str, tensors: &[&Tensor]) -> Result<()> {
+    match tensors.iter().find(|t| t.dtype() == DType::I32) {
+        Some(_) => {
+            Err(Error::DType { op, message: "operands must be f32 or bf16, one is i32".into() })
+        }
+        None => Ok(()),
+    }
+}
+
 fn dtype_is(op: &'static str, what: &str, t: &Tensor, want: DType) -> Result<()> {
     if t.dtype() == want {
         Ok(())
@@ -37,6 +47,7 @@ fn host_tensor(shape: Vec<usize>, data: Vec<f32>, dtype: DType) -> Tensor {
     let storage = match dtype {
         DType::F32 => Storage::F32(data),
         DType::BF16 => Storage::BF16(data.into_iter().map(bf16::from_f32).collect()),
+        DType::I32 => unreachable!("float ops refuse i32 operands (floats_only)"),
     };
     Tensor { shape, storage }
 }
@@ -46,6 +57,7 @@ fn host_f32(t: &Tensor) -> std::borrow::Cow<'_, [f32]> {
     match &t.storage {
         Storage::F32(v) => std::borrow::Cow::Borrowed(v),
         Storage::BF16(v) => std::borrow::Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+        Storage::I32(_) => unreachable!("float ops refuse i32 operands (floats_only)"),
         #[cfg(feature = "cuda")]
         Storage::Cuda(_) => unreachable!("host_f32 of a device tensor"),
     }
@@ -64,6 +76,7 @@ fn device_data(t: &Tensor) -> &crate::cuda::DeviceData {
 /// accumulated in f32.
 pub fn matmul(a: &Tensor, ta: Transpose, b: &Tensor, tb: Transpose) -> Result<Tensor> {
     let device = same_device("matmul", &[a, b])?;
+    floats_only("matmul", &[a, b])?;
     ensure(a.shape.len() == 2 && b.shape.len() == 2, "matmul", || {
         format!("operands must be 2-D, are {:?} and {:?}", a.shape, b.shape)
     })?;
@@ -119,6 +132,7 @@ fn rmsnorm_rows(op: &'static str, x: &Tensor, w: &Tensor) -> Result<(usize, usiz
 /// without its last dimension. Arithmetic is f32.
 pub fn rmsnorm_forward(x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
     let device = same_device("rmsnorm", &[x, w])?;
+    floats_only("rmsnorm", &[x, w])?;
     let (rows, hidden) = rmsnorm_rows("rmsnorm", x, w)?;
     dtype_is("rmsnorm", "w", w, DType::F32)?;
     let rstd_shape = x.shape[..x.shape.len() - 1].to_vec();
@@ -163,6 +177,7 @@ pub fn rmsnorm_backward(
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "rmsnorm_backward";
     let device = same_device(OP, &[dy, x, w, rstd])?;
+    floats_only(OP, &[dy, x, w, rstd])?;
     let (rows, hidden) = rmsnorm_rows(OP, x, w)?;
     ensure(dy.shape == x.shape && rstd.len() == rows, OP, || {
         format!("dy {:?}, x {:?}, rstd {:?}", dy.shape, x.shape, rstd.shape)
@@ -260,7 +275,7 @@ mod tests {
                             // The reference: f32 on the (rounded, for bf16) inputs.
                             let (ar, br) = match dtype {
                                 DType::F32 => (a.clone(), b.clone()),
-                                DType::BF16 => (round_bf16(&a), round_bf16(&b)),
+                                _ => (round_bf16(&a), round_bf16(&b)),
                             };
                             let mut want = vec![0.0; m * n];
                             cpu::matmul(&mut want, &ar, ta, &br, tb, m, k, n, false).unwrap();
@@ -299,7 +314,7 @@ mod tests {
                     for (slot, dtype) in [DType::F32, DType::BF16].into_iter().enumerate() {
                         let (xr, dyr) = match dtype {
                             DType::F32 => (x.clone(), dy.clone()),
-                            DType::BF16 => (round_bf16(&x), round_bf16(&dy)),
+                            _ => (round_bf16(&x), round_bf16(&dy)),
                         };
                         // The reference, in f32 on the (rounded) inputs.
                         let (mut y, mut rstd) = (vec![0.0; rows * hidden], vec![0.0; rows]);
@@ -368,7 +383,7 @@ mod tests {
     fn round_out(v: &[f32], dtype: DType) -> Vec<f32> {
         match dtype {
             DType::F32 => v.to_vec(),
-            DType::BF16 => round_bf16(v),
+            _ => round_bf16(v),
         }
     }
 
@@ -388,6 +403,28 @@ mod tests {
             assert_eq!(host.to_vec_bf16().unwrap(), b.to_vec_bf16().unwrap());
         }
         assert!(Tensor::from_f32(&[3, 4], vec![0.0; 11], &Device::Cpu).is_err());
+    }
+
+    #[test]
+    fn i32_tensors_round_trip_and_never_mix_with_floats() {
+        let mut rng = Rng::new(29);
+        let ids: Vec<i32> = (0..777).map(|_| rng.below(151_936) as i32 - 7).collect();
+        for device in devices() {
+            let t = Tensor::from_i32(&[777], ids.clone(), &device).unwrap();
+            assert_eq!((t.dtype(), t.device()), (DType::I32, device));
+            assert_eq!(t.to_vec_i32().unwrap(), ids);
+            assert_eq!(t.to_device(&Device::Cpu).unwrap().to_vec_i32().unwrap(), ids);
+            assert_eq!(t.to_dtype(DType::I32).unwrap().to_vec_i32().unwrap(), ids);
+            for err in [t.to_dtype(DType::F32).unwrap_err(), t.to_vec_f32().unwrap_err()] {
+                assert!(err.to_string().contains("integers and floats stay apart"), "{err}");
+            }
+            let f = Tensor::from_f32(&[777], vec![1.0; 777], &device).unwrap();
+            assert!(f.to_vec_i32().is_err() && f.to_dtype(DType::I32).is_err());
+            let m = Tensor::from_i32(&[1, 777], ids.clone(), &device).unwrap();
+            let w = Tensor::from_f32(&[777, 1], vec![1.0; 777], &device).unwrap();
+            let err = matmul(&m, Transpose::No, &w, Transpose::No).unwrap_err().to_string();
+            assert!(err.contains("one is i32"), "{err}");
+        }
     }
 
     #[test]

@@ -59,17 +59,19 @@ pub(crate) fn not_built() -> crate::Error {
     )
 }
 
-/// Element types. Arithmetic is f32 whatever the storage type.
+/// Element types. Float arithmetic is f32 whatever the storage type; `I32` holds integers
+/// (token ids, offsets) and is never converted to or from a float implicitly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     BF16,
+    I32,
 }
 
 impl DType {
     pub fn size_in_bytes(self) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::F32 | DType::I32 => 4,
             DType::BF16 => 2,
         }
     }
@@ -80,6 +82,7 @@ impl fmt::Display for DType {
         f.write_str(match self {
             DType::F32 => "f32",
             DType::BF16 => "bf16",
+            DType::I32 => "i32",
         })
     }
 }
@@ -87,6 +90,7 @@ impl fmt::Display for DType {
 pub(crate) enum Storage {
     F32(Vec<f32>),
     BF16(Vec<bf16>),
+    I32(Vec<i32>),
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::Buffer),
 }
@@ -108,6 +112,14 @@ fn check_len(shape: &[usize], len: usize) -> Result<()> {
     crate::ensure(want == len, "Tensor", || {
         format!("shape {shape:?} holds {want} elements, got {len}")
     })
+}
+
+/// Integers and floats do not convert into each other silently.
+pub(crate) fn int_float(from: DType, to: DType) -> crate::Error {
+    crate::Error::DType {
+        op: "to_dtype",
+        message: format!("{from} tensors do not convert to {to}; integers and floats stay apart"),
+    }
 }
 
 /// A tensor of host `storage` moved onto `device`.
@@ -138,6 +150,12 @@ impl Tensor {
         place(shape.to_vec(), Storage::BF16(data), device)
     }
 
+    /// An i32 tensor of `data` on `device`.
+    pub fn from_i32(shape: &[usize], data: Vec<i32>, device: &Device) -> Result<Tensor> {
+        check_len(shape, data.len())?;
+        place(shape.to_vec(), Storage::I32(data), device)
+    }
+
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
@@ -155,6 +173,7 @@ impl Tensor {
         match &self.storage {
             Storage::F32(_) => DType::F32,
             Storage::BF16(_) => DType::BF16,
+            Storage::I32(_) => DType::I32,
             #[cfg(feature = "cuda")]
             Storage::Cuda(buffer) => buffer.dtype(),
         }
@@ -162,7 +181,7 @@ impl Tensor {
 
     pub fn device(&self) -> Device {
         match &self.storage {
-            Storage::F32(_) | Storage::BF16(_) => Device::Cpu,
+            Storage::F32(_) | Storage::BF16(_) | Storage::I32(_) => Device::Cpu,
             #[cfg(feature = "cuda")]
             Storage::Cuda(buffer) => Device::Cuda(buffer.ordinal()),
         }
@@ -173,6 +192,7 @@ impl Tensor {
         let host = match &self.storage {
             Storage::F32(v) => Storage::F32(v.clone()),
             Storage::BF16(v) => Storage::BF16(v.clone()),
+            Storage::I32(v) => Storage::I32(v.clone()),
             #[cfg(feature = "cuda")]
             Storage::Cuda(buffer) => buffer.to_host()?,
         };
@@ -190,6 +210,10 @@ impl Tensor {
                 Storage::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect())
             }
             (Storage::BF16(v), DType::F32) => Storage::F32(v.iter().map(|x| x.to_f32()).collect()),
+            (Storage::I32(v), DType::I32) => Storage::I32(v.clone()),
+            (Storage::I32(_), _) | (Storage::F32(_) | Storage::BF16(_), DType::I32) => {
+                return Err(int_float(self.dtype(), dtype));
+            }
             #[cfg(feature = "cuda")]
             (Storage::Cuda(buffer), dtype) => Storage::Cuda(buffer.to_dtype(dtype)?),
         };
@@ -201,8 +225,17 @@ impl Tensor {
         match &self.storage {
             Storage::F32(v) => Ok(v.clone()),
             Storage::BF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
+            Storage::I32(_) => Err(int_float(DType::I32, DType::F32)),
             #[cfg(feature = "cuda")]
             Storage::Cuda(buffer) => buffer.to_vec_f32(),
+        }
+    }
+
+    /// The elements of an i32 tensor, copied to the host.
+    pub fn to_vec_i32(&self) -> Result<Vec<i32>> {
+        match self.to_device(&Device::Cpu)?.storage {
+            Storage::I32(v) => Ok(v),
+            _ => Err(int_float(self.dtype(), DType::I32)),
         }
     }
 

@@ -207,6 +207,7 @@ impl Gpu {
 pub(crate) enum DeviceData {
     F32(CudaSlice<f32>),
     BF16(CudaSlice<u16>),
+    I32(CudaSlice<i32>),
 }
 
 /// A tensor's storage on a device.
@@ -215,12 +216,19 @@ pub(crate) struct Buffer {
     pub(crate) data: DeviceData,
 }
 
-impl Buffer {
+impl DeviceData {
     pub(crate) fn dtype(&self) -> DType {
-        match self.data {
+        match self {
             DeviceData::F32(_) => DType::F32,
             DeviceData::BF16(_) => DType::BF16,
+            DeviceData::I32(_) => DType::I32,
         }
+    }
+}
+
+impl Buffer {
+    pub(crate) fn dtype(&self) -> DType {
+        self.data.dtype()
     }
 
     pub(crate) fn ordinal(&self) -> usize {
@@ -239,6 +247,9 @@ impl Buffer {
                     stream.clone_htod(&bits).map_err(|e| driver_error("copy to device", e))?,
                 )
             }
+            Storage::I32(v) => DeviceData::I32(
+                stream.clone_htod(v).map_err(|e| driver_error("copy to device", e))?,
+            ),
             Storage::Cuda(_) => {
                 return Err(Error::Device("from_host: storage is on a device".into()));
             }
@@ -254,6 +265,7 @@ impl Buffer {
             DeviceData::BF16(s) => Storage::BF16(
                 stream.clone_dtoh(s).map_err(err)?.into_iter().map(bf16::from_bits).collect(),
             ),
+            DeviceData::I32(s) => Storage::I32(stream.clone_dtoh(s).map_err(err)?),
         })
     }
 
@@ -261,6 +273,7 @@ impl Buffer {
         match self.to_host()? {
             Storage::F32(v) => Ok(v),
             Storage::BF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
+            Storage::I32(_) => Err(crate::tensor::int_float(DType::I32, DType::F32)),
             Storage::Cuda(_) => Err(Error::Device("to_host returned device storage".into())),
         }
     }
@@ -283,6 +296,12 @@ impl Buffer {
                     launch!(gpu, "convert", "f32_to_bf16", elementwise(s.len()), &mut out, s, &n)?;
                 }
                 DeviceData::BF16(out)
+            }
+            (DeviceData::I32(s), DType::I32) => {
+                DeviceData::I32(stream.clone_dtod(s).map_err(copy)?)
+            }
+            (DeviceData::I32(_), _) | (_, DType::I32) => {
+                return Err(crate::tensor::int_float(self.dtype(), dtype));
             }
             (DeviceData::BF16(s), DType::F32) => {
                 let mut out = gpu.alloc::<f32>(s.len())?;

@@ -151,9 +151,10 @@ fn kernel_name(forward: bool, f32: bool, vec: usize) -> &'static str {
 fn f32_of<'a>(d: &'a DeviceData, what: &str) -> Result<&'a CudaSlice<f32>> {
     match d {
         DeviceData::F32(s) => Ok(s),
-        DeviceData::BF16(_) => {
-            Err(Error::DType { op: "rmsnorm", message: format!("{what} must be f32, is bf16") })
-        }
+        other => Err(Error::DType {
+            op: "rmsnorm",
+            message: format!("{what} must be f32, is {}", other.dtype()),
+        }),
     }
 }
 
@@ -192,6 +193,12 @@ pub(crate) fn rmsnorm_forward(
                 launch!(gpu, "rmsnorm", name, cfg, &mut y, &mut rstd, x, w, &hidden_i, &eps)?;
             }
             DeviceData::BF16(y)
+        }
+        DeviceData::I32(_) => {
+            return Err(Error::DType {
+                op: "rmsnorm",
+                message: "x must be f32 or bf16, is i32".into(),
+            });
         }
     };
     Ok((
