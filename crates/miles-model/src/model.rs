@@ -356,12 +356,22 @@ impl Model {
                 fwd.logp.len()
             )));
         }
+        if grads.layers.len() != self.weights.layers.len()
+            || grads.lm_head.is_some() != self.weights.lm_head.is_some()
+        {
+            return Err(Error::Invalid(
+                "backward: the gradient buffers are shaped for another model; make them with \
+                 Weights::zeros(&model.config)"
+                    .into(),
+            ));
+        }
         // Head and final norm.
         let mut d_rows = vec![0.0; fwd.hidden_rows.len()];
         {
-            let tied = grads.lm_head.is_none();
-            let d_head =
-                if tied { &mut grads.embed } else { grads.lm_head.as_mut().expect("untied head") };
+            let d_head = match grads.lm_head.as_mut() {
+                Some(head) => head,
+                None => &mut grads.embed,
+            };
             logprob_backward(
                 &mut d_rows,
                 d_head,
@@ -574,5 +584,11 @@ mod tests {
         let b = PackedBatch::new(&[(vec![1, 99], 1)]).unwrap();
         assert!(m.logprobs(&b, 1.0).unwrap_err().to_string().contains("outside the vocabulary"));
         assert!(m.logprobs(&batch(), 0.0).is_err());
+        // Gradient buffers of a tied model for an untied one are refused, not misrouted.
+        let fwd = m.forward(&batch(), 1.0).unwrap();
+        let mut wrong = Weights::zeros(&tiny(Architecture::Llama, true));
+        let n = fwd.logp.len();
+        let err = m.backward(&fwd, &batch(), &vec![0.0; n], &vec![0.0; n], &mut wrong).unwrap_err();
+        assert!(err.to_string().contains("shaped for another model"), "{err}");
     }
 }
