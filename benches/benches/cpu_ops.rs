@@ -110,10 +110,11 @@ fn head_and_optimizer(c: &mut Criterion) {
     let weight = rng.vec(VOCAB * HIDDEN, 0.02);
     let targets: Vec<u32> = (0..rows).map(|_| rng.below(VOCAB) as u32).collect();
     let (mut lp, mut ent) = (vec![0.0; rows], vec![0.0; rows]);
+    let head = cpu::PackedLinear::new(&weight, VOCAB, HIDDEN).unwrap();
     let mut g = c.benchmark_group("logprob_255_rows_vocab_49152");
     g.sample_size(10);
     g.bench_function("forward", |b| {
-        b.iter(|| cpu::logprob_forward(&mut lp, &mut ent, &hidden, &weight, &targets, 1.0).unwrap())
+        b.iter(|| cpu::logprob_forward(&mut lp, &mut ent, &hidden, &head, &targets, 1.0).unwrap())
     });
     let (d_lp, d_ent) = (rng.vec(rows, 1.0), rng.vec(rows, 1.0));
     let (mut dh, mut dw) = (vec![0.0; hidden.len()], vec![0.0; weight.len()]);

@@ -6,3 +6,4 @@ mod hf_parity;
 mod model_cli;
 mod registry;
 mod reward_cmd;
+mod rollout;

@@ -4,7 +4,9 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
+use miles_core::{Rollout, Sample, SamplingParams};
 use miles_model::{Model, PackedBatch, Weights, presets};
+use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
 use miles_tensor::rng::Rng;
 use miles_train::Optimizer;
@@ -16,6 +18,30 @@ pub enum BenchCommand {
     Train(BenchArgs),
     /// Tokens/s of the logprob forward (old, reference and scoring logprobs).
     Logprob(BenchArgs),
+    /// The rollout engine: prefill tokens/s, decode tokens/s and time to first token.
+    Rollout(RolloutBenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RolloutBenchArgs {
+    /// Model shape (random weights): tiny, qwen3-0.6b, smollm2-135m.
+    #[arg(long, default_value = "tiny", conflicts_with = "hf_checkpoint")]
+    pub preset: String,
+    #[arg(long, value_name = "DIR")]
+    pub hf_checkpoint: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceArg,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Random prompt tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// Tokens generated per sequence (EOS ignored).
+    #[arg(long, default_value_t = 64)]
+    pub new_tokens: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -49,27 +75,33 @@ pub struct BenchArgs {
     pub seed: u64,
 }
 
+const NO_CUDA_MODEL: &str = "--device cuda: the model runs on the CPU in this build; the CUDA \
+    backend so far covers matmul and RMSNorm (miles-tensor ops)";
+
+fn bench_model(preset: &str, dir: &Option<PathBuf>, seed: u64) -> anyhow::Result<(Model, String)> {
+    Ok(match dir {
+        Some(dir) => (crate::score_cmd::load_model(dir)?, dir.display().to_string()),
+        None => {
+            let config = presets::preset(preset, None).context("--preset")?;
+            let weights = Weights::random(&config, seed);
+            (Model::new(config, weights), preset.to_string())
+        }
+    })
+}
+
 pub fn run(command: &BenchCommand, out: &mut dyn Write) -> anyhow::Result<()> {
     let (args, what) = match command {
         BenchCommand::Train(a) => (a, "train_step"),
         BenchCommand::Logprob(a) => (a, "logprob_forward"),
+        BenchCommand::Rollout(a) => return rollout(a, out),
     };
     if args.device == DeviceArg::Cuda {
-        bail!(
-            "--device cuda: the model runs on the CPU in this build; the CUDA backend so far covers matmul and RMSNorm (miles-tensor ops)"
-        );
+        bail!(NO_CUDA_MODEL);
     }
     if args.batch == 0 || args.seq_len < 2 || args.steps == 0 {
         bail!("--batch must be >= 1, --seq-len >= 2 and --steps >= 1");
     }
-    let (mut model, label) = match &args.hf_checkpoint {
-        Some(dir) => (crate::score_cmd::load_model(dir)?, dir.display().to_string()),
-        None => {
-            let config = presets::preset(&args.preset, None).context("--preset")?;
-            let weights = Weights::random(&config, args.seed);
-            (Model::new(config, weights), args.preset.clone())
-        }
-    };
+    let (mut model, label) = bench_model(&args.preset, &args.hf_checkpoint, args.seed)?;
     let config = model.config.clone();
     let mut rng = Rng::new(args.seed + 1);
     let sequences: Vec<(Vec<u32>, usize)> = (0..args.batch)
@@ -115,6 +147,61 @@ pub fn run(command: &BenchCommand, out: &mut dyn Write) -> anyhow::Result<()> {
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "gflops_by_nd": flops_per_token * params * tokens / seconds / 1e9,
+    });
+    writeln!(out, "{line}")?;
+    Ok(())
+}
+
+/// One generate call over `batch` random prompts: every prompt is prefilled in the first step,
+/// then all sequences decode together to `new_tokens`.
+fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    if args.device == DeviceArg::Cuda {
+        bail!(NO_CUDA_MODEL);
+    }
+    if args.batch == 0 || args.prompt_len == 0 || args.new_tokens < 2 {
+        bail!("--batch and --prompt-len must be >= 1, --new-tokens >= 2");
+    }
+    let (model, label) = bench_model(&args.preset, &args.hf_checkpoint, args.seed)?;
+    let vocab = model.config.vocab_size;
+    let per_block = miles_model::KvCache::bytes_per_block(&model.config);
+    let tokens = args.batch * (args.prompt_len + args.new_tokens);
+    let config = EngineConfig {
+        kv_cache_bytes: (tokens.div_ceil(64) + 2 * args.batch) * per_block,
+        max_running: args.batch,
+        max_prefill_tokens: args.batch * args.prompt_len,
+        max_prompt_len: None,
+    };
+    let mut engine = Engine::new(model, None, config)?;
+    let mut rng = Rng::new(args.seed + 1);
+    let groups: Vec<Vec<Sample>> = (0..args.batch)
+        .map(|i| {
+            let tokens = (0..args.prompt_len).map(|_| rng.below(vocab) as u32).collect();
+            vec![Sample { index: i, group_index: i, tokens, ..Sample::default() }]
+        })
+        .collect();
+    let params = SamplingParams {
+        max_new_tokens: args.new_tokens,
+        ignore_eos: true,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    let started = Instant::now();
+    engine.generate(groups, &params)?;
+    let seconds = started.elapsed().as_secs_f64();
+    let s = engine.stats();
+    let line = json!({
+        "what": "rollout",
+        "model": label,
+        "device": "cpu",
+        "threads": rayon::current_num_threads(),
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "seconds": seconds,
+        "prefill_tokens_per_s": s.prefill_tokens as f64 / s.prefill_seconds,
+        "decode_tokens_per_s": s.decode_tokens as f64 / s.decode_seconds,
+        "time_to_first_token_s": s.first_token_seconds,
+        "decode_step_ms": 1e3 * s.decode_seconds / (s.steps - 1).max(1) as f64,
     });
     writeln!(out, "{line}")?;
     Ok(())

@@ -6,6 +6,7 @@ use std::io::Write;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod bench_cmd;
+mod generate_cmd;
 mod init_model_cmd;
 mod jsonl;
 pub mod linked;
@@ -13,7 +14,8 @@ mod plugins_cmd;
 mod reward_cmd;
 mod score_cmd;
 
-pub use bench_cmd::{BenchArgs, BenchCommand};
+pub use bench_cmd::{BenchArgs, BenchCommand, RolloutBenchArgs};
+pub use generate_cmd::GenerateArgs;
 pub use init_model_cmd::InitModelArgs;
 pub use plugins_cmd::PluginsArgs;
 pub use reward_cmd::RewardArgs;
@@ -37,6 +39,8 @@ pub enum Command {
     InitModel(InitModelArgs),
     /// Per-token logprobs and entropy of prompt/response pairs under a checkpoint, as JSONL.
     Score(ScoreArgs),
+    /// Generate responses to JSONL prompts with the embedded rollout engine; one Sample per line.
+    Generate(GenerateArgs),
     /// Benchmarks of whole paths, one JSON line each.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -78,6 +82,7 @@ pub fn execute(cli: Cli, out: &mut dyn Write) -> anyhow::Result<()> {
         Command::Plugins(args) => plugins_cmd::run(&args, out),
         Command::Reward(args) => reward_cmd::run(&args, out),
         Command::InitModel(args) => init_model_cmd::run(&args, out),
+        Command::Generate(args) => generate_cmd::run(&args, out),
         Command::Score(args) => score_cmd::run(&args, out),
         Command::Bench(command) => bench_cmd::run(&command, out),
     }

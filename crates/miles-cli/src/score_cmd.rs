@@ -3,7 +3,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use miles_model::{Model, ModelConfig, PackedBatch, Tokenizer, Weights};
+use miles_model::{Model, ModelConfig, PackedBatch, PackedLinears, Tokenizer, Weights};
 use serde_json::{Value, json};
 
 use crate::jsonl;
@@ -32,6 +32,22 @@ pub struct ScoreArgs {
     /// Tokens per packed forward pass.
     #[arg(long, default_value_t = 8192)]
     pub max_tokens_per_batch: usize,
+}
+
+/// The prompt ids of a JSONL value: text (encoded with the tokenizer's special tokens, or
+/// wrapped as one user message) or chat messages through the chat template. `miles generate`
+/// and `miles score` share it, so both see the same prompt tokens.
+pub fn prompt_tokens(prompt: &Value, chat: bool, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
+    Ok(match (prompt, chat) {
+        (Value::Array(_), true) => tok.encode(&tok.apply_chat_template(prompt, true)?, false)?,
+        (Value::String(text), true) => {
+            let messages = json!([{"role": "user", "content": text}]);
+            tok.encode(&tok.apply_chat_template(&messages, true)?, false)?
+        }
+        (Value::String(text), false) => tok.encode(text, true)?,
+        (Value::Array(_), false) => bail!("chat messages need --apply-chat-template"),
+        (other, _) => bail!("must be text or chat messages, found {other}"),
+    })
 }
 
 /// One line to score: its number, the tokens and where the response starts.
@@ -81,18 +97,8 @@ fn tokenize(
         .get("response")
         .and_then(Value::as_str)
         .with_context(|| format!("{}: missing string key 'response'", at()))?;
-    let mut ids = match (prompt, args.apply_chat_template) {
-        (Value::Array(_), true) => tok.encode(&tok.apply_chat_template(prompt, true)?, false)?,
-        (Value::String(text), true) => {
-            let messages = json!([{"role": "user", "content": text}]);
-            tok.encode(&tok.apply_chat_template(&messages, true)?, false)?
-        }
-        (Value::String(text), false) => tok.encode(text, true)?,
-        (Value::Array(_), false) => bail!("{}: chat messages need --apply-chat-template", at()),
-        (other, _) => {
-            bail!("{}: '{}' must be text or chat messages, found {other}", at(), args.input_key)
-        }
-    };
+    let mut ids = prompt_tokens(prompt, args.apply_chat_template, tok)
+        .with_context(|| format!("{}: key '{}'", at(), args.input_key))?;
     if ids.is_empty() {
         bail!(
             "{}: the prompt is empty after tokenization; a response needs at least one token before it",
@@ -108,6 +114,7 @@ pub fn run(args: &ScoreArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let lines = jsonl::read_objects(&args.input)?;
     let dir = &args.hf_checkpoint;
     let model = load_model(dir)?;
+    let packed = PackedLinears::new(&model)?;
     let tokenizer =
         if dir.join("tokenizer.json").exists() { Some(Tokenizer::load(dir)?) } else { None };
     let items: Vec<Item> = lines
@@ -131,7 +138,7 @@ pub fn run(args: &ScoreArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         let pairs: Vec<(Vec<u32>, usize)> =
             group.iter().map(|i| (i.tokens.clone(), i.prompt_len)).collect();
         let batch = PackedBatch::new(&pairs)?;
-        let (logp, entropy) = model.logprobs(&batch, args.temperature)?;
+        let (logp, entropy) = model.logprobs_with(&packed, &batch, args.temperature)?;
         let mut offset = 0;
         for item in group {
             let n = item.tokens.len() - item.prompt_len;

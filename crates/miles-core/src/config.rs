@@ -326,6 +326,7 @@ impl RunConfig {
             max_new_tokens: self.rollout_max_response_len,
             stop: self.rollout_stop.clone(),
             stop_token_ids: self.rollout_stop_token_ids.clone(),
+            ignore_eos: false,
             seed: self.rollout_seed,
         }
     }

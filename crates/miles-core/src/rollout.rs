@@ -17,6 +17,8 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Generation stops after any of these token ids (in addition to the model's EOS).
     pub stop_token_ids: Vec<u32>,
+    /// Keep generating after EOS (benchmarks that need a fixed length).
+    pub ignore_eos: bool,
     /// Seed of the per-sample counter-based RNG: a sample's draws depend on (seed, sample
     /// index, position) only, never on its batch-mates.
     pub seed: u64,
@@ -31,6 +33,7 @@ impl Default for SamplingParams {
             max_new_tokens: 1024,
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
+            ignore_eos: false,
             seed: 42,
         }
     }

@@ -7,6 +7,7 @@
 
 pub mod config;
 mod error;
+pub mod kv;
 pub mod model;
 pub mod presets;
 pub mod tokenizer;
@@ -14,6 +15,7 @@ pub mod weights;
 
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
-pub use model::{Forward, Model, PackedBatch};
+pub use kv::{BlockId, KvCache};
+pub use model::{Forward, Model, PackedBatch, PackedLinears, StepRow};
 pub use tokenizer::Tokenizer;
 pub use weights::Weights;

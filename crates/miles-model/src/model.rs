@@ -1,11 +1,14 @@
 //! The decoder stack: forward with saved activations, and the explicit backward.
 
 use miles_tensor::cpu::{
-    self, AttentionShape, Transpose, attention_backward, attention_forward, embedding_backward,
-    embedding_forward, logprob_backward, logprob_forward, rmsnorm_backward, rmsnorm_forward,
-    rope_backward, rope_forward, rope_tables, swiglu_backward, swiglu_forward,
+    self, AttentionShape, PackedLinear, Transpose, attend_row, attention_backward,
+    attention_forward, embedding_backward, embedding_forward, linear_forward, logprob_backward,
+    logprob_forward, rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_tables,
+    swiglu_backward, swiglu_forward,
 };
+use rayon::prelude::*;
 
+use crate::kv::{BlockId, KvCache};
 use crate::weights::LayerWeights;
 use crate::{Error, ModelConfig, Result, Weights};
 
@@ -152,11 +155,77 @@ struct Dims {
     kvd: usize,
 }
 
-/// `y[rows × out] = x[rows × in] · Wᵀ` with `w` `[out × in]` (HF's Linear layout).
-fn linear(x: &[f32], w: &[f32], rows: usize, d_in: usize, d_out: usize) -> Result<Vec<f32>> {
-    let mut y = vec![0.0; rows * d_out];
-    cpu::matmul(&mut y, x, Transpose::No, w, Transpose::Yes, rows, d_in, d_out, false)?;
+/// The forward linear layers repacked for [`linear_forward`], whose every output is one fixed
+/// multiply-add chain: a token's activations have the same bits whatever batch it is in, which
+/// is what lets rollout and training logprobs agree exactly. q/k/v and gate/up are fused (a
+/// fused output is the same chain as an unfused one). Rebuild after the weights change.
+#[derive(Debug, Clone)]
+pub struct PackedLinears {
+    layers: Vec<PackedLayer>,
+    head: PackedLinear,
+}
+
+#[derive(Debug, Clone)]
+struct PackedLayer {
+    qkv: PackedLinear,
+    o: PackedLinear,
+    gate_up: PackedLinear,
+    down: PackedLinear,
+}
+
+impl PackedLinears {
+    pub fn new(model: &Model) -> Result<Self> {
+        let c = &model.config;
+        let Dims { h, inter, qd, kvd, .. } = model.dims(0);
+        let pack = |parts: &[&[f32]], d_out: usize, d_in: usize| -> Result<PackedLinear> {
+            Ok(PackedLinear::new(&parts.concat(), d_out, d_in)?)
+        };
+        let layers = model
+            .weights
+            .layers
+            .iter()
+            .map(|lw| {
+                Ok(PackedLayer {
+                    qkv: pack(&[&lw.q_proj, &lw.k_proj, &lw.v_proj], qd + 2 * kvd, h)?,
+                    o: pack(&[&lw.o_proj], h, qd)?,
+                    gate_up: pack(&[&lw.gate_proj, &lw.up_proj], 2 * inter, h)?,
+                    down: pack(&[&lw.down_proj], h, inter)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(PackedLinears { layers, head: pack(&[model.head()], c.vocab_size, h)? })
+    }
+}
+
+/// `y[rows × out] = x[rows × in] · Wᵀ`.
+fn linear(x: &[f32], w: &PackedLinear) -> Result<Vec<f32>> {
+    let mut y = vec![0.0; x.len() / w.d_in() * w.d_out()];
+    linear_forward(&mut y, x, w)?;
     Ok(y)
+}
+
+/// Splits the columns of `y` `[rows × Σ widths]` into one matrix per width.
+fn split_columns(y: &[f32], widths: &[usize]) -> Vec<Vec<f32>> {
+    let total: usize = widths.iter().sum();
+    let rows = y.len() / total.max(1);
+    let mut parts: Vec<Vec<f32>> = widths.iter().map(|w| Vec::with_capacity(rows * w)).collect();
+    for row in y.chunks(total) {
+        let mut at = 0;
+        for (part, &w) in parts.iter_mut().zip(widths) {
+            part.extend_from_slice(&row[at..at + w]);
+            at += w;
+        }
+    }
+    parts
+}
+
+/// One token of an incremental forward: its id, its position in its sequence and the
+/// sequence's block table, which must cover `position`.
+#[derive(Debug, Clone, Copy)]
+pub struct StepRow<'a> {
+    pub token: u32,
+    pub position: usize,
+    pub blocks: &'a [BlockId],
 }
 
 /// The backward of [`linear`]: `dx (+)= dy · W`, `dW += dyᵀ · x`.
@@ -225,87 +294,132 @@ impl Model {
     /// Per response token logp and entropy at `temperature`, keeping the activations for
     /// [`Model::backward`].
     pub fn forward(&self, batch: &PackedBatch, temperature: f32) -> Result<Forward> {
-        self.run(batch, temperature, true)
+        self.run(&PackedLinears::new(self)?, batch, temperature, true)
     }
 
     /// Per response token logp and entropy, without keeping activations (scoring, reference
     /// and old-policy logprobs).
     pub fn logprobs(&self, batch: &PackedBatch, temperature: f32) -> Result<(Vec<f32>, Vec<f32>)> {
-        let f = self.run(batch, temperature, false)?;
+        self.logprobs_with(&PackedLinears::new(self)?, batch, temperature)
+    }
+
+    /// [`Model::logprobs`] with linears packed once by the caller (many batches, one model).
+    pub fn logprobs_with(
+        &self,
+        packed: &PackedLinears,
+        batch: &PackedBatch,
+        temperature: f32,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let f = self.run(packed, batch, temperature, false)?;
         Ok((f.logp, f.entropy))
     }
 
-    fn run(&self, batch: &PackedBatch, temperature: f32, keep: bool) -> Result<Forward> {
+    /// One decoder layer on `x` `[tokens × hidden]`. `attention(q, k, v)` gets the roped
+    /// queries and keys and returns the attention output and its log-sum-exp: the training
+    /// forward and the incremental step differ only there.
+    fn layer_forward(
+        &self,
+        lw: &LayerWeights,
+        pl: &PackedLayer,
+        x: Vec<f32>,
+        cos: &[f32],
+        sin: &[f32],
+        attention: &mut dyn FnMut(&[f32], &[f32], &[f32]) -> Result<(Vec<f32>, Vec<f32>)>,
+    ) -> Result<(Vec<f32>, LayerActivations)> {
+        let c = &self.config;
+        let Dims { d, nq, nkv, inter, qd, kvd, .. } = self.dims(0);
+        let eps = c.rms_norm_eps;
+        let (n1, rstd1) = rmsnorm(&x, &lw.input_norm, eps)?;
+        let [mut q, mut k, v]: [Vec<f32>; 3] =
+            split_columns(&linear(&n1, &pl.qkv)?, &[qd, kvd, kvd]).try_into().expect("3 parts");
+        let (mut q_pre, mut q_rstd, mut k_pre, mut k_rstd) = Default::default();
+        if c.architecture.has_qk_norm() {
+            q_pre = q;
+            (q, q_rstd) = rmsnorm(&q_pre, &lw.q_norm, eps)?;
+            k_pre = k;
+            (k, k_rstd) = rmsnorm(&k_pre, &lw.k_norm, eps)?;
+        }
+        rope_forward(&mut q, cos, sin, nq, d)?;
+        rope_forward(&mut k, cos, sin, nkv, d)?;
+        let (attn, lse) = attention(&q, &k, &v)?;
+        let o = linear(&attn, &pl.o)?;
+        let x_mid = add(&x, &o);
+        let (n2, rstd2) = rmsnorm(&x_mid, &lw.post_norm, eps)?;
+        let [gate, up]: [Vec<f32>; 2] =
+            split_columns(&linear(&n2, &pl.gate_up)?, &[inter, inter]).try_into().expect("2 parts");
+        let mut act = vec![0.0; gate.len()];
+        swiglu_forward(&mut act, &gate, &up)?;
+        let m = linear(&act, &pl.down)?;
+        let x_out = add(&x_mid, &m);
+        let a = LayerActivations {
+            x_in: x,
+            n1,
+            rstd1,
+            q_pre,
+            q_rstd,
+            k_pre,
+            k_rstd,
+            q,
+            k,
+            v,
+            attn,
+            lse,
+            x_mid,
+            n2,
+            rstd2,
+            gate,
+            up,
+            act,
+        };
+        Ok((x_out, a))
+    }
+
+    fn check_packed(&self, packed: &PackedLinears) -> Result<()> {
+        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        if packed.layers.len() != self.weights.layers.len()
+            || packed.head.d_in() != h
+            || packed.head.d_out() != vocab
+        {
+            return Err(Error::Invalid(
+                "packed linears belong to another model; build them with PackedLinears::new".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn run(
+        &self,
+        packed: &PackedLinears,
+        batch: &PackedBatch,
+        temperature: f32,
+        keep: bool,
+    ) -> Result<Forward> {
         let c = &self.config;
         batch.validate(c.vocab_size)?;
+        self.check_packed(packed)?;
         if temperature.is_nan() || temperature <= 0.0 {
             return Err(Error::Invalid(format!("temperature {temperature} must be > 0")));
         }
-        let Dims { t, h, d, nq, nkv, inter, qd, kvd } = self.dims(batch.tokens.len());
-        let eps = c.rms_norm_eps;
-        let (cos, sin) = rope_tables(&batch.positions(), d, c.rope_theta);
+        let Dims { t, h, .. } = self.dims(batch.tokens.len());
+        let (cos, sin) = rope_tables(&batch.positions(), c.head_dim, c.rope_theta);
         let mut x = vec![0.0; t * h];
         embedding_forward(&mut x, &self.weights.embed, &batch.tokens, h)?;
+        let shape = self.attention_shape();
+        let mut attention = |q: &[f32], k: &[f32], v: &[f32]| {
+            let mut attn = vec![0.0; q.len()];
+            let mut lse = vec![0.0; t * shape.q_heads];
+            attention_forward(&mut attn, &mut lse, q, k, v, &batch.cu_seqlens, shape)?;
+            Ok((attn, lse))
+        };
         let mut layers = Vec::new();
-        for lw in &self.weights.layers {
-            let (n1, rstd1) = rmsnorm(&x, &lw.input_norm, eps)?;
-            let mut q = linear(&n1, &lw.q_proj, t, h, qd)?;
-            let mut k = linear(&n1, &lw.k_proj, t, h, kvd)?;
-            let v = linear(&n1, &lw.v_proj, t, h, kvd)?;
-            let (mut q_pre, mut q_rstd, mut k_pre, mut k_rstd) = Default::default();
-            if c.architecture.has_qk_norm() {
-                q_pre = q;
-                (q, q_rstd) = rmsnorm(&q_pre, &lw.q_norm, eps)?;
-                k_pre = k;
-                (k, k_rstd) = rmsnorm(&k_pre, &lw.k_norm, eps)?;
-            }
-            rope_forward(&mut q, &cos, &sin, nq, d)?;
-            rope_forward(&mut k, &cos, &sin, nkv, d)?;
-            let mut attn = vec![0.0; t * qd];
-            let mut lse = vec![0.0; t * nq];
-            attention_forward(
-                &mut attn,
-                &mut lse,
-                &q,
-                &k,
-                &v,
-                &batch.cu_seqlens,
-                self.attention_shape(),
-            )?;
-            let o = linear(&attn, &lw.o_proj, t, qd, h)?;
-            let x_mid = add(&x, &o);
-            let (n2, rstd2) = rmsnorm(&x_mid, &lw.post_norm, eps)?;
-            let gate = linear(&n2, &lw.gate_proj, t, h, inter)?;
-            let up = linear(&n2, &lw.up_proj, t, h, inter)?;
-            let mut act = vec![0.0; t * inter];
-            swiglu_forward(&mut act, &gate, &up)?;
-            let m = linear(&act, &lw.down_proj, t, inter, h)?;
-            let x_out = add(&x_mid, &m);
+        for (lw, pl) in self.weights.layers.iter().zip(&packed.layers) {
+            let (x_out, a) = self.layer_forward(lw, pl, x, &cos, &sin, &mut attention)?;
             if keep {
-                layers.push(LayerActivations {
-                    x_in: x,
-                    n1,
-                    rstd1,
-                    q_pre,
-                    q_rstd,
-                    k_pre,
-                    k_rstd,
-                    q,
-                    k,
-                    v,
-                    attn,
-                    lse,
-                    x_mid,
-                    n2,
-                    rstd2,
-                    gate,
-                    up,
-                    act,
-                });
+                layers.push(a);
             }
             x = x_out;
         }
-        let (nf, rstd_final) = rmsnorm(&x, &self.weights.final_norm, eps)?;
+        let (nf, rstd_final) = rmsnorm(&x, &self.weights.final_norm, c.rms_norm_eps)?;
         let (rows, targets) = batch.response_rows();
         let mut hidden_rows = Vec::with_capacity(rows.len() * h);
         for &r in &rows {
@@ -313,7 +427,14 @@ impl Model {
         }
         let mut logp = vec![0.0; rows.len()];
         let mut entropy = vec![0.0; rows.len()];
-        logprob_forward(&mut logp, &mut entropy, &hidden_rows, self.head(), &targets, temperature)?;
+        logprob_forward(
+            &mut logp,
+            &mut entropy,
+            &hidden_rows,
+            &packed.head,
+            &targets,
+            temperature,
+        )?;
         Ok(Forward {
             logp,
             entropy,
@@ -327,6 +448,76 @@ impl Model {
             targets,
             hidden_rows,
         })
+    }
+
+    /// An incremental forward over the paged cache: writes each row's keys and values at its
+    /// position, attends over positions `0..=position` of its block table, and returns the
+    /// final-normed hidden states `[rows × hidden]`. Rows of one sequence must come in position
+    /// order, after every earlier position is cached or in this step. Each row's result has
+    /// the same bits as the training forward's for that token.
+    pub fn step(
+        &self,
+        packed: &PackedLinears,
+        rows: &[StepRow],
+        kv: &mut KvCache,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        self.check_packed(packed)?;
+        for (r, row) in rows.iter().enumerate() {
+            if row.token as usize >= c.vocab_size {
+                return Err(Error::Invalid(format!(
+                    "step row {r}: token id {} is outside the vocabulary of {}",
+                    row.token, c.vocab_size
+                )));
+            }
+            let covered = row.blocks.len() * cpu::KEY_BLOCK;
+            if row.position >= covered || row.blocks.iter().any(|&b| b as usize >= kv.num_blocks())
+            {
+                return Err(Error::Invalid(format!(
+                    "step row {r}: position {} is not covered by its {} blocks of a {}-block cache",
+                    row.position,
+                    row.blocks.len(),
+                    kv.num_blocks()
+                )));
+            }
+        }
+        let Dims { h, d, nq, nkv, qd, kvd, .. } = self.dims(rows.len());
+        let positions: Vec<u32> = rows.iter().map(|r| r.position as u32).collect();
+        let (cos, sin) = rope_tables(&positions, d, c.rope_theta);
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let mut x = vec![0.0; rows.len() * h];
+        embedding_forward(&mut x, &self.weights.embed, &tokens, h)?;
+        let group = nq / nkv;
+        for (layer, (lw, pl)) in self.weights.layers.iter().zip(&packed.layers).enumerate() {
+            let mut attention = |q: &[f32], k: &[f32], v: &[f32]| {
+                for (r, row) in rows.iter().enumerate() {
+                    let (kr, vr) = (&k[r * kvd..(r + 1) * kvd], &v[r * kvd..(r + 1) * kvd]);
+                    kv.write(layer, row.blocks, row.position, kr, vr);
+                }
+                let kv = &*kv;
+                let mut attn = vec![0.0; q.len()];
+                let mut lse = vec![0.0; rows.len() * nq];
+                attn.par_chunks_mut(d).zip(lse.par_iter_mut()).enumerate().for_each(
+                    |(rh, (out, lse))| {
+                        let (row, head) = (&rows[rh / nq], rh % nq);
+                        *lse =
+                            attend_row(out, &q[rh * d..(rh + 1) * d], row.position + 1, d, |b| {
+                                kv.block(layer, row.blocks[b], head / group)
+                            });
+                    },
+                );
+                debug_assert_eq!(attn.len(), rows.len() * qd);
+                Ok((attn, lse))
+            };
+            x = self.layer_forward(lw, pl, x, &cos, &sin, &mut attention)?.0;
+        }
+        Ok(rmsnorm(&x, &self.weights.final_norm, c.rms_norm_eps)?.0)
+    }
+
+    /// Logits `[rows × vocab]` of final-normed hidden states, as the scorer computes them.
+    pub fn logits(&self, packed: &PackedLinears, hidden: &[f32]) -> Result<Vec<f32>> {
+        self.check_packed(packed)?;
+        linear(hidden, &packed.head)
     }
 
     /// Adds into `grads` the gradient of a loss whose derivatives with respect to the response

@@ -19,8 +19,8 @@ use rayon::prelude::*;
 use super::dot;
 use crate::{Result, ensure};
 
-/// Keys per block: the width of the transposed tiles.
-const KEY_BLOCK: usize = 64;
+/// Keys per block: the width of the transposed tiles and the paged KV cache's block size.
+pub const KEY_BLOCK: usize = 64;
 /// Query rows per forward / dq tile.
 const QUERY_BLOCK: usize = 64;
 
@@ -116,8 +116,11 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
 }
 
-/// Tiles of `block` rows over each sequence: (sequence start, sequence end, tile start, tile end).
-fn tiles(cu_seqlens: &[usize], block: usize) -> Vec<(usize, usize, usize, usize)> {
+/// (sequence start, sequence end, tile start, tile end).
+type Tile = (usize, usize, usize, usize);
+
+/// Tiles of `block` rows over each sequence.
+fn tiles(cu_seqlens: &[usize], block: usize) -> Vec<Tile> {
     let mut out = Vec::new();
     for w in cu_seqlens.windows(2) {
         let mut s = w[0];
@@ -127,6 +130,43 @@ fn tiles(cu_seqlens: &[usize], block: usize) -> Vec<(usize, usize, usize, usize)
         }
     }
     out
+}
+
+/// One query row attending over key blocks: `out_row = softmax(q·Kᵀ·scale)·V` over the first
+/// `visible` keys, returning the log-sum-exp. `block(b)` gives key block `b` of the row's kv
+/// head as `(kt, v)`: keys transposed (`kt[x * KEY_BLOCK + j]`) and values row by row
+/// (`v[j * v_stride + x]`). Training, prefill and decode all call this one function, so a
+/// token's attention output has the same bits whichever batch, packing or cache it came from.
+pub fn attend_row<'a>(
+    out_row: &mut [f32],
+    q_row: &[f32],
+    visible: usize,
+    v_stride: usize,
+    block: impl Fn(usize) -> (&'a [f32], &'a [f32]),
+) -> f32 {
+    let d = q_row.len();
+    let qs = scaled(q_row, 1.0 / (d as f32).sqrt());
+    let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+    out_row.fill(0.0);
+    let mut s = [0f32; KEY_BLOCK];
+    for b in 0..visible.div_ceil(KEY_BLOCK) {
+        let (kt, v) = block(b);
+        let n = KEY_BLOCK.min(visible - b * KEY_BLOCK);
+        KeyTile::project(kt, &qs, &mut s);
+        let block_max = s[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let new_m = m.max(block_max);
+        let rescale = (m - new_m).exp();
+        l *= rescale;
+        out_row.iter_mut().for_each(|x| *x *= rescale);
+        for (jj, sj) in s[..n].iter().enumerate() {
+            let p = (sj - new_m).exp();
+            l += p;
+            axpy(out_row, p, &v[jj * v_stride..][..d]);
+        }
+        m = new_m;
+    }
+    out_row.iter_mut().for_each(|x| *x /= l);
+    m + l.ln()
 }
 
 /// Writes `out` `[tokens × q_heads × head_dim]` and `lse` `[tokens × q_heads]`.
@@ -146,50 +186,52 @@ pub fn attention_forward(
         format!("out {} lse {} for q {}", out.len(), lse.len(), q.len())
     })?;
     let group = q_heads / kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
-    let work: Vec<(usize, (usize, usize, usize, usize))> = (0..q_heads)
-        .flat_map(|h| tiles(cu_seqlens, QUERY_BLOCK).into_iter().map(move |t| (h, t)))
-        .collect();
-    let results: Vec<(Vec<f32>, Vec<f32>)> = work
-        .par_iter()
-        .map(|&(h, (a, _, i0, i1))| {
-            let kvh = h / group;
-            let rows = i1 - i0;
-            let mut acc = vec![0f32; rows * d];
-            let mut m = vec![f32::NEG_INFINITY; rows];
-            let mut l = vec![0f32; rows];
-            let qs: Vec<Vec<f32>> =
-                (i0..i1).map(|i| scaled(&q[(i * q_heads + h) * d..][..d], scale)).collect();
-            let mut s = [0f32; KEY_BLOCK];
-            let mut j0 = a;
-            while j0 < i1 {
-                let tile = KeyTile::new(k, v, j0, KEY_BLOCK.min(i1 - j0), kvh, kv_heads, d);
-                for (r, i) in (i0.max(j0)..i1).map(|i| (i - i0, i)) {
-                    let n = tile.len.min(i + 1 - tile.j0);
-                    KeyTile::project(&tile.kt, &qs[r], &mut s);
-                    let block_max = s[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let new_m = m[r].max(block_max);
-                    let rescale = (m[r] - new_m).exp();
-                    l[r] *= rescale;
-                    let acc_r = &mut acc[r * d..(r + 1) * d];
-                    acc_r.iter_mut().for_each(|x| *x *= rescale);
-                    for (jj, sj) in s[..n].iter().enumerate() {
-                        let p = (sj - new_m).exp();
-                        l[r] += p;
-                        axpy(acc_r, p, &v[((tile.j0 + jj) * kv_heads + kvh) * d..][..d]);
-                    }
-                    m[r] = new_m;
-                }
-                j0 += KEY_BLOCK;
-            }
-            for r in 0..rows {
-                acc[r * d..(r + 1) * d].iter_mut().for_each(|x| *x /= l[r]);
-                m[r] += l[r].ln();
-            }
-            (acc, m)
+    // Transposed key tiles of each (sequence, kv head), built once; values are read in place.
+    let seq_tiles: Vec<Vec<Vec<KeyTile>>> = cu_seqlens
+        .par_windows(2)
+        .map(|w| {
+            (0..kv_heads)
+                .map(|kvh| {
+                    (w[0]..w[1])
+                        .step_by(KEY_BLOCK)
+                        .map(|j0| {
+                            KeyTile::new(k, v, j0, KEY_BLOCK.min(w[1] - j0), kvh, kv_heads, d)
+                        })
+                        .collect()
+                })
+                .collect()
         })
         .collect();
-    for (&(h, (_, _, i0, i1)), (acc, row_lse)) in work.iter().zip(results) {
+    // (head, sequence, tile)
+    let work: Vec<(usize, usize, Tile)> = (0..q_heads)
+        .flat_map(|h| tiles(cu_seqlens, QUERY_BLOCK).into_iter().map(move |t| (h, t)))
+        // The last sequence starting at the tile's start is the tile's (empty ones come first).
+        .map(|(h, t)| (h, cu_seqlens.partition_point(|&c| c <= t.0) - 1, t))
+        .collect();
+    let v_stride = kv_heads * d;
+    let results: Vec<(Vec<f32>, Vec<f32>)> = work
+        .par_iter()
+        .map(|&(h, seq, (a, _, i0, i1))| {
+            let kvh = h / group;
+            let key_tiles = &seq_tiles[seq][kvh];
+            let mut acc = vec![0f32; (i1 - i0) * d];
+            let mut row_lse = vec![0f32; i1 - i0];
+            for (r, i) in (i0..i1).enumerate() {
+                row_lse[r] = attend_row(
+                    &mut acc[r * d..(r + 1) * d],
+                    &q[(i * q_heads + h) * d..][..d],
+                    i + 1 - a,
+                    v_stride,
+                    |b| {
+                        let j0 = key_tiles[b].j0;
+                        (&key_tiles[b].kt[..], &v[(j0 * kv_heads + kvh) * d..])
+                    },
+                );
+            }
+            (acc, row_lse)
+        })
+        .collect();
+    for (&(h, _, (_, _, i0, i1)), (acc, row_lse)) in work.iter().zip(results) {
         for (r, i) in (i0..i1).enumerate() {
             out[(i * q_heads + h) * d..][..d].copy_from_slice(&acc[r * d..(r + 1) * d]);
             lse[i * q_heads + h] = row_lse[r];

@@ -5,6 +5,7 @@
 
 use rayon::prelude::*;
 
+use super::linear::{PackedLinear, linear_forward};
 use super::matmul::{Transpose, matmul};
 use crate::{Error, Result, ensure};
 
@@ -44,26 +45,43 @@ fn check(
     Ok(vocab)
 }
 
-/// Max and log-sum-exp of `z` (already divided by the temperature).
+/// Log-sum-exp of `z`, summed in index order.
 fn log_sum_exp(z: &[f32]) -> f32 {
     let m = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let s: f32 = z.iter().map(|x| (x - m).exp()).sum();
     m + s.ln()
 }
 
+/// Divides a row of logits by the temperature in place and returns its log-sum-exp, so that
+/// `z[i] - lse` is log softmax(logits / T)[i]. The scorer and the sampler both call this: the
+/// same logits give the same logprob bits in rollout and training.
+pub fn tempered_log_softmax(z: &mut [f32], temperature: f32) -> f32 {
+    z.iter_mut().for_each(|x| *x /= temperature);
+    log_sum_exp(z)
+}
+
 /// `logp[r] = log softmax(W·h_r / T)[target_r]` and `entropy[r]` of that distribution, for
-/// `hidden` `[rows × dim]` and `weight` `[vocab × dim]` (the LM head, HF layout).
+/// `hidden` `[rows × dim]` and the LM head `[vocab × dim]` packed for [`linear_forward`] (so a
+/// row's logits do not depend on its batch-mates).
 pub fn logprob_forward(
     logp: &mut [f32],
     entropy: &mut [f32],
     hidden: &[f32],
-    weight: &[f32],
+    head: &PackedLinear,
     targets: &[u32],
     temperature: f32,
 ) -> Result<()> {
     let rows = targets.len();
-    let dim = hidden.len() / rows.max(1);
-    let vocab = check("logprob", hidden, weight, targets, dim)?;
+    let (dim, vocab) = (head.d_in(), head.d_out());
+    ensure(hidden.len() == rows * dim, "logprob", || {
+        format!("hidden {} for {rows} targets × dim {dim}", hidden.len())
+    })?;
+    if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::Shape {
+            op: "logprob",
+            message: format!("target {bad} is outside the vocabulary of {vocab}"),
+        });
+    }
     ensure(logp.len() == rows && entropy.len() == rows && temperature > 0.0, "logprob", || {
         format!(
             "logp {} entropy {} for {rows} rows, temperature {temperature}",
@@ -76,24 +94,13 @@ pub fn logprob_forward(
     for start in (0..rows).step_by(per_chunk) {
         let n = per_chunk.min(rows - start);
         let z = &mut logits[..n * vocab];
-        matmul(
-            z,
-            &hidden[start * dim..(start + n) * dim],
-            Transpose::No,
-            weight,
-            Transpose::Yes,
-            n,
-            dim,
-            vocab,
-            false,
-        )?;
+        linear_forward(z, &hidden[start * dim..(start + n) * dim], head)?;
         z.par_chunks_mut(vocab)
             .zip(logp[start..start + n].par_iter_mut())
             .zip(entropy[start..start + n].par_iter_mut())
             .zip(targets[start..start + n].par_iter())
             .for_each(|(((z, lp), ent), &target)| {
-                z.iter_mut().for_each(|x| *x /= temperature);
-                let lse = log_sum_exp(z);
+                let lse = tempered_log_softmax(z, temperature);
                 *lp = z[target as usize] - lse;
                 // H = lse − Σ p·z.
                 let expected: f32 = z.iter().map(|x| (x - lse).exp() * x).sum();
@@ -179,10 +186,15 @@ mod tests {
     use super::*;
     use crate::testing::{Rng, check_gradient, dot};
 
+    fn pack(weight: &[f32], dim: usize) -> PackedLinear {
+        PackedLinear::new(weight, weight.len() / dim, dim).unwrap()
+    }
+
     fn forward(hidden: &[f32], weight: &[f32], targets: &[u32], t: f32) -> (Vec<f32>, Vec<f32>) {
+        let dim = hidden.len() / targets.len();
         let mut logp = vec![f32::NAN; targets.len()];
         let mut ent = vec![f32::NAN; targets.len()];
-        logprob_forward(&mut logp, &mut ent, hidden, weight, targets, t).unwrap();
+        logprob_forward(&mut logp, &mut ent, hidden, &pack(weight, dim), targets, t).unwrap();
         (logp, ent)
     }
 
@@ -254,7 +266,7 @@ mod tests {
     fn forward_err(hidden: &[f32], weight: &[f32], bad: u32) -> String {
         let mut lp = vec![0.0; 5];
         let mut ent = vec![0.0; 5];
-        logprob_forward(&mut lp, &mut ent, hidden, weight, &[0, 0, bad, 0, 0], 1.0)
+        logprob_forward(&mut lp, &mut ent, hidden, &pack(weight, 2), &[0, 0, bad, 0, 0], 1.0)
             .unwrap_err()
             .to_string()
     }

@@ -2,16 +2,20 @@
 
 mod attention;
 mod elementwise;
+mod linear;
 mod logprob;
 mod matmul;
 mod optim;
 
-pub use attention::{AttentionShape, attention_backward, attention_forward};
+pub use attention::{AttentionShape, KEY_BLOCK, attend_row, attention_backward, attention_forward};
 pub use elementwise::{
     embedding_backward, embedding_forward, rmsnorm_backward, rmsnorm_forward, rope_backward,
     rope_forward, rope_tables, swiglu_backward, swiglu_forward,
 };
-pub use logprob::{LOGPROB_CHUNK_ELEMENTS, logprob_backward, logprob_forward};
+pub use linear::{PackedLinear, linear_forward, linear_reference};
+pub use logprob::{
+    LOGPROB_CHUNK_ELEMENTS, logprob_backward, logprob_forward, tempered_log_softmax,
+};
 pub use matmul::{Transpose, matmul};
 pub use optim::{AdamW, clip_scale, global_norm};
 

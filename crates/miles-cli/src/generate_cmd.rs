@@ -1,0 +1,205 @@
+//! `miles generate`: prompts in, one `Sample` per response out, through the embedded engine.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use miles_core::{Prompt, Sample, SamplingParams, Status};
+use miles_model::Tokenizer;
+use miles_rollout::{Engine, EngineConfig, Progress};
+use serde_json::Value;
+
+use crate::jsonl;
+use crate::score_cmd::{load_model, prompt_tokens};
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// HF checkpoint directory: config.json, safetensors, tokenizer.json.
+    #[arg(long, value_name = "DIR")]
+    pub hf_checkpoint: PathBuf,
+    /// JSONL prompts; `FILE@[a:b]` keeps rows a..b (0-based, either end optional).
+    #[arg(long, value_name = "FILE")]
+    pub prompt_data: String,
+    /// Key of the prompt (text or chat messages) in each line.
+    #[arg(long, default_value = "input")]
+    pub input_key: String,
+    /// Key of the label, copied into each sample's `label`.
+    #[arg(long)]
+    pub label_key: Option<String>,
+    /// Render prompts through the tokenizer's chat template (generation prompt appended).
+    #[arg(long)]
+    pub apply_chat_template: bool,
+    #[arg(long, default_value_t = 1)]
+    pub n_samples_per_prompt: usize,
+    #[arg(long, default_value_t = 1024)]
+    pub rollout_max_response_len: usize,
+    /// Prompts longer than this are skipped (written with status `failed` and the reason).
+    #[arg(long)]
+    pub rollout_max_prompt_len: Option<usize>,
+    #[arg(long, default_value_t = 1.0)]
+    pub rollout_temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub rollout_top_p: f32,
+    /// -1 disables top-k; 1 is greedy decoding.
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    pub rollout_top_k: i64,
+    #[arg(long, default_value_t = 42)]
+    pub rollout_seed: u64,
+    /// Stop after any of these strings (repeat the flag for several).
+    #[arg(long)]
+    pub rollout_stop: Vec<String>,
+    /// Stop after any of these token ids, besides the model's EOS.
+    #[arg(long, value_delimiter = ',')]
+    pub rollout_stop_token_ids: Vec<u32>,
+    /// KV cache budget in MiB; sequences wait when it is full.
+    #[arg(long, default_value_t = 1024)]
+    pub rollout_kv_cache_mb: usize,
+    /// Most sequences decoding at once.
+    #[arg(long, default_value_t = 64)]
+    pub rollout_max_running: usize,
+    #[arg(long, value_name = "FILE")]
+    pub output: PathBuf,
+}
+
+/// `FILE@[a:b]` → the path and the row range.
+pub fn parse_slice(spec: &str) -> anyhow::Result<(PathBuf, Option<usize>, Option<usize>)> {
+    let Some((path, range)) = spec.rsplit_once("@[") else {
+        return Ok((PathBuf::from(spec), None, None));
+    };
+    let bad = || anyhow::anyhow!("--prompt-data {spec}: a row slice is written FILE@[a:b]");
+    let range = range.strip_suffix(']').ok_or_else(bad)?;
+    let (a, b) = range.split_once(':').ok_or_else(bad)?;
+    let num = |s: &str| -> anyhow::Result<Option<usize>> {
+        let s = s.trim();
+        if s.is_empty() { Ok(None) } else { Ok(Some(s.parse().map_err(|_| bad())?)) }
+    };
+    Ok((PathBuf::from(path), num(a)?, num(b)?))
+}
+
+fn load_prompts(args: &GenerateArgs, tok: &Tokenizer) -> anyhow::Result<Vec<Sample>> {
+    let (path, from, to) = parse_slice(&args.prompt_data)?;
+    let lines = jsonl::read_objects(&path)?;
+    let (from, to) = (from.unwrap_or(0), to.unwrap_or(lines.len()).min(lines.len()));
+    if from >= to {
+        bail!("--prompt-data {}: the slice [{from}:{to}] selects no row", args.prompt_data);
+    }
+    lines[from..to]
+        .iter()
+        .map(|line| {
+            let at = || format!("{}:{}", path.display(), line.number);
+            let value = line.object.get(&args.input_key).with_context(|| {
+                format!("{}: missing key '{}' (set --input-key)", at(), args.input_key)
+            })?;
+            let tokens = prompt_tokens(value, args.apply_chat_template, tok)
+                .with_context(|| format!("{}: key '{}'", at(), args.input_key))?;
+            let prompt: Prompt = serde_json::from_value(value.clone())
+                .with_context(|| format!("{}: '{}' is not a prompt", at(), args.input_key))?;
+            let label = match &args.label_key {
+                None => None,
+                Some(key) => Some(match line.object.get(key) {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(v @ (Value::Number(_) | Value::Bool(_))) => v.to_string(),
+                    _ => bail!("{}: missing string label '{key}' (set --label-key)", at()),
+                }),
+            };
+            Ok(Sample { prompt, tokens, label, ..Sample::default() })
+        })
+        .collect()
+}
+
+/// Draws a one-line progress bar on standard error.
+fn draw_progress(p: Progress, started: Instant) {
+    let width = 30;
+    let filled = (p.finished * width).checked_div(p.total).unwrap_or(width);
+    let rate = p.generated_tokens as f64 / started.elapsed().as_secs_f64().max(1e-9);
+    eprint!(
+        "\r[{}{}] {}/{} samples, {} tokens, {rate:.1} tok/s ",
+        "=".repeat(filled),
+        " ".repeat(width - filled),
+        p.finished,
+        p.total,
+        p.generated_tokens
+    );
+}
+
+pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    if args.n_samples_per_prompt == 0 {
+        bail!("--n-samples-per-prompt: must be at least 1");
+    }
+    let dir = &args.hf_checkpoint;
+    let model = load_model(dir)?;
+    let tok = Tokenizer::load(dir).with_context(|| {
+        format!("--hf-checkpoint {}: generate needs a tokenizer", dir.display())
+    })?;
+    let prompts = load_prompts(args, &tok)?;
+    let n = args.n_samples_per_prompt;
+    let groups: Vec<Vec<Sample>> = prompts
+        .into_iter()
+        .enumerate()
+        .map(|(g, s)| {
+            (0..n).map(|i| Sample { group_index: g, index: g * n + i, ..s.clone() }).collect()
+        })
+        .collect();
+    let config = EngineConfig {
+        kv_cache_bytes: args.rollout_kv_cache_mb << 20,
+        max_running: args.rollout_max_running.max(1),
+        max_prompt_len: args.rollout_max_prompt_len,
+        ..EngineConfig::default()
+    };
+    let params = SamplingParams {
+        temperature: args.rollout_temperature,
+        top_p: args.rollout_top_p,
+        top_k: usize::try_from(args.rollout_top_k).unwrap_or(0),
+        max_new_tokens: args.rollout_max_response_len,
+        stop: args.rollout_stop.clone(),
+        stop_token_ids: args.rollout_stop_token_ids.clone(),
+        ignore_eos: false,
+        seed: args.rollout_seed,
+    };
+    let mut engine = Engine::new(model, Some(tok), config)?;
+    let started = Instant::now();
+    let terminal = std::io::stderr().is_terminal();
+    let groups = engine.generate_with_progress(groups, &params, &mut |p| {
+        if terminal {
+            draw_progress(p, started);
+        }
+    })?;
+    if terminal {
+        eprintln!();
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    write_samples(&args.output, &groups)?;
+    let samples: Vec<&Sample> = groups.iter().flatten().collect();
+    let count = |st: Status| samples.iter().filter(|s| s.status == st).count();
+    let tokens: usize = samples.iter().map(|s| s.response_length).sum();
+    let stats = engine.stats();
+    writeln!(
+        out,
+        "generated {} samples ({} completed, {} truncated, {} failed), {tokens} tokens in \
+         {seconds:.2} s: {:.1} tokens/s (prefill {} tokens, {} preemptions), wrote {}",
+        samples.len(),
+        count(Status::Completed),
+        count(Status::Truncated),
+        count(Status::Failed),
+        tokens as f64 / seconds.max(1e-9),
+        stats.prefill_tokens,
+        stats.preemptions,
+        args.output.display()
+    )?;
+    Ok(())
+}
+
+/// Writes next to `path` and renames, so a failed run never leaves half a file.
+fn write_samples(path: &Path, groups: &[Vec<Sample>]) -> anyhow::Result<()> {
+    let mut text = String::new();
+    for s in groups.iter().flatten() {
+        text.push_str(&serde_json::to_string(s)?);
+        text.push('\n');
+    }
+    let tmp = path.with_extension("jsonl.partial");
+    std::fs::write(&tmp, text).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}

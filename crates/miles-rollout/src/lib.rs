@@ -1,0 +1,17 @@
+//! The embedded rollout engine: the policy's own forward, in-process, turning prompt groups
+//! into responses with the logprobs of the sampled tokens.
+//!
+//! - [`Engine`] implements [`miles_core::Rollout`]: continuous batching (a finished sequence
+//!   leaves and a waiting one joins at the next step) over a paged KV cache whose size the
+//!   configuration bounds; the samples of one prompt share its prefill and its full blocks.
+//! - Sampling ([`sampler`]) draws with temperature, top-k and top-p from a counter-based
+//!   random number per (seed, sample index, response position).
+//! - `rollout_log_probs` are log softmax(logits / T) of the drawn tokens, computed by the same
+//!   batch-invariant kernels as `Model::logprobs`: equal to the trainer's bit for bit.
+
+mod blocks;
+mod engine;
+pub mod sampler;
+
+pub use engine::{Engine, EngineConfig, EngineStats, Progress};
+pub(crate) use miles_core::{Error, Result};

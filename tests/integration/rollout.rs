@@ -1,0 +1,348 @@
+//! The rollout engine: continuous batching, the paged cache and its budget, stop conditions,
+//! and rollout logprobs equal to the scorer's bit for bit.
+
+use miles_core::{Rollout, Sample, SamplingParams, Status};
+use miles_model::tokenizer::write_byte_level_tokenizer;
+use miles_model::{Architecture, KvCache, Model, PackedBatch, Tokenizer, Weights, presets};
+use miles_rollout::{Engine, EngineConfig};
+use miles_tensor::rng::Rng;
+
+/// A tiny random model whose distributions are far from uniform, so sampling paths differ.
+fn model(arch: Architecture, seed: u64) -> Model {
+    let config = presets::preset("tiny", Some(arch)).unwrap();
+    let mut w = Weights::random(&config, seed);
+    let mut rng = Rng::new(seed + 100);
+    for t in w.tensors_mut(arch) {
+        for v in t.iter_mut() {
+            *v = if *v == 1.0 { 1.0 + 0.2 * rng.normal() } else { 0.15 * rng.normal() };
+        }
+    }
+    Model::new(config, w)
+}
+
+fn tokenizer(name: &str) -> Tokenizer {
+    let dir = miles_tests::scratch(name);
+    write_byte_level_tokenizer(&dir).unwrap();
+    Tokenizer::load(&dir).unwrap()
+}
+
+/// Prompt lengths around the 64-token block size: shorter, exactly one block, longer.
+const PROMPT_LENS: [usize; 6] = [5, 64, 70, 13, 128, 1];
+
+fn groups(n: usize, seed: u64) -> Vec<Vec<Sample>> {
+    let mut rng = Rng::new(seed);
+    PROMPT_LENS
+        .iter()
+        .enumerate()
+        .map(|(g, &len)| {
+            let tokens: Vec<u32> = (0..len).map(|_| rng.below(256) as u32).collect();
+            (0..n)
+                .map(|i| Sample {
+                    group_index: g,
+                    index: g * n + i,
+                    tokens: tokens.clone(),
+                    ..Sample::default()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn params(max_new: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        top_k: 100,
+        max_new_tokens: max_new,
+        ignore_eos: true,
+        seed: 7,
+        ..SamplingParams::default()
+    }
+}
+
+fn engine(m: &Model, config: EngineConfig) -> Engine {
+    Engine::new(m.clone(), None, config).unwrap()
+}
+
+fn blocks_mb(m: &Model, blocks: usize) -> usize {
+    blocks * KvCache::bytes_per_block(&m.config)
+}
+
+/// (tokens, logprob bits, status) of every sample, in order.
+fn results(groups: &[Vec<Sample>]) -> Vec<(Vec<u32>, Vec<u32>, Status)> {
+    groups
+        .iter()
+        .flatten()
+        .map(|s| {
+            (s.tokens.clone(), s.rollout_log_probs.iter().map(|v| v.to_bits()).collect(), s.status)
+        })
+        .collect()
+}
+
+#[test]
+fn continuous_batching_gives_each_sample_what_it_gets_alone() {
+    let m = model(Architecture::Qwen3, 1);
+    let p = params(40);
+    let input = groups(3, 2);
+    // Few sequences at once: finished ones leave, waiting ones join mid-run.
+    let mut small = engine(&m, EngineConfig { max_running: 4, ..EngineConfig::default() });
+    let together = small.generate(input.clone(), &p).unwrap();
+    assert!(small.stats().steps > 40, "sequences joined late: {:?}", small.stats());
+    // Everything at once.
+    let mut wide = engine(&m, EngineConfig::default());
+    let all = wide.generate(input.clone(), &p).unwrap();
+    // Each sample alone, in reverse order.
+    let mut alone = Vec::new();
+    for s in input.iter().flatten().rev() {
+        let mut e = engine(&m, EngineConfig::default());
+        alone.push(e.generate(vec![vec![s.clone()]], &p).unwrap().remove(0).remove(0));
+    }
+    alone.reverse();
+    let want = results(&[alone]);
+    assert_eq!(results(&together), want);
+    assert_eq!(results(&all), want);
+    for s in together.iter().flatten() {
+        assert_eq!((s.status, s.response_length, s.loss_mask.len()), (Status::Truncated, 40, 40));
+    }
+    // The samples of one prompt differ from one another (their RNG streams are their own).
+    assert_ne!(together[0][0].tokens, together[0][1].tokens);
+}
+
+#[test]
+fn rollout_logprobs_equal_the_scorers_bit_for_bit() {
+    for arch in [Architecture::Qwen3, Architecture::Llama] {
+        let m = model(arch, 3);
+        let p = params(30);
+        let mut e = engine(&m, EngineConfig { max_running: 5, ..EngineConfig::default() });
+        let samples: Vec<Sample> = e.generate(groups(2, 4), &p).unwrap().concat();
+        let seqs: Vec<(Vec<u32>, usize)> =
+            samples.iter().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
+        let want: Vec<u32> =
+            samples.iter().flat_map(|s| s.rollout_log_probs.iter().map(|v| v.to_bits())).collect();
+        // Score under several packings: all together, reversed, in pairs, one by one.
+        let score = |order: &[usize], per_batch: usize| -> Vec<u32> {
+            let mut by_sample = vec![Vec::new(); samples.len()];
+            for chunk in order.chunks(per_batch) {
+                let batch: Vec<_> = chunk.iter().map(|&i| seqs[i].clone()).collect();
+                let (lp, _) =
+                    m.logprobs(&PackedBatch::new(&batch).unwrap(), p.temperature).unwrap();
+                let mut at = 0;
+                for &i in chunk {
+                    let n = samples[i].response_length;
+                    by_sample[i] = lp[at..at + n].iter().map(|v| v.to_bits()).collect();
+                    at += n;
+                }
+            }
+            by_sample.concat()
+        };
+        let forward: Vec<usize> = (0..samples.len()).collect();
+        let reversed: Vec<usize> = forward.iter().rev().copied().collect();
+        assert_eq!(score(&forward, samples.len()), want, "{arch:?}: one batch");
+        assert_eq!(score(&reversed, 5), want, "{arch:?}: reversed, batches of 5");
+        assert_eq!(score(&forward, 2), want, "{arch:?}: pairs");
+        assert_eq!(score(&reversed, 1), want, "{arch:?}: alone");
+    }
+}
+
+#[test]
+fn the_kv_budget_bounds_the_cache_and_sequences_wait_for_it() {
+    let m = model(Architecture::Qwen3, 5);
+    let p = params(70);
+    let input = groups(2, 6);
+    let mut free = engine(&m, EngineConfig::default());
+    let want = results(&free.generate(input.clone(), &p).unwrap());
+    // 7 blocks: the longest sample (128 + 70 tokens) needs 4 alone, so most must wait and some
+    // are preempted and resumed.
+    let budget = 7;
+    let mut tight = engine(
+        &m,
+        EngineConfig { kv_cache_bytes: blocks_mb(&m, budget), ..EngineConfig::default() },
+    );
+    let got = tight.generate(input, &p).unwrap();
+    let stats = tight.stats().clone();
+    assert_eq!(stats.total_blocks, budget);
+    assert!(stats.peak_blocks <= budget, "{stats:?}");
+    assert!(stats.preemptions > 0, "the budget should force preemption: {stats:?}");
+    assert_eq!(results(&got), want);
+    // A sequence that cannot fit even alone fails with the reason instead of hanging.
+    let mut tiny =
+        engine(&m, EngineConfig { kv_cache_bytes: blocks_mb(&m, 2), ..EngineConfig::default() });
+    let out = tiny.generate(groups(1, 6), &p).unwrap().concat();
+    let long = &out[4]; // the 128-token prompt
+    assert_eq!(long.status, Status::Failed);
+    assert!(long.metadata["rollout_error"].as_str().unwrap().contains("--rollout-kv-cache-mb"));
+    assert_eq!(out[0].status, Status::Truncated);
+}
+
+#[test]
+fn the_samples_of_a_prompt_share_its_prefill_and_blocks() {
+    let m = model(Architecture::Qwen3, 7);
+    let n = 8;
+    let prompt: Vec<u32> = (0..130).map(|i| (i * 7 % 256) as u32).collect();
+    let group: Vec<Sample> =
+        (0..n).map(|i| Sample { index: i, tokens: prompt.clone(), ..Sample::default() }).collect();
+    let mut e = engine(&m, EngineConfig::default());
+    let out = e.generate(vec![group], &params(4)).unwrap();
+    let stats = e.stats();
+    // The prompt is prefilled once; 3 blocks hold it, 2 of them full and shared by all 8.
+    assert_eq!(stats.prefill_tokens, 130);
+    assert_eq!(stats.peak_blocks, 2 + n);
+    assert_eq!(out[0].len(), n);
+}
+
+#[test]
+fn stop_conditions_set_the_status() {
+    let m = model(Architecture::Llama, 9);
+    let tok = tokenizer("rollout-stop");
+    let base = params(24);
+    let one = |mut p: SamplingParams, config: EngineConfig, prompt_len: usize| -> Sample {
+        let mut e = Engine::new(m.clone(), Some(tokenizer("rollout-stop-each")), config).unwrap();
+        p.seed = 11;
+        let s = Sample { tokens: (1..=prompt_len as u32).collect(), ..Sample::default() };
+        e.generate(vec![vec![s]], &p).unwrap().remove(0).remove(0)
+    };
+    let free = one(base.clone(), EngineConfig::default(), 6);
+    assert_eq!((free.status, free.response_length), (Status::Truncated, 24));
+    assert_eq!(free.response, tok.decode(&free.tokens[6..], false).unwrap());
+    let response = free.tokens[6..].to_vec();
+
+    // A stop token id: generation ends right after its first occurrence, which is kept.
+    let stop_id = response[5];
+    let first = response.iter().position(|&t| t == stop_id).unwrap();
+    let s = one(
+        SamplingParams { stop_token_ids: vec![stop_id], ..base.clone() },
+        EngineConfig::default(),
+        6,
+    );
+    assert_eq!((s.status, s.response_length), (Status::Completed, first + 1));
+    assert_eq!(s.tokens[6..], response[..first + 1]);
+    assert_eq!(s.rollout_log_probs, free.rollout_log_probs[..first + 1]);
+
+    // EOS counts unless ignored.
+    let mut m_eos = m.clone();
+    m_eos.config.eos_token_ids = vec![stop_id];
+    let mut e = Engine::new(m_eos, None, EngineConfig::default()).unwrap();
+    let s0 = Sample { tokens: (1..=6).collect(), ..Sample::default() };
+    let p = SamplingParams { ignore_eos: false, seed: 11, ..base.clone() };
+    let s = e.generate(vec![vec![s0]], &p).unwrap().remove(0).remove(0);
+    assert_eq!((s.status, s.response_length), (Status::Completed, first + 1));
+
+    // A stop string: ends at the first token whose text completes it.
+    let text = tok.decode(&response[8..10], false).unwrap();
+    let s = one(
+        SamplingParams { stop: vec![text.clone()], ..base.clone() },
+        EngineConfig::default(),
+        6,
+    );
+    assert_eq!(s.status, Status::Completed);
+    assert!(s.response.contains(&text) && s.response_length <= 10, "{:?}", s.response);
+    assert!(!tok.decode(&s.tokens[6..s.tokens.len() - 1], false).unwrap().contains(&text));
+
+    // Too-long prompts are skipped with the reason; the others still run.
+    let mut e = Engine::new(
+        m.clone(),
+        None,
+        EngineConfig { max_prompt_len: Some(8), ..EngineConfig::default() },
+    )
+    .unwrap();
+    let long = Sample { tokens: (1..=9).collect(), ..Sample::default() };
+    let short = Sample { index: 1, tokens: (1..=8).collect(), ..Sample::default() };
+    let out = e.generate(vec![vec![long], vec![short]], &base).unwrap();
+    assert_eq!(out[0][0].status, Status::Failed);
+    let reason = out[0][0].metadata["rollout_error"].as_str().unwrap();
+    assert!(reason.contains("--rollout-max-prompt-len 8"), "{reason}");
+    assert_eq!((out[1][0].status, out[1][0].response_length), (Status::Truncated, 24));
+    assert_eq!(e.stats().skipped_prompts, 1);
+}
+
+#[test]
+fn bad_sampling_flags_are_errors() {
+    let m = model(Architecture::Qwen3, 1);
+    let mut e = engine(&m, EngineConfig::default());
+    let g = groups(1, 1);
+    for (p, flag) in [
+        (SamplingParams { temperature: 0.0, ..params(4) }, "--rollout-temperature"),
+        (SamplingParams { top_p: 1.5, ..params(4) }, "--rollout-top-p"),
+        (SamplingParams { max_new_tokens: 0, ..params(4) }, "--rollout-max-response-len"),
+    ] {
+        let err = e.generate(g.clone(), &p).unwrap_err().to_string();
+        assert!(err.starts_with(flag), "{err}");
+    }
+    let err = Engine::new(
+        m.clone(),
+        None,
+        EngineConfig { kv_cache_bytes: 10, ..EngineConfig::default() },
+    );
+    assert!(err.err().unwrap().to_string().contains("--rollout-kv-cache-mb"));
+}
+
+/// `miles generate` on a checkpoint, then `miles score` on its output: valid samples whose
+/// rollout logprobs the scorer reproduces exactly.
+#[test]
+fn generate_writes_samples_that_score_reproduces() {
+    let dir = miles_tests::scratch("generate_cli");
+    let ckpt = dir.join("ckpt");
+    let ckpt_s = ckpt.to_str().unwrap();
+    miles_tests::miles(&["init-model", "--preset", "tiny", "--out", ckpt_s, "--seed", "5"])
+        .unwrap();
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        concat!(
+            r#"{"question": "What is 2 + 3?", "answer": 5}"#, "\n",
+            "\n",
+            r#"{"question": [{"role": "user", "content": "Name a colour."}], "answer": "red"}"#, "\n",
+            r#"{"question": "Skipped by the slice", "answer": 0}"#, "\n",
+        ),
+    )
+    .unwrap();
+    let out = dir.join("samples.jsonl");
+    let data = format!("{}@[0:2]", prompts.display());
+    let report = miles_tests::miles(&[
+        "generate", "--hf-checkpoint", ckpt_s, "--prompt-data", &data, "--input-key", "question",
+        "--label-key", "answer", "--apply-chat-template", "--n-samples-per-prompt", "3",
+        "--rollout-max-response-len", "12", "--rollout-temperature", "0.9", "--rollout-top-p",
+        "0.9", "--output", out.to_str().unwrap(),
+    ])
+    .unwrap();
+    assert!(report.contains("generated 6 samples") && report.contains("tokens/s"), "{report}");
+    let text = std::fs::read_to_string(&out).unwrap();
+    let samples: Vec<Sample> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(samples.len(), 6);
+    for (i, s) in samples.iter().enumerate() {
+        assert_eq!((s.group_index, s.index), (i / 3, i));
+        assert!(matches!(s.status, Status::Completed | Status::Truncated), "{s:?}");
+        assert_eq!(s.rollout_log_probs.len(), s.response_length);
+        assert_eq!(s.loss_mask.len(), s.response_length);
+        assert!(s.response_length >= 1 && s.response_length <= 12);
+    }
+    assert_eq!(samples[0].label.as_deref(), Some("5"));
+    assert_eq!(samples[5].label.as_deref(), Some("red"));
+
+    let scored = miles_tests::miles(&[
+        "score", "--hf-checkpoint", ckpt_s, "--input", out.to_str().unwrap(),
+        "--rollout-temperature", "0.9",
+    ])
+    .unwrap();
+    for (row, s) in scored.lines().zip(&samples) {
+        let row: serde_json::Value = serde_json::from_str(row).unwrap();
+        let lp: Vec<f32> = serde_json::from_value(row["log_probs"].clone()).unwrap();
+        assert_eq!(lp, s.rollout_log_probs, "sample {}", s.index);
+    }
+
+    // Bad input names the file, the line and the flag.
+    let err = miles_tests::miles(&[
+        "generate", "--hf-checkpoint", ckpt_s, "--prompt-data", prompts.to_str().unwrap(),
+        "--input-key", "prompt", "--output", out.to_str().unwrap(),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("prompts.jsonl:1") && err.contains("--input-key"), "{err}");
+    let err = miles_tests::miles(&[
+        "generate", "--hf-checkpoint", ckpt_s, "--prompt-data", &format!("{}@[0:x]", prompts.display()),
+        "--output", out.to_str().unwrap(),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("FILE@[a:b]"), "{err}");
+}
