@@ -346,3 +346,26 @@ fn generate_writes_samples_that_score_reproduces() {
     .to_string();
     assert!(err.contains("FILE@[a:b]"), "{err}");
 }
+
+#[test]
+fn an_aborted_partial_response_is_continued_exactly() {
+    let m = model(Architecture::Qwen3, 13);
+    let p = params(20);
+    let mut e = engine(&m, EngineConfig::default());
+    let full = e.generate(groups(1, 14), &p).unwrap().concat();
+    let partial: Vec<Vec<Sample>> = full
+        .iter()
+        .map(|s| {
+            let keep = 1 + s.index % 10;
+            let cut = s.response_length - keep;
+            let mut s = s.clone();
+            s.tokens.truncate(s.tokens.len() - cut);
+            s.rollout_log_probs.truncate(keep);
+            s.response_length = keep;
+            s.status = Status::Aborted;
+            vec![s]
+        })
+        .collect();
+    let resumed = e.generate(partial, &p).unwrap().concat();
+    assert_eq!(results(&[resumed]), results(&[full]));
+}
