@@ -2,6 +2,7 @@
 
 mod binary;
 mod dynamic_plugins;
+mod gguf;
 mod hf_parity;
 mod model_cli;
 mod registry;

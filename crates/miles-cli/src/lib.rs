@@ -6,6 +6,7 @@ use std::io::Write;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod bench_cmd;
+mod convert_cmd;
 mod generate_cmd;
 mod init_model_cmd;
 mod jsonl;
@@ -15,6 +16,7 @@ mod reward_cmd;
 mod score_cmd;
 
 pub use bench_cmd::{BenchArgs, BenchCommand, RolloutBenchArgs};
+pub use convert_cmd::{ConvertCommand, GgufArgs};
 pub use generate_cmd::GenerateArgs;
 pub use init_model_cmd::InitModelArgs;
 pub use plugins_cmd::PluginsArgs;
@@ -44,6 +46,9 @@ pub enum Command {
     /// Benchmarks of whole paths, one JSON line each.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Convert other model formats into HF checkpoints.
+    #[command(subcommand)]
+    Convert(ConvertCommand),
 }
 
 /// `miles 0.1.0 (features: tis)`: the version and the plugin features compiled in.
@@ -85,6 +90,7 @@ pub fn execute(cli: Cli, out: &mut dyn Write) -> anyhow::Result<()> {
         Command::Generate(args) => generate_cmd::run(&args, out),
         Command::Score(args) => score_cmd::run(&args, out),
         Command::Bench(command) => bench_cmd::run(&command, out),
+        Command::Convert(command) => convert_cmd::run(&command, out),
     }
 }
 

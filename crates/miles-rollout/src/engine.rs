@@ -561,7 +561,7 @@ impl Engine {
     fn finish(&self, mut s: Sample, seq: Seq, status: Status) -> Sample {
         let response = &seq.tokens[seq.prompt_len..];
         s.response = match &self.tokenizer {
-            Some(tok) => tok.decode(response, false).unwrap_or_default(),
+            Some(tok) => tok.decode(response, true).unwrap_or_default(),
             None => String::new(),
         };
         s.response_length = response.len();

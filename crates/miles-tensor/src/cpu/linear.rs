@@ -310,35 +310,35 @@ mod x86 {
     /// # Safety
     /// As `run_tile`, on a CPU with AVX-512F; `(mr, nv)` within what `avx512_tile` returns.
     pub(super) unsafe fn avx512(mr: usize, nv: usize, t: &Tile) {
-        macro_rules! panels {
-            ($mr:literal) => {
+        macro_rules! dispatch {
+            ($($mr:literal => [$($nv:literal),*]),* $(,)?) => {
                 // SAFETY: forwarded from the caller.
                 unsafe {
-                    match nv {
-                        1 => tile512::<$mr, 1>(t),
-                        2 => tile512::<$mr, 2>(t),
-                        3 => tile512::<$mr, 3>(t),
-                        4 => tile512::<$mr, 4>(t),
-                        5 => tile512::<$mr, 5>(t),
-                        6 => tile512::<$mr, 6>(t),
-                        7 => tile512::<$mr, 7>(t),
-                        8 => tile512::<$mr, 8>(t),
+                    match (mr, nv) {
+                        $($(($mr, $nv) => tile512::<$mr, $nv>(t),)*)*
                         _ => unreachable!("avx512 tile {mr}x{nv}"),
                     }
                 }
             };
         }
-        match mr {
-            1 => panels!(1),
-            2 => panels!(2),
-            3 => panels!(3),
-            4 => panels!(4),
-            5 => panels!(5),
-            6 => panels!(6),
-            7 => panels!(7),
-            8 => panels!(8),
-            _ => unreachable!("avx512 tile {mr}x{nv}"),
-        }
+        dispatch!(
+            1 => [1, 2, 3, 4, 5, 6, 7, 8],
+            2 => [1, 2, 3, 4, 5, 6, 7, 8],
+            3 => [1, 2, 3, 4, 5, 6, 7, 8],
+            4 => [1, 2, 3, 4, 5, 6],
+            5 => [1, 2, 3, 4, 5],
+            6 => [1, 2, 3, 4],
+            7 => [1, 2, 3, 4],
+            8 => [1, 2, 3],
+            9 => [1, 2],
+            10 => [1, 2],
+            11 => [1, 2],
+            12 => [1, 2],
+            13 => [1, 2],
+            14 => [1, 2],
+            15 => [1],
+            16 => [1],
+        )
     }
 
     /// `MR` rows × `NV` panels: per k, one broadcast of `x[r][k]` per row and one load per
