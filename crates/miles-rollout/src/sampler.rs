@@ -31,10 +31,9 @@ fn by_logit(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
     b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
-/// The first candidate whose running probability mass passes `u · total`, scanning in order.
-fn inverse_cdf(candidates: impl Iterator<Item = (u32, f64)> + Clone, u: f64) -> Option<u32> {
-    let total: f64 = candidates.clone().map(|(_, p)| p).sum();
-    let target = u * total;
+/// The first candidate whose running probability mass passes `target`, scanning in order; the
+/// last candidate with mass when rounding leaves the total just short of it.
+fn inverse_cdf(candidates: impl Iterator<Item = (u32, f64)>, target: f64) -> Option<u32> {
     let mut cum = 0.0;
     let mut last = None;
     for (token, p) in candidates {
@@ -50,16 +49,17 @@ fn inverse_cdf(candidates: impl Iterator<Item = (u32, f64)> + Clone, u: f64) -> 
     last
 }
 
-/// Draws from `z`, the logits already divided by the temperature, whose log-sum-exp is `lse`
-/// (see [`miles_tensor::cpu::tempered_log_softmax`]). `top_k == 0` and `top_p >= 1` disable
-/// truncation; top-k applies first, then top-p on the renormalized remainder (SGLang's order).
-/// `None` when the logits are not finite.
+/// Draws from `z`, the logits already divided by the temperature, and `lse`, their log-sum-exp
+/// from [`miles_tensor::cpu::tempered_log_softmax`] (a NaN logit makes it NaN). `top_k == 0`
+/// and `top_p >= 1` disable truncation; top-k applies first, then top-p on the renormalized
+/// remainder (SGLang's order). `None` when the logits are not finite.
 pub fn sample(z: &[f32], lse: f32, top_k: usize, top_p: f32, u: f64) -> Option<Draw> {
-    if !lse.is_finite() || z.iter().any(|x| x.is_nan()) {
+    if !lse.is_finite() {
         return None;
     }
-    let prob = |x: f32| f64::from(x - lse).exp();
+    let prob = |x: f32| f64::from((x - lse).exp());
     let token = if (top_k == 0 || top_k >= z.len()) && top_p >= 1.0 {
+        // The full distribution sums to 1 (to rounding): one pass, stopping at the draw.
         inverse_cdf(z.iter().enumerate().map(|(i, &x)| (i as u32, prob(x))), u)?
     } else {
         let mut cand: Vec<(f32, u32)> = z.iter().enumerate().map(|(i, &x)| (x, i as u32)).collect();
@@ -77,7 +77,8 @@ pub fn sample(z: &[f32], lse: f32, top_k: usize, top_p: f32, u: f64) -> Option<D
             before += probs[keep];
             keep += 1;
         }
-        inverse_cdf(cand[..keep].iter().zip(&probs).map(|(&(_, t), &p)| (t, p)), u)?
+        let kept = cand[..keep].iter().zip(&probs).map(|(&(_, t), &p)| (t, p));
+        inverse_cdf(kept, u * before)?
     };
     Some(Draw { token, logprob: z[token as usize] - lse })
 }
@@ -152,7 +153,9 @@ mod tests {
     fn ties_and_bad_logits() {
         let (z, lse) = tempered(&[1.0, 1.0, 1.0], 1.0);
         assert_eq!(sample(&z, lse, 1, 1.0, 0.99).unwrap().token, 0);
-        assert!(sample(&[0.0, f32::NAN], 0.0, 0, 1.0, 0.5).is_none());
+        let (z, lse) = tempered(&[0.0, f32::NAN], 1.0);
+        assert!(sample(&z, lse, 0, 1.0, 0.5).is_none());
+        assert!(sample(&z, lse, 3, 0.9, 0.5).is_none());
         assert!(sample(&[0.0, 1.0], f32::INFINITY, 0, 1.0, 0.5).is_none());
     }
 }
