@@ -291,20 +291,39 @@ fn generate_writes_samples_that_score_reproduces() {
     std::fs::write(
         &prompts,
         concat!(
-            r#"{"question": "What is 2 + 3?", "answer": 5}"#, "\n",
+            r#"{"question": "What is 2 + 3?", "answer": 5}"#,
             "\n",
-            r#"{"question": [{"role": "user", "content": "Name a colour."}], "answer": "red"}"#, "\n",
-            r#"{"question": "Skipped by the slice", "answer": 0}"#, "\n",
+            "\n",
+            r#"{"question": [{"role": "user", "content": "Name a colour."}], "answer": "red"}"#,
+            "\n",
+            r#"{"question": "Skipped by the slice", "answer": 0}"#,
+            "\n",
         ),
     )
     .unwrap();
     let out = dir.join("samples.jsonl");
     let data = format!("{}@[0:2]", prompts.display());
     let report = miles_tests::miles(&[
-        "generate", "--hf-checkpoint", ckpt_s, "--prompt-data", &data, "--input-key", "question",
-        "--label-key", "answer", "--apply-chat-template", "--n-samples-per-prompt", "3",
-        "--rollout-max-response-len", "12", "--rollout-temperature", "0.9", "--rollout-top-p",
-        "0.9", "--output", out.to_str().unwrap(),
+        "generate",
+        "--hf-checkpoint",
+        ckpt_s,
+        "--prompt-data",
+        &data,
+        "--input-key",
+        "question",
+        "--label-key",
+        "answer",
+        "--apply-chat-template",
+        "--n-samples-per-prompt",
+        "3",
+        "--rollout-max-response-len",
+        "12",
+        "--rollout-temperature",
+        "0.9",
+        "--rollout-top-p",
+        "0.9",
+        "--output",
+        out.to_str().unwrap(),
     ])
     .unwrap();
     assert!(report.contains("generated 6 samples") && report.contains("tokens/s"), "{report}");
@@ -322,8 +341,13 @@ fn generate_writes_samples_that_score_reproduces() {
     assert_eq!(samples[5].label.as_deref(), Some("red"));
 
     let scored = miles_tests::miles(&[
-        "score", "--hf-checkpoint", ckpt_s, "--input", out.to_str().unwrap(),
-        "--rollout-temperature", "0.9",
+        "score",
+        "--hf-checkpoint",
+        ckpt_s,
+        "--input",
+        out.to_str().unwrap(),
+        "--rollout-temperature",
+        "0.9",
     ])
     .unwrap();
     for (row, s) in scored.lines().zip(&samples) {
@@ -334,15 +358,27 @@ fn generate_writes_samples_that_score_reproduces() {
 
     // Bad input names the file, the line and the flag.
     let err = miles_tests::miles(&[
-        "generate", "--hf-checkpoint", ckpt_s, "--prompt-data", prompts.to_str().unwrap(),
-        "--input-key", "prompt", "--output", out.to_str().unwrap(),
+        "generate",
+        "--hf-checkpoint",
+        ckpt_s,
+        "--prompt-data",
+        prompts.to_str().unwrap(),
+        "--input-key",
+        "prompt",
+        "--output",
+        out.to_str().unwrap(),
     ])
     .unwrap_err()
     .to_string();
     assert!(err.contains("prompts.jsonl:1") && err.contains("--input-key"), "{err}");
     let err = miles_tests::miles(&[
-        "generate", "--hf-checkpoint", ckpt_s, "--prompt-data", &format!("{}@[0:x]", prompts.display()),
-        "--output", out.to_str().unwrap(),
+        "generate",
+        "--hf-checkpoint",
+        ckpt_s,
+        "--prompt-data",
+        &format!("{}@[0:x]", prompts.display()),
+        "--output",
+        out.to_str().unwrap(),
     ])
     .unwrap_err()
     .to_string();
@@ -370,4 +406,48 @@ fn an_aborted_partial_response_is_continued_exactly() {
         .collect();
     let resumed = e.generate(partial, &p).unwrap().concat();
     assert_eq!(results(&[resumed]), results(&[full]));
+}
+
+/// Regressions found in review: the sequence cap holds for groups, duplicate indices and empty
+/// stop strings are refused, a resumed response keeps its loss mask, a failed weight update
+/// changes nothing, an impossible KV budget is an error.
+#[test]
+fn engine_limits_and_refusals() {
+    let m = model(Architecture::Qwen3, 21);
+    let mut e = engine(&m, EngineConfig { max_running: 3, ..EngineConfig::default() });
+    let out = e.generate(groups(8, 22), &params(6)).unwrap();
+    assert!(e.stats().peak_running <= 3, "{:?}", e.stats());
+    assert!(out.iter().flatten().all(|s| s.status == Status::Truncated));
+
+    let twins = vec![vec![Sample { tokens: vec![1, 2], ..Sample::default() }; 2]];
+    let err = e.generate(twins, &params(4)).unwrap_err().to_string();
+    assert!(err.contains("index 0"), "{err}");
+    let p = SamplingParams { stop: vec![String::new()], ..params(4) };
+    assert!(e.generate(groups(1, 1), &p).unwrap_err().to_string().starts_with("--rollout-stop"));
+    let p = SamplingParams { stop: vec!["x".into()], ..params(4) };
+    let err = e.generate(groups(1, 1), &p).unwrap_err().to_string();
+    assert!(err.contains("tokenizer"), "{err}");
+
+    // Resuming keeps the earlier part's mask.
+    let full = e.generate(groups(1, 23), &params(8)).unwrap().remove(0).remove(0);
+    let mut part = full.clone();
+    part.tokens.truncate(full.tokens.len() - 4);
+    part.rollout_log_probs.truncate(4);
+    part.response_length = 4;
+    part.loss_mask = vec![1, 0, 0, 1];
+    part.status = Status::Aborted;
+    let resumed = e.generate(vec![vec![part]], &params(8)).unwrap().remove(0).remove(0);
+    assert_eq!(resumed.tokens, full.tokens);
+    assert_eq!(resumed.loss_mask, vec![1, 0, 0, 1, 1, 1, 1, 1]);
+
+    // Weights of another shape are refused and the engine keeps its policy whole.
+    let other = presets::preset("tiny", Some(Architecture::Llama)).unwrap();
+    assert!(e.update_weights(Weights::zeros(&other)).is_err());
+    assert_eq!(e.weight_version(), 0);
+    let again = e.generate(groups(1, 23), &params(8)).unwrap().remove(0).remove(0);
+    assert_eq!(again.tokens, full.tokens);
+
+    let huge = EngineConfig { kv_cache_bytes: 1 << 60, ..EngineConfig::default() };
+    let err = Engine::new(m.clone(), None, huge).err().unwrap().to_string();
+    assert!(err.contains("--rollout-kv-cache-mb"), "{err}");
 }

@@ -142,8 +142,12 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             (0..n).map(|i| Sample { group_index: g, index: g * n + i, ..s.clone() }).collect()
         })
         .collect();
+    let kv_cache_bytes = args
+        .rollout_kv_cache_mb
+        .checked_mul(1 << 20)
+        .context("--rollout-kv-cache-mb: too large for this machine's address space")?;
     let config = EngineConfig {
-        kv_cache_bytes: args.rollout_kv_cache_mb << 20,
+        kv_cache_bytes,
         max_running: args.rollout_max_running.max(1),
         max_prompt_len: args.rollout_max_prompt_len,
         ..EngineConfig::default()

@@ -20,7 +20,8 @@ pub struct SamplingParams {
     /// Keep generating after EOS (benchmarks that need a fixed length).
     pub ignore_eos: bool,
     /// Seed of the per-sample counter-based RNG: a sample's draws depend on (seed, sample
-    /// index, position) only, never on its batch-mates.
+    /// index, position) only, never on its batch-mates. A training loop derives it per rollout
+    /// (seed and rollout id) so that successive rollouts do not repeat their draws.
     pub seed: u64,
 }
 

@@ -14,6 +14,21 @@ use miles_tensor::cpu::KEY_BLOCK;
 
 use crate::{Error, ModelConfig, Result};
 
+/// `n` zeroed floats, or `None` when the allocator refuses. A zeroed allocation: the OS hands
+/// out pages on first touch, so an unused budget costs address space, not RAM or a memset.
+fn zeroed(n: usize) -> Option<Vec<f32>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<f32>(n).ok()?;
+    // SAFETY: the layout has a non-zero size; on success the block is zero bytes, which are
+    // valid f32 zeros, allocated with f32's layout for exactly `n` elements, as Vec requires.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout).cast::<f32>();
+        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, n, n))
+    }
+}
+
 /// Block ids index a [`KvCache`].
 pub type BlockId = u32;
 
@@ -35,14 +50,17 @@ impl KvCache {
         c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * KEY_BLOCK
     }
 
-    /// A cache of `num_blocks` blocks. The memory is zeroed lazily by the OS, so an unused
-    /// budget costs address space, not RAM.
+    /// A cache of `num_blocks` blocks.
     pub fn new(config: &ModelConfig, num_blocks: usize) -> Result<Self> {
         let floats = Self::floats_per_block(config).checked_mul(num_blocks).ok_or_else(|| {
             Error::Invalid(format!("a KV cache of {num_blocks} blocks overflows memory"))
         })?;
-        // vec! of zeros is a zeroed allocation: pages are touched only when a block is used.
-        let data = vec![0f32; floats];
+        let data = zeroed(floats).ok_or_else(|| {
+            Error::Invalid(format!(
+                "cannot allocate a KV cache of {} MiB; lower --rollout-kv-cache-mb",
+                floats / (1 << 18)
+            ))
+        })?;
         Ok(KvCache {
             layers: config.num_hidden_layers,
             kv_heads: config.num_key_value_heads,

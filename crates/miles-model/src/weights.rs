@@ -120,6 +120,33 @@ impl Weights {
     }
 
     /// Every tensor, in [`tensor_spec`] order.
+    /// Errors unless every tensor has the size `config` gives it (weights from elsewhere, such
+    /// as a weight sync, before they are used).
+    pub fn check(&self, c: &ModelConfig) -> Result<()> {
+        let spec = tensor_spec(c);
+        let tensors = self.tensors(c.architecture);
+        let layers_ok = self.layers.len() == c.num_hidden_layers;
+        if !layers_ok || tensors.len() != spec.len() {
+            return Err(Error::Invalid(format!(
+                "weights hold {} tensors in {} layers; the config wants {} in {}",
+                tensors.len(),
+                self.layers.len(),
+                spec.len(),
+                c.num_hidden_layers
+            )));
+        }
+        for ((name, shape), t) in spec.iter().zip(tensors) {
+            if t.len() != shape.iter().product::<usize>() {
+                return Err(Error::Invalid(format!(
+                    "weight {name}: {} values, the config's shape {shape:?} wants {}",
+                    t.len(),
+                    shape.iter().product::<usize>()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     pub fn tensors(&self, arch: Architecture) -> Vec<&Vec<f32>> {
         let mut out = vec![&self.embed];
         for l in &self.layers {

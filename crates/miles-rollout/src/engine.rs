@@ -52,6 +52,8 @@ pub struct EngineStats {
     pub prefill_tokens: usize,
     pub decode_tokens: usize,
     pub preemptions: usize,
+    /// Most sequences in one step.
+    pub peak_running: usize,
     pub skipped_prompts: usize,
     /// Most KV blocks in use at once, out of `total_blocks`.
     pub peak_blocks: usize,
@@ -166,8 +168,11 @@ impl Engine {
     /// Weight sync: takes the trainer's new weights (moved, not copied through a file) and
     /// repacks them for the forward kernel.
     pub fn update_weights(&mut self, weights: Weights) -> crate::Result<()> {
-        self.model.weights = weights;
-        self.packed = PackedLinears::new(&self.model).map_err(model_error)?;
+        weights.check(&self.model.config).map_err(model_error)?;
+        let model = Model::new(self.model.config.clone(), weights);
+        // Packed first: a failure leaves the engine on its old policy, whole.
+        self.packed = PackedLinears::new(&model).map_err(model_error)?;
+        self.model = model;
         self.weight_version += 1;
         Ok(())
     }
@@ -190,6 +195,12 @@ impl Engine {
         progress: &mut dyn FnMut(Progress),
     ) -> crate::Result<Vec<Vec<Sample>>> {
         check_params(params)?;
+        if !params.stop.is_empty() && self.tokenizer.is_none() {
+            return Err(crate::Error::config(
+                "rollout-stop",
+                "stop strings need the checkpoint's tokenizer.json to read the response",
+            ));
+        }
         let start = Instant::now();
         let mut run = Run::new(self, groups, params)?;
         let eos = if params.ignore_eos { Vec::new() } else { self.eos_ids() };
@@ -227,6 +238,8 @@ impl Engine {
                 }
             }
             next.sort_by_key(|s| s.admitted);
+            let in_step = draws.iter().map(Vec::len).sum::<usize>();
+            self.stats.peak_running = self.stats.peak_running.max(in_step);
             run.running = next;
             self.stats.peak_blocks = self.stats.peak_blocks.max(run.blocks.peak_used());
             progress(Progress {
@@ -277,7 +290,7 @@ impl Engine {
             let headroom = if seqs == 0 { 0 } else { seqs + unit.len() };
             let fits_blocks = need + headroom <= run.blocks.num_free()
                 || (seqs == 0 && need <= run.blocks.num_free());
-            let fits_batch = seqs + unit.len() <= self.config.max_running || seqs == 0;
+            let fits_batch = seqs + unit.len() <= self.config.max_running.max(1);
             let fits_prefill =
                 prefill + len <= self.config.max_prefill_tokens || admitted.is_empty();
             if !(fits_blocks && fits_batch && fits_prefill) {
@@ -402,6 +415,15 @@ impl Run {
             generated: 0,
         };
         let capacity = engine.kv.num_blocks() * KEY_BLOCK;
+        // A sample's draws are keyed by its index: two samples sharing one would be twins.
+        let mut seen = std::collections::HashSet::new();
+        if let Some(s) = groups.iter().flatten().find(|s| !seen.insert(s.index)) {
+            return Err(crate::Error::Invalid(format!(
+                "two samples have index {}: the rollout RNG is keyed by Sample.index, so give \
+                 every sample of a batch its own",
+                s.index
+            )));
+        }
         for (g, group) in groups.into_iter().enumerate() {
             let mut unit: Unit = Vec::new();
             let mut samples = Vec::with_capacity(group.len());
@@ -431,7 +453,8 @@ impl Run {
                                 && u.response_len() == 0
                                 && seq.response_len() == 0
                         });
-                        if !joins && !unit.is_empty() {
+                        let full = unit.len() >= engine.config.max_running.max(1);
+                        if (!joins || full) && !unit.is_empty() {
                             run.waiting.push_back(std::mem::take(&mut unit));
                         }
                         unit.push(seq);
@@ -510,7 +533,15 @@ impl Engine {
         max_new: usize,
         capacity: usize,
     ) -> Result<Option<usize>, String> {
+        if let Some(meta) = s.metadata.as_object_mut() {
+            meta.remove("rollout_error");
+        }
         let resuming = s.status == Status::Aborted && s.response_length > 0;
+        if resuming && s.tokens.is_empty() {
+            return Err("an aborted sample to continue needs its prompt and partial response in \
+                        `tokens`"
+                .into());
+        }
         if !resuming {
             s.tokens.truncate(s.tokens.len() - s.response_length.min(s.tokens.len()));
             s.response_length = 0;
@@ -549,7 +580,8 @@ impl Engine {
             s.status = Status::Truncated;
             return Ok(None);
         }
-        if prompt_len + max_new > capacity {
+        // The last sampled token is never cached.
+        if prompt_len + max_new - 1 > capacity {
             return Err(format!(
                 "{prompt_len} prompt + {max_new} response tokens do not fit the KV cache of \
                  {capacity} tokens; raise --rollout-kv-cache-mb"
@@ -565,7 +597,10 @@ impl Engine {
             None => String::new(),
         };
         s.response_length = response.len();
-        s.loss_mask = vec![1; response.len()];
+        // A continued response keeps the mask of its earlier part (tool output stays masked).
+        let earlier = s.response_length.min(s.loss_mask.len());
+        s.loss_mask.truncate(earlier);
+        s.loss_mask.resize(response.len(), 1);
         s.tokens = seq.tokens;
         s.rollout_log_probs = seq.logprobs;
         s.status = status;
@@ -589,6 +624,12 @@ fn check_params(p: &SamplingParams) -> crate::Result<()> {
     }
     if p.max_new_tokens == 0 {
         return Err(crate::Error::config("rollout-max-response-len", "must be at least 1"));
+    }
+    if p.stop.iter().any(String::is_empty) {
+        return Err(crate::Error::config(
+            "rollout-stop",
+            "an empty stop string would end every sample",
+        ));
     }
     Ok(())
 }
