@@ -219,6 +219,10 @@ fn split_columns(y: &[f32], widths: &[usize]) -> Vec<Vec<f32>> {
     parts
 }
 
+/// `(q, k, v) → (attention output, log-sum-exp)`: where the training forward and the
+/// incremental step differ.
+type AttentionFn<'a> = dyn FnMut(&[f32], &[f32], &[f32]) -> Result<(Vec<f32>, Vec<f32>)> + 'a;
+
 /// One token of an incremental forward: its id, its position in its sequence and the
 /// sequence's block table, which must cover `position`.
 #[derive(Debug, Clone, Copy)]
@@ -324,7 +328,7 @@ impl Model {
         x: Vec<f32>,
         cos: &[f32],
         sin: &[f32],
-        attention: &mut dyn FnMut(&[f32], &[f32], &[f32]) -> Result<(Vec<f32>, Vec<f32>)>,
+        attention: &mut AttentionFn,
     ) -> Result<(Vec<f32>, LayerActivations)> {
         let c = &self.config;
         let Dims { d, nq, nkv, inter, qd, kvd, .. } = self.dims(0);

@@ -183,10 +183,17 @@ unsafe impl Send for SharedOut {}
 // SAFETY: as above.
 unsafe impl Sync for SharedOut {}
 
+impl SharedOut {
+    /// Through a method, so closures capture the whole (Sync) wrapper, not the raw field.
+    fn ptr(&self) -> *mut f32 {
+        self.0
+    }
+}
+
 fn forward_with(y: &mut [f32], x: &[f32], w: &PackedLinear, isa: Isa) -> Result<()> {
     let (d_in, d_out) = (w.d_in, w.d_out);
     let rows = x.len() / d_in;
-    ensure(x.len() % d_in == 0 && y.len() == rows * d_out, "linear_forward", || {
+    ensure(x.len().is_multiple_of(d_in) && y.len() == rows * d_out, "linear_forward", || {
         format!("x {} y {} for d_in {d_in} d_out {d_out}", x.len(), y.len())
     })?;
     if rows == 0 {
@@ -214,13 +221,12 @@ fn forward_with(y: &mut [f32], x: &[f32], w: &PackedLinear, isa: Isa) -> Result<
             let last_lanes = PANEL.min(d_out - (pc + nvc - 1) * PANEL);
             for rt in (r0..r1).step_by(mr) {
                 let mrc = mr.min(r1 - rt);
-                let out = out;
                 let tile = Tile {
                     x: x[rt * d_in..].as_ptr(),
                     panels: w.panels[pc * d_in..].as_ptr(),
                     d_in,
                     // SAFETY: rt < rows and pc * PANEL < d_out, so the offset is inside y.
-                    y: unsafe { out.0.add(rt * d_out + pc * PANEL) },
+                    y: unsafe { out.ptr().add(rt * d_out + pc * PANEL) },
                     y_stride: d_out,
                     last_lanes,
                 };
