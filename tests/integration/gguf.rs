@@ -239,23 +239,6 @@ fn missing_source_is_named() {
 /// Text that exercises the byte-level BPE: accents, CJK, emoji, whitespace runs (also before a
 /// digit, where llama.cpp's `smollm` split and SmolLM2's tokenizer.json differ), digits, code,
 /// and the chat special tokens.
-const SMOLLM2_STRINGS: [&str; 14] = [
-    "What is the capital of France?",
-    "Café naïve résumé Ångström façade",
-    "日本語のテキストと中文，한국어",
-    "emoji 😀🚀👍🏽 and ✓ ★",
-    "   leading\t\ttabs  and   runs\n\n\nof newlines   ",
-    "a  1 and x\n\n2 and tabs\t\t3",
-    "digits 1234567890, 3.14159, 2024-06-07, $1,000.50",
-    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
-    "fn main() { println!(\"{}\", 42); } // Rust",
-    "I'm sure they'll say it's fine, don't you think?",
-    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
-    "<|endoftext|><repo_name>x<file_sep>",
-    "Ünïcödé: ñ, ß, ø, Ω, Ж, ע, ع",
-    "",
-];
-
 /// The real SmolLM2-135M-Instruct (Q4_1) from `cargo xtask fetch-smollm2`, converted and run.
 #[test]
 fn smollm2_gguf_converts_and_knows_the_capital_of_france() {
@@ -267,14 +250,6 @@ fn smollm2_gguf_converts_and_knows_the_capital_of_france() {
     };
     let src = PathBuf::from(src);
     assert!(src.is_file(), "MILES_SMOLLM2_GGUF={} is not a file", src.display());
-    let real_dir = std::env::var_os("MILES_SMOLLM2_HF_TOKENIZER")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("../shared/bench/smollm2-tokenizer"));
-    assert!(
-        real_dir.join("tokenizer.json").is_file(),
-        "{}: SmolLM2's own tokenizer.json is the reference; set MILES_SMOLLM2_HF_TOKENIZER to its directory",
-        real_dir.display()
-    );
     let dir = scratch("gguf_smollm2");
     let start = Instant::now();
     let report = convert(&src, &dir, &[]).unwrap();
@@ -291,26 +266,36 @@ fn smollm2_gguf_converts_and_knows_the_capital_of_france() {
     assert_eq!((c.bos_token_id, c.eos_token_ids.as_slice()), (Some(1), &[2][..]));
     assert_eq!(c.num_parameters(), 134_515_008);
 
+    // Token ids of SmolLM2's own tokenizer.json (HF's Python tokenizers), recorded by
+    // tests/fixtures/make_smollm2_token_ids.py: Unicode, whitespace runs, digits, code, specials.
     let ours = Tokenizer::load(&dir).unwrap();
-    let real = Tokenizer::load(&real_dir).unwrap();
-    assert_eq!(ours.vocab_size(), real.vocab_size());
-    for special in ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<empty_output>"]
-    {
-        assert_eq!(ours.token_to_id(special), real.token_to_id(special), "{special}");
+    let want: Value = serde_json::from_str(
+        &std::fs::read_to_string(workspace_root().join("tests/fixtures/smollm2/token_ids.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(ours.vocab_size() as u64, want["vocab_size"].as_u64().unwrap());
+    for (special, id) in want["specials"].as_object().unwrap() {
+        assert_eq!(ours.token_to_id(special).map(u64::from), id.as_u64(), "{special}");
     }
-    for text in SMOLLM2_STRINGS {
-        for add_special in [false, true] {
-            let ids = ours.encode(text, add_special).unwrap();
-            assert_eq!(ids, real.encode(text, add_special).unwrap(), "token ids of {text:?}");
-            assert_eq!(ours.decode(&ids, false).unwrap(), text, "decoding {ids:?}");
-        }
+    for e in want["encodings"].as_array().unwrap() {
+        let text = e["text"].as_str().unwrap();
+        let ids = ours.encode(text, e["add_special_tokens"].as_bool().unwrap()).unwrap();
+        let expected: Vec<u32> = serde_json::from_value(e["ids"].clone()).unwrap();
+        assert_eq!(ids, expected, "token ids of {text:?}");
+        assert_eq!(ours.decode(&ids, false).unwrap(), text, "decoding {ids:?}");
     }
 
     let start = Instant::now();
     let model = Model::new(c.clone(), Weights::load(&dir, &c).unwrap());
     let question = json!([{"role": "user", "content": "What is the capital of France?"}]);
     let prompt = ours.apply_chat_template(&question, true).unwrap();
-    assert_eq!(prompt, real.apply_chat_template(&question, true).unwrap());
+    assert_eq!(
+        prompt,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+         Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
     let prompt = ours.encode(&prompt, false).unwrap();
     // " Paris" straight after "assistant\n" is an unlikely start (a space after a newline, about
     // -9.8 for the converted model); the model's own answer opens "The capital of France is".
