@@ -351,4 +351,38 @@ fn smollm2_gguf_converts_and_knows_the_capital_of_france() {
     assert_eq!(out.status, Status::Completed, "stops at <|im_end|>");
     let batch = PackedBatch::new(&[(out.tokens.clone(), prompt.len())]).unwrap();
     assert_eq!(model.logprobs(&batch, 1.0).unwrap().0, out.rollout_log_probs);
+
+    // `miles generate` on two GSM8K questions (from ../shared/data/gsm8k, MIT) writes samples.
+    let questions = workspace_root().join("tests/fixtures/smollm2/gsm8k-test-2.jsonl");
+    let samples = dir.join("gsm8k-samples.jsonl");
+    let report = miles(&[
+        "generate",
+        "--hf-checkpoint",
+        dir.to_str().unwrap(),
+        "--prompt-data",
+        questions.to_str().unwrap(),
+        "--input-key",
+        "question",
+        "--label-key",
+        "answer",
+        "--apply-chat-template",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "24",
+        "--rollout-temperature",
+        "0.7",
+        "--output",
+        samples.to_str().unwrap(),
+    ])
+    .unwrap();
+    eprintln!("{report}");
+    let lines = std::fs::read_to_string(&samples).unwrap();
+    let samples: Vec<Sample> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(samples.len(), 4);
+    for s in &samples {
+        assert!(matches!(s.status, Status::Completed | Status::Truncated), "{s:?}");
+        assert_eq!(s.rollout_log_probs.len(), s.response_length);
+        assert!(!s.response.is_empty() && s.label.as_deref().is_some_and(|l| l.contains("####")));
+    }
 }
