@@ -439,6 +439,15 @@ fn engine_limits_and_refusals() {
     let resumed = e.generate(vec![vec![part]], &params(8)).unwrap().remove(0).remove(0);
     assert_eq!(resumed.tokens, full.tokens);
     assert_eq!(resumed.loss_mask, vec![1, 0, 0, 1, 1, 1, 1, 1]);
+    // A partial response that already ends in a stop token is complete as it is.
+    let mut ended = full.clone();
+    ended.tokens.truncate(full.tokens.len() - 4);
+    ended.rollout_log_probs.truncate(4);
+    ended.response_length = 4;
+    ended.status = Status::Aborted;
+    let stop = SamplingParams { stop_token_ids: vec![*ended.tokens.last().unwrap()], ..params(8) };
+    let done = e.generate(vec![vec![ended.clone()]], &stop).unwrap().remove(0).remove(0);
+    assert_eq!((done.status, &done.tokens), (Status::Completed, &ended.tokens));
 
     // Weights of another shape are refused and the engine keeps its policy whole.
     let other = presets::preset("tiny", Some(Architecture::Llama)).unwrap();

@@ -202,8 +202,8 @@ impl Engine {
             ));
         }
         let start = Instant::now();
-        let mut run = Run::new(self, groups, params)?;
         let eos = if params.ignore_eos { Vec::new() } else { self.eos_ids() };
+        let mut run = Run::new(self, groups, params, &eos)?;
         let mut admissions = 0u64;
         while run.remaining > 0 {
             self.grow(&mut run);
@@ -403,6 +403,7 @@ impl Run {
         engine: &mut Engine,
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
+        eos: &[u32],
     ) -> crate::Result<Run> {
         let total = groups.iter().map(Vec::len).sum();
         let mut run = Run {
@@ -428,7 +429,7 @@ impl Run {
             let mut unit: Unit = Vec::new();
             let mut samples = Vec::with_capacity(group.len());
             for (m, mut s) in group.into_iter().enumerate() {
-                match engine.intake(&mut s, params.max_new_tokens, capacity) {
+                match engine.intake(&mut s, params, eos, capacity) {
                     Err(reason) => {
                         engine.stats.skipped_prompts += 1;
                         samples.push(failed(s, reason));
@@ -530,9 +531,11 @@ impl Engine {
     fn intake(
         &self,
         s: &mut Sample,
-        max_new: usize,
+        params: &SamplingParams,
+        eos: &[u32],
         capacity: usize,
     ) -> Result<Option<usize>, String> {
+        let max_new = params.max_new_tokens;
         if let Some(meta) = s.metadata.as_object_mut() {
             meta.remove("rollout_error");
         }
@@ -575,6 +578,12 @@ impl Engine {
                 s.rollout_log_probs.len(),
                 s.response_length
             ));
+        }
+        // A partial response that already ended (EOS or a stop id last) is complete.
+        let last = s.tokens.last().filter(|_| s.response_length > 0);
+        if last.is_some_and(|t| eos.contains(t) || params.stop_token_ids.contains(t)) {
+            s.status = Status::Completed;
+            return Ok(None);
         }
         if s.response_length >= max_new {
             s.status = Status::Truncated;
