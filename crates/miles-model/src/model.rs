@@ -501,13 +501,16 @@ impl Model {
                 let kv = &*kv;
                 let mut attn = vec![0.0; q.len()];
                 let mut lse = vec![0.0; rows.len() * nq];
-                attn.par_chunks_mut(d).zip(lse.par_iter_mut()).enumerate().for_each(
-                    |(rh, (out, lse))| {
-                        let (row, head) = (&rows[rh / nq], rh % nq);
-                        *lse =
-                            attend_row(out, &q[rh * d..(rh + 1) * d], row.position + 1, d, |b| {
+                // One task per row (all its heads): per-head tasks are too small to schedule.
+                attn.par_chunks_mut(qd).zip(lse.par_chunks_mut(nq)).enumerate().for_each(
+                    |(r, (out, lse))| {
+                        let row = &rows[r];
+                        for (head, (out, lse)) in out.chunks_mut(d).zip(lse).enumerate() {
+                            let q_row = &q[(r * nq + head) * d..][..d];
+                            *lse = attend_row(out, q_row, row.position + 1, d, |b| {
                                 kv.block(layer, row.blocks[b], head / group)
                             });
+                        }
                     },
                 );
                 debug_assert_eq!(attn.len(), rows.len() * qd);
