@@ -1,0 +1,1 @@
+//! Metric plots (being written).
