@@ -11,6 +11,7 @@ mod generate_cmd;
 mod init_model_cmd;
 mod jsonl;
 pub mod linked;
+mod plot_cmd;
 mod plugins_cmd;
 mod reward_cmd;
 mod score_cmd;
@@ -19,6 +20,7 @@ pub use bench_cmd::{BenchArgs, BenchCommand, RolloutBenchArgs};
 pub use convert_cmd::{ConvertCommand, GgufArgs};
 pub use generate_cmd::GenerateArgs;
 pub use init_model_cmd::InitModelArgs;
+pub use plot_cmd::PlotArgs;
 pub use plugins_cmd::PluginsArgs;
 pub use reward_cmd::RewardArgs;
 pub use score_cmd::ScoreArgs;
@@ -49,6 +51,8 @@ pub enum Command {
     /// Convert other model formats into HF checkpoints.
     #[command(subcommand)]
     Convert(ConvertCommand),
+    /// Draw a run's metrics (reward, KL, clip fraction, response length, step time) to PNG files.
+    Plot(PlotArgs),
 }
 
 /// `miles 0.1.0 (features: tis)`: the version and the plugin features compiled in.
@@ -91,6 +95,7 @@ pub fn execute(cli: Cli, out: &mut dyn Write) -> anyhow::Result<()> {
         Command::Score(args) => score_cmd::run(&args, out),
         Command::Bench(command) => bench_cmd::run(&command, out),
         Command::Convert(command) => convert_cmd::run(&command, out),
+        Command::Plot(args) => plot_cmd::run(&args, out),
     }
 }
 

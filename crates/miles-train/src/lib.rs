@@ -1,6 +1,9 @@
-//! Training: the optimizer over a model's weights (this round), then losses, schedules,
-//! checkpoints and the loop.
+//! Training: the algorithm layer (advantages, losses, schedules: host math over per-token
+//! slices), the optimizer, checkpoints and the RL loop.
 
+pub mod advantage;
+pub mod loss;
 mod optimizer;
+pub mod schedule;
 
 pub use optimizer::{Optimizer, StepStats};
