@@ -6,12 +6,11 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use miles_core::{Prompt, Sample, SamplingParams, Status};
+use miles_core::{Sample, SamplingParams, Status};
+use miles_data::{Dataset, Keys};
 use miles_model::Tokenizer;
 use miles_rollout::{Engine, EngineConfig, Progress};
-use serde_json::Value;
 
-use crate::jsonl;
 use crate::score_cmd::{load_model, prompt_tokens};
 
 #[derive(Debug, Args)]
@@ -25,9 +24,12 @@ pub struct GenerateArgs {
     /// Key of the prompt (text or chat messages) in each line.
     #[arg(long, default_value = "input")]
     pub input_key: String,
-    /// Key of the label, copied into each sample's `label`.
+    /// Key of the label, copied into each sample's `label` (numbers and booleans as text).
     #[arg(long)]
     pub label_key: Option<String>,
+    /// Key of per-prompt metadata (any JSON), copied into each sample's `metadata`.
+    #[arg(long)]
+    pub metadata_key: Option<String>,
     /// Render prompts through the tokenizer's chat template (generation prompt appended).
     #[arg(long)]
     pub apply_chat_template: bool,
@@ -63,48 +65,29 @@ pub struct GenerateArgs {
     pub output: PathBuf,
 }
 
-/// `FILE@[a:b]` → the path and the row range.
-pub fn parse_slice(spec: &str) -> anyhow::Result<(PathBuf, Option<usize>, Option<usize>)> {
-    let Some((path, range)) = spec.rsplit_once("@[") else {
-        return Ok((PathBuf::from(spec), None, None));
-    };
-    let bad = || anyhow::anyhow!("--prompt-data {spec}: a row slice is written FILE@[a:b]");
-    let range = range.strip_suffix(']').ok_or_else(bad)?;
-    let (a, b) = range.split_once(':').ok_or_else(bad)?;
-    let num = |s: &str| -> anyhow::Result<Option<usize>> {
-        let s = s.trim();
-        if s.is_empty() { Ok(None) } else { Ok(Some(s.parse().map_err(|_| bad())?)) }
-    };
-    Ok((PathBuf::from(path), num(a)?, num(b)?))
-}
-
+/// The prompts of `--prompt-data` as samples (label and metadata copied), tokenized.
 fn load_prompts(args: &GenerateArgs, tok: &Tokenizer) -> anyhow::Result<Vec<Sample>> {
-    let (path, from, to) = parse_slice(&args.prompt_data)?;
-    let lines = jsonl::read_objects(&path)?;
-    let (from, to) = (from.unwrap_or(0), to.unwrap_or(lines.len()).min(lines.len()));
-    if from >= to {
-        bail!("--prompt-data {}: the slice [{from}:{to}] selects no row", args.prompt_data);
-    }
-    lines[from..to]
-        .iter()
-        .map(|line| {
-            let at = || format!("{}:{}", path.display(), line.number);
-            let value = line.object.get(&args.input_key).with_context(|| {
-                format!("{}: missing key '{}' (set --input-key)", at(), args.input_key)
-            })?;
-            let tokens = prompt_tokens(value, args.apply_chat_template, tok)
-                .with_context(|| format!("{}: key '{}'", at(), args.input_key))?;
-            let prompt: Prompt = serde_json::from_value(value.clone())
-                .with_context(|| format!("{}: '{}' is not a prompt", at(), args.input_key))?;
-            let label = match &args.label_key {
-                None => None,
-                Some(key) => Some(match line.object.get(key) {
-                    Some(Value::String(s)) => s.clone(),
-                    Some(v @ (Value::Number(_) | Value::Bool(_))) => v.to_string(),
-                    _ => bail!("{}: missing string label '{key}' (set --label-key)", at()),
-                }),
-            };
-            Ok(Sample { prompt, tokens, label, ..Sample::default() })
+    let keys = Keys {
+        input_key: args.input_key.clone(),
+        label_key: args.label_key.clone(),
+        metadata_key: args.metadata_key.clone(),
+    };
+    let dataset = Dataset::load(&args.prompt_data, &keys).context("--prompt-data")?;
+    let (path, _, _) = miles_data::parse_slice(&args.prompt_data)?;
+    dataset
+        .rows
+        .into_iter()
+        .map(|row| {
+            let at = || format!("{}:{}: key '{}'", path.display(), row.line, args.input_key);
+            let prompt = serde_json::to_value(&row.prompt)?;
+            let tokens = prompt_tokens(&prompt, args.apply_chat_template, tok).with_context(at)?;
+            Ok(Sample {
+                prompt: row.prompt,
+                tokens,
+                label: row.label,
+                metadata: row.metadata,
+                ..Sample::default()
+            })
         })
         .collect()
 }

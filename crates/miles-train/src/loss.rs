@@ -1,1 +1,1059 @@
-//! (being written)
+//! The policy loss (PPO clip with clip-high and dual clip, GSPO's sequence ratio, off-policy
+//! correction weights, KL and entropy terms) and the SFT loss, over per-token slices packed by
+//! `response_lengths`. Each returns the loss, its exact gradient with respect to every token's
+//! `logp` and `entropy` (what the model's fused logprob backward takes), and slime's metrics.
+//!
+//! Per kept token, with ratio ρ = exp(logp − old_logp) and advantage A:
+//!
+//! - pg1 = −A·ρ, pg2 = −A·clamp(ρ, 1 − eps_clip, 1 + eps_clip_high), pg = max(pg1, pg2);
+//!   the token counts as clipped when pg2 > pg1 (then pg does not depend on ρ);
+//! - dual clip (`eps_clip_c = Some(c)`, c > 1): for A < 0, pg = min(pg, −A·c). As in slime,
+//!   `pg_clipfrac` counts only the clip-range clip, not the dual clip;
+//! - GSPO (`sequence_ratio`): ρ = exp(s) for every token of a sequence, s the mean of
+//!   logp − old_logp over the sequence's loss-mask tokens; `ppo_kl` is then −s per token;
+//! - the correction weight multiplies pg (a constant: no gradient through it);
+//! - KL to the reference (`use_kl_loss`): k1 = logp − ref, k2 = ½(logp − ref)², k3 =
+//!   exp(ref − logp) − (ref − logp) − 1, and `low_var_kl` is k3 clamped to [−10, 10] (zero
+//!   gradient where the clamp binds).
+//!
+//! loss = agg(w·pg) − entropy_coef·agg(entropy) + kl_loss_coef·agg(kl), where agg is:
+//!
+//! - by default the mean over sequences of each sequence's token sum divided by its number of
+//!   loss-mask tokens (slime's sum of sample means, divided by the number of sequences);
+//! - with `per_token_loss` (`--calculate-per-token-loss`) the token sum divided by the batch's
+//!   token count.
+//!
+//! Denominators follow slime exactly: a sequence with no loss-mask token divides by 1 (its sum
+//! is 0) and still counts as a sequence, and in per-token mode it adds 1 to the token count.
+//! The correction mask decides which tokens enter the numerators: as in slime, the reducer
+//! rebuilt with the correction's mask serves pg, clipfrac, ppo_kl, entropy and KL alike, while
+//! every denominator keeps the loss mask, so a dropped token does not rescale the others. A
+//! token is kept when both masks keep it (a correction can only drop tokens).
+//!
+//! Arithmetic is f64 throughout; gradients are rounded to f32 at the end. Values at tokens
+//! outside the loss mask are never read, so garbage (even NaN) there cannot leak in. A
+//! non-finite value at a kept token yields a non-finite loss, which the caller detects and
+//! skips; nothing panics. An entropy or KL term whose coefficient is 0 stays out of the loss
+//! (its metric is still computed), so a NaN there does not poison the loss (miles does the
+//! same). Unlike miles, log-ratios are not clamped to ±20: the gradient stays exact and f64
+//! does not overflow before |log ratio| ≈ 709.
+//!
+//! The loss covers the given batch; a trainer that splits a step into micro-batches scales each
+//! micro-batch's loss and gradients by its share of the step's sequences (or tokens).
+
+use miles_core::config::{AdvantageEstimator, KlLossType, RunConfig};
+use miles_core::{Error, Result};
+
+/// slime clamps `low_var_kl` into [−10, 10] for numerical stability.
+const LOW_VAR_KL_BOUND: f64 = 10.0;
+
+/// The policy loss's settings, slime's flags of the same names.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PolicyLossConfig {
+    pub eps_clip: f32,
+    pub eps_clip_high: f32,
+    /// Dual-clip constant (> 1), off when `None`.
+    pub eps_clip_c: Option<f32>,
+    pub use_kl_loss: bool,
+    pub kl_loss_coef: f32,
+    pub kl_loss_type: KlLossType,
+    pub entropy_coef: f32,
+    /// `--calculate-per-token-loss`: token mean over the batch instead of the mean of
+    /// per-sequence token means.
+    pub per_token_loss: bool,
+    /// GSPO: one sequence-level ratio for every token of a sequence.
+    pub sequence_ratio: bool,
+}
+
+impl Default for PolicyLossConfig {
+    /// slime's defaults.
+    fn default() -> Self {
+        PolicyLossConfig {
+            eps_clip: 0.2,
+            eps_clip_high: 0.2,
+            eps_clip_c: None,
+            use_kl_loss: false,
+            kl_loss_coef: 0.0,
+            kl_loss_type: KlLossType::K1,
+            entropy_coef: 0.0,
+            per_token_loss: false,
+            sequence_ratio: false,
+        }
+    }
+}
+
+impl PolicyLossConfig {
+    /// From the flags; `--eps-clip-high` defaults to `--eps-clip`, and the sequence ratio is on
+    /// for `--advantage-estimator gspo`.
+    pub fn from_run_config(run: &RunConfig) -> Self {
+        PolicyLossConfig {
+            eps_clip: run.eps_clip,
+            eps_clip_high: run.eps_clip_high.unwrap_or(run.eps_clip),
+            eps_clip_c: run.eps_clip_c,
+            use_kl_loss: run.use_kl_loss,
+            kl_loss_coef: run.kl_loss_coef,
+            kl_loss_type: run.kl_loss_type,
+            entropy_coef: run.entropy_coef,
+            per_token_loss: run.calculate_per_token_loss,
+            sequence_ratio: run.advantage_estimator == AdvantageEstimator::Gspo,
+        }
+    }
+
+    /// Range checks, each naming its flag; written so that NaN fails them.
+    pub fn validate(&self) -> Result<()> {
+        let non_negative = |v: f32| v.is_finite() && v >= 0.0;
+        if !non_negative(self.eps_clip) {
+            return Err(Error::config("eps-clip", format!("{} must be >= 0", self.eps_clip)));
+        }
+        if !non_negative(self.eps_clip_high) {
+            let v = self.eps_clip_high;
+            return Err(Error::config("eps-clip-high", format!("{v} must be >= 0")));
+        }
+        if let Some(c) = self.eps_clip_c {
+            let ok = c.is_finite() && c > 1.0;
+            if !ok {
+                return Err(Error::config(
+                    "eps-clip-c",
+                    format!("{c} must be > 1 (dual clip bounds the loss by -A·c)"),
+                ));
+            }
+        }
+        if !self.kl_loss_coef.is_finite() {
+            return Err(Error::config(
+                "kl-loss-coef",
+                format!("{} is not finite", self.kl_loss_coef),
+            ));
+        }
+        if !self.entropy_coef.is_finite() {
+            return Err(Error::config(
+                "entropy-coef",
+                format!("{} is not finite", self.entropy_coef),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The SFT loss's one setting.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SftLossConfig {
+    /// `--calculate-per-token-loss`, as for the policy loss.
+    pub per_token_loss: bool,
+}
+
+impl SftLossConfig {
+    pub fn from_run_config(run: &RunConfig) -> Self {
+        SftLossConfig { per_token_loss: run.calculate_per_token_loss }
+    }
+}
+
+/// One batch of response tokens, the sequences back to back; every per-token slice has
+/// Σ `response_lengths` entries.
+#[derive(Debug, Clone, Copy)]
+pub struct LossInput<'a> {
+    /// log p(token) under the policy being trained (the values the gradient is taken at).
+    pub logp: &'a [f32],
+    /// log p(token) under the policy that the ratio is taken against.
+    pub old_logp: &'a [f32],
+    /// log p(token) under the reference model; required by `use_kl_loss`.
+    pub ref_logp: Option<&'a [f32]>,
+    pub entropy: &'a [f32],
+    pub advantages: &'a [f32],
+    pub loss_mask: &'a [u8],
+    pub response_lengths: &'a [usize],
+    /// Off-policy correction weights (TIS/MIS), `CorrectionOutput::weights`.
+    pub correction_weights: Option<&'a [f32]>,
+    /// The correction's numerator mask, `CorrectionOutput::loss_mask`.
+    pub correction_mask: Option<&'a [u8]>,
+}
+
+/// slime's `train/*` metrics of one batch, each aggregated like the loss.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LossMetrics {
+    pub pg_loss: f64,
+    pub pg_clipfrac: f64,
+    /// agg(old_logp − logp).
+    pub ppo_kl: f64,
+    /// agg(kl) when `use_kl_loss`, else 0.
+    pub kl_loss: f64,
+    /// agg(entropy).
+    pub entropy_loss: f64,
+}
+
+impl LossMetrics {
+    /// The metrics under slime's names.
+    pub fn named(&self) -> [(&'static str, f64); 5] {
+        [
+            ("train/pg_loss", self.pg_loss),
+            ("train/pg_clipfrac", self.pg_clipfrac),
+            ("train/ppo_kl", self.ppo_kl),
+            ("train/kl_loss", self.kl_loss),
+            ("train/entropy_loss", self.entropy_loss),
+        ]
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LossOutput {
+    pub loss: f64,
+    /// ∂loss/∂logp per token (0 where the loss does not depend on it).
+    pub d_logp: Vec<f32>,
+    /// ∂loss/∂entropy per token.
+    pub d_entropy: Vec<f32>,
+    pub metrics: LossMetrics,
+}
+
+/// The KL estimator `kind` at one token and its derivative with respect to `logp`.
+pub fn approx_kl(kind: KlLossType, logp: f32, ref_logp: f32) -> (f32, f32) {
+    let (value, grad) = kl_term(kind, f64::from(logp), f64::from(ref_logp));
+    (value as f32, grad as f32)
+}
+
+fn kl_term(kind: KlLossType, logp: f64, ref_logp: f64) -> (f64, f64) {
+    let log_ratio = logp - ref_logp;
+    match kind {
+        KlLossType::K1 => (log_ratio, 1.0),
+        KlLossType::K2 => (0.5 * log_ratio * log_ratio, log_ratio),
+        KlLossType::K3 | KlLossType::LowVarKl => {
+            let x = -log_ratio;
+            let e = x.exp();
+            let (value, grad) = (e - x - 1.0, 1.0 - e);
+            let clamped = kind == KlLossType::LowVarKl && value.abs() > LOW_VAR_KL_BOUND;
+            if clamped { (LOW_VAR_KL_BOUND.copysign(value), 0.0) } else { (value, grad) }
+        }
+    }
+}
+
+/// The PPO-clip policy loss with its KL and entropy terms; see the module documentation.
+pub fn policy_loss(cfg: &PolicyLossConfig, input: &LossInput) -> Result<LossOutput> {
+    cfg.validate()?;
+    validate(input, true)?;
+    let ref_logp = match (cfg.use_kl_loss, input.ref_logp) {
+        (true, None) => {
+            return Err(Error::Invalid(
+                "policy loss: --use-kl-loss needs reference logprobs (ref_logp is missing)".into(),
+            ));
+        }
+        (true, Some(r)) => Some(r),
+        (false, _) => None,
+    };
+    let n = input.logp.len();
+    let scale = aggregation_scale(input.loss_mask, input.response_lengths, cfg.per_token_loss);
+    let keep =
+        |t: usize| input.loss_mask[t] != 0 && input.correction_mask.is_none_or(|m| m[t] != 0);
+    let (lo, hi) = (1.0 - f64::from(cfg.eps_clip), 1.0 + f64::from(cfg.eps_clip_high));
+    let dual_clip = cfg.eps_clip_c.map(f64::from);
+    let entropy_coef = f64::from(cfg.entropy_coef);
+    let kl_coef = if ref_logp.is_some() { f64::from(cfg.kl_loss_coef) } else { 0.0 };
+
+    let mut metrics = LossMetrics::default();
+    let mut d_logp = vec![0f64; n];
+    let mut d_entropy = vec![0f32; n];
+    let mut start = 0;
+    for &len in input.response_lengths {
+        let range = start..start + len;
+        start += len;
+        // GSPO: the mean log-ratio over the sequence's loss-mask tokens (slime divides by
+        // max(count, 1)).
+        let sequence = cfg.sequence_ratio.then(|| {
+            let kept: Vec<usize> = range.clone().filter(|&t| input.loss_mask[t] != 0).collect();
+            let sum: f64 = kept.iter().map(|&t| log_ratio(input, t)).sum();
+            (kept.len().max(1) as f64, sum / kept.len().max(1) as f64, kept)
+        });
+        // ∂loss/∂ρ summed over the sequence, for the sequence ratio's chain rule.
+        let mut d_sequence_ratio = 0f64;
+        for t in range.clone() {
+            if !keep(t) {
+                continue;
+            }
+            let c = scale[t];
+            let log_r = sequence.as_ref().map_or_else(|| log_ratio(input, t), |s| s.1);
+            let ratio = log_r.exp();
+            let advantage = f64::from(input.advantages[t]);
+            let clip = ppo_clip(ratio, advantage, lo, hi, dual_clip);
+            let weight = input.correction_weights.map_or(1.0, |w| f64::from(w[t]));
+            metrics.pg_loss += c * weight * clip.loss;
+            metrics.pg_clipfrac += if clip.clipped { c } else { 0.0 };
+            metrics.ppo_kl += c * -log_r;
+            let d_ratio = c * weight * clip.d_ratio;
+            // A clipped token contributes nothing, even where ρ overflowed (0·∞ would be NaN).
+            if sequence.is_some() {
+                d_sequence_ratio += d_ratio;
+            } else if d_ratio != 0.0 {
+                d_logp[t] += d_ratio * ratio;
+            }
+
+            metrics.entropy_loss += c * f64::from(input.entropy[t]);
+            if entropy_coef != 0.0 {
+                d_entropy[t] = (-entropy_coef * c) as f32;
+            }
+            if let Some(ref_logp) = ref_logp {
+                let (kl, d_kl) =
+                    kl_term(cfg.kl_loss_type, f64::from(input.logp[t]), f64::from(ref_logp[t]));
+                metrics.kl_loss += c * kl;
+                if kl_coef != 0.0 {
+                    d_logp[t] += kl_coef * c * d_kl;
+                }
+            }
+        }
+        if let Some((count, mean_log_ratio, kept)) = sequence {
+            // ρ = exp(Σ_kept (logp − old) / count): ∂ρ/∂logp_j = ρ / count for each kept j.
+            let d_each = if d_sequence_ratio != 0.0 {
+                d_sequence_ratio * mean_log_ratio.exp() / count
+            } else {
+                0.0
+            };
+            for j in kept {
+                d_logp[j] += d_each;
+            }
+        }
+    }
+
+    let mut loss = metrics.pg_loss;
+    if entropy_coef != 0.0 {
+        loss -= entropy_coef * metrics.entropy_loss;
+    }
+    if kl_coef != 0.0 {
+        loss += kl_coef * metrics.kl_loss;
+    }
+    Ok(LossOutput {
+        loss,
+        d_logp: d_logp.into_iter().map(|d| d as f32).collect(),
+        d_entropy,
+        metrics,
+    })
+}
+
+/// The SFT loss: −agg(logp) over the loss-mask tokens. Reads only `logp`, `loss_mask` and
+/// `response_lengths` (the other slices may be empty); the metrics are all 0 (slime reports
+/// only the loss).
+pub fn sft_loss(cfg: &SftLossConfig, input: &LossInput) -> Result<LossOutput> {
+    validate(input, false)?;
+    let scale = aggregation_scale(input.loss_mask, input.response_lengths, cfg.per_token_loss);
+    let mut loss = 0f64;
+    let mut d_logp = vec![0f32; input.logp.len()];
+    for (t, &c) in scale.iter().enumerate() {
+        if input.loss_mask[t] != 0 {
+            loss -= c * f64::from(input.logp[t]);
+            d_logp[t] = -c as f32;
+        }
+    }
+    Ok(LossOutput {
+        loss,
+        d_logp,
+        d_entropy: vec![0.0; input.logp.len()],
+        metrics: LossMetrics::default(),
+    })
+}
+
+fn log_ratio(input: &LossInput, t: usize) -> f64 {
+    f64::from(input.logp[t]) - f64::from(input.old_logp[t])
+}
+
+/// One token's clipped surrogate.
+struct Clipped {
+    loss: f64,
+    /// ∂loss/∂ρ.
+    d_ratio: f64,
+    /// The clip-range clip bound (pg2 > pg1).
+    clipped: bool,
+}
+
+fn ppo_clip(ratio: f64, advantage: f64, lo: f64, hi: f64, dual_clip: Option<f64>) -> Clipped {
+    // A hand-written clamp: `f64::clamp` panics on NaN bounds, and a NaN ratio must pass
+    // through as NaN.
+    let clamped = if ratio < lo {
+        lo
+    } else if ratio > hi {
+        hi
+    } else {
+        ratio
+    };
+    let pg1 = -advantage * ratio;
+    let pg2 = -advantage * clamped;
+    let clipped = pg2 > pg1;
+    // pg2 > pg1 only when the clamp moved ρ, where pg2 is constant in ρ; a NaN pg1 is kept.
+    let (mut loss, mut d_ratio) = if clipped { (pg2, 0.0) } else { (pg1, -advantage) };
+    if let Some(c) = dual_clip.filter(|_| advantage < 0.0) {
+        let pg3 = -advantage * c;
+        if pg3 < loss {
+            (loss, d_ratio) = (pg3, 0.0);
+        }
+    }
+    Clipped { loss, d_ratio, clipped }
+}
+
+/// Per-token factor such that agg(x) = Σ_{kept t} scale_t·x_t (0 outside the loss mask).
+fn aggregation_scale(loss_mask: &[u8], response_lengths: &[usize], per_token: bool) -> Vec<f64> {
+    let counts: Vec<usize> = {
+        let mut start = 0;
+        response_lengths
+            .iter()
+            .map(|&len| {
+                let count = loss_mask[start..start + len].iter().filter(|&&m| m != 0).count();
+                start += len;
+                count
+            })
+            .collect()
+    };
+    // slime clamps each sequence's count to at least 1, for both denominators.
+    let token_total: usize = counts.iter().map(|&c| c.max(1)).sum();
+    let sequences = response_lengths.len();
+    let mut scale = vec![0f64; loss_mask.len()];
+    let mut start = 0;
+    for (&len, &count) in response_lengths.iter().zip(&counts) {
+        let c = if per_token {
+            1.0 / token_total as f64
+        } else {
+            1.0 / (count.max(1) as f64 * sequences as f64)
+        };
+        for t in start..start + len {
+            if loss_mask[t] != 0 {
+                scale[t] = c;
+            }
+        }
+        start += len;
+    }
+    scale
+}
+
+/// Every slice the loss reads must have Σ `response_lengths` entries.
+fn validate(input: &LossInput, policy: bool) -> Result<()> {
+    let total: usize = input.response_lengths.iter().sum();
+    let mut slices: Vec<(&str, usize)> =
+        vec![("logp", input.logp.len()), ("loss_mask", input.loss_mask.len())];
+    if policy {
+        slices.extend([
+            ("old_logp", input.old_logp.len()),
+            ("entropy", input.entropy.len()),
+            ("advantages", input.advantages.len()),
+        ]);
+        let optional = [
+            ("ref_logp", input.ref_logp.map(<[f32]>::len)),
+            ("correction_weights", input.correction_weights.map(<[f32]>::len)),
+            ("correction_mask", input.correction_mask.map(<[u8]>::len)),
+        ];
+        slices.extend(optional.into_iter().filter_map(|(name, len)| Some((name, len?))));
+    }
+    if let Some((name, len)) = slices.iter().find(|(_, len)| *len != total) {
+        let all: Vec<String> = slices.iter().map(|(n, l)| format!("{n} {l}")).collect();
+        return Err(Error::Invalid(format!(
+            "loss input: {name} has {len} entries but response lengths sum to {total} ({})",
+            all.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An owned batch to borrow a `LossInput` from.
+    #[derive(Debug, Clone, Default)]
+    struct Batch {
+        logp: Vec<f32>,
+        old_logp: Vec<f32>,
+        ref_logp: Option<Vec<f32>>,
+        entropy: Vec<f32>,
+        advantages: Vec<f32>,
+        loss_mask: Vec<u8>,
+        response_lengths: Vec<usize>,
+        correction_weights: Option<Vec<f32>>,
+        correction_mask: Option<Vec<u8>>,
+    }
+
+    impl Batch {
+        /// One sequence per call of `ratios`: logp = ln ρ, old = 0.
+        fn from_ratios(ratios: &[f64], advantages: &[f32]) -> Batch {
+            let n = ratios.len();
+            Batch {
+                logp: ratios.iter().map(|r| r.ln() as f32).collect(),
+                old_logp: vec![0.0; n],
+                entropy: vec![0.0; n],
+                advantages: advantages.to_vec(),
+                loss_mask: vec![1; n],
+                response_lengths: vec![n],
+                ..Batch::default()
+            }
+        }
+
+        fn input(&self) -> LossInput<'_> {
+            LossInput {
+                logp: &self.logp,
+                old_logp: &self.old_logp,
+                ref_logp: self.ref_logp.as_deref(),
+                entropy: &self.entropy,
+                advantages: &self.advantages,
+                loss_mask: &self.loss_mask,
+                response_lengths: &self.response_lengths,
+                correction_weights: self.correction_weights.as_deref(),
+                correction_mask: self.correction_mask.as_deref(),
+            }
+        }
+    }
+
+    fn near(actual: f64, expected: f64) {
+        assert!((actual - expected).abs() < 1e-5, "{actual} vs {expected}");
+    }
+
+    fn close(actual: &[f32], expected: &[f64]) {
+        assert_eq!(actual.len(), expected.len(), "{actual:?} vs {expected:?}");
+        for (a, e) in actual.iter().zip(expected) {
+            assert!((f64::from(*a) - e).abs() < 1e-5, "{actual:?} vs {expected:?}");
+        }
+    }
+
+    fn per_token() -> PolicyLossConfig {
+        PolicyLossConfig { per_token_loss: true, ..PolicyLossConfig::default() }
+    }
+
+    #[test]
+    fn ppo_clips_both_sides_with_an_asymmetric_high_bound() {
+        // eps_clip 0.2, eps_clip_high 0.28: ρ is clamped into [0.8, 1.28]. Token mean over 5.
+        //   ρ 1.5,  A +1: pg1 −1.5,  pg2 −1.28 → −1.28, clipped, no gradient;
+        //   ρ 0.5,  A −1: pg1 0.5,   pg2 0.8   → 0.8,   clipped, no gradient;
+        //   ρ 0.5,  A +1: pg1 −0.5,  pg2 −0.8  → −0.5,  ∂/∂logp = −Aρ/5 = −0.1;
+        //   ρ 1.25, A +1: inside [0.8, 1.28] (clipped with a symmetric 0.2) → −1.25, −0.25;
+        //   ρ 1.25, A −1: pg1 1.25 = pg2 → 1.25, ∂/∂logp = +0.25.
+        // pg_loss = (−1.28 + 0.8 − 0.5 − 1.25 + 1.25)/5 = −0.196, clipfrac 2/5,
+        // ppo_kl = −(ln 1.5 + 2 ln 0.5 + 2 ln 1.25)/5.
+        let batch = Batch::from_ratios(&[1.5, 0.5, 0.5, 1.25, 1.25], &[1.0, -1.0, 1.0, 1.0, -1.0]);
+        let cfg = PolicyLossConfig { eps_clip_high: 0.28, ..per_token() };
+        let out = policy_loss(&cfg, &batch.input()).unwrap();
+        near(out.loss, -0.196);
+        near(out.metrics.pg_loss, -0.196);
+        near(out.metrics.pg_clipfrac, 0.4);
+        let log_sum = 1.5f64.ln() + 2.0 * 0.5f64.ln() + 2.0 * 1.25f64.ln();
+        near(out.metrics.ppo_kl, -log_sum / 5.0);
+        close(&out.d_logp, &[0.0, 0.0, -0.1, -0.25, 0.25]);
+        assert_eq!(out.metrics.kl_loss, 0.0);
+
+        // Symmetric clip: the fourth token is clipped too (−1.2, no gradient).
+        let out = policy_loss(&per_token(), &batch.input()).unwrap();
+        near(out.metrics.pg_loss, (-1.2 + 0.8 - 0.5 - 1.2 + 1.25) / 5.0);
+        near(out.metrics.pg_clipfrac, 0.6);
+        close(&out.d_logp, &[0.0, 0.0, -0.1, 0.0, 0.25]);
+    }
+
+    #[test]
+    fn dual_clip_bounds_negative_advantages() {
+        // slime's own case: ρ [2, 2, 0.5], A [2, −2, 2], eps 0.2, c 1.5 → per-token losses
+        // [−2.4, 3.0, −1.0]: the second is max(4, 2.4) = 4 capped at −A·c = 3.
+        // Gradients (token mean over 3): clipped, dual-clipped (constant), −Aρ/3 = −1/3.
+        // clipfrac counts only the first (pg2 −2.4 > pg1 −4), as slime does.
+        let batch = Batch::from_ratios(&[2.0, 2.0, 0.5], &[2.0, -2.0, 2.0]);
+        let cfg = PolicyLossConfig { eps_clip_c: Some(1.5), ..per_token() };
+        let out = policy_loss(&cfg, &batch.input()).unwrap();
+        near(out.loss, (-2.4 + 3.0 - 1.0) / 3.0);
+        near(out.metrics.pg_clipfrac, 1.0 / 3.0);
+        close(&out.d_logp, &[0.0, 0.0, -1.0 / 3.0]);
+        // Without the dual clip the second token is 4 with gradient −Aρ/3 = 4/3.
+        let out = policy_loss(&per_token(), &batch.input()).unwrap();
+        near(out.loss, (-2.4 + 4.0 - 1.0) / 3.0);
+        close(&out.d_logp, &[0.0, 4.0 / 3.0, -1.0 / 3.0]);
+        // c above the ratio: the cap −A·c = 6 does not bind.
+        let cfg = PolicyLossConfig { eps_clip_c: Some(3.0), ..per_token() };
+        close(&policy_loss(&cfg, &batch.input()).unwrap().d_logp, &[0.0, 4.0 / 3.0, -1.0 / 3.0]);
+    }
+
+    #[test]
+    fn kl_estimators_values_and_gradients() {
+        // logp −1, ref −1.5: log ratio 0.5.
+        //   k1 = 0.5, ∂ = 1;  k2 = 0.125, ∂ = 0.5;
+        //   k3: x = ref − logp = −0.5, e^x − x − 1 = 0.606531 − 0.5 = 0.106531,
+        //   ∂ = 1 − e^x = 0.393469; low_var_kl the same (inside the clamp).
+        let e = (-0.5f64).exp();
+        let cases = [
+            (KlLossType::K1, 0.5, 1.0),
+            (KlLossType::K2, 0.125, 0.5),
+            (KlLossType::K3, e - 0.5, 1.0 - e),
+            (KlLossType::LowVarKl, e - 0.5, 1.0 - e),
+        ];
+        for (kind, value, grad) in cases {
+            let (v, g) = approx_kl(kind, -1.0, -1.5);
+            near(f64::from(v), value);
+            near(f64::from(g), grad);
+        }
+        // logp −5, ref −1: x = 4, k3 = e⁴ − 5 = 49.598, ∂ = 1 − e⁴ = −53.598; low_var_kl
+        // clamps to 10 with no gradient.
+        let (v, g) = approx_kl(KlLossType::K3, -5.0, -1.0);
+        assert!((f64::from(v) - (4f64.exp() - 5.0)).abs() < 1e-4, "{v}");
+        assert!((f64::from(g) - (1.0 - 4f64.exp())).abs() < 1e-4, "{g}");
+        assert_eq!(approx_kl(KlLossType::LowVarKl, -5.0, -1.0), (10.0, 0.0));
+        // Same log-probs: every estimator is 0.
+        for kind in [KlLossType::K1, KlLossType::K2, KlLossType::K3, KlLossType::LowVarKl] {
+            assert_eq!(approx_kl(kind, -2.0, -2.0).0, 0.0);
+        }
+    }
+
+    #[test]
+    fn kl_loss_enters_the_loss_with_its_coefficient() {
+        // Two tokens, A = 0 (pg = 0), logp [−1, −2], ref [−1.5, −2]: k2 = [0.125, 0],
+        // token mean 0.0625; loss = 0.2 · 0.0625 = 0.0125; ∂/∂logp = 0.2 · [0.5, 0] / 2.
+        let mut batch = Batch::from_ratios(&[1.0, 1.0], &[0.0, 0.0]);
+        batch.logp = vec![-1.0, -2.0];
+        batch.old_logp = batch.logp.clone();
+        batch.ref_logp = Some(vec![-1.5, -2.0]);
+        let cfg = PolicyLossConfig {
+            use_kl_loss: true,
+            kl_loss_coef: 0.2,
+            kl_loss_type: KlLossType::K2,
+            ..per_token()
+        };
+        let out = policy_loss(&cfg, &batch.input()).unwrap();
+        near(out.metrics.kl_loss, 0.0625);
+        near(out.loss, 0.0125);
+        close(&out.d_logp, &[0.05, 0.0]);
+        // Without a reference the KL loss is refused.
+        batch.ref_logp = None;
+        let err = policy_loss(&cfg, &batch.input()).unwrap_err();
+        assert!(err.to_string().contains("--use-kl-loss"), "{err}");
+    }
+
+    /// Sequences of 3, 1 and 2 tokens; the middle one fully masked.
+    fn uneven() -> Batch {
+        Batch {
+            logp: vec![-1.0, -2.0, -9.0, -5.0, -3.0, -4.0],
+            old_logp: vec![-1.0, -2.0, -9.0, -5.0, -3.0, -4.0],
+            entropy: vec![1.0, 2.0, 9.0, 5.0, 3.0, 4.0],
+            advantages: vec![0.0; 6],
+            loss_mask: vec![1, 1, 0, 0, 1, 1],
+            response_lengths: vec![3, 1, 2],
+            ..Batch::default()
+        }
+    }
+
+    #[test]
+    fn sequence_mean_and_token_mean_on_uneven_sequences() {
+        // Entropy [1, 2, (9) | (5) | 3, 4] with coefficient 0.1 and A = 0.
+        // Sequence mean: (1+2)/2 = 1.5, the fully masked sequence 0 (still counted),
+        //   (3+4)/2 = 3.5 → (1.5 + 0 + 3.5)/3 = 5/3; ∂/∂entropy = −0.1/(2·3) on kept tokens.
+        // Token mean: (1+2+3+4)/(2 + 1 + 2) = 2 (slime counts the empty sequence as one
+        //   token); ∂/∂entropy = −0.1/5.
+        let batch = uneven();
+        let cfg = PolicyLossConfig { entropy_coef: 0.1, ..PolicyLossConfig::default() };
+        let out = policy_loss(&cfg, &batch.input()).unwrap();
+        near(out.metrics.entropy_loss, 5.0 / 3.0);
+        near(out.loss, -0.1 * 5.0 / 3.0);
+        let s = -0.1 / 6.0;
+        close(&out.d_entropy, &[s, s, 0.0, 0.0, s, s]);
+        close(&out.d_logp, &[0.0; 6]);
+
+        let cfg = PolicyLossConfig { per_token_loss: true, ..cfg };
+        let out = policy_loss(&cfg, &batch.input()).unwrap();
+        near(out.metrics.entropy_loss, 2.0);
+        near(out.loss, -0.2);
+        let s = -0.1 / 5.0;
+        close(&out.d_entropy, &[s, s, 0.0, 0.0, s, s]);
+
+        // The metric is computed with a zero coefficient, but the term stays out of the loss.
+        let out = policy_loss(&PolicyLossConfig::default(), &batch.input()).unwrap();
+        near(out.metrics.entropy_loss, 5.0 / 3.0);
+        assert_eq!(out.loss, 0.0);
+        assert!(out.d_entropy.iter().all(|&d| d == 0.0));
+    }
+
+    #[test]
+    fn pg_loss_aggregates_per_sequence() {
+        // ρ = 1 everywhere, so pg = −A. A [1, 1, (·) | (·) | −2, 4]:
+        // sequence mean: (−(1+1)/2 + 0 − (−2+4)/2)/3 = −2/3; ∂/∂logp = −A/(count·3);
+        // token mean: −(1 + 1 − 2 + 4)/5 = −0.8; ∂/∂logp = −A/5.
+        let mut batch = uneven();
+        batch.advantages = vec![1.0, 1.0, 7.0, 7.0, -2.0, 4.0];
+        let out = policy_loss(&PolicyLossConfig::default(), &batch.input()).unwrap();
+        near(out.loss, -2.0 / 3.0);
+        close(&out.d_logp, &[-1.0 / 6.0, -1.0 / 6.0, 0.0, 0.0, 2.0 / 6.0, -4.0 / 6.0]);
+        let out = policy_loss(&per_token(), &batch.input()).unwrap();
+        near(out.loss, -0.8);
+        close(&out.d_logp, &[-0.2, -0.2, 0.0, 0.0, 0.4, -0.8]);
+    }
+
+    #[test]
+    fn correction_weights_scale_pg_and_the_mask_keeps_denominators() {
+        // One sequence of 4, ρ = 1, A = 1 (pg = −1), weights [2, 5, 0.5, 1], correction mask
+        // [1, 0, 1, 1]: pg numerator 2·(−1) + 0.5·(−1) + 1·(−1) = −3.5 over the loss mask's
+        // 4 tokens → −0.875; ∂/∂logp = −A·ρ·w/4 = [−0.5, 0, −0.125, −0.25].
+        // Entropy [1, 1, 1, 1]: the dropped token leaves the numerator only → 3/4.
+        let mut batch = Batch::from_ratios(&[1.0; 4], &[1.0; 4]);
+        batch.entropy = vec![1.0; 4];
+        batch.correction_weights = Some(vec![2.0, 5.0, 0.5, 1.0]);
+        batch.correction_mask = Some(vec![1, 0, 1, 1]);
+        let cfg = PolicyLossConfig { entropy_coef: 0.01, ..PolicyLossConfig::default() };
+        let out = policy_loss(&cfg, &batch.input()).unwrap();
+        near(out.metrics.pg_loss, -0.875);
+        near(out.metrics.entropy_loss, 0.75);
+        near(out.loss, -0.875 - 0.01 * 0.75);
+        close(&out.d_logp, &[-0.5, 0.0, -0.125, -0.25]);
+        close(&out.d_entropy, &[-0.0025, 0.0, -0.0025, -0.0025]);
+        // Weights alone: every token counts, the second with weight 5.
+        batch.correction_mask = None;
+        let out = policy_loss(&cfg, &batch.input()).unwrap();
+        near(out.metrics.pg_loss, -(2.0 + 5.0 + 0.5 + 1.0) / 4.0);
+        // A correction cannot add a token the loss mask drops.
+        batch.loss_mask = vec![1, 1, 0, 1];
+        batch.correction_mask = Some(vec![1, 1, 1, 1]);
+        let out = policy_loss(&cfg, &batch.input()).unwrap();
+        near(out.metrics.pg_loss, -(2.0 + 5.0 + 1.0) / 3.0);
+    }
+
+    #[test]
+    fn gspo_uses_one_ratio_per_sequence() {
+        // Sequences [2, 1]; logp − old = [0.2, 0.4 | −0.1]; eps 0.2; sequence mean.
+        // Sequence 0: s = 0.3, ρ = e^0.3 = 1.349859; A = −1: pg1 1.349859 > pg2 1.2 →
+        //   1.349859 per token (not clipped). Sequence 1: ρ = e^−0.1 = 0.904837, A = +1 →
+        //   −0.904837. Loss = (1.349859 − 0.904837)/2; ppo_kl = (−0.3 + 0.1)/2 = −0.1.
+        // Gradients: sequence 0 has ∂loss/∂ρ = Σ_t (1/(2·2))·1 = 0.5, and ∂ρ/∂logp_j = ρ/2,
+        //   so 0.5·1.349859/2 = 0.337465 on both tokens; sequence 1: −(1/2)·0.904837.
+        let batch = Batch {
+            logp: vec![-1.0, -1.0, -2.0],
+            old_logp: vec![-1.2, -1.4, -1.9],
+            entropy: vec![0.0; 3],
+            advantages: vec![-1.0, -1.0, 1.0],
+            loss_mask: vec![1, 1, 1],
+            response_lengths: vec![2, 1],
+            ..Batch::default()
+        };
+        let cfg = PolicyLossConfig { sequence_ratio: true, ..PolicyLossConfig::default() };
+        let out = policy_loss(&cfg, &batch.input()).unwrap();
+        let (r0, r1) = (0.3f64.exp(), (-0.1f64).exp());
+        near(out.loss, (r0 - r1) / 2.0);
+        near(out.metrics.ppo_kl, -0.1);
+        near(out.metrics.pg_clipfrac, 0.0);
+        close(&out.d_logp, &[0.25 * r0, 0.25 * r0, -0.5 * r1]);
+
+        // A = +1 on sequence 0: ρ 1.35 > 1.2 is clipped for the whole sequence.
+        let batch = Batch { advantages: vec![1.0, 1.0, 1.0], ..batch };
+        let out = policy_loss(&cfg, &batch.input()).unwrap();
+        near(out.loss, (-1.2 - r1) / 2.0);
+        near(out.metrics.pg_clipfrac, 0.5);
+        close(&out.d_logp, &[0.0, 0.0, -0.5 * r1]);
+        // Token ratios instead: e^0.2 = 1.2214 is clipped, e^0.4 too, so only sequence 1 moves.
+        let out = policy_loss(&PolicyLossConfig::default(), &batch.input()).unwrap();
+        near(out.metrics.pg_clipfrac, 0.5);
+    }
+
+    #[test]
+    fn gspo_sequence_ratio_ignores_masked_tokens() {
+        // The masked token's log ratio (5.0) stays out of s; s = (0.2 + 0.0)/2 = 0.1.
+        // Its logp gets no gradient.
+        let batch = Batch {
+            logp: vec![-1.0, 4.0, -1.0],
+            old_logp: vec![-1.2, -1.0, -1.0],
+            entropy: vec![0.0; 3],
+            advantages: vec![1.0; 3],
+            loss_mask: vec![1, 0, 1],
+            response_lengths: vec![3],
+            ..Batch::default()
+        };
+        let cfg = PolicyLossConfig { sequence_ratio: true, ..PolicyLossConfig::default() };
+        let out = policy_loss(&cfg, &batch.input()).unwrap();
+        let r = 0.1f64.exp();
+        near(out.loss, -r);
+        // ∂loss/∂ρ = 2·(−1/2) = −1, ∂ρ/∂logp_j = ρ/2.
+        close(&out.d_logp, &[-r / 2.0, 0.0, -r / 2.0]);
+    }
+
+    #[test]
+    fn sft_loss_is_the_negative_mean_logprob() {
+        // logp [−1, −2, (−9) | (−5) | −3, −4]: sequence mean (1.5 + 0 + 3.5)/3 = 5/3,
+        // token mean 10/5 = 2; ∂/∂logp = −scale.
+        let batch = uneven();
+        let out = sft_loss(&SftLossConfig::default(), &batch.input()).unwrap();
+        near(out.loss, 5.0 / 3.0);
+        let s = -1.0 / 6.0;
+        close(&out.d_logp, &[s, s, 0.0, 0.0, s, s]);
+        assert!(out.d_entropy.iter().all(|&d| d == 0.0));
+        let out = sft_loss(&SftLossConfig { per_token_loss: true }, &batch.input()).unwrap();
+        near(out.loss, 2.0);
+        close(&out.d_logp, &[-0.2, -0.2, 0.0, 0.0, -0.2, -0.2]);
+        // Only logp, the mask and the lengths are read.
+        let input = LossInput { old_logp: &[], entropy: &[], advantages: &[], ..batch.input() };
+        near(sft_loss(&SftLossConfig::default(), &input).unwrap().loss, 5.0 / 3.0);
+    }
+
+    #[test]
+    fn non_finite_values_propagate_only_from_kept_tokens() {
+        let mut batch = uneven();
+        batch.advantages = vec![1.0; 6];
+        // Garbage at masked positions never reaches the loss.
+        batch.logp[2] = f32::NAN;
+        batch.entropy[3] = f32::INFINITY;
+        batch.advantages[2] = f32::NAN;
+        let out = policy_loss(&PolicyLossConfig::default(), &batch.input()).unwrap();
+        assert!(out.loss.is_finite() && out.d_logp.iter().all(|d| d.is_finite()), "{out:?}");
+        // At a kept token it makes the loss NaN (the caller skips the step), never a panic.
+        batch.logp[0] = f32::NAN;
+        let out = policy_loss(&PolicyLossConfig::default(), &batch.input()).unwrap();
+        assert!(out.loss.is_nan());
+        let out =
+            policy_loss(&PolicyLossConfig { sequence_ratio: true, ..per_token() }, &batch.input())
+                .unwrap();
+        assert!(out.loss.is_nan());
+        // A huge log ratio overflows to inf, not a panic.
+        let mut batch = uneven();
+        batch.advantages = vec![-1.0; 6];
+        batch.logp[0] = 1e30;
+        let out = policy_loss(&PolicyLossConfig::default(), &batch.input()).unwrap();
+        assert!(!out.loss.is_finite());
+        // With A > 0 the same token is clipped: a finite loss and a zero gradient (not 0·∞).
+        batch.advantages = vec![1.0; 6];
+        for sequence_ratio in [false, true] {
+            let cfg = PolicyLossConfig { sequence_ratio, ..PolicyLossConfig::default() };
+            let out = policy_loss(&cfg, &batch.input()).unwrap();
+            assert!(out.loss.is_finite(), "{out:?}");
+            assert_eq!(out.d_logp[0], 0.0, "{out:?}");
+        }
+        // A NaN entropy with a zero coefficient stays a metric.
+        let mut batch = uneven();
+        batch.entropy[0] = f32::NAN;
+        let out = policy_loss(&PolicyLossConfig::default(), &batch.input()).unwrap();
+        assert!(out.loss.is_finite() && out.metrics.entropy_loss.is_nan());
+    }
+
+    #[test]
+    fn empty_batches_have_zero_loss() {
+        let batch = Batch::default();
+        let out = policy_loss(&PolicyLossConfig::default(), &batch.input()).unwrap();
+        assert_eq!((out.loss, out.d_logp.len()), (0.0, 0));
+        let out = sft_loss(&SftLossConfig { per_token_loss: true }, &batch.input()).unwrap();
+        assert_eq!(out.loss, 0.0);
+    }
+
+    #[test]
+    fn length_mismatches_and_bad_settings_are_errors() {
+        let batch = uneven();
+        let short = [0f32; 5];
+        let bad = LossInput { advantages: &short, ..batch.input() };
+        let err = policy_loss(&PolicyLossConfig::default(), &bad).unwrap_err().to_string();
+        assert!(err.contains("advantages has 5 entries but response lengths sum to 6"), "{err}");
+        let bad = LossInput { correction_mask: Some(&[1, 1]), ..batch.input() };
+        let err = policy_loss(&PolicyLossConfig::default(), &bad).unwrap_err().to_string();
+        assert!(err.contains("correction_mask has 2"), "{err}");
+        let bad = LossInput { ref_logp: Some(&short), ..batch.input() };
+        assert!(policy_loss(&PolicyLossConfig::default(), &bad).is_err());
+        let bad = LossInput { response_lengths: &[3, 1, 1], ..batch.input() };
+        assert!(policy_loss(&PolicyLossConfig::default(), &bad).is_err());
+        assert!(sft_loss(&SftLossConfig::default(), &bad).is_err());
+
+        let bad_cfg =
+            |cfg: PolicyLossConfig| policy_loss(&cfg, &batch.input()).unwrap_err().to_string();
+        let d = PolicyLossConfig::default;
+        assert!(
+            bad_cfg(PolicyLossConfig { eps_clip_c: Some(1.0), ..d() }).starts_with("--eps-clip-c")
+        );
+        assert!(bad_cfg(PolicyLossConfig { eps_clip: f32::NAN, ..d() }).starts_with("--eps-clip:"));
+        assert!(
+            bad_cfg(PolicyLossConfig { eps_clip_high: -0.1, ..d() }).starts_with("--eps-clip-high")
+        );
+        assert!(
+            bad_cfg(PolicyLossConfig { entropy_coef: f32::INFINITY, ..d() })
+                .starts_with("--entropy-coef")
+        );
+    }
+
+    #[test]
+    fn run_config_maps_to_the_loss_settings() {
+        let run = RunConfig {
+            eps_clip: 0.1,
+            eps_clip_high: None,
+            advantage_estimator: AdvantageEstimator::Gspo,
+            calculate_per_token_loss: true,
+            ..RunConfig::default()
+        };
+        let cfg = PolicyLossConfig::from_run_config(&run);
+        assert_eq!((cfg.eps_clip, cfg.eps_clip_high), (0.1, 0.1));
+        assert!(cfg.sequence_ratio && cfg.per_token_loss);
+        let run = RunConfig { eps_clip_high: Some(0.28), ..RunConfig::default() };
+        let cfg = PolicyLossConfig::from_run_config(&run);
+        assert_eq!(cfg, PolicyLossConfig { eps_clip_high: 0.28, ..PolicyLossConfig::default() });
+        assert!(SftLossConfig::from_run_config(&RunConfig::default()) == SftLossConfig::default());
+        let names: Vec<&str> = LossMetrics::default().named().iter().map(|(n, _)| *n).collect();
+        assert!(names.contains(&"train/pg_clipfrac") && names.contains(&"train/ppo_kl"));
+    }
+
+    /// splitmix64: deterministic test inputs without a dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> f64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            (z ^ (z >> 31)) as f64 / u64::MAX as f64
+        }
+
+        fn uniform(&mut self, lo: f64, hi: f64) -> f32 {
+            (lo + (hi - lo) * self.next()) as f32
+        }
+    }
+
+    /// Sequences of uneven lengths (one empty, one fully masked), ratios well outside the clip
+    /// range, and reference log-probs far enough to hit the low_var_kl clamp.
+    fn random_batch(seed: u64) -> Batch {
+        let mut rng = Rng(seed);
+        let response_lengths = vec![3, 5, 1, 4, 0, 2, 3];
+        let n: usize = response_lengths.iter().sum();
+        let mut batch = Batch { response_lengths, ..Batch::default() };
+        for t in 0..n {
+            let logp = rng.uniform(-3.0, -0.1);
+            batch.logp.push(logp);
+            batch.old_logp.push(logp + rng.uniform(-1.2, 1.2));
+            batch.entropy.push(rng.uniform(0.0, 3.0));
+            batch.advantages.push(rng.uniform(-2.0, 2.0));
+            let fully_masked = (8..9).contains(&t); // the one-token sequence
+            batch.loss_mask.push(u8::from(!fully_masked && rng.next() < 0.8));
+        }
+        batch.ref_logp = Some(batch.logp.iter().map(|l| l + rng.uniform(-1.5, 3.5)).collect());
+        batch.correction_weights = Some((0..n).map(|_| rng.uniform(0.0, 2.0)).collect());
+        batch.correction_mask = Some((0..n).map(|_| u8::from(rng.next() < 0.85)).collect());
+        batch
+    }
+
+    /// Whether nudging token `t`'s logp could cross a kink of the loss: a clip bound, the
+    /// dual-clip cap or the low_var_kl clamp (1e-3 in ratio, 1e-2 in KL).
+    fn near_a_kink(cfg: &PolicyLossConfig, batch: &Batch, t: usize) -> bool {
+        let log_r = if cfg.sequence_ratio {
+            let mut start = 0;
+            let mut s = 0.0;
+            for &len in &batch.response_lengths {
+                if (start..start + len).contains(&t) {
+                    let kept: Vec<usize> =
+                        (start..start + len).filter(|&j| batch.loss_mask[j] != 0).collect();
+                    let sum: f64 = kept
+                        .iter()
+                        .map(|&j| f64::from(batch.logp[j]) - f64::from(batch.old_logp[j]))
+                        .sum();
+                    s = sum / kept.len().max(1) as f64;
+                }
+                start += len;
+            }
+            s
+        } else {
+            f64::from(batch.logp[t]) - f64::from(batch.old_logp[t])
+        };
+        let ratio = log_r.exp();
+        let mut kinks = vec![1.0 - f64::from(cfg.eps_clip), 1.0 + f64::from(cfg.eps_clip_high)];
+        kinks.extend(cfg.eps_clip_c.map(f64::from));
+        let near_ratio = kinks.iter().any(|k| (ratio - k).abs() < 1e-3);
+        let kl = kl_term(
+            KlLossType::K3,
+            f64::from(batch.logp[t]),
+            f64::from(batch.ref_logp.as_ref().unwrap()[t]),
+        )
+        .0;
+        let near_clamp = cfg.kl_loss_type == KlLossType::LowVarKl && (kl - 10.0).abs() < 1e-2;
+        near_ratio || near_clamp
+    }
+
+    #[derive(Clone, Copy)]
+    enum Slot {
+        Logp,
+        Entropy,
+    }
+
+    fn slot_mut(batch: &mut Batch, slot: Slot, t: usize) -> &mut f32 {
+        match slot {
+            Slot::Logp => &mut batch.logp[t],
+            Slot::Entropy => &mut batch.entropy[t],
+        }
+    }
+
+    /// Central difference of the loss in one f32 input, divided by the step actually taken
+    /// (x ± h rounds in f32; the difference of the rounded values is exact in f64).
+    fn central_difference(
+        batch: &Batch,
+        loss: impl Fn(&Batch) -> f64,
+        slot: Slot,
+        t: usize,
+    ) -> f64 {
+        let h = 1e-4f32;
+        let mut plus = batch.clone();
+        *slot_mut(&mut plus, slot, t) += h;
+        let mut minus = batch.clone();
+        *slot_mut(&mut minus, slot, t) -= h;
+        let step =
+            f64::from(*slot_mut(&mut plus, slot, t)) - f64::from(*slot_mut(&mut minus, slot, t));
+        (loss(&plus) - loss(&minus)) / step
+    }
+
+    fn assert_gradient(analytic: f32, numeric: f64, what: &str) {
+        let a = f64::from(analytic);
+        let tolerance = 1e-6 + 1e-5 * numeric.abs();
+        assert!((a - numeric).abs() <= tolerance, "{what}: analytic {a} vs numeric {numeric}");
+    }
+
+    /// Every combination of the loss's switches (80), with whether to apply the correction.
+    fn every_configuration() -> Vec<(PolicyLossConfig, bool)> {
+        let kl_settings = [
+            None,
+            Some(KlLossType::K1),
+            Some(KlLossType::K2),
+            Some(KlLossType::K3),
+            Some(KlLossType::LowVarKl),
+        ];
+        let mut all = Vec::new();
+        for per_token_loss in [false, true] {
+            for sequence_ratio in [false, true] {
+                for eps_clip_c in [None, Some(2.0)] {
+                    for kl in kl_settings {
+                        let cfg = PolicyLossConfig {
+                            eps_clip: 0.2,
+                            eps_clip_high: 0.28,
+                            eps_clip_c,
+                            use_kl_loss: kl.is_some(),
+                            kl_loss_coef: 0.1,
+                            kl_loss_type: kl.unwrap_or_default(),
+                            entropy_coef: 0.01,
+                            per_token_loss,
+                            sequence_ratio,
+                        };
+                        all.extend([(cfg, false), (cfg, true)]);
+                    }
+                }
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn gradients_match_finite_differences_for_every_configuration() {
+        let mut checked = 0;
+        for seed in [1u64, 2, 3] {
+            for (cfg, corrected) in every_configuration() {
+                let mut batch = random_batch(seed);
+                if !corrected {
+                    batch.correction_weights = None;
+                    batch.correction_mask = None;
+                }
+                let loss = |b: &Batch| policy_loss(&cfg, &b.input()).unwrap().loss;
+                let out = policy_loss(&cfg, &batch.input()).unwrap();
+                for t in 0..batch.logp.len() {
+                    let what = format!("{cfg:?} corrected {corrected} seed {seed} token {t}");
+                    let numeric = central_difference(&batch, loss, Slot::Entropy, t);
+                    assert_gradient(out.d_entropy[t], numeric, &what);
+                    if near_a_kink(&cfg, &batch, t) {
+                        continue;
+                    }
+                    let numeric = central_difference(&batch, loss, Slot::Logp, t);
+                    assert_gradient(out.d_logp[t], numeric, &what);
+                    checked += usize::from(out.d_logp[t] != 0.0);
+                }
+            }
+        }
+        // Most tokens carry a gradient; a mistake that zeroed them all would not pass.
+        assert!(checked > 2000, "only {checked} non-zero gradients checked");
+
+        for per_token_loss in [false, true] {
+            let batch = random_batch(7);
+            let cfg = SftLossConfig { per_token_loss };
+            let loss = |b: &Batch| sft_loss(&cfg, &b.input()).unwrap().loss;
+            let out = sft_loss(&cfg, &batch.input()).unwrap();
+            for t in 0..batch.logp.len() {
+                let numeric = central_difference(&batch, loss, Slot::Logp, t);
+                assert_gradient(out.d_logp[t], numeric, &format!("sft token {t}"));
+            }
+        }
+    }
+}
