@@ -95,6 +95,16 @@ pub struct RunConfig {
     pub num_epoch: Option<usize>,
     pub eval_prompt_data: Option<String>,
     pub eval_interval: Option<usize>,
+    pub n_samples_per_eval_prompt: usize,
+    /// Eval sampling; each falls back to its rollout counterpart.
+    pub eval_max_response_len: Option<usize>,
+    pub eval_temperature: Option<f32>,
+    /// Where `metrics.jsonl` and `plots/` go (miles-rs; default `runs/<time>`).
+    pub run_dir: Option<PathBuf>,
+    /// miles-rs: supervised steps on (prompt, label) pairs before RL, with a fresh optimizer at
+    /// `sft-lr` (default `lr`); the demo's warm-up.
+    pub sft_warmup_steps: usize,
+    pub sft_lr: Option<f32>,
 
     // Rollout.
     pub rollout_batch_size: usize,
@@ -111,6 +121,9 @@ pub struct RunConfig {
     pub rollout_seed: u64,
     pub partial_rollout: bool,
     pub use_rollout_routing_replay: bool,
+    /// Embedded engine limits (miles-rs).
+    pub rollout_kv_cache_mb: usize,
+    pub rollout_max_running: usize,
 
     // Reward.
     pub rm_type: Option<String>,
@@ -157,6 +170,8 @@ pub struct RunConfig {
     pub lr: f32,
     pub min_lr: f32,
     pub lr_warmup_iters: usize,
+    /// Optimizer steps the decay spans; default: every step of the run.
+    pub lr_decay_iters: Option<usize>,
     pub lr_decay_style: LrDecayStyle,
     pub weight_decay: f32,
     pub adam_beta1: f32,
@@ -165,6 +180,9 @@ pub struct RunConfig {
     pub clip_grad: f32,
     pub num_steps_per_rollout: usize,
     pub global_batch_size: Option<usize>,
+    /// Sequences per forward/backward; a step accumulates its micro-batches (all at once when
+    /// absent).
+    pub micro_batch_size: Option<usize>,
 }
 
 impl Default for RunConfig {
@@ -186,6 +204,12 @@ impl Default for RunConfig {
             num_epoch: None,
             eval_prompt_data: None,
             eval_interval: None,
+            n_samples_per_eval_prompt: 1,
+            eval_max_response_len: None,
+            eval_temperature: None,
+            run_dir: None,
+            sft_warmup_steps: 0,
+            sft_lr: None,
             rollout_batch_size: 8,
             n_samples_per_prompt: 1,
             over_sampling_batch_size: None,
@@ -199,6 +223,8 @@ impl Default for RunConfig {
             rollout_seed: 42,
             partial_rollout: false,
             use_rollout_routing_replay: false,
+            rollout_kv_cache_mb: 1024,
+            rollout_max_running: 64,
             rm_type: None,
             custom_rm_path: None,
             rm_url: None,
@@ -230,6 +256,7 @@ impl Default for RunConfig {
             lr: 1e-6,
             min_lr: 0.0,
             lr_warmup_iters: 0,
+            lr_decay_iters: None,
             lr_decay_style: LrDecayStyle::Constant,
             weight_decay: 0.0,
             adam_beta1: 0.9,
@@ -238,6 +265,7 @@ impl Default for RunConfig {
             clip_grad: 1.0,
             num_steps_per_rollout: 1,
             global_batch_size: None,
+            micro_batch_size: None,
         }
     }
 }
@@ -310,6 +338,21 @@ impl RunConfig {
             check(g >= 1 && total.is_multiple_of(g), "global-batch-size", || {
                 format!("{g} must divide rollout-batch-size × n-samples-per-prompt = {total}")
             })?;
+        }
+        for (ok, key) in [
+            (self.n_samples_per_eval_prompt >= 1, "n-samples-per-eval-prompt"),
+            (self.rollout_kv_cache_mb >= 1, "rollout-kv-cache-mb"),
+            (self.rollout_max_running >= 1, "rollout-max-running"),
+            (self.micro_batch_size != Some(0), "micro-batch-size"),
+            (self.eval_max_response_len != Some(0), "eval-max-response-len"),
+        ] {
+            check(ok, key, || "must be at least 1".into())?;
+        }
+        if let Some(t) = self.eval_temperature {
+            check(t > 0.0, "eval-temperature", || format!("{t} must be > 0"))?;
+        }
+        if let Some(lr) = self.sft_lr {
+            check(lr >= 0.0, "sft-lr", || format!("{lr} must be >= 0"))?;
         }
         check(self.num_rollout.is_none() || self.num_epoch.is_none(), "num-epoch", || {
             "give --num-rollout or --num-epoch, not both".into()

@@ -35,7 +35,7 @@ impl LrSchedule {
             lr: run.lr,
             min_lr: run.min_lr,
             warmup_iters: run.lr_warmup_iters,
-            decay_iters: total_steps,
+            decay_iters: run.lr_decay_iters.unwrap_or(total_steps),
             style: run.lr_decay_style,
         }
     }
