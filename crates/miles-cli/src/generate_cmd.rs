@@ -11,7 +11,7 @@ use miles_data::{Dataset, Keys};
 use miles_model::Tokenizer;
 use miles_rollout::{Engine, EngineConfig, Progress};
 
-use crate::score_cmd::{load_model, prompt_tokens};
+use crate::score_cmd::load_model;
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
@@ -80,7 +80,7 @@ fn load_prompts(args: &GenerateArgs, tok: &Tokenizer) -> anyhow::Result<Vec<Samp
         .map(|row| {
             let at = || format!("{}:{}: key '{}'", path.display(), row.line, args.input_key);
             let prompt = serde_json::to_value(&row.prompt)?;
-            let tokens = prompt_tokens(&prompt, args.apply_chat_template, tok).with_context(at)?;
+            let tokens = tok.encode_prompt(&prompt, args.apply_chat_template).with_context(at)?;
             Ok(Sample {
                 prompt: row.prompt,
                 tokens,

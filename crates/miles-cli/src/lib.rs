@@ -14,6 +14,7 @@ pub mod linked;
 mod plot_cmd;
 mod plugins_cmd;
 mod reward_cmd;
+pub mod run_flags;
 mod score_cmd;
 
 pub use bench_cmd::{BenchArgs, BenchCommand, RolloutBenchArgs};

@@ -12,14 +12,14 @@ pub const FEATURES: &[&str] = &[
     "cuda",
 ];
 
-/// Every statically linked plugin, built-in rewards included.
+/// Every statically linked plugin, built-in rewards and advantage estimators included.
 pub fn plugins() -> Vec<&'static Plugin> {
     let features: &[&'static Plugin] = &[
         #[cfg(feature = "tis")]
         &miles_plugin_tis::PLUGIN,
     ];
-    let all: Vec<&'static Plugin> =
-        miles_rewards::BUILTIN.iter().chain(features).copied().collect();
+    let builtin = miles_rewards::BUILTIN.iter().chain(miles_train::advantage::BUILTIN);
+    let all: Vec<&'static Plugin> = builtin.chain(features).copied().collect();
     // Keep the references alive through optimization; the registry is then read from inventory.
     std::hint::black_box(&all);
     all

@@ -11,9 +11,6 @@ use miles_plugin_abi::host::DynamicReward;
 use crate::jsonl::{self, Line};
 use crate::linked;
 
-/// Samples per reward call when samples are independent (plugins receive them as one batch).
-const BATCH: usize = 256;
-
 #[derive(Debug, Args)]
 #[command(group = clap::ArgGroup::new("reward").required(true).args(["rm_type", "custom_rm_path"]))]
 pub struct RewardArgs {
@@ -70,7 +67,7 @@ pub fn run(args: &RewardArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     };
 
     let started = Instant::now();
-    let results = score_all(reward.as_ref(), &samples, args.group_rm);
+    let results = miles_rewards::score_all(reward.as_ref(), &samples, args.group_rm);
     let elapsed = started.elapsed();
 
     let summary = Summary::of(&lines, &results);
@@ -87,31 +84,6 @@ pub fn run(args: &RewardArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         writeln!(out, "wrote {}", path.display())?;
     }
     Ok(())
-}
-
-fn score_all(
-    reward: &dyn Reward,
-    samples: &[Sample],
-    by_group: bool,
-) -> Vec<Result<RewardValue, RewardError>> {
-    let mut results = Vec::with_capacity(samples.len());
-    if by_group {
-        for group in samples.chunk_by(|a, b| a.group_index == b.group_index) {
-            results.extend(reward.score_group(group));
-        }
-    } else {
-        for batch in samples.chunks(BATCH) {
-            let scored = reward.score_group(batch);
-            // A whole batch failing is usually one sample breaking the call (a plugin panic):
-            // score those samples alone so only the culprit is marked failed.
-            if batch.len() > 1 && scored.iter().all(Result::is_err) {
-                results.extend(batch.iter().map(|s| reward.score(s)));
-            } else {
-                results.extend(scored);
-            }
-        }
-    }
-    results
 }
 
 /// Per reward key (`reward` for scalar rewards): count, mean, std, min, max.

@@ -34,22 +34,6 @@ pub struct ScoreArgs {
     pub max_tokens_per_batch: usize,
 }
 
-/// The prompt ids of a JSONL value: text (encoded with the tokenizer's special tokens, or
-/// wrapped as one user message) or chat messages through the chat template. `miles generate`
-/// and `miles score` share it, so both see the same prompt tokens.
-pub fn prompt_tokens(prompt: &Value, chat: bool, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
-    Ok(match (prompt, chat) {
-        (Value::Array(_), true) => tok.encode(&tok.apply_chat_template(prompt, true)?, false)?,
-        (Value::String(text), true) => {
-            let messages = json!([{"role": "user", "content": text}]);
-            tok.encode(&tok.apply_chat_template(&messages, true)?, false)?
-        }
-        (Value::String(text), false) => tok.encode(text, true)?,
-        (Value::Array(_), false) => bail!("chat messages need --apply-chat-template"),
-        (other, _) => bail!("must be text or chat messages, found {other}"),
-    })
-}
-
 /// One line to score: its number, the tokens and where the response starts.
 struct Item {
     line: usize,
@@ -97,7 +81,7 @@ fn tokenize(
         .get("response")
         .and_then(Value::as_str)
         .with_context(|| format!("{}: missing string key 'response'", at()))?;
-    let mut ids = prompt_tokens(prompt, args.apply_chat_template, tok)
+    let mut ids = tok.encode_prompt(prompt, args.apply_chat_template)
         .with_context(|| format!("{}: key '{}'", at(), args.input_key))?;
     if ids.is_empty() {
         bail!(

@@ -298,7 +298,17 @@ impl Model {
     /// Per response token logp and entropy at `temperature`, keeping the activations for
     /// [`Model::backward`].
     pub fn forward(&self, batch: &PackedBatch, temperature: f32) -> Result<Forward> {
-        self.run(&PackedLinears::new(self)?, batch, temperature, true)
+        self.forward_with(&PackedLinears::new(self)?, batch, temperature)
+    }
+
+    /// [`Model::forward`] with linears packed once by the caller (micro-batches of one step).
+    pub fn forward_with(
+        &self,
+        packed: &PackedLinears,
+        batch: &PackedBatch,
+        temperature: f32,
+    ) -> Result<Forward> {
+        self.run(packed, batch, temperature, true)
     }
 
     /// Per response token logp and entropy, without keeping activations (scoring, reference

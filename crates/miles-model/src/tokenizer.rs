@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 use crate::{Error, Result};
 
 /// A checkpoint's tokenizer and chat template.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     chat_template: Option<String>,
@@ -70,6 +71,26 @@ impl Tokenizer {
             .encode(text, add_special_tokens)
             .map_err(|e| Error::Invalid(format!("{}: cannot encode: {e}", self.path.display())))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// The prompt ids of a JSON prompt: text (encoded with the special tokens, or wrapped as
+    /// one user message under `chat`) or chat messages through the chat template. Generation,
+    /// scoring and training all tokenize prompts here, so they see the same ids.
+    pub fn encode_prompt(&self, prompt: &Value, chat: bool) -> Result<Vec<u32>> {
+        match (prompt, chat) {
+            (Value::Array(_), true) => self.encode(&self.apply_chat_template(prompt, true)?, false),
+            (Value::String(text), true) => {
+                let messages = json!([{"role": "user", "content": text}]);
+                self.encode(&self.apply_chat_template(&messages, true)?, false)
+            }
+            (Value::String(text), false) => self.encode(text, true),
+            (Value::Array(_), false) => {
+                Err(Error::Invalid("chat messages need --apply-chat-template".into()))
+            }
+            (other, _) => {
+                Err(Error::Invalid(format!("must be text or chat messages, found {other}")))
+            }
+        }
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {

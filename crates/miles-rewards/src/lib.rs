@@ -30,7 +30,37 @@ pub use latex::{Rational, last_boxed, parse_number};
 pub use math::{MathAnswer, answers_match, normalize_answer};
 pub use remote_rm::{RemoteRm, RemoteRmConfig};
 
-use miles_core::{RewardError, Sample};
+use miles_core::{Reward, RewardError, RewardValue, Sample};
+
+/// Samples per reward call when samples are independent (plugins receive them as one batch).
+const BATCH: usize = 256;
+
+/// Scores `samples` in order, one result each: whole prompt groups (consecutive samples of one
+/// `group_index`) per call with `by_group` (`--group-rm`), else batches of independent samples.
+/// A batch whose every sample fails is usually one sample breaking the call (a plugin panic),
+/// so those samples are scored again one by one and only the culprit is marked failed.
+pub fn score_all(
+    reward: &dyn Reward,
+    samples: &[Sample],
+    by_group: bool,
+) -> Vec<Result<RewardValue, RewardError>> {
+    let mut results = Vec::with_capacity(samples.len());
+    if by_group {
+        for group in samples.chunk_by(|a, b| a.group_index == b.group_index) {
+            results.extend(reward.score_group(group));
+        }
+    } else {
+        for batch in samples.chunks(BATCH) {
+            let scored = reward.score_group(batch);
+            if batch.len() > 1 && scored.iter().all(Result::is_err) {
+                results.extend(batch.iter().map(|s| reward.score(s)));
+            } else {
+                results.extend(scored);
+            }
+        }
+    }
+    results
+}
 
 /// Every reward this crate registers.
 pub static BUILTIN: &[&miles_core::Plugin] = &[

@@ -152,6 +152,12 @@ impl Engine {
         &self.model
     }
 
+    /// The current policy's packed linears, for scoring with [`Model::logprobs_with`] without
+    /// packing again.
+    pub fn packed(&self) -> &PackedLinears {
+        &self.packed
+    }
+
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
         self.tokenizer.as_ref()
     }

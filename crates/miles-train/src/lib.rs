@@ -2,8 +2,11 @@
 //! slices), the optimizer, checkpoints and the RL loop.
 
 pub mod advantage;
+pub mod batch;
+pub mod checkpoint;
 pub mod loss;
 mod optimizer;
+pub mod rl;
 pub mod schedule;
 
 pub use optimizer::{Optimizer, StepStats};

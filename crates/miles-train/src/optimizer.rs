@@ -35,9 +35,32 @@ impl Optimizer {
         }
     }
 
+    /// Rebuilds an optimizer from saved state (a checkpoint): the first and second moments `m`
+    /// and `v` and the steps taken. Errors unless both moments have the shapes of `config`.
+    pub fn from_state(
+        config: &ModelConfig,
+        hyper: AdamW,
+        clip_grad: f64,
+        m: Weights,
+        v: Weights,
+        step: u64,
+    ) -> miles_model::Result<Self> {
+        for (what, w) in [("first moments (exp_avg)", &m), ("second moments (exp_avg_sq)", &v)] {
+            w.check(config).map_err(|e| {
+                miles_model::Error::Invalid(format!("optimizer state, {what}: {e}"))
+            })?;
+        }
+        Ok(Optimizer { hyper, clip_grad, arch: config.architecture, m, v, step })
+    }
+
     /// Steps taken so far.
     pub fn steps(&self) -> u64 {
         self.step
+    }
+
+    /// The first and second moments (`exp_avg`, `exp_avg_sq`), in the shapes of the weights.
+    pub fn moments(&self) -> (&Weights, &Weights) {
+        (&self.m, &self.v)
     }
 
     /// Clips `grads` (in place) to the global norm and applies one AdamW update at `lr`.
@@ -96,5 +119,24 @@ mod tests {
         let after = mean(&model.logprobs(&batch, 1.0).unwrap().0);
         assert!(before < -4.0 && after > -0.5, "mean logp {before} -> {after}");
         assert_eq!(opt.steps(), 30);
+    }
+
+    #[test]
+    fn from_state_restores_the_moments_and_checks_their_shapes() {
+        let config = presets::preset("tiny", Some(Architecture::Qwen3)).unwrap();
+        let hyper = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+        let mut weights = Weights::random(&config, 1);
+        let mut opt = Optimizer::new(&config, hyper, 1.0);
+        opt.step(&mut weights, &mut Weights::random(&config, 2), hyper.lr).unwrap();
+        let (m, v) = opt.moments();
+        let back =
+            Optimizer::from_state(&config, hyper, 1.0, m.clone(), v.clone(), opt.steps()).unwrap();
+        assert_eq!(back.moments(), opt.moments());
+        assert_eq!(back.steps(), 1);
+        let llama = presets::preset("tiny", Some(Architecture::Llama)).unwrap();
+        let err = Optimizer::from_state(&config, hyper, 1.0, Weights::zeros(&llama), v.clone(), 1)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("first moments"), "{err}");
     }
 }

@@ -1,0 +1,227 @@
+//! `miles train`: the RL loop, from flags and `--config run.toml`. With no model and no data
+//! it runs the embedded demo (see `demo.rs`).
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use miles_core::config::{AdvantageEstimator, RunConfig};
+use miles_core::{Correction, Reward, registry};
+use miles_data::{Dataset, Keys};
+use miles_model::Tokenizer;
+use miles_plugin_abi::host::DynamicReward;
+use miles_train::advantage::AdvantageConfig;
+use miles_train::rl::{self, Record, Setup};
+use serde_json::Value;
+
+use crate::run_flags::{TrainArgs, build_run_config};
+use crate::score_cmd::load_model;
+use crate::{demo, linked};
+
+/// The run configuration of `args`: the demo's defaults underneath when it names no model and
+/// no data.
+pub fn run_config(args: &TrainArgs) -> anyhow::Result<RunConfig> {
+    let plain = build_run_config(&serde_json::Map::new(), args)?;
+    if !demo::is_demo(&plain) {
+        return Ok(plain);
+    }
+    let table: toml::Table = toml::from_str(demo::DEFAULTS).context("the demo's defaults")?;
+    let Value::Object(base) = serde_json::to_value(table)? else {
+        bail!("the demo's defaults are not a table")
+    };
+    build_run_config(&base, args)
+}
+
+/// The reward of `--rm-type`, `--rm-url` (remote_rm) or `--custom-rm-path`.
+fn make_reward(cfg: &RunConfig) -> anyhow::Result<Box<dyn Reward>> {
+    linked::plugins();
+    if let Some(spec) = &cfg.custom_rm_path {
+        return Ok(Box::new(DynamicReward::load(spec, &Value::Null)?));
+    }
+    let name = match (&cfg.rm_type, &cfg.rm_url) {
+        (Some(name), _) => name.as_str(),
+        (None, Some(_)) => "remote_rm",
+        (None, None) => bail!(
+            "--rm-type: say how to score responses (e.g. --rm-type math, --rm-url URL for a \
+             reward server, or --custom-rm-path LIB); `miles plugins` lists the rewards"
+        ),
+    };
+    let config = if name == "remote_rm" {
+        let url = cfg.rm_url.as_deref().context("--rm-url: remote_rm needs the server's URL")?;
+        serde_json::json!({"url": url, "group": cfg.group_rm})
+    } else {
+        Value::Null
+    };
+    registry::create_reward(name, &config).context("--rm-type")
+}
+
+fn make_advantage(cfg: &RunConfig) -> anyhow::Result<Box<dyn miles_core::Advantage>> {
+    linked::plugins();
+    if cfg.advantage_estimator == AdvantageEstimator::Ppo {
+        bail!(
+            "--advantage-estimator: ppo needs a critic, which miles-rs does not train yet; use \
+             grpo, gspo, reinforce_plus_plus, reinforce_plus_plus_baseline or rloo"
+        );
+    }
+    let name = serde_json::to_value(cfg.advantage_estimator)?;
+    let name = name.as_str().unwrap_or_default();
+    let config = AdvantageConfig::from_run_config(cfg);
+    config.validate()?;
+    registry::create_advantage(name, &config.to_json()).context("--advantage-estimator")
+}
+
+fn make_correction(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Correction>>> {
+    if !cfg.use_tis {
+        return Ok(None);
+    }
+    linked::plugins();
+    let c = registry::create_correction("tis", &cfg.tis_config()).context("--use-tis")?;
+    Ok(Some(c))
+}
+
+/// `runs/<kind>-<unix seconds>` unless `--run-dir` (or `--save`, where metrics sit beside the
+/// checkpoints so a resumed run appends to them) says otherwise.
+fn run_dir(cfg: &RunConfig, kind: &str) -> PathBuf {
+    if let Some(dir) = cfg.run_dir.clone().or_else(|| cfg.save.clone()) {
+        return dir;
+    }
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    PathBuf::from("runs").join(format!("{kind}-{secs}"))
+}
+
+fn load_data(spec: &str, cfg: &RunConfig, flag: &str) -> anyhow::Result<Dataset> {
+    let keys = Keys {
+        input_key: cfg.input_key.clone(),
+        label_key: cfg.label_key.clone(),
+        metadata_key: cfg.metadata_key.clone(),
+    };
+    Dataset::load(spec, &keys).with_context(|| format!("--{flag}"))
+}
+
+/// Everything the loop needs, from the configuration.
+pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
+    let reward = make_reward(&cfg)?;
+    let advantage = make_advantage(&cfg)?;
+    let correction = make_correction(&cfg)?;
+    if demo::is_demo(&cfg) {
+        let run_dir = run_dir(&cfg, "demo");
+        let tok_dir = run_dir.join("tokenizer");
+        let tokenizer = demo::tokenizer(&tok_dir)?;
+        return Ok(Setup {
+            model: demo::model(cfg.seed),
+            tokenizer,
+            tokenizer_dir: Some(tok_dir),
+            train_data: demo::train_data(),
+            eval_data: Some(demo::eval_data()),
+            reward,
+            advantage,
+            correction,
+            run_dir,
+            config: cfg,
+        });
+    }
+    let Some(dir) = cfg.hf_checkpoint.clone() else {
+        bail!("--hf-checkpoint: --prompt-data was given, so a model is needed too");
+    };
+    let Some(prompts) = cfg.prompt_data.clone() else {
+        bail!("--prompt-data: the JSONL prompts to train on (--input-key says where the prompt is)");
+    };
+    let model = load_model(&dir).with_context(|| format!("--hf-checkpoint {}", dir.display()))?;
+    let tokenizer = Tokenizer::load(&dir)
+        .with_context(|| format!("--hf-checkpoint {}: training needs a tokenizer", dir.display()))?;
+    let train_data = load_data(&prompts, &cfg, "prompt-data")?;
+    let eval_data =
+        cfg.eval_prompt_data.as_deref().map(|s| load_data(s, &cfg, "eval-prompt-data")).transpose()?;
+    Ok(Setup {
+        model,
+        tokenizer,
+        tokenizer_dir: Some(dir),
+        train_data,
+        eval_data,
+        reward,
+        advantage,
+        correction,
+        run_dir: run_dir(&cfg, "train"),
+        config: cfg,
+    })
+}
+
+fn number(r: &Record, key: &str) -> Option<f64> {
+    r.get(key).and_then(Value::as_f64)
+}
+
+/// One human line per record: step, rewards, loss, time.
+fn describe(r: &Record, total: usize) -> String {
+    let step = number(r, "step").unwrap_or(0.0) as usize;
+    if r.get("phase").and_then(Value::as_str) == Some("sft") {
+        let loss = number(r, "sft/loss").map_or("-".into(), |l| format!("{l:.3}"));
+        return format!("sft {step}: loss {loss}");
+    }
+    let mut line = format!("step {step}/{total}");
+    let mut put = |label: &str, key: &str| {
+        if let Some(v) = number(r, key) {
+            line.push_str(&format!(" {label} {v:.3}"));
+        }
+    };
+    put("reward", "rollout/raw_reward");
+    put("eval", "eval/reward");
+    put("loss", "train/loss");
+    put("kl", "train/ppo_kl");
+    put("clip", "train/pg_clipfrac");
+    put("s/step", "perf/step_time");
+    line
+}
+
+pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    let cfg = run_config(args)?;
+    let demo = demo::is_demo(&cfg);
+    let setup = setup(cfg)?;
+    let total = setup.config.num_rollout.unwrap_or(0);
+    let run_dir = setup.run_dir.clone();
+    if demo {
+        writeln!(
+            out,
+            "miles train: no --hf-checkpoint/--prompt-data, so the built-in demo: a {}-parameter \
+             policy learns two-digit addition (SFT warm-up, then GRPO); run dir {}",
+            setup.model.config.num_parameters(),
+            run_dir.display()
+        )?;
+    }
+    let terminal = std::io::stderr().is_terminal();
+    let mut failure = None;
+    let summary = rl::train(setup, &mut |r| {
+        let line = describe(r, total);
+        if terminal {
+            eprint!("\r\x1b[2K{line}");
+            if number(r, "eval/reward").is_some() {
+                eprintln!();
+            }
+        } else if let Err(e) = writeln!(out, "{line}") {
+            failure.get_or_insert(e);
+        }
+    })?;
+    if terminal {
+        eprintln!();
+    }
+    if let Some(e) = failure {
+        return Err(e.into());
+    }
+    let plots = miles_plot::plot_run(&run_dir, &run_dir.join("plots"))?;
+    if let Some(from) = summary.resumed_from {
+        writeln!(out, "resumed from iteration {from}")?;
+    }
+    let eval = summary.final_eval.map_or("-".into(), |e| format!("{e:.3}"));
+    writeln!(
+        out,
+        "trained {} iterations ({} steps skipped), final eval reward {eval}; metrics in {}, \
+         {} plots in {}",
+        summary.iterations,
+        summary.skipped_steps,
+        run_dir.join(rl::METRICS_FILE).display(),
+        plots.len(),
+        run_dir.join("plots").display()
+    )?;
+    Ok(())
+}

@@ -1,0 +1,156 @@
+//! One rollout's samples as the trainer sees them: flat, per sample its tokens and per response
+//! token the loss mask, rollout/old/reference logprobs, advantages and correction weights.
+
+use miles_core::{Advantage, Sample, SequenceScore, Status};
+use miles_model::{Model, PackedBatch, PackedLinears};
+
+/// A trainable sample: tokens, where the response starts, and its per-token slices.
+#[derive(Debug, Clone)]
+pub struct TrainSample {
+    pub group: usize,
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub reward: f32,
+    pub loss_mask: Vec<u8>,
+    pub rollout_logp: Vec<f32>,
+    pub old_logp: Vec<f32>,
+    pub ref_logp: Option<Vec<f32>>,
+    pub advantages: Vec<f32>,
+    pub correction_weights: Option<Vec<f32>>,
+    pub correction_mask: Option<Vec<u8>>,
+}
+
+impl TrainSample {
+    pub fn response_len(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Kept tokens, at least 1: the per-sequence denominator of the loss (slime's).
+    pub fn denominator(&self) -> usize {
+        self.loss_mask.iter().filter(|&&m| m != 0).count().max(1)
+    }
+
+    /// From a rolled-out, scored sample; `None` for a sample without a response to learn from.
+    pub fn from_sample(s: &Sample, group: usize, reward: f32) -> Option<TrainSample> {
+        if s.status == Status::Failed || s.response_length == 0 {
+            return None;
+        }
+        let prompt_len = s.prompt_length().ok()?;
+        let mut loss_mask = s.loss_mask.clone();
+        loss_mask.resize(s.response_length, 1);
+        let mut rollout_logp = s.rollout_log_probs.clone();
+        rollout_logp.resize(s.response_length, 0.0);
+        Some(TrainSample {
+            group,
+            tokens: s.tokens.clone(),
+            prompt_len,
+            reward,
+            loss_mask,
+            rollout_logp,
+            old_logp: Vec::new(),
+            ref_logp: None,
+            advantages: Vec::new(),
+            correction_weights: None,
+            correction_mask: None,
+        })
+    }
+}
+
+/// Packs samples for one forward.
+pub fn pack(samples: &[TrainSample]) -> miles_model::Result<PackedBatch> {
+    let seqs: Vec<(Vec<u32>, usize)> =
+        samples.iter().map(|s| (s.tokens.clone(), s.prompt_len)).collect();
+    PackedBatch::new(&seqs)
+}
+
+/// Per response token logprobs of every sample under `model`, `chunk` sequences per forward.
+pub fn logprobs(
+    model: &Model,
+    packed: &PackedLinears,
+    samples: &[TrainSample],
+    temperature: f32,
+    chunk: usize,
+) -> miles_model::Result<Vec<Vec<f32>>> {
+    let mut out = Vec::with_capacity(samples.len());
+    for part in samples.chunks(chunk.max(1)) {
+        let (logp, _) = model.logprobs_with(packed, &pack(part)?, temperature)?;
+        let mut at = 0;
+        for s in part {
+            out.push(logp[at..at + s.response_len()].to_vec());
+            at += s.response_len();
+        }
+    }
+    Ok(out)
+}
+
+/// Runs the estimator over the samples' groups (consecutive samples of one `group`) and stores
+/// each sample's per-token advantages. `kl_coef` > 0 hands it old − ref logprobs per token.
+pub fn compute_advantages(
+    estimator: &dyn Advantage,
+    samples: &mut [TrainSample],
+    with_kl: bool,
+) -> miles_core::Result<()> {
+    let kl: Vec<Option<Vec<f32>>> = samples
+        .iter()
+        .map(|s| {
+            let r = s.ref_logp.as_ref().filter(|_| with_kl)?;
+            Some(s.old_logp.iter().zip(r).map(|(o, r)| o - r).collect())
+        })
+        .collect();
+    let mut groups: Vec<Vec<SequenceScore>> = Vec::new();
+    for (i, s) in samples.iter().enumerate() {
+        let score = SequenceScore {
+            reward: s.reward,
+            loss_mask: &s.loss_mask,
+            kl: kl[i].as_deref(),
+            values: None,
+        };
+        match groups.last_mut() {
+            Some(g) if i > 0 && samples[i - 1].group == s.group => g.push(score),
+            _ => groups.push(vec![score]),
+        }
+    }
+    let out = estimator.compute(&groups)?;
+    let flat: Vec<Vec<f32>> = out.advantages.into_iter().flatten().collect();
+    if flat.len() != samples.len() {
+        return Err(miles_core::Error::Invalid(format!(
+            "the advantage estimator returned {} sequences for {} samples",
+            flat.len(),
+            samples.len()
+        )));
+    }
+    for (s, a) in samples.iter_mut().zip(flat) {
+        if a.len() != s.response_len() {
+            return Err(miles_core::Error::Invalid(format!(
+                "the advantage estimator returned {} advantages for a response of {} tokens",
+                a.len(),
+                s.response_len()
+            )));
+        }
+        s.advantages = a;
+    }
+    Ok(())
+}
+
+/// Concatenates one per-token slice of every sample.
+pub fn concat<T: Copy>(samples: &[TrainSample], field: impl Fn(&TrainSample) -> &[T]) -> Vec<T> {
+    samples.iter().flat_map(|s| field(s).iter().copied()).collect()
+}
+
+/// Splits `n` items into `parts` contiguous ranges of near-equal size (none empty if n ≥ parts).
+pub fn split_ranges(n: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
+    let parts = parts.clamp(1, n.max(1));
+    (0..parts).map(|i| i * n / parts..(i + 1) * n / parts).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_ranges_cover_everything_once() {
+        assert_eq!(split_ranges(10, 3), vec![0..3, 3..6, 6..10]);
+        assert_eq!(split_ranges(2, 4), vec![0..1, 1..2]);
+        assert_eq!(split_ranges(0, 2), vec![0..0]);
+    }
+}

@@ -1,0 +1,937 @@
+//! Trainer checkpoints in slime's layout, written atomically, resumed bit-exactly.
+//!
+//! ```text
+//! <root>/
+//!   latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint
+//!   iter_0000010/
+//!     config.json                       HF config (torch_dtype float32)
+//!     model.safetensors                 the weights in F32, HF names: transformers loads the dir
+//!     tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+//!     generation_config.json, chat_template.jinja    copied from the tokenizer dir, if given
+//!     optimizer.safetensors             AdamW moments in F32: `exp_avg.<hf name>`,
+//!                                       `exp_avg_sq.<hf name>`; the step count in the
+//!                                       metadata (`"step"`)
+//!     trainer_state.json                the loop's own state (opaque JSON), pretty-printed
+//!     <name>.safetensors                extra weight sets (e.g. `ref`, a frozen reference), F32
+//! ```
+//!
+//! Weights, moments and the step are stored exactly (F32, no rounding), so a resumed run takes
+//! the same optimizer steps, bit for bit, as one that never stopped.
+//!
+//! # Atomicity
+//!
+//! [`save`] writes everything into `<root>/.iter_0000010.tmp/` (a stale one from a crashed save
+//! is removed first), fsyncs every file and the directory, renames it to `iter_0000010` and
+//! fsyncs `<root>`; only then does it rewrite the pointer, through a temporary file, fsync,
+//! rename and another fsync of `<root>`. A crash at any point leaves the previous checkpoint and
+//! the pointer to it intact: loading follows the pointer only, so half-written `.tmp`
+//! directories are never read. Re-saving an iteration that already exists moves the old
+//! directory aside to `.iter_0000010.old` first and deletes it after the new one is in place;
+//! if a crash falls between those two renames, loading that iteration reads the `.old` copy.
+//!
+//! # Fault injection
+//!
+//! With the environment variable `MILES_FAULT=abort-during-save`, [`save`] calls
+//! [`std::process::abort`] right after `model.safetensors` has been written into the temporary
+//! directory, before anything is renamed: the crash test of the integration suite checks that
+//! the previous checkpoint still loads.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fmt;
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use miles_model::config::config_path;
+use miles_model::weights::tensor_spec;
+use miles_model::{ModelConfig, Weights};
+use miles_tensor::cpu::AdamW;
+use safetensors::tensor::View;
+use safetensors::{Dtype, SafeTensorError, SafeTensors};
+
+use crate::Optimizer;
+
+/// The pointer file slime and Megatron keep next to the iteration directories.
+pub const POINTER_FILE: &str = "latest_checkpointed_iteration.txt";
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const STATE_FILE: &str = "trainer_state.json";
+/// Copied from a tokenizer directory: the first is required, the others when present.
+pub const TOKENIZER_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+];
+/// The environment variable, and its value, that make [`save`] abort half-way.
+pub const FAULT_ENV: &str = "MILES_FAULT";
+pub const FAULT_ABORT_DURING_SAVE: &str = "abort-during-save";
+
+const EXP_AVG: &str = "exp_avg.";
+const EXP_AVG_SQ: &str = "exp_avg_sq.";
+const STEP_KEY: &str = "step";
+
+/// Errors of saving and loading checkpoints; each names the file or directory at fault.
+#[derive(Debug)]
+pub enum Error {
+    /// What is wrong with a file or directory of a checkpoint.
+    At { path: PathBuf, message: String },
+    /// An I/O operation on a path failed.
+    Io { path: PathBuf, source: std::io::Error },
+    /// Reading weights or a config (these messages name their files too).
+    Model(miles_model::Error),
+    /// A bad argument.
+    Invalid(String),
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::At { path, message } => write!(f, "{}: {message}", path.display()),
+            Error::Io { path, source } => write!(f, "{}: {source}", path.display()),
+            Error::Model(e) => write!(f, "{e}"),
+            Error::Invalid(message) => f.write_str(message),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Io { source, .. } => Some(source),
+            Error::Model(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<miles_model::Error> for Error {
+    fn from(e: miles_model::Error) -> Self {
+        Error::Model(e)
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+fn at(path: &Path, message: impl Into<String>) -> Error {
+    Error::At { path: path.to_path_buf(), message: message.into() }
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.to_path_buf(), source }
+}
+
+/// What one checkpoint holds, borrowed from the loop.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckpointRef<'a> {
+    pub config: &'a ModelConfig,
+    pub weights: &'a Weights,
+    pub optimizer: &'a Optimizer,
+    /// The loop's state (rollout id, data cursor, counters), stored as given.
+    pub state: &'a serde_json::Value,
+    /// Where to copy the tokenizer files from (`tokenizer.json` required).
+    pub tokenizer_dir: Option<&'a Path>,
+    /// Further weight sets of the same shapes, saved as `<name>.safetensors`.
+    pub extra: &'a [(&'a str, &'a Weights)],
+}
+
+/// A checkpoint read back by [`load`].
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub iteration: u64,
+    /// The directory it was read from.
+    pub dir: PathBuf,
+    pub config: ModelConfig,
+    pub weights: Weights,
+    pub optimizer: Optimizer,
+    pub state: serde_json::Value,
+    /// The extra weight sets asked for, in the order asked.
+    pub extra: Vec<(String, Weights)>,
+}
+
+/// `iter_0000010`: the directory name of an iteration (7 digits, as slime writes them).
+pub fn iter_dir_name(iteration: u64) -> String {
+    format!("iter_{iteration:07}")
+}
+
+/// `<root>/iter_0000010`.
+pub fn iter_dir(root: &Path, iteration: u64) -> PathBuf {
+    root.join(iter_dir_name(iteration))
+}
+
+/// `<parent>/.<name><suffix>`, next to `path`.
+fn beside(path: &Path, suffix: &str) -> Result<PathBuf> {
+    let name = path.file_name().ok_or_else(|| {
+        Error::Invalid(format!("{}: not a directory name to write to", path.display()))
+    })?;
+    Ok(parent_of(path).join(format!(".{}{suffix}", name.to_string_lossy())))
+}
+
+/// The directory holding `path` (`.` for a bare name).
+fn parent_of(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// Whether anything (a file, a directory, a dangling link) is at `path`.
+fn present(path: &Path) -> bool {
+    fs::symlink_metadata(path).is_ok()
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|f| f.sync_all()).map_err(io(dir))
+}
+
+fn sync_file(path: &Path) -> Result<()> {
+    File::open(path).and_then(|f| f.sync_all()).map_err(io(path))
+}
+
+/// Writes `bytes` to `path` and fsyncs it.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(io(path))?;
+    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(io(path))
+}
+
+/// Creates `dir` (and its parents), fsyncing the parent of each directory it made.
+fn create_dirs(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let parent = parent_of(dir);
+    if dir.parent().is_some_and(|p| !p.as_os_str().is_empty()) {
+        create_dirs(&parent)?;
+    }
+    match fs::create_dir(dir) {
+        Ok(()) => sync_dir(&parent),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        Err(e) => Err(Error::Io { path: dir.to_path_buf(), source: e }),
+    }
+}
+
+/// Makes the empty directory `tmp`, removing a stale one left by a crash. Something other than
+/// a directory there is an error (it is not ours to delete).
+fn fresh_tmp_dir(tmp: &Path) -> Result<()> {
+    if let Ok(meta) = fs::symlink_metadata(tmp) {
+        if !meta.is_dir() {
+            return Err(at(
+                tmp,
+                "exists and is not a directory; it is in the way of the checkpoint's \
+                 temporary directory: remove it",
+            ));
+        }
+        fs::remove_dir_all(tmp).map_err(io(tmp))?;
+    }
+    fs::create_dir(tmp).map_err(io(tmp))
+}
+
+/// Moves the complete, synced directory `tmp` to `dst`, replacing what is there, and fsyncs
+/// their parent. An existing `dst` is renamed to `.<dst>.old` first and deleted after.
+fn commit_dir(tmp: &Path, dst: &Path) -> Result<()> {
+    let parent = parent_of(dst);
+    let old = beside(dst, ".old")?;
+    if present(dst) {
+        if present(&old) {
+            // `dst` is complete, so an `.old` beside it is garbage from an earlier crash.
+            fs::remove_dir_all(&old).map_err(io(&old))?;
+        }
+        fs::rename(dst, &old).map_err(io(dst))?;
+    }
+    fs::rename(tmp, dst).map_err(io(tmp))?;
+    sync_dir(&parent)?;
+    if present(&old) {
+        fs::remove_dir_all(&old).map_err(io(&old))?;
+    }
+    Ok(())
+}
+
+/// An F32 tensor for safetensors, encoded only when written (one tensor in memory at a time).
+struct F32View<'a> {
+    shape: Vec<usize>,
+    data: &'a [f32],
+}
+
+impl View for F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(self.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+    fn data_len(&self) -> usize {
+        self.data.len() * 4
+    }
+}
+
+/// The tensors of `w` named `<prefix><hf name>`.
+fn named<'a>(config: &ModelConfig, w: &'a Weights, prefix: &str) -> Vec<(String, F32View<'a>)> {
+    tensor_spec(config)
+        .into_iter()
+        .zip(w.tensors(config.architecture))
+        .map(|((name, shape), data)| (format!("{prefix}{name}"), F32View { shape, data }))
+        .collect()
+}
+
+/// Writes a safetensors file and fsyncs it.
+fn write_tensors(
+    path: &Path,
+    tensors: Vec<(String, F32View<'_>)>,
+    metadata: HashMap<String, String>,
+) -> Result<()> {
+    safetensors::serialize_to_file(tensors, Some(metadata), path).map_err(|e| match e {
+        SafeTensorError::IoError(source) => Error::Io { path: path.to_path_buf(), source },
+        other => at(path, format!("cannot write safetensors: {other}")),
+    })?;
+    sync_file(path)
+}
+
+fn pt_metadata() -> HashMap<String, String> {
+    HashMap::from([("format".to_string(), "pt".to_string())])
+}
+
+/// Errors unless `w` has the shapes of `config`, saying which weights are wrong.
+fn check_shapes(config: &ModelConfig, w: &Weights, what: &str) -> Result<()> {
+    w.check(config).map_err(|e| Error::Invalid(format!("cannot save {what}: {e}")))
+}
+
+/// Writes `config.json`, `model.safetensors` (F32) and the tokenizer files into `dir`.
+fn write_config_and_model(dir: &Path, config: &ModelConfig, weights: &Weights) -> Result<()> {
+    let path = config_path(dir);
+    let text = serde_json::to_string_pretty(&config.to_hf_json("float32"))
+        .map_err(|e| at(&path, format!("cannot encode the config: {e}")))?;
+    write_synced(&path, text.as_bytes())?;
+    write_tensors(&dir.join(MODEL_FILE), named(config, weights, ""), pt_metadata())
+}
+
+fn copy_tokenizer(from: &Path, dir: &Path) -> Result<()> {
+    for (k, name) in TOKENIZER_FILES.iter().enumerate() {
+        let src = from.join(name);
+        let bytes = match fs::read(&src) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && k > 0 => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(at(&src, "missing: the tokenizer directory must hold tokenizer.json"));
+            }
+            Err(source) => return Err(Error::Io { path: src, source }),
+        };
+        write_synced(&dir.join(name), &bytes)?;
+    }
+    Ok(())
+}
+
+fn check_extra_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<()> {
+    let mut seen = Vec::new();
+    for name in names {
+        let ok = !name.is_empty()
+            && !name.starts_with('.')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+            && !matches!(name, "model" | "optimizer");
+        if !ok {
+            return Err(Error::Invalid(format!(
+                "extra weight set '{name}': the name must be letters, digits, '_', '-' or '.', \
+                 not start with '.', and not be 'model' or 'optimizer'"
+            )));
+        }
+        if seen.contains(&name) {
+            return Err(Error::Invalid(format!("extra weight set '{name}' is given twice")));
+        }
+        seen.push(name);
+    }
+    Ok(())
+}
+
+fn fault_requested() -> bool {
+    std::env::var_os(FAULT_ENV).is_some_and(|v| v == FAULT_ABORT_DURING_SAVE)
+}
+
+/// Saves iteration `iteration` under `root` (see the module docs for the layout and the order
+/// of writes) and points `latest_checkpointed_iteration.txt` at it. Returns the directory.
+pub fn save(root: &Path, iteration: u64, ckpt: &CheckpointRef) -> Result<PathBuf> {
+    let config = ckpt.config;
+    check_shapes(config, ckpt.weights, "the weights")?;
+    let (m, v) = ckpt.optimizer.moments();
+    check_shapes(config, m, "the optimizer's first moments")?;
+    check_shapes(config, v, "the optimizer's second moments")?;
+    check_extra_names(ckpt.extra.iter().map(|(n, _)| *n))?;
+    for (name, w) in ckpt.extra {
+        check_shapes(config, w, &format!("the extra weight set '{name}'"))?;
+    }
+
+    create_dirs(root)?;
+    let dst = iter_dir(root, iteration);
+    let tmp = beside(&dst, ".tmp")?;
+    fresh_tmp_dir(&tmp)?;
+
+    write_config_and_model(&tmp, config, ckpt.weights)?;
+    if fault_requested() {
+        eprintln!("{FAULT_ENV}={FAULT_ABORT_DURING_SAVE}: aborting in the middle of a save");
+        std::process::abort();
+    }
+    if let Some(from) = ckpt.tokenizer_dir {
+        copy_tokenizer(from, &tmp)?;
+    }
+    let mut moments = named(config, m, EXP_AVG);
+    moments.extend(named(config, v, EXP_AVG_SQ));
+    let meta = HashMap::from([
+        ("format".to_string(), "miles-adamw".to_string()),
+        (STEP_KEY.to_string(), ckpt.optimizer.steps().to_string()),
+    ]);
+    write_tensors(&tmp.join(OPTIMIZER_FILE), moments, meta)?;
+    for (name, w) in ckpt.extra {
+        let path = tmp.join(format!("{name}.safetensors"));
+        write_tensors(&path, named(config, w, ""), pt_metadata())?;
+    }
+    let state_path = tmp.join(STATE_FILE);
+    let mut text = serde_json::to_string_pretty(ckpt.state)
+        .map_err(|e| at(&state_path, format!("cannot encode the trainer state: {e}")))?;
+    text.push('\n');
+    write_synced(&state_path, text.as_bytes())?;
+    sync_dir(&tmp)?;
+
+    commit_dir(&tmp, &dst)?;
+    write_pointer(root, iteration)?;
+    Ok(dst)
+}
+
+/// Points `<root>/latest_checkpointed_iteration.txt` at `iteration`, atomically and durably.
+fn write_pointer(root: &Path, iteration: u64) -> Result<()> {
+    let pointer = root.join(POINTER_FILE);
+    let tmp = beside(&pointer, ".tmp")?;
+    write_synced(&tmp, iteration.to_string().as_bytes())?;
+    fs::rename(&tmp, &pointer).map_err(io(&pointer))?;
+    sync_dir(root)
+}
+
+/// The iteration `<root>/latest_checkpointed_iteration.txt` names; `None` when there is no
+/// such file. A file that does not hold an iteration number is an error naming it.
+pub fn latest_iteration(root: &Path) -> Result<Option<u64>> {
+    let pointer = root.join(POINTER_FILE);
+    let text = match fs::read_to_string(&pointer) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(Error::Io { path: pointer, source }),
+    };
+    let trimmed = text.trim();
+    trimmed.parse::<u64>().map(Some).map_err(|_| {
+        at(&pointer, format!("holds '{trimmed}', expected an iteration number such as 10"))
+    })
+}
+
+/// Loads the checkpoint `latest_checkpointed_iteration.txt` points at, with the optimizer's
+/// hyper-parameters from the caller (they may change on resume) and the extra weight sets
+/// `extra_names`. Errors when `root` holds no checkpoint.
+pub fn load(root: &Path, hyper: AdamW, clip_grad: f64, extra_names: &[&str]) -> Result<Loaded> {
+    let Some(iteration) = latest_iteration(root)? else {
+        return Err(at(
+            root,
+            format!(
+                "no checkpoint to resume from ({POINTER_FILE} is missing); drop --load or point \
+                 it at a directory holding {POINTER_FILE}"
+            ),
+        ));
+    };
+    load_iteration(root, iteration, hyper, clip_grad, extra_names)
+}
+
+/// Loads iteration `iteration` of `root` (whatever the pointer says).
+pub fn load_iteration(
+    root: &Path,
+    iteration: u64,
+    hyper: AdamW,
+    clip_grad: f64,
+    extra_names: &[&str],
+) -> Result<Loaded> {
+    check_extra_names(extra_names.iter().copied())?;
+    let dir = resolve(root, iteration)?;
+    let config = ModelConfig::from_file(&config_path(&dir))?;
+    let weights = Weights::load(&dir, &config)?;
+
+    let path = dir.join(OPTIMIZER_FILE);
+    let bytes = read_required(&path, "the optimizer state")?;
+    let st = parse_safetensors(&path, &bytes)?;
+    let (_, header) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| at(&path, format!("not a safetensors file: {e}")))?;
+    let step_text = header.metadata().as_ref().and_then(|m| m.get(STEP_KEY));
+    let step = step_text.and_then(|s| s.parse::<u64>().ok()).ok_or_else(|| {
+        at(
+            &path,
+            format!(
+                "the metadata must hold the step count as \"{STEP_KEY}\": \"<n>\", found {step_text:?}"
+            ),
+        )
+    })?;
+    let m = weights_from(&st, &path, &config, EXP_AVG)?;
+    let v = weights_from(&st, &path, &config, EXP_AVG_SQ)?;
+    let optimizer = Optimizer::from_state(&config, hyper, clip_grad, m, v, step)
+        .map_err(|e| at(&path, e.to_string()))?;
+
+    let state_path = dir.join(STATE_FILE);
+    let text = String::from_utf8(read_required(&state_path, "the trainer state")?)
+        .map_err(|e| at(&state_path, format!("not UTF-8 text: {e}")))?;
+    let state =
+        serde_json::from_str(&text).map_err(|e| at(&state_path, format!("not valid JSON: {e}")))?;
+
+    let mut extra = Vec::new();
+    for name in extra_names {
+        let path = dir.join(format!("{name}.safetensors"));
+        let bytes = read_required(&path, &format!("the extra weight set '{name}'"))?;
+        let st = parse_safetensors(&path, &bytes)?;
+        extra.push((name.to_string(), weights_from(&st, &path, &config, "")?));
+    }
+    Ok(Loaded { iteration, dir, config, weights, optimizer, state, extra })
+}
+
+/// The directory of `iteration`: `iter_…`, or its `.old` copy when a re-save of it crashed
+/// between moving the old directory aside and moving the new one in.
+fn resolve(root: &Path, iteration: u64) -> Result<PathBuf> {
+    let dir = iter_dir(root, iteration);
+    if dir.is_dir() {
+        return Ok(dir);
+    }
+    let old = beside(&dir, ".old")?;
+    if old.is_dir() {
+        return Ok(old);
+    }
+    Err(at(
+        &root.join(POINTER_FILE),
+        format!("points at iteration {iteration}, but {} does not exist", dir.display()),
+    ))
+}
+
+fn read_required(path: &Path, what: &str) -> Result<Vec<u8>> {
+    fs::read(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            at(path, format!("missing: the checkpoint has no file with {what}"))
+        } else {
+            Error::Io { path: path.to_path_buf(), source: e }
+        }
+    })
+}
+
+fn parse_safetensors<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>> {
+    SafeTensors::deserialize(bytes).map_err(|e| at(path, format!("not a safetensors file: {e}")))
+}
+
+/// Weights whose tensor `<prefix><hf name>` is read from `st` (F32, the config's shapes).
+fn weights_from(
+    st: &SafeTensors<'_>,
+    path: &Path,
+    config: &ModelConfig,
+    prefix: &str,
+) -> Result<Weights> {
+    let mut w = Weights::zeros(config);
+    for ((name, shape), slot) in tensor_spec(config).iter().zip(w.tensors_mut(config.architecture))
+    {
+        let full = format!("{prefix}{name}");
+        let view = st.tensor(&full).map_err(|e| match e {
+            SafeTensorError::TensorNotFound(_) => at(path, format!("tensor '{full}' is missing")),
+            other => at(path, format!("tensor '{full}': {other}")),
+        })?;
+        if view.dtype() != Dtype::F32 || view.shape() != shape.as_slice() {
+            return Err(at(
+                path,
+                format!(
+                    "tensor '{full}' is {:?} {:?}, expected F32 {shape:?}",
+                    view.dtype(),
+                    view.shape()
+                ),
+            ));
+        }
+        *slot = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+    }
+    Ok(w)
+}
+
+/// Writes a plain HF model directory (`config.json`, F32 `model.safetensors`, the tokenizer
+/// files) at `dir`, replacing one there: written beside it as `.<name>.tmp` and renamed.
+pub fn export_hf(
+    dir: &Path,
+    config: &ModelConfig,
+    weights: &Weights,
+    tokenizer_dir: Option<&Path>,
+) -> Result<()> {
+    check_shapes(config, weights, "the weights")?;
+    let tmp = beside(dir, ".tmp")?;
+    create_dirs(&parent_of(dir))?;
+    fresh_tmp_dir(&tmp)?;
+    write_config_and_model(&tmp, config, weights)?;
+    if let Some(from) = tokenizer_dir {
+        copy_tokenizer(from, &tmp)?;
+    }
+    sync_dir(&tmp)?;
+    commit_dir(&tmp, dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use miles_model::{Architecture, Tokenizer, presets, tokenizer};
+    use serde_json::json;
+
+    const HYPER: AdamW = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
+
+    /// A fresh, empty directory under the system temp dir, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(tag: &str) -> Self {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            let p = std::env::temp_dir()
+                .join(format!("miles-ckpt-{tag}-{}-{nanos}", std::process::id()));
+            let _ = fs::remove_dir_all(&p);
+            fs::create_dir_all(&p).unwrap();
+            TempDir(p)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A model after `steps` real AdamW steps (so the moments are non-zero).
+    struct Run {
+        config: ModelConfig,
+        weights: Weights,
+        opt: Optimizer,
+    }
+
+    impl Run {
+        fn new(steps: u64) -> Self {
+            let config = presets::preset("tiny", None).unwrap();
+            let mut run = Run {
+                weights: Weights::random(&config, 1),
+                opt: Optimizer::new(&config, HYPER, 1.0),
+                config,
+            };
+            for s in 0..steps {
+                run.step(100 + s);
+            }
+            run
+        }
+
+        fn step(&mut self, seed: u64) {
+            let mut grads = Weights::random(&self.config, seed);
+            self.opt.step(&mut self.weights, &mut grads, HYPER.lr).unwrap();
+        }
+
+        fn save(&self, root: &Path, iteration: u64, state: &serde_json::Value) -> Result<PathBuf> {
+            let ckpt = CheckpointRef {
+                config: &self.config,
+                weights: &self.weights,
+                optimizer: &self.opt,
+                state,
+                tokenizer_dir: None,
+                extra: &[],
+            };
+            save(root, iteration, &ckpt)
+        }
+    }
+
+    fn bits(w: &Weights, arch: Architecture) -> Vec<Vec<u32>> {
+        w.tensors(arch).iter().map(|t| t.iter().map(|x| x.to_bits()).collect()).collect()
+    }
+
+    fn names_in(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn round_trip_is_bit_identical_and_resume_continues_exactly() {
+        let tmp = TempDir::new("roundtrip");
+        let (root, tok) = (tmp.0.join("ckpt"), tmp.0.join("tok"));
+        fs::create_dir_all(&tok).unwrap();
+        tokenizer::write_byte_level_tokenizer(&tok).unwrap();
+        let mut run = Run::new(3);
+        let arch = run.config.architecture;
+        let (m, v) = run.opt.moments();
+        assert!(m.embed.iter().any(|x| *x != 0.0) && v.embed.iter().any(|x| *x != 0.0));
+        let reference = Weights::random(&run.config, 99);
+        let state = json!({"rollout_id": 7, "data": {"epoch": 1, "offset": 96}, "reward": 0.5});
+        let extra = [("ref", &reference)];
+        let ckpt = CheckpointRef {
+            config: &run.config,
+            weights: &run.weights,
+            optimizer: &run.opt,
+            state: &state,
+            tokenizer_dir: Some(&tok),
+            extra: &extra,
+        };
+        let dir = save(&root, 10, &ckpt).unwrap();
+        assert_eq!(dir, root.join("iter_0000010"));
+        assert_eq!(latest_iteration(&root).unwrap(), Some(10));
+        assert_eq!(fs::read_to_string(root.join(POINTER_FILE)).unwrap(), "10");
+        assert_eq!(
+            names_in(&dir),
+            [
+                "config.json",
+                "model.safetensors",
+                "optimizer.safetensors",
+                "ref.safetensors",
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "trainer_state.json"
+            ]
+        );
+        assert_eq!(names_in(&root), ["iter_0000010", POINTER_FILE]);
+        // The iteration dir is a plain HF model dir too.
+        assert!(Tokenizer::load(&dir).unwrap().has_chat_template());
+        assert_eq!(Weights::load(&dir, &run.config).unwrap(), run.weights);
+
+        let loaded = load(&root, HYPER, 1.0, &["ref"]).unwrap();
+        assert_eq!(loaded.iteration, 10);
+        assert_eq!(loaded.dir, dir);
+        assert_eq!(loaded.config, run.config);
+        assert_eq!(bits(&loaded.weights, arch), bits(&run.weights, arch));
+        let ((m0, v0), (m1, v1)) = (run.opt.moments(), loaded.optimizer.moments());
+        assert_eq!(bits(m1, arch), bits(m0, arch));
+        assert_eq!(bits(v1, arch), bits(v0, arch));
+        assert_eq!(loaded.optimizer.steps(), 3);
+        assert_eq!(loaded.state, state);
+        assert_eq!(loaded.extra.len(), 1);
+        assert_eq!(loaded.extra[0].0, "ref");
+        assert_eq!(bits(&loaded.extra[0].1, arch), bits(&reference, arch));
+
+        // The same next step from the original and the resumed state gives the same bits.
+        let mut resumed =
+            Run { config: loaded.config, weights: loaded.weights, opt: loaded.optimizer };
+        run.step(500);
+        resumed.step(500);
+        assert_eq!(bits(&resumed.weights, arch), bits(&run.weights, arch));
+        assert_eq!(bits(resumed.opt.moments().1, arch), bits(run.opt.moments().1, arch));
+        assert_eq!(resumed.opt.steps(), 4);
+    }
+
+    #[test]
+    fn a_stale_tmp_dir_is_ignored_by_load_and_cleaned_by_the_next_save() {
+        let tmp = TempDir::new("stale");
+        let root = tmp.0.clone();
+        let run = Run::new(1);
+        run.save(&root, 1, &json!({"at": 1})).unwrap();
+        // A save of iteration 2 "crashed" half-way: garbage in its temp dir, no pointer move.
+        let stale = root.join(".iter_0000002.tmp");
+        fs::create_dir_all(stale.join("sub")).unwrap();
+        fs::write(stale.join("model.safetensors"), b"garbage").unwrap();
+        fs::write(stale.join("sub/junk"), b"junk").unwrap();
+        let loaded = load(&root, HYPER, 1.0, &[]).unwrap();
+        assert_eq!((loaded.iteration, loaded.state), (1, json!({"at": 1})));
+
+        let dir = run.save(&root, 2, &json!({"at": 2})).unwrap();
+        assert!(!present(&stale));
+        assert_eq!(names_in(&root), ["iter_0000001", "iter_0000002", POINTER_FILE]);
+        assert!(!names_in(&dir).contains(&"sub".to_string()));
+        let loaded = load(&root, HYPER, 1.0, &[]).unwrap();
+        assert_eq!((loaded.iteration, loaded.state), (2, json!({"at": 2})));
+    }
+
+    #[test]
+    fn re_saving_the_same_iteration_replaces_it() {
+        let tmp = TempDir::new("resave");
+        let root = tmp.0.clone();
+        let mut run = Run::new(1);
+        run.save(&root, 5, &json!({"version": 1})).unwrap();
+        run.step(7);
+        run.save(&root, 5, &json!({"version": 2})).unwrap();
+        assert_eq!(names_in(&root), ["iter_0000005", POINTER_FILE]);
+        let loaded = load(&root, HYPER, 1.0, &[]).unwrap();
+        assert_eq!(loaded.state, json!({"version": 2}));
+        assert_eq!(loaded.optimizer.steps(), 2);
+        assert_eq!(loaded.weights, run.weights);
+    }
+
+    #[test]
+    fn a_crash_between_the_renames_of_a_re_save_still_loads_the_old_copy() {
+        let tmp = TempDir::new("oldcopy");
+        let root = tmp.0.clone();
+        let run = Run::new(1);
+        let dir = run.save(&root, 5, &json!({"version": 1})).unwrap();
+        // The state right after `iter_0000005` was moved aside and before the new one moved in.
+        fs::rename(&dir, root.join(".iter_0000005.old")).unwrap();
+        let loaded = load(&root, HYPER, 1.0, &[]).unwrap();
+        assert_eq!(loaded.state, json!({"version": 1}));
+        run.save(&root, 5, &json!({"version": 2})).unwrap();
+        assert_eq!(names_in(&root), ["iter_0000005", POINTER_FILE]);
+        assert_eq!(load(&root, HYPER, 1.0, &[]).unwrap().state, json!({"version": 2}));
+    }
+
+    #[test]
+    fn the_pointer_moves_only_after_the_directory_is_complete() {
+        let tmp = TempDir::new("pointer");
+        let root = tmp.0.clone();
+        let mut run = Run::new(1);
+        run.save(&root, 1, &json!({"at": 1})).unwrap();
+        // A file where the temp dir of iteration 2 must go makes that save fail early.
+        let blocker = root.join(".iter_0000002.tmp");
+        fs::write(&blocker, b"in the way").unwrap();
+        run.step(3);
+        let err = run.save(&root, 2, &json!({"at": 2})).unwrap_err().to_string();
+        assert!(err.contains(".iter_0000002.tmp") && err.contains("not a directory"), "{err}");
+        assert_eq!(latest_iteration(&root).unwrap(), Some(1));
+        assert!(!present(&root.join("iter_0000002")));
+        let loaded = load(&root, HYPER, 1.0, &[]).unwrap();
+        assert_eq!((loaded.iteration, loaded.optimizer.steps()), (1, 1));
+        // Once it is out of the way, the save goes through.
+        fs::remove_file(&blocker).unwrap();
+        run.save(&root, 2, &json!({"at": 2})).unwrap();
+        assert_eq!(latest_iteration(&root).unwrap(), Some(2));
+    }
+
+    #[test]
+    fn a_malformed_pointer_is_an_error_naming_it() {
+        let tmp = TempDir::new("malformed");
+        fs::write(tmp.0.join(POINTER_FILE), "release\n").unwrap();
+        let err = latest_iteration(&tmp.0).unwrap_err().to_string();
+        assert!(err.contains(POINTER_FILE) && err.contains("'release'"), "{err}");
+        let err = load(&tmp.0, HYPER, 1.0, &[]).unwrap_err().to_string();
+        assert!(err.contains(POINTER_FILE), "{err}");
+        // Whitespace around the number is fine (other tools write a newline).
+        fs::write(tmp.0.join(POINTER_FILE), "12\n").unwrap();
+        assert_eq!(latest_iteration(&tmp.0).unwrap(), Some(12));
+        // A pointer to a missing directory names both.
+        let err = load(&tmp.0, HYPER, 1.0, &[]).unwrap_err().to_string();
+        assert!(err.contains(POINTER_FILE) && err.contains("iter_0000012"), "{err}");
+    }
+
+    #[test]
+    fn loading_without_a_checkpoint_says_what_to_do() {
+        let tmp = TempDir::new("empty");
+        assert_eq!(latest_iteration(&tmp.0).unwrap(), None);
+        let err = load(&tmp.0, HYPER, 1.0, &[]).unwrap_err().to_string();
+        assert!(err.contains(&tmp.0.display().to_string()), "{err}");
+        assert!(err.contains("drop --load") && err.contains(POINTER_FILE), "{err}");
+        let missing = tmp.0.join("nowhere");
+        assert_eq!(latest_iteration(&missing).unwrap(), None);
+    }
+
+    #[test]
+    fn damaged_files_are_errors_naming_them() {
+        let tmp = TempDir::new("damaged");
+        let root = tmp.0.clone();
+        let run = Run::new(2);
+        let dir = run.save(&root, 3, &json!({})).unwrap();
+        let config = &run.config;
+
+        // An extra weight set that was never saved.
+        let err = load(&root, HYPER, 1.0, &["ref"]).unwrap_err().to_string();
+        assert!(err.contains("ref.safetensors") && err.contains("missing"), "{err}");
+
+        // A tensor missing from optimizer.safetensors.
+        let opt_path = dir.join(OPTIMIZER_FILE);
+        let (m, v) = run.opt.moments();
+        let mut tensors = named(config, m, EXP_AVG);
+        tensors.extend(named(config, v, EXP_AVG_SQ));
+        tensors.retain(|(n, _)| n != "exp_avg_sq.model.norm.weight");
+        let meta = HashMap::from([(STEP_KEY.to_string(), "2".to_string())]);
+        write_tensors(&opt_path, tensors, meta).unwrap();
+        let err = load(&root, HYPER, 1.0, &[]).unwrap_err().to_string();
+        assert!(err.contains(OPTIMIZER_FILE), "{err}");
+        assert!(err.contains("'exp_avg_sq.model.norm.weight' is missing"), "{err}");
+
+        // No step in the metadata.
+        let mut tensors = named(config, m, EXP_AVG);
+        tensors.extend(named(config, v, EXP_AVG_SQ));
+        write_tensors(&opt_path, tensors, pt_metadata()).unwrap();
+        let err = load(&root, HYPER, 1.0, &[]).unwrap_err().to_string();
+        assert!(err.contains(OPTIMIZER_FILE) && err.contains("step"), "{err}");
+
+        // Unreadable trainer state.
+        let mut tensors = named(config, m, EXP_AVG);
+        tensors.extend(named(config, v, EXP_AVG_SQ));
+        let meta = HashMap::from([(STEP_KEY.to_string(), "2".to_string())]);
+        write_tensors(&opt_path, tensors, meta).unwrap();
+        assert_eq!(load(&root, HYPER, 1.0, &[]).unwrap().optimizer.steps(), 2);
+        fs::write(dir.join(STATE_FILE), "{\"rollout_id\": ").unwrap();
+        let err = load(&root, HYPER, 1.0, &[]).unwrap_err().to_string();
+        assert!(err.contains(STATE_FILE) && err.contains("not valid JSON"), "{err}");
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_before_anything_is_written() {
+        let tmp = TempDir::new("badargs");
+        let root = tmp.0.join("ckpt");
+        let run = Run::new(0);
+        let state = json!({});
+        for name in ["model", "optimizer", "", ".hidden", "a/b"] {
+            let extra = [(name, &run.weights)];
+            let ckpt = CheckpointRef {
+                config: &run.config,
+                weights: &run.weights,
+                optimizer: &run.opt,
+                state: &state,
+                tokenizer_dir: None,
+                extra: &extra,
+            };
+            let err = save(&root, 1, &ckpt).unwrap_err().to_string();
+            assert!(err.contains(&format!("'{name}'")), "{err}");
+        }
+        let llama = presets::preset("tiny", Some(Architecture::Llama)).unwrap();
+        let wrong = Weights::zeros(&llama);
+        let ckpt = CheckpointRef {
+            config: &run.config,
+            weights: &wrong,
+            optimizer: &run.opt,
+            state: &state,
+            tokenizer_dir: None,
+            extra: &[],
+        };
+        let err = save(&root, 1, &ckpt).unwrap_err().to_string();
+        assert!(err.contains("the weights"), "{err}");
+        // A tokenizer dir without tokenizer.json names the file.
+        let ckpt = CheckpointRef { weights: &run.weights, tokenizer_dir: Some(&tmp.0), ..ckpt };
+        let err = save(&root, 1, &ckpt).unwrap_err().to_string();
+        assert!(err.contains("tokenizer.json"), "{err}");
+        assert_eq!(latest_iteration(&root).unwrap(), None);
+    }
+
+    #[test]
+    fn export_hf_writes_a_model_dir_that_loads_back() {
+        let tmp = TempDir::new("export");
+        let (out, tok) = (tmp.0.join("hf/final"), tmp.0.join("tok"));
+        fs::create_dir_all(&tok).unwrap();
+        tokenizer::write_byte_level_tokenizer(&tok).unwrap();
+        fs::write(tok.join("generation_config.json"), "{\"eos_token_id\": 258}").unwrap();
+        let run = Run::new(2);
+        export_hf(&out, &run.config, &run.weights, Some(&tok)).unwrap();
+        assert_eq!(
+            names_in(&out),
+            [
+                "config.json",
+                "generation_config.json",
+                "model.safetensors",
+                "tokenizer.json",
+                "tokenizer_config.json"
+            ]
+        );
+        let config = ModelConfig::from_file(&config_path(&out)).unwrap();
+        assert_eq!(config, run.config);
+        let arch = config.architecture;
+        assert_eq!(bits(&Weights::load(&out, &config).unwrap(), arch), bits(&run.weights, arch));
+        Tokenizer::load(&out).unwrap();
+
+        // Exporting again replaces the dir and leaves nothing beside it.
+        let other = Weights::random(&run.config, 5);
+        export_hf(&out, &run.config, &other, None).unwrap();
+        assert_eq!(names_in(&out), ["config.json", "model.safetensors"]);
+        assert_eq!(Weights::load(&out, &config).unwrap(), other);
+        assert_eq!(names_in(&tmp.0.join("hf")), ["final"]);
+    }
+}

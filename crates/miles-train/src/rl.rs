@@ -1,0 +1,856 @@
+//! The RL loop: rollout → reward → filter → advantages → optimizer steps → weight sync, with
+//! eval, metrics, checkpoints and exact resume.
+//!
+//! One iteration ("step" in the metrics, slime's rollout id + 1):
+//! 1. draw `rollout-batch-size` prompts (`over-sampling-batch-size` with dynamic sampling,
+//!    which drops groups whose rewards have zero spread and draws again until the batch is
+//!    full), `n-samples-per-prompt` responses each from the embedded engine;
+//! 2. score them; a failed reward marks the sample failed: it is counted and left out;
+//! 3. old logprobs (the trainer's, or the rollout's with `use-rollout-logprobs`), reference
+//!    logprobs for the KL terms, the off-policy correction, the advantages;
+//! 4. `num-steps-per-rollout` optimizer steps over consecutive slices of the batch, each
+//!    accumulated over micro-batches; a step whose loss or gradient is not finite is skipped
+//!    and counted (`train/skipped_steps`);
+//! 5. the new weights go to the engine in memory.
+//!
+//! Every random choice is a function of the seeds and the iteration number (shuffles of
+//! `(rollout-seed, epoch)`, rollout draws of `(rollout-seed, iteration, round)`), so a run
+//! resumed from a checkpoint (weights, AdamW moments, data cursor, iteration) computes the
+//! same bits as one that never stopped.
+//!
+//! Fault injection for the tests (`MILES_FAULT`): `abort-after-rollout:K` aborts the process
+//! after iteration K (and its checkpoint) completes; `nan-loss-at-step:K` replaces the loss of
+//! optimizer step K (1-based, counting attempted steps) with NaN; `abort-during-save` is the
+//! checkpoint writer's.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, anyhow, bail};
+use miles_core::config::{LossType, RunConfig};
+use miles_core::{
+    Advantage, Correction, CorrectionInput, Reward, Rollout, Sample, SamplingParams, Status,
+};
+use miles_data::{Cursor, DataSource, Dataset, PromptRow};
+use miles_model::{Model, PackedLinears, Tokenizer, Weights};
+use miles_rollout::{Engine, EngineConfig};
+use miles_tensor::cpu::{self, AdamW};
+use serde_json::{Map, Value, json};
+
+use crate::advantage::normalize_advantages;
+use crate::batch::{self, TrainSample, concat, split_ranges};
+use crate::checkpoint::{self, CheckpointRef};
+use crate::loss::{LossInput, LossMetrics, PolicyLossConfig, SftLossConfig, policy_loss, sft_loss};
+use crate::schedule::LrSchedule;
+use crate::Optimizer;
+
+/// One line of `metrics.jsonl`.
+pub type Record = Map<String, Value>;
+
+/// Everything a run needs, assembled by the driver.
+pub struct Setup {
+    pub config: RunConfig,
+    /// The initial policy (from `--hf-checkpoint`, or the demo's).
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    /// Copied into checkpoints so each is a loadable HF model.
+    pub tokenizer_dir: Option<PathBuf>,
+    pub train_data: Dataset,
+    pub eval_data: Option<Dataset>,
+    pub reward: Box<dyn Reward>,
+    pub advantage: Box<dyn Advantage>,
+    pub correction: Option<Box<dyn Correction>>,
+    pub run_dir: PathBuf,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub iterations: usize,
+    pub resumed_from: Option<u64>,
+    pub final_eval: Option<f64>,
+    pub skipped_steps: u64,
+    pub weights: Weights,
+}
+
+/// Name of the metrics file in the run directory.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+/// Extra weight set saved with a checkpoint when the reference is not `--hf-checkpoint`.
+const REF_WEIGHTS: &str = "ref";
+
+/// Test-only faults, from `MILES_FAULT`.
+#[derive(Debug, Default)]
+struct Faults {
+    abort_after_rollout: Option<usize>,
+    nan_loss_at_step: Option<u64>,
+}
+
+impl Faults {
+    fn from_env() -> Faults {
+        let spec = std::env::var("MILES_FAULT").unwrap_or_default();
+        let at = |prefix: &str| spec.strip_prefix(prefix).and_then(|n| n.parse().ok());
+        Faults {
+            abort_after_rollout: at("abort-after-rollout:"),
+            nan_loss_at_step: at("nan-loss-at-step:").map(|n: usize| n as u64),
+        }
+    }
+}
+
+/// Mixes seeds and counters into one draw seed (splitmix64 finalizer).
+fn mix(a: u64, b: u64) -> u64 {
+    let mut z = a ^ b.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Appends records to `metrics.jsonl`, flushing each line.
+struct MetricsLog {
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl MetricsLog {
+    fn open(run_dir: &Path, fresh: bool) -> anyhow::Result<MetricsLog> {
+        std::fs::create_dir_all(run_dir)
+            .with_context(|| format!("--run-dir: cannot create {}", run_dir.display()))?;
+        let path = run_dir.join(METRICS_FILE);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(!fresh)
+            .write(true)
+            .truncate(fresh)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        Ok(MetricsLog { file, path })
+    }
+
+    fn write(&mut self, record: &Record) -> anyhow::Result<()> {
+        let line = serde_json::to_string(record)?;
+        writeln!(self.file, "{line}").with_context(|| format!("cannot write {}", self.path.display()))
+    }
+}
+
+/// The loop's state that a checkpoint carries besides weights and optimizer.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+struct LoopState {
+    /// Iterations done.
+    iteration: usize,
+    data: Cursor,
+    skipped_steps: u64,
+    attempted_steps: u64,
+    rollout_seed: u64,
+}
+
+/// Trains per `setup.config`; `observe` sees every record as it is written.
+pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<Summary> {
+    let Setup {
+        config: cfg,
+        model,
+        tokenizer,
+        tokenizer_dir,
+        train_data,
+        eval_data,
+        reward,
+        advantage,
+        correction,
+        run_dir,
+    } = setup;
+    cfg.validate()?;
+    if cfg.use_tis && correction.is_none() {
+        bail!("--use-tis: this binary has no `tis` correction plugin (build with --features tis)");
+    }
+    let faults = Faults::from_env();
+    let total = total_iterations(&cfg, train_data.len())?;
+    let steps_per_rollout = steps_per_rollout(&cfg);
+    let hyper = AdamW {
+        lr: cfg.lr,
+        beta1: cfg.adam_beta1,
+        beta2: cfg.adam_beta2,
+        eps: cfg.adam_eps,
+        weight_decay: cfg.weight_decay,
+    };
+    let schedule = LrSchedule::from_run_config(&cfg, total * steps_per_rollout);
+    let config = model.config.clone();
+    let eos = eos_id(&model, &tokenizer)?;
+
+    // Resume, or start fresh (with the SFT warm-up).
+    let loaded = match &cfg.load {
+        Some(root) if checkpoint::latest_iteration(root)?.is_some() => {
+            Some(checkpoint::load(root, hyper, f64::from(cfg.clip_grad), &[REF_WEIGHTS])?)
+        }
+        _ => None,
+    };
+    let resumed_from = loaded.as_ref().map(|l| l.iteration);
+    let mut log = MetricsLog::open(&run_dir, loaded.is_none())?;
+    let mut emit = |log: &mut MetricsLog, record: Record| -> anyhow::Result<()> {
+        log.write(&record)?;
+        observe(&record);
+        Ok(())
+    };
+    let mut data = DataSource::new(train_data, cfg.rollout_shuffle, cfg.rollout_seed)?;
+    let (mut policy, mut optimizer, mut state, reference) = match loaded {
+        Some(l) => {
+            let state: LoopState = serde_json::from_value(l.state.clone()).with_context(|| {
+                format!("{}: trainer_state.json is not this version's loop state", l.dir.display())
+            })?;
+            data.restore(state.data)
+                .with_context(|| format!("{}: data cursor", l.dir.display()))?;
+            let reference = l.extra.into_iter().find(|(n, _)| n == REF_WEIGHTS).map(|(_, w)| w);
+            (Model::new(config.clone(), l.weights), l.optimizer, state, reference)
+        }
+        None => {
+            let mut policy = model;
+            if cfg.sft_warmup_steps > 0 {
+                sft_warmup(&cfg, &mut policy, &tokenizer, eos, &data, &mut |r| emit(&mut log, r))?;
+            }
+            let optimizer = Optimizer::new(&config, hyper, f64::from(cfg.clip_grad));
+            let state = LoopState { rollout_seed: cfg.rollout_seed, ..LoopState::default() };
+            (policy, optimizer, state, None)
+        }
+    };
+    let needs_ref = cfg.use_kl_loss || cfg.kl_coef != 0.0;
+    // The frozen reference: the policy RL starts from.
+    let reference = needs_ref.then(|| {
+        let weights = reference.unwrap_or_else(|| policy.weights.clone());
+        Model::new(config.clone(), weights)
+    });
+    let ref_packed = reference.as_ref().map(PackedLinears::new).transpose()?;
+    let kv_cache_bytes = cfg.rollout_kv_cache_mb.saturating_mul(1 << 20);
+    let engine_config = EngineConfig {
+        kv_cache_bytes,
+        max_running: cfg.rollout_max_running,
+        max_prompt_len: cfg.rollout_max_prompt_len,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(policy.clone(), Some(tokenizer.clone()), engine_config)?;
+    let loss_cfg = PolicyLossConfig::from_run_config(&cfg);
+    loss_cfg.validate()?;
+    let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
+    let eval_every = cfg.eval_interval.filter(|_| eval_data.is_some());
+    let mut final_eval = None;
+
+    if state.iteration == 0
+        && let Some(eval) = eval_data.as_ref().filter(|_| eval_every.is_some())
+    {
+        let mut record = Record::new();
+        record.insert("step".into(), json!(0));
+        let score = evaluate(&cfg, &mut engine, &tokenizer, eval, reward.as_ref(), &mut record)?;
+        final_eval = Some(score);
+        emit(&mut log, record)?;
+    }
+
+    while state.iteration < total {
+        let started = Instant::now();
+        let mut record = Record::new();
+        record.insert("step".into(), json!(state.iteration + 1));
+
+        // 1–2. Rollout and reward, with dynamic sampling when over-sampling.
+        let mut samples = rollout(
+            &cfg,
+            &mut engine,
+            &tokenizer,
+            &mut data,
+            reward.as_ref(),
+            state.iteration,
+            &mut record,
+        )?;
+        let rollout_time = started.elapsed().as_secs_f64();
+        let train_started = Instant::now();
+
+        // 3. Old and reference logprobs, correction, advantages.
+        let temperature = cfg.rollout_temperature;
+        let old = batch::logprobs(engine.model(), engine.packed(), &samples, temperature, micro)?;
+        let mut diff = (0.0f64, 0usize);
+        for (s, o) in samples.iter_mut().zip(old) {
+            for ((&m, &a), &b) in s.loss_mask.iter().zip(&o).zip(&s.rollout_logp) {
+                if m != 0 {
+                    diff.0 += f64::from((a - b).abs());
+                    diff.1 += 1;
+                }
+            }
+            s.old_logp = if cfg.use_rollout_logprobs { s.rollout_logp.clone() } else { o };
+        }
+        record.insert(
+            "train/train_rollout_logprob_abs_diff".into(),
+            json!(diff.0 / diff.1.max(1) as f64),
+        );
+        if let (Some(r), Some(p)) = (&reference, &ref_packed) {
+            let refs = batch::logprobs(r, p, &samples, temperature, micro)?;
+            for (s, r) in samples.iter_mut().zip(refs) {
+                s.ref_logp = Some(r);
+            }
+        }
+        if let Some(corr) = correction.as_ref().filter(|_| cfg.use_tis) {
+            apply_correction(corr.as_ref(), &mut samples, &mut record)?;
+        }
+        batch::compute_advantages(advantage.as_ref(), &mut samples, cfg.kl_coef != 0.0)?;
+        if cfg.normalize_advantages {
+            let mask = concat(&samples, |s| &s.loss_mask);
+            let mut flat = concat(&samples, |s| &s.advantages);
+            normalize_advantages(&mut flat, &mask)?;
+            let mut at = 0;
+            for s in &mut samples {
+                let n = s.response_len();
+                s.advantages.copy_from_slice(&flat[at..at + n]);
+                at += n;
+            }
+        }
+
+        // 4. Optimizer steps over consecutive slices of the batch.
+        let mut sums = StepSums::default();
+        for range in split_ranges(samples.len(), steps_per_rollout) {
+            let part = &samples[range];
+            if part.is_empty() {
+                continue;
+            }
+            state.attempted_steps += 1;
+            let nan = faults.nan_loss_at_step == Some(state.attempted_steps);
+            let lr = schedule.at(optimizer.steps() as usize);
+            let kind = if cfg.loss_type == LossType::SftLoss {
+                StepLoss::Sft(SftLossConfig::from_run_config(&cfg))
+            } else {
+                StepLoss::Policy(&loss_cfg)
+            };
+            match train_step(&mut policy, &mut optimizer, part, kind, temperature, micro, lr, nan)? {
+                Some(step) => sums.add(&step, lr),
+                None => state.skipped_steps += 1,
+            }
+        }
+        sums.write(&mut record);
+        record.insert("train/skipped_steps".into(), json!(state.skipped_steps));
+
+        // 5. Weight sync, in memory.
+        engine.update_weights(policy.weights.clone())?;
+        state.iteration += 1;
+        state.data = data.cursor();
+
+        let train_time = train_started.elapsed().as_secs_f64();
+        record.insert("perf/rollout_time".into(), json!(rollout_time));
+        record.insert("perf/train_time".into(), json!(train_time));
+        let generated = record.get("rollout/generated_tokens").and_then(Value::as_f64);
+        record.insert(
+            "perf/tokens_per_s".into(),
+            json!(generated.unwrap_or(0.0) / rollout_time.max(1e-9)),
+        );
+        if let (Some(every), Some(eval)) = (eval_every, eval_data.as_ref())
+            && (state.iteration % every == 0 || state.iteration == total)
+        {
+            let score =
+                evaluate(&cfg, &mut engine, &tokenizer, eval, reward.as_ref(), &mut record)?;
+            final_eval = Some(score);
+        }
+        record.insert("perf/step_time".into(), json!(started.elapsed().as_secs_f64()));
+        emit(&mut log, record)?;
+
+        let due = cfg.save_interval.is_some_and(|k| state.iteration.is_multiple_of(k));
+        if let Some(root) = &cfg.save
+            && (due || state.iteration == total)
+        {
+            let extra_ref;
+            let extra: &[(&str, &Weights)] = match &reference {
+                Some(r) if cfg.sft_warmup_steps > 0 => {
+                    extra_ref = [(REF_WEIGHTS, &r.weights)];
+                    &extra_ref
+                }
+                _ => &[],
+            };
+            let state_json = serde_json::to_value(&state)?;
+            checkpoint::save(
+                root,
+                state.iteration as u64,
+                &CheckpointRef {
+                    config: &config,
+                    weights: &policy.weights,
+                    optimizer: &optimizer,
+                    state: &state_json,
+                    tokenizer_dir: tokenizer_dir.as_deref(),
+                    extra,
+                },
+            )
+            .with_context(|| format!("--save {}", root.display()))?;
+        }
+        if faults.abort_after_rollout == Some(state.iteration) {
+            std::process::abort();
+        }
+    }
+    if let Some(dir) = &cfg.save_hf {
+        checkpoint::export_hf(dir, &config, &policy.weights, tokenizer_dir.as_deref())
+            .with_context(|| format!("--save-hf {}", dir.display()))?;
+    }
+    Ok(Summary {
+        iterations: state.iteration,
+        resumed_from,
+        final_eval,
+        skipped_steps: state.skipped_steps,
+        weights: policy.weights,
+    })
+}
+
+/// `--num-rollout`, or enough iterations for `--num-epoch` passes over the data.
+fn total_iterations(cfg: &RunConfig, rows: usize) -> anyhow::Result<usize> {
+    match (cfg.num_rollout, cfg.num_epoch) {
+        (Some(n), _) => Ok(n),
+        (None, Some(e)) => Ok(miles_data::num_rollouts_for_epochs(rows, e, cfg.rollout_batch_size)),
+        (None, None) => bail!("--num-rollout: say how long to train (or give --num-epoch)"),
+    }
+}
+
+/// Optimizer steps per rollout: `rollout-batch-size × n-samples-per-prompt / global-batch-size`
+/// when a global batch is given, else `num-steps-per-rollout`.
+fn steps_per_rollout(cfg: &RunConfig) -> usize {
+    match cfg.global_batch_size {
+        Some(g) => (cfg.rollout_batch_size * cfg.n_samples_per_prompt / g).max(1),
+        None => cfg.num_steps_per_rollout,
+    }
+}
+
+fn eos_id(model: &Model, tok: &Tokenizer) -> anyhow::Result<u32> {
+    if let Some(&id) = model.config.eos_token_ids.first() {
+        return Ok(id);
+    }
+    tok.eos_token().and_then(|e| tok.token_to_id(e)).ok_or_else(|| {
+        anyhow!("the model has no eos_token_id in config.json and the tokenizer no eos_token")
+    })
+}
+
+/// Prompt rows as pending samples, `n` per prompt, tokenized.
+fn make_groups(
+    rows: &[(usize, PromptRow)],
+    n: usize,
+    cfg: &RunConfig,
+    tok: &Tokenizer,
+    source: &str,
+) -> anyhow::Result<Vec<Vec<Sample>>> {
+    rows.iter()
+        .enumerate()
+        .map(|(g, (_, row))| {
+            let prompt = serde_json::to_value(&row.prompt)?;
+            let tokens = tok.encode_prompt(&prompt, cfg.apply_chat_template).with_context(|| {
+                format!("{source}: line {}: key '{}'", row.line, cfg.input_key)
+            })?;
+            let sample = Sample {
+                prompt: row.prompt.clone(),
+                tokens,
+                label: row.label.clone(),
+                metadata: row.metadata.clone(),
+                ..Sample::default()
+            };
+            Ok((0..n).map(|i| Sample { group_index: g, index: g * n + i, ..sample.clone() }).collect())
+        })
+        .collect()
+}
+
+/// Scores every sample in place: `reward` set, or status failed with the reason in metadata.
+/// Returns the scalar reward per sample (`None` for failures) and the failure count.
+fn score(
+    reward: &dyn Reward,
+    samples: &mut [Sample],
+    cfg: &RunConfig,
+) -> (Vec<Option<f32>>, usize) {
+    let results = miles_rewards::score_all(reward, samples, cfg.group_rm);
+    let mut failures = 0;
+    let scalars = samples
+        .iter_mut()
+        .zip(results)
+        .map(|(s, r)| {
+            if s.status == Status::Failed {
+                failures += 1;
+                return None;
+            }
+            let value = r.and_then(|v| {
+                let x = v.scalar(cfg.reward_key.as_deref())?;
+                s.reward = Some(v);
+                if x.is_finite() {
+                    Ok(x as f32)
+                } else {
+                    Err(miles_core::RewardError::new(format!("the reward is {x}")))
+                }
+            });
+            match value {
+                Ok(x) => Some(x),
+                Err(e) => {
+                    failures += 1;
+                    s.status = Status::Failed;
+                    if !s.metadata.is_object() {
+                        s.metadata = json!({});
+                    }
+                    s.metadata["reward_error"] = e.to_string().into();
+                    None
+                }
+            }
+        })
+        .collect();
+    (scalars, failures)
+}
+
+/// Generates and scores one iteration's batch; records slime's `rollout/*` metrics.
+#[allow(clippy::too_many_arguments)]
+fn rollout(
+    cfg: &RunConfig,
+    engine: &mut Engine,
+    tok: &Tokenizer,
+    data: &mut DataSource,
+    reward: &dyn Reward,
+    iteration: usize,
+    record: &mut Record,
+) -> anyhow::Result<Vec<TrainSample>> {
+    let n = cfg.n_samples_per_prompt;
+    let want = cfg.rollout_batch_size;
+    let draw = cfg.over_sampling_batch_size.unwrap_or(want);
+    let filter = cfg.over_sampling_batch_size.is_some();
+    // Dynamic sampling draws again until the batch is full; bounded so a task the policy
+    // always solves (or never does) still trains on what it has.
+    let max_rounds = if filter { 8 } else { 1 };
+    let source = data.dataset().source.clone();
+    let (mut kept, mut all_rewards) = (Vec::new(), Vec::new());
+    let (mut zero_std, mut failed, mut truncated, mut samples_total, mut resp_tokens) =
+        (0usize, 0usize, 0usize, 0usize, 0usize);
+    let mut groups_kept = 0;
+    for round in 0..max_rounds {
+        if groups_kept >= want {
+            break;
+        }
+        let rows = data.next_batch(draw);
+        let groups = make_groups(&rows, n, cfg, tok, &source)?;
+        let params = SamplingParams {
+            seed: mix(cfg.rollout_seed, ((iteration as u64) << 8) | round as u64),
+            ..cfg.sampling_params()
+        };
+        let mut groups = engine.generate(groups, &params)?;
+        for group in &mut groups {
+            let (rewards, fails) = score(reward, group, cfg);
+            failed += fails;
+            samples_total += group.len();
+            truncated += group.iter().filter(|s| s.status == Status::Truncated).count();
+            resp_tokens += group.iter().map(|s| s.response_length).sum::<usize>();
+            all_rewards.extend(rewards.iter().flatten().copied());
+            let live: Vec<f32> = rewards.iter().flatten().copied().collect();
+            let spread = live.iter().any(|&r| r != live[0]);
+            if !spread {
+                zero_std += 1;
+            }
+            if (filter && !spread) || live.is_empty() || groups_kept >= want {
+                continue;
+            }
+            let g = groups_kept;
+            groups_kept += 1;
+            for (s, r) in group.iter().zip(&rewards) {
+                if let Some(r) = r
+                    && let Some(t) = TrainSample::from_sample(s, g, *r)
+                {
+                    kept.push(t);
+                }
+            }
+        }
+    }
+    let mean = |v: &[f32]| v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len().max(1) as f64;
+    record.insert("rollout/raw_reward".into(), json!(mean(&all_rewards)));
+    record.insert(
+        "rollout/response_len/mean".into(),
+        json!(resp_tokens as f64 / samples_total.max(1) as f64),
+    );
+    record.insert(
+        "rollout/truncated_ratio".into(),
+        json!(truncated as f64 / samples_total.max(1) as f64),
+    );
+    record.insert("rollout/zero_std/count".into(), json!(zero_std));
+    record.insert("rollout/failed".into(), json!(failed));
+    record.insert("rollout/samples".into(), json!(kept.len()));
+    record.insert("rollout/generated_tokens".into(), json!(resp_tokens));
+    Ok(kept)
+}
+
+/// TIS/MIS: weights and numerator mask from train (old) versus rollout logprobs.
+fn apply_correction(
+    corr: &dyn Correction,
+    samples: &mut [TrainSample],
+    record: &mut Record,
+) -> anyhow::Result<()> {
+    let train = concat(samples, |s| &s.old_logp);
+    let rollout = concat(samples, |s| &s.rollout_logp);
+    let mask = concat(samples, |s| &s.loss_mask);
+    let lengths: Vec<usize> = samples.iter().map(TrainSample::response_len).collect();
+    let out = corr.correct(&CorrectionInput {
+        train_log_probs: &train,
+        rollout_log_probs: &rollout,
+        loss_mask: &mask,
+        response_lengths: &lengths,
+    })?;
+    let mut at = 0;
+    for s in samples.iter_mut() {
+        let n = s.response_len();
+        s.correction_weights = Some(out.weights[at..at + n].to_vec());
+        s.correction_mask = Some(out.loss_mask[at..at + n].to_vec());
+        at += n;
+    }
+    for (k, v) in out.metrics {
+        record.insert(format!("train/{k}"), json!(v));
+    }
+    Ok(())
+}
+
+/// Which loss a step minimizes.
+enum StepLoss<'a> {
+    Policy(&'a PolicyLossConfig),
+    Sft(SftLossConfig),
+}
+
+/// What one optimizer step measured.
+struct StepResult {
+    loss: f64,
+    metrics: LossMetrics,
+    grad_norm: f64,
+}
+
+/// One optimizer step over `part`, accumulated over micro-batches of `micro` sequences, each
+/// weighted by its share of the step's denominator so the sum is the loss of the whole part.
+/// `None`: the loss or the gradient was not finite and nothing was applied.
+#[allow(clippy::too_many_arguments)]
+fn train_step(
+    policy: &mut Model,
+    optimizer: &mut Optimizer,
+    part: &[TrainSample],
+    loss: StepLoss,
+    temperature: f32,
+    micro: usize,
+    lr: f32,
+    inject_nan: bool,
+) -> anyhow::Result<Option<StepResult>> {
+    let per_token = match &loss {
+        StepLoss::Policy(c) => c.per_token_loss,
+        StepLoss::Sft(c) => c.per_token_loss,
+    };
+    let weight = |s: &[TrainSample]| -> f64 {
+        if per_token { s.iter().map(TrainSample::denominator).sum::<usize>() as f64 } else { s.len() as f64 }
+    };
+    let whole = weight(part);
+    let packed = PackedLinears::new(policy)?;
+    let mut grads = Weights::zeros(&policy.config);
+    let mut total = StepResult { loss: 0.0, metrics: LossMetrics::default(), grad_norm: 0.0 };
+    for mb in part.chunks(micro.max(1)) {
+        let batch = batch::pack(mb)?;
+        let fwd = policy.forward_with(&packed, &batch, temperature)?;
+        let old = concat(mb, |s| &s.old_logp);
+        let adv = concat(mb, |s| &s.advantages);
+        let mask = concat(mb, |s| &s.loss_mask);
+        let lengths: Vec<usize> = mb.iter().map(TrainSample::response_len).collect();
+        let refs = mb.iter().all(|s| s.ref_logp.is_some()).then(|| {
+            concat(mb, |s| s.ref_logp.as_deref().unwrap_or_default())
+        });
+        let cw = mb.iter().all(|s| s.correction_weights.is_some()).then(|| {
+            concat(mb, |s| s.correction_weights.as_deref().unwrap_or_default())
+        });
+        let cm = mb.iter().all(|s| s.correction_mask.is_some()).then(|| {
+            concat(mb, |s| s.correction_mask.as_deref().unwrap_or_default())
+        });
+        let input = LossInput {
+            logp: &fwd.logp,
+            old_logp: &old,
+            ref_logp: refs.as_deref(),
+            entropy: &fwd.entropy,
+            advantages: &adv,
+            loss_mask: &mask,
+            response_lengths: &lengths,
+            correction_weights: cw.as_deref(),
+            correction_mask: cm.as_deref(),
+        };
+        let mut out = match &loss {
+            StepLoss::Policy(c) => policy_loss(c, &input)?,
+            StepLoss::Sft(c) => sft_loss(c, &input)?,
+        };
+        if inject_nan {
+            out.loss = f64::NAN;
+        }
+        if !out.loss.is_finite() {
+            return Ok(None);
+        }
+        let share = weight(mb) / whole;
+        let scale = share as f32;
+        out.d_logp.iter_mut().for_each(|g| *g *= scale);
+        out.d_entropy.iter_mut().for_each(|g| *g *= scale);
+        policy.backward(&fwd, &batch, &out.d_logp, &out.d_entropy, &mut grads)?;
+        total.loss += share * out.loss;
+        let m = &mut total.metrics;
+        m.pg_loss += share * out.metrics.pg_loss;
+        m.pg_clipfrac += share * out.metrics.pg_clipfrac;
+        m.ppo_kl += share * out.metrics.ppo_kl;
+        m.kl_loss += share * out.metrics.kl_loss;
+        m.entropy_loss += share * out.metrics.entropy_loss;
+    }
+    let norm = {
+        let views: Vec<&[f32]> =
+            grads.tensors(policy.config.architecture).into_iter().map(Vec::as_slice).collect();
+        cpu::global_norm(&views)
+    };
+    if !norm.is_finite() {
+        return Ok(None);
+    }
+    let stats = optimizer.step(&mut policy.weights, &mut grads, lr)?;
+    total.grad_norm = stats.grad_norm;
+    Ok(Some(total))
+}
+
+/// Means of the applied steps' metrics.
+#[derive(Default)]
+struct StepSums {
+    steps: usize,
+    loss: f64,
+    metrics: LossMetrics,
+    grad_norm: f64,
+    lr: f32,
+}
+
+impl StepSums {
+    fn add(&mut self, s: &StepResult, lr: f32) {
+        self.steps += 1;
+        self.loss += s.loss;
+        self.grad_norm += s.grad_norm;
+        let m = &mut self.metrics;
+        m.pg_loss += s.metrics.pg_loss;
+        m.pg_clipfrac += s.metrics.pg_clipfrac;
+        m.ppo_kl += s.metrics.ppo_kl;
+        m.kl_loss += s.metrics.kl_loss;
+        m.entropy_loss += s.metrics.entropy_loss;
+        self.lr = lr;
+    }
+
+    fn write(&self, record: &mut Record) {
+        record.insert("train/steps".into(), json!(self.steps));
+        if self.steps == 0 {
+            return;
+        }
+        let k = self.steps as f64;
+        record.insert("train/loss".into(), json!(self.loss / k));
+        for (name, v) in self.metrics.named() {
+            record.insert(name.into(), json!(v / k));
+        }
+        record.insert("train/grad_norm".into(), json!(self.grad_norm / k));
+        record.insert("train/lr".into(), json!(self.lr));
+    }
+}
+
+/// Supervised steps on (prompt, label) pairs before RL: the label's tokens and EOS are the
+/// response. A fresh optimizer at `sft-lr`; prompts are drawn from a copy of the data source
+/// so RL's data order is the same with or without a warm-up.
+fn sft_warmup(
+    cfg: &RunConfig,
+    policy: &mut Model,
+    tok: &Tokenizer,
+    eos: u32,
+    data: &DataSource,
+    emit: &mut dyn FnMut(Record) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let mut source = DataSource::new(data.dataset().clone(), true, mix(cfg.seed, 0x5F7))?;
+    let lr = cfg.sft_lr.unwrap_or(cfg.lr);
+    let hyper = AdamW {
+        lr,
+        beta1: cfg.adam_beta1,
+        beta2: cfg.adam_beta2,
+        eps: cfg.adam_eps,
+        weight_decay: cfg.weight_decay,
+    };
+    let mut optimizer = Optimizer::new(&policy.config, hyper, f64::from(cfg.clip_grad));
+    let sft = SftLossConfig::from_run_config(cfg);
+    let where_ = data.dataset().source.clone();
+    for step in 0..cfg.sft_warmup_steps {
+        let started = Instant::now();
+        let rows = source.next_batch(cfg.rollout_batch_size);
+        let mut samples = Vec::with_capacity(rows.len());
+        for (_, row) in &rows {
+            let label = row.label.as_deref().ok_or_else(|| {
+                anyhow!(
+                    "{where_}: line {}: --sft-warmup-steps trains on the label as the answer, \
+                     and this row has none (set --label-key)",
+                    row.line
+                )
+            })?;
+            let prompt = serde_json::to_value(&row.prompt)?;
+            let mut tokens = tok
+                .encode_prompt(&prompt, cfg.apply_chat_template)
+                .with_context(|| format!("{where_}: line {}", row.line))?;
+            let prompt_len = tokens.len();
+            tokens.extend(tok.encode(label, false)?);
+            tokens.push(eos);
+            let n = tokens.len() - prompt_len;
+            samples.push(TrainSample {
+                group: samples.len(),
+                tokens,
+                prompt_len,
+                reward: 0.0,
+                loss_mask: vec![1; n],
+                rollout_logp: vec![0.0; n],
+                old_logp: vec![0.0; n],
+                ref_logp: None,
+                advantages: vec![0.0; n],
+                correction_weights: None,
+                correction_mask: None,
+            });
+        }
+        let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
+        let result = train_step(
+            policy,
+            &mut optimizer,
+            &samples,
+            StepLoss::Sft(sft),
+            cfg.rollout_temperature,
+            micro,
+            lr,
+            false,
+        )?;
+        let mut record = Record::new();
+        record.insert("phase".into(), json!("sft"));
+        record.insert("step".into(), json!(step + 1));
+        if let Some(r) = result {
+            record.insert("sft/loss".into(), json!(r.loss));
+            record.insert("sft/grad_norm".into(), json!(r.grad_norm));
+        }
+        record.insert("perf/step_time".into(), json!(started.elapsed().as_secs_f64()));
+        emit(record)?;
+    }
+    Ok(())
+}
+
+/// Eval on every prompt of `eval`: mean reward, pass@1 (the fraction of samples with a
+/// positive reward) and, with several samples per prompt, pass@n. Its draws use a fixed seed,
+/// so successive evals differ only by the policy.
+fn evaluate(
+    cfg: &RunConfig,
+    engine: &mut Engine,
+    tok: &Tokenizer,
+    eval: &Dataset,
+    reward: &dyn Reward,
+    record: &mut Record,
+) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let n = cfg.n_samples_per_eval_prompt;
+    let rows: Vec<(usize, PromptRow)> = eval.rows.iter().cloned().enumerate().collect();
+    let groups = make_groups(&rows, n, cfg, tok, &eval.source)?;
+    let params = SamplingParams {
+        temperature: cfg.eval_temperature.unwrap_or(cfg.rollout_temperature),
+        max_new_tokens: cfg.eval_max_response_len.unwrap_or(cfg.rollout_max_response_len),
+        seed: mix(cfg.rollout_seed, 0xE7A1),
+        ..cfg.sampling_params()
+    };
+    let mut groups = engine.generate(groups, &params)?;
+    let (mut sum, mut solved, mut count, mut any, mut failed) = (0.0, 0usize, 0usize, 0usize, 0);
+    for group in &mut groups {
+        let (rewards, fails) = score(reward, group, cfg);
+        failed += fails;
+        let live: Vec<f32> = rewards.into_iter().flatten().collect();
+        sum += live.iter().map(|&r| f64::from(r)).sum::<f64>();
+        solved += live.iter().filter(|&&r| r > 0.0).count();
+        count += live.len();
+        any += usize::from(live.iter().any(|&r| r > 0.0));
+    }
+    let mean = sum / count.max(1) as f64;
+    record.insert("eval/reward".into(), json!(mean));
+    record.insert("eval/pass@1".into(), json!(solved as f64 / count.max(1) as f64));
+    if n > 1 {
+        record.insert(format!("eval/pass@{n}"), json!(any as f64 / groups.len().max(1) as f64));
+    }
+    record.insert("eval/failed".into(), json!(failed));
+    record.insert("perf/eval_time".into(), json!(started.elapsed().as_secs_f64()));
+    Ok(mean)
+}
