@@ -7,6 +7,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod bench_cmd;
 mod convert_cmd;
+pub mod demo;
 mod generate_cmd;
 mod init_model_cmd;
 mod jsonl;
@@ -16,6 +17,7 @@ mod plugins_cmd;
 mod reward_cmd;
 pub mod run_flags;
 mod score_cmd;
+pub mod train_cmd;
 
 pub use bench_cmd::{BenchArgs, BenchCommand, RolloutBenchArgs};
 pub use convert_cmd::{ConvertCommand, GgufArgs};
@@ -24,6 +26,7 @@ pub use init_model_cmd::InitModelArgs;
 pub use plot_cmd::PlotArgs;
 pub use plugins_cmd::PluginsArgs;
 pub use reward_cmd::RewardArgs;
+pub use run_flags::TrainArgs;
 pub use score_cmd::ScoreArgs;
 
 /// miles-rs: LLM reinforcement-learning post-training in one binary.
@@ -36,6 +39,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// RL post-training (GRPO and its family); with no model and no data, the built-in demo.
+    Train(TrainArgs),
     /// List every plugin this binary can use: kind, name, version, static or dynamic.
     Plugins(PluginsArgs),
     /// Score a JSONL file of samples offline with a reward, to test it before a run.
@@ -89,6 +94,7 @@ impl Cli {
 /// Runs a parsed command, writing its report to `out`.
 pub fn execute(cli: Cli, out: &mut dyn Write) -> anyhow::Result<()> {
     match cli.command {
+        Command::Train(args) => train_cmd::run(&args, out),
         Command::Plugins(args) => plugins_cmd::run(&args, out),
         Command::Reward(args) => reward_cmd::run(&args, out),
         Command::InitModel(args) => init_model_cmd::run(&args, out),
