@@ -81,7 +81,8 @@ fn tokenize(
         .get("response")
         .and_then(Value::as_str)
         .with_context(|| format!("{}: missing string key 'response'", at()))?;
-    let mut ids = tok.encode_prompt(prompt, args.apply_chat_template)
+    let mut ids = tok
+        .encode_prompt(prompt, args.apply_chat_template)
         .with_context(|| format!("{}: key '{}'", at(), args.input_key))?;
     if ids.is_empty() {
         bail!(

@@ -126,14 +126,20 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
         bail!("--hf-checkpoint: --prompt-data was given, so a model is needed too");
     };
     let Some(prompts) = cfg.prompt_data.clone() else {
-        bail!("--prompt-data: the JSONL prompts to train on (--input-key says where the prompt is)");
+        bail!(
+            "--prompt-data: the JSONL prompts to train on (--input-key says where the prompt is)"
+        );
     };
     let model = load_model(&dir).with_context(|| format!("--hf-checkpoint {}", dir.display()))?;
-    let tokenizer = Tokenizer::load(&dir)
-        .with_context(|| format!("--hf-checkpoint {}: training needs a tokenizer", dir.display()))?;
+    let tokenizer = Tokenizer::load(&dir).with_context(|| {
+        format!("--hf-checkpoint {}: training needs a tokenizer", dir.display())
+    })?;
     let train_data = load_data(&prompts, &cfg, "prompt-data")?;
-    let eval_data =
-        cfg.eval_prompt_data.as_deref().map(|s| load_data(s, &cfg, "eval-prompt-data")).transpose()?;
+    let eval_data = cfg
+        .eval_prompt_data
+        .as_deref()
+        .map(|s| load_data(s, &cfg, "eval-prompt-data"))
+        .transpose()?;
     Ok(Setup {
         model,
         tokenizer,

@@ -38,12 +38,12 @@ use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::{self, AdamW};
 use serde_json::{Map, Value, json};
 
+use crate::Optimizer;
 use crate::advantage::normalize_advantages;
 use crate::batch::{self, TrainSample, concat, split_ranges};
 use crate::checkpoint::{self, CheckpointRef};
 use crate::loss::{LossInput, LossMetrics, PolicyLossConfig, SftLossConfig, policy_loss, sft_loss};
 use crate::schedule::LrSchedule;
-use crate::Optimizer;
 
 /// One line of `metrics.jsonl`.
 pub type Record = Map<String, Value>;
@@ -128,7 +128,8 @@ impl MetricsLog {
 
     fn write(&mut self, record: &Record) -> anyhow::Result<()> {
         let line = serde_json::to_string(record)?;
-        writeln!(self.file, "{line}").with_context(|| format!("cannot write {}", self.path.display()))
+        writeln!(self.file, "{line}")
+            .with_context(|| format!("cannot write {}", self.path.display()))
     }
 }
 
@@ -313,7 +314,8 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
             } else {
                 StepLoss::Policy(&loss_cfg)
             };
-            match train_step(&mut policy, &mut optimizer, part, kind, temperature, micro, lr, nan)? {
+            match train_step(&mut policy, &mut optimizer, part, kind, temperature, micro, lr, nan)?
+            {
                 Some(step) => sums.add(&step, lr),
                 None => state.skipped_steps += 1,
             }
@@ -427,9 +429,9 @@ fn make_groups(
         .enumerate()
         .map(|(g, (_, row))| {
             let prompt = serde_json::to_value(&row.prompt)?;
-            let tokens = tok.encode_prompt(&prompt, cfg.apply_chat_template).with_context(|| {
-                format!("{source}: line {}: key '{}'", row.line, cfg.input_key)
-            })?;
+            let tokens = tok
+                .encode_prompt(&prompt, cfg.apply_chat_template)
+                .with_context(|| format!("{source}: line {}: key '{}'", row.line, cfg.input_key))?;
             let sample = Sample {
                 prompt: row.prompt.clone(),
                 tokens,
@@ -437,7 +439,9 @@ fn make_groups(
                 metadata: row.metadata.clone(),
                 ..Sample::default()
             };
-            Ok((0..n).map(|i| Sample { group_index: g, index: g * n + i, ..sample.clone() }).collect())
+            Ok((0..n)
+                .map(|i| Sample { group_index: g, index: g * n + i, ..sample.clone() })
+                .collect())
         })
         .collect()
 }
@@ -623,7 +627,11 @@ fn train_step(
         StepLoss::Sft(c) => c.per_token_loss,
     };
     let weight = |s: &[TrainSample]| -> f64 {
-        if per_token { s.iter().map(TrainSample::denominator).sum::<usize>() as f64 } else { s.len() as f64 }
+        if per_token {
+            s.iter().map(TrainSample::denominator).sum::<usize>() as f64
+        } else {
+            s.len() as f64
+        }
     };
     let whole = weight(part);
     let packed = PackedLinears::new(policy)?;
@@ -636,15 +644,18 @@ fn train_step(
         let adv = concat(mb, |s| &s.advantages);
         let mask = concat(mb, |s| &s.loss_mask);
         let lengths: Vec<usize> = mb.iter().map(TrainSample::response_len).collect();
-        let refs = mb.iter().all(|s| s.ref_logp.is_some()).then(|| {
-            concat(mb, |s| s.ref_logp.as_deref().unwrap_or_default())
-        });
-        let cw = mb.iter().all(|s| s.correction_weights.is_some()).then(|| {
-            concat(mb, |s| s.correction_weights.as_deref().unwrap_or_default())
-        });
-        let cm = mb.iter().all(|s| s.correction_mask.is_some()).then(|| {
-            concat(mb, |s| s.correction_mask.as_deref().unwrap_or_default())
-        });
+        let refs = mb
+            .iter()
+            .all(|s| s.ref_logp.is_some())
+            .then(|| concat(mb, |s| s.ref_logp.as_deref().unwrap_or_default()));
+        let cw = mb
+            .iter()
+            .all(|s| s.correction_weights.is_some())
+            .then(|| concat(mb, |s| s.correction_weights.as_deref().unwrap_or_default()));
+        let cm = mb
+            .iter()
+            .all(|s| s.correction_mask.is_some())
+            .then(|| concat(mb, |s| s.correction_mask.as_deref().unwrap_or_default()));
         let input = LossInput {
             logp: &fwd.logp,
             old_logp: &old,
