@@ -8,3 +8,4 @@ mod model_cli;
 mod registry;
 mod reward_cmd;
 mod rollout;
+mod train;

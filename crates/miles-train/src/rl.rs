@@ -176,10 +176,15 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     let config = model.config.clone();
     let eos = eos_id(&model, &tokenizer)?;
 
+    let needs_ref = cfg.use_kl_loss || cfg.kl_coef != 0.0;
+    // With a warm-up the reference is the warmed-up policy, saved beside each checkpoint.
+    let saved_ref: &[&str] =
+        if needs_ref && cfg.sft_warmup_steps > 0 { &[REF_WEIGHTS] } else { &[] };
+
     // Resume, or start fresh (with the SFT warm-up).
     let loaded = match &cfg.load {
         Some(root) if checkpoint::latest_iteration(root)?.is_some() => {
-            Some(checkpoint::load(root, hyper, f64::from(cfg.clip_grad), &[REF_WEIGHTS])?)
+            Some(checkpoint::load(root, hyper, f64::from(cfg.clip_grad), saved_ref)?)
         }
         _ => None,
     };
@@ -211,7 +216,6 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
             (policy, optimizer, state, None)
         }
     };
-    let needs_ref = cfg.use_kl_loss || cfg.kl_coef != 0.0;
     // The frozen reference: the policy RL starts from.
     let reference = needs_ref.then(|| {
         let weights = reference.unwrap_or_else(|| policy.weights.clone());
@@ -352,7 +356,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         {
             let extra_ref;
             let extra: &[(&str, &Weights)] = match &reference {
-                Some(r) if cfg.sft_warmup_steps > 0 => {
+                Some(r) if !saved_ref.is_empty() => {
                     extra_ref = [(REF_WEIGHTS, &r.weights)];
                     &extra_ref
                 }
@@ -861,7 +865,7 @@ fn evaluate(
     if n > 1 {
         record.insert(format!("eval/pass@{n}"), json!(any as f64 / groups.len().max(1) as f64));
     }
-    record.insert("eval/failed".into(), json!(failed));
+    record.insert("rollout/eval_failed".into(), json!(failed));
     record.insert("perf/eval_time".into(), json!(started.elapsed().as_secs_f64()));
     Ok(mean)
 }
