@@ -311,3 +311,55 @@ fn an_unreachable_reward_server_fails_samples_not_the_run() {
     assert_eq!(record["rollout/failed"], 4, "{record}");
     assert_eq!(record["rollout/samples"], 0, "{record}");
 }
+
+/// `--loss-type sft_loss` trains on the labels (slime's SFT), with no rollout and no reward.
+#[test]
+fn an_sft_run_trains_on_the_labels() {
+    let dir = scratch("train_sft_run");
+    let report = miles(&[
+        "train",
+        "--loss-type",
+        "sft_loss",
+        "--sft-warmup-steps",
+        "0",
+        "--lr",
+        "3e-3",
+        "--num-rollout",
+        "30",
+        "--eval-interval",
+        "30",
+        "--run-dir",
+        dir.to_str().unwrap(),
+    ])
+    .unwrap();
+    assert!(report.contains("trained 30 iterations"), "{report}");
+    let records: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let losses: Vec<f64> = records.iter().filter_map(|r| r["train/loss"].as_f64()).collect();
+    assert_eq!(losses.len(), 30);
+    assert!(losses[29] < 0.5 * losses[0], "SFT loss {} -> {}", losses[0], losses[29]);
+    assert!(records.iter().all(|r| r.get("rollout/raw_reward").is_none()));
+    let evals =
+        eval_rewards(&records.iter().map(|r| r.as_object().unwrap().clone()).collect::<Vec<_>>());
+    assert!(evals.last().unwrap().1 > evals[0].1, "{evals:?}");
+}
+
+/// The example configurations parse into valid run settings (their paths are checked by runs).
+#[test]
+fn example_configs_are_valid() {
+    let root = miles_tests::workspace_root().join("examples");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&root).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let args = TrainArgs { config: Some(path.clone()), ..TrainArgs::default() };
+            let cfg = train_cmd::run_config(&args).unwrap_or_else(|e| panic!("{e:#}"));
+            assert!(cfg.hf_checkpoint.is_some() && cfg.prompt_data.is_some(), "{path:?}");
+            seen += 1;
+        }
+    }
+    assert!(seen >= 1);
+}

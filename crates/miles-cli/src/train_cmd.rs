@@ -180,6 +180,14 @@ fn describe(r: &Record, total: usize) -> String {
     line
 }
 
+/// `[=======>        ] `: `done` of `total`.
+fn progress_bar(done: usize, total: usize) -> String {
+    let width = 24;
+    let filled = (done * width).checked_div(total).unwrap_or(width).min(width);
+    let head = if filled < width { ">" } else { "" };
+    format!("[{}{head}{}] ", "=".repeat(filled), " ".repeat(width - filled - head.len()))
+}
+
 pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let cfg = run_config(args)?;
     let demo = demo::is_demo(&cfg);
@@ -200,7 +208,11 @@ pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let summary = rl::train(setup, &mut |r| {
         let line = describe(r, total);
         if terminal {
-            eprint!("\r\x1b[2K{line}");
+            // One bar line redrawn in place; eval results stay on screen.
+            let step = number(r, "step").unwrap_or(0.0) as usize;
+            let sft = r.get("phase").is_some();
+            let bar = if sft { String::new() } else { progress_bar(step, total) };
+            eprint!("\r\x1b[2K{bar}{line}");
             if number(r, "eval/reward").is_some() {
                 eprintln!();
             }

@@ -217,11 +217,14 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         }
     };
     // The frozen reference: the policy RL starts from.
-    let reference = needs_ref.then(|| {
+    let reference = if needs_ref {
         let weights = reference.unwrap_or_else(|| policy.weights.clone());
-        Model::new(config.clone(), weights)
-    });
-    let ref_packed = reference.as_ref().map(PackedLinears::new).transpose()?;
+        let model = Model::new(config.clone(), weights);
+        let packed = PackedLinears::new(&model)?;
+        Some((model, packed))
+    } else {
+        None
+    };
     let kv_cache_bytes = cfg.rollout_kv_cache_mb.saturating_mul(1 << 20);
     let engine_config = EngineConfig {
         kv_cache_bytes,
@@ -234,6 +237,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     loss_cfg.validate()?;
     let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
     let eval_every = cfg.eval_interval.filter(|_| eval_data.is_some());
+    let sft_run = cfg.loss_type == LossType::SftLoss;
     let mut final_eval = None;
 
     if state.iteration == 0
@@ -251,56 +255,35 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         let mut record = Record::new();
         record.insert("step".into(), json!(state.iteration + 1));
 
-        // 1–2. Rollout and reward, with dynamic sampling when over-sampling.
-        let mut samples = rollout(
-            &cfg,
-            &mut engine,
-            &tokenizer,
-            &mut data,
-            reward.as_ref(),
-            state.iteration,
-            &mut record,
-        )?;
+        // 1–2. Rollout and reward, with dynamic sampling when over-sampling; an SFT run
+        // (`--loss-type sft_loss`) trains on the labels instead, as slime's SFT rollout does.
+        let mut samples = if sft_run {
+            let rows = data.next_batch(cfg.rollout_batch_size);
+            let source = &data.dataset().source;
+            sft_samples(&rows, &cfg, &tokenizer, eos, source, "--loss-type sft_loss")?
+        } else {
+            rollout(
+                &cfg,
+                &mut engine,
+                &tokenizer,
+                &mut data,
+                reward.as_ref(),
+                state.iteration,
+                &mut record,
+            )?
+        };
         let rollout_time = started.elapsed().as_secs_f64();
         let train_started = Instant::now();
-
-        // 3. Old and reference logprobs, correction, advantages.
-        let temperature = cfg.rollout_temperature;
-        let old = batch::logprobs(engine.model(), engine.packed(), &samples, temperature, micro)?;
-        let mut diff = (0.0f64, 0usize);
-        for (s, o) in samples.iter_mut().zip(old) {
-            for ((&m, &a), &b) in s.loss_mask.iter().zip(&o).zip(&s.rollout_logp) {
-                if m != 0 {
-                    diff.0 += f64::from((a - b).abs());
-                    diff.1 += 1;
-                }
-            }
-            s.old_logp = if cfg.use_rollout_logprobs { s.rollout_logp.clone() } else { o };
-        }
-        record.insert(
-            "train/train_rollout_logprob_abs_diff".into(),
-            json!(diff.0 / diff.1.max(1) as f64),
-        );
-        if let (Some(r), Some(p)) = (&reference, &ref_packed) {
-            let refs = batch::logprobs(r, p, &samples, temperature, micro)?;
-            for (s, r) in samples.iter_mut().zip(refs) {
-                s.ref_logp = Some(r);
-            }
-        }
-        if let Some(corr) = correction.as_ref().filter(|_| cfg.use_tis) {
-            apply_correction(corr.as_ref(), &mut samples, &mut record)?;
-        }
-        batch::compute_advantages(advantage.as_ref(), &mut samples, cfg.kl_coef != 0.0)?;
-        if cfg.normalize_advantages {
-            let mask = concat(&samples, |s| &s.loss_mask);
-            let mut flat = concat(&samples, |s| &s.advantages);
-            normalize_advantages(&mut flat, &mask)?;
-            let mut at = 0;
-            for s in &mut samples {
-                let n = s.response_len();
-                s.advantages.copy_from_slice(&flat[at..at + n]);
-                at += n;
-            }
+        if !sft_run {
+            prepare(
+                &cfg,
+                &engine,
+                &mut samples,
+                reference.as_ref(),
+                correction.as_deref(),
+                advantage.as_ref(),
+                &mut record,
+            )?;
         }
 
         // 4. Optimizer steps over consecutive slices of the batch.
@@ -313,13 +296,21 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
             state.attempted_steps += 1;
             let nan = faults.nan_loss_at_step == Some(state.attempted_steps);
             let lr = schedule.at(optimizer.steps() as usize);
-            let kind = if cfg.loss_type == LossType::SftLoss {
+            let kind = if sft_run {
                 StepLoss::Sft(SftLossConfig::from_run_config(&cfg))
             } else {
                 StepLoss::Policy(&loss_cfg)
             };
-            match train_step(&mut policy, &mut optimizer, part, kind, temperature, micro, lr, nan)?
-            {
+            match train_step(
+                &mut policy,
+                &mut optimizer,
+                part,
+                kind,
+                cfg.rollout_temperature,
+                micro,
+                lr,
+                nan,
+            )? {
                 Some(step) => sums.add(&step, lr),
                 None => state.skipped_steps += 1,
             }
@@ -356,7 +347,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         {
             let extra_ref;
             let extra: &[(&str, &Weights)] = match &reference {
-                Some(r) if !saved_ref.is_empty() => {
+                Some((r, _)) if !saved_ref.is_empty() => {
                     extra_ref = [(REF_WEIGHTS, &r.weights)];
                     &extra_ref
                 }
@@ -392,6 +383,59 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         skipped_steps: state.skipped_steps,
         weights: policy.weights,
     })
+}
+
+/// Step 3 of an RL iteration: old logprobs (and their gap to the rollout's), reference
+/// logprobs, the off-policy correction and the advantages of every sample.
+#[allow(clippy::too_many_arguments)]
+fn prepare(
+    cfg: &RunConfig,
+    engine: &Engine,
+    samples: &mut [TrainSample],
+    reference: Option<&(Model, PackedLinears)>,
+    correction: Option<&dyn Correction>,
+    advantage: &dyn Advantage,
+    record: &mut Record,
+) -> anyhow::Result<()> {
+    let temperature = cfg.rollout_temperature;
+    let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
+    let old = batch::logprobs(engine.model(), engine.packed(), samples, temperature, micro)?;
+    let mut diff = (0.0f64, 0usize);
+    for (s, o) in samples.iter_mut().zip(old) {
+        for ((&m, &a), &b) in s.loss_mask.iter().zip(&o).zip(&s.rollout_logp) {
+            if m != 0 {
+                diff.0 += f64::from((a - b).abs());
+                diff.1 += 1;
+            }
+        }
+        s.old_logp = if cfg.use_rollout_logprobs { s.rollout_logp.clone() } else { o };
+    }
+    record.insert(
+        "train/train_rollout_logprob_abs_diff".into(),
+        json!(diff.0 / diff.1.max(1) as f64),
+    );
+    if let Some((r, p)) = reference {
+        let refs = batch::logprobs(r, p, samples, temperature, micro)?;
+        for (s, r) in samples.iter_mut().zip(refs) {
+            s.ref_logp = Some(r);
+        }
+    }
+    if let Some(corr) = correction.filter(|_| cfg.use_tis) {
+        apply_correction(corr, samples, record)?;
+    }
+    batch::compute_advantages(advantage, samples, cfg.kl_coef != 0.0)?;
+    if cfg.normalize_advantages {
+        let mask = concat(samples, |s| &s.loss_mask);
+        let mut flat = concat(samples, |s| &s.advantages);
+        normalize_advantages(&mut flat, &mask)?;
+        let mut at = 0;
+        for s in samples.iter_mut() {
+            let n = s.response_len();
+            s.advantages.copy_from_slice(&flat[at..at + n]);
+            at += n;
+        }
+    }
+    Ok(())
 }
 
 /// `--num-rollout`, or enough iterations for `--num-epoch` passes over the data.
@@ -746,6 +790,49 @@ impl StepSums {
     }
 }
 
+/// (prompt, label) rows as SFT samples: the label's tokens and EOS are the response.
+fn sft_samples(
+    rows: &[(usize, PromptRow)],
+    cfg: &RunConfig,
+    tok: &Tokenizer,
+    eos: u32,
+    source: &str,
+    why: &str,
+) -> anyhow::Result<Vec<TrainSample>> {
+    let mut samples = Vec::with_capacity(rows.len());
+    for (_, row) in rows {
+        let label = row.label.as_deref().ok_or_else(|| {
+            anyhow!(
+                "{source}: line {}: {why} trains on the label as the answer, and this row has \
+                 none (set --label-key)",
+                row.line
+            )
+        })?;
+        let prompt = serde_json::to_value(&row.prompt)?;
+        let mut tokens = tok
+            .encode_prompt(&prompt, cfg.apply_chat_template)
+            .with_context(|| format!("{source}: line {}", row.line))?;
+        let prompt_len = tokens.len();
+        tokens.extend(tok.encode(label, false)?);
+        tokens.push(eos);
+        let n = tokens.len() - prompt_len;
+        samples.push(TrainSample {
+            group: samples.len(),
+            tokens,
+            prompt_len,
+            reward: 0.0,
+            loss_mask: vec![1; n],
+            rollout_logp: vec![0.0; n],
+            old_logp: vec![0.0; n],
+            ref_logp: None,
+            advantages: vec![0.0; n],
+            correction_weights: None,
+            correction_mask: None,
+        });
+    }
+    Ok(samples)
+}
+
 /// Supervised steps on (prompt, label) pairs before RL: the label's tokens and EOS are the
 /// response. A fresh optimizer at `sft-lr`; prompts are drawn from a copy of the data source
 /// so RL's data order is the same with or without a warm-up.
@@ -772,37 +859,7 @@ fn sft_warmup(
     for step in 0..cfg.sft_warmup_steps {
         let started = Instant::now();
         let rows = source.next_batch(cfg.rollout_batch_size);
-        let mut samples = Vec::with_capacity(rows.len());
-        for (_, row) in &rows {
-            let label = row.label.as_deref().ok_or_else(|| {
-                anyhow!(
-                    "{where_}: line {}: --sft-warmup-steps trains on the label as the answer, \
-                     and this row has none (set --label-key)",
-                    row.line
-                )
-            })?;
-            let prompt = serde_json::to_value(&row.prompt)?;
-            let mut tokens = tok
-                .encode_prompt(&prompt, cfg.apply_chat_template)
-                .with_context(|| format!("{where_}: line {}", row.line))?;
-            let prompt_len = tokens.len();
-            tokens.extend(tok.encode(label, false)?);
-            tokens.push(eos);
-            let n = tokens.len() - prompt_len;
-            samples.push(TrainSample {
-                group: samples.len(),
-                tokens,
-                prompt_len,
-                reward: 0.0,
-                loss_mask: vec![1; n],
-                rollout_logp: vec![0.0; n],
-                old_logp: vec![0.0; n],
-                ref_logp: None,
-                advantages: vec![0.0; n],
-                correction_weights: None,
-                correction_mask: None,
-            });
-        }
+        let samples = sft_samples(&rows, cfg, tok, eos, &where_, "--sft-warmup-steps")?;
         let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
         let result = train_step(
             policy,
