@@ -203,6 +203,11 @@ pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             run_dir.display()
         )?;
     }
+    if let Some(dir) = &setup.config.load
+        && miles_train::checkpoint::latest_iteration(dir)?.is_none()
+    {
+        writeln!(out, "--load {}: no checkpoint there yet, starting fresh", dir.display())?;
+    }
     let terminal = std::io::stderr().is_terminal();
     let mut failure = None;
     let summary = rl::train(setup, &mut |r| {

@@ -537,6 +537,18 @@ fn score(
     (scalars, failures)
 }
 
+/// Scores a generation's groups in one call (so a reward server sees the whole batch); the
+/// samples come back flat, in group order, with their rewards.
+fn score_groups(
+    reward: &dyn Reward,
+    groups: Vec<Vec<Sample>>,
+    cfg: &RunConfig,
+) -> (Vec<Sample>, Vec<Option<f32>>, usize) {
+    let mut flat: Vec<Sample> = groups.into_iter().flatten().collect();
+    let (rewards, failed) = score(reward, &mut flat, cfg);
+    (flat, rewards, failed)
+}
+
 /// Generates and scores one iteration's batch; records slime's `rollout/*` metrics.
 #[allow(clippy::too_many_arguments)]
 fn rollout(
@@ -570,15 +582,15 @@ fn rollout(
             seed: mix(cfg.rollout_seed, ((iteration as u64) << 8) | round as u64),
             ..cfg.sampling_params()
         };
-        let mut groups = engine.generate(groups, &params)?;
-        for group in &mut groups {
-            let (rewards, fails) = score(reward, group, cfg);
-            failed += fails;
+        let groups = engine.generate(groups, &params)?;
+        let (flat, rewards, fails) = score_groups(reward, groups, cfg);
+        failed += fails;
+        for (group, rewards) in flat.chunks(n).zip(rewards.chunks(n)) {
             samples_total += group.len();
             truncated += group.iter().filter(|s| s.status == Status::Truncated).count();
             resp_tokens += group.iter().map(|s| s.response_length).sum::<usize>();
-            all_rewards.extend(rewards.iter().flatten().copied());
             let live: Vec<f32> = rewards.iter().flatten().copied().collect();
+            all_rewards.extend(&live);
             let spread = live.iter().any(|&r| r != live[0]);
             if !spread {
                 zero_std += 1;
@@ -588,7 +600,7 @@ fn rollout(
             }
             let g = groups_kept;
             groups_kept += 1;
-            for (s, r) in group.iter().zip(&rewards) {
+            for (s, r) in group.iter().zip(rewards) {
                 if let Some(r) = r
                     && let Some(t) = TrainSample::from_sample(s, g, *r)
                 {
@@ -905,12 +917,11 @@ fn evaluate(
         seed: mix(cfg.rollout_seed, 0xE7A1),
         ..cfg.sampling_params()
     };
-    let mut groups = engine.generate(groups, &params)?;
-    let (mut sum, mut solved, mut count, mut any, mut failed) = (0.0, 0usize, 0usize, 0usize, 0);
-    for group in &mut groups {
-        let (rewards, fails) = score(reward, group, cfg);
-        failed += fails;
-        let live: Vec<f32> = rewards.into_iter().flatten().collect();
+    let groups = engine.generate(groups, &params)?;
+    let (_, rewards, failed) = score_groups(reward, groups, cfg);
+    let (mut sum, mut solved, mut count, mut any) = (0.0, 0usize, 0usize, 0usize);
+    for rewards in rewards.chunks(n) {
+        let live: Vec<f32> = rewards.iter().flatten().copied().collect();
         sum += live.iter().map(|&r| f64::from(r)).sum::<f64>();
         solved += live.iter().filter(|&&r| r > 0.0).count();
         count += live.len();
@@ -920,7 +931,8 @@ fn evaluate(
     record.insert("eval/reward".into(), json!(mean));
     record.insert("eval/pass@1".into(), json!(solved as f64 / count.max(1) as f64));
     if n > 1 {
-        record.insert(format!("eval/pass@{n}"), json!(any as f64 / groups.len().max(1) as f64));
+        let prompts = rewards.len() / n;
+        record.insert(format!("eval/pass@{n}"), json!(any as f64 / prompts.max(1) as f64));
     }
     record.insert("rollout/eval_failed".into(), json!(failed));
     record.insert("perf/eval_time".into(), json!(started.elapsed().as_secs_f64()));
