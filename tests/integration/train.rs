@@ -92,13 +92,18 @@ fn text(out: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
-/// A short demo run: a short warm-up, small batches, two optimizer steps per rollout (so AdamW
-/// moments and the data cursor both matter on resume), and a KL loss to the warmed-up
-/// reference (which each checkpoint must carry).
+/// Flags of a short demo run: a short warm-up, small batches, two optimizer steps per rollout
+/// (so AdamW moments and the data cursor both matter on resume), and a k3 KL loss to the
+/// warmed-up reference (which each checkpoint must carry).
+const SHORT: &str = "--sft-warmup-steps 40 --rollout-batch-size 8 --n-samples-per-prompt 4 \
+                     --num-steps-per-rollout 2 --micro-batch-size 6 --eval-interval 100 \
+                     --use-kl-loss --kl-loss-coef 0.05 --kl-loss-type k3 --save-interval 2";
+
 fn short_run(dir: &Path, rollouts: usize) -> Vec<String> {
-    let flags = "--sft-warmup-steps 40 --rollout-batch-size 8 --n-samples-per-prompt 4 \
-                 --num-steps-per-rollout 2 --micro-batch-size 6 --eval-interval 100 \
-                 --use-kl-loss --kl-loss-coef 0.01 --save-interval 2";
+    run_args(SHORT, dir, rollouts)
+}
+
+fn run_args(flags: &str, dir: &Path, rollouts: usize) -> Vec<String> {
     let mut args: Vec<String> = flags.split_whitespace().map(String::from).collect();
     let d = dir.to_str().unwrap().to_string();
     args.extend(["--save".into(), d.clone(), "--load".into(), d]);
@@ -118,24 +123,23 @@ fn checkpoint_file(dir: &Path, iteration: u64, file: &str) -> Vec<u8> {
     std::fs::read(dir.join(format!("iter_{iteration:07}")).join(file)).unwrap()
 }
 
-#[test]
-fn a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
-    let root = scratch("train_exact_resume");
+/// Straight to 6 iterations, versus killed after iteration 5 (checkpoint at 4), resumed from
+/// 4 and run to 6: the checkpoints of iteration 6 must be byte for byte the same.
+fn check_exact_resume(name: &str, flags: &str, extra: &[&str]) {
+    let root = scratch(name);
     let (straight, resumed) = (root.join("straight"), root.join("resumed"));
-    let out = run_binary(&strs(&short_run(&straight, 6)), None);
+    let out = run_binary(&strs(&run_args(flags, &straight, 6)), None);
     assert!(out.status.success(), "{}", text(&out));
 
-    // Killed right after iteration 4 and its checkpoint, then resumed to 6.
-    let out = run_binary(&strs(&short_run(&resumed, 6)), Some("abort-after-rollout:4"));
+    let out = run_binary(&strs(&run_args(flags, &resumed, 6)), Some("abort-after-rollout:5"));
     assert!(!out.status.success(), "the fault must kill the run: {}", text(&out));
     assert_eq!(latest(&resumed), "4");
-    let out = run_binary(&strs(&short_run(&resumed, 6)), None);
+    let out = run_binary(&strs(&run_args(flags, &resumed, 6)), None);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("resumed from iteration 4"), "{}", text(&out));
 
-    let files =
-        ["model.safetensors", "optimizer.safetensors", "trainer_state.json", "ref.safetensors"];
-    for file in files {
+    let files = ["model.safetensors", "optimizer.safetensors", "trainer_state.json"];
+    for file in files.iter().chain(extra) {
         assert!(
             checkpoint_file(&straight, 6, file) == checkpoint_file(&resumed, 6, file),
             "{file} differs between the straight and the resumed run"
@@ -146,8 +150,8 @@ fn a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
         checkpoint_file(&straight, 4, "model.safetensors"),
         checkpoint_file(&straight, 6, "model.safetensors")
     );
-    // The resumed run appended to its metrics: one line per RL iteration in all, and the
-    // iterations after the kill match the straight run's rewards exactly.
+    // The resumed run's metrics dropped the killed run's iteration 5 and appended 5 and 6:
+    // one line per iteration, equal to the straight run's.
     let metrics = |dir: &PathBuf| -> Vec<Value> {
         std::fs::read_to_string(dir.join("metrics.jsonl"))
             .unwrap()
@@ -163,6 +167,21 @@ fn a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
         assert_eq!(x["rollout/raw_reward"], y["rollout/raw_reward"]);
         assert_eq!(x["train/loss"], y["train/loss"]);
     }
+}
+
+#[test]
+fn a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
+    check_exact_resume("train_exact_resume", SHORT, &["ref.safetensors"]);
+}
+
+/// Without a warm-up the KL reference is the initial model, rebuilt on resume, not the
+/// resumed policy (an entropy bonus moves the policy although the reward is all zeros).
+#[test]
+fn a_resumed_run_keeps_the_initial_model_as_kl_reference() {
+    let flags = "--sft-warmup-steps 0 --rollout-batch-size 4 --n-samples-per-prompt 2 \
+                 --eval-interval 100 --use-kl-loss --kl-loss-coef 0.5 --kl-loss-type k3 \
+                 --entropy-coef 0.05 --lr 1e-2 --save-interval 2";
+    check_exact_resume("train_exact_resume_kl", flags, &[]);
 }
 
 #[test]
@@ -268,8 +287,12 @@ fn unknown_estimator_and_missing_reward_are_flag_errors() {
     assert!(err.contains("needs a critic"), "{err}");
     let dir = scratch("train_no_reward");
     let (ckpt, data) = checkpoint_and_prompts(&dir, "{\"input\": \"1+1=\"}\n");
-    let err = miles(&["train", "--hf-checkpoint", &ckpt, "--prompt-data", &data]).unwrap_err();
+    let err =
+        miles(&["train", "--hf-checkpoint", &ckpt, "--prompt-data", &data, "--num-rollout", "1"])
+            .unwrap_err();
     assert!(err.contains("--rm-type"), "{err}");
+    let err = miles(&["train", "--eval-interval", "0"]).unwrap_err();
+    assert!(err.contains("--eval-interval"), "{err}");
     let err = miles(&["train", "--config", dir.join("nope.toml").to_str().unwrap()]).unwrap_err();
     assert!(err.contains("nope.toml"), "{err}");
 }
@@ -310,6 +333,7 @@ fn an_unreachable_reward_server_fails_samples_not_the_run() {
     let record: Value = serde_json::from_str(line.lines().last().unwrap()).unwrap();
     assert_eq!(record["rollout/failed"], 4, "{record}");
     assert_eq!(record["rollout/samples"], 0, "{record}");
+    assert!(report.contains("4 samples failed, first:"), "{report}");
 }
 
 /// `--loss-type sft_loss` trains on the labels (slime's SFT), with no rollout and no reward.
@@ -362,4 +386,17 @@ fn example_configs_are_valid() {
         }
     }
     assert!(seen >= 1);
+}
+
+/// Flags on the demo are checked against the demo's settings, not the bare defaults.
+#[test]
+fn demo_flags_combine_with_the_demo_settings() {
+    let cfg = |flags: &[(&str, Value)]| train_cmd::run_config(&demo_args(flags));
+    assert_eq!(cfg(&[("min-lr", Value::from(1e-5))]).unwrap().min_lr, 1e-5);
+    let by_epoch = cfg(&[("num-epoch", Value::from(3))]).unwrap();
+    assert_eq!((by_epoch.num_rollout, by_epoch.num_epoch), (None, Some(3)));
+    assert_eq!(
+        cfg(&[("global-batch-size", Value::from(128))]).unwrap().global_batch_size,
+        Some(128)
+    );
 }

@@ -89,7 +89,12 @@ pub const FLAGS: &[Flag] = &[
     optional(MODEL, "load", Ty::Path, "Checkpoint directory to resume the run from."),
     optional(MODEL, "save-interval", Ty::UInt, "Save a checkpoint to --save every N rollouts."),
     optional(MODEL, "save-hf", Ty::Path, "Also write HF-format checkpoints here when saving."),
-    value(MODEL, "seed", Ty::UInt, "Random seed of training."),
+    value(
+        MODEL,
+        "seed",
+        Ty::UInt,
+        "Seed of the demo policy's initialization and of the SFT warm-up's data order.",
+    ),
     // Data and evaluation.
     optional(
         DATA,

@@ -18,33 +18,47 @@ use crate::run_flags::{TrainArgs, build_run_config};
 use crate::score_cmd::load_model;
 use crate::{demo, linked};
 
+/// The keys `args` sets, from its flags and its `--config` file (an unreadable file sets none
+/// here; [`build_run_config`] reports it).
+fn keys_set(args: &TrainArgs) -> Vec<String> {
+    let mut keys: Vec<String> = args.flags.keys().cloned().collect();
+    let table = args.config.as_ref().and_then(|p| std::fs::read_to_string(p).ok());
+    if let Some(table) = table.and_then(|t| t.parse::<toml::Table>().ok()) {
+        keys.extend(table.keys().map(|k| k.replace('_', "-")));
+    }
+    keys
+}
+
 /// The run configuration of `args`: the demo's defaults underneath when it names no model and
 /// no data.
 pub fn run_config(args: &TrainArgs) -> anyhow::Result<RunConfig> {
-    let plain = build_run_config(&serde_json::Map::new(), args)?;
-    if !demo::is_demo(&plain) {
-        return Ok(plain);
+    let keys = keys_set(args);
+    let has = |k: &str| keys.iter().any(|x| x == k);
+    if has("hf-checkpoint") || has("prompt-data") {
+        return build_run_config(&serde_json::Map::new(), args);
     }
     let table: toml::Table = toml::from_str(demo::DEFAULTS).context("the demo's defaults")?;
-    let Value::Object(base) = serde_json::to_value(table)? else {
+    let Value::Object(mut base) = serde_json::to_value(table)? else {
         bail!("the demo's defaults are not a table")
     };
+    if has("num-epoch") {
+        // The user's length wins over the demo's.
+        base.remove("num-rollout");
+    }
     build_run_config(&base, args)
 }
 
-/// The reward of `--rm-type`, `--rm-url` (remote_rm) or `--custom-rm-path`.
-fn make_reward(cfg: &RunConfig) -> anyhow::Result<Box<dyn Reward>> {
+/// The reward of `--rm-type`, `--rm-url` (remote_rm) or `--custom-rm-path`; none when none
+/// is named (the loop says whether it needs one).
+fn make_reward(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Reward>>> {
     linked::plugins();
     if let Some(spec) = &cfg.custom_rm_path {
-        return Ok(Box::new(DynamicReward::load(spec, &Value::Null)?));
+        return Ok(Some(Box::new(DynamicReward::load(spec, &Value::Null)?)));
     }
     let name = match (&cfg.rm_type, &cfg.rm_url) {
         (Some(name), _) => name.as_str(),
         (None, Some(_)) => "remote_rm",
-        (None, None) => bail!(
-            "--rm-type: say how to score responses (e.g. --rm-type math, --rm-url URL for a \
-             reward server, or --custom-rm-path LIB); `miles plugins` lists the rewards"
-        ),
+        (None, None) => return Ok(None),
     };
     let config = if name == "remote_rm" {
         let url = cfg.rm_url.as_deref().context("--rm-url: remote_rm needs the server's URL")?;
@@ -52,7 +66,7 @@ fn make_reward(cfg: &RunConfig) -> anyhow::Result<Box<dyn Reward>> {
     } else {
         Value::Null
     };
-    registry::create_reward(name, &config).context("--rm-type")
+    Ok(Some(registry::create_reward(name, &config).context("--rm-type")?))
 }
 
 fn make_advantage(cfg: &RunConfig) -> anyhow::Result<Box<dyn miles_core::Advantage>> {
@@ -177,6 +191,10 @@ fn describe(r: &Record, total: usize) -> String {
     put("kl", "train/ppo_kl");
     put("clip", "train/pg_clipfrac");
     put("s/step", "perf/step_time");
+    if let Some(e) = r.get("rollout/first_error").and_then(Value::as_str) {
+        let failed = number(r, "rollout/failed").unwrap_or(0.0);
+        line.push_str(&format!(" | {failed} samples failed, first: {e}"));
+    }
     line
 }
 
@@ -192,7 +210,7 @@ pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let cfg = run_config(args)?;
     let demo = demo::is_demo(&cfg);
     let setup = setup(cfg)?;
-    let total = setup.config.num_rollout.unwrap_or(0);
+    let total = rl::total_iterations(&setup.config, setup.train_data.len())?;
     let run_dir = setup.run_dir.clone();
     if demo {
         writeln!(

@@ -345,6 +345,8 @@ impl RunConfig {
             (self.rollout_max_running >= 1, "rollout-max-running"),
             (self.micro_batch_size != Some(0), "micro-batch-size"),
             (self.eval_max_response_len != Some(0), "eval-max-response-len"),
+            (self.eval_interval != Some(0), "eval-interval"),
+            (self.save_interval != Some(0), "save-interval"),
         ] {
             check(ok, key, || "must be at least 1".into())?;
         }

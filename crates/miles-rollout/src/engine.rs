@@ -171,6 +171,11 @@ impl Engine {
         self.weight_version
     }
 
+    /// Sets the policy version, e.g. to where a resumed run had got to.
+    pub fn set_weight_version(&mut self, version: u64) {
+        self.weight_version = version;
+    }
+
     /// Weight sync: takes the trainer's new weights (moved, not copied through a file) and
     /// repacks them for the forward kernel.
     pub fn update_weights(&mut self, weights: Weights) -> crate::Result<()> {

@@ -378,10 +378,9 @@ pub fn save(root: &Path, iteration: u64, ckpt: &CheckpointRef) -> Result<PathBuf
     }
     let mut moments = named(config, m, EXP_AVG);
     moments.extend(named(config, v, EXP_AVG_SQ));
-    let meta = HashMap::from([
-        ("format".to_string(), "miles-adamw".to_string()),
-        (STEP_KEY.to_string(), ckpt.optimizer.steps().to_string()),
-    ]);
+    // One key: safetensors writes metadata from a HashMap, whose order would change the
+    // file's bytes from run to run.
+    let meta = HashMap::from([(STEP_KEY.to_string(), ckpt.optimizer.steps().to_string())]);
     write_tensors(&tmp.join(OPTIMIZER_FILE), moments, meta)?;
     for (name, w) in ckpt.extra {
         let path = tmp.join(format!("{name}.safetensors"));

@@ -58,7 +58,8 @@ pub struct Setup {
     pub tokenizer_dir: Option<PathBuf>,
     pub train_data: Dataset,
     pub eval_data: Option<Dataset>,
-    pub reward: Box<dyn Reward>,
+    /// Needed unless the run is SFT only (`--loss-type sft_loss` without eval).
+    pub reward: Option<Box<dyn Reward>>,
     pub advantage: Box<dyn Advantage>,
     pub correction: Option<Box<dyn Correction>>,
     pub run_dir: PathBuf,
@@ -78,6 +79,15 @@ pub struct Summary {
 pub const METRICS_FILE: &str = "metrics.jsonl";
 /// Extra weight set saved with a checkpoint when the reference is not `--hf-checkpoint`.
 const REF_WEIGHTS: &str = "ref";
+
+/// The reward of a run that scores nothing (SFT without eval); never called.
+struct Unscored;
+
+impl Reward for Unscored {
+    fn score(&self, _: &Sample) -> Result<miles_core::RewardValue, miles_core::RewardError> {
+        Err(miles_core::RewardError::new("this run has no reward (set --rm-type)"))
+    }
+}
 
 /// Test-only faults, from `MILES_FAULT`.
 #[derive(Debug, Default)]
@@ -112,15 +122,27 @@ struct MetricsLog {
 }
 
 impl MetricsLog {
-    fn open(run_dir: &Path, fresh: bool) -> anyhow::Result<MetricsLog> {
+    /// A fresh log, or on resume from iteration `k` the old one without the records of
+    /// iterations after `k` (they are about to be run again).
+    fn open(run_dir: &Path, resumed_from: Option<u64>) -> anyhow::Result<MetricsLog> {
         std::fs::create_dir_all(run_dir)
             .with_context(|| format!("--run-dir: cannot create {}", run_dir.display()))?;
         let path = run_dir.join(METRICS_FILE);
+        let mut kept = String::new();
+        if let (Some(k), Ok(text)) = (resumed_from, std::fs::read_to_string(&path)) {
+            for line in text.lines() {
+                let Ok(record) = serde_json::from_str::<Record>(line) else { continue };
+                let sft = record.get("phase").is_some();
+                let step = record.get("step").and_then(Value::as_u64).unwrap_or(0);
+                if sft || step <= k {
+                    kept.push_str(line);
+                    kept.push('\n');
+                }
+            }
+        }
+        std::fs::write(&path, kept).with_context(|| format!("cannot write {}", path.display()))?;
         let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(!fresh)
-            .write(true)
-            .truncate(fresh)
+            .append(true)
             .open(&path)
             .with_context(|| format!("cannot open {}", path.display()))?;
         Ok(MetricsLog { file, path })
@@ -142,6 +164,7 @@ struct LoopState {
     skipped_steps: u64,
     attempted_steps: u64,
     rollout_seed: u64,
+    rollout_shuffle: bool,
 }
 
 /// Trains per `setup.config`; `observe` sees every record as it is written.
@@ -162,9 +185,27 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     if cfg.use_tis && correction.is_none() {
         bail!("--use-tis: this binary has no `tis` correction plugin (build with --features tis)");
     }
+    let eval_every = cfg.eval_interval.filter(|_| eval_data.is_some());
+    let sft_run = cfg.loss_type == LossType::SftLoss;
+    let reward: Box<dyn Reward> = match reward {
+        Some(r) => r,
+        None if sft_run && eval_every.is_none() => Box::new(Unscored),
+        None => bail!(
+            "--rm-type: say how to score responses (e.g. --rm-type math, --rm-url URL for a \
+             reward server, or --custom-rm-path LIB); `miles plugins` lists the rewards"
+        ),
+    };
     let faults = Faults::from_env();
     let total = total_iterations(&cfg, train_data.len())?;
-    let steps_per_rollout = steps_per_rollout(&cfg);
+    let steps_per_rollout = steps_per_rollout(&cfg)?;
+    if cfg.partial_rollout {
+        bail!(
+            "--partial-rollout: not supported by the loop yet (the engine resumes aborted samples)"
+        );
+    }
+    if cfg.use_rollout_routing_replay {
+        bail!("--use-rollout-routing-replay: needs an MoE model, which miles-rs does not load yet");
+    }
     let hyper = AdamW {
         lr: cfg.lr,
         beta1: cfg.adam_beta1,
@@ -189,21 +230,39 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         _ => None,
     };
     let resumed_from = loaded.as_ref().map(|l| l.iteration);
-    let mut log = MetricsLog::open(&run_dir, loaded.is_none())?;
+    let mut log = MetricsLog::open(&run_dir, resumed_from)?;
+    let mut engine_version = 0;
     let mut emit = |log: &mut MetricsLog, record: Record| -> anyhow::Result<()> {
         log.write(&record)?;
         observe(&record);
         Ok(())
     };
     let mut data = DataSource::new(train_data, cfg.rollout_shuffle, cfg.rollout_seed)?;
+    // The frozen reference is the policy RL starts from: the initial model, or the warmed-up
+    // one (then saved with each checkpoint).
     let (mut policy, mut optimizer, mut state, reference) = match loaded {
         Some(l) => {
+            let at = l.dir.display();
             let state: LoopState = serde_json::from_value(l.state.clone()).with_context(|| {
-                format!("{}: trainer_state.json is not this version's loop state", l.dir.display())
+                format!("{at}: trainer_state.json is not this version's loop state")
             })?;
-            data.restore(state.data)
-                .with_context(|| format!("{}: data cursor", l.dir.display()))?;
-            let reference = l.extra.into_iter().find(|(n, _)| n == REF_WEIGHTS).map(|(_, w)| w);
+            if l.config != config {
+                bail!("--load {at}: the checkpoint's config.json is another model than this run's");
+            }
+            if (state.rollout_seed, state.rollout_shuffle)
+                != (cfg.rollout_seed, cfg.rollout_shuffle)
+            {
+                bail!(
+                    "--load {at}: the run was started with --rollout-seed {} and rollout-shuffle \
+                     {}; resume with the same (or start a new run from its weights)",
+                    state.rollout_seed,
+                    state.rollout_shuffle
+                );
+            }
+            data.restore(state.data).with_context(|| format!("{at}: data cursor"))?;
+            let saved = l.extra.into_iter().find(|(n, _)| n == REF_WEIGHTS).map(|(_, w)| w);
+            let reference = needs_ref.then(|| saved.unwrap_or(model.weights));
+            engine_version = state.iteration as u64;
             (Model::new(config.clone(), l.weights), l.optimizer, state, reference)
         }
         None => {
@@ -212,13 +271,16 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
                 sft_warmup(&cfg, &mut policy, &tokenizer, eos, &data, &mut |r| emit(&mut log, r))?;
             }
             let optimizer = Optimizer::new(&config, hyper, f64::from(cfg.clip_grad));
-            let state = LoopState { rollout_seed: cfg.rollout_seed, ..LoopState::default() };
-            (policy, optimizer, state, None)
+            let state = LoopState {
+                rollout_seed: cfg.rollout_seed,
+                rollout_shuffle: cfg.rollout_shuffle,
+                ..LoopState::default()
+            };
+            let reference = needs_ref.then(|| policy.weights.clone());
+            (policy, optimizer, state, reference)
         }
     };
-    // The frozen reference: the policy RL starts from.
-    let reference = if needs_ref {
-        let weights = reference.unwrap_or_else(|| policy.weights.clone());
+    let reference = if let Some(weights) = reference {
         let model = Model::new(config.clone(), weights);
         let packed = PackedLinears::new(&model)?;
         Some((model, packed))
@@ -233,11 +295,10 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(policy.clone(), Some(tokenizer.clone()), engine_config)?;
+    engine.set_weight_version(engine_version);
     let loss_cfg = PolicyLossConfig::from_run_config(&cfg);
     loss_cfg.validate()?;
     let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
-    let eval_every = cfg.eval_interval.filter(|_| eval_data.is_some());
-    let sft_run = cfg.loss_type == LossType::SftLoss;
     let mut final_eval = None;
 
     if state.iteration == 0
@@ -439,7 +500,7 @@ fn prepare(
 }
 
 /// `--num-rollout`, or enough iterations for `--num-epoch` passes over the data.
-fn total_iterations(cfg: &RunConfig, rows: usize) -> anyhow::Result<usize> {
+pub fn total_iterations(cfg: &RunConfig, rows: usize) -> anyhow::Result<usize> {
     match (cfg.num_rollout, cfg.num_epoch) {
         (Some(n), _) => Ok(n),
         (None, Some(e)) => Ok(miles_data::num_rollouts_for_epochs(rows, e, cfg.rollout_batch_size)),
@@ -449,11 +510,18 @@ fn total_iterations(cfg: &RunConfig, rows: usize) -> anyhow::Result<usize> {
 
 /// Optimizer steps per rollout: `rollout-batch-size × n-samples-per-prompt / global-batch-size`
 /// when a global batch is given, else `num-steps-per-rollout`.
-fn steps_per_rollout(cfg: &RunConfig) -> usize {
-    match cfg.global_batch_size {
-        Some(g) => (cfg.rollout_batch_size * cfg.n_samples_per_prompt / g).max(1),
-        None => cfg.num_steps_per_rollout,
+fn steps_per_rollout(cfg: &RunConfig) -> anyhow::Result<usize> {
+    let Some(g) = cfg.global_batch_size else { return Ok(cfg.num_steps_per_rollout) };
+    let per_prompt = if cfg.loss_type == LossType::SftLoss { 1 } else { cfg.n_samples_per_prompt };
+    let steps = (cfg.rollout_batch_size * per_prompt / g).max(1);
+    if cfg.num_steps_per_rollout != 1 && cfg.num_steps_per_rollout != steps {
+        bail!(
+            "--num-steps-per-rollout: {} disagrees with --global-batch-size {g}, which means {steps} \
+             steps per rollout; give one of the two",
+            cfg.num_steps_per_rollout
+        );
     }
+    Ok(steps)
 }
 
 fn eos_id(model: &Model, tok: &Tokenizer) -> anyhow::Result<u32> {
@@ -480,6 +548,9 @@ fn make_groups(
             let tokens = tok
                 .encode_prompt(&prompt, cfg.apply_chat_template)
                 .with_context(|| format!("{source}: line {}: key '{}'", row.line, cfg.input_key))?;
+            if tokens.is_empty() {
+                bail!("{source}: line {}: the prompt encodes to no tokens", row.line);
+            }
             let sample = Sample {
                 prompt: row.prompt.clone(),
                 tokens,
@@ -537,6 +608,16 @@ fn score(
     (scalars, failures)
 }
 
+/// Why a sample failed, from its metadata (the engine's or the reward's reason).
+fn failure_reason(s: &Sample) -> Option<String> {
+    if s.status != Status::Failed {
+        return None;
+    }
+    let m = &s.metadata;
+    let reason = m.get("reward_error").or_else(|| m.get("rollout_error"))?;
+    Some(reason.as_str().map_or_else(|| reason.to_string(), String::from))
+}
+
 /// Scores a generation's groups in one call (so a reward server sees the whole batch); the
 /// samples come back flat, in group order, with their rewards.
 fn score_groups(
@@ -572,6 +653,7 @@ fn rollout(
     let (mut zero_std, mut failed, mut truncated, mut samples_total, mut resp_tokens) =
         (0usize, 0usize, 0usize, 0usize, 0usize);
     let mut groups_kept = 0;
+    let mut first_error = None;
     for round in 0..max_rounds {
         if groups_kept >= want {
             break;
@@ -585,6 +667,9 @@ fn rollout(
         let groups = engine.generate(groups, &params)?;
         let (flat, rewards, fails) = score_groups(reward, groups, cfg);
         failed += fails;
+        if first_error.is_none() {
+            first_error = flat.iter().find_map(failure_reason);
+        }
         for (group, rewards) in flat.chunks(n).zip(rewards.chunks(n)) {
             samples_total += group.len();
             truncated += group.iter().filter(|s| s.status == Status::Truncated).count();
@@ -592,7 +677,7 @@ fn rollout(
             let live: Vec<f32> = rewards.iter().flatten().copied().collect();
             all_rewards.extend(&live);
             let spread = live.iter().any(|&r| r != live[0]);
-            if !spread {
+            if !spread && !live.is_empty() {
                 zero_std += 1;
             }
             if (filter && !spread) || live.is_empty() || groups_kept >= want {
@@ -621,6 +706,9 @@ fn rollout(
     );
     record.insert("rollout/zero_std/count".into(), json!(zero_std));
     record.insert("rollout/failed".into(), json!(failed));
+    if let Some(e) = first_error {
+        record.insert("rollout/first_error".into(), json!(e));
+    }
     record.insert("rollout/samples".into(), json!(kept.len()));
     record.insert("rollout/generated_tokens".into(), json!(resp_tokens));
     Ok(kept)
@@ -825,6 +913,9 @@ fn sft_samples(
             .encode_prompt(&prompt, cfg.apply_chat_template)
             .with_context(|| format!("{source}: line {}", row.line))?;
         let prompt_len = tokens.len();
+        if prompt_len == 0 {
+            bail!("{source}: line {}: the prompt encodes to no tokens", row.line);
+        }
         tokens.extend(tok.encode(label, false)?);
         tokens.push(eos);
         let n = tokens.len() - prompt_len;
