@@ -87,7 +87,8 @@ fn reward_flags_are_checked() {
     std::fs::write(&input, "{\"response\": \"a\", \"label\": \"a\"}\n").unwrap();
     let input = input.to_str().unwrap();
     let err = miles(&["reward", "--input", input, "--rm-type", "exact_mach"]).unwrap_err();
-    assert!(err.contains("no reward plugin named 'exact_mach'; available: exact_match"), "{err}");
+    assert!(err.contains("no reward plugin named 'exact_mach'; available: "), "{err}");
+    assert!(err.contains("exact_match") && err.contains("remote_rm"), "{err}");
     let err =
         miles(&["reward", "--input", "missing.jsonl", "--rm-type", "exact_match"]).unwrap_err();
     assert!(err.contains("cannot open missing.jsonl"), "{err}");
