@@ -174,11 +174,12 @@ fn number(r: &Record, key: &str) -> Option<f64> {
 
 /// One human line per record: step, rewards, loss, time.
 fn describe(r: &Record, total: usize) -> String {
-    let step = number(r, "step").unwrap_or(0.0) as usize;
     if r.get("phase").and_then(Value::as_str) == Some("sft") {
+        let step = number(r, "sft/step").unwrap_or(0.0);
         let loss = number(r, "sft/loss").map_or("-".into(), |l| format!("{l:.3}"));
-        return format!("sft {step}: loss {loss}");
+        return format!("sft warm-up {step}: loss {loss}");
     }
+    let step = number(r, "step").unwrap_or(0.0) as usize;
     let mut line = format!("step {step}/{total}");
     let mut put = |label: &str, key: &str| {
         if let Some(v) = number(r, key) {

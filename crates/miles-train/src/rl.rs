@@ -976,12 +976,14 @@ fn sft_warmup(
         )?;
         let mut record = Record::new();
         record.insert("phase".into(), json!("sft"));
-        record.insert("step".into(), json!(step + 1));
+        // Warm-up steps come before RL iteration 1 on the metrics' time axis: 1 − W, …, 0.
+        record.insert("step".into(), json!(step as i64 + 1 - cfg.sft_warmup_steps as i64));
+        record.insert("sft/step".into(), json!(step + 1));
         if let Some(r) = result {
             record.insert("sft/loss".into(), json!(r.loss));
             record.insert("sft/grad_norm".into(), json!(r.grad_norm));
         }
-        record.insert("perf/step_time".into(), json!(started.elapsed().as_secs_f64()));
+        record.insert("sft/step_time".into(), json!(started.elapsed().as_secs_f64()));
         emit(record)?;
     }
     Ok(())
