@@ -5,9 +5,20 @@
 //! and prefill (hundreds of rows) therefore produce the same logits for the same token.
 //!
 //! [`linear_reference`] is the definition. The fast path vectorizes across output columns: `W`
-//! is packed once into panels of [`PANEL`] outputs, k-major (`panel[k][lane]`), the last panel
-//! padded with zeros; a micro-kernel broadcasts `x[i][k]`, loads a panel row and fuses it into
-//! per-(row, panel) accumulators, so each lane is exactly the scalar chain of its output.
+//! is packed once into panels of 16 outputs, k-major (`panel[k][lane]`, one cache line), the
+//! last panel padded with zeros; a micro-kernel broadcasts `x[i][k]`, loads a panel row and
+//! fuses it into per-(row, panel) accumulators, so each lane is exactly the scalar chain of its
+//! output and no kernel, tile shape or split can reorder it:
+//!
+//! - tiles: AVX-512 takes all the rows of a decode call (≤ 8) in one tile as wide as 24–28
+//!   accumulators allow (1×8 panels … 8×3), so the weights are read once; more rows use 8×3.
+//!   AVX2 uses 1×4, 2×3, 3×2 and 6×1 panels (two registers per panel); the portable kernel
+//!   (`f32::mul_add`, which the compiler vectorizes) 4 rows × 1 panel.
+//! - k blocks: with more rows than one tile, a pass covers only the `k` steps whose panel rows
+//!   fit in half of L1, for every row tile of the block; between passes the accumulators wait in
+//!   `y`, which changes no bit.
+//! - threads: tasks are (≤ 96-row block) × (run of panels), at least 8 per thread, run by
+//!   rayon above 2¹⁸ multiply-adds; every output belongs to one task.
 
 use rayon::prelude::*;
 
@@ -22,6 +33,10 @@ const PARALLEL_MIN_FMAS: usize = 1 << 18;
 /// Rows per task when the call has many rows: the rows of `x` a task reads stay in L2 while it
 /// sweeps its panels.
 const ROW_BLOCK: usize = 96;
+
+/// Bytes of panel rows per pass when a call has more rows than one micro-tile: the `k` steps of
+/// one tile's columns that fit stay in L1 (half of a 48 KiB L1d) while every row tile uses them.
+const K_BLOCK_BYTES: usize = 24 << 10;
 
 /// One packed panel row: [`PANEL`] consecutive outputs at one `k`, aligned to a cache line.
 #[derive(Clone, Copy)]
@@ -54,15 +69,20 @@ impl PackedLinear {
             format!("w {} for d_out {d_out} d_in {d_in} (both must be at least 1)", w.len())
         })?;
         let panel_count = d_out.div_ceil(PANEL);
-        let mut panels = vec![Lanes([0.0; PANEL]); panel_count * d_in];
-        for (p, panel) in panels.chunks_exact_mut(d_in).enumerate() {
-            for l in 0..PANEL.min(d_out - p * PANEL) {
-                let row = &w[(p * PANEL + l) * d_in..][..d_in];
-                for (lanes, &v) in panel.iter_mut().zip(row) {
-                    lanes.0[l] = v;
-                }
-            }
-        }
+        // Each packed row reads 16 rows of `w` side by side (16 sequential streams). Weights are
+        // repacked after every optimizer step, so large ones spread the copy over the threads.
+        let lanes_at = |i: usize| {
+            let (p, k) = (i / d_in, i % d_in);
+            Lanes(std::array::from_fn(|l| {
+                let j = p * PANEL + l;
+                if j < d_out { w[j * d_in + k] } else { 0.0 }
+            }))
+        };
+        let panels: Vec<Lanes> = if w.len() >= PARALLEL_MIN_FMAS {
+            (0..panel_count * d_in).into_par_iter().map(lanes_at).collect()
+        } else {
+            (0..panel_count * d_in).map(lanes_at).collect()
+        };
         Ok(PackedLinear { d_out, d_in, panels })
     }
 
@@ -163,11 +183,15 @@ impl Isa {
 /// One micro-tile's operands, as raw pointers so tasks can write disjoint parts of `y`.
 #[derive(Clone, Copy)]
 struct Tile {
-    /// Row 0 of the tile in `x`; row `r` starts `r * d_in` floats later.
+    /// `x[row 0][k0]` of the tile; row `r` starts `r * d_in` floats later.
     x: *const f32,
-    /// Panel 0 of the tile; panel `p` starts `p * d_in` lanes later.
+    /// Row `k0` of the tile's panel 0; panel `p` starts `p * d_in` lanes later.
     panels: *const Lanes,
     d_in: usize,
+    /// The tile covers `k0..k0 + k_len`.
+    k_len: usize,
+    /// Whether the chains continue from the values in `y` (`k0 > 0`) rather than from 0.
+    resume: bool,
     /// `y[row 0][column 0]` of the tile; rows are `y_stride` apart.
     y: *mut f32,
     y_stride: usize,
@@ -207,9 +231,12 @@ fn forward_with(y: &mut [f32], x: &[f32], w: &PackedLinear, isa: Isa) -> Result<
     let threads =
         if rows * d_in * d_out >= PARALLEL_MIN_FMAS { rayon::current_num_threads() } else { 1 };
     // Enough tasks for every thread to stay busy; splitting never changes a chain.
-    let col_blocks = if threads == 1 { 1 } else { (4 * threads).div_ceil(row_blocks).min(groups) };
+    let col_blocks = if threads == 1 { 1 } else { (8 * threads).div_ceil(row_blocks).min(groups) };
     let groups_per_block = groups.div_ceil(col_blocks);
     let col_blocks = groups.div_ceil(groups_per_block);
+    // Many rows reuse each block of panel rows from L1: the chains pause in `y` after `kc`
+    // steps and resume there (a store and a load of the f32 accumulator change no bit).
+    let kc = if rows > mr { (K_BLOCK_BYTES / (nv * size_of::<Lanes>())).max(16) } else { d_in };
     let out = SharedOut(y.as_mut_ptr());
     let task = |t: usize| {
         let (rb, cb) = (t / col_blocks, t % col_blocks);
@@ -219,20 +246,24 @@ fn forward_with(y: &mut [f32], x: &[f32], w: &PackedLinear, isa: Isa) -> Result<
         for pc in (p0..p1).step_by(nv) {
             let nvc = nv.min(p1 - pc);
             let last_lanes = PANEL.min(d_out - (pc + nvc - 1) * PANEL);
-            for rt in (r0..r1).step_by(mr) {
-                let mrc = mr.min(r1 - rt);
-                let tile = Tile {
-                    x: x[rt * d_in..].as_ptr(),
-                    panels: w.panels[pc * d_in..].as_ptr(),
-                    d_in,
-                    // SAFETY: rt < rows and pc * PANEL < d_out, so the offset is inside y.
-                    y: unsafe { out.ptr().add(rt * d_out + pc * PANEL) },
-                    y_stride: d_out,
-                    last_lanes,
-                };
-                // SAFETY: rows rt..rt + mrc of x and y and panels pc..pc + nvc exist (the shape
-                // checks above); only the valid lanes of the last panel are stored.
-                unsafe { run_tile(isa, mrc, nvc, &tile) };
+            for k0 in (0..d_in).step_by(kc) {
+                for rt in (r0..r1).step_by(mr) {
+                    let mrc = mr.min(r1 - rt);
+                    let tile = Tile {
+                        x: x[rt * d_in + k0..].as_ptr(),
+                        panels: w.panels[pc * d_in + k0..].as_ptr(),
+                        d_in,
+                        k_len: kc.min(d_in - k0),
+                        resume: k0 > 0,
+                        // SAFETY: rt < rows and pc * PANEL < d_out, so the offset is inside y.
+                        y: unsafe { out.ptr().add(rt * d_out + pc * PANEL) },
+                        y_stride: d_out,
+                        last_lanes,
+                    };
+                    // SAFETY: rows rt..rt + mrc of x and y and panels pc..pc + nvc exist (the
+                    // shape checks above); only the valid lanes of the last panel are touched.
+                    unsafe { run_tile(isa, mrc, nvc, &tile) };
+                }
             }
         }
     };
@@ -264,30 +295,61 @@ unsafe fn run_tile(isa: Isa, mr: usize, nv: usize, tile: &Tile) {
     }
 }
 
-/// The portable micro-kernel: the same chains with `f32::mul_add`.
+/// The portable micro-kernel: up to 4 rows at a time, so the compiler has 4 independent
+/// 16-lane chains to vectorize.
 ///
 /// # Safety
 /// As [`run_tile`].
 unsafe fn tile_portable(mr: usize, nv: usize, t: &Tile) {
-    for r in 0..mr {
-        // SAFETY: row r of the tile is inside x (caller's contract).
-        let xr = unsafe { std::slice::from_raw_parts(t.x.add(r * t.d_in), t.d_in) };
-        for p in 0..nv {
-            // SAFETY: panel p of the tile is inside the packed weights (caller's contract).
-            let panel = unsafe { std::slice::from_raw_parts(t.panels.add(p * t.d_in), t.d_in) };
-            let mut acc = [0f32; PANEL];
-            for (&xk, lanes) in xr.iter().zip(panel) {
-                for (a, &wl) in acc.iter_mut().zip(&lanes.0) {
-                    *a = xk.mul_add(wl, *a);
-                }
+    for p in 0..nv {
+        let lanes = if p + 1 == nv { t.last_lanes } else { PANEL };
+        // SAFETY: forwarded from the caller (panel p is one of the tile's).
+        unsafe {
+            match mr {
+                1 => rows_portable::<1>(t, p, lanes),
+                2 => rows_portable::<2>(t, p, lanes),
+                3 => rows_portable::<3>(t, p, lanes),
+                4 => rows_portable::<4>(t, p, lanes),
+                _ => unreachable!("portable tile {mr}x{nv}"),
             }
-            let lanes = if p + 1 == nv { t.last_lanes } else { PANEL };
-            // SAFETY: these columns of row r are inside y (caller's contract).
-            let yr = unsafe {
-                std::slice::from_raw_parts_mut(t.y.add(r * t.y_stride + p * PANEL), lanes)
-            };
-            yr.copy_from_slice(&acc[..lanes]);
         }
+    }
+}
+
+/// `acc[l] = x.mul_add(w[l], acc[l])` for every lane, by value so the lanes stay in registers.
+#[inline(always)]
+fn fma_lanes(acc: [f32; PANEL], x: f32, w: &[f32; PANEL]) -> [f32; PANEL] {
+    std::array::from_fn(|l| x.mul_add(w[l], acc[l]))
+}
+
+/// Panel `p` of the tile for its `MR` rows, `lanes` valid columns of it.
+///
+/// # Safety
+/// As [`run_tile`], with `p` one of the tile's panels.
+unsafe fn rows_portable<const MR: usize>(t: &Tile, p: usize, lanes: usize) {
+    // SAFETY: panel p of the tile is inside the packed weights (caller's contract).
+    let panel = unsafe { std::slice::from_raw_parts(t.panels.add(p * t.d_in), t.k_len) };
+    let mut acc = [[0f32; PANEL]; MR];
+    if t.resume {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: these columns of row r are inside y (caller's contract).
+            let yr =
+                unsafe { std::slice::from_raw_parts(t.y.add(r * t.y_stride + p * PANEL), lanes) };
+            acc[..lanes].copy_from_slice(yr);
+        }
+    }
+    for (k, w) in panel.iter().enumerate() {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: row r, column k is inside x (caller's contract).
+            let xk = unsafe { *t.x.add(r * t.d_in + k) };
+            *acc = fma_lanes(*acc, xk, &w.0);
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: these columns of row r are inside y (caller's contract).
+        let yr =
+            unsafe { std::slice::from_raw_parts_mut(t.y.add(r * t.y_stride + p * PANEL), lanes) };
+        yr.copy_from_slice(&acc[..lanes]);
     }
 }
 
@@ -299,7 +361,9 @@ mod x86 {
 
     use super::{Lanes, PANEL, Tile};
 
-    /// AVX-512 tile of the main loop (rows > 8): 24 accumulators of 32 registers.
+    /// AVX-512 tile of the main loop (rows > 8): 24 accumulators of 32 registers. 6×4, 12×2
+    /// and 14×2 measured the same single-threaded (~90% of the FMA peak); 8×3 reads the fewest
+    /// panel bytes per FMA.
     const AVX512_MAIN: (usize, usize) = (8, 3);
 
     pub(super) fn avx512_tile(rows: usize) -> (usize, usize) {
@@ -336,14 +400,6 @@ mod x86 {
             6 => [1, 2, 3, 4],
             7 => [1, 2, 3, 4],
             8 => [1, 2, 3],
-            9 => [1, 2],
-            10 => [1, 2],
-            11 => [1, 2],
-            12 => [1, 2],
-            13 => [1, 2],
-            14 => [1, 2],
-            15 => [1],
-            16 => [1],
         )
     }
 
@@ -355,22 +411,55 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     unsafe fn tile512<const MR: usize, const NV: usize>(t: &Tile) {
         let d_in = t.d_in;
+        let tail: __mmask16 = ((1u32 << t.last_lanes) - 1) as __mmask16;
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
-        for k in 0..d_in {
-            let mut w = [_mm512_setzero_ps(); NV];
-            for (p, w) in w.iter_mut().enumerate() {
-                // SAFETY: panel p, row k is inside the packed weights; `Lanes` is 64-aligned.
-                *w = unsafe { _mm512_load_ps(t.panels.add(p * d_in + k).cast::<f32>()) };
-            }
+        if t.resume {
             for (r, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: row r, column k is inside x.
-                let xb = _mm512_set1_ps(unsafe { *t.x.add(r * d_in + k) });
-                for (a, &w) in acc.iter_mut().zip(&w) {
-                    *a = _mm512_fmadd_ps(xb, w, *a);
+                for (p, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: row r, columns p·16.. of the tile are inside y; the last panel
+                    // loads only its valid lanes.
+                    unsafe {
+                        let src = t.y.add(r * t.y_stride + p * PANEL);
+                        *a = if p + 1 < NV {
+                            _mm512_loadu_ps(src)
+                        } else {
+                            _mm512_maskz_loadu_ps(tail, src)
+                        };
+                    }
                 }
             }
         }
-        let tail: __mmask16 = ((1u32 << t.last_lanes) - 1) as __mmask16;
+        // One step of every chain of the tile at `k`.
+        macro_rules! step {
+            ($k:expr) => {{
+                let k = $k;
+                let mut w = [_mm512_setzero_ps(); NV];
+                for (p, w) in w.iter_mut().enumerate() {
+                    // SAFETY: panel p, row k is inside the packed weights; `Lanes` is 64-aligned.
+                    *w = unsafe { _mm512_load_ps(t.panels.add(p * d_in + k).cast::<f32>()) };
+                }
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: row r, column k is inside x.
+                    let xb = _mm512_set1_ps(unsafe { *t.x.add(r * d_in + k) });
+                    for (a, &w) in acc.iter_mut().zip(&w) {
+                        *a = _mm512_fmadd_ps(xb, w, *a);
+                    }
+                }
+            }};
+        }
+        // Unrolled by 4, as in `tile256`.
+        let mut k = 0;
+        while k + 4 <= t.k_len {
+            step!(k);
+            step!(k + 1);
+            step!(k + 2);
+            step!(k + 3);
+            k += 4;
+        }
+        while k < t.k_len {
+            step!(k);
+            k += 1;
+        }
         for (r, acc) in acc.iter().enumerate() {
             for (p, &a) in acc.iter().enumerate() {
                 // SAFETY: row r, columns p·16.. of the tile are inside y; the last panel stores
@@ -428,23 +517,61 @@ mod x86 {
         let d_in = t.d_in;
         let mut lo = [[_mm256_setzero_ps(); NV]; MR];
         let mut hi = [[_mm256_setzero_ps(); NV]; MR];
-        for k in 0..d_in {
-            let mut w = [(_mm256_setzero_ps(), _mm256_setzero_ps()); NV];
-            for (p, w) in w.iter_mut().enumerate() {
-                // SAFETY: panel p, row k is inside the packed weights; `Lanes` is 64-aligned.
-                unsafe {
-                    let src = t.panels.add(p * d_in + k).cast::<f32>();
-                    *w = (_mm256_load_ps(src), _mm256_load_ps(src.add(8)));
-                }
-            }
+        if t.resume {
             for r in 0..MR {
-                // SAFETY: row r, column k is inside x.
-                let xb = _mm256_set1_ps(unsafe { *t.x.add(r * d_in + k) });
-                for (p, &(wl, wh)) in w.iter().enumerate() {
-                    lo[r][p] = _mm256_fmadd_ps(xb, wl, lo[r][p]);
-                    hi[r][p] = _mm256_fmadd_ps(xb, wh, hi[r][p]);
+                for p in 0..NV {
+                    let lanes = if p + 1 < NV { PANEL } else { t.last_lanes };
+                    // SAFETY: row r, columns p·16.. of the tile are inside y, `lanes` of them.
+                    unsafe {
+                        let src = t.y.add(r * t.y_stride + p * PANEL);
+                        if lanes == PANEL {
+                            lo[r][p] = _mm256_loadu_ps(src);
+                            hi[r][p] = _mm256_loadu_ps(src.add(8));
+                        } else {
+                            let mut buf = Lanes([0.0; PANEL]);
+                            std::ptr::copy_nonoverlapping(src, buf.0.as_mut_ptr(), lanes);
+                            lo[r][p] = _mm256_load_ps(buf.0.as_ptr());
+                            hi[r][p] = _mm256_load_ps(buf.0.as_ptr().add(8));
+                        }
+                    }
                 }
             }
+        }
+        // One step of every chain of the tile at `k`.
+        macro_rules! step {
+            ($k:expr) => {{
+                let k = $k;
+                let mut w = [(_mm256_setzero_ps(), _mm256_setzero_ps()); NV];
+                for (p, w) in w.iter_mut().enumerate() {
+                    // SAFETY: panel p, row k is inside the packed weights; `Lanes` is 64-aligned.
+                    unsafe {
+                        let src = t.panels.add(p * d_in + k).cast::<f32>();
+                        *w = (_mm256_load_ps(src), _mm256_load_ps(src.add(8)));
+                    }
+                }
+                for r in 0..MR {
+                    // SAFETY: row r, column k is inside x.
+                    let xb = _mm256_set1_ps(unsafe { *t.x.add(r * d_in + k) });
+                    for (p, &(wl, wh)) in w.iter().enumerate() {
+                        lo[r][p] = _mm256_fmadd_ps(xb, wl, lo[r][p]);
+                        hi[r][p] = _mm256_fmadd_ps(xb, wh, hi[r][p]);
+                    }
+                }
+            }};
+        }
+        // Unrolled by 4: the address arithmetic of the rows is shared by four steps, which
+        // leaves the two FMA ports to the FMAs.
+        let mut k = 0;
+        while k + 4 <= t.k_len {
+            step!(k);
+            step!(k + 1);
+            step!(k + 2);
+            step!(k + 3);
+            k += 4;
+        }
+        while k < t.k_len {
+            step!(k);
+            k += 1;
         }
         for r in 0..MR {
             for p in 0..NV {
@@ -523,6 +650,11 @@ mod tests {
         (4, 576, 1000),
         (300, 19, 23),
         (300, 40, 70),
+        // More rows than a micro-tile and d_in past K_BLOCK: the chains pause in y and resume.
+        (9, 129, 33),
+        (17, 257, 50),
+        (37, 300, 100),
+        (300, 150, 40),
     ];
 
     #[test]
@@ -539,6 +671,26 @@ mod tests {
             let mut y = vec![f32::NAN; rows * d_out];
             linear_forward(&mut y, &x, &packed).unwrap();
             assert_bits_eq(&y, &want, "linear_forward");
+        }
+    }
+
+    /// Every row count and every number of panels left over at the end of a row of tiles, so
+    /// each (rows, panels) kernel instance the tile tables can pick runs once.
+    #[test]
+    fn every_tile_shape_equals_the_reference_bit_for_bit() {
+        let mut rng = Rng::new(11);
+        let d_in = 3;
+        for rows in 1..=17 {
+            for panels in 1..=9 {
+                let d_out = panels * PANEL - (rows % 3);
+                let (x, w) = (rng.vec(rows * d_in, 1.0), rng.vec(d_out * d_in, 1.0));
+                let want = reference(&x, &w, rows, d_in, d_out);
+                let packed = PackedLinear::new(&w, d_out, d_in).unwrap();
+                for isa in isas() {
+                    let what = format!("{isa:?} rows {rows} d_out {d_out}");
+                    assert_bits_eq(&forward(&x, &packed, isa), &want, &what);
+                }
+            }
         }
     }
 
