@@ -237,6 +237,14 @@ fn a_nan_loss_skips_the_step_counts_it_and_the_run_goes_on() {
     assert!(records.iter().all(|r| r["train/loss"].as_f64().is_some_and(f64::is_finite)));
 }
 
+/// `miles train` in-process with whitespace-separated `flags` and then `more` (paths, JSON).
+fn train(flags: &str, more: &[&str]) -> Result<String, String> {
+    let mut args = vec!["train"];
+    args.extend(flags.split_whitespace());
+    args.extend(more);
+    miles(&args)
+}
+
 /// A tiny model checkpoint and a prompt file for runs that are not the demo.
 fn checkpoint_and_prompts(dir: &Path, prompts: &str) -> (String, String) {
     let ckpt = dir.join("ckpt");
@@ -306,28 +314,13 @@ fn an_unreachable_reward_server_fails_samples_not_the_run() {
         "{\"input\": \"1+1=\", \"label\": \"2\"}\n{\"input\": \"2+2=\", \"label\": \"4\"}\n",
     );
     // Port 9 (discard) on the loopback: nothing listens, so connections are refused.
-    let report = miles(&[
-        "train",
-        "--hf-checkpoint",
-        &ckpt,
-        "--prompt-data",
-        &data,
-        "--label-key",
-        "label",
-        "--rm-url",
-        "http://127.0.0.1:9/score",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--rollout-max-response-len",
-        "4",
-        "--num-rollout",
-        "1",
-        "--run-dir",
-        dir.join("run").to_str().unwrap(),
-    ])
-    .unwrap();
+    let run = dir.join("run");
+    let flags = "--label-key label --rm-url http://127.0.0.1:9/score --rollout-batch-size 2 \
+                 --n-samples-per-prompt 2 --rollout-max-response-len 4 --num-rollout 1";
+    let settings = r#"{"max_retries": 1, "backoff_ms": 1}"#;
+    let paths =
+        ["--hf-checkpoint", &ckpt, "--prompt-data", &data, "--run-dir", run.to_str().unwrap()];
+    let report = train(flags, &[&paths[..], &["--custom-rm-config", settings]].concat()).unwrap();
     assert!(report.contains("trained 1 iterations"), "{report}");
     let line = std::fs::read_to_string(dir.join("run").join("metrics.jsonl")).unwrap();
     let record: Value = serde_json::from_str(line.lines().last().unwrap()).unwrap();
@@ -399,4 +392,52 @@ fn demo_flags_combine_with_the_demo_settings() {
         cfg(&[("global-batch-size", Value::from(128))]).unwrap().global_batch_size,
         Some(128)
     );
+}
+
+/// Every estimator and the loss and sampling options run end to end on the demo, with finite
+/// losses; `--use-tis` sees weights of exactly 1 because trainer and rollout logprobs agree bit
+/// for bit; `--save-hf` writes a model that `miles score` loads.
+#[test]
+fn every_estimator_and_option_runs_end_to_end() {
+    let base = "--sft-warmup-steps 20 --rollout-batch-size 4 --n-samples-per-prompt 4 \
+                --num-rollout 2 --eval-interval 100 --num-steps-per-rollout 2";
+    let variants = [
+        "--advantage-estimator gspo",
+        "--advantage-estimator rloo --calculate-per-token-loss",
+        "--advantage-estimator reinforce_plus_plus --kl-coef 0.1 --gamma 0.9 --use-kl-loss",
+        "--advantage-estimator reinforce_plus_plus_baseline --kl-coef 0.1 --use-kl-loss",
+        "--normalize-advantages --eps-clip-high 0.28 --eps-clip-c 3 --entropy-coef 0.01",
+        "--over-sampling-batch-size 8 --use-kl-loss --kl-loss-type low_var_kl --micro-batch-size 3",
+        "--use-tis --tis-mode mask --tis-clip-low 0.5 --lr-warmup-iters 1 --lr-decay-style cosine",
+        "--use-rollout-logprobs --global-batch-size 8 --weight-decay 0.1",
+    ];
+    for (i, variant) in variants.iter().enumerate() {
+        let dir = scratch(&format!("train_variant_{i}"));
+        let hf = dir.join("hf");
+        let paths = ["--run-dir", dir.to_str().unwrap(), "--save-hf", hf.to_str().unwrap()];
+        let report = train(&format!("{base} {variant}"), &paths)
+            .unwrap_or_else(|e| panic!("{variant}: {e}"));
+        assert!(report.contains("trained 2 iterations (0 steps skipped)"), "{variant}: {report}");
+        let records: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .filter(|r: &Value| r.get("rollout/raw_reward").is_some())
+            .collect();
+        assert_eq!(records.len(), 2, "{variant}");
+        for r in &records {
+            assert_eq!(r["train/train_rollout_logprob_abs_diff"], 0.0, "{variant}: {r}");
+            if r["train/steps"].as_u64() != Some(0) {
+                assert!(r["train/loss"].as_f64().is_some_and(f64::is_finite), "{variant}: {r}");
+            }
+            if variant.contains("--use-tis") {
+                assert_eq!(r["train/tis_weight_mean"], 1.0, "{variant}: {r}");
+                assert_eq!(r["train/tis_masked_fraction"], 0.0, "{variant}: {r}");
+            }
+        }
+        let pairs = dir.join("pairs.jsonl");
+        std::fs::write(&pairs, "{\"prompt\": \"2+3=\", \"response\": \"5\"}\n").unwrap();
+        let hf = hf.to_str().unwrap();
+        miles(&["score", "--hf-checkpoint", hf, "--input", pairs.to_str().unwrap()]).unwrap();
+    }
 }

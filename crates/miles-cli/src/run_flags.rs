@@ -216,6 +216,13 @@ pub const FLAGS: &[Flag] = &[
     // Reward.
     optional(REWARD, "rm-type", Ty::Str, "A built-in reward by name (`miles plugins` lists them)."),
     optional(REWARD, "custom-rm-path", Ty::Str, "A reward plugin library, `LIB[:SYMBOL]`."),
+    optional(
+        REWARD,
+        "custom-rm-config",
+        Ty::Str,
+        "JSON handed to the reward when it is created (a plugin's configuration, or remote_rm's \
+         timeout_secs, max_retries, backoff_ms, concurrency).",
+    ),
     optional(REWARD, "rm-url", Ty::Str, "URL of a remote reward model."),
     switch(REWARD, "group-rm", "Score each prompt's group of responses in one call."),
     optional(

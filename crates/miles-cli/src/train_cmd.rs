@@ -52,20 +52,30 @@ pub fn run_config(args: &TrainArgs) -> anyhow::Result<RunConfig> {
 /// is named (the loop says whether it needs one).
 fn make_reward(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Reward>>> {
     linked::plugins();
+    let mut config: Value = match &cfg.custom_rm_config {
+        Some(text) => serde_json::from_str(text)
+            .with_context(|| format!("--custom-rm-config is not valid JSON: {text}"))?,
+        None => Value::Null,
+    };
     if let Some(spec) = &cfg.custom_rm_path {
-        return Ok(Some(Box::new(DynamicReward::load(spec, &Value::Null)?)));
+        return Ok(Some(Box::new(DynamicReward::load(spec, &config)?)));
     }
     let name = match (&cfg.rm_type, &cfg.rm_url) {
         (Some(name), _) => name.as_str(),
         (None, Some(_)) => "remote_rm",
         (None, None) => return Ok(None),
     };
-    let config = if name == "remote_rm" {
+    if name == "remote_rm" {
         let url = cfg.rm_url.as_deref().context("--rm-url: remote_rm needs the server's URL")?;
-        serde_json::json!({"url": url, "group": cfg.group_rm})
-    } else {
-        Value::Null
-    };
+        if config.is_null() {
+            config = serde_json::json!({});
+        }
+        let Some(map) = config.as_object_mut() else {
+            bail!("--custom-rm-config: remote_rm takes a JSON object of settings");
+        };
+        map.insert("url".into(), url.into());
+        map.insert("group".into(), cfg.group_rm.into());
+    }
     Ok(Some(registry::create_reward(name, &config).context("--rm-type")?))
 }
 

@@ -128,6 +128,8 @@ pub struct RunConfig {
     // Reward.
     pub rm_type: Option<String>,
     pub custom_rm_path: Option<String>,
+    /// JSON handed to the reward when it is created (a plugin's, or remote_rm's settings).
+    pub custom_rm_config: Option<String>,
     pub rm_url: Option<String>,
     pub group_rm: bool,
     pub reward_key: Option<String>,
@@ -227,6 +229,7 @@ impl Default for RunConfig {
             rollout_max_running: 64,
             rm_type: None,
             custom_rm_path: None,
+            custom_rm_config: None,
             rm_url: None,
             group_rm: false,
             reward_key: None,
