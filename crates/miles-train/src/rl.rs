@@ -231,7 +231,6 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     };
     let resumed_from = loaded.as_ref().map(|l| l.iteration);
     let mut log = MetricsLog::open(&run_dir, resumed_from)?;
-    let mut engine_version = 0;
     let mut emit = |log: &mut MetricsLog, record: Record| -> anyhow::Result<()> {
         log.write(&record)?;
         observe(&record);
@@ -262,7 +261,6 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
             data.restore(state.data).with_context(|| format!("{at}: data cursor"))?;
             let saved = l.extra.into_iter().find(|(n, _)| n == REF_WEIGHTS).map(|(_, w)| w);
             let reference = needs_ref.then(|| saved.unwrap_or(model.weights));
-            engine_version = state.iteration as u64;
             (Model::new(config.clone(), l.weights), l.optimizer, state, reference)
         }
         None => {
@@ -295,7 +293,8 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(policy.clone(), Some(tokenizer.clone()), engine_config)?;
-    engine.set_weight_version(engine_version);
+    // The policy version is the number of weight syncs so far, one per iteration.
+    engine.set_weight_version(state.iteration as u64);
     let loss_cfg = PolicyLossConfig::from_run_config(&cfg);
     loss_cfg.validate()?;
     let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
