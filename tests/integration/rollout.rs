@@ -456,6 +456,16 @@ fn engine_limits_and_refusals() {
     let again = e.generate(groups(1, 23), &params(8)).unwrap().remove(0).remove(0);
     assert_eq!(again.tokens, full.tokens);
 
+    // In-place updates (the trainer's weight sync): generating before `weights_updated` is
+    // refused; after it, the new weights are the ones sampled from.
+    e.policy_mut().weights.final_norm.iter_mut().for_each(|w| *w *= 3.0);
+    let err = e.generate(groups(1, 23), &params(8)).unwrap_err().to_string();
+    assert!(err.contains("weights_updated"), "{err}");
+    e.weights_updated().unwrap();
+    assert_eq!(e.weight_version(), 1);
+    let changed = e.generate(groups(1, 23), &params(8)).unwrap().remove(0).remove(0);
+    assert_ne!(changed.rollout_log_probs, full.rollout_log_probs);
+
     let huge = EngineConfig { kv_cache_bytes: 1 << 60, ..EngineConfig::default() };
     let err = Engine::new(m.clone(), None, huge).err().unwrap().to_string();
     assert!(err.contains("--rollout-kv-cache-mb"), "{err}");

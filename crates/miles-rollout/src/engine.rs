@@ -81,6 +81,8 @@ pub struct Engine {
     kv: KvCache,
     stats: EngineStats,
     weight_version: u64,
+    /// The weights changed through [`Engine::policy_mut`] and are not repacked yet.
+    stale: bool,
 }
 
 /// One sequence being generated.
@@ -145,7 +147,7 @@ impl Engine {
         let kv = KvCache::new(&model.config, num_blocks).map_err(model_error)?;
         let packed = PackedLinears::new(&model).map_err(model_error)?;
         let stats = EngineStats { total_blocks: num_blocks, ..EngineStats::default() };
-        Ok(Engine { model, packed, tokenizer, config, kv, stats, weight_version: 0 })
+        Ok(Engine { model, packed, tokenizer, config, kv, stats, weight_version: 0, stale: false })
     }
 
     pub fn model(&self) -> &Model {
@@ -174,6 +176,28 @@ impl Engine {
     /// Sets the policy version, e.g. to where a resumed run had got to.
     pub fn set_weight_version(&mut self, version: u64) {
         self.weight_version = version;
+    }
+
+    /// The policy itself, for a trainer in the same process to update in place: the one copy
+    /// of the weights serves training and rollout (zero-copy weight sync). Call
+    /// [`Engine::weights_updated`] before generating again.
+    pub fn policy_mut(&mut self) -> &mut Model {
+        self.stale = true;
+        &mut self.model
+    }
+
+    /// Finishes an in-place update: repacks the linears and bumps the policy version.
+    pub fn weights_updated(&mut self) -> crate::Result<()> {
+        self.model.weights.check(&self.model.config).map_err(model_error)?;
+        self.packed = PackedLinears::new(&self.model).map_err(model_error)?;
+        self.stale = false;
+        self.weight_version += 1;
+        Ok(())
+    }
+
+    /// The policy, taken out of the engine (the end of a run).
+    pub fn into_model(self) -> Model {
+        self.model
     }
 
     /// Weight sync: takes the trainer's new weights (moved, not copied through a file) and
@@ -206,6 +230,11 @@ impl Engine {
         progress: &mut dyn FnMut(Progress),
     ) -> crate::Result<Vec<Vec<Sample>>> {
         check_params(params)?;
+        if self.stale {
+            return Err(crate::Error::Invalid(
+                "the policy changed through policy_mut(); call weights_updated() first".into(),
+            ));
+        }
         if !params.stop.is_empty() && self.tokenizer.is_none() {
             return Err(crate::Error::config(
                 "rollout-stop",

@@ -11,7 +11,8 @@
 //! 4. `num-steps-per-rollout` optimizer steps over consecutive slices of the batch, each
 //!    accumulated over micro-batches; a step whose loss or gradient is not finite is skipped
 //!    and counted (`train/skipped_steps`);
-//! 5. the new weights go to the engine in memory.
+//! 5. weight sync: the engine repacks the policy it shares with the trainer (one copy of the
+//!    weights, updated in place).
 //!
 //! Every random choice is a function of the seeds and the iteration number (shuffles of
 //! `(rollout-seed, epoch)`, rollout draws of `(rollout-seed, iteration, round)`), so a run
@@ -239,7 +240,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     let mut data = DataSource::new(train_data, cfg.rollout_shuffle, cfg.rollout_seed)?;
     // The frozen reference is the policy RL starts from: the initial model, or the warmed-up
     // one (then saved with each checkpoint).
-    let (mut policy, mut optimizer, mut state, reference) = match loaded {
+    let (policy, mut optimizer, mut state, reference) = match loaded {
         Some(l) => {
             let at = l.dir.display();
             let state: LoopState = serde_json::from_value(l.state.clone()).with_context(|| {
@@ -292,7 +293,8 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         max_prompt_len: cfg.rollout_max_prompt_len,
         ..EngineConfig::default()
     };
-    let mut engine = Engine::new(policy.clone(), Some(tokenizer.clone()), engine_config)?;
+    // The engine holds the one copy of the policy; the trainer updates it in place.
+    let mut engine = Engine::new(policy, Some(tokenizer.clone()), engine_config)?;
     // The policy version is the number of weight syncs so far, one per iteration.
     engine.set_weight_version(state.iteration as u64);
     let loss_cfg = PolicyLossConfig::from_run_config(&cfg);
@@ -362,7 +364,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
                 StepLoss::Policy(&loss_cfg)
             };
             match train_step(
-                &mut policy,
+                engine.policy_mut(),
                 &mut optimizer,
                 part,
                 kind,
@@ -378,8 +380,8 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         sums.write(&mut record);
         record.insert("train/skipped_steps".into(), json!(state.skipped_steps));
 
-        // 5. Weight sync, in memory.
-        engine.update_weights(policy.weights.clone())?;
+        // 5. Weight sync: the optimizer updated the engine's own weights; repack them.
+        engine.weights_updated()?;
         state.iteration += 1;
         state.data = data.cursor();
 
@@ -419,7 +421,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
                 state.iteration as u64,
                 &CheckpointRef {
                     config: &config,
-                    weights: &policy.weights,
+                    weights: &engine.model().weights,
                     optimizer: &optimizer,
                     state: &state_json,
                     tokenizer_dir: tokenizer_dir.as_deref(),
@@ -433,7 +435,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         }
     }
     if let Some(dir) = &cfg.save_hf {
-        checkpoint::export_hf(dir, &config, &policy.weights, tokenizer_dir.as_deref())
+        checkpoint::export_hf(dir, &config, &engine.model().weights, tokenizer_dir.as_deref())
             .with_context(|| format!("--save-hf {}", dir.display()))?;
     }
     Ok(Summary {
@@ -441,7 +443,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         resumed_from,
         final_eval,
         skipped_steps: state.skipped_steps,
-        weights: policy.weights,
+        weights: engine.into_model().weights,
     })
 }
 
