@@ -22,11 +22,13 @@ fn tis(c: &mut Criterion) {
         let cases = [
             ("token_truncate", TisLevel::Token, TisMode::Truncate, None),
             ("sequence_mask", TisLevel::Sequence, TisMode::Mask, None),
-            ("geometric_clip_veto", TisLevel::Geometric, TisMode::Clip, Some(1e-4)),
+            ("geometric_clip_rs_veto", TisLevel::Geometric, TisMode::Clip, Some(1e-4)),
         ];
-        for (name, level, mode, veto_threshold) in cases {
+        for (name, level, mode, rs_veto_threshold) in cases {
+            let use_rs = rs_veto_threshold.is_some();
+            let lower = Some(0.5);
             let config =
-                TisConfig { level, mode, veto_threshold, lower: 0.5, ..TisConfig::default() };
+                TisConfig { level, mode, use_rs, rs_veto_threshold, lower, ..TisConfig::default() };
             let tis = Tis::new(config).expect("valid config");
             let id = BenchmarkId::new(name, format!("{sequences}x{len}"));
             group.bench_with_input(id, &input, |b, input| b.iter(|| tis.correct(input).unwrap()));

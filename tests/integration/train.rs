@@ -409,7 +409,12 @@ fn every_estimator_and_option_runs_end_to_end() {
         "--normalize-advantages --eps-clip-high 0.28 --eps-clip-c 3 --entropy-coef 0.01",
         "--over-sampling-batch-size 8 --use-kl-loss --kl-loss-type low_var_kl --micro-batch-size 3",
         "--use-tis --tis-mode mask --tis-clip-low 0.5 --lr-warmup-iters 1 --lr-decay-style cosine",
+        "--use-tis --tis-mode icepop --use-rs --rs-level sequence --rs-veto-threshold 1e-4 \
+         --tis-batch-normalize",
         "--use-rollout-logprobs --global-batch-size 8 --weight-decay 0.1",
+        "--advantage-estimator cispo --eps-clip 1 --eps-clip-high 4 --use-opsm --opsm-delta 0.01 \
+         --use-kl-loss --use-unbiased-kl --kl-loss-type k3",
+        "--disable-rewards-normalization --disable-grpo-std-normalization",
     ];
     for (i, variant) in variants.iter().enumerate() {
         let dir = scratch(&format!("train_variant_{i}"));
@@ -431,8 +436,12 @@ fn every_estimator_and_option_runs_end_to_end() {
                 assert!(r["train/loss"].as_f64().is_some_and(f64::is_finite), "{variant}: {r}");
             }
             if variant.contains("--use-tis") {
-                assert_eq!(r["train/tis_weight_mean"], 1.0, "{variant}: {r}");
-                assert_eq!(r["train/tis_masked_fraction"], 0.0, "{variant}: {r}");
+                assert_eq!(r["train/mis_is_ratio_mean_final"], 1.0, "{variant}: {r}");
+                assert_eq!(r["train/tis_clipfrac"], 0.0, "{variant}: {r}");
+                assert_eq!(r["train/mis_kl"], 0.0, "{variant}: {r}");
+            }
+            if variant.contains("--use-opsm") && r["train/steps"].as_u64() != Some(0) {
+                assert!(r["train/opsm_clipfrac"].as_f64().is_some(), "{variant}: {r}");
             }
         }
         let pairs = dir.join("pairs.jsonl");

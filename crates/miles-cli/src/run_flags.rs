@@ -238,6 +238,7 @@ pub const FLAGS: &[Flag] = &[
         Ty::Enum(&[
             "grpo",
             "gspo",
+            "cispo",
             "reinforce_plus_plus",
             "reinforce_plus_plus_baseline",
             "rloo",
@@ -249,6 +250,11 @@ pub const FLAGS: &[Flag] = &[
         ADVANTAGE,
         "disable-grpo-std-normalization",
         "GRPO: subtract the group's mean reward without dividing by its std.",
+    ),
+    switch(
+        ADVANTAGE,
+        "disable-rewards-normalization",
+        "GRPO/GSPO/CISPO/REINFORCE++-baseline: use the raw rewards, no group normalization.",
     ),
     switch(ADVANTAGE, "normalize-advantages", "Whiten the advantages over the whole batch."),
     value(ADVANTAGE, "gamma", Ty::Float, "Discount factor, in [0, 1]."),
@@ -283,7 +289,12 @@ pub const FLAGS: &[Flag] = &[
         LOSS,
         "kl-loss-type",
         Ty::Enum(&["k1", "kl", "k2", "k3", "low_var_kl"]),
-        "Estimator of the KL loss; slime's `kl` is k1.",
+        "Estimator of the KL loss and of the --kl-coef reward penalty; slime's `kl` is k1.",
+    ),
+    switch(
+        LOSS,
+        "use-unbiased-kl",
+        "Weight the KL loss by the importance ratio (DeepSeek-V3.2's unbiased estimate).",
     ),
     value(LOSS, "kl-coef", Ty::Float, "Weight of the KL penalty taken off the reward."),
     value(LOSS, "entropy-coef", Ty::Float, "Weight of the entropy bonus in the loss."),
@@ -297,6 +308,17 @@ pub const FLAGS: &[Flag] = &[
         "use-rollout-logprobs",
         "Use the rollout engine's logprobs as the old policy's instead of recomputing them.",
     ),
+    switch(
+        LOSS,
+        "use-opsm",
+        "Off-policy sequence masking: drop negative-advantage tokens of drifted sequences.",
+    ),
+    value(
+        LOSS,
+        "opsm-delta",
+        Ty::Float,
+        "OPSM threshold on a sequence's mean old − new log-ratio.",
+    ),
     // Off-policy correction.
     switch(TIS, "use-tis", "Correct the rollout/training mismatch by importance sampling."),
     value(
@@ -308,18 +330,32 @@ pub const FLAGS: &[Flag] = &[
     value(
         TIS,
         "tis-mode",
-        Ty::Enum(&["truncate", "clip", "mask"]),
-        "Weights out of bounds: truncate caps at --tis-clip, clip clamps, mask drops the token.",
+        Ty::Enum(&["truncate", "clip", "mask", "icepop"]),
+        "Weights out of bounds: truncate and clip clamp, mask drops the token, icepop zeroes it.",
     ),
     value(TIS, "tis-clip", Ty::Float, "Upper bound of the importance weight."),
-    value(TIS, "tis-clip-low", Ty::Float, "Lower bound of the importance weight (clip, mask)."),
     optional(
         TIS,
-        "tis-veto-threshold",
+        "tis-clip-low",
         Ty::Float,
-        "Drop a whole sequence when any token's ratio is below this; off when absent.",
+        "Lower bound of the importance weight (default 0 for truncate/icepop, 1/upper else).",
     ),
     switch(TIS, "tis-batch-normalize", "Rescale the importance weights to mean 1 over the batch."),
+    switch(TIS, "use-rs", "MIS rejection sampling: drop tokens whose ratio is out of bounds."),
+    value(
+        TIS,
+        "rs-level",
+        Ty::Enum(&["token", "sequence", "geometric"]),
+        "What one rejection ratio covers: a token, a sequence, or its geometric mean.",
+    ),
+    optional(TIS, "rs-lower-bound", Ty::Float, "Rejection lower bound (default: the TIS one)."),
+    optional(TIS, "rs-upper-bound", Ty::Float, "Rejection upper bound (default: --tis-clip)."),
+    optional(
+        TIS,
+        "rs-veto-threshold",
+        Ty::Float,
+        "With --use-rs: drop a whole sequence when any token's ratio is below this.",
+    ),
     // Optimizer and schedule.
     value(OPTIM, "lr", Ty::Float, "Learning rate (Adam)."),
     value(OPTIM, "min-lr", Ty::Float, "Learning rate at the end of the decay."),
@@ -954,7 +990,7 @@ mod tests {
         let e = parse(&["--advantage-estimator", "foo"]).unwrap_err();
         assert!(
             e.contains(
-                "--advantage-estimator: unknown value 'foo'; expected one of grpo, gspo, \
+                "--advantage-estimator: unknown value 'foo'; expected one of grpo, gspo, cispo, \
                  reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, ppo"
             ),
             "{e}"
@@ -989,7 +1025,7 @@ mod tests {
 
         let file = toml_file("advantage-estimator = \"foo\"\n");
         let e = error(config(&["--config", file.to_str().unwrap()]));
-        assert!(e.ends_with("key 'advantage-estimator': unknown value 'foo'; expected one of grpo, gspo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, ppo"), "{e}");
+        assert!(e.ends_with("key 'advantage-estimator': unknown value 'foo'; expected one of grpo, gspo, cispo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, ppo"), "{e}");
 
         let file = toml_file("seed = 1\nlr = \n");
         let shown = file.display().to_string();
@@ -1018,14 +1054,14 @@ mod tests {
     fn toml_accepts_snake_case_and_every_value_type() {
         let file = toml_file(
             "rollout_batch_size = 4\nn-samples-per-prompt = 2\nlr = 1\nuse_tis = true\n\
-             tis-veto-threshold = 1e-4\nrollout-stop = [\"###\"]\nrollout-top-k = -1\n\
+             rs-veto-threshold = 1e-4\nuse-rs = true\nrollout-stop = [\"###\"]\nrollout-top-k = -1\n\
              kl-loss-type = \"low_var_kl\"\nprompt-data = \"data.jsonl@[0:8]\"\n",
         );
         let c = config(&["--config", file.to_str().unwrap()]).unwrap();
         assert_eq!((c.rollout_batch_size, c.n_samples_per_prompt), (4, 2));
         assert_eq!(c.lr, 1.0, "an integer is a number");
         assert!(c.use_tis);
-        assert_eq!(c.tis_veto_threshold, Some(1e-4));
+        assert_eq!(c.rs_veto_threshold, Some(1e-4));
         assert_eq!(c.rollout_stop, ["###"]);
         assert_eq!(c.kl_loss_type, KlLossType::LowVarKl);
         assert_eq!(c.prompt_data.as_deref(), Some("data.jsonl@[0:8]"));
@@ -1051,7 +1087,7 @@ mod tests {
         let mut cmd = TrainArgs::augment_args(Command::new("train"));
         let help = cmd.render_long_help().to_string();
         assert!(help.contains("--config <FILE>"), "{help}");
-        assert!(help.contains("[one of: grpo, gspo, reinforce_plus_plus"), "{help}");
+        assert!(help.contains("[one of: grpo, gspo, cispo, reinforce_plus_plus"), "{help}");
         assert!(help.contains("[default: 8]"), "{help}");
         assert!(help.contains("[default: 1e-6]"), "{help}");
         assert!(help.contains("--use-tis[=<BOOL>]"), "{help}");

@@ -126,6 +126,9 @@ fn load_data(spec: &str, cfg: &RunConfig, flag: &str) -> anyhow::Result<Dataset>
 
 /// Everything the loop needs, from the configuration.
 pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
+    for warning in cfg.warnings() {
+        eprintln!("warning: {warning}");
+    }
     let reward = make_reward(&cfg)?;
     let advantage = make_advantage(&cfg)?;
     let correction = make_correction(&cfg)?;

@@ -15,6 +15,8 @@ pub enum AdvantageEstimator {
     #[default]
     Grpo,
     Gspo,
+    /// CISPO (MiniMax-M1): GRPO advantages with the loss −sg(clip(ρ))·A·logp.
+    Cispo,
     ReinforcePlusPlus,
     ReinforcePlusPlusBaseline,
     Rloo,
@@ -53,7 +55,8 @@ pub enum TisLevel {
 }
 
 /// What happens to a weight outside the bounds: `truncate` caps it at the upper bound (TIS),
-/// `clip` clamps it into [lower, upper], `mask` drops the token from the loss (MIS).
+/// `clip` clamps it into [lower, upper], `mask` drops the token from the loss (MIS), `icepop`
+/// sets the weight to 0 but keeps the token in the loss (slime's `icepop_function`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TisMode {
@@ -61,6 +64,7 @@ pub enum TisMode {
     Truncate,
     Clip,
     Mask,
+    Icepop,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -137,6 +141,8 @@ pub struct RunConfig {
     // Advantage.
     pub advantage_estimator: AdvantageEstimator,
     pub disable_grpo_std_normalization: bool,
+    /// GRPO/GSPO/CISPO/REINFORCE++-baseline: use the raw rewards, no group normalization.
+    pub disable_rewards_normalization: bool,
     pub normalize_advantages: bool,
     pub gamma: f32,
     pub lambd: f32,
@@ -151,22 +157,37 @@ pub struct RunConfig {
     pub use_kl_loss: bool,
     pub kl_loss_coef: f32,
     pub kl_loss_type: KlLossType,
+    /// Weight the KL loss by the importance ratio π/π_old (DeepSeek-V3.2's unbiased estimate).
+    pub use_unbiased_kl: bool,
     pub kl_coef: f32,
     pub entropy_coef: f32,
     pub calculate_per_token_loss: bool,
     pub use_rollout_logprobs: bool,
+    /// Off-policy sequence masking: drop the negative-advantage tokens of sequences whose mean
+    /// old − new log-ratio exceeds `opsm-delta`.
+    pub use_opsm: bool,
+    pub opsm_delta: f32,
 
     // Off-policy correction (the `tis` plugin).
     pub use_tis: bool,
     pub tis_level: TisLevel,
     pub tis_mode: TisMode,
-    /// Upper bound of the importance weight.
+    /// Upper bound of the importance weight (MIS's `tis_upper_bound`).
     pub tis_clip: f32,
-    /// Lower bound of the importance weight (clip and mask modes).
-    pub tis_clip_low: f32,
-    /// Drop a whole sequence when any token's ratio is below this.
-    pub tis_veto_threshold: Option<f32>,
+    /// Lower bound of the importance weight (MIS's `tis_lower_bound`); default 0 for truncate
+    /// and icepop (slime's `--tis-clip-low`), 1/upper for clip and mask (MIS's default).
+    pub tis_clip_low: Option<f32>,
     pub tis_batch_normalize: bool,
+    /// MIS rejection sampling: tokens (or sequences) whose ratio at `rs-level` is outside
+    /// [rs-lower-bound, rs-upper-bound] leave the loss.
+    pub use_rs: bool,
+    pub rs_level: TisLevel,
+    /// Default: the TIS lower bound as `tis-clip-low` resolves for clip/mask (1/upper).
+    pub rs_lower_bound: Option<f32>,
+    /// Default: `tis-clip`.
+    pub rs_upper_bound: Option<f32>,
+    /// With `use-rs`: drop a whole sequence when any token's ratio is below this.
+    pub rs_veto_threshold: Option<f32>,
 
     // Optimizer and schedule.
     pub lr: f32,
@@ -235,6 +256,7 @@ impl Default for RunConfig {
             reward_key: None,
             advantage_estimator: AdvantageEstimator::Grpo,
             disable_grpo_std_normalization: false,
+            disable_rewards_normalization: false,
             normalize_advantages: false,
             gamma: 1.0,
             lambd: 1.0,
@@ -245,17 +267,24 @@ impl Default for RunConfig {
             use_kl_loss: false,
             kl_loss_coef: 0.0,
             kl_loss_type: KlLossType::K1,
+            use_unbiased_kl: false,
             kl_coef: 0.0,
             entropy_coef: 0.0,
             calculate_per_token_loss: false,
             use_rollout_logprobs: false,
+            use_opsm: false,
+            opsm_delta: 1e-4,
             use_tis: false,
             tis_level: TisLevel::Token,
             tis_mode: TisMode::Truncate,
             tis_clip: 2.0,
-            tis_clip_low: 0.0,
-            tis_veto_threshold: None,
+            tis_clip_low: None,
             tis_batch_normalize: false,
+            use_rs: false,
+            rs_level: TisLevel::Token,
+            rs_lower_bound: None,
+            rs_upper_bound: None,
+            rs_veto_threshold: None,
             lr: 1e-6,
             min_lr: 0.0,
             lr_warmup_iters: 0,
@@ -319,15 +348,10 @@ impl RunConfig {
         check((0.0..=1.0).contains(&self.lambd), "lambd", || {
             format!("{} outside [0, 1]", self.lambd)
         })?;
-        check(self.tis_clip > 0.0, "tis-clip", || format!("{} must be > 0", self.tis_clip))?;
-        check(
-            self.tis_clip_low >= 0.0 && self.tis_clip_low < self.tis_clip,
-            "tis-clip-low",
-            || format!("{} must be in [0, --tis-clip {})", self.tis_clip_low, self.tis_clip),
-        )?;
-        if let Some(v) = self.tis_veto_threshold {
-            check(v > 0.0, "tis-veto-threshold", || format!("{v} must be > 0"))?;
-        }
+        self.validate_correction()?;
+        check(self.opsm_delta.is_finite(), "opsm-delta", || {
+            format!("{} is not finite", self.opsm_delta)
+        })?;
         check(self.lr >= 0.0, "lr", || format!("{} must be >= 0", self.lr))?;
         check(self.min_lr <= self.lr, "min-lr", || {
             format!("{} exceeds --lr {}", self.min_lr, self.lr)
@@ -365,6 +389,57 @@ impl RunConfig {
         Ok(())
     }
 
+    /// The off-policy correction's flags: ranges, and the combinations slime refuses.
+    fn validate_correction(&self) -> Result<()> {
+        check(self.tis_clip > 0.0, "tis-clip", || format!("{} must be > 0", self.tis_clip))?;
+        if let Some(low) = self.tis_clip_low {
+            check(low >= 0.0 && low < self.tis_clip, "tis-clip-low", || {
+                format!("{low} must be in [0, --tis-clip {})", self.tis_clip)
+            })?;
+        }
+        let rs_flags = [
+            ("rs-lower-bound", self.rs_lower_bound),
+            ("rs-upper-bound", self.rs_upper_bound),
+            ("rs-veto-threshold", self.rs_veto_threshold),
+        ];
+        for (key, value) in rs_flags {
+            if let Some(v) = value {
+                check(v > 0.0 || (key == "rs-lower-bound" && v == 0.0), key, || {
+                    format!("{v} must be > 0")
+                })?;
+                check(self.use_rs, key, || "takes effect only with --use-rs".into())?;
+            }
+        }
+        check(!self.use_rs || self.use_tis, "use-rs", || {
+            "rejection sampling is part of the tis correction: add --use-tis".into()
+        })?;
+        check(
+            !(self.tis_batch_normalize && self.tis_level == TisLevel::Geometric),
+            "tis-batch-normalize",
+            || "is not defined for --tis-level geometric (slime refuses it too)".into(),
+        )?;
+        check(!(self.use_tis && self.use_rollout_logprobs), "use-rollout-logprobs", || {
+            "cannot be combined with --use-tis: with the rollout's logprobs as the old policy the \
+             PPO ratio already corrects for the rollout engine (slime refuses the same pair)"
+                .into()
+        })
+    }
+
+    /// Settings that run but are probably not what the user meant, as slime warns of them.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.advantage_estimator == AdvantageEstimator::Cispo && self.eps_clip < 1.0 {
+            out.push(format!(
+                "CISPO is canonically single-sided, but --eps-clip {} keeps the lower clip bound \
+                 {} active; set --eps-clip 1.0 (and tune --eps-clip-high, e.g. 4.0) for the \
+                 canonical wide setting",
+                self.eps_clip,
+                1.0 - self.eps_clip
+            ));
+        }
+        out
+    }
+
     /// The rollout engine's sampling parameters.
     pub fn sampling_params(&self) -> SamplingParams {
         SamplingParams {
@@ -386,8 +461,12 @@ impl RunConfig {
             "mode": self.tis_mode,
             "upper": self.tis_clip,
             "lower": self.tis_clip_low,
-            "veto_threshold": self.tis_veto_threshold,
             "batch_normalize": self.tis_batch_normalize,
+            "use_rs": self.use_rs,
+            "rs_level": self.rs_level,
+            "rs_lower": self.rs_lower_bound,
+            "rs_upper": self.rs_upper_bound,
+            "rs_veto_threshold": self.rs_veto_threshold,
         })
     }
 }
@@ -431,7 +510,7 @@ mod tests {
         let bad = |c: RunConfig| c.validate().unwrap_err().to_string();
         let d = RunConfig::default;
         assert!(bad(RunConfig { eps_clip_c: Some(0.5), ..d() }).starts_with("--eps-clip-c:"));
-        assert!(bad(RunConfig { tis_clip_low: 3.0, ..d() }).starts_with("--tis-clip-low:"));
+        assert!(bad(RunConfig { tis_clip_low: Some(3.0), ..d() }).starts_with("--tis-clip-low:"));
         assert!(bad(RunConfig { rollout_top_k: 0, ..d() }).starts_with("--rollout-top-k:"));
         assert!(
             bad(RunConfig { over_sampling_batch_size: Some(2), ..d() })
@@ -442,6 +521,45 @@ mod tests {
                 .starts_with("--global-batch-size:")
         );
         RunConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn correction_combinations_slime_refuses_are_errors() {
+        let bad = |c: RunConfig| c.validate().unwrap_err().to_string();
+        let tis = || RunConfig { use_tis: true, ..RunConfig::default() };
+        let e = bad(RunConfig { use_rollout_logprobs: true, ..tis() });
+        assert!(e.starts_with("--use-rollout-logprobs: cannot be combined with --use-tis"), "{e}");
+        let geometric =
+            RunConfig { tis_level: TisLevel::Geometric, tis_batch_normalize: true, ..tis() };
+        assert!(bad(geometric).starts_with("--tis-batch-normalize:"));
+        let e = bad(RunConfig { use_rs: true, ..RunConfig::default() });
+        assert!(e.starts_with("--use-rs:") && e.contains("--use-tis"), "{e}");
+        let e = bad(RunConfig { rs_veto_threshold: Some(1e-4), ..tis() });
+        assert_eq!(e, "--rs-veto-threshold: takes effect only with --use-rs");
+        let e = bad(RunConfig { use_rs: true, rs_upper_bound: Some(0.0), ..tis() });
+        assert!(e.starts_with("--rs-upper-bound: 0 must be > 0"), "{e}");
+        RunConfig {
+            use_rs: true,
+            rs_veto_threshold: Some(1e-4),
+            rs_lower_bound: Some(0.0),
+            ..tis()
+        }
+        .validate()
+        .unwrap();
+        // The rollout's logprobs without TIS, and TIS without them, are both fine.
+        RunConfig { use_rollout_logprobs: true, ..RunConfig::default() }.validate().unwrap();
+        tis().validate().unwrap();
+    }
+
+    #[test]
+    fn cispo_with_a_narrow_lower_clip_warns_as_slime_does() {
+        let c =
+            RunConfig { advantage_estimator: AdvantageEstimator::Cispo, ..RunConfig::default() };
+        let w = c.warnings();
+        assert_eq!(w.len(), 1);
+        assert!(w[0].contains("--eps-clip 0.2"), "{w:?}");
+        assert!(RunConfig { eps_clip: 1.0, ..c }.warnings().is_empty());
+        assert!(RunConfig::default().warnings().is_empty());
     }
 
     #[test]

@@ -35,12 +35,14 @@ impl CorrectionInput<'_> {
 
 /// The result: a weight per token that multiplies the policy-gradient term (constants: they
 /// carry no gradient), the mask to apply in the loss numerator (tokens or whole sequences may
-/// be dropped; aggregation keeps the input mask's denominators), and metrics by name.
+/// be dropped; aggregation keeps the input mask's denominators), and per-token metrics by name,
+/// which the trainer aggregates like the loss over the input loss mask (slime's
+/// `sum_of_sample_mean`), so a sequence-level metric repeats its value on every token.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CorrectionOutput {
     pub weights: Vec<f32>,
     pub loss_mask: Vec<u8>,
-    pub metrics: BTreeMap<String, f64>,
+    pub metrics: BTreeMap<String, Vec<f64>>,
 }
 
 /// Off-policy correction of the loss for the gap between the rollout engine's distribution and

@@ -168,7 +168,7 @@ pub const CHARTS: &[ChartSpec] = &[
     ChartSpec {
         file: "clipfrac.png",
         title: "Clip fraction",
-        keys: &["train/pg_clipfrac", "train/tis_clip_fraction"],
+        keys: &["train/pg_clipfrac", "train/tis_clipfrac"],
         prefix: None,
     },
     ChartSpec {

@@ -119,7 +119,7 @@ fn synthetic_run() -> String {
                 r#""rollout/response_len/mean": {len}, "#,
                 r#""train/loss": {loss}, "train/pg_loss": {pg}, "train/pg_clipfrac": {clip}, "#,
                 r#""train/ppo_kl": {kl}, "train/kl_loss": 0.0, "train/grad_norm": 0.8, "#,
-                r#""train/tis_clip_fraction": {tis}, "#,
+                r#""train/tis_clipfrac": {tis}, "#,
                 r#""perf/step_time": {st}, "perf/rollout_time": {rt}, "perf/train_time": 0.5"#
             ),
             step = step,

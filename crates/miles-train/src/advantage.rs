@@ -1,5 +1,7 @@
-//! Advantage estimators: GRPO, GSPO, REINFORCE++, REINFORCE++-baseline and RLOO, each a
+//! Advantage estimators: GRPO, GSPO, CISPO, REINFORCE++, REINFORCE++-baseline and RLOO, each a
 //! [`miles_core::Advantage`] registered under its `--advantage-estimator` name.
+//! `tests/fixtures/slime` holds them to slime's own reward post-processing and
+//! `compute_advantages_and_returns`.
 //!
 //! The input is the batch as groups (one group per prompt, one [`SequenceScore`] per sample);
 //! the output is one advantage per response token, `[group][sample][token]`. What each
@@ -11,21 +13,29 @@
 //!   A = 0 in both modes: its reward is its own baseline (slime switches the std division off
 //!   when `--n-samples-per-prompt` is 1, which gives the same 0; an unbiased std of one value
 //!   would be NaN).
-//! - `gspo`: the GRPO advantages; GSPO differs in the loss (a sequence-level ratio,
-//!   `PolicyLossConfig::sequence_ratio`).
+//!   With `rewards_normalization` off (`--disable-rewards-normalization`) A = r.
+//! - `gspo`, `cispo`: the GRPO advantages; they differ in the loss (a sequence-level ratio,
+//!   CISPO's surrogate: `loss::Objective`).
 //! - `reinforce_plus_plus`: token rewards −kl_coef·kl_t on the kept tokens plus r on the last
 //!   kept token, discounted returns G_t = Σ_{s≥t} γ^{s−t} r_s over every response position
 //!   (masked positions earn nothing but still count as a step of discount), then whitened over
-//!   the whole batch.
-//! - `reinforce_plus_plus_baseline`: (r − mean_g) − kl_coef·kl_t on every token, then whitened
-//!   over the whole batch.
+//!   the whole batch. A sample with no kept token gets zeros (slime asserts instead; such a
+//!   sample, e.g. one a multi-turn rollout masked out entirely, has nothing to train, and one
+//!   such sample should not stop a run).
+//! - `reinforce_plus_plus_baseline`: (r − mean_g) − kl_coef·kl_t on every token (r − kl_coef·kl_t
+//!   without rewards normalization), then whitened over the whole batch.
+//!
+//! kl_t is the KL between the old and the reference policy at each token by `--kl-loss-type`'s
+//! estimator (the trainer computes it; `batch::compute_advantages`).
 //! - `rloo`: A = r − mean of the *other* samples of the group = n/(n − 1)·(r − mean_g); 0 for
 //!   a group of one.
 //!
 //! Whitening ([`normalize_advantages`], slime's `--normalize-advantages`) subtracts the mean
 //! and divides by sqrt(var + 1e-8) with mean and unbiased variance over the kept tokens of the
 //! whole batch. slime requires `--normalize-advantages` for both REINFORCE++ variants; here
-//! they whiten themselves, and whitening again is (to 1e-8) a no-op.
+//! they whiten themselves, and whitening again is (to 1e-8) a no-op. A batch with no kept
+//! token at all whitens to zeros (slime raises): the step then has a zero loss and moves
+//! nothing.
 //!
 //! Tokens outside the loss mask get advantage 0 (slime leaves there whatever the broadcast or
 //! the whitening produced; the loss never reads those values, and zeros keep dumps and
@@ -48,8 +58,11 @@ const WHITEN_EPSILON: f64 = 1e-8;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdvantageConfig {
-    /// GRPO/GSPO: divide by the group std (off: Dr.GRPO).
+    /// GRPO/GSPO/CISPO: divide by the group std (off: Dr.GRPO).
     pub std_normalization: bool,
+    /// GRPO/GSPO/CISPO/REINFORCE++-baseline: normalize rewards within their group at all
+    /// (off: `--disable-rewards-normalization`).
+    pub rewards_normalization: bool,
     /// REINFORCE++: discount factor in [0, 1].
     pub gamma: f32,
     /// REINFORCE++ and REINFORCE++-baseline: weight of the per-token KL penalty (`--kl-coef`).
@@ -58,15 +71,22 @@ pub struct AdvantageConfig {
 
 impl Default for AdvantageConfig {
     fn default() -> Self {
-        AdvantageConfig { std_normalization: true, gamma: 1.0, kl_coef: 0.0 }
+        AdvantageConfig {
+            std_normalization: true,
+            rewards_normalization: true,
+            gamma: 1.0,
+            kl_coef: 0.0,
+        }
     }
 }
 
 impl AdvantageConfig {
-    /// From the flags: `--disable-grpo-std-normalization`, `--gamma`, `--kl-coef`.
+    /// From the flags: `--disable-grpo-std-normalization`, `--disable-rewards-normalization`,
+    /// `--gamma`, `--kl-coef`.
     pub fn from_run_config(run: &RunConfig) -> Self {
         AdvantageConfig {
             std_normalization: !run.disable_grpo_std_normalization,
+            rewards_normalization: !run.disable_rewards_normalization,
             gamma: run.gamma,
             kl_coef: run.kl_coef,
         }
@@ -89,6 +109,7 @@ impl AdvantageConfig {
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
             "std_normalization": self.std_normalization,
+            "rewards_normalization": self.rewards_normalization,
             "gamma": self.gamma,
             "kl_coef": self.kl_coef,
         })
@@ -111,16 +132,12 @@ impl AdvantageConfig {
     }
 }
 
-/// GRPO: group-normalized rewards broadcast to every kept token.
+/// GRPO: group-normalized rewards broadcast to every kept token; GSPO and CISPO use it too
+/// (their difference lives in the loss).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Grpo {
     pub std_normalization: bool,
-}
-
-/// GSPO: the GRPO advantages (the sequence-level ratio lives in the loss).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Gspo {
-    pub std_normalization: bool,
+    pub rewards_normalization: bool,
 }
 
 /// REINFORCE++: KL-shaped token rewards, discounted returns, batch whitening.
@@ -134,6 +151,7 @@ pub struct ReinforcePlusPlus {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ReinforcePlusPlusBaseline {
     pub kl_coef: f32,
+    pub rewards_normalization: bool,
 }
 
 /// RLOO: reward minus the mean reward of the other samples of the group.
@@ -143,13 +161,10 @@ pub struct Rloo;
 impl Advantage for Grpo {
     fn compute(&self, groups: &[Vec<SequenceScore<'_>>]) -> Result<AdvantageOutput> {
         validate(groups)?;
+        if !self.rewards_normalization {
+            return Ok(per_sample(groups, <[f64]>::to_vec));
+        }
         Ok(per_sample(groups, |rewards| group_normalized(rewards, self.std_normalization)))
-    }
-}
-
-impl Advantage for Gspo {
-    fn compute(&self, groups: &[Vec<SequenceScore<'_>>]) -> Result<AdvantageOutput> {
-        Grpo { std_normalization: self.std_normalization }.compute(groups)
     }
 }
 
@@ -203,7 +218,7 @@ impl Advantage for ReinforcePlusPlusBaseline {
         let mut advantages = Vec::with_capacity(groups.len());
         for (g, group) in groups.iter().enumerate() {
             let rewards: Vec<f64> = group.iter().map(|s| f64::from(s.reward)).collect();
-            let mean = mean(&rewards);
+            let mean = if self.rewards_normalization { mean(&rewards) } else { 0.0 };
             let mut out = Vec::with_capacity(group.len());
             for (s, score) in group.iter().enumerate() {
                 let kl = shaping_kl(score, kl_coef, g, s)?;
@@ -383,13 +398,21 @@ fn validate(groups: &[Vec<SequenceScore<'_>>]) -> Result<()> {
     Ok(())
 }
 
+impl From<AdvantageConfig> for Grpo {
+    fn from(c: AdvantageConfig) -> Grpo {
+        Grpo {
+            std_normalization: c.std_normalization,
+            rewards_normalization: c.rewards_normalization,
+        }
+    }
+}
+
 pub static GRPO: Plugin = Plugin {
     name: "grpo",
     version: env!("CARGO_PKG_VERSION"),
     description: "GRPO: group-normalized rewards (Dr.GRPO without the std division)",
     factory: Factory::Advantage(|config| {
-        let c = AdvantageConfig::from_json(config)?;
-        Ok(Box::new(Grpo { std_normalization: c.std_normalization }))
+        Ok(Box::new(Grpo::from(AdvantageConfig::from_json(config)?)))
     }),
 };
 
@@ -398,8 +421,16 @@ pub static GSPO: Plugin = Plugin {
     version: env!("CARGO_PKG_VERSION"),
     description: "GSPO: GRPO advantages for the sequence-level-ratio loss",
     factory: Factory::Advantage(|config| {
-        let c = AdvantageConfig::from_json(config)?;
-        Ok(Box::new(Gspo { std_normalization: c.std_normalization }))
+        Ok(Box::new(Grpo::from(AdvantageConfig::from_json(config)?)))
+    }),
+};
+
+pub static CISPO: Plugin = Plugin {
+    name: "cispo",
+    version: env!("CARGO_PKG_VERSION"),
+    description: "CISPO: GRPO advantages for the clipped-IS-weight loss (MiniMax-M1)",
+    factory: Factory::Advantage(|config| {
+        Ok(Box::new(Grpo::from(AdvantageConfig::from_json(config)?)))
     }),
 };
 
@@ -419,7 +450,10 @@ pub static REINFORCE_PLUS_PLUS_BASELINE: Plugin = Plugin {
     description: "REINFORCE++-baseline: reward minus group mean, KL-shaped, whitened",
     factory: Factory::Advantage(|config| {
         let c = AdvantageConfig::from_json(config)?;
-        Ok(Box::new(ReinforcePlusPlusBaseline { kl_coef: c.kl_coef }))
+        Ok(Box::new(ReinforcePlusPlusBaseline {
+            kl_coef: c.kl_coef,
+            rewards_normalization: c.rewards_normalization,
+        }))
     }),
 };
 
@@ -435,13 +469,14 @@ pub static RLOO: Plugin = Plugin {
 
 miles_core::inventory::submit! { Registration(&GRPO) }
 miles_core::inventory::submit! { Registration(&GSPO) }
+miles_core::inventory::submit! { Registration(&CISPO) }
 miles_core::inventory::submit! { Registration(&REINFORCE_PLUS_PLUS) }
 miles_core::inventory::submit! { Registration(&REINFORCE_PLUS_PLUS_BASELINE) }
 miles_core::inventory::submit! { Registration(&RLOO) }
 
 /// The built-in estimators; the driver names this once so the linker keeps the registrations.
 pub static BUILTIN: &[&Plugin] =
-    &[&GRPO, &GSPO, &REINFORCE_PLUS_PLUS, &REINFORCE_PLUS_PLUS_BASELINE, &RLOO];
+    &[&GRPO, &GSPO, &CISPO, &REINFORCE_PLUS_PLUS, &REINFORCE_PLUS_PLUS_BASELINE, &RLOO];
 
 #[cfg(test)]
 mod tests {
@@ -486,7 +521,9 @@ mod tests {
         // std 0.57735, A = ±0.5 / (0.57735 + 1e-6) = ±0.86602.
         let m = [1u8, 1, 0];
         let group = vec![score(1.0, &m), score(0.0, &m), score(0.0, &m), score(1.0, &m)];
-        let out = Grpo { std_normalization: true }.compute(&[group]).unwrap();
+        let out = Grpo { std_normalization: true, rewards_normalization: true }
+            .compute(&[group])
+            .unwrap();
         let a = 0.5 / (1.0f64 / 3.0).sqrt();
         close(&out.advantages[0][0], &[a, a, 0.0]);
         close(&out.advantages[0][1], &[-a, -a, 0.0]);
@@ -503,7 +540,9 @@ mod tests {
             vec![score(3.0, &m), score(1.0, &m), score(2.0, &m)],
             vec![score(5.0, &m), score(7.0, &m)],
         ];
-        let out = Grpo { std_normalization: false }.compute(&groups).unwrap();
+        let out = Grpo { std_normalization: false, rewards_normalization: true }
+            .compute(&groups)
+            .unwrap();
         close(&out.advantages[0][0], &[1.0, 1.0]);
         close(&out.advantages[0][1], &[-1.0, -1.0]);
         close(&out.advantages[0][2], &[0.0, 0.0]);
@@ -515,28 +554,50 @@ mod tests {
     fn a_group_of_one_has_zero_advantage() {
         let m = [1u8, 1, 1];
         for std_normalization in [true, false] {
-            let out = Grpo { std_normalization }.compute(&[vec![score(0.7, &m)]]).unwrap();
+            let out = Grpo { std_normalization, rewards_normalization: true }
+                .compute(&[vec![score(0.7, &m)]])
+                .unwrap();
             close(&out.advantages[0][0], &[0.0, 0.0, 0.0]);
         }
         let out = Rloo.compute(&[vec![score(0.7, &m)]]).unwrap();
         close(&out.advantages[0][0], &[0.0, 0.0, 0.0]);
         // Equal rewards: std 0, so 0 / (0 + 1e-6) = 0, not NaN.
-        let out = Grpo { std_normalization: true }
+        let out = Grpo { std_normalization: true, rewards_normalization: true }
             .compute(&[vec![score(1.0, &m), score(1.0, &m)]])
             .unwrap();
         close(&out.advantages[0][1], &[0.0, 0.0, 0.0]);
     }
 
     #[test]
-    fn gspo_advantages_are_grpo_advantages() {
+    fn gspo_and_cispo_advantages_are_grpo_advantages() {
         let m = [1u8, 0, 1];
         let groups = vec![vec![score(0.2, &m), score(0.9, &m), score(0.4, &m)]];
         for std_normalization in [true, false] {
-            assert_eq!(
-                Gspo { std_normalization }.compute(&groups).unwrap(),
-                Grpo { std_normalization }.compute(&groups).unwrap()
-            );
+            let config = AdvantageConfig { std_normalization, ..AdvantageConfig::default() };
+            let grpo = Grpo::from(config).compute(&groups).unwrap();
+            for name in ["gspo", "cispo"] {
+                let estimator = create_advantage(name, &config.to_json()).unwrap();
+                assert_eq!(estimator.compute(&groups).unwrap(), grpo, "{name}");
+            }
         }
+    }
+
+    #[test]
+    fn without_rewards_normalization_the_raw_reward_is_the_advantage() {
+        // slime's --disable-rewards-normalization: GRPO broadcasts r; REINFORCE++-baseline
+        // skips the group mean (then whitens over the batch as always).
+        let m = [1u8, 0, 1];
+        let groups = vec![vec![score(0.2, &m), score(0.9, &m)], vec![score(0.4, &m)]];
+        let out = Grpo { std_normalization: true, rewards_normalization: false }
+            .compute(&groups)
+            .unwrap();
+        close(&out.advantages[0][1], &[0.9, 0.0, 0.9]);
+        close(&out.advantages[1][0], &[0.4, 0.0, 0.4]);
+        let raw = ReinforcePlusPlusBaseline { kl_coef: 0.0, rewards_normalization: false };
+        let out = raw.compute(&groups).unwrap();
+        // Whitened raw rewards [0.2, 0.9, 0.4] (each on two tokens): mean 0.5.
+        assert!(out.advantages[0][0][0] < 0.0 && out.advantages[0][1][0] > 0.0);
+        assert!(out.advantages[1][0][0] < 0.0, "{out:?}");
     }
 
     #[test]
@@ -597,7 +658,9 @@ mod tests {
         let (m0, k0) = ([1u8, 1], [0.2f32, 0.4]);
         let (m1, k1) = ([1u8, 0], [0f32, 0.2]);
         let groups = vec![vec![with_kl(1.0, &m0, &k0), with_kl(0.0, &m1, &k1)]];
-        let out = ReinforcePlusPlusBaseline { kl_coef: 0.5 }.compute(&groups).unwrap();
+        let out = ReinforcePlusPlusBaseline { kl_coef: 0.5, rewards_normalization: true }
+            .compute(&groups)
+            .unwrap();
         let (mean, std) = (0.2 / 3.0, (0.486_666_666_7f64 / 2.0).sqrt());
         let w = |x: f64| (x - mean) / std;
         close(&out.advantages[0][0], &[w(0.4), w(0.3)]);
@@ -634,7 +697,9 @@ mod tests {
         let m = [1u8, 1, 1];
         let short = [0f32, 0.0];
         let bad_kl = SequenceScore { reward: 1.0, loss_mask: &m, kl: Some(&short), values: None };
-        let err = Grpo { std_normalization: true }.compute(&[vec![bad_kl]]).unwrap_err();
+        let err = Grpo { std_normalization: true, rewards_normalization: true }
+            .compute(&[vec![bad_kl]])
+            .unwrap_err();
         assert!(err.to_string().contains("2 kl entries but a loss mask of 3"), "{err}");
         let bad_values =
             SequenceScore { reward: 1.0, loss_mask: &m, kl: None, values: Some(&short) };
@@ -644,10 +709,12 @@ mod tests {
         let rpp = ReinforcePlusPlus { gamma: 1.0, kl_coef: 0.1 };
         let err = rpp.compute(&[vec![score(1.0, &m)]]).unwrap_err();
         assert!(err.to_string().contains("no per-token KL"), "{err}");
-        let baseline = ReinforcePlusPlusBaseline { kl_coef: 0.1 };
+        let baseline = ReinforcePlusPlusBaseline { kl_coef: 0.1, rewards_normalization: true };
         assert!(baseline.compute(&[vec![score(1.0, &m)]]).is_err());
         // With kl_coef 0 the KL is not needed.
-        ReinforcePlusPlusBaseline { kl_coef: 0.0 }.compute(&[vec![score(1.0, &m)]]).unwrap();
+        ReinforcePlusPlusBaseline { kl_coef: 0.0, rewards_normalization: true }
+            .compute(&[vec![score(1.0, &m)]])
+            .unwrap();
 
         let err = Rloo.compute(&[vec![score(f32::NAN, &m)]]).unwrap_err();
         assert!(err.to_string().contains("reward NaN"), "{err}");
@@ -673,7 +740,14 @@ mod tests {
         let names: Vec<&str> = BUILTIN.iter().map(|p| p.name).collect();
         assert_eq!(
             names,
-            ["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"]
+            [
+                "grpo",
+                "gspo",
+                "cispo",
+                "reinforce_plus_plus",
+                "reinforce_plus_plus_baseline",
+                "rloo"
+            ]
         );
         let m = [1u8];
         let groups = vec![vec![score(1.0, &m), score(0.0, &m)]];
@@ -716,7 +790,15 @@ mod tests {
             ..RunConfig::default()
         };
         let c = AdvantageConfig::from_run_config(&run);
-        assert_eq!(c, AdvantageConfig { std_normalization: false, gamma: 0.9, kl_coef: 0.05 });
+        let expected = AdvantageConfig {
+            std_normalization: false,
+            gamma: 0.9,
+            kl_coef: 0.05,
+            ..AdvantageConfig::default()
+        };
+        assert_eq!(c, expected);
+        let run = RunConfig { disable_rewards_normalization: true, ..run };
+        assert!(!AdvantageConfig::from_run_config(&run).rewards_normalization);
         assert_eq!(AdvantageConfig::from_json(&c.to_json()).unwrap(), c);
         let defaults = AdvantageConfig::from_run_config(&RunConfig::default());
         assert_eq!(defaults, AdvantageConfig::default());

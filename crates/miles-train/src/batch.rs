@@ -1,8 +1,14 @@
 //! One rollout's samples as the trainer sees them: flat, per sample its tokens and per response
 //! token the loss mask, rollout/old/reference logprobs, advantages and correction weights.
 
-use miles_core::{Advantage, Sample, SequenceScore, Status};
+use std::collections::BTreeMap;
+
+use miles_core::config::KlLossType;
+use miles_core::{Advantage, Correction, CorrectionInput, Sample, SequenceScore, Status};
 use miles_model::{Model, PackedBatch, PackedLinears};
+
+use crate::advantage::normalize_advantages;
+use crate::loss::{Aggregation, approx_kl};
 
 /// A trainable sample: tokens, where the response starts, and its per-token slices.
 #[derive(Debug, Clone)]
@@ -84,17 +90,21 @@ pub fn logprobs(
 }
 
 /// Runs the estimator over the samples' groups (consecutive samples of one `group`) and stores
-/// each sample's per-token advantages. `kl_coef` > 0 hands it old − ref logprobs per token.
+/// each sample's per-token advantages, whitened over the batch with `normalize`
+/// (`--normalize-advantages`). `shaping_kl` (with `--kl-coef` > 0) hands it the KL between the
+/// old and the reference logprobs per token, by `--kl-loss-type`'s estimator, as slime shapes
+/// REINFORCE++ rewards.
 pub fn compute_advantages(
     estimator: &dyn Advantage,
     samples: &mut [TrainSample],
-    with_kl: bool,
+    shaping_kl: Option<KlLossType>,
+    normalize: bool,
 ) -> miles_core::Result<()> {
     let kl: Vec<Option<Vec<f32>>> = samples
         .iter()
         .map(|s| {
-            let r = s.ref_logp.as_ref().filter(|_| with_kl)?;
-            Some(s.old_logp.iter().zip(r).map(|(o, r)| o - r).collect())
+            let (kind, r) = (shaping_kl?, s.ref_logp.as_ref()?);
+            Some(s.old_logp.iter().zip(r).map(|(&o, &r)| approx_kl(kind, o, r).0).collect())
         })
         .collect();
     let mut groups: Vec<Vec<SequenceScore>> = Vec::new();
@@ -129,7 +139,75 @@ pub fn compute_advantages(
         }
         s.advantages = a;
     }
+    if normalize {
+        let mask = concat(samples, |s| &s.loss_mask);
+        let mut flat = concat(samples, |s| &s.advantages);
+        normalize_advantages(&mut flat, &mask)?;
+        let mut at = 0;
+        for s in samples.iter_mut() {
+            let n = s.response_len();
+            s.advantages.copy_from_slice(&flat[at..at + n]);
+            at += n;
+        }
+    }
     Ok(())
+}
+
+/// How per-token values of the batch aggregate into one figure: like the loss, over the loss
+/// masks (`per_token`: `--calculate-per-token-loss`).
+pub fn aggregation(samples: &[TrainSample], per_token: bool) -> Aggregation {
+    let mask = concat(samples, |s| &s.loss_mask);
+    let lengths: Vec<usize> = samples.iter().map(TrainSample::response_len).collect();
+    Aggregation::new(&mask, &lengths, per_token)
+}
+
+/// TIS/MIS: stores each sample's correction weights and numerator mask, from its old
+/// (trainer) against its rollout logprobs, and returns the correction's metrics aggregated
+/// like the loss.
+pub fn apply_correction(
+    corr: &dyn Correction,
+    samples: &mut [TrainSample],
+    per_token: bool,
+) -> miles_core::Result<BTreeMap<String, f64>> {
+    let train = concat(samples, |s| &s.old_logp);
+    let rollout = concat(samples, |s| &s.rollout_logp);
+    let mask = concat(samples, |s| &s.loss_mask);
+    let lengths: Vec<usize> = samples.iter().map(TrainSample::response_len).collect();
+    let out = corr.correct(&CorrectionInput {
+        train_log_probs: &train,
+        rollout_log_probs: &rollout,
+        loss_mask: &mask,
+        response_lengths: &lengths,
+    })?;
+    let mut at = 0;
+    for s in samples.iter_mut() {
+        let n = s.response_len();
+        s.correction_weights = Some(out.weights[at..at + n].to_vec());
+        s.correction_mask = Some(out.loss_mask[at..at + n].to_vec());
+        at += n;
+    }
+    let agg = aggregation(samples, per_token);
+    Ok(out.metrics.into_iter().map(|(k, v)| (k, agg.of(&v))).collect())
+}
+
+/// slime's `train_rollout_logprob_abs_diff`: |trainer − rollout| per token, aggregated like the
+/// loss over the tokens the correction kept (as slime's reducer does after TIS).
+pub fn rollout_logprob_abs_diff(
+    samples: &[TrainSample],
+    trainer: &[Vec<f32>],
+    per_token: bool,
+) -> f64 {
+    let diff: Vec<f64> = samples
+        .iter()
+        .zip(trainer)
+        .flat_map(|(s, t)| {
+            let kept = s.correction_mask.as_deref();
+            t.iter().zip(&s.rollout_logp).enumerate().map(move |(i, (a, b))| {
+                if kept.is_some_and(|m| m[i] == 0) { 0.0 } else { f64::from((a - b).abs()) }
+            })
+        })
+        .collect();
+    aggregation(samples, per_token).of(&diff)
 }
 
 /// Concatenates one per-token slice of every sample.

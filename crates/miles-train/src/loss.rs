@@ -1,20 +1,30 @@
-//! The policy loss (PPO clip with clip-high and dual clip, GSPO's sequence ratio, off-policy
-//! correction weights, KL and entropy terms) and the SFT loss, over per-token slices packed by
-//! `response_lengths`. Each returns the loss, its exact gradient with respect to every token's
-//! `logp` and `entropy` (what the model's fused logprob backward takes), and slime's metrics.
+//! The policy loss (PPO clip with clip-high and dual clip, GSPO's sequence ratio, CISPO,
+//! off-policy sequence masking, off-policy correction weights, KL and entropy terms) and the
+//! SFT loss, over per-token slices packed by `response_lengths`. Each returns the loss, its
+//! exact gradient with respect to every token's `logp` and `entropy` (what the model's fused
+//! logprob backward takes), and slime's metrics. `tests/fixtures/slime` holds all of it to
+//! slime's own `policy_loss_function`.
 //!
 //! Per kept token, with ratio ρ = exp(logp − old_logp) and advantage A:
 //!
-//! - pg1 = −A·ρ, pg2 = −A·clamp(ρ, 1 − eps_clip, 1 + eps_clip_high), pg = max(pg1, pg2);
+//! - PPO: pg1 = −A·ρ, pg2 = −A·clamp(ρ, 1 − eps_clip, 1 + eps_clip_high), pg = max(pg1, pg2);
 //!   the token counts as clipped when pg2 > pg1 (then pg does not depend on ρ);
 //! - dual clip (`eps_clip_c = Some(c)`, c > 1): for A < 0, pg = min(pg, −A·c). As in slime,
 //!   `pg_clipfrac` counts only the clip-range clip, not the dual clip;
-//! - GSPO (`sequence_ratio`): ρ = exp(s) for every token of a sequence, s the mean of
-//!   logp − old_logp over the sequence's loss-mask tokens; `ppo_kl` is then −s per token;
+//! - GSPO: ρ = exp(s) for every token of a sequence, s the mean of logp − old_logp over the
+//!   sequence's loss-mask tokens; `ppo_kl` is then −s per token;
+//! - CISPO: pg = −sg(clamp(ρ, 1 − eps_clip, 1 + eps_clip_high))·A·logp: the clipped ratio is a
+//!   constant and the gradient flows through logp, so clipped tokens still learn; a token
+//!   counts as clipped when the clamp moved ρ;
+//! - OPSM (`opsm_delta = Some(δ)`): in a sequence whose mean old − new log-ratio over its
+//!   loss-mask tokens exceeds δ, the tokens with A < 0 get pg = 0. `opsm_clipfrac` sums, per
+//!   sequence, its tokens with A < 0 (all of them, as slime counts) over its loss-mask count,
+//!   with slime's normalizer (the sequences, or the tokens in per-token mode);
 //! - the correction weight multiplies pg (a constant: no gradient through it);
 //! - KL to the reference (`use_kl_loss`): k1 = logp − ref, k2 = ½(logp − ref)², k3 =
-//!   exp(ref − logp) − (ref − logp) − 1, and `low_var_kl` is k3 clamped to [−10, 10] (zero
-//!   gradient where the clamp binds).
+//!   exp(ref − logp) − (ref − logp) − 1; with `use_unbiased_kl` the estimate is multiplied by
+//!   the token's ρ (gradient through both); `low_var_kl` is k3 (times ρ) clamped to
+//!   [−10, 10] (zero gradient where the clamp binds).
 //!
 //! loss = agg(w·pg) − entropy_coef·agg(entropy) + kl_loss_coef·agg(kl), where agg is:
 //!
@@ -28,7 +38,8 @@
 //! The correction mask decides which tokens enter the numerators: as in slime, the reducer
 //! rebuilt with the correction's mask serves pg, clipfrac, ppo_kl, entropy and KL alike, while
 //! every denominator keeps the loss mask, so a dropped token does not rescale the others. A
-//! token is kept when both masks keep it (a correction can only drop tokens).
+//! token is kept when both masks keep it (a correction can only drop tokens). `ois` (the mean
+//! ratio) is taken over the loss mask alone, as slime reports it.
 //!
 //! Arithmetic is f64 throughout; gradients are rounded to f32 at the end. Values at tokens
 //! outside the loss mask are never read, so garbage (even NaN) there cannot leak in. A
@@ -47,9 +58,22 @@ use miles_core::{Error, Result};
 /// slime clamps `low_var_kl` into [−10, 10] for numerical stability.
 const LOW_VAR_KL_BOUND: f64 = 10.0;
 
+/// Which surrogate the policy loss uses, from `--advantage-estimator`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Objective {
+    /// PPO's clipped surrogate on token ratios (GRPO, REINFORCE++, RLOO, …).
+    #[default]
+    Ppo,
+    /// PPO's clipped surrogate on one sequence-level ratio.
+    Gspo,
+    /// CISPO: the clipped ratio as a constant weight of −A·logp.
+    Cispo,
+}
+
 /// The policy loss's settings, slime's flags of the same names.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PolicyLossConfig {
+    pub objective: Objective,
     pub eps_clip: f32,
     pub eps_clip_high: f32,
     /// Dual-clip constant (> 1), off when `None`.
@@ -57,45 +81,55 @@ pub struct PolicyLossConfig {
     pub use_kl_loss: bool,
     pub kl_loss_coef: f32,
     pub kl_loss_type: KlLossType,
+    /// `--use-unbiased-kl`: the KL estimate times the importance ratio ρ.
+    pub use_unbiased_kl: bool,
     pub entropy_coef: f32,
     /// `--calculate-per-token-loss`: token mean over the batch instead of the mean of
     /// per-sequence token means.
     pub per_token_loss: bool,
-    /// GSPO: one sequence-level ratio for every token of a sequence.
-    pub sequence_ratio: bool,
+    /// `--use-opsm --opsm-delta δ`: off-policy sequence masking.
+    pub opsm_delta: Option<f32>,
 }
 
 impl Default for PolicyLossConfig {
     /// slime's defaults.
     fn default() -> Self {
         PolicyLossConfig {
+            objective: Objective::Ppo,
             eps_clip: 0.2,
             eps_clip_high: 0.2,
             eps_clip_c: None,
             use_kl_loss: false,
             kl_loss_coef: 0.0,
             kl_loss_type: KlLossType::K1,
+            use_unbiased_kl: false,
             entropy_coef: 0.0,
             per_token_loss: false,
-            sequence_ratio: false,
+            opsm_delta: None,
         }
     }
 }
 
 impl PolicyLossConfig {
-    /// From the flags; `--eps-clip-high` defaults to `--eps-clip`, and the sequence ratio is on
-    /// for `--advantage-estimator gspo`.
+    /// From the flags; `--eps-clip-high` defaults to `--eps-clip`, and the objective follows
+    /// `--advantage-estimator`.
     pub fn from_run_config(run: &RunConfig) -> Self {
         PolicyLossConfig {
+            objective: match run.advantage_estimator {
+                AdvantageEstimator::Gspo => Objective::Gspo,
+                AdvantageEstimator::Cispo => Objective::Cispo,
+                _ => Objective::Ppo,
+            },
             eps_clip: run.eps_clip,
             eps_clip_high: run.eps_clip_high.unwrap_or(run.eps_clip),
             eps_clip_c: run.eps_clip_c,
             use_kl_loss: run.use_kl_loss,
             kl_loss_coef: run.kl_loss_coef,
             kl_loss_type: run.kl_loss_type,
+            use_unbiased_kl: run.use_unbiased_kl,
             entropy_coef: run.entropy_coef,
             per_token_loss: run.calculate_per_token_loss,
-            sequence_ratio: run.advantage_estimator == AdvantageEstimator::Gspo,
+            opsm_delta: run.use_opsm.then_some(run.opsm_delta),
         }
     }
 
@@ -118,17 +152,13 @@ impl PolicyLossConfig {
                 ));
             }
         }
-        if !self.kl_loss_coef.is_finite() {
-            return Err(Error::config(
-                "kl-loss-coef",
-                format!("{} is not finite", self.kl_loss_coef),
-            ));
-        }
-        if !self.entropy_coef.is_finite() {
-            return Err(Error::config(
-                "entropy-coef",
-                format!("{} is not finite", self.entropy_coef),
-            ));
+        let finite = [
+            ("kl-loss-coef", self.kl_loss_coef),
+            ("entropy-coef", self.entropy_coef),
+            ("opsm-delta", self.opsm_delta.unwrap_or(0.0)),
+        ];
+        if let Some((flag, v)) = finite.into_iter().find(|(_, v)| !v.is_finite()) {
+            return Err(Error::config(flag, format!("{v} is not finite")));
         }
         Ok(())
     }
@@ -178,18 +208,41 @@ pub struct LossMetrics {
     pub kl_loss: f64,
     /// agg(entropy).
     pub entropy_loss: f64,
+    /// agg(ρ) over the loss mask, before any correction mask (slime reports it with TIS).
+    pub ois: f64,
+    /// The OPSM-masked fraction (0 without OPSM).
+    pub opsm_clipfrac: f64,
 }
 
 impl LossMetrics {
-    /// The metrics under slime's names.
-    pub fn named(&self) -> [(&'static str, f64); 5] {
-        [
+    /// The metrics under slime's names; `ois` and `opsm_clipfrac` where slime reports them
+    /// (with a correction, with OPSM).
+    pub fn named(&self, corrected: bool, opsm: bool) -> Vec<(&'static str, f64)> {
+        let mut out = vec![
             ("train/pg_loss", self.pg_loss),
             ("train/pg_clipfrac", self.pg_clipfrac),
             ("train/ppo_kl", self.ppo_kl),
             ("train/kl_loss", self.kl_loss),
             ("train/entropy_loss", self.entropy_loss),
-        ]
+        ];
+        if corrected {
+            out.push(("train/ois", self.ois));
+        }
+        if opsm {
+            out.push(("train/opsm_clipfrac", self.opsm_clipfrac));
+        }
+        out
+    }
+
+    /// `self += share · other`: micro-batches and steps combine by their share.
+    pub fn add_scaled(&mut self, other: &LossMetrics, share: f64) {
+        self.pg_loss += share * other.pg_loss;
+        self.pg_clipfrac += share * other.pg_clipfrac;
+        self.ppo_kl += share * other.ppo_kl;
+        self.kl_loss += share * other.kl_loss;
+        self.entropy_loss += share * other.entropy_loss;
+        self.ois += share * other.ois;
+        self.opsm_clipfrac += share * other.opsm_clipfrac;
     }
 }
 
@@ -205,26 +258,34 @@ pub struct LossOutput {
 
 /// The KL estimator `kind` at one token and its derivative with respect to `logp`.
 pub fn approx_kl(kind: KlLossType, logp: f32, ref_logp: f32) -> (f32, f32) {
-    let (value, grad) = kl_term(kind, f64::from(logp), f64::from(ref_logp));
+    let (value, grad) = kl_term(kind, f64::from(logp), f64::from(ref_logp), None);
     (value as f32, grad as f32)
 }
 
-fn kl_term(kind: KlLossType, logp: f64, ref_logp: f64) -> (f64, f64) {
+/// The estimator and its derivative in logp; with `ratio = Some(ρ)`, ρ = exp(logp − old), the
+/// estimate is ρ·kl (`--use-unbiased-kl`, ∂ρ/∂logp = ρ). low_var_kl's clamp applies last, as
+/// in slime.
+fn kl_term(kind: KlLossType, logp: f64, ref_logp: f64, ratio: Option<f64>) -> (f64, f64) {
     let log_ratio = logp - ref_logp;
-    match kind {
+    let (mut value, mut grad) = match kind {
         KlLossType::K1 => (log_ratio, 1.0),
         KlLossType::K2 => (0.5 * log_ratio * log_ratio, log_ratio),
         KlLossType::K3 | KlLossType::LowVarKl => {
             let x = -log_ratio;
             let e = x.exp();
-            let (value, grad) = (e - x - 1.0, 1.0 - e);
-            let clamped = kind == KlLossType::LowVarKl && value.abs() > LOW_VAR_KL_BOUND;
-            if clamped { (LOW_VAR_KL_BOUND.copysign(value), 0.0) } else { (value, grad) }
+            (e - x - 1.0, 1.0 - e)
         }
+    };
+    if let Some(rho) = ratio {
+        (value, grad) = (rho * value, rho * (value + grad));
     }
+    if kind == KlLossType::LowVarKl && value.abs() > LOW_VAR_KL_BOUND {
+        (value, grad) = (LOW_VAR_KL_BOUND.copysign(value), 0.0);
+    }
+    (value, grad)
 }
 
-/// The PPO-clip policy loss with its KL and entropy terms; see the module documentation.
+/// The policy loss with its KL and entropy terms; see the module documentation.
 pub fn policy_loss(cfg: &PolicyLossConfig, input: &LossInput) -> Result<LossOutput> {
     cfg.validate()?;
     validate(input, true)?;
@@ -238,13 +299,14 @@ pub fn policy_loss(cfg: &PolicyLossConfig, input: &LossInput) -> Result<LossOutp
         (false, _) => None,
     };
     let n = input.logp.len();
-    let scale = aggregation_scale(input.loss_mask, input.response_lengths, cfg.per_token_loss);
+    let agg = Aggregation::new(input.loss_mask, input.response_lengths, cfg.per_token_loss);
     let keep =
         |t: usize| input.loss_mask[t] != 0 && input.correction_mask.is_none_or(|m| m[t] != 0);
     let (lo, hi) = (1.0 - f64::from(cfg.eps_clip), 1.0 + f64::from(cfg.eps_clip_high));
     let dual_clip = cfg.eps_clip_c.map(f64::from);
     let entropy_coef = f64::from(cfg.entropy_coef);
     let kl_coef = if ref_logp.is_some() { f64::from(cfg.kl_loss_coef) } else { 0.0 };
+    let sequence_ratio = cfg.objective == Objective::Gspo;
 
     let mut metrics = LossMetrics::default();
     let mut d_logp = vec![0f64; n];
@@ -253,34 +315,44 @@ pub fn policy_loss(cfg: &PolicyLossConfig, input: &LossInput) -> Result<LossOutp
     for &len in input.response_lengths {
         let range = start..start + len;
         start += len;
-        // GSPO: the mean log-ratio over the sequence's loss-mask tokens (slime divides by
-        // max(count, 1)).
-        let sequence = cfg.sequence_ratio.then(|| {
-            let kept: Vec<usize> = range.clone().filter(|&t| input.loss_mask[t] != 0).collect();
-            let sum: f64 = kept.iter().map(|&t| log_ratio(input, t)).sum();
-            (kept.len().max(1) as f64, sum / kept.len().max(1) as f64, kept)
-        });
+        let kept: Vec<usize> = range.clone().filter(|&t| input.loss_mask[t] != 0).collect();
+        let count = kept.len().max(1) as f64;
+        // The mean logp − old over the loss mask (slime divides by max(count, 1)): GSPO's
+        // log-ratio and, negated, OPSM's sequence KL.
+        let mean_log_ratio = kept.iter().map(|&t| log_ratio(input, t)).sum::<f64>() / count;
+        let opsm_drops = cfg.opsm_delta.is_some_and(|d| -mean_log_ratio > f64::from(d));
+        if opsm_drops {
+            let masked = range.clone().filter(|&t| input.advantages[t] < 0.0).count();
+            metrics.opsm_clipfrac += agg.per_sequence * masked as f64 / count;
+        }
         // ∂loss/∂ρ summed over the sequence, for the sequence ratio's chain rule.
         let mut d_sequence_ratio = 0f64;
-        for t in range.clone() {
+        for &t in &kept {
+            let c = agg.scale[t];
+            let log_r = if sequence_ratio { mean_log_ratio } else { log_ratio(input, t) };
+            let ratio = log_r.exp();
+            metrics.ois += c * ratio;
             if !keep(t) {
                 continue;
             }
-            let c = scale[t];
-            let log_r = sequence.as_ref().map_or_else(|| log_ratio(input, t), |s| s.1);
-            let ratio = log_r.exp();
             let advantage = f64::from(input.advantages[t]);
-            let clip = ppo_clip(ratio, advantage, lo, hi, dual_clip);
+            let clip = match cfg.objective {
+                Objective::Ppo | Objective::Gspo => ppo_clip(ratio, advantage, lo, hi, dual_clip),
+                Objective::Cispo => cispo(ratio, advantage, f64::from(input.logp[t]), lo, hi),
+            };
             let weight = input.correction_weights.map_or(1.0, |w| f64::from(w[t]));
+            let weight = if opsm_drops && advantage < 0.0 { 0.0 } else { weight };
             metrics.pg_loss += c * weight * clip.loss;
             metrics.pg_clipfrac += if clip.clipped { c } else { 0.0 };
             metrics.ppo_kl += c * -log_r;
-            let d_ratio = c * weight * clip.d_ratio;
-            // A clipped token contributes nothing, even where ρ overflowed (0·∞ would be NaN).
-            if sequence.is_some() {
-                d_sequence_ratio += d_ratio;
-            } else if d_ratio != 0.0 {
-                d_logp[t] += d_ratio * ratio;
+            // A token without gradient contributes nothing, even where ρ overflowed (0·∞
+            // would be NaN).
+            let d_pg = c * weight * clip.d_pg;
+            match cfg.objective {
+                _ if d_pg == 0.0 => {}
+                Objective::Gspo => d_sequence_ratio += d_pg,
+                Objective::Ppo => d_logp[t] += d_pg * ratio,
+                Objective::Cispo => d_logp[t] += d_pg,
             }
 
             metrics.entropy_loss += c * f64::from(input.entropy[t]);
@@ -288,21 +360,19 @@ pub fn policy_loss(cfg: &PolicyLossConfig, input: &LossInput) -> Result<LossOutp
                 d_entropy[t] = (-entropy_coef * c) as f32;
             }
             if let Some(ref_logp) = ref_logp {
-                let (kl, d_kl) =
-                    kl_term(cfg.kl_loss_type, f64::from(input.logp[t]), f64::from(ref_logp[t]));
+                // The unbiased estimate weights by the token's own ratio, under GSPO too.
+                let rho = cfg.use_unbiased_kl.then(|| log_ratio(input, t).exp());
+                let (logp, r) = (f64::from(input.logp[t]), f64::from(ref_logp[t]));
+                let (kl, d_kl) = kl_term(cfg.kl_loss_type, logp, r, rho);
                 metrics.kl_loss += c * kl;
                 if kl_coef != 0.0 {
                     d_logp[t] += kl_coef * c * d_kl;
                 }
             }
         }
-        if let Some((count, mean_log_ratio, kept)) = sequence {
+        if d_sequence_ratio != 0.0 {
             // ρ = exp(Σ_kept (logp − old) / count): ∂ρ/∂logp_j = ρ / count for each kept j.
-            let d_each = if d_sequence_ratio != 0.0 {
-                d_sequence_ratio * mean_log_ratio.exp() / count
-            } else {
-                0.0
-            };
+            let d_each = d_sequence_ratio * mean_log_ratio.exp() / count;
             for j in kept {
                 d_logp[j] += d_each;
             }
@@ -329,7 +399,7 @@ pub fn policy_loss(cfg: &PolicyLossConfig, input: &LossInput) -> Result<LossOutp
 /// only the loss).
 pub fn sft_loss(cfg: &SftLossConfig, input: &LossInput) -> Result<LossOutput> {
     validate(input, false)?;
-    let scale = aggregation_scale(input.loss_mask, input.response_lengths, cfg.per_token_loss);
+    let scale = Aggregation::new(input.loss_mask, input.response_lengths, cfg.per_token_loss).scale;
     let mut loss = 0f64;
     let mut d_logp = vec![0f32; input.logp.len()];
     for (t, &c) in scale.iter().enumerate() {
@@ -350,71 +420,94 @@ fn log_ratio(input: &LossInput, t: usize) -> f64 {
     f64::from(input.logp[t]) - f64::from(input.old_logp[t])
 }
 
-/// One token's clipped surrogate.
+/// One token's surrogate.
 struct Clipped {
     loss: f64,
-    /// ∂loss/∂ρ.
-    d_ratio: f64,
-    /// The clip-range clip bound (pg2 > pg1).
+    /// ∂loss/∂ρ for PPO and GSPO; ∂loss/∂logp for CISPO, whose ratio is a constant.
+    d_pg: f64,
+    /// The clip range bound.
     clipped: bool,
 }
 
-fn ppo_clip(ratio: f64, advantage: f64, lo: f64, hi: f64, dual_clip: Option<f64>) -> Clipped {
-    // A hand-written clamp: `f64::clamp` panics on NaN bounds, and a NaN ratio must pass
-    // through as NaN.
-    let clamped = if ratio < lo {
+/// clamp(ρ, lo, hi) written out: `f64::clamp` panics on NaN bounds, and a NaN ratio must pass
+/// through as NaN.
+fn clamp_ratio(ratio: f64, lo: f64, hi: f64) -> f64 {
+    if ratio < lo {
         lo
     } else if ratio > hi {
         hi
     } else {
         ratio
-    };
+    }
+}
+
+fn ppo_clip(ratio: f64, advantage: f64, lo: f64, hi: f64, dual_clip: Option<f64>) -> Clipped {
     let pg1 = -advantage * ratio;
-    let pg2 = -advantage * clamped;
+    let pg2 = -advantage * clamp_ratio(ratio, lo, hi);
     let clipped = pg2 > pg1;
     // pg2 > pg1 only when the clamp moved ρ, where pg2 is constant in ρ; a NaN pg1 is kept.
-    let (mut loss, mut d_ratio) = if clipped { (pg2, 0.0) } else { (pg1, -advantage) };
+    let (mut loss, mut d_pg) = if clipped { (pg2, 0.0) } else { (pg1, -advantage) };
     if let Some(c) = dual_clip.filter(|_| advantage < 0.0) {
         let pg3 = -advantage * c;
         if pg3 < loss {
-            (loss, d_ratio) = (pg3, 0.0);
+            (loss, d_pg) = (pg3, 0.0);
         }
     }
-    Clipped { loss, d_ratio, clipped }
+    Clipped { loss, d_pg, clipped }
 }
 
-/// Per-token factor such that agg(x) = Σ_{kept t} scale_t·x_t (0 outside the loss mask).
-fn aggregation_scale(loss_mask: &[u8], response_lengths: &[usize], per_token: bool) -> Vec<f64> {
-    let counts: Vec<usize> = {
+/// CISPO's −sg(clamp(ρ))·A·logp.
+fn cispo(ratio: f64, advantage: f64, logp: f64, lo: f64, hi: f64) -> Clipped {
+    let truncated = clamp_ratio(ratio, lo, hi);
+    Clipped {
+        loss: -truncated * advantage * logp,
+        d_pg: -truncated * advantage,
+        clipped: truncated != ratio,
+    }
+}
+
+/// How a per-token quantity aggregates into a batch figure (slime's reducer and normalizer).
+pub struct Aggregation {
+    /// Per token: agg(x) = Σ_{t in the loss mask} scale_t·x_t.
+    pub scale: Vec<f64>,
+    /// The factor of a per-sequence sum (1/sequences, or 1/tokens in per-token mode).
+    pub per_sequence: f64,
+}
+
+impl Aggregation {
+    pub fn new(loss_mask: &[u8], response_lengths: &[usize], per_token: bool) -> Aggregation {
         let mut start = 0;
-        response_lengths
+        let counts: Vec<usize> = response_lengths
             .iter()
             .map(|&len| {
                 let count = loss_mask[start..start + len].iter().filter(|&&m| m != 0).count();
                 start += len;
                 count
             })
-            .collect()
-    };
-    // slime clamps each sequence's count to at least 1, for both denominators.
-    let token_total: usize = counts.iter().map(|&c| c.max(1)).sum();
-    let sequences = response_lengths.len();
-    let mut scale = vec![0f64; loss_mask.len()];
-    let mut start = 0;
-    for (&len, &count) in response_lengths.iter().zip(&counts) {
-        let c = if per_token {
-            1.0 / token_total as f64
-        } else {
-            1.0 / (count.max(1) as f64 * sequences as f64)
-        };
-        for t in start..start + len {
-            if loss_mask[t] != 0 {
-                scale[t] = c;
+            .collect();
+        // slime clamps each sequence's count to at least 1, for both denominators.
+        let token_total: usize = counts.iter().map(|&c| c.max(1)).sum();
+        let sequences = response_lengths.len();
+        let per_sequence = 1.0 / if per_token { token_total } else { sequences }.max(1) as f64;
+        let mut scale = vec![0f64; loss_mask.len()];
+        let mut start = 0;
+        for (&len, &count) in response_lengths.iter().zip(&counts) {
+            let c = if per_token { per_sequence } else { per_sequence / count.max(1) as f64 };
+            for t in start..start + len {
+                if loss_mask[t] != 0 {
+                    scale[t] = c;
+                }
             }
+            start += len;
         }
-        start += len;
+        Aggregation { scale, per_sequence }
     }
-    scale
+
+    /// agg(x) over the loss mask the aggregation was built from; values off the mask are not
+    /// read (they may be garbage, even NaN).
+    pub fn of(&self, x: &[f64]) -> f64 {
+        self.scale.iter().zip(x).filter(|(c, _)| **c != 0.0).map(|(c, x)| c * x).sum()
+    }
 }
 
 /// Every slice the loss reads must have Σ `response_lengths` entries.
@@ -714,7 +807,7 @@ mod tests {
             response_lengths: vec![2, 1],
             ..Batch::default()
         };
-        let cfg = PolicyLossConfig { sequence_ratio: true, ..PolicyLossConfig::default() };
+        let cfg = PolicyLossConfig { objective: Objective::Gspo, ..PolicyLossConfig::default() };
         let out = policy_loss(&cfg, &batch.input()).unwrap();
         let (r0, r1) = (0.3f64.exp(), (-0.1f64).exp());
         near(out.loss, (r0 - r1) / 2.0);
@@ -746,7 +839,7 @@ mod tests {
             response_lengths: vec![3],
             ..Batch::default()
         };
-        let cfg = PolicyLossConfig { sequence_ratio: true, ..PolicyLossConfig::default() };
+        let cfg = PolicyLossConfig { objective: Objective::Gspo, ..PolicyLossConfig::default() };
         let out = policy_loss(&cfg, &batch.input()).unwrap();
         let r = 0.1f64.exp();
         near(out.loss, -r);
@@ -786,9 +879,11 @@ mod tests {
         batch.logp[0] = f32::NAN;
         let out = policy_loss(&PolicyLossConfig::default(), &batch.input()).unwrap();
         assert!(out.loss.is_nan());
-        let out =
-            policy_loss(&PolicyLossConfig { sequence_ratio: true, ..per_token() }, &batch.input())
-                .unwrap();
+        let out = policy_loss(
+            &PolicyLossConfig { objective: Objective::Gspo, ..per_token() },
+            &batch.input(),
+        )
+        .unwrap();
         assert!(out.loss.is_nan());
         // A huge log ratio overflows to inf, not a panic.
         let mut batch = uneven();
@@ -798,8 +893,8 @@ mod tests {
         assert!(!out.loss.is_finite());
         // With A > 0 the same token is clipped: a finite loss and a zero gradient (not 0·∞).
         batch.advantages = vec![1.0; 6];
-        for sequence_ratio in [false, true] {
-            let cfg = PolicyLossConfig { sequence_ratio, ..PolicyLossConfig::default() };
+        for objective in [Objective::Ppo, Objective::Gspo] {
+            let cfg = PolicyLossConfig { objective, ..PolicyLossConfig::default() };
             let out = policy_loss(&cfg, &batch.input()).unwrap();
             assert!(out.loss.is_finite(), "{out:?}");
             assert_eq!(out.d_logp[0], 0.0, "{out:?}");
@@ -863,13 +958,21 @@ mod tests {
         };
         let cfg = PolicyLossConfig::from_run_config(&run);
         assert_eq!((cfg.eps_clip, cfg.eps_clip_high), (0.1, 0.1));
-        assert!(cfg.sequence_ratio && cfg.per_token_loss);
+        assert!(cfg.objective == Objective::Gspo && cfg.per_token_loss);
+        let run =
+            RunConfig { advantage_estimator: AdvantageEstimator::Cispo, use_opsm: true, ..run };
+        let cfg = PolicyLossConfig::from_run_config(&run);
+        assert_eq!((cfg.objective, cfg.opsm_delta), (Objective::Cispo, Some(1e-4)));
         let run = RunConfig { eps_clip_high: Some(0.28), ..RunConfig::default() };
         let cfg = PolicyLossConfig::from_run_config(&run);
         assert_eq!(cfg, PolicyLossConfig { eps_clip_high: 0.28, ..PolicyLossConfig::default() });
         assert!(SftLossConfig::from_run_config(&RunConfig::default()) == SftLossConfig::default());
-        let names: Vec<&str> = LossMetrics::default().named().iter().map(|(n, _)| *n).collect();
-        assert!(names.contains(&"train/pg_clipfrac") && names.contains(&"train/ppo_kl"));
+        let names = |c, o| -> Vec<&str> {
+            LossMetrics::default().named(c, o).iter().map(|(n, _)| *n).collect()
+        };
+        assert!(names(false, false).contains(&"train/pg_clipfrac"));
+        assert!(!names(false, false).contains(&"train/ois"));
+        assert!(names(true, true).ends_with(&["train/ois", "train/opsm_clipfrac"]));
     }
 
     /// splitmix64: deterministic test inputs without a dependency.
@@ -911,71 +1014,86 @@ mod tests {
         batch
     }
 
-    /// Whether nudging token `t`'s logp could cross a kink of the loss: a clip bound, the
-    /// dual-clip cap or the low_var_kl clamp (1e-3 in ratio, 1e-2 in KL).
-    fn near_a_kink(cfg: &PolicyLossConfig, batch: &Batch, t: usize) -> bool {
-        let log_r = if cfg.sequence_ratio {
-            let mut start = 0;
-            let mut s = 0.0;
-            for &len in &batch.response_lengths {
-                if (start..start + len).contains(&t) {
-                    let kept: Vec<usize> =
-                        (start..start + len).filter(|&j| batch.loss_mask[j] != 0).collect();
-                    let sum: f64 = kept
-                        .iter()
-                        .map(|&j| f64::from(batch.logp[j]) - f64::from(batch.old_logp[j]))
-                        .sum();
-                    s = sum / kept.len().max(1) as f64;
-                }
-                start += len;
+    /// The mean logp − old over the loss mask of the sequence holding token `t`.
+    fn sequence_mean_log_ratio(batch: &Batch, t: usize) -> f64 {
+        let mut start = 0;
+        for &len in &batch.response_lengths {
+            if (start..start + len).contains(&t) {
+                let kept: Vec<usize> =
+                    (start..start + len).filter(|&j| batch.loss_mask[j] != 0).collect();
+                let sum: f64 = kept
+                    .iter()
+                    .map(|&j| f64::from(batch.logp[j]) - f64::from(batch.old_logp[j]))
+                    .sum();
+                return sum / kept.len().max(1) as f64;
             }
-            s
-        } else {
-            f64::from(batch.logp[t]) - f64::from(batch.old_logp[t])
-        };
+            start += len;
+        }
+        unreachable!("token {t} is in no sequence")
+    }
+
+    /// Whether nudging token `t`'s logp could cross a kink of the loss: a clip bound, the
+    /// dual-clip cap, the low_var_kl clamp (1e-3 in ratio, 1e-2 in KL) or OPSM's threshold
+    /// (1e-3 in the sequence's mean log-ratio).
+    fn near_a_kink(cfg: &PolicyLossConfig, batch: &Batch, t: usize) -> bool {
+        let token_log_r = f64::from(batch.logp[t]) - f64::from(batch.old_logp[t]);
+        let sequence_log_r = sequence_mean_log_ratio(batch, t);
+        let log_r = if cfg.objective == Objective::Gspo { sequence_log_r } else { token_log_r };
         let ratio = log_r.exp();
         let mut kinks = vec![1.0 - f64::from(cfg.eps_clip), 1.0 + f64::from(cfg.eps_clip_high)];
         kinks.extend(cfg.eps_clip_c.map(f64::from));
         let near_ratio = kinks.iter().any(|k| (ratio - k).abs() < 1e-3);
-        let kl = kl_term(
-            KlLossType::K3,
-            f64::from(batch.logp[t]),
-            f64::from(batch.ref_logp.as_ref().unwrap()[t]),
-        )
-        .0;
-        let near_clamp = cfg.kl_loss_type == KlLossType::LowVarKl && (kl - 10.0).abs() < 1e-2;
-        near_ratio || near_clamp
+        let rho = cfg.use_unbiased_kl.then(|| token_log_r.exp());
+        let (logp, r) = (f64::from(batch.logp[t]), f64::from(batch.ref_logp.as_ref().unwrap()[t]));
+        let kl = kl_term(KlLossType::K3, logp, r, rho).0;
+        let near_clamp = cfg.kl_loss_type == KlLossType::LowVarKl && (kl.abs() - 10.0).abs() < 1e-2;
+        let near_opsm =
+            cfg.opsm_delta.is_some_and(|d| (-sequence_log_r - f64::from(d)).abs() < 1e-3);
+        near_ratio || near_clamp || near_opsm
     }
 
-    #[derive(Clone, Copy)]
+    #[derive(Clone, Copy, PartialEq)]
     enum Slot {
         Logp,
         Entropy,
-    }
-
-    fn slot_mut(batch: &mut Batch, slot: Slot, t: usize) -> &mut f32 {
-        match slot {
-            Slot::Logp => &mut batch.logp[t],
-            Slot::Entropy => &mut batch.entropy[t],
-        }
+        /// logp and old_logp together: the ratio stays fixed, which is what CISPO's
+        /// stop-gradient on the ratio differentiates.
+        LogpAtFixedRatio,
     }
 
     /// Central difference of the loss in one f32 input, divided by the step actually taken
-    /// (x ± h rounds in f32; the difference of the rounded values is exact in f64).
+    /// (x ± h rounds in f32; the difference of the rounded values is exact in f64). `None`
+    /// when a fixed-ratio step rounded the two inputs differently.
     fn central_difference(
         batch: &Batch,
         loss: impl Fn(&Batch) -> f64,
         slot: Slot,
         t: usize,
-    ) -> f64 {
-        let h = 1e-4f32;
-        let mut plus = batch.clone();
-        *slot_mut(&mut plus, slot, t) += h;
-        let mut minus = batch.clone();
-        *slot_mut(&mut minus, slot, t) -= h;
-        let step =
-            f64::from(*slot_mut(&mut plus, slot, t)) - f64::from(*slot_mut(&mut minus, slot, t));
-        (loss(&plus) - loss(&minus)) / step
+    ) -> Option<f64> {
+        // A power of two, so that a fixed-ratio step is exact away from exponent changes.
+        let h = 2f32.powi(-13);
+        let nudge = |b: &mut Batch, sign: f32| match slot {
+            Slot::Logp => b.logp[t] += sign * h,
+            Slot::Entropy => b.entropy[t] += sign * h,
+            Slot::LogpAtFixedRatio => {
+                b.logp[t] += sign * h;
+                b.old_logp[t] += sign * h;
+            }
+        };
+        let (mut plus, mut minus) = (batch.clone(), batch.clone());
+        nudge(&mut plus, 1.0);
+        nudge(&mut minus, -1.0);
+        let (x_plus, x_minus) = match slot {
+            Slot::Entropy => (plus.entropy[t], minus.entropy[t]),
+            _ => (plus.logp[t], minus.logp[t]),
+        };
+        let step = f64::from(x_plus) - f64::from(x_minus);
+        if slot == Slot::LogpAtFixedRatio
+            && f64::from(plus.old_logp[t]) - f64::from(minus.old_logp[t]) != step
+        {
+            return None;
+        }
+        Some((loss(&plus) - loss(&minus)) / step)
     }
 
     fn assert_gradient(analytic: f32, numeric: f64, what: &str) {
@@ -984,7 +1102,7 @@ mod tests {
         assert!((a - numeric).abs() <= tolerance, "{what}: analytic {a} vs numeric {numeric}");
     }
 
-    /// Every combination of the loss's switches (80), with whether to apply the correction.
+    /// Every combination of the loss's switches (960), with whether to apply the correction.
     fn every_configuration() -> Vec<(PolicyLossConfig, bool)> {
         let kl_settings = [
             None,
@@ -995,21 +1113,27 @@ mod tests {
         ];
         let mut all = Vec::new();
         for per_token_loss in [false, true] {
-            for sequence_ratio in [false, true] {
+            for objective in [Objective::Ppo, Objective::Gspo, Objective::Cispo] {
                 for eps_clip_c in [None, Some(2.0)] {
                     for kl in kl_settings {
-                        let cfg = PolicyLossConfig {
-                            eps_clip: 0.2,
-                            eps_clip_high: 0.28,
-                            eps_clip_c,
-                            use_kl_loss: kl.is_some(),
-                            kl_loss_coef: 0.1,
-                            kl_loss_type: kl.unwrap_or_default(),
-                            entropy_coef: 0.01,
-                            per_token_loss,
-                            sequence_ratio,
-                        };
-                        all.extend([(cfg, false), (cfg, true)]);
+                        for use_unbiased_kl in [false, true] {
+                            for opsm_delta in [None, Some(0.1)] {
+                                let cfg = PolicyLossConfig {
+                                    objective,
+                                    eps_clip: 0.2,
+                                    eps_clip_high: 0.28,
+                                    eps_clip_c,
+                                    use_kl_loss: kl.is_some(),
+                                    kl_loss_coef: 0.1,
+                                    kl_loss_type: kl.unwrap_or_default(),
+                                    use_unbiased_kl,
+                                    entropy_coef: 0.01,
+                                    per_token_loss,
+                                    opsm_delta,
+                                };
+                                all.extend([(cfg, false), (cfg, true)]);
+                            }
+                        }
                     }
                 }
             }
@@ -1031,19 +1155,28 @@ mod tests {
                 let out = policy_loss(&cfg, &batch.input()).unwrap();
                 for t in 0..batch.logp.len() {
                     let what = format!("{cfg:?} corrected {corrected} seed {seed} token {t}");
-                    let numeric = central_difference(&batch, loss, Slot::Entropy, t);
+                    let numeric = central_difference(&batch, loss, Slot::Entropy, t).unwrap();
                     assert_gradient(out.d_entropy[t], numeric, &what);
+                    // CISPO's ratio is a constant of its gradient, so hold it fixed; the
+                    // unbiased KL's ratio is not, so that pair is checked under PPO and GSPO.
+                    let slot = match cfg.objective {
+                        Objective::Cispo if cfg.use_unbiased_kl => continue,
+                        Objective::Cispo => Slot::LogpAtFixedRatio,
+                        _ => Slot::Logp,
+                    };
                     if near_a_kink(&cfg, &batch, t) {
                         continue;
                     }
-                    let numeric = central_difference(&batch, loss, Slot::Logp, t);
+                    let Some(numeric) = central_difference(&batch, loss, slot, t) else {
+                        continue;
+                    };
                     assert_gradient(out.d_logp[t], numeric, &what);
                     checked += usize::from(out.d_logp[t] != 0.0);
                 }
             }
         }
         // Most tokens carry a gradient; a mistake that zeroed them all would not pass.
-        assert!(checked > 2000, "only {checked} non-zero gradients checked");
+        assert!(checked > 10_000, "only {checked} non-zero gradients checked");
 
         for per_token_loss in [false, true] {
             let batch = random_batch(7);
@@ -1051,7 +1184,7 @@ mod tests {
             let loss = |b: &Batch| sft_loss(&cfg, &b.input()).unwrap().loss;
             let out = sft_loss(&cfg, &batch.input()).unwrap();
             for t in 0..batch.logp.len() {
-                let numeric = central_difference(&batch, loss, Slot::Logp, t);
+                let numeric = central_difference(&batch, loss, Slot::Logp, t).unwrap();
                 assert_gradient(out.d_logp[t], numeric, &format!("sft token {t}"));
             }
         }

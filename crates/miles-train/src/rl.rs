@@ -30,9 +30,7 @@ use std::time::Instant;
 
 use anyhow::{Context, anyhow, bail};
 use miles_core::config::{LossType, RunConfig};
-use miles_core::{
-    Advantage, Correction, CorrectionInput, Reward, Rollout, Sample, SamplingParams, Status,
-};
+use miles_core::{Advantage, Correction, Reward, Rollout, Sample, SamplingParams, Status};
 use miles_data::{Cursor, DataSource, Dataset, PromptRow};
 use miles_model::{Model, PackedLinears, Tokenizer, Weights};
 use miles_rollout::{Engine, EngineConfig};
@@ -40,7 +38,6 @@ use miles_tensor::cpu::{self, AdamW};
 use serde_json::{Map, Value, json};
 
 use crate::Optimizer;
-use crate::advantage::normalize_advantages;
 use crate::batch::{self, TrainSample, concat, split_ranges};
 use crate::checkpoint::{self, CheckpointRef};
 use crate::loss::{LossInput, LossMetrics, PolicyLossConfig, SftLossConfig, policy_loss, sft_loss};
@@ -377,7 +374,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
                 None => state.skipped_steps += 1,
             }
         }
-        sums.write(&mut record);
+        sums.write(&mut record, cfg.use_tis, cfg.use_opsm);
         record.insert("train/skipped_steps".into(), json!(state.skipped_steps));
 
         // 5. Weight sync: the optimizer updated the engine's own weights; repack them.
@@ -461,42 +458,27 @@ fn prepare(
 ) -> anyhow::Result<()> {
     let temperature = cfg.rollout_temperature;
     let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
-    let old = batch::logprobs(engine.model(), engine.packed(), samples, temperature, micro)?;
-    let mut diff = (0.0f64, 0usize);
-    for (s, o) in samples.iter_mut().zip(old) {
-        for ((&m, &a), &b) in s.loss_mask.iter().zip(&o).zip(&s.rollout_logp) {
-            if m != 0 {
-                diff.0 += f64::from((a - b).abs());
-                diff.1 += 1;
-            }
-        }
-        s.old_logp = if cfg.use_rollout_logprobs { s.rollout_logp.clone() } else { o };
+    let trainer = batch::logprobs(engine.model(), engine.packed(), samples, temperature, micro)?;
+    for (s, t) in samples.iter_mut().zip(&trainer) {
+        let old = if cfg.use_rollout_logprobs { &s.rollout_logp } else { t };
+        s.old_logp = old.clone();
     }
-    record.insert(
-        "train/train_rollout_logprob_abs_diff".into(),
-        json!(diff.0 / diff.1.max(1) as f64),
-    );
     if let Some((r, p)) = reference {
         let refs = batch::logprobs(r, p, samples, temperature, micro)?;
         for (s, r) in samples.iter_mut().zip(refs) {
             s.ref_logp = Some(r);
         }
     }
+    let per_token = cfg.calculate_per_token_loss;
     if let Some(corr) = correction.filter(|_| cfg.use_tis) {
-        apply_correction(corr, samples, record)?;
-    }
-    batch::compute_advantages(advantage, samples, cfg.kl_coef != 0.0)?;
-    if cfg.normalize_advantages {
-        let mask = concat(samples, |s| &s.loss_mask);
-        let mut flat = concat(samples, |s| &s.advantages);
-        normalize_advantages(&mut flat, &mask)?;
-        let mut at = 0;
-        for s in samples.iter_mut() {
-            let n = s.response_len();
-            s.advantages.copy_from_slice(&flat[at..at + n]);
-            at += n;
+        for (k, v) in batch::apply_correction(corr, samples, per_token)? {
+            record.insert(format!("train/{k}"), json!(v));
         }
     }
+    let diff = batch::rollout_logprob_abs_diff(samples, &trainer, per_token);
+    record.insert("train/train_rollout_logprob_abs_diff".into(), json!(diff));
+    let shaping_kl = (cfg.kl_coef != 0.0).then_some(cfg.kl_loss_type);
+    batch::compute_advantages(advantage, samples, shaping_kl, cfg.normalize_advantages)?;
     Ok(())
 }
 
@@ -715,35 +697,6 @@ fn rollout(
     Ok(kept)
 }
 
-/// TIS/MIS: weights and numerator mask from train (old) versus rollout logprobs.
-fn apply_correction(
-    corr: &dyn Correction,
-    samples: &mut [TrainSample],
-    record: &mut Record,
-) -> anyhow::Result<()> {
-    let train = concat(samples, |s| &s.old_logp);
-    let rollout = concat(samples, |s| &s.rollout_logp);
-    let mask = concat(samples, |s| &s.loss_mask);
-    let lengths: Vec<usize> = samples.iter().map(TrainSample::response_len).collect();
-    let out = corr.correct(&CorrectionInput {
-        train_log_probs: &train,
-        rollout_log_probs: &rollout,
-        loss_mask: &mask,
-        response_lengths: &lengths,
-    })?;
-    let mut at = 0;
-    for s in samples.iter_mut() {
-        let n = s.response_len();
-        s.correction_weights = Some(out.weights[at..at + n].to_vec());
-        s.correction_mask = Some(out.loss_mask[at..at + n].to_vec());
-        at += n;
-    }
-    for (k, v) in out.metrics {
-        record.insert(format!("train/{k}"), json!(v));
-    }
-    Ok(())
-}
-
 /// Which loss a step minimizes.
 enum StepLoss<'a> {
     Policy(&'a PolicyLossConfig),
@@ -832,12 +785,7 @@ fn train_step(
         out.d_entropy.iter_mut().for_each(|g| *g *= scale);
         policy.backward(&fwd, &batch, &out.d_logp, &out.d_entropy, &mut grads)?;
         total.loss += share * out.loss;
-        let m = &mut total.metrics;
-        m.pg_loss += share * out.metrics.pg_loss;
-        m.pg_clipfrac += share * out.metrics.pg_clipfrac;
-        m.ppo_kl += share * out.metrics.ppo_kl;
-        m.kl_loss += share * out.metrics.kl_loss;
-        m.entropy_loss += share * out.metrics.entropy_loss;
+        total.metrics.add_scaled(&out.metrics, share);
     }
     let norm = {
         let views: Vec<&[f32]> =
@@ -867,23 +815,19 @@ impl StepSums {
         self.steps += 1;
         self.loss += s.loss;
         self.grad_norm += s.grad_norm;
-        let m = &mut self.metrics;
-        m.pg_loss += s.metrics.pg_loss;
-        m.pg_clipfrac += s.metrics.pg_clipfrac;
-        m.ppo_kl += s.metrics.ppo_kl;
-        m.kl_loss += s.metrics.kl_loss;
-        m.entropy_loss += s.metrics.entropy_loss;
+        self.metrics.add_scaled(&s.metrics, 1.0);
         self.lr = lr;
     }
 
-    fn write(&self, record: &mut Record) {
+    /// `corrected` and `opsm` add the metrics slime reports with TIS and OPSM.
+    fn write(&self, record: &mut Record, corrected: bool, opsm: bool) {
         record.insert("train/steps".into(), json!(self.steps));
         if self.steps == 0 {
             return;
         }
         let k = self.steps as f64;
         record.insert("train/loss".into(), json!(self.loss / k));
-        for (name, v) in self.metrics.named() {
+        for (name, v) in self.metrics.named(corrected, opsm) {
             record.insert(name.into(), json!(v / k));
         }
         record.insert("train/grad_norm".into(), json!(self.grad_norm / k));

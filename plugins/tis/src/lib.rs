@@ -1,19 +1,39 @@
 //! TIS/MIS: importance weights that correct the policy gradient for the gap between the
-//! distribution the rollout engine sampled from and the one the trainer computes.
+//! distribution the rollout engine sampled from and the one the trainer computes. The plugin
+//! computes what slime's `vanilla_tis_function`, `icepop_function` and MIS
+//! (`examples/train_infer_mismatch_helper/mis.py`) compute; `tests/fixtures/slime` holds it to
+//! them.
 //!
-//! With r = exp(logp_train − logp_rollout) per token, a weight covers one token (`token`), a
-//! whole sequence with r_seq = exp(Σ log r) (`sequence`), or the geometric mean
-//! exp(mean log r) (`geometric`); sums and means run over the tokens the loss mask keeps. Then:
+//! Per sequence, with log r_t = logp_train − logp_rollout and m_t its loss mask, the log-ratio
+//! at a level is log r_t (`token`), Σ_m log r (`sequence`) or Σ_m log r / max(Σ m, 1)
+//! (`geometric`), clamped to ±20 before exp() (MIS's safety bound: one wild token cannot make
+//! inf or NaN; slime's vanilla TIS has no such clamp, which changes only ratios beyond e^±20).
+//! With w the ratio at `level` and [lower, upper] the bounds:
 //!
-//! - `truncate`: w = clamp(r, lower, upper) (classic TIS; lower 0 makes it one-sided);
-//! - `clip`: w = r inside [lower, upper] and 0 outside; the token keeps its place in the loss
-//!   mask (KL and entropy terms still see it);
-//! - `mask` (MIS): w = r inside, and tokens (or sequences) outside leave the loss mask; the
-//!   loss keeps the input mask's denominators, so dropping tokens does not rescale the rest.
+//! - `truncate`: w ← clamp(w, lower, upper); lower defaults to 0 (classic one-sided TIS;
+//!   slime's `--tis-clip-low`);
+//! - `clip`: the same clamp, lower defaulting to 1/upper (MIS's default);
+//! - `mask`: w is kept, and tokens with w outside the bounds leave the loss (MIS);
+//! - `icepop`: w ← 0 outside the bounds, the token stays in the loss (slime's icepop),
+//!   lower defaulting to 0.
 //!
-//! The veto drops a whole sequence whose any kept token has r below `veto_threshold`.
-//! `batch_normalize` rescales the surviving weights to mean 1 (over tokens, or over sequences
-//! for the sequence levels). Weights are constants of the loss: no gradient flows through them.
+//! Rejection sampling (`use_rs`, MIS) then drops the tokens whose ratio at `rs_level` is
+//! outside [rs_lower, rs_upper] (defaults: the TIS lower bound as clip/mask resolve it, and
+//! upper), and the veto drops a whole sequence where any kept token has r_t below
+//! `rs_veto_threshold`. Neither changes a weight: a dropped token leaves the loss's
+//! numerator only.
+//!
+//! `batch_normalize` divides every weight by the mean weight over the input loss mask: the
+//! token mean at the `token` level, the mean of per-sequence means at `sequence`; rejected
+//! and vetoed tokens count with their weights, as in MIS, and a mean ≤ 1e-8 leaves the
+//! weights alone. `geometric` has no batch normalization (slime refuses it too).
+//!
+//! Metrics are per token, under slime's names; the trainer aggregates them like the loss over
+//! the input loss mask (slime's `sum_of_sample_mean`): vanilla TIS's `tis` (r_t), `tis_abs`
+//! (|r_t − 1|) and `tis_clipfrac` (the weight is not r_t), and MIS's `mis_*` set (perplexities
+//! and KL between the two engines, the fractions each bound hit, the weights before and after
+//! the bounds and after batch normalization). Weights are constants of the loss: no gradient
+//! flows through them.
 
 use std::collections::BTreeMap;
 
@@ -23,27 +43,35 @@ use miles_core::{
 };
 use serde::Deserialize;
 
-/// exp() of log-ratios beyond this is clamped, so one wild token cannot produce inf or NaN.
+/// exp() of log-ratios beyond this is clamped (MIS's `SAFETY_BOUND`).
 const LOG_RATIO_SAFETY_BOUND: f64 = 20.0;
+/// Batch normalization is skipped when the mean weight is not above this (MIS's).
+const BATCH_NORM_MIN_MEAN: f64 = 1e-8;
 
 pub static PLUGIN: Plugin = Plugin {
     name: "tis",
     version: env!("CARGO_PKG_VERSION"),
-    description: "truncated/masked importance sampling (token, sequence, geometric)",
+    description: "truncated/masked importance sampling and rejection sampling (TIS/MIS/icepop)",
     factory: Factory::Correction(|config| Ok(Box::new(Tis::from_config(config)?))),
 };
 miles_core::inventory::submit! { Registration(&PLUGIN) }
 
-/// The plugin's configuration; the driver builds it from `--tis-*` (`RunConfig::tis_config`).
+/// The plugin's configuration; the driver builds it from `--tis-*` and `--rs-*`
+/// (`RunConfig::tis_config`).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TisConfig {
     pub level: TisLevel,
     pub mode: TisMode,
     pub upper: f32,
-    pub lower: f32,
-    pub veto_threshold: Option<f32>,
+    /// Default: 0 for truncate and icepop, 1/upper for clip and mask.
+    pub lower: Option<f32>,
     pub batch_normalize: bool,
+    pub use_rs: bool,
+    pub rs_level: TisLevel,
+    pub rs_lower: Option<f32>,
+    pub rs_upper: Option<f32>,
+    pub rs_veto_threshold: Option<f32>,
 }
 
 impl Default for TisConfig {
@@ -52,16 +80,32 @@ impl Default for TisConfig {
             level: TisLevel::Token,
             mode: TisMode::Truncate,
             upper: 2.0,
-            lower: 0.0,
-            veto_threshold: None,
+            lower: None,
             batch_normalize: false,
+            use_rs: false,
+            rs_level: TisLevel::Token,
+            rs_lower: None,
+            rs_upper: None,
+            rs_veto_threshold: None,
         }
     }
+}
+
+/// The bounds with their defaults resolved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Bounds {
+    lower: f64,
+    upper: f64,
+    rs_lower: f64,
+    rs_upper: f64,
+    /// ln of the veto threshold.
+    log_veto: Option<f64>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Tis {
     config: TisConfig,
+    bounds: Bounds,
 }
 
 impl Tis {
@@ -72,17 +116,43 @@ impl Tis {
         if !upper_ok {
             return Err(Error::config("tis-clip", format!("upper bound {} must be > 0", c.upper)));
         }
-        let lower_ok = c.lower >= 0.0 && c.lower < c.upper;
+        let upper = f64::from(c.upper);
+        // MIS's lower bound: given, else 1/upper.
+        let mis_lower = c.lower.map_or(1.0 / upper, f64::from);
+        let lower = match (c.mode, c.lower) {
+            (_, Some(l)) => f64::from(l),
+            (TisMode::Truncate | TisMode::Icepop, None) => 0.0,
+            (TisMode::Clip | TisMode::Mask, None) => mis_lower,
+        };
+        let lower_ok = lower >= 0.0 && lower < upper;
         if !lower_ok {
             return Err(Error::config(
                 "tis-clip-low",
-                format!("lower bound {} must be in [0, upper {})", c.lower, c.upper),
+                format!("lower bound {lower} must be in [0, upper {upper})"),
             ));
         }
-        if let Some(v) = c.veto_threshold.filter(|v| v.is_nan() || *v <= 0.0) {
-            return Err(Error::config("tis-veto-threshold", format!("{v} must be > 0")));
+        let rs_lower = c.rs_lower.map_or(mis_lower, f64::from);
+        let rs_upper = c.rs_upper.map_or(upper, f64::from);
+        let rs_ok = rs_lower >= 0.0 && rs_lower < rs_upper && rs_upper.is_finite();
+        if !rs_ok {
+            return Err(Error::config(
+                "rs-lower-bound",
+                format!(
+                    "rejection bounds [{rs_lower}, {rs_upper}] must satisfy 0 <= lower < upper"
+                ),
+            ));
         }
-        Ok(Tis { config })
+        if let Some(v) = c.rs_veto_threshold.filter(|v| !(*v > 0.0)) {
+            return Err(Error::config("rs-veto-threshold", format!("{v} must be > 0")));
+        }
+        if c.batch_normalize && c.level == TisLevel::Geometric {
+            return Err(Error::config(
+                "tis-batch-normalize",
+                "is not defined for --tis-level geometric (slime refuses it too)",
+            ));
+        }
+        let log_veto = c.rs_veto_threshold.filter(|_| c.use_rs).map(|v| f64::from(v).ln());
+        Ok(Tis { config, bounds: Bounds { lower, upper, rs_lower, rs_upper, log_veto } })
     }
 
     pub fn from_config(config: &serde_json::Value) -> Result<Self> {
@@ -96,272 +166,247 @@ impl Tis {
     }
 }
 
-/// Running totals for the metrics; every fraction is over the tokens the input mask keeps.
+/// Per-token metric values, by name, in token order.
 #[derive(Default)]
-struct Tally {
-    valid_tokens: f64,
-    raw_ratio_sum: f64,
-    out_of_bounds: f64,
-    dropped: f64,
-    vetoed_sequences: f64,
+struct Metrics(BTreeMap<String, Vec<f64>>);
+
+impl Metrics {
+    fn push(&mut self, name: &str, values: impl IntoIterator<Item = f64>) {
+        self.0.entry(name.to_string()).or_default().extend(values);
+    }
+
+    /// One value for every token of a sequence of `len`.
+    fn push_each(&mut self, name: &str, value: f64, len: usize) {
+        self.push(name, std::iter::repeat_n(value, len));
+    }
+}
+
+/// One sequence's tokens: log r per token and the loss mask.
+struct Sequence<'a> {
+    log_r: Vec<f64>,
+    mask: &'a [u8],
+}
+
+impl Sequence<'_> {
+    fn kept(&self) -> impl Iterator<Item = f64> + '_ {
+        self.log_r.iter().zip(self.mask).filter(|(_, m)| **m != 0).map(|(x, _)| *x)
+    }
+
+    fn count(&self) -> usize {
+        self.mask.iter().filter(|&&m| m != 0).count()
+    }
+
+    /// The log-ratio of each token at `level`.
+    fn log_ratio_at(&self, level: TisLevel) -> Vec<f64> {
+        let n = self.log_r.len();
+        match level {
+            TisLevel::Token => self.log_r.clone(),
+            TisLevel::Sequence => vec![self.kept().sum(); n],
+            TisLevel::Geometric => vec![self.kept().sum::<f64>() / self.count().max(1) as f64; n],
+        }
+    }
+}
+
+fn safe_exp(log_r: f64) -> f64 {
+    log_r.clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND).exp()
+}
+
+fn flag(b: bool) -> f64 {
+    if b { 1.0 } else { 0.0 }
+}
+
+/// Σ_m x / max(Σ m, 1), MIS's `masked_mean`.
+fn masked_mean(x: &[f64], mask: &[u8]) -> f64 {
+    let count = mask.iter().filter(|&&m| m != 0).count().max(1);
+    x.iter().zip(mask).filter(|(_, m)| **m != 0).map(|(x, _)| x).sum::<f64>() / count as f64
 }
 
 impl Correction for Tis {
     fn correct(&self, input: &CorrectionInput<'_>) -> Result<CorrectionOutput> {
         input.validate()?;
-        let c = &self.config;
-        let (lower, upper) = (f64::from(c.lower), f64::from(c.upper));
+        let (c, b) = (&self.config, &self.bounds);
         let n = input.train_log_probs.len();
-        let mut weights = vec![0f32; n];
-        let mut mask = input.loss_mask.to_vec();
-        let mut tally = Tally::default();
-        // Weights of surviving units (tokens, or sequences at the sequence levels) for the
-        // batch normalization.
-        let (mut kept_sum, mut kept_count) = (0f64, 0f64);
+        let mut weights = Vec::with_capacity(n);
+        let mut out_mask = Vec::with_capacity(n);
+        let mut metrics = Metrics::default();
 
         let mut start = 0;
         for &len in input.response_lengths {
             let range = start..start + len;
             start += len;
-            let log_r = |i: usize| {
-                f64::from(input.train_log_probs[i]) - f64::from(input.rollout_log_probs[i])
+            let train = &input.train_log_probs[range.clone()];
+            let rollout = &input.rollout_log_probs[range.clone()];
+            let seq = Sequence {
+                log_r: train
+                    .iter()
+                    .zip(rollout)
+                    .map(|(t, r)| f64::from(*t) - f64::from(*r))
+                    .collect(),
+                mask: &input.loss_mask[range],
             };
-            let kept: Vec<usize> = range.clone().filter(|&i| input.loss_mask[i] != 0).collect();
-            tally.valid_tokens += kept.len() as f64;
+            mismatch_metrics(&mut metrics, &seq, train, rollout);
 
-            let vetoed = c.veto_threshold.is_some_and(|v| {
-                let log_v = f64::from(v).ln();
-                kept.iter().any(|&i| log_r(i) < log_v)
-            });
-            if vetoed {
-                tally.vetoed_sequences += 1.0;
-                tally.dropped += kept.len() as f64;
-                for &i in &kept {
-                    tally.raw_ratio_sum += ratio(log_r(i));
-                    mask[i] = 0;
-                }
-                continue;
-            }
-
-            // The ratio each kept token's weight starts from.
-            let seq_log_r = match c.level {
-                TisLevel::Token => None,
-                TisLevel::Sequence => Some(kept.iter().map(|&i| log_r(i)).sum::<f64>()),
-                TisLevel::Geometric if kept.is_empty() => Some(0.0),
-                TisLevel::Geometric => {
-                    Some(kept.iter().map(|&i| log_r(i)).sum::<f64>() / kept.len() as f64)
-                }
+            // Importance weights.
+            let before: Vec<f64> = seq.log_ratio_at(c.level).into_iter().map(safe_exp).collect();
+            let mut mask: Vec<u8> = seq.mask.to_vec();
+            let outside = |w: f64| (w < b.lower, w > b.upper);
+            let w: Vec<f64> = before
+                .iter()
+                .zip(seq.mask)
+                .zip(mask.iter_mut())
+                .map(|((&w, &m), keep)| {
+                    let (low, high) = outside(w);
+                    let w = match c.mode {
+                        TisMode::Truncate | TisMode::Clip => w.clamp(b.lower, b.upper),
+                        TisMode::Mask => {
+                            if low || high {
+                                *keep = 0;
+                            }
+                            w
+                        }
+                        TisMode::Icepop if low || high => 0.0,
+                        TisMode::Icepop => w,
+                    };
+                    w * f64::from(m)
+                })
+                .collect();
+            metrics.push("mis_tis_weight_before_bound", before.iter().copied());
+            let fraction = |pick: fn((bool, bool)) -> bool| {
+                before.iter().map(move |&w| flag(pick(outside(w))))
             };
-            let mut any_kept = false;
-            for &i in &kept {
-                let r = ratio(seq_log_r.unwrap_or_else(|| log_r(i)));
-                tally.raw_ratio_sum += r;
-                let inside = (lower..=upper).contains(&r);
-                if !inside {
-                    tally.out_of_bounds += 1.0;
+            match c.mode {
+                TisMode::Truncate => metrics.push("mis_tis_truncate_fraction", fraction(|o| o.1)),
+                TisMode::Clip => {
+                    metrics.push("mis_tis_clip_fraction_low", fraction(|o| o.0));
+                    metrics.push("mis_tis_clip_fraction_high", fraction(|o| o.1));
                 }
-                let w = match c.mode {
-                    TisMode::Truncate => r.clamp(lower, upper),
-                    TisMode::Clip | TisMode::Mask if inside => r,
-                    TisMode::Clip => 0.0,
-                    TisMode::Mask => {
-                        mask[i] = 0;
-                        tally.dropped += 1.0;
-                        0.0
+                TisMode::Mask => {
+                    metrics.push("mis_tis_mask_fraction_low", fraction(|o| o.0));
+                    metrics.push("mis_tis_mask_fraction_high", fraction(|o| o.1));
+                }
+                TisMode::Icepop => {}
+            }
+            metrics.push("mis_tis_weight_after_bound", w.iter().copied());
+
+            if c.use_rs {
+                let rs: Vec<f64> = seq.log_ratio_at(c.rs_level).into_iter().map(safe_exp).collect();
+                metrics.push("mis_rs_mask_fraction_low", rs.iter().map(|&w| flag(w < b.rs_lower)));
+                metrics.push("mis_rs_mask_fraction_high", rs.iter().map(|&w| flag(w > b.rs_upper)));
+                for (keep, &w) in mask.iter_mut().zip(&rs) {
+                    if !(b.rs_lower..=b.rs_upper).contains(&w) {
+                        *keep = 0;
                     }
-                };
-                weights[i] = w as f32;
-                if mask[i] != 0 {
-                    any_kept = true;
-                    if c.level == TisLevel::Token {
-                        kept_sum += w;
-                        kept_count += 1.0;
+                }
+                if let Some(log_veto) = b.log_veto {
+                    let catastrophic: Vec<bool> = seq
+                        .log_r
+                        .iter()
+                        .zip(seq.mask)
+                        .map(|(&x, &m)| m != 0 && x < log_veto)
+                        .collect();
+                    let vetoed = catastrophic.iter().any(|&x| x);
+                    metrics.push(
+                        "mis_rs_catastrophic_token_fraction",
+                        catastrophic.iter().map(|&x| flag(x)),
+                    );
+                    metrics.push_each("mis_rs_catastrophic_seq_fraction", flag(vetoed), len);
+                    if vetoed {
+                        mask.fill(0);
                     }
                 }
             }
-            if c.level != TisLevel::Token && any_kept {
-                // Every kept token of the sequence carries the same weight.
-                kept_sum += f64::from(weights[kept[0]]);
-                kept_count += 1.0;
-            }
+            metrics.push("mis_is_ratio_mean_after_tis_rs", w.iter().copied());
+            // Vanilla TIS's names, on the token ratios.
+            let token_ratio: Vec<f64> = seq.log_r.iter().map(|x| x.exp()).collect();
+            metrics.push("tis", token_ratio.iter().copied());
+            metrics.push("tis_abs", token_ratio.iter().map(|r| (r - 1.0).abs()));
+            metrics.push("tis_clipfrac", w.iter().zip(&token_ratio).map(|(w, r)| flag(w != r)));
+
+            weights.push(w);
+            out_mask.extend(mask);
         }
 
-        if c.batch_normalize && kept_sum > 0.0 {
-            let mean = kept_sum / kept_count;
-            for (w, &m) in weights.iter_mut().zip(&mask) {
-                *w = if m != 0 { (f64::from(*w) / mean) as f32 } else { 0.0 };
+        if c.batch_normalize {
+            let mean = batch_mean(c.level, &weights, input);
+            let factor = if mean > BATCH_NORM_MIN_MEAN { mean } else { 1.0 };
+            for w in weights.iter_mut().flatten() {
+                *w /= factor;
             }
+            metrics.push_each("mis_batch_norm_factor", factor, n);
         }
-
-        let per_token =
-            |x: f64| if tally.valid_tokens > 0.0 { x / tally.valid_tokens } else { 0.0 };
-        let final_kept: Vec<f64> = weights
-            .iter()
-            .zip(&mask)
-            .filter(|&(_, &m)| m != 0)
-            .map(|(&w, _)| f64::from(w))
-            .collect();
-        let weight_mean = if final_kept.is_empty() {
-            0.0
-        } else {
-            final_kept.iter().sum::<f64>() / final_kept.len() as f64
-        };
-        let metrics = BTreeMap::from([
-            ("tis_raw_ratio_mean".to_string(), per_token(tally.raw_ratio_sum)),
-            ("tis_weight_mean".to_string(), weight_mean),
-            ("tis_clip_fraction".to_string(), per_token(tally.out_of_bounds)),
-            ("tis_masked_fraction".to_string(), per_token(tally.dropped)),
-            ("tis_veto_count".to_string(), tally.vetoed_sequences),
-        ]);
-        Ok(CorrectionOutput { weights, loss_mask: mask, metrics })
+        let mut start = 0;
+        for w in &weights {
+            let mask = &input.loss_mask[start..start + w.len()];
+            start += w.len();
+            let kept: Vec<f64> =
+                w.iter().zip(mask).filter(|(_, m)| **m != 0).map(|(w, _)| *w).collect();
+            let (min, max) =
+                kept.iter().fold((None, None), |(lo, hi): (Option<f64>, Option<f64>), &x| {
+                    (Some(lo.map_or(x, |l| l.min(x))), Some(hi.map_or(x, |h| h.max(x))))
+                });
+            metrics.push_each("mis_is_ratio_mean_final", masked_mean(w, mask), w.len());
+            metrics.push_each("mis_is_ratio_min_final", min.unwrap_or(0.0), w.len());
+            metrics.push_each("mis_is_ratio_max_final", max.unwrap_or(0.0), w.len());
+        }
+        Ok(CorrectionOutput {
+            weights: weights.into_iter().flatten().map(|w| w as f32).collect(),
+            loss_mask: out_mask,
+            metrics: metrics.0,
+        })
     }
 }
 
-fn ratio(log_r: f64) -> f64 {
-    log_r.clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND).exp()
+/// The mean weight that batch normalization divides by, over the input loss mask.
+fn batch_mean(level: TisLevel, weights: &[Vec<f64>], input: &CorrectionInput<'_>) -> f64 {
+    let mut start = 0;
+    let masks: Vec<&[u8]> = weights
+        .iter()
+        .map(|w| {
+            let m = &input.loss_mask[start..start + w.len()];
+            start += w.len();
+            m
+        })
+        .collect();
+    match level {
+        TisLevel::Token => {
+            let sum: f64 = weights
+                .iter()
+                .zip(&masks)
+                .flat_map(|(w, m)| w.iter().zip(*m).filter(|(_, m)| **m != 0).map(|(w, _)| *w))
+                .sum();
+            let count: usize = masks.iter().map(|m| m.iter().filter(|&&x| x != 0).count()).sum();
+            sum / count.max(1) as f64
+        }
+        // Validated away for geometric.
+        TisLevel::Sequence | TisLevel::Geometric => {
+            let means: f64 = weights.iter().zip(&masks).map(|(w, m)| masked_mean(w, m)).sum();
+            means / weights.len().max(1) as f64
+        }
+    }
+}
+
+/// MIS's `add_ppl_metrics`: how far apart the two engines are on one sequence.
+fn mismatch_metrics(metrics: &mut Metrics, seq: &Sequence<'_>, train: &[f32], rollout: &[f32]) {
+    let len = seq.log_r.len();
+    let train: Vec<f64> = train.iter().map(|&x| f64::from(x)).collect();
+    let rollout: Vec<f64> = rollout.iter().map(|&x| f64::from(x)).collect();
+    let mean_train = masked_mean(&train, seq.mask);
+    let mean_rollout = masked_mean(&rollout, seq.mask);
+    metrics.push_each("mis_training_log_ppl", -mean_train, len);
+    metrics.push_each("mis_training_ppl", (-mean_train).exp(), len);
+    metrics.push_each("mis_rollout_log_ppl", -mean_rollout, len);
+    metrics.push_each("mis_rollout_ppl", (-mean_rollout).exp(), len);
+    metrics.push("mis_kl", seq.log_r.iter().map(|x| -x));
+    metrics.push("mis_k3_kl", seq.log_r.iter().map(|x| x.exp() - x - 1.0));
+    let log_ppl_diff = mean_rollout - mean_train;
+    metrics.push_each("mis_log_ppl_diff", log_ppl_diff, len);
+    metrics.push_each("mis_log_ppl_abs_diff", log_ppl_diff.abs(), len);
+    metrics.push_each("mis_ppl_ratio", log_ppl_diff.exp(), len);
+    let rho_squared: Vec<f64> = seq.log_r.iter().map(|&x| safe_exp(x).powi(2)).collect();
+    metrics.push_each("mis_chi2_token", masked_mean(&rho_squared, seq.mask) - 1.0, len);
+    let log_seq = seq.kept().sum::<f64>().clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND);
+    metrics.push_each("mis_chi2_seq", (2.0 * log_seq).exp() - 1.0, len);
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Rollout logprobs all zero, so train logprob ln(r) gives ratio r exactly.
-    fn run(config: TisConfig, ratios: &[f64], mask: &[u8], lens: &[usize]) -> CorrectionOutput {
-        let train: Vec<f32> = ratios.iter().map(|r| r.ln() as f32).collect();
-        let rollout = vec![0f32; ratios.len()];
-        let input = CorrectionInput {
-            train_log_probs: &train,
-            rollout_log_probs: &rollout,
-            loss_mask: mask,
-            response_lengths: lens,
-        };
-        Tis::new(config).unwrap().correct(&input).unwrap()
-    }
-
-    fn close(a: &[f32], b: &[f64]) {
-        assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
-        for (x, y) in a.iter().zip(b) {
-            assert!((f64::from(*x) - y).abs() < 1e-5, "{a:?} vs {b:?}");
-        }
-    }
-
-    fn metric(out: &CorrectionOutput, name: &str) -> f64 {
-        out.metrics[name]
-    }
-
-    #[test]
-    fn token_truncate_clamps_into_the_bounds() {
-        let out = run(TisConfig::default(), &[0.5, 1.5, 3.0], &[1, 1, 1], &[3]);
-        close(&out.weights, &[0.5, 1.5, 2.0]);
-        assert_eq!(out.loss_mask, vec![1, 1, 1]);
-        assert!((metric(&out, "tis_clip_fraction") - 1.0 / 3.0).abs() < 1e-9);
-        assert!((metric(&out, "tis_raw_ratio_mean") - 5.0 / 3.0).abs() < 1e-6);
-        assert!((metric(&out, "tis_weight_mean") - 4.0 / 3.0).abs() < 1e-6);
-
-        let two_sided = TisConfig { lower: 0.8, ..TisConfig::default() };
-        let out = run(two_sided, &[0.5, 1.5, 3.0], &[1, 1, 1], &[3]);
-        close(&out.weights, &[0.8, 1.5, 2.0]);
-        assert!((metric(&out, "tis_clip_fraction") - 2.0 / 3.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn clip_zeroes_weights_but_keeps_the_mask() {
-        let config = TisConfig { mode: TisMode::Clip, lower: 0.6, ..TisConfig::default() };
-        let out = run(config, &[0.5, 1.5, 3.0], &[1, 1, 1], &[3]);
-        close(&out.weights, &[0.0, 1.5, 0.0]);
-        assert_eq!(out.loss_mask, vec![1, 1, 1]);
-        assert_eq!(metric(&out, "tis_masked_fraction"), 0.0);
-    }
-
-    #[test]
-    fn mask_mode_drops_tokens_outside_the_bounds() {
-        let config = TisConfig { mode: TisMode::Mask, lower: 0.6, ..TisConfig::default() };
-        let out = run(config, &[0.5, 1.5, 3.0, 1.0], &[1, 1, 1, 0], &[4]);
-        close(&out.weights, &[0.0, 1.5, 0.0, 0.0]);
-        assert_eq!(out.loss_mask, vec![0, 1, 0, 0]);
-        assert!((metric(&out, "tis_masked_fraction") - 2.0 / 3.0).abs() < 1e-9);
-        assert!((metric(&out, "tis_weight_mean") - 1.5).abs() < 1e-6);
-    }
-
-    #[test]
-    fn sequence_level_multiplies_the_kept_token_ratios() {
-        let config = TisConfig { level: TisLevel::Sequence, ..TisConfig::default() };
-        // Sequence A: 2 × 0.75 = 1.5 (the masked-out 100 does not count); sequence B: 3 → 2.
-        let out = run(config, &[2.0, 0.75, 100.0, 3.0], &[1, 1, 0, 1], &[3, 1]);
-        close(&out.weights, &[1.5, 1.5, 0.0, 2.0]);
-        assert!((metric(&out, "tis_clip_fraction") - 1.0 / 3.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn geometric_level_takes_the_mean_log_ratio() {
-        let config = TisConfig { level: TisLevel::Geometric, upper: 5.0, ..TisConfig::default() };
-        // exp((ln 4 + ln 1) / 2) = 2; exp((ln 8 + ln 0.5 + ln 2) / 3) = 2.
-        let out = run(config, &[4.0, 1.0, 8.0, 0.5, 2.0], &[1, 1, 1, 1, 1], &[2, 3]);
-        close(&out.weights, &[2.0, 2.0, 2.0, 2.0, 2.0]);
-        let config = TisConfig { level: TisLevel::Geometric, mode: TisMode::Mask, ..config };
-        let out = run(TisConfig { upper: 1.5, ..config }, &[4.0, 1.0, 1.0], &[1, 1, 1], &[2, 1]);
-        assert_eq!(out.loss_mask, vec![0, 0, 1]);
-        close(&out.weights, &[0.0, 0.0, 1.0]);
-    }
-
-    #[test]
-    fn veto_drops_the_whole_sequence() {
-        let config = TisConfig { veto_threshold: Some(0.1), ..TisConfig::default() };
-        // The 0.05 token vetoes sequence A; the 0.01 in B is masked out, so B survives.
-        let out = run(config, &[1.0, 0.05, 1.2, 0.01, 1.1], &[1, 1, 1, 0, 1], &[3, 2]);
-        assert_eq!(out.loss_mask, vec![0, 0, 0, 0, 1]);
-        close(&out.weights, &[0.0, 0.0, 0.0, 0.0, 1.1]);
-        assert_eq!(metric(&out, "tis_veto_count"), 1.0);
-        assert!((metric(&out, "tis_masked_fraction") - 3.0 / 4.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn batch_normalization_gives_mean_one() {
-        let config = TisConfig { batch_normalize: true, upper: 10.0, ..TisConfig::default() };
-        let out = run(config, &[1.0, 2.0, 5.0], &[1, 1, 0], &[3]);
-        close(&out.weights, &[2.0 / 3.0, 4.0 / 3.0, 0.0]);
-        assert!((metric(&out, "tis_weight_mean") - 1.0).abs() < 1e-6);
-        // Sequence level: each sequence counts once, whatever its length.
-        let config = TisConfig { level: TisLevel::Sequence, ..config };
-        let out = run(config, &[1.0, 1.0, 1.0, 3.0], &[1, 1, 1, 1], &[3, 1]);
-        close(&out.weights, &[0.5, 0.5, 0.5, 1.5]);
-    }
-
-    #[test]
-    fn extreme_log_ratios_stay_finite() {
-        let train = [200.0f32, -200.0];
-        let rollout = [0.0f32, 0.0];
-        let input = CorrectionInput {
-            train_log_probs: &train,
-            rollout_log_probs: &rollout,
-            loss_mask: &[1, 1],
-            response_lengths: &[2],
-        };
-        let level = TisLevel::Sequence;
-        for mode in [TisMode::Truncate, TisMode::Clip, TisMode::Mask] {
-            let tis = Tis::new(TisConfig { mode, level, ..TisConfig::default() }).unwrap();
-            let out = tis.correct(&input).unwrap();
-            assert!(out.weights.iter().all(|w| w.is_finite()));
-            assert!(out.metrics.values().all(|m| m.is_finite()), "{:?}", out.metrics);
-        }
-        let out = Tis::new(TisConfig::default()).unwrap().correct(&input).unwrap();
-        close(&out.weights, &[2.0, (-20f64).exp()]);
-    }
-
-    #[test]
-    fn bad_input_and_configuration_are_errors() {
-        let input = CorrectionInput {
-            train_log_probs: &[0.0, 0.0],
-            rollout_log_probs: &[0.0],
-            loss_mask: &[1, 1],
-            response_lengths: &[2],
-        };
-        assert!(Tis::new(TisConfig::default()).unwrap().correct(&input).is_err());
-        let err = Tis::new(TisConfig { lower: 3.0, ..TisConfig::default() }).unwrap_err();
-        assert!(err.to_string().starts_with("--tis-clip-low"), "{err}");
-        let err = Tis::from_config(&serde_json::json!({"uper": 2.0})).unwrap_err();
-        assert!(err.to_string().contains("uper"), "{err}");
-        let config = miles_core::config::RunConfig::default().tis_config();
-        assert_eq!(Tis::from_config(&config).unwrap().config, TisConfig::default());
-    }
-}
+mod tests;
