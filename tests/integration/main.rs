@@ -8,4 +8,5 @@ mod model_cli;
 mod registry;
 mod reward_cmd;
 mod rollout;
+mod slime_conformance;
 mod train;
