@@ -81,7 +81,9 @@ impl Cli {
         I: IntoIterator<Item = T>,
         T: Into<OsString> + Clone,
     {
-        let matches = Cli::command_with_version().try_get_matches_from(args)?;
+        let matches = Cli::command_with_version()
+            .try_get_matches_from(args)
+            .map_err(run_flags::explain_unknown_argument)?;
         Cli::from_arg_matches(&matches)
     }
 

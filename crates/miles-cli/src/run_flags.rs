@@ -669,6 +669,77 @@ fn distance(a: &str, b: &str) -> usize {
     row[b.len()]
 }
 
+/// slime flags of the RL loop that miles-rs does not take, with what to do instead. A run given
+/// one, as a flag or as a key of `--config`, stops with this answer rather than a bare
+/// "unknown argument". (Cluster, Megatron and SGLang placement flags have no meaning in one
+/// process and stay plain unknown arguments.)
+pub const SLIME_UNSUPPORTED: &[(&str, &str)] = &[
+    ("custom-advantage-function-path", "the estimators are built in: --advantage-estimator"),
+    ("custom-loss-function-path", "the losses are built in: --loss-type policy_loss|sft_loss"),
+    ("custom-pg-loss-reducer-function-path", "the reducer is built in: --calculate-per-token-loss"),
+    (
+        "custom-tis-function-path",
+        "the tis plugin implements slime's vanilla TIS, icepop and MIS: --use-tis with \
+         --tis-mode truncate|clip|mask|icepop, --tis-level, --use-rs and the --rs-* flags",
+    ),
+    (
+        "get-mismatch-metrics",
+        "--use-tis reports the mismatch metrics (train/mis_kl, train/mis_chi2_token, …); \
+         train/train_rollout_logprob_abs_diff is reported always",
+    ),
+    ("tis-upper-bound", "MIS's key is --tis-clip here"),
+    ("tis-lower-bound", "MIS's key is --tis-clip-low here"),
+    ("custom-reward-post-process-path", "use --disable-rewards-normalization or a reward plugin"),
+    ("use-opd", "on-policy distillation is not implemented"),
+    ("opd-type", "on-policy distillation is not implemented"),
+    ("opd-kl-coef", "on-policy distillation is not implemented"),
+    ("ref-update-interval", "the reference model stays the initial policy"),
+    ("value-clip", "PPO's critic is not implemented (nor --advantage-estimator ppo)"),
+    ("num-critic-only-steps", "PPO's critic is not implemented (nor --advantage-estimator ppo)"),
+    ("use-rollout-entropy", "entropy-based loss masks are not implemented"),
+    ("use-routing-replay", "Rollout Routing Replay is --use-rollout-routing-replay (MoE)"),
+    ("reset-optimizer-states", "the optimizer state always carries over"),
+    ("use-stateless-adam", "AdamW keeps its moments"),
+    ("disable-compute-advantages-and-returns", "use --loss-type sft_loss for supervised steps"),
+    ("keep-old-actor", "the old policy's logprobs are computed once per rollout"),
+    ("dynamic-sampling-filter-path", "--over-sampling-batch-size drops groups of equal rewards"),
+    (
+        "log-probs-chunk-size",
+        "the fused LM head never holds all rows' logits; --micro-batch-size bounds memory",
+    ),
+    ("recompute-loss-function", "the loss is host math over per-token logprobs"),
+    (
+        "use-dynamic-batch-size",
+        "sequences are packed without padding; --micro-batch-size bounds a forward",
+    ),
+    (
+        "max-tokens-per-gpu",
+        "sequences are packed without padding; --micro-batch-size bounds a forward",
+    ),
+];
+
+/// The answer to an unsupported slime flag (`key` without `--`).
+pub fn unsupported_slime_flag(key: &str) -> Option<String> {
+    let (k, why) = SLIME_UNSUPPORTED.iter().find(|(k, _)| *k == key)?;
+    Some(format!("--{k} is a slime flag that miles-rs does not support: {why}"))
+}
+
+/// A clap "unknown argument" error for an unsupported slime flag, with the answer instead.
+pub fn explain_unknown_argument(e: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue};
+    if e.kind() != ErrorKind::UnknownArgument {
+        return e;
+    }
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return e;
+    };
+    let key = arg.trim_start_matches('-').split('=').next().unwrap_or_default();
+    match unsupported_slime_flag(key) {
+        Some(answer) => clap::Error::raw(ErrorKind::UnknownArgument, format!("{answer}\n")),
+        None => e,
+    }
+}
+
 /// The known key closest to `key`, when it is close enough to be a typo.
 pub fn closest_key(key: &str) -> Option<&'static str> {
     let (best, d) = FLAGS.iter().map(|f| (f.key, distance(key, f.key))).min_by_key(|&(_, d)| d)?;
@@ -686,6 +757,9 @@ fn overlay(
     for (spelled, value) in layer {
         let key = spelled.replace('_', "-");
         let Some(flag) = flag(&key) else {
+            if let Some(answer) = unsupported_slime_flag(&key) {
+                bail!("{source}: key '{spelled}': {answer}");
+            }
             let hint = match closest_key(&key) {
                 Some(close) => format!("; did you mean '{close}'?"),
                 None if value.is_object() => "; the keys are flat flag names, no [tables]".into(),
@@ -789,7 +863,7 @@ mod tests {
         let cmd = TrainArgs::augment_args(Command::new("train"));
         let matches = cmd
             .try_get_matches_from(std::iter::once("train").chain(argv.iter().copied()))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| explain_unknown_argument(e).to_string())?;
         TrainArgs::from_arg_matches(&matches).map_err(|e| e.to_string())
     }
 
@@ -1080,6 +1154,23 @@ mod tests {
         let base = json!({"rollout-batch-size": "8"}).as_object().unwrap().clone();
         let e = error(build_run_config(&base, &TrainArgs::default()));
         assert!(e.starts_with("built-in defaults: key 'rollout-batch-size'"), "{e}");
+    }
+
+    #[test]
+    fn unsupported_slime_flags_say_what_to_do_instead() {
+        let e = parse(&["--custom-tis-function-path", "mis.py:f"]).unwrap_err();
+        assert!(e.contains("--custom-tis-function-path is a slime flag that miles-rs does not support: the tis plugin"), "{e}");
+        let e = parse(&["--use-opd=true"]).unwrap_err();
+        assert!(e.contains("--use-opd is a slime flag"), "{e}");
+        let file = toml_file("get_mismatch_metrics = true\n");
+        let e = error(config(&["--config", file.to_str().unwrap()]));
+        assert!(e.ends_with("key 'get_mismatch_metrics': --get-mismatch-metrics is a slime flag that miles-rs does not support: --use-tis reports the mismatch metrics (train/mis_kl, train/mis_chi2_token, …); train/train_rollout_logprob_abs_diff is reported always"), "{e}");
+        // None of them is a flag miles-rs has.
+        for (key, _) in SLIME_UNSUPPORTED {
+            assert!(flag(key).is_none(), "{key}");
+        }
+        // A plain typo still gets its hint.
+        assert!(parse(&["--eps-clip-hgih", "0.3"]).is_err());
     }
 
     #[test]

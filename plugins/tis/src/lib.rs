@@ -142,7 +142,7 @@ impl Tis {
                 ),
             ));
         }
-        if let Some(v) = c.rs_veto_threshold.filter(|v| !(*v > 0.0)) {
+        if let Some(v) = c.rs_veto_threshold.filter(|v| v.is_nan() || *v <= 0.0) {
             return Err(Error::config("rs-veto-threshold", format!("{v} must be > 0")));
         }
         if c.batch_normalize && c.level == TisLevel::Geometric {
