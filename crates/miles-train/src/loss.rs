@@ -472,41 +472,49 @@ pub struct Aggregation {
     pub scale: Vec<f64>,
     /// The factor of a per-sequence sum (1/sequences, or 1/tokens in per-token mode).
     pub per_sequence: f64,
+    /// Each sequence's tokens and the divisor of its sum (its clamped count, or 1 per token).
+    sequences: Vec<(std::ops::Range<usize>, f64)>,
 }
 
 impl Aggregation {
     pub fn new(loss_mask: &[u8], response_lengths: &[usize], per_token: bool) -> Aggregation {
         let mut start = 0;
-        let counts: Vec<usize> = response_lengths
+        let sequences: Vec<(std::ops::Range<usize>, usize)> = response_lengths
             .iter()
             .map(|&len| {
-                let count = loss_mask[start..start + len].iter().filter(|&&m| m != 0).count();
+                let range = start..start + len;
                 start += len;
-                count
+                let count = loss_mask[range.clone()].iter().filter(|&&m| m != 0).count();
+                // slime clamps each sequence's count to at least 1, for both denominators.
+                (range, count.max(1))
             })
             .collect();
-        // slime clamps each sequence's count to at least 1, for both denominators.
-        let token_total: usize = counts.iter().map(|&c| c.max(1)).sum();
-        let sequences = response_lengths.len();
-        let per_sequence = 1.0 / if per_token { token_total } else { sequences }.max(1) as f64;
+        let token_total: usize = sequences.iter().map(|(_, c)| c).sum();
+        let per_sequence =
+            1.0 / if per_token { token_total } else { sequences.len() }.max(1) as f64;
         let mut scale = vec![0f64; loss_mask.len()];
-        let mut start = 0;
-        for (&len, &count) in response_lengths.iter().zip(&counts) {
-            let c = if per_token { per_sequence } else { per_sequence / count.max(1) as f64 };
-            for t in start..start + len {
-                if loss_mask[t] != 0 {
-                    scale[t] = c;
+        let sequences = sequences
+            .into_iter()
+            .map(|(range, count)| {
+                let divisor = if per_token { 1.0 } else { count as f64 };
+                for t in range.clone().filter(|&t| loss_mask[t] != 0) {
+                    scale[t] = per_sequence / divisor;
                 }
-            }
-            start += len;
-        }
-        Aggregation { scale, per_sequence }
+                (range, divisor)
+            })
+            .collect();
+        Aggregation { scale, per_sequence, sequences }
     }
 
-    /// agg(x) over the loss mask the aggregation was built from; values off the mask are not
-    /// read (they may be garbage, even NaN).
+    /// agg(x) over the loss mask the aggregation was built from, summed per sequence first as
+    /// slime does (so the mean of ones is exactly 1); values off the mask are not read (they
+    /// may be garbage, even NaN).
     pub fn of(&self, x: &[f64]) -> f64 {
-        self.scale.iter().zip(x).filter(|(c, _)| **c != 0.0).map(|(c, x)| c * x).sum()
+        let sum = |range: &std::ops::Range<usize>| -> f64 {
+            range.clone().filter(|&t| self.scale[t] != 0.0).map(|t| x[t]).sum()
+        };
+        let total: f64 = self.sequences.iter().map(|(range, divisor)| sum(range) / divisor).sum();
+        total * self.per_sequence
     }
 }
 

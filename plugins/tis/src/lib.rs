@@ -181,29 +181,56 @@ impl Metrics {
     }
 }
 
-/// One sequence's tokens: log r per token and the loss mask.
+/// One sequence of the batch: its logprobs, log r per token and its loss mask.
 struct Sequence<'a> {
+    train: &'a [f32],
+    rollout: &'a [f32],
     log_r: Vec<f64>,
     mask: &'a [u8],
 }
 
-impl Sequence<'_> {
+impl<'a> Sequence<'a> {
+    /// Every sequence of `input`, in order.
+    fn all(input: &CorrectionInput<'a>) -> Vec<Sequence<'a>> {
+        let mut start = 0;
+        let mut out = Vec::with_capacity(input.response_lengths.len());
+        for &len in input.response_lengths {
+            let range = start..start + len;
+            start += len;
+            let (train, rollout) =
+                (&input.train_log_probs[range.clone()], &input.rollout_log_probs[range.clone()]);
+            let log_r = train.iter().zip(rollout).map(|(t, r)| f64::from(*t) - f64::from(*r));
+            out.push(Sequence {
+                train,
+                rollout,
+                log_r: log_r.collect(),
+                mask: &input.loss_mask[range],
+            });
+        }
+        out
+    }
+
+    fn len(&self) -> usize {
+        self.log_r.len()
+    }
+
     fn kept(&self) -> impl Iterator<Item = f64> + '_ {
         self.log_r.iter().zip(self.mask).filter(|(_, m)| **m != 0).map(|(x, _)| *x)
     }
 
-    fn count(&self) -> usize {
-        self.mask.iter().filter(|&&m| m != 0).count()
-    }
-
     /// The log-ratio of each token at `level`.
     fn log_ratio_at(&self, level: TisLevel) -> Vec<f64> {
-        let n = self.log_r.len();
+        let count = self.mask.iter().filter(|&&m| m != 0).count().max(1);
         match level {
             TisLevel::Token => self.log_r.clone(),
-            TisLevel::Sequence => vec![self.kept().sum(); n],
-            TisLevel::Geometric => vec![self.kept().sum::<f64>() / self.count().max(1) as f64; n],
+            TisLevel::Sequence => vec![self.kept().sum(); self.len()],
+            TisLevel::Geometric => vec![self.kept().sum::<f64>() / count as f64; self.len()],
         }
+    }
+
+    /// exp() of the log-ratios at `level`, within the safety bound.
+    fn ratios_at(&self, level: TisLevel) -> Vec<f64> {
+        self.log_ratio_at(level).into_iter().map(safe_exp).collect()
     }
 }
 
@@ -224,96 +251,15 @@ fn masked_mean(x: &[f64], mask: &[u8]) -> f64 {
 impl Correction for Tis {
     fn correct(&self, input: &CorrectionInput<'_>) -> Result<CorrectionOutput> {
         input.validate()?;
-        let (c, b) = (&self.config, &self.bounds);
-        let n = input.train_log_probs.len();
-        let mut weights = Vec::with_capacity(n);
-        let mut out_mask = Vec::with_capacity(n);
+        let sequences = Sequence::all(input);
         let mut metrics = Metrics::default();
-
-        let mut start = 0;
-        for &len in input.response_lengths {
-            let range = start..start + len;
-            start += len;
-            let train = &input.train_log_probs[range.clone()];
-            let rollout = &input.rollout_log_probs[range.clone()];
-            let seq = Sequence {
-                log_r: train
-                    .iter()
-                    .zip(rollout)
-                    .map(|(t, r)| f64::from(*t) - f64::from(*r))
-                    .collect(),
-                mask: &input.loss_mask[range],
-            };
-            mismatch_metrics(&mut metrics, &seq, train, rollout);
-
-            // Importance weights.
-            let before: Vec<f64> = seq.log_ratio_at(c.level).into_iter().map(safe_exp).collect();
-            let mut mask: Vec<u8> = seq.mask.to_vec();
-            let outside = |w: f64| (w < b.lower, w > b.upper);
-            let w: Vec<f64> = before
-                .iter()
-                .zip(seq.mask)
-                .zip(mask.iter_mut())
-                .map(|((&w, &m), keep)| {
-                    let (low, high) = outside(w);
-                    let w = match c.mode {
-                        TisMode::Truncate | TisMode::Clip => w.clamp(b.lower, b.upper),
-                        TisMode::Mask => {
-                            if low || high {
-                                *keep = 0;
-                            }
-                            w
-                        }
-                        TisMode::Icepop if low || high => 0.0,
-                        TisMode::Icepop => w,
-                    };
-                    w * f64::from(m)
-                })
-                .collect();
-            metrics.push("mis_tis_weight_before_bound", before.iter().copied());
-            let fraction = |pick: fn((bool, bool)) -> bool| {
-                before.iter().map(move |&w| flag(pick(outside(w))))
-            };
-            match c.mode {
-                TisMode::Truncate => metrics.push("mis_tis_truncate_fraction", fraction(|o| o.1)),
-                TisMode::Clip => {
-                    metrics.push("mis_tis_clip_fraction_low", fraction(|o| o.0));
-                    metrics.push("mis_tis_clip_fraction_high", fraction(|o| o.1));
-                }
-                TisMode::Mask => {
-                    metrics.push("mis_tis_mask_fraction_low", fraction(|o| o.0));
-                    metrics.push("mis_tis_mask_fraction_high", fraction(|o| o.1));
-                }
-                TisMode::Icepop => {}
-            }
-            metrics.push("mis_tis_weight_after_bound", w.iter().copied());
-
-            if c.use_rs {
-                let rs: Vec<f64> = seq.log_ratio_at(c.rs_level).into_iter().map(safe_exp).collect();
-                metrics.push("mis_rs_mask_fraction_low", rs.iter().map(|&w| flag(w < b.rs_lower)));
-                metrics.push("mis_rs_mask_fraction_high", rs.iter().map(|&w| flag(w > b.rs_upper)));
-                for (keep, &w) in mask.iter_mut().zip(&rs) {
-                    if !(b.rs_lower..=b.rs_upper).contains(&w) {
-                        *keep = 0;
-                    }
-                }
-                if let Some(log_veto) = b.log_veto {
-                    let catastrophic: Vec<bool> = seq
-                        .log_r
-                        .iter()
-                        .zip(seq.mask)
-                        .map(|(&x, &m)| m != 0 && x < log_veto)
-                        .collect();
-                    let vetoed = catastrophic.iter().any(|&x| x);
-                    metrics.push(
-                        "mis_rs_catastrophic_token_fraction",
-                        catastrophic.iter().map(|&x| flag(x)),
-                    );
-                    metrics.push_each("mis_rs_catastrophic_seq_fraction", flag(vetoed), len);
-                    if vetoed {
-                        mask.fill(0);
-                    }
-                }
+        let mut weights = Vec::with_capacity(sequences.len());
+        let mut loss_mask = Vec::with_capacity(input.loss_mask.len());
+        for seq in &sequences {
+            mismatch_metrics(&mut metrics, seq);
+            let (w, mut mask) = self.bounded_weights(seq, &mut metrics);
+            if self.config.use_rs {
+                self.reject(seq, &mut mask, &mut metrics);
             }
             metrics.push("mis_is_ratio_mean_after_tis_rs", w.iter().copied());
             // Vanilla TIS's names, on the token ratios.
@@ -321,75 +267,128 @@ impl Correction for Tis {
             metrics.push("tis", token_ratio.iter().copied());
             metrics.push("tis_abs", token_ratio.iter().map(|r| (r - 1.0).abs()));
             metrics.push("tis_clipfrac", w.iter().zip(&token_ratio).map(|(w, r)| flag(w != r)));
-
             weights.push(w);
-            out_mask.extend(mask);
+            loss_mask.extend(mask);
         }
-
-        if c.batch_normalize {
-            let mean = batch_mean(c.level, &weights, input);
+        if self.config.batch_normalize {
+            let mean = batch_mean(self.config.level, &weights, &sequences);
             let factor = if mean > BATCH_NORM_MIN_MEAN { mean } else { 1.0 };
-            for w in weights.iter_mut().flatten() {
-                *w /= factor;
-            }
-            metrics.push_each("mis_batch_norm_factor", factor, n);
+            weights.iter_mut().flatten().for_each(|w| *w /= factor);
+            metrics.push_each("mis_batch_norm_factor", factor, input.loss_mask.len());
         }
-        let mut start = 0;
-        for w in &weights {
-            let mask = &input.loss_mask[start..start + w.len()];
-            start += w.len();
-            let kept: Vec<f64> =
-                w.iter().zip(mask).filter(|(_, m)| **m != 0).map(|(w, _)| *w).collect();
-            let (min, max) =
-                kept.iter().fold((None, None), |(lo, hi): (Option<f64>, Option<f64>), &x| {
-                    (Some(lo.map_or(x, |l| l.min(x))), Some(hi.map_or(x, |h| h.max(x))))
-                });
-            metrics.push_each("mis_is_ratio_mean_final", masked_mean(w, mask), w.len());
-            metrics.push_each("mis_is_ratio_min_final", min.unwrap_or(0.0), w.len());
-            metrics.push_each("mis_is_ratio_max_final", max.unwrap_or(0.0), w.len());
+        for (w, seq) in weights.iter().zip(&sequences) {
+            let kept = || w.iter().zip(seq.mask).filter(|(_, m)| **m != 0).map(|(w, _)| *w);
+            let min = kept().reduce(f64::min).unwrap_or(0.0);
+            let max = kept().reduce(f64::max).unwrap_or(0.0);
+            metrics.push_each("mis_is_ratio_mean_final", masked_mean(w, seq.mask), w.len());
+            metrics.push_each("mis_is_ratio_min_final", min, w.len());
+            metrics.push_each("mis_is_ratio_max_final", max, w.len());
         }
         Ok(CorrectionOutput {
             weights: weights.into_iter().flatten().map(|w| w as f32).collect(),
-            loss_mask: out_mask,
+            loss_mask,
             metrics: metrics.0,
         })
     }
 }
 
-/// The mean weight that batch normalization divides by, over the input loss mask.
-fn batch_mean(level: TisLevel, weights: &[Vec<f64>], input: &CorrectionInput<'_>) -> f64 {
-    let mut start = 0;
-    let masks: Vec<&[u8]> = weights
-        .iter()
-        .map(|w| {
-            let m = &input.loss_mask[start..start + w.len()];
-            start += w.len();
-            m
-        })
-        .collect();
+impl Tis {
+    /// One sequence's weights by `mode` (0 off the loss mask) and its mask after `mask` mode.
+    fn bounded_weights(&self, seq: &Sequence<'_>, metrics: &mut Metrics) -> (Vec<f64>, Vec<u8>) {
+        let (mode, b) = (self.config.mode, &self.bounds);
+        let before = seq.ratios_at(self.config.level);
+        let outside = |w: f64| (w < b.lower, w > b.upper);
+        let mut mask = seq.mask.to_vec();
+        let mut weights = Vec::with_capacity(seq.len());
+        for ((&w, &m), keep) in before.iter().zip(seq.mask).zip(&mut mask) {
+            let (low, high) = outside(w);
+            let w = match mode {
+                TisMode::Truncate | TisMode::Clip => w.clamp(b.lower, b.upper),
+                TisMode::Mask => {
+                    if low || high {
+                        *keep = 0;
+                    }
+                    w
+                }
+                TisMode::Icepop if low || high => 0.0,
+                TisMode::Icepop => w,
+            };
+            weights.push(w * f64::from(m));
+        }
+        metrics.push("mis_tis_weight_before_bound", before.iter().copied());
+        let fraction =
+            |pick: fn((bool, bool)) -> bool| before.iter().map(move |&w| flag(pick(outside(w))));
+        let (low, high) = match mode {
+            TisMode::Truncate => (None, Some("mis_tis_truncate_fraction")),
+            TisMode::Clip => {
+                (Some("mis_tis_clip_fraction_low"), Some("mis_tis_clip_fraction_high"))
+            }
+            TisMode::Mask => {
+                (Some("mis_tis_mask_fraction_low"), Some("mis_tis_mask_fraction_high"))
+            }
+            TisMode::Icepop => (None, None),
+        };
+        if let Some(name) = low {
+            metrics.push(name, fraction(|o| o.0));
+        }
+        if let Some(name) = high {
+            metrics.push(name, fraction(|o| o.1));
+        }
+        metrics.push("mis_tis_weight_after_bound", weights.iter().copied());
+        (weights, mask)
+    }
+
+    /// MIS rejection sampling: drops from `mask` the tokens whose ratio at `rs_level` is out of
+    /// the rejection bounds, and the whole sequence when the veto fires.
+    fn reject(&self, seq: &Sequence<'_>, mask: &mut [u8], metrics: &mut Metrics) {
+        let b = &self.bounds;
+        let rs = seq.ratios_at(self.config.rs_level);
+        metrics.push("mis_rs_mask_fraction_low", rs.iter().map(|&w| flag(w < b.rs_lower)));
+        metrics.push("mis_rs_mask_fraction_high", rs.iter().map(|&w| flag(w > b.rs_upper)));
+        for (keep, w) in mask.iter_mut().zip(rs) {
+            if !(b.rs_lower..=b.rs_upper).contains(&w) {
+                *keep = 0;
+            }
+        }
+        let Some(log_veto) = b.log_veto else { return };
+        let catastrophic: Vec<bool> =
+            seq.log_r.iter().zip(seq.mask).map(|(&x, &m)| m != 0 && x < log_veto).collect();
+        let vetoed = catastrophic.contains(&true);
+        metrics.push("mis_rs_catastrophic_token_fraction", catastrophic.iter().map(|&x| flag(x)));
+        metrics.push_each("mis_rs_catastrophic_seq_fraction", flag(vetoed), seq.len());
+        if vetoed {
+            mask.fill(0);
+        }
+    }
+}
+
+/// The mean weight that batch normalization divides by, over the input loss mask: the token
+/// mean at the token level, the mean of per-sequence means at the sequence level.
+fn batch_mean(level: TisLevel, weights: &[Vec<f64>], sequences: &[Sequence<'_>]) -> f64 {
     match level {
         TisLevel::Token => {
-            let sum: f64 = weights
-                .iter()
-                .zip(&masks)
-                .flat_map(|(w, m)| w.iter().zip(*m).filter(|(_, m)| **m != 0).map(|(w, _)| *w))
-                .sum();
-            let count: usize = masks.iter().map(|m| m.iter().filter(|&&x| x != 0).count()).sum();
+            let kept = |(w, s): (&Vec<f64>, &Sequence<'_>)| {
+                w.iter().zip(s.mask).filter(|(_, m)| **m != 0).map(|(w, _)| *w).sum::<f64>()
+            };
+            let sum: f64 = weights.iter().zip(sequences).map(kept).sum();
+            let count: usize =
+                sequences.iter().map(|s| s.mask.iter().filter(|&&m| m != 0).count()).sum();
             sum / count.max(1) as f64
         }
-        // Validated away for geometric.
+        // `Tis::new` refuses the geometric level.
         TisLevel::Sequence | TisLevel::Geometric => {
-            let means: f64 = weights.iter().zip(&masks).map(|(w, m)| masked_mean(w, m)).sum();
-            means / weights.len().max(1) as f64
+            let means: f64 =
+                weights.iter().zip(sequences).map(|(w, s)| masked_mean(w, s.mask)).sum();
+            means / sequences.len().max(1) as f64
         }
     }
 }
 
 /// MIS's `add_ppl_metrics`: how far apart the two engines are on one sequence.
-fn mismatch_metrics(metrics: &mut Metrics, seq: &Sequence<'_>, train: &[f32], rollout: &[f32]) {
-    let len = seq.log_r.len();
-    let train: Vec<f64> = train.iter().map(|&x| f64::from(x)).collect();
-    let rollout: Vec<f64> = rollout.iter().map(|&x| f64::from(x)).collect();
+fn mismatch_metrics(metrics: &mut Metrics, seq: &Sequence<'_>) {
+    let len = seq.len();
+    let train: Vec<f64> = seq.train.iter().map(|&x| f64::from(x)).collect();
+    let rollout: Vec<f64> = seq.rollout.iter().map(|&x| f64::from(x)).collect();
     let mean_train = masked_mean(&train, seq.mask);
     let mean_rollout = masked_mean(&rollout, seq.mask);
     metrics.push_each("mis_training_log_ppl", -mean_train, len);
