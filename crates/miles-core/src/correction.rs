@@ -35,9 +35,10 @@ impl CorrectionInput<'_> {
 
 /// The result: a weight per token that multiplies the policy-gradient term (constants: they
 /// carry no gradient), the mask to apply in the loss numerator (tokens or whole sequences may
-/// be dropped; aggregation keeps the input mask's denominators), and per-token metrics by name,
-/// which the trainer aggregates like the loss over the input loss mask (slime's
-/// `sum_of_sample_mean`), so a sequence-level metric repeats its value on every token.
+/// be dropped; aggregation keeps the input mask's denominators), and metrics by name: for
+/// each sequence, in order, the sum of the metric over its input loss-mask tokens (a metric
+/// with one value per sequence counts it once per such token). The trainer divides them like
+/// the loss (slime's `sum_of_sample_mean`), so no per-token arrays cross the boundary.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CorrectionOutput {
     pub weights: Vec<f32>,

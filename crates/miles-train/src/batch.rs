@@ -186,8 +186,15 @@ pub fn apply_correction(
         s.correction_mask = Some(out.loss_mask[at..at + n].to_vec());
         at += n;
     }
+    if let Some((name, sums)) = out.metrics.iter().find(|(_, sums)| sums.len() != samples.len()) {
+        return Err(miles_core::Error::Invalid(format!(
+            "the correction's metric {name} has {} values for {} sequences",
+            sums.len(),
+            samples.len()
+        )));
+    }
     let agg = aggregation(samples, per_token);
-    Ok(out.metrics.into_iter().map(|(k, v)| (k, agg.of(&v))).collect())
+    Ok(out.metrics.into_iter().map(|(k, sums)| (k, agg.of_sequence_sums(&sums))).collect())
 }
 
 /// slime's `train_rollout_logprob_abs_diff`: |trainer − rollout| per token, aggregated like the
@@ -224,6 +231,73 @@ pub fn split_ranges(n: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::sync::Mutex;
+
+    use miles_core::AdvantageOutput;
+
+    /// An estimator that records the KL it is handed and returns zeros.
+    #[derive(Default)]
+    struct RecordKl(Mutex<Vec<Option<Vec<f32>>>>);
+
+    impl Advantage for RecordKl {
+        fn compute(
+            &self,
+            groups: &[Vec<SequenceScore<'_>>],
+        ) -> miles_core::Result<AdvantageOutput> {
+            let mut seen = self.0.lock().unwrap();
+            let advantages = groups
+                .iter()
+                .map(|g| {
+                    g.iter()
+                        .map(|s| {
+                            seen.push(s.kl.map(<[f32]>::to_vec));
+                            vec![0.0; s.loss_mask.len()]
+                        })
+                        .collect()
+                })
+                .collect();
+            Ok(AdvantageOutput { advantages, returns: None })
+        }
+    }
+
+    /// Regression: the reward-shaping KL was old − ref (k1) whatever `--kl-loss-type` said;
+    /// slime shapes with the chosen estimator.
+    #[test]
+    fn reward_shaping_kl_follows_the_kl_loss_type() {
+        let sample = TrainSample {
+            group: 0,
+            tokens: vec![1, 2, 3],
+            prompt_len: 1,
+            reward: 1.0,
+            loss_mask: vec![1, 1],
+            rollout_logp: vec![-1.0, -2.0],
+            old_logp: vec![-1.0, -2.0],
+            ref_logp: Some(vec![-1.5, -1.0]),
+            advantages: Vec::new(),
+            correction_weights: None,
+            correction_mask: None,
+        };
+        for kind in [KlLossType::K1, KlLossType::K2, KlLossType::K3, KlLossType::LowVarKl] {
+            let estimator = RecordKl::default();
+            let mut samples = vec![sample.clone()];
+            compute_advantages(&estimator, &mut samples, Some(kind), false).unwrap();
+            let expected: Vec<f32> = [(-1.0, -1.5), (-2.0, -1.0)]
+                .iter()
+                .map(|&(o, r)| approx_kl(kind, o, r).0)
+                .collect();
+            assert_eq!(estimator.0.lock().unwrap()[0], Some(expected), "{kind:?}");
+        }
+        // k3 of old − ref = 0.5: e^−0.5 − 1 + 0.5, not 0.5.
+        let estimator = RecordKl::default();
+        compute_advantages(&estimator, &mut [sample.clone()], Some(KlLossType::K3), false).unwrap();
+        let k3 = estimator.0.lock().unwrap()[0].clone().unwrap()[0];
+        assert!((f64::from(k3) - ((-0.5f64).exp() - 0.5)).abs() < 1e-6, "{k3}");
+        // Without --kl-coef the estimator gets no KL.
+        let estimator = RecordKl::default();
+        compute_advantages(&estimator, &mut [sample], None, false).unwrap();
+        assert_eq!(estimator.0.lock().unwrap()[0], None);
+    }
 
     #[test]
     fn split_ranges_cover_everything_once() {

@@ -510,10 +510,18 @@ impl Aggregation {
     /// slime does (so the mean of ones is exactly 1); values off the mask are not read (they
     /// may be garbage, even NaN).
     pub fn of(&self, x: &[f64]) -> f64 {
-        let sum = |range: &std::ops::Range<usize>| -> f64 {
-            range.clone().filter(|&t| self.scale[t] != 0.0).map(|t| x[t]).sum()
-        };
-        let total: f64 = self.sequences.iter().map(|(range, divisor)| sum(range) / divisor).sum();
+        let sums: Vec<f64> = self
+            .sequences
+            .iter()
+            .map(|(range, _)| range.clone().filter(|&t| self.scale[t] != 0.0).map(|t| x[t]).sum())
+            .collect();
+        self.of_sequence_sums(&sums)
+    }
+
+    /// agg(x) from each sequence's sum of x over its loss-mask tokens
+    /// (`CorrectionOutput::metrics`).
+    pub fn of_sequence_sums(&self, sums: &[f64]) -> f64 {
+        let total: f64 = self.sequences.iter().zip(sums).map(|((_, divisor), s)| s / divisor).sum();
         total * self.per_sequence
     }
 }

@@ -28,8 +28,8 @@
 //! and vetoed tokens count with their weights, as in MIS, and a mean ≤ 1e-8 leaves the
 //! weights alone. `geometric` has no batch normalization (slime refuses it too).
 //!
-//! Metrics are per token, under slime's names; the trainer aggregates them like the loss over
-//! the input loss mask (slime's `sum_of_sample_mean`): vanilla TIS's `tis` (r_t), `tis_abs`
+//! Metrics come as each sequence's sum over its loss-mask tokens, under slime's names; the
+//! trainer aggregates them like the loss (slime's `sum_of_sample_mean`): vanilla TIS's `tis` (r_t), `tis_abs`
 //! (|r_t − 1|) and `tis_clipfrac` (the weight is not r_t), and MIS's `mis_*` set (perplexities
 //! and KL between the two engines, the fractions each bound hit, the weights before and after
 //! the bounds and after batch normalization). Weights are constants of the loss: no gradient
@@ -166,18 +166,22 @@ impl Tis {
     }
 }
 
-/// Per-token metric values, by name, in token order.
+/// Per metric, each sequence's sum over its loss-mask tokens, in sequence order (what
+/// `CorrectionOutput::metrics` holds).
 #[derive(Default)]
-struct Metrics(BTreeMap<String, Vec<f64>>);
+struct Metrics(BTreeMap<&'static str, Vec<f64>>);
 
 impl Metrics {
-    fn push(&mut self, name: &str, values: impl IntoIterator<Item = f64>) {
-        self.0.entry(name.to_string()).or_default().extend(values);
+    /// A per-token metric of one sequence.
+    fn tokens(&mut self, name: &'static str, mask: &[u8], values: impl IntoIterator<Item = f64>) {
+        self.0.entry(name).or_default().push(masked_sum(values, mask));
     }
 
-    /// One value for every token of a sequence of `len`.
-    fn push_each(&mut self, name: &str, value: f64, len: usize) {
-        self.push(name, std::iter::repeat_n(value, len));
+    /// A metric with one value per sequence: that value on each of its loss-mask tokens.
+    fn sequence(&mut self, name: &'static str, mask: &[u8], value: f64) {
+        let kept = mask.iter().filter(|&&m| m != 0).count();
+        let sum = if kept == 0 { 0.0 } else { value * kept as f64 };
+        self.0.entry(name).or_default().push(sum);
     }
 }
 
@@ -186,6 +190,8 @@ struct Sequence<'a> {
     train: &'a [f32],
     rollout: &'a [f32],
     log_r: Vec<f64>,
+    /// r per token, exp(log r), computed once: several metrics and the token level use it.
+    ratio: Vec<f64>,
     mask: &'a [u8],
 }
 
@@ -203,6 +209,7 @@ impl<'a> Sequence<'a> {
             out.push(Sequence {
                 train,
                 rollout,
+                ratio: log_r.clone().map(f64::exp).collect(),
                 log_r: log_r.collect(),
                 mask: &input.loss_mask[range],
             });
@@ -214,8 +221,9 @@ impl<'a> Sequence<'a> {
         self.log_r.len()
     }
 
-    fn kept(&self) -> impl Iterator<Item = f64> + '_ {
-        self.log_r.iter().zip(self.mask).filter(|(_, m)| **m != 0).map(|(x, _)| *x)
+    /// Σ_m log r: the sequence's log-ratio.
+    fn log_r_sum(&self) -> f64 {
+        masked_sum(self.log_r.iter().copied(), self.mask)
     }
 
     /// The log-ratio of each token at `level`.
@@ -223,14 +231,25 @@ impl<'a> Sequence<'a> {
         let count = self.mask.iter().filter(|&&m| m != 0).count().max(1);
         match level {
             TisLevel::Token => self.log_r.clone(),
-            TisLevel::Sequence => vec![self.kept().sum(); self.len()],
-            TisLevel::Geometric => vec![self.kept().sum::<f64>() / count as f64; self.len()],
+            TisLevel::Sequence => vec![self.log_r_sum(); self.len()],
+            TisLevel::Geometric => vec![self.log_r_sum() / count as f64; self.len()],
         }
     }
 
     /// exp() of the log-ratios at `level`, within the safety bound.
     fn ratios_at(&self, level: TisLevel) -> Vec<f64> {
-        self.log_ratio_at(level).into_iter().map(safe_exp).collect()
+        match level {
+            TisLevel::Token => self.safe_token_ratios().collect(),
+            _ => self.log_ratio_at(level).into_iter().map(safe_exp).collect(),
+        }
+    }
+
+    /// r per token within the safety bound.
+    fn safe_token_ratios(&self) -> impl Iterator<Item = f64> + '_ {
+        self.log_r
+            .iter()
+            .zip(&self.ratio)
+            .map(|(&x, &r)| if x.abs() <= LOG_RATIO_SAFETY_BOUND { r } else { safe_exp(x) })
     }
 }
 
@@ -242,10 +261,20 @@ fn flag(b: bool) -> f64 {
     if b { 1.0 } else { 0.0 }
 }
 
+/// Σ_m x: values off the mask are never read (they may be NaN). Four running sums, so the
+/// additions do not wait on each other (a metric pass is otherwise latency-bound).
+fn masked_sum(values: impl IntoIterator<Item = f64>, mask: &[u8]) -> f64 {
+    let mut sums = [0f64; 4];
+    for (i, (v, &m)) in values.into_iter().zip(mask).enumerate() {
+        sums[i % 4] += if m != 0 { v } else { 0.0 };
+    }
+    (sums[0] + sums[1]) + (sums[2] + sums[3])
+}
+
 /// Σ_m x / max(Σ m, 1), MIS's `masked_mean`.
 fn masked_mean(x: &[f64], mask: &[u8]) -> f64 {
     let count = mask.iter().filter(|&&m| m != 0).count().max(1);
-    x.iter().zip(mask).filter(|(_, m)| **m != 0).map(|(x, _)| x).sum::<f64>() / count as f64
+    masked_sum(x.iter().copied(), mask) / count as f64
 }
 
 impl Correction for Tis {
@@ -261,12 +290,16 @@ impl Correction for Tis {
             if self.config.use_rs {
                 self.reject(seq, &mut mask, &mut metrics);
             }
-            metrics.push("mis_is_ratio_mean_after_tis_rs", w.iter().copied());
+            metrics.tokens("mis_is_ratio_mean_after_tis_rs", seq.mask, w.iter().copied());
             // Vanilla TIS's names, on the token ratios.
-            let token_ratio: Vec<f64> = seq.log_r.iter().map(|x| x.exp()).collect();
-            metrics.push("tis", token_ratio.iter().copied());
-            metrics.push("tis_abs", token_ratio.iter().map(|r| (r - 1.0).abs()));
-            metrics.push("tis_clipfrac", w.iter().zip(&token_ratio).map(|(w, r)| flag(w != r)));
+            let token_ratio = &seq.ratio;
+            metrics.tokens("tis", seq.mask, token_ratio.iter().copied());
+            metrics.tokens("tis_abs", seq.mask, token_ratio.iter().map(|r| (r - 1.0).abs()));
+            metrics.tokens(
+                "tis_clipfrac",
+                seq.mask,
+                w.iter().zip(token_ratio).map(|(w, r)| flag(w != r)),
+            );
             weights.push(w);
             loss_mask.extend(mask);
         }
@@ -274,20 +307,22 @@ impl Correction for Tis {
             let mean = batch_mean(self.config.level, &weights, &sequences);
             let factor = if mean > BATCH_NORM_MIN_MEAN { mean } else { 1.0 };
             weights.iter_mut().flatten().for_each(|w| *w /= factor);
-            metrics.push_each("mis_batch_norm_factor", factor, input.loss_mask.len());
+            for seq in &sequences {
+                metrics.sequence("mis_batch_norm_factor", seq.mask, factor);
+            }
         }
         for (w, seq) in weights.iter().zip(&sequences) {
             let kept = || w.iter().zip(seq.mask).filter(|(_, m)| **m != 0).map(|(w, _)| *w);
             let min = kept().reduce(f64::min).unwrap_or(0.0);
             let max = kept().reduce(f64::max).unwrap_or(0.0);
-            metrics.push_each("mis_is_ratio_mean_final", masked_mean(w, seq.mask), w.len());
-            metrics.push_each("mis_is_ratio_min_final", min, w.len());
-            metrics.push_each("mis_is_ratio_max_final", max, w.len());
+            metrics.sequence("mis_is_ratio_mean_final", seq.mask, masked_mean(w, seq.mask));
+            metrics.sequence("mis_is_ratio_min_final", seq.mask, min);
+            metrics.sequence("mis_is_ratio_max_final", seq.mask, max);
         }
         Ok(CorrectionOutput {
             weights: weights.into_iter().flatten().map(|w| w as f32).collect(),
             loss_mask,
-            metrics: metrics.0,
+            metrics: metrics.0.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
         })
     }
 }
@@ -315,7 +350,7 @@ impl Tis {
             };
             weights.push(w * f64::from(m));
         }
-        metrics.push("mis_tis_weight_before_bound", before.iter().copied());
+        metrics.tokens("mis_tis_weight_before_bound", seq.mask, before.iter().copied());
         let fraction =
             |pick: fn((bool, bool)) -> bool| before.iter().map(move |&w| flag(pick(outside(w))));
         let (low, high) = match mode {
@@ -329,12 +364,12 @@ impl Tis {
             TisMode::Icepop => (None, None),
         };
         if let Some(name) = low {
-            metrics.push(name, fraction(|o| o.0));
+            metrics.tokens(name, seq.mask, fraction(|o| o.0));
         }
         if let Some(name) = high {
-            metrics.push(name, fraction(|o| o.1));
+            metrics.tokens(name, seq.mask, fraction(|o| o.1));
         }
-        metrics.push("mis_tis_weight_after_bound", weights.iter().copied());
+        metrics.tokens("mis_tis_weight_after_bound", seq.mask, weights.iter().copied());
         (weights, mask)
     }
 
@@ -343,8 +378,16 @@ impl Tis {
     fn reject(&self, seq: &Sequence<'_>, mask: &mut [u8], metrics: &mut Metrics) {
         let b = &self.bounds;
         let rs = seq.ratios_at(self.config.rs_level);
-        metrics.push("mis_rs_mask_fraction_low", rs.iter().map(|&w| flag(w < b.rs_lower)));
-        metrics.push("mis_rs_mask_fraction_high", rs.iter().map(|&w| flag(w > b.rs_upper)));
+        metrics.tokens(
+            "mis_rs_mask_fraction_low",
+            seq.mask,
+            rs.iter().map(|&w| flag(w < b.rs_lower)),
+        );
+        metrics.tokens(
+            "mis_rs_mask_fraction_high",
+            seq.mask,
+            rs.iter().map(|&w| flag(w > b.rs_upper)),
+        );
         for (keep, w) in mask.iter_mut().zip(rs) {
             if !(b.rs_lower..=b.rs_upper).contains(&w) {
                 *keep = 0;
@@ -354,8 +397,12 @@ impl Tis {
         let catastrophic: Vec<bool> =
             seq.log_r.iter().zip(seq.mask).map(|(&x, &m)| m != 0 && x < log_veto).collect();
         let vetoed = catastrophic.contains(&true);
-        metrics.push("mis_rs_catastrophic_token_fraction", catastrophic.iter().map(|&x| flag(x)));
-        metrics.push_each("mis_rs_catastrophic_seq_fraction", flag(vetoed), seq.len());
+        metrics.tokens(
+            "mis_rs_catastrophic_token_fraction",
+            seq.mask,
+            catastrophic.iter().map(|&x| flag(x)),
+        );
+        metrics.sequence("mis_rs_catastrophic_seq_fraction", seq.mask, flag(vetoed));
         if vetoed {
             mask.fill(0);
         }
@@ -367,9 +414,7 @@ impl Tis {
 fn batch_mean(level: TisLevel, weights: &[Vec<f64>], sequences: &[Sequence<'_>]) -> f64 {
     match level {
         TisLevel::Token => {
-            let kept = |(w, s): (&Vec<f64>, &Sequence<'_>)| {
-                w.iter().zip(s.mask).filter(|(_, m)| **m != 0).map(|(w, _)| *w).sum::<f64>()
-            };
+            let kept = |(w, s): (&Vec<f64>, &Sequence<'_>)| masked_sum(w.iter().copied(), s.mask);
             let sum: f64 = weights.iter().zip(sequences).map(kept).sum();
             let count: usize =
                 sequences.iter().map(|s| s.mask.iter().filter(|&&m| m != 0).count()).sum();
@@ -386,25 +431,25 @@ fn batch_mean(level: TisLevel, weights: &[Vec<f64>], sequences: &[Sequence<'_>])
 
 /// MIS's `add_ppl_metrics`: how far apart the two engines are on one sequence.
 fn mismatch_metrics(metrics: &mut Metrics, seq: &Sequence<'_>) {
-    let len = seq.len();
     let train: Vec<f64> = seq.train.iter().map(|&x| f64::from(x)).collect();
     let rollout: Vec<f64> = seq.rollout.iter().map(|&x| f64::from(x)).collect();
     let mean_train = masked_mean(&train, seq.mask);
     let mean_rollout = masked_mean(&rollout, seq.mask);
-    metrics.push_each("mis_training_log_ppl", -mean_train, len);
-    metrics.push_each("mis_training_ppl", (-mean_train).exp(), len);
-    metrics.push_each("mis_rollout_log_ppl", -mean_rollout, len);
-    metrics.push_each("mis_rollout_ppl", (-mean_rollout).exp(), len);
-    metrics.push("mis_kl", seq.log_r.iter().map(|x| -x));
-    metrics.push("mis_k3_kl", seq.log_r.iter().map(|x| x.exp() - x - 1.0));
+    metrics.sequence("mis_training_log_ppl", seq.mask, -mean_train);
+    metrics.sequence("mis_training_ppl", seq.mask, (-mean_train).exp());
+    metrics.sequence("mis_rollout_log_ppl", seq.mask, -mean_rollout);
+    metrics.sequence("mis_rollout_ppl", seq.mask, (-mean_rollout).exp());
+    metrics.tokens("mis_kl", seq.mask, seq.log_r.iter().map(|x| -x));
+    let k3 = seq.log_r.iter().zip(&seq.ratio).map(|(x, r)| r - x - 1.0);
+    metrics.tokens("mis_k3_kl", seq.mask, k3);
     let log_ppl_diff = mean_rollout - mean_train;
-    metrics.push_each("mis_log_ppl_diff", log_ppl_diff, len);
-    metrics.push_each("mis_log_ppl_abs_diff", log_ppl_diff.abs(), len);
-    metrics.push_each("mis_ppl_ratio", log_ppl_diff.exp(), len);
-    let rho_squared: Vec<f64> = seq.log_r.iter().map(|&x| safe_exp(x).powi(2)).collect();
-    metrics.push_each("mis_chi2_token", masked_mean(&rho_squared, seq.mask) - 1.0, len);
-    let log_seq = seq.kept().sum::<f64>().clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND);
-    metrics.push_each("mis_chi2_seq", (2.0 * log_seq).exp() - 1.0, len);
+    metrics.sequence("mis_log_ppl_diff", seq.mask, log_ppl_diff);
+    metrics.sequence("mis_log_ppl_abs_diff", seq.mask, log_ppl_diff.abs());
+    metrics.sequence("mis_ppl_ratio", seq.mask, log_ppl_diff.exp());
+    let rho_squared: Vec<f64> = seq.safe_token_ratios().map(|r| r * r).collect();
+    metrics.sequence("mis_chi2_token", seq.mask, masked_mean(&rho_squared, seq.mask) - 1.0);
+    let log_seq = seq.log_r_sum().clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND);
+    metrics.sequence("mis_chi2_seq", seq.mask, (2.0 * log_seq).exp() - 1.0);
 }
 
 #[cfg(test)]
