@@ -688,7 +688,11 @@ pub const SLIME_UNSUPPORTED: &[(&str, &str)] = &[
          train/train_rollout_logprob_abs_diff is reported always",
     ),
     ("tis-upper-bound", "MIS's key is --tis-clip here"),
-    ("tis-lower-bound", "MIS's key is --tis-clip-low here"),
+    (
+        "tis-lower-bound",
+        "MIS's key is --tis-clip-low here for clip and mask; MIS's truncate uses it only as the \
+         rejection lower bound: --rs-lower-bound",
+    ),
     ("custom-reward-post-process-path", "use --disable-rewards-normalization or a reward plugin"),
     ("use-opd", "on-policy distillation is not implemented"),
     ("opd-type", "on-policy distillation is not implemented"),

@@ -428,6 +428,31 @@ impl RunConfig {
     /// Settings that run but are probably not what the user meant, as slime warns of them.
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
+        let d = RunConfig::default();
+        use AdvantageEstimator::{Cispo, Grpo, Gspo, Rloo};
+        let estimator = serde_json::to_value(self.advantage_estimator).unwrap_or_default();
+        let estimator = estimator.as_str().unwrap_or_default();
+        if self.kl_coef != 0.0 && matches!(self.advantage_estimator, Grpo | Gspo | Cispo | Rloo) {
+            out.push(format!(
+                "--kl-coef {} shapes only REINFORCE++ rewards; --advantage-estimator {estimator} \
+                 ignores it (as slime does): use --use-kl-loss --kl-loss-coef for a KL term",
+                self.kl_coef
+            ));
+        }
+        let tis_set = self.tis_mode != d.tis_mode
+            || self.tis_level != d.tis_level
+            || self.tis_clip != d.tis_clip
+            || self.tis_clip_low.is_some()
+            || self.tis_batch_normalize;
+        if tis_set && !self.use_tis {
+            out.push("the --tis-* settings take effect only with --use-tis".into());
+        }
+        if self.opsm_delta != d.opsm_delta && !self.use_opsm {
+            out.push("--opsm-delta takes effect only with --use-opsm".into());
+        }
+        if self.eps_clip_c.is_some() && self.advantage_estimator == Cispo {
+            out.push("--eps-clip-c (dual clip) does not apply to CISPO's loss".into());
+        }
         if self.advantage_estimator == AdvantageEstimator::Cispo && self.eps_clip < 1.0 {
             out.push(format!(
                 "CISPO is canonically single-sided, but --eps-clip {} keeps the lower clip bound \
@@ -558,8 +583,23 @@ mod tests {
         let w = c.warnings();
         assert_eq!(w.len(), 1);
         assert!(w[0].contains("--eps-clip 0.2"), "{w:?}");
-        assert!(RunConfig { eps_clip: 1.0, ..c }.warnings().is_empty());
+        assert!(RunConfig { eps_clip: 1.0, ..c.clone() }.warnings().is_empty());
         assert!(RunConfig::default().warnings().is_empty());
+        // Settings that do nothing in their company say so.
+        let warns = |c: RunConfig| c.warnings().join("\n");
+        let w = warns(RunConfig { kl_coef: 0.1, ..RunConfig::default() });
+        assert!(w.contains("--advantage-estimator grpo ignores it"), "{w}");
+        let rpp = AdvantageEstimator::ReinforcePlusPlus;
+        assert!(
+            warns(RunConfig { kl_coef: 0.1, advantage_estimator: rpp, ..RunConfig::default() })
+                .is_empty()
+        );
+        let w = warns(RunConfig { tis_mode: TisMode::Mask, ..RunConfig::default() });
+        assert!(w.contains("only with --use-tis"), "{w}");
+        let w = warns(RunConfig { opsm_delta: 0.1, ..RunConfig::default() });
+        assert!(w.contains("only with --use-opsm"), "{w}");
+        let w = warns(RunConfig { eps_clip: 1.0, eps_clip_c: Some(3.0), ..c });
+        assert!(w.contains("does not apply to CISPO"), "{w}");
     }
 
     #[test]

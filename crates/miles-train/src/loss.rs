@@ -300,7 +300,7 @@ pub fn policy_loss(cfg: &PolicyLossConfig, input: &LossInput) -> Result<LossOutp
     };
     let n = input.logp.len();
     let agg = Aggregation::new(input.loss_mask, input.response_lengths, cfg.per_token_loss);
-    let keep =
+    let in_numerator =
         |t: usize| input.loss_mask[t] != 0 && input.correction_mask.is_none_or(|m| m[t] != 0);
     let (lo, hi) = (1.0 - f64::from(cfg.eps_clip), 1.0 + f64::from(cfg.eps_clip_high));
     let dual_clip = cfg.eps_clip_c.map(f64::from);
@@ -315,11 +315,11 @@ pub fn policy_loss(cfg: &PolicyLossConfig, input: &LossInput) -> Result<LossOutp
     for &len in input.response_lengths {
         let range = start..start + len;
         start += len;
-        let kept: Vec<usize> = range.clone().filter(|&t| input.loss_mask[t] != 0).collect();
-        let count = kept.len().max(1) as f64;
+        let in_loss_mask: Vec<usize> = range.clone().filter(|&t| input.loss_mask[t] != 0).collect();
+        let count = in_loss_mask.len().max(1) as f64;
         // The mean logp − old over the loss mask (slime divides by max(count, 1)): GSPO's
         // log-ratio and, negated, OPSM's sequence KL.
-        let mean_log_ratio = kept.iter().map(|&t| log_ratio(input, t)).sum::<f64>() / count;
+        let mean_log_ratio = in_loss_mask.iter().map(|&t| log_ratio(input, t)).sum::<f64>() / count;
         let opsm_drops = cfg.opsm_delta.is_some_and(|d| -mean_log_ratio > f64::from(d));
         if opsm_drops {
             let masked = range.clone().filter(|&t| input.advantages[t] < 0.0).count();
@@ -327,12 +327,12 @@ pub fn policy_loss(cfg: &PolicyLossConfig, input: &LossInput) -> Result<LossOutp
         }
         // ∂loss/∂ρ summed over the sequence, for the sequence ratio's chain rule.
         let mut d_sequence_ratio = 0f64;
-        for &t in &kept {
+        for &t in &in_loss_mask {
             let c = agg.scale[t];
             let log_r = if sequence_ratio { mean_log_ratio } else { log_ratio(input, t) };
             let ratio = log_r.exp();
             metrics.ois += c * ratio;
-            if !keep(t) {
+            if !in_numerator(t) {
                 continue;
             }
             let advantage = f64::from(input.advantages[t]);
@@ -371,9 +371,9 @@ pub fn policy_loss(cfg: &PolicyLossConfig, input: &LossInput) -> Result<LossOutp
             }
         }
         if d_sequence_ratio != 0.0 {
-            // ρ = exp(Σ_kept (logp − old) / count): ∂ρ/∂logp_j = ρ / count for each kept j.
+            // ρ = exp(Σ_mask (logp − old) / count): ∂ρ/∂logp_j = ρ / count on the mask.
             let d_each = d_sequence_ratio * mean_log_ratio.exp() / count;
-            for j in kept {
+            for j in in_loss_mask {
                 d_logp[j] += d_each;
             }
         }

@@ -7,7 +7,8 @@
 //! Per sequence, with log r_t = logp_train − logp_rollout and m_t its loss mask, the log-ratio
 //! at a level is log r_t (`token`), Σ_m log r (`sequence`) or Σ_m log r / max(Σ m, 1)
 //! (`geometric`), clamped to ±20 before exp() (MIS's safety bound: one wild token cannot make
-//! inf or NaN; slime's vanilla TIS has no such clamp, which changes only ratios beyond e^±20).
+//! a weight inf or NaN; slime's vanilla TIS has no such clamp, which changes only ratios beyond
+//! e^±20; the vanilla metrics `tis` and `tis_abs` take the raw ratio, as slime's do).
 //! With w the ratio at `level` and [lower, upper] the bounds:
 //!
 //! - `truncate`: w ← clamp(w, lower, upper); lower defaults to 0 (classic one-sided TIS;
@@ -29,8 +30,9 @@
 //! weights alone. `geometric` has no batch normalization (slime refuses it too).
 //!
 //! Metrics come as each sequence's sum over its loss-mask tokens, under slime's names; the
-//! trainer aggregates them like the loss (slime's `sum_of_sample_mean`): vanilla TIS's `tis` (r_t), `tis_abs`
-//! (|r_t − 1|) and `tis_clipfrac` (the weight is not r_t), and MIS's `mis_*` set (perplexities
+//! trainer aggregates them like the loss (slime's `sum_of_sample_mean`): at the token level,
+//! vanilla TIS's `tis` (r_t), `tis_abs` (|r_t − 1|) and `tis_clipfrac` (the weight is not r_t),
+//! and always MIS's `mis_*` set (perplexities
 //! and KL between the two engines, the fractions each bound hit, the weights before and after
 //! the bounds and after batch normalization). Weights are constants of the loss: no gradient
 //! flows through them.
@@ -126,17 +128,27 @@ impl Tis {
         };
         let lower_ok = lower >= 0.0 && lower < upper;
         if !lower_ok {
+            // Name the flag the user set: a defaulted lower bound comes from --tis-clip.
+            let (flag, what) = match c.lower {
+                Some(_) => ("tis-clip-low", format!("lower bound {lower}")),
+                None => ("tis-clip", format!("{upper} gives the default lower bound 1/{upper}")),
+            };
             return Err(Error::config(
-                "tis-clip-low",
-                format!("lower bound {lower} must be in [0, upper {upper})"),
+                flag,
+                format!("{what} must be in [0, upper {upper}); set --tis-clip-low"),
             ));
         }
         let rs_lower = c.rs_lower.map_or(mis_lower, f64::from);
         let rs_upper = c.rs_upper.map_or(upper, f64::from);
         let rs_ok = rs_lower >= 0.0 && rs_lower < rs_upper && rs_upper.is_finite();
         if !rs_ok {
+            let flag = match (c.rs_upper, c.rs_lower) {
+                (Some(_), _) => "rs-upper-bound",
+                (None, Some(_)) => "rs-lower-bound",
+                (None, None) => "tis-clip",
+            };
             return Err(Error::config(
-                "rs-lower-bound",
+                flag,
                 format!(
                     "rejection bounds [{rs_lower}, {rs_upper}] must satisfy 0 <= lower < upper"
                 ),
@@ -291,15 +303,14 @@ impl Correction for Tis {
                 self.reject(seq, &mut mask, &mut metrics);
             }
             metrics.tokens("mis_is_ratio_mean_after_tis_rs", seq.mask, w.iter().copied());
-            // Vanilla TIS's names, on the token ratios.
-            let token_ratio = &seq.ratio;
-            metrics.tokens("tis", seq.mask, token_ratio.iter().copied());
-            metrics.tokens("tis_abs", seq.mask, token_ratio.iter().map(|r| (r - 1.0).abs()));
-            metrics.tokens(
-                "tis_clipfrac",
-                seq.mask,
-                w.iter().zip(token_ratio).map(|(w, r)| flag(w != r)),
-            );
+            if self.config.level == TisLevel::Token {
+                // Vanilla TIS's names (a token-level correction there), on the raw ratios.
+                let ratio = &seq.ratio;
+                metrics.tokens("tis", seq.mask, ratio.iter().copied());
+                metrics.tokens("tis_abs", seq.mask, ratio.iter().map(|r| (r - 1.0).abs()));
+                let clipped = w.iter().zip(ratio).map(|(w, r)| flag(w != r));
+                metrics.tokens("tis_clipfrac", seq.mask, clipped);
+            }
             weights.push(w);
             loss_mask.extend(mask);
         }
@@ -336,19 +347,21 @@ impl Tis {
         let mut mask = seq.mask.to_vec();
         let mut weights = Vec::with_capacity(seq.len());
         for ((&w, &m), keep) in before.iter().zip(seq.mask).zip(&mut mask) {
-            let (low, high) = outside(w);
+            // A NaN ratio is outside, as slime's `(w >= lo) & (w <= hi)` has it.
+            let inside = (b.lower..=b.upper).contains(&w);
             let w = match mode {
                 TisMode::Truncate | TisMode::Clip => w.clamp(b.lower, b.upper),
                 TisMode::Mask => {
-                    if low || high {
+                    if !inside {
                         *keep = 0;
                     }
                     w
                 }
-                TisMode::Icepop if low || high => 0.0,
-                TisMode::Icepop => w,
+                TisMode::Icepop if inside => w,
+                TisMode::Icepop => 0.0,
             };
-            weights.push(w * f64::from(m));
+            // Selected, not multiplied by the mask: a NaN off the mask must not stay.
+            weights.push(if m != 0 { w } else { 0.0 });
         }
         metrics.tokens("mis_tis_weight_before_bound", seq.mask, before.iter().copied());
         let fraction =

@@ -214,6 +214,24 @@ fn extreme_log_ratios_stay_finite() {
     }
     let out = Tis::new(TisConfig::default()).unwrap().correct(&input).unwrap();
     close(&out.weights, &[2.0, (-20f64).exp()]);
+    // The metrics stay finite too (f64 holds e^200).
+    assert!(out.metrics.values().flatten().all(|m| m.is_finite()), "{:?}", out.metrics);
+}
+
+#[test]
+fn nan_ratios_are_out_of_bounds_and_nan_off_the_mask_stays_out() {
+    let input = CorrectionInput {
+        train_log_probs: &[f32::NAN, 0.0, f32::NAN],
+        rollout_log_probs: &[0.0, 0.0, 0.0],
+        loss_mask: &[1, 1, 0],
+        response_lengths: &[3],
+    };
+    let correct = |mode| Tis::new(config(mode)).unwrap().correct(&input).unwrap();
+    // As slime's `where((r >= lo) & (r <= hi), r, 0)`: icepop gives 0, mask drops the token.
+    assert_eq!(correct(TisMode::Icepop).weights, vec![0.0, 1.0, 0.0]);
+    assert_eq!(correct(TisMode::Mask).loss_mask, vec![0, 1, 0]);
+    // Off the loss mask the weight is 0 whatever the ratio.
+    assert_eq!(correct(TisMode::Truncate).weights[2], 0.0);
 }
 
 #[test]
@@ -232,7 +250,10 @@ fn bad_input_and_configuration_are_errors() {
     let err = Tis::new(geometric).unwrap_err();
     assert!(err.to_string().starts_with("--tis-batch-normalize"), "{err}");
     let err = Tis::new(TisConfig { rs_upper: Some(0.1), ..TisConfig::default() }).unwrap_err();
-    assert!(err.to_string().starts_with("--rs-lower-bound"), "{err}");
+    assert!(err.to_string().starts_with("--rs-upper-bound"), "{err}");
+    // A defaulted lower bound (1/upper) above the upper one: the flag to change is --tis-clip.
+    let err = Tis::new(TisConfig { upper: 0.8, ..config(TisMode::Clip) }).unwrap_err();
+    assert!(err.to_string().starts_with("--tis-clip: 0.8"), "{err}");
     let err = Tis::from_config(&serde_json::json!({"uper": 2.0})).unwrap_err();
     assert!(err.to_string().contains("uper"), "{err}");
     let config = miles_core::config::RunConfig::default().tis_config();
