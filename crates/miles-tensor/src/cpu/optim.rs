@@ -16,6 +16,15 @@ pub struct AdamW {
 }
 
 impl AdamW {
+    /// `(lr / (1 − β1^t), sqrt(1 − β2^t), 1 − lr·weight_decay)` of step `t`, in f64 and then
+    /// rounded once: every device updates with these same constants.
+    pub fn step_constants(&self, step: u64) -> (f32, f32, f32) {
+        let bc1 = 1.0 - f64::from(self.beta1).powf(step as f64);
+        let bc2 = 1.0 - f64::from(self.beta2).powf(step as f64);
+        let step_size = (f64::from(self.lr) / bc1) as f32;
+        (step_size, bc2.sqrt() as f32, 1.0 - self.lr * self.weight_decay)
+    }
+
     /// One update of `param` with `grad`; `m` and `v` are its moments; `step` counts from 1.
     pub fn step(
         &self,
@@ -29,11 +38,8 @@ impl AdamW {
         ensure(grad.len() == n && m.len() == n && v.len() == n && step >= 1, "adamw", || {
             format!("param {n} grad {} m {} v {} step {step}", grad.len(), m.len(), v.len())
         })?;
-        let AdamW { lr, beta1, beta2, eps, weight_decay } = *self;
-        let bc1 = 1.0 - f64::from(beta1).powf(step as f64);
-        let bc2 = 1.0 - f64::from(beta2).powf(step as f64);
-        let (step_size, bc2_sqrt) = ((f64::from(lr) / bc1) as f32, bc2.sqrt() as f32);
-        let decay = 1.0 - lr * weight_decay;
+        let AdamW { beta1, beta2, eps, .. } = *self;
+        let (step_size, bc2_sqrt, decay) = self.step_constants(step);
         const C: usize = 16_384;
         param
             .par_chunks_mut(C)

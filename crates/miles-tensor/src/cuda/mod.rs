@@ -14,7 +14,11 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
+pub(crate) use elementwise::{
+    IdGroups, add, embedding_backward, embedding_forward, rope, swiglu_backward, swiglu_forward,
+};
 pub(crate) use ops::{matmul, rmsnorm_backward, rmsnorm_forward};
+pub(crate) use optim::{adamw, sum_squares};
 
 use crate::tensor::Storage;
 use crate::{DType, Error, Result};
@@ -41,7 +45,9 @@ macro_rules! launch {
         }
     }};
 }
+mod elementwise;
 mod ops;
+mod optim;
 
 mod embedded {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
@@ -293,7 +299,15 @@ impl Buffer {
                 let mut out = gpu.alloc::<u16>(s.len())?;
                 if !s.is_empty() {
                     let n = s.len() as i64;
-                    launch!(gpu, "convert", "f32_to_bf16", elementwise(s.len()), &mut out, s, &n)?;
+                    launch!(
+                        gpu,
+                        "convert",
+                        "f32_to_bf16",
+                        elementwise_launch(s.len()),
+                        &mut out,
+                        s,
+                        &n
+                    )?;
                 }
                 DeviceData::BF16(out)
             }
@@ -307,7 +321,15 @@ impl Buffer {
                 let mut out = gpu.alloc::<f32>(s.len())?;
                 if !s.is_empty() {
                     let n = s.len() as i64;
-                    launch!(gpu, "convert", "bf16_to_f32", elementwise(s.len()), &mut out, s, &n)?;
+                    launch!(
+                        gpu,
+                        "convert",
+                        "bf16_to_f32",
+                        elementwise_launch(s.len()),
+                        &mut out,
+                        s,
+                        &n
+                    )?;
                 }
                 DeviceData::F32(out)
             }
@@ -316,8 +338,9 @@ impl Buffer {
     }
 }
 
-/// The launch shape of the element-wise kernels of `kernels/convert.cu` over `n` elements.
-fn elementwise(n: usize) -> LaunchConfig {
+/// The launch shape of the grid-stride element-wise kernels over `n` elements (each element is
+/// computed alone, so the shape does not change a result).
+pub(crate) fn elementwise_launch(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 132 * 16) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }

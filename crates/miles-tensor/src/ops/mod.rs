@@ -8,6 +8,14 @@ use crate::cpu::{self, Transpose};
 use crate::tensor::Storage;
 use crate::{DType, Device, Error, Result, Tensor, ensure};
 
+mod elementwise;
+mod optim;
+
+pub use elementwise::{
+    add, embedding_backward, embedding_forward, rope, swiglu_backward, swiglu_forward,
+};
+pub use optim::{adamw_step, sum_squares};
+
 /// A host buffer of `n` f32 for an op to overwrite (NaN in debug builds: see POISON_OUTPUTS).
 fn host_out(n: usize) -> Vec<f32> {
     vec![if crate::poison_outputs() { f32::NAN } else { 0.0 }; n]
@@ -224,7 +232,7 @@ mod tests {
     use crate::rng::Rng;
 
     /// The CPU, and CUDA device 0 when this build and machine have one.
-    fn devices() -> Vec<Device> {
+    pub(super) fn devices() -> Vec<Device> {
         let mut devices = vec![Device::Cpu];
         match Device::Cuda(0).ensure_available() {
             Ok(()) => devices.push(Device::Cuda(0)),
@@ -235,7 +243,7 @@ mod tests {
 
     /// Largest |got − want| over max |want| (relative to the output's scale), after checking
     /// that every element is finite (the outputs were NaN-poisoned before the op wrote them).
-    fn max_rel_err(what: &str, got: &[f32], want: &[f32]) -> f64 {
+    pub(super) fn max_rel_err(what: &str, got: &[f32], want: &[f32]) -> f64 {
         assert_eq!(got.len(), want.len(), "{what}: length");
         for (i, g) in got.iter().enumerate() {
             assert!(g.is_finite(), "{what}[{i}] = {g}: not written, or not finite");
@@ -248,11 +256,11 @@ mod tests {
         err / scale
     }
 
-    fn round_bf16(v: &[f32]) -> Vec<f32> {
+    pub(super) fn round_bf16(v: &[f32]) -> Vec<f32> {
         v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
     }
 
-    fn tensor(shape: &[usize], data: &[f32], dtype: DType, device: &Device) -> Tensor {
+    pub(super) fn tensor(shape: &[usize], data: &[f32], dtype: DType, device: &Device) -> Tensor {
         Tensor::from_f32(shape, data.to_vec(), &Device::Cpu)
             .and_then(|t| t.to_dtype(dtype))
             .and_then(|t| t.to_device(device))
@@ -380,7 +388,7 @@ mod tests {
     }
 
     /// The reference output as the op stores it (bf16 outputs are rounded once).
-    fn round_out(v: &[f32], dtype: DType) -> Vec<f32> {
+    pub(super) fn round_out(v: &[f32], dtype: DType) -> Vec<f32> {
         match dtype {
             DType::F32 => v.to_vec(),
             _ => round_bf16(v),

@@ -1,0 +1,256 @@
+//! The element-wise and gather ops of `kernels/elementwise.cu`. Shapes and dtypes were checked by
+//! [`crate::ops`]; these pick the kernel of the operands' dtype and launch it.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, LaunchConfig};
+
+use super::{Buffer, DeviceData, Gpu, driver_error, elementwise_launch};
+use crate::{Error, Result};
+
+fn mismatch(op: &'static str) -> Error {
+    Error::DType { op, message: "operands differ in dtype, or are not f32/bf16".into() }
+}
+
+fn wrap(gpu: &Arc<Gpu>, data: DeviceData) -> Buffer {
+    Buffer { gpu: gpu.clone(), data }
+}
+
+/// `h = silu(gate)·up` over `n` elements.
+pub(crate) fn swiglu_forward(
+    gpu: &Arc<Gpu>,
+    gate: &DeviceData,
+    up: &DeviceData,
+    n: usize,
+) -> Result<Buffer> {
+    let cfg = elementwise_launch(n);
+    let n_i = n as i64;
+    let data = match (gate, up) {
+        (DeviceData::F32(g), DeviceData::F32(u)) => {
+            let mut h = gpu.alloc::<f32>(n)?;
+            if n > 0 {
+                launch!(gpu, "elementwise", "swiglu_forward_f32", cfg, &mut h, g, u, &n_i)?;
+            }
+            DeviceData::F32(h)
+        }
+        (DeviceData::BF16(g), DeviceData::BF16(u)) => {
+            let mut h = gpu.alloc::<u16>(n)?;
+            if n > 0 {
+                launch!(gpu, "elementwise", "swiglu_forward_bf16", cfg, &mut h, g, u, &n_i)?;
+            }
+            DeviceData::BF16(h)
+        }
+        _ => return Err(mismatch("swiglu")),
+    };
+    Ok(wrap(gpu, data))
+}
+
+/// `(d_gate, d_up)` of [`swiglu_forward`] from `dh`.
+pub(crate) fn swiglu_backward(
+    gpu: &Arc<Gpu>,
+    dh: &DeviceData,
+    gate: &DeviceData,
+    up: &DeviceData,
+    n: usize,
+) -> Result<(Buffer, Buffer)> {
+    let cfg = elementwise_launch(n);
+    let n_i = n as i64;
+    let (dg, du) = match (dh, gate, up) {
+        (DeviceData::F32(d), DeviceData::F32(g), DeviceData::F32(u)) => {
+            let (mut dg, mut du) = (gpu.alloc::<f32>(n)?, gpu.alloc::<f32>(n)?);
+            if n > 0 {
+                let k = "swiglu_backward_f32";
+                launch!(gpu, "elementwise", k, cfg, &mut dg, &mut du, d, g, u, &n_i)?;
+            }
+            (DeviceData::F32(dg), DeviceData::F32(du))
+        }
+        (DeviceData::BF16(d), DeviceData::BF16(g), DeviceData::BF16(u)) => {
+            let (mut dg, mut du) = (gpu.alloc::<u16>(n)?, gpu.alloc::<u16>(n)?);
+            if n > 0 {
+                let k = "swiglu_backward_bf16";
+                launch!(gpu, "elementwise", k, cfg, &mut dg, &mut du, d, g, u, &n_i)?;
+            }
+            (DeviceData::BF16(dg), DeviceData::BF16(du))
+        }
+        _ => return Err(mismatch("swiglu_backward")),
+    };
+    Ok((wrap(gpu, dg), wrap(gpu, du)))
+}
+
+/// Rotate-half RoPE of `x [tokens × heads × head_dim]` with f32 `cos`/`sin`
+/// `[tokens × head_dim/2]`; `sign` −1 rotates back (the backward).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope(
+    gpu: &Arc<Gpu>,
+    x: &DeviceData,
+    cos: &DeviceData,
+    sin: &DeviceData,
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    sign: f32,
+) -> Result<Buffer> {
+    let (DeviceData::F32(c), DeviceData::F32(s)) = (cos, sin) else {
+        return Err(Error::DType { op: "rope", message: "cos and sin must be f32".into() });
+    };
+    let n = tokens * heads * head_dim;
+    let cfg = elementwise_launch(n / 2);
+    let (t, h, d) = (tokens as i64, heads as i32, head_dim as i32);
+    let data = match x {
+        DeviceData::F32(x) => {
+            let mut y = gpu.alloc::<f32>(n)?;
+            if n > 0 {
+                launch!(gpu, "elementwise", "rope_f32", cfg, &mut y, x, c, s, &t, &h, &d, &sign)?;
+            }
+            DeviceData::F32(y)
+        }
+        DeviceData::BF16(x) => {
+            let mut y = gpu.alloc::<u16>(n)?;
+            if n > 0 {
+                launch!(gpu, "elementwise", "rope_bf16", cfg, &mut y, x, c, s, &t, &h, &d, &sign)?;
+            }
+            DeviceData::BF16(y)
+        }
+        DeviceData::I32(_) => return Err(mismatch("rope")),
+    };
+    Ok(wrap(gpu, data))
+}
+
+/// `a + b` over `n` elements.
+pub(crate) fn add(gpu: &Arc<Gpu>, a: &DeviceData, b: &DeviceData, n: usize) -> Result<Buffer> {
+    let cfg = elementwise_launch(n);
+    let n_i = n as i64;
+    let data = match (a, b) {
+        (DeviceData::F32(a), DeviceData::F32(b)) => {
+            let mut out = gpu.alloc::<f32>(n)?;
+            if n > 0 {
+                launch!(gpu, "elementwise", "add_f32", cfg, &mut out, a, b, &n_i)?;
+            }
+            DeviceData::F32(out)
+        }
+        (DeviceData::BF16(a), DeviceData::BF16(b)) => {
+            let mut out = gpu.alloc::<u16>(n)?;
+            if n > 0 {
+                launch!(gpu, "elementwise", "add_bf16", cfg, &mut out, a, b, &n_i)?;
+            }
+            DeviceData::BF16(out)
+        }
+        _ => return Err(mismatch("add")),
+    };
+    Ok(wrap(gpu, data))
+}
+
+/// Threads per block of the row kernels: whole warps, at most 256, a function of `hidden` alone.
+fn row_block(rows: usize, hidden: usize) -> LaunchConfig {
+    let threads = (hidden.div_ceil(32) * 32).clamp(32, 256) as u32;
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn upload(gpu: &Gpu, v: &[i32]) -> Result<CudaSlice<i32>> {
+    gpu.stream().clone_htod(v).map_err(|e| driver_error("copy to device", e))
+}
+
+/// `out[t] = table[ids[t]]`, `table [vocab × hidden]` (ids checked on the host).
+pub(crate) fn embedding_forward(
+    gpu: &Arc<Gpu>,
+    table: &DeviceData,
+    ids: &[i32],
+    hidden: usize,
+) -> Result<Buffer> {
+    let rows = ids.len();
+    let hidden_i = hidden as i32;
+    let cfg = row_block(rows, hidden);
+    let ids_d = if rows > 0 { Some(upload(gpu, ids)?) } else { None };
+    let data = match table {
+        DeviceData::F32(t) => {
+            let mut out = gpu.alloc::<f32>(rows * hidden)?;
+            if let Some(ids_d) = &ids_d {
+                launch!(
+                    gpu,
+                    "elementwise",
+                    "embedding_forward_f32",
+                    cfg,
+                    &mut out,
+                    t,
+                    ids_d,
+                    &hidden_i
+                )?;
+            }
+            DeviceData::F32(out)
+        }
+        DeviceData::BF16(t) => {
+            let mut out = gpu.alloc::<u16>(rows * hidden)?;
+            if let Some(ids_d) = &ids_d {
+                launch!(
+                    gpu,
+                    "elementwise",
+                    "embedding_forward_bf16",
+                    cfg,
+                    &mut out,
+                    t,
+                    ids_d,
+                    &hidden_i
+                )?;
+            }
+            DeviceData::BF16(out)
+        }
+        DeviceData::I32(_) => return Err(mismatch("embedding")),
+    };
+    Ok(wrap(gpu, data))
+}
+
+/// The rows of a deterministic embedding backward: each distinct id, and the positions that
+/// hold it (in token order) as `positions[offsets[u]..offsets[u + 1]]`.
+pub(crate) struct IdGroups {
+    pub(crate) uniq: Vec<i32>,
+    pub(crate) offsets: Vec<i32>,
+    pub(crate) positions: Vec<i32>,
+}
+
+/// `d_table [vocab × hidden]` (f32): each id's row sums its positions' `d_out` rows in token
+/// order; other rows are 0.
+pub(crate) fn embedding_backward(
+    gpu: &Arc<Gpu>,
+    d_out: &DeviceData,
+    groups: &IdGroups,
+    vocab: usize,
+    hidden: usize,
+) -> Result<Buffer> {
+    let mut d_table = gpu.alloc::<f32>(vocab * hidden)?;
+    gpu.stream().memset_zeros(&mut d_table).map_err(|e| driver_error("memset", e))?;
+    let rows = groups.uniq.len();
+    if rows > 0 && hidden > 0 {
+        let (uniq, offsets) = (upload(gpu, &groups.uniq)?, upload(gpu, &groups.offsets)?);
+        let positions = upload(gpu, &groups.positions)?;
+        let cfg = row_block(rows, hidden);
+        let hidden_i = hidden as i32;
+        match d_out {
+            DeviceData::F32(d) => launch!(
+                gpu,
+                "elementwise",
+                "embedding_backward_f32",
+                cfg,
+                &mut d_table,
+                d,
+                &uniq,
+                &offsets,
+                &positions,
+                &hidden_i
+            )?,
+            DeviceData::BF16(d) => launch!(
+                gpu,
+                "elementwise",
+                "embedding_backward_bf16",
+                cfg,
+                &mut d_table,
+                d,
+                &uniq,
+                &offsets,
+                &positions,
+                &hidden_i
+            )?,
+            DeviceData::I32(_) => return Err(mismatch("embedding_backward")),
+        }
+    }
+    Ok(wrap(gpu, DeviceData::F32(d_table)))
+}

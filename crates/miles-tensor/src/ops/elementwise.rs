@@ -1,0 +1,400 @@
+//! The decoder's element-wise and gather ops: SwiGLU, RoPE, the residual add, the token
+//! embedding and its deterministic backward. f32 or bf16 values, f32 arithmetic.
+
+use super::{dtype_is, floats_only, host_f32, host_out, host_tensor, same_device};
+use crate::cpu;
+#[cfg(feature = "cuda")]
+use crate::tensor::Storage;
+use crate::{DType, Device, Result, Tensor, ensure};
+
+#[cfg(feature = "cuda")]
+use super::device_data;
+
+/// The GPU of a device tensor.
+#[cfg(feature = "cuda")]
+fn gpu_of(t: &Tensor) -> &std::sync::Arc<crate::cuda::Gpu> {
+    match &t.storage {
+        Storage::Cuda(buffer) => &buffer.gpu,
+        _ => unreachable!("gpu_of a host tensor"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn on_device(shape: Vec<usize>, buffer: crate::cuda::Buffer) -> Tensor {
+    Tensor { shape, storage: Storage::Cuda(buffer) }
+}
+
+fn same_shape(op: &'static str, tensors: &[&Tensor]) -> Result<()> {
+    let first = &tensors[0].shape;
+    ensure(tensors.iter().all(|t| &t.shape == first), op, || {
+        let shapes: Vec<String> = tensors.iter().map(|t| format!("{:?}", t.shape)).collect();
+        format!("operands must share a shape: {}", shapes.join(", "))
+    })?;
+    let dtype = tensors[0].dtype();
+    match tensors.iter().find(|t| t.dtype() != dtype) {
+        Some(t) => dtype_is(op, "every operand", t, dtype),
+        None => Ok(()),
+    }
+}
+
+/// `h = silu(gate)·up`, element-wise; `gate` and `up` share shape and dtype.
+pub fn swiglu_forward(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    const OP: &str = "swiglu";
+    let device = same_device(OP, &[gate, up])?;
+    floats_only(OP, &[gate, up])?;
+    same_shape(OP, &[gate, up])?;
+    match device {
+        Device::Cpu => {
+            let mut h = host_out(gate.len());
+            cpu::swiglu_forward(&mut h, &host_f32(gate), &host_f32(up))?;
+            Ok(host_tensor(gate.shape.clone(), h, gate.dtype()))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let (g, u) = (device_data(gate), device_data(up));
+            let h = crate::cuda::swiglu_forward(gpu_of(gate), g, u, gate.len())?;
+            Ok(on_device(gate.shape.clone(), h))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// `(d_gate, d_up)` of [`swiglu_forward`] from `dh`; all share shape and dtype.
+pub fn swiglu_backward(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "swiglu_backward";
+    let device = same_device(OP, &[dh, gate, up])?;
+    floats_only(OP, &[dh, gate, up])?;
+    same_shape(OP, &[dh, gate, up])?;
+    let shape = gate.shape.clone();
+    match device {
+        Device::Cpu => {
+            let (mut dg, mut du) = (host_out(gate.len()), host_out(gate.len()));
+            cpu::swiglu_backward(&mut dg, &mut du, &host_f32(dh), &host_f32(gate), &host_f32(up))?;
+            let dtype = gate.dtype();
+            Ok((host_tensor(shape.clone(), dg, dtype), host_tensor(shape, du, dtype)))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let (d, g, u) = (device_data(dh), device_data(gate), device_data(up));
+            let (dg, du) = crate::cuda::swiglu_backward(gpu_of(gate), d, g, u, gate.len())?;
+            Ok((on_device(shape.clone(), dg), on_device(shape, du)))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// Rotate-half rotary embedding of `x [tokens × heads × head_dim]` with the f32 tables
+/// `cos`, `sin` `[tokens × head_dim/2]` (`cpu::rope_tables`); `inverse` rotates back, which is
+/// the backward of the forward rotation.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, inverse: bool) -> Result<Tensor> {
+    const OP: &str = "rope";
+    let device = same_device(OP, &[x, cos, sin])?;
+    floats_only(OP, &[x, cos, sin])?;
+    ensure(x.shape.len() == 3 && x.shape[2].is_multiple_of(2), OP, || {
+        format!("x {:?} must be [tokens × heads × head_dim], head_dim even", x.shape)
+    })?;
+    let (tokens, heads, head_dim) = (x.shape[0], x.shape[1], x.shape[2]);
+    let table = [tokens, head_dim / 2];
+    ensure(cos.shape == table && sin.shape == table, OP, || {
+        format!("cos {:?} and sin {:?} must be {table:?}", cos.shape, sin.shape)
+    })?;
+    dtype_is(OP, "cos", cos, DType::F32)?;
+    dtype_is(OP, "sin", sin, DType::F32)?;
+    match device {
+        Device::Cpu => {
+            let mut y = host_f32(x).into_owned();
+            let (c, s) = (host_f32(cos), host_f32(sin));
+            if inverse {
+                cpu::rope_backward(&mut y, &c, &s, heads, head_dim)?;
+            } else {
+                cpu::rope_forward(&mut y, &c, &s, heads, head_dim)?;
+            }
+            Ok(host_tensor(x.shape.clone(), y, x.dtype()))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let sign = if inverse { -1.0 } else { 1.0 };
+            let (xd, c, s) = (device_data(x), device_data(cos), device_data(sin));
+            let y = crate::cuda::rope(gpu_of(x), xd, c, s, tokens, heads, head_dim, sign)?;
+            Ok(on_device(x.shape.clone(), y))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// `a + b` (the residual connection); `a` and `b` share shape and dtype.
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let device = same_device("add", &[a, b])?;
+    floats_only("add", &[a, b])?;
+    same_shape("add", &[a, b])?;
+    match device {
+        Device::Cpu => {
+            let sum = host_f32(a).iter().zip(host_f32(b).iter()).map(|(x, y)| x + y).collect();
+            Ok(host_tensor(a.shape.clone(), sum, a.dtype()))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let c = crate::cuda::add(gpu_of(a), device_data(a), device_data(b), a.len())?;
+            Ok(on_device(a.shape.clone(), c))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// `[vocab × hidden]` of an embedding table, checking `ids` against the vocabulary.
+fn table_shape(op: &'static str, table: &Tensor, ids: &[u32]) -> Result<(usize, usize)> {
+    ensure(table.shape.len() == 2, op, || {
+        format!("table {:?} must be [vocab × hidden]", table.shape)
+    })?;
+    let (vocab, hidden) = (table.shape[0], table.shape[1]);
+    match ids.iter().find(|&&id| id as usize >= vocab) {
+        Some(bad) => Err(crate::Error::Shape {
+            op,
+            message: format!("token id {bad} is outside the vocabulary of {vocab}"),
+        }),
+        None => Ok((vocab, hidden)),
+    }
+}
+
+/// `out[t] = table[ids[t]]`: `[tokens × hidden]` in the table's dtype. The ids come from the
+/// host (they are the tokens the scheduler holds) and are checked against the vocabulary.
+pub fn embedding_forward(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    floats_only("embedding", &[table])?;
+    let (_, hidden) = table_shape("embedding", table, ids)?;
+    let shape = vec![ids.len(), hidden];
+    match table.device() {
+        Device::Cpu => {
+            let mut out = host_out(ids.len() * hidden);
+            cpu::embedding_forward(&mut out, &host_f32(table), ids, hidden)?;
+            Ok(host_tensor(shape, out, table.dtype()))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let ids: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
+            let out =
+                crate::cuda::embedding_forward(gpu_of(table), device_data(table), &ids, hidden)?;
+            Ok(on_device(shape, out))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// The gradient of [`embedding_forward`]: `d_table [vocab × hidden]` (f32), each id's row the
+/// sum of its tokens' `d_out` rows in token order. No atomics: the same bits on every run and
+/// on both devices.
+pub fn embedding_backward(d_out: &Tensor, ids: &[u32], vocab: usize) -> Result<Tensor> {
+    const OP: &str = "embedding_backward";
+    floats_only(OP, &[d_out])?;
+    ensure(d_out.shape.len() == 2 && d_out.shape[0] == ids.len(), OP, || {
+        format!("d_out {:?} must be [{} ids × hidden]", d_out.shape, ids.len())
+    })?;
+    let hidden = d_out.shape[1];
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(crate::Error::Shape {
+            op: OP,
+            message: format!("token id {bad} is outside the vocabulary of {vocab}"),
+        });
+    }
+    let shape = vec![vocab, hidden];
+    match d_out.device() {
+        Device::Cpu => {
+            let mut d_table = vec![0.0; vocab * hidden]; // cpu::embedding_backward adds into it
+            cpu::embedding_backward(&mut d_table, &host_f32(d_out), ids, hidden)?;
+            Ok(host_tensor(shape, d_table, DType::F32))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let groups = id_groups(ids);
+            let d = crate::cuda::embedding_backward(
+                gpu_of(d_out),
+                device_data(d_out),
+                &groups,
+                vocab,
+                hidden,
+            )?;
+            Ok(on_device(shape, d))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// Each distinct id with the positions holding it, in token order (a stable sort by id).
+#[cfg(feature = "cuda")]
+fn id_groups(ids: &[u32]) -> crate::cuda::IdGroups {
+    let mut order: Vec<usize> = (0..ids.len()).collect();
+    order.sort_by_key(|&t| ids[t]);
+    let mut groups =
+        crate::cuda::IdGroups { uniq: Vec::new(), offsets: vec![0], positions: Vec::new() };
+    for (k, &t) in order.iter().enumerate() {
+        if k > 0 && ids[order[k - 1]] != ids[t] {
+            groups.offsets.push(k as i32);
+        }
+        if k == 0 || ids[order[k - 1]] != ids[t] {
+            groups.uniq.push(ids[t] as i32);
+        }
+        groups.positions.push(t as i32);
+    }
+    if !ids.is_empty() {
+        groups.offsets.push(ids.len() as i32);
+    }
+    groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::tests::{devices, max_rel_err, round_out, tensor};
+    use crate::rng::Rng;
+
+    fn dtypes() -> [DType; 2] {
+        [DType::F32, DType::BF16]
+    }
+
+    /// f32 agrees to 1e-5 of the output's scale (the CPU and the GPU use different exp()); a
+    /// bf16 output is rounded once more.
+    fn tol(dtype: DType) -> f64 {
+        if dtype == DType::F32 { 1e-5 } else { 1e-2 }
+    }
+
+    fn check(what: String, got: &Tensor, want: &[f32], dtype: DType) {
+        let err = max_rel_err(&what, &got.to_vec_f32().unwrap(), &round_out(want, dtype));
+        assert!(err <= tol(dtype), "{what}: max relative error {err:.3e} > {:e}", tol(dtype));
+    }
+
+    fn rounded(v: &[f32], dtype: DType) -> Vec<f32> {
+        round_out(v, dtype)
+    }
+
+    #[test]
+    fn swiglu_matches_the_cpu_reference_on_every_device() {
+        let mut rng = Rng::new(41);
+        for device in devices() {
+            for &n in &[1usize, 7, 1000, 3 * 4864 + 5] {
+                let (gate, up, dh) = (rng.vec(n, 4.0), rng.vec(n, 1.0), rng.vec(n, 1.0));
+                for dtype in dtypes() {
+                    let (g, u, d) =
+                        (rounded(&gate, dtype), rounded(&up, dtype), rounded(&dh, dtype));
+                    let mut h = vec![0.0; n];
+                    cpu::swiglu_forward(&mut h, &g, &u).unwrap();
+                    let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
+                    cpu::swiglu_backward(&mut dg, &mut du, &d, &g, &u).unwrap();
+                    let t = |v: &[f32]| tensor(&[n], v, dtype, &device);
+                    let ht = swiglu_forward(&t(&gate), &t(&up)).unwrap();
+                    let (dgt, dut) = swiglu_backward(&t(&dh), &t(&gate), &t(&up)).unwrap();
+                    assert_eq!((ht.dtype(), ht.device()), (dtype, device));
+                    let what = |name: &str| format!("{device} {dtype} swiglu {name} n={n}");
+                    check(what("h"), &ht, &h, dtype);
+                    check(what("d_gate"), &dgt, &dg, dtype);
+                    check(what("d_up"), &dut, &du, dtype);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rope_matches_the_cpu_reference_and_inverts_on_every_device() {
+        let mut rng = Rng::new(42);
+        for device in devices() {
+            for &(tokens, heads, head_dim) in &[(1, 1, 2), (7, 3, 64), (333, 8, 128), (5, 2, 10)] {
+                let positions: Vec<u32> = (0..tokens as u32).map(|p| p * 37 % 4096).collect();
+                let (cos, sin) = cpu::rope_tables(&positions, head_dim, 1_000_000.0);
+                let x = rng.vec(tokens * heads * head_dim, 1.0);
+                for dtype in dtypes() {
+                    let mut want = rounded(&x, dtype);
+                    cpu::rope_forward(&mut want, &cos, &sin, heads, head_dim).unwrap();
+                    let shape = [tokens, heads, head_dim];
+                    let xt = tensor(&shape, &x, dtype, &device);
+                    let table = [tokens, head_dim / 2];
+                    let (ct, st) = (
+                        tensor(&table, &cos, DType::F32, &device),
+                        tensor(&table, &sin, DType::F32, &device),
+                    );
+                    let yt = rope(&xt, &ct, &st, false).unwrap();
+                    let what = format!("{device} {dtype} rope {shape:?}");
+                    check(what.clone(), &yt, &want, dtype);
+                    // The inverse rotation brings x back (the backward of a rotation).
+                    let back = rope(&yt, &ct, &st, true).unwrap().to_vec_f32().unwrap();
+                    let err = max_rel_err(&what, &back, &rounded(&x, dtype));
+                    assert!(err <= 2.0 * tol(dtype), "{what}: inverse {err:.3e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn add_matches_the_cpu_reference_on_every_device() {
+        let mut rng = Rng::new(43);
+        for device in devices() {
+            let (a, b) = (rng.vec(4097, 1.0), rng.vec(4097, 1.0));
+            for dtype in dtypes() {
+                let want: Vec<f32> =
+                    rounded(&a, dtype).iter().zip(rounded(&b, dtype)).map(|(x, y)| x + y).collect();
+                let c = add(
+                    &tensor(&[17, 241], &a, dtype, &device),
+                    &tensor(&[17, 241], &b, dtype, &device),
+                )
+                .unwrap();
+                assert_eq!(c.shape(), [17, 241]);
+                // f32: the same single rounding on both devices.
+                let got = c.to_vec_f32().unwrap();
+                assert_eq!(got, round_out(&want, dtype), "{device} {dtype} add");
+            }
+        }
+    }
+
+    #[test]
+    fn embedding_matches_the_cpu_reference_bit_for_bit_on_every_device() {
+        let mut rng = Rng::new(44);
+        for device in devices() {
+            for &(vocab, hidden, tokens) in &[(11, 8, 40), (1000, 576, 333), (50, 1001, 7)] {
+                let table = rng.vec(vocab * hidden, 1.0);
+                // Repeated ids, so the backward sums several rows into one.
+                let ids: Vec<u32> = (0..tokens).map(|_| rng.below(vocab.min(30)) as u32).collect();
+                let d_out = rng.vec(tokens * hidden, 1.0);
+                for dtype in dtypes() {
+                    let tt = tensor(&[vocab, hidden], &table, dtype, &device);
+                    let out = embedding_forward(&tt, &ids).unwrap();
+                    let mut want = vec![0.0; tokens * hidden];
+                    cpu::embedding_forward(&mut want, &rounded(&table, dtype), &ids, hidden)
+                        .unwrap();
+                    let what = format!("{device} {dtype} embedding {vocab}×{hidden}, {tokens} ids");
+                    assert_eq!(out.to_vec_f32().unwrap(), want, "{what}: forward");
+                    let dt = tensor(&[tokens, hidden], &d_out, dtype, &device);
+                    let d_table = embedding_backward(&dt, &ids, vocab).unwrap();
+                    let mut want = vec![0.0; vocab * hidden];
+                    cpu::embedding_backward(&mut want, &rounded(&d_out, dtype), &ids, hidden)
+                        .unwrap();
+                    assert_eq!(d_table.dtype(), DType::F32);
+                    // Token order on both devices: the same bits.
+                    assert_eq!(d_table.to_vec_f32().unwrap(), want, "{what}: backward");
+                }
+            }
+            let table = tensor(&[4, 2], &[0.0; 8], DType::F32, &device);
+            let err = embedding_forward(&table, &[1, 4]).unwrap_err().to_string();
+            assert!(err.contains("token id 4 is outside the vocabulary of 4"), "{err}");
+            let d = tensor(&[2, 2], &[0.0; 4], DType::F32, &device);
+            assert!(embedding_backward(&d, &[1, 9], 4).is_err());
+            assert!(embedding_backward(&d, &[1], 4).is_err());
+        }
+    }
+
+    #[test]
+    fn mismatched_operands_are_errors() {
+        let dev = Device::Cpu;
+        let a = tensor(&[2, 3], &[1.0; 6], DType::F32, &dev);
+        let b = tensor(&[3, 2], &[1.0; 6], DType::F32, &dev);
+        assert!(add(&a, &b).unwrap_err().to_string().contains("share a shape"));
+        let bf = tensor(&[2, 3], &[1.0; 6], DType::BF16, &dev);
+        assert!(swiglu_forward(&a, &bf).unwrap_err().to_string().contains("bf16"));
+        let table = tensor(&[2, 1], &[1.0; 2], DType::F32, &dev);
+        assert!(
+            rope(&tensor(&[2, 1, 3], &[1.0; 6], DType::F32, &dev), &table, &table, false).is_err()
+        );
+    }
+}

@@ -1,0 +1,155 @@
+//! The optimizer's ops: one AdamW step over f32 master weights and moments, and the sum of
+//! squares behind the global gradient norm, both giving the same bits on every device.
+
+use super::{dtype_is, same_device};
+use crate::cpu::{self, AdamW};
+use crate::tensor::Storage;
+use crate::{DType, Device, Result, Tensor, ensure};
+
+/// The f32 elements of a host tensor, mutably.
+fn host_f32_mut(t: &mut Tensor) -> &mut [f32] {
+    match &mut t.storage {
+        Storage::F32(v) => v,
+        _ => unreachable!("host_f32_mut of a non-f32 or device tensor (checked by the op)"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn device_f32_mut(t: &mut Tensor) -> &mut cudarc::driver::CudaSlice<f32> {
+    match &mut t.storage {
+        Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::F32(s), .. }) => s,
+        _ => unreachable!("device_f32_mut of a non-f32 or host tensor (checked by the op)"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn device_f32(t: &Tensor) -> &cudarc::driver::CudaSlice<f32> {
+    match &t.storage {
+        Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::F32(s), .. }) => s,
+        _ => unreachable!("device_f32 of a non-f32 or host tensor (checked by the op)"),
+    }
+}
+
+/// One AdamW step in place: `grad · grad_scale` (the clipping factor) updates `m`, `v` and
+/// `param`, all f32 and of one shape, as `cpu::AdamW::step` does (`step` counts from 1). The
+/// CUDA kernel rounds exactly as the CPU does: both give the same bits.
+pub fn adamw_step(
+    hyper: &AdamW,
+    step: u64,
+    grad_scale: f32,
+    param: &mut Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    grad: &Tensor,
+) -> Result<()> {
+    const OP: &str = "adamw";
+    let device = same_device(OP, &[param, m, v, grad])?;
+    for (what, t) in [("param", &*param), ("m", &*m), ("v", &*v), ("grad", grad)] {
+        dtype_is(OP, what, t, DType::F32)?;
+        ensure(t.shape == param.shape, OP, || {
+            format!("{what} {:?} must be shaped like param {:?}", t.shape, param.shape)
+        })?;
+    }
+    ensure(step >= 1, OP, || "step counts from 1".into())?;
+    match device {
+        Device::Cpu => {
+            let scaled: Vec<f32>;
+            let g = match &grad.storage {
+                Storage::F32(g) if grad_scale == 1.0 => g.as_slice(),
+                Storage::F32(g) => {
+                    scaled = g.iter().map(|x| x * grad_scale).collect();
+                    &scaled
+                }
+                _ => unreachable!("grad is f32 on the host"),
+            };
+            let (m, v) = (host_f32_mut(m), host_f32_mut(v));
+            hyper.step(host_f32_mut(param), g, m, v, step)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let gpu = match &param.storage {
+                Storage::Cuda(buffer) => buffer.gpu.clone(),
+                _ => unreachable!("param is on a device"),
+            };
+            let (p, mm, vv) = (device_f32_mut(param), device_f32_mut(m), device_f32_mut(v));
+            crate::cuda::adamw(&gpu, hyper, step, grad_scale, p, mm, vv, device_f32(grad))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// Σ x² of an f32 tensor, in f64 and in an order fixed by its size (a gradient's share of the
+/// global norm: `sqrt` of the sum over tensors, summed in order).
+pub fn sum_squares(t: &Tensor) -> Result<f64> {
+    dtype_is("sum_squares", "the tensor", t, DType::F32)?;
+    match t.device() {
+        Device::Cpu => {
+            let Storage::F32(v) = &t.storage else { unreachable!("f32 on the host") };
+            Ok(cpu::global_norm(&[v]).powi(2))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let Storage::Cuda(buffer) = &t.storage else { unreachable!("on a device") };
+            crate::cuda::sum_squares(&buffer.gpu, device_f32(t))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::tests::{devices, tensor};
+    use crate::rng::Rng;
+
+    #[test]
+    fn adamw_gives_the_cpu_bits_on_every_device() {
+        let mut rng = Rng::new(51);
+        let hyper = AdamW { lr: 3e-4, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.1 };
+        let n = 100_003;
+        let param0 = rng.vec(n, 1.0);
+        let grads: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(n, 0.01)).collect();
+        // The reference: three steps of cpu::AdamW, the last one clipped by 0.5.
+        let (mut p, mut m, mut v) = (param0.clone(), vec![0.0; n], vec![0.0; n]);
+        for (i, g) in grads.iter().enumerate() {
+            let scale = if i == 2 { 0.5 } else { 1.0 };
+            let g: Vec<f32> = g.iter().map(|x| x * scale).collect();
+            hyper.step(&mut p, &g, &mut m, &mut v, i as u64 + 1).unwrap();
+        }
+        for device in devices() {
+            let t = |x: &[f32]| tensor(&[n], x, DType::F32, &device);
+            let (mut pt, mut mt, mut vt) = (t(&param0), t(&vec![0.0; n]), t(&vec![0.0; n]));
+            for (i, g) in grads.iter().enumerate() {
+                let scale = if i == 2 { 0.5 } else { 1.0 };
+                adamw_step(&hyper, i as u64 + 1, scale, &mut pt, &mut mt, &mut vt, &t(g)).unwrap();
+            }
+            assert_eq!(pt.to_vec_f32().unwrap(), p, "{device}: weights");
+            assert_eq!(mt.to_vec_f32().unwrap(), m, "{device}: first moments");
+            assert_eq!(vt.to_vec_f32().unwrap(), v, "{device}: second moments");
+            let bad = tensor(&[n - 1], &param0[1..], DType::F32, &device);
+            assert!(adamw_step(&hyper, 1, 1.0, &mut pt, &mut mt, &mut vt, &bad).is_err());
+            assert!(adamw_step(&hyper, 0, 1.0, &mut pt, &mut mt, &mut vt, &t(&param0)).is_err());
+        }
+    }
+
+    #[test]
+    fn sum_squares_matches_the_cpu_and_repeats_on_every_device() {
+        let mut rng = Rng::new(52);
+        for device in devices() {
+            for &n in &[0usize, 1, 1000, (1 << 16) + 3, 3 << 17] {
+                let x = rng.vec(n, 1.0);
+                let want = cpu::global_norm(&[&x]).powi(2);
+                let t = tensor(&[n], &x, DType::F32, &device);
+                let got = sum_squares(&t).unwrap();
+                assert!(
+                    (got - want).abs() <= 1e-12 * want.max(1.0),
+                    "{device} n={n}: {got} vs {want}"
+                );
+                assert_eq!(sum_squares(&t).unwrap().to_bits(), got.to_bits(), "{device}: repeat");
+            }
+            assert!(sum_squares(&tensor(&[2], &[1.0, 2.0], DType::BF16, &device)).is_err());
+        }
+    }
+}

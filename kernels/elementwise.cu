@@ -1,0 +1,130 @@
+// Element-wise and gather ops of the decoder: SwiGLU, rotary embedding, the residual add, the
+// token embedding and its deterministic backward.
+//
+// Same maths as miles-tensor's cpu::{swiglu_*, rope_*, embedding_*}; values are f32 or bf16 (T),
+// all arithmetic f32. Each output element is computed by one thread from its own inputs only, so
+// results do not depend on the launch shape or the batch. Names: <op>_{f32,bf16}.
+#include "common.cuh"
+
+namespace {
+
+template <typename T>
+__device__ __forceinline__ float get(const T* p, size_t i) {
+    float v;
+    miles::load<1>(p + i, &v);
+    return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void put(T* p, size_t i, float v) {
+    miles::store<1>(p + i, &v);
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+#define GRID_STRIDE(i, n) \
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < (n); \
+         i += static_cast<size_t>(gridDim.x) * blockDim.x)
+
+// h = silu(gate) · up.
+template <typename T>
+__device__ void swiglu_forward(T* h, const T* gate, const T* up, long long n) {
+    GRID_STRIDE(i, static_cast<size_t>(n)) {
+        const float g = get(gate, i);
+        put(h, i, g * sigmoid(g) * get(up, i));
+    }
+}
+
+template <typename T>
+__device__ void swiglu_backward(T* d_gate, T* d_up, const T* dh, const T* gate, const T* up,
+                                long long n) {
+    GRID_STRIDE(i, static_cast<size_t>(n)) {
+        const float g = get(gate, i), u = get(up, i), d = get(dh, i);
+        const float s = sigmoid(g);
+        put(d_up, i, d * g * s);
+        put(d_gate, i, d * u * s * (1.0f + g * (1.0f - s)));
+    }
+}
+
+// Rotate-half RoPE of x [tokens × heads × head_dim] with cos/sin [tokens × head_dim/2]:
+// (a, b) → (a·c − b·s, b·c + a·s), s negated for the backward (sign = −1).
+template <typename T>
+__device__ void rope(T* y, const T* x, const float* cos, const float* sin, long long tokens,
+                     int heads, int head_dim, float sign) {
+    const int half = head_dim / 2;
+    const size_t pairs = static_cast<size_t>(tokens) * heads * half;
+    GRID_STRIDE(p, pairs) {
+        const size_t token = p / (static_cast<size_t>(heads) * half);
+        const int j = static_cast<int>(p % half);
+        const size_t base = (p / half) * head_dim;  // (token, head) row start
+        const float c = cos[token * half + j], s = sign * sin[token * half + j];
+        const float a = get(x, base + j), b = get(x, base + j + half);
+        put(y, base + j, a * c - b * s);
+        put(y, base + j + half, b * c + a * s);
+    }
+}
+
+template <typename T>
+__device__ void add(T* out, const T* a, const T* b, long long n) {
+    GRID_STRIDE(i, static_cast<size_t>(n)) { put(out, i, get(a, i) + get(b, i)); }
+}
+
+// out[t] = table[ids[t]]: block t copies one row (ids checked on the host).
+template <typename T>
+__device__ void embedding_forward(T* out, const T* table, const int* ids, int hidden) {
+    const size_t t = blockIdx.x;
+    const size_t row = static_cast<size_t>(ids[t]) * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        out[t * hidden + i] = table[row + i];
+    }
+}
+
+// d_table[uniq[u]] = Σ d_out[positions[k]] for k in [offsets[u], offsets[u+1]), positions in
+// token order: block u owns one vocabulary row, each thread one column, so every sum runs in
+// the CPU reference's order and no two blocks touch the same row (no atomics).
+template <typename T>
+__device__ void embedding_backward(float* d_table, const T* d_out, const int* uniq,
+                                   const int* offsets, const int* positions, int hidden) {
+    const int u = blockIdx.x;
+    float* dst = d_table + static_cast<size_t>(uniq[u]) * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int k = offsets[u]; k < offsets[u + 1]; ++k) {
+            acc += get(d_out, static_cast<size_t>(positions[k]) * hidden + i);
+        }
+        dst[i] = acc;
+    }
+}
+
+}  // namespace
+
+#define BOTH(T, SUFFIX)                                                                        \
+    extern "C" __global__ void swiglu_forward_##SUFFIX(T* h, const T* gate, const T* up,       \
+                                                       long long n) {                          \
+        swiglu_forward(h, gate, up, n);                                                        \
+    }                                                                                          \
+    extern "C" __global__ void swiglu_backward_##SUFFIX(T* d_gate, T* d_up, const T* dh,       \
+                                                        const T* gate, const T* up,            \
+                                                        long long n) {                         \
+        swiglu_backward(d_gate, d_up, dh, gate, up, n);                                        \
+    }                                                                                          \
+    extern "C" __global__ void rope_##SUFFIX(T* y, const T* x, const float* cos,               \
+                                             const float* sin, long long tokens, int heads,    \
+                                             int head_dim, float sign) {                       \
+        rope(y, x, cos, sin, tokens, heads, head_dim, sign);                                   \
+    }                                                                                          \
+    extern "C" __global__ void add_##SUFFIX(T* out, const T* a, const T* b, long long n) {     \
+        add(out, a, b, n);                                                                     \
+    }                                                                                          \
+    extern "C" __global__ void embedding_forward_##SUFFIX(T* out, const T* table,              \
+                                                          const int* ids, int hidden) {        \
+        embedding_forward(out, table, ids, hidden);                                            \
+    }                                                                                          \
+    extern "C" __global__ void embedding_backward_##SUFFIX(                                    \
+        float* d_table, const T* d_out, const int* uniq, const int* offsets,                   \
+        const int* positions, int hidden) {                                                    \
+        embedding_backward(d_table, d_out, uniq, offsets, positions, hidden);                  \
+    }
+
+BOTH(float, f32)
+BOTH(__nv_bfloat16, bf16)
