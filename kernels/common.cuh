@@ -89,4 +89,27 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(lane < warps ? scratch[lane] : 0.0f);
 }
 
+// Maximum over a warp: every lane ends with the same value (max is exact in any order).
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+    return v;
+}
+
+// Maximum over the block (as block_sum: blockDim.x a multiple of 32; every thread gets it).
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    return warp_max(lane < warps ? scratch[lane] : -INFINITY);
+}
+
 }  // namespace miles

@@ -100,14 +100,105 @@ pub fn logprob_forward(
             .zip(entropy[start..start + n].par_iter_mut())
             .zip(targets[start..start + n].par_iter())
             .for_each(|(((z, lp), ent), &target)| {
-                let lse = tempered_log_softmax(z, temperature);
-                *lp = z[target as usize] - lse;
-                // H = lse − Σ p·z.
-                let expected: f32 = z.iter().map(|x| (x - lse).exp() * x).sum();
-                *ent = lse - expected;
+                (*lp, *ent) = logprob_row(z, target as usize, temperature);
             });
     }
     Ok(())
+}
+
+/// One row's `(logp of target, entropy)` at `temperature`, from its raw logits `z` (divided by
+/// the temperature in place). The fused head and [`logprob_rows_forward`] share it.
+pub fn logprob_row(z: &mut [f32], target: usize, temperature: f32) -> (f32, f32) {
+    let lse = tempered_log_softmax(z, temperature);
+    // H = lse − Σ p·z.
+    let expected: f32 = z.iter().map(|x| (x - lse).exp() * x).sum();
+    (z[target] - lse, lse - expected)
+}
+
+/// The gradient of `g_lp·logp + g_ent·entropy` of one row with respect to its raw logits,
+/// written over `z` (the raw logits on entry).
+pub fn logprob_row_backward(z: &mut [f32], target: usize, temperature: f32, g_lp: f32, g_ent: f32) {
+    z.iter_mut().for_each(|x| *x /= temperature);
+    let lse = log_sum_exp(z);
+    let ent = lse - z.iter().map(|x| (x - lse).exp() * x).sum::<f32>();
+    // d/dz_j: logp → δ_j − p_j; entropy → −p_j·(log p_j + H). Then ÷T for raw logits.
+    for (j, x) in z.iter_mut().enumerate() {
+        let log_p = *x - lse;
+        let p = log_p.exp();
+        let onehot = if j == target { 1.0 } else { 0.0 };
+        *x = (g_lp * (onehot - p) - g_ent * p * (log_p + ent)) / temperature;
+    }
+}
+
+/// [`logprob_row`] over the rows of `logits` `[rows × vocab]` (given, not computed from a
+/// hidden state: the device path's GEMM makes them).
+pub fn logprob_rows_forward(
+    logp: &mut [f32],
+    entropy: &mut [f32],
+    logits: &[f32],
+    targets: &[u32],
+    temperature: f32,
+) -> Result<()> {
+    let vocab = rows_vocab("logprob_rows", logits, targets, temperature)?;
+    ensure(logp.len() == targets.len() && entropy.len() == targets.len(), "logprob_rows", || {
+        format!("logp {} entropy {} for {} rows", logp.len(), entropy.len(), targets.len())
+    })?;
+    let mut z = vec![0f32; vocab];
+    for (r, &target) in targets.iter().enumerate() {
+        z.copy_from_slice(&logits[r * vocab..(r + 1) * vocab]);
+        (logp[r], entropy[r]) = logprob_row(&mut z, target as usize, temperature);
+    }
+    Ok(())
+}
+
+/// [`logprob_row_backward`] over the rows of `logits`: `d_logits` `[rows × vocab]`.
+pub fn logprob_rows_backward(
+    d_logits: &mut [f32],
+    logits: &[f32],
+    targets: &[u32],
+    d_logp: &[f32],
+    d_entropy: &[f32],
+    temperature: f32,
+) -> Result<()> {
+    let vocab = rows_vocab("logprob_rows_backward", logits, targets, temperature)?;
+    let rows = targets.len();
+    ensure(
+        d_logits.len() == logits.len() && d_logp.len() == rows && d_entropy.len() == rows,
+        "logprob_rows_backward",
+        || {
+            format!(
+                "d_logits {} d_logp {} d_entropy {}",
+                d_logits.len(),
+                d_logp.len(),
+                d_entropy.len()
+            )
+        },
+    )?;
+    d_logits.copy_from_slice(logits);
+    for (r, z) in d_logits.chunks_mut(vocab).enumerate() {
+        logprob_row_backward(z, targets[r] as usize, temperature, d_logp[r], d_entropy[r]);
+    }
+    Ok(())
+}
+
+/// The vocabulary of `logits` `[targets × vocab]`, with every target inside it.
+fn rows_vocab(
+    op: &'static str,
+    logits: &[f32],
+    targets: &[u32],
+    temperature: f32,
+) -> Result<usize> {
+    let vocab = logits.len() / targets.len().max(1);
+    ensure(vocab > 0 && logits.len() == targets.len() * vocab && temperature > 0.0, op, || {
+        format!("logits {} for {} targets, temperature {temperature}", logits.len(), targets.len())
+    })?;
+    if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::Shape {
+            op,
+            message: format!("target {bad} is outside the vocabulary of {vocab}"),
+        });
+    }
+    Ok(vocab)
 }
 
 /// Gradients of [`logprob_forward`] given `d_logp` and `d_entropy`: writes `d_hidden`, adds
@@ -154,16 +245,7 @@ pub fn logprob_backward(
             .zip(d_entropy[start..start + n].par_iter())
             .zip(targets[start..start + n].par_iter())
             .for_each(|(((z, &g_lp), &g_ent), &target)| {
-                z.iter_mut().for_each(|x| *x /= temperature);
-                let lse = log_sum_exp(z);
-                let ent = lse - z.iter().map(|x| (x - lse).exp() * x).sum::<f32>();
-                // d/dz_j: logp → δ_j − p_j; entropy → −p_j·(log p_j + H). Then ÷T for raw logits.
-                for (j, x) in z.iter_mut().enumerate() {
-                    let log_p = *x - lse;
-                    let p = log_p.exp();
-                    let onehot = if j == target as usize { 1.0 } else { 0.0 };
-                    *x = (g_lp * (onehot - p) - g_ent * p * (log_p + ent)) / temperature;
-                }
+                logprob_row_backward(z, target as usize, temperature, g_lp, g_ent);
             });
         matmul(
             &mut d_hidden[start * dim..(start + n) * dim],

@@ -17,6 +17,7 @@ use half::bf16;
 pub(crate) use elementwise::{
     IdGroups, add, embedding_backward, embedding_forward, rope, swiglu_backward, swiglu_forward,
 };
+pub(crate) use logprob::{logprob_rows, logprob_rows_backward};
 pub(crate) use ops::{matmul, rmsnorm_backward, rmsnorm_forward};
 pub(crate) use optim::{adamw, sum_squares};
 
@@ -46,6 +47,7 @@ macro_rules! launch {
     }};
 }
 mod elementwise;
+mod logprob;
 mod ops;
 mod optim;
 

@@ -9,11 +9,13 @@ use crate::tensor::Storage;
 use crate::{DType, Device, Error, Result, Tensor, ensure};
 
 mod elementwise;
+mod logprob;
 mod optim;
 
 pub use elementwise::{
     add, embedding_backward, embedding_forward, rope, swiglu_backward, swiglu_forward,
 };
+pub use logprob::{logprob_rows, logprob_rows_backward};
 pub use optim::{adamw_step, sum_squares};
 
 /// A host buffer of `n` f32 for an op to overwrite (NaN in debug builds: see POISON_OUTPUTS).
