@@ -15,8 +15,9 @@ fn to_i32(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::Device(format!("{what} = {v} is too large for CUDA")))
 }
 
-/// Row-major `c[m×n] = op(a)·op(b)`, f32 accumulation, output in the inputs' dtype. f32 runs in
-/// real f32 (pedantic compute type: no TF32), bf16 on the tensor cores.
+/// Row-major `c[m×n] = op(a)·op(b)`, f32 accumulation, output in the inputs' dtype, or in f32
+/// with `f32_out` (the LM head's logits are never rounded to bf16). f32 runs in real f32
+/// (pedantic compute type: no TF32), bf16 on the tensor cores.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul(
     gpu: &Arc<Gpu>,
@@ -27,18 +28,25 @@ pub(crate) fn matmul(
     m: usize,
     k: usize,
     n: usize,
+    f32_out: bool,
 ) -> Result<Buffer> {
     let (mi, ki, ni) = (to_i32(m, "m")?, to_i32(k, "k")?, to_i32(n, "n")?);
-    let data = match (a, b) {
-        (DeviceData::F32(a), DeviceData::F32(b)) => {
+    let (f32_t, bf16_t) = (cudaDataType::CUDA_R_32F, cudaDataType::CUDA_R_16BF);
+    let data = match (a, b, f32_out) {
+        (DeviceData::F32(a), DeviceData::F32(b), _) => {
             let mut c = gpu.alloc::<f32>(m * n)?;
-            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), cudaDataType::CUDA_R_32F)?;
+            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), (f32_t, f32_t))?;
             DeviceData::F32(c)
         }
-        (DeviceData::BF16(a), DeviceData::BF16(b)) => {
+        (DeviceData::BF16(a), DeviceData::BF16(b), false) => {
             let mut c = gpu.alloc::<u16>(m * n)?;
-            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), cudaDataType::CUDA_R_16BF)?;
+            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), (bf16_t, bf16_t))?;
             DeviceData::BF16(c)
+        }
+        (DeviceData::BF16(a), DeviceData::BF16(b), true) => {
+            let mut c = gpu.alloc::<f32>(m * n)?;
+            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), (bf16_t, f32_t))?;
+            DeviceData::F32(c)
         }
         _ => return Err(Error::DType { op: "matmul", message: "operands differ in dtype".into() }),
     };
@@ -47,16 +55,17 @@ pub(crate) fn matmul(
 
 /// cuBLAS is column-major: row-major `c = op(a)·op(b)` is column-major `cᵀ = op(b)ᵀ·op(a)ᵀ`, and
 /// a row-major matrix is its column-major transpose, so b goes first and the flags carry over.
+/// `dtype` is (a and b's, c's).
 #[allow(clippy::too_many_arguments)]
-fn gemm<T: DeviceRepr>(
+fn gemm<T: DeviceRepr, C: DeviceRepr>(
     gpu: &Gpu,
     a: &CudaSlice<T>,
     ta: Transpose,
     b: &CudaSlice<T>,
     tb: Transpose,
-    c: &mut CudaSlice<T>,
+    c: &mut CudaSlice<C>,
     (m, k, n): (i32, i32, i32),
-    dtype: cudaDataType,
+    (dtype, c_dtype): (cudaDataType, cudaDataType),
 ) -> Result<()> {
     if m == 0 || n == 0 {
         return Ok(());
@@ -101,7 +110,7 @@ fn gemm<T: DeviceRepr>(
             lda,
             (&beta as *const f32).cast::<c_void>(),
             c_ptr as *mut c_void,
-            dtype,
+            c_dtype,
             n,
             compute,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

@@ -85,6 +85,22 @@ fn device_data(t: &Tensor) -> &crate::cuda::DeviceData {
 /// `[k×n]` (or `[n×k]`); the result is `[m×n]` in the operands' dtype (both f32 or both bf16),
 /// accumulated in f32.
 pub fn matmul(a: &Tensor, ta: Transpose, b: &Tensor, tb: Transpose) -> Result<Tensor> {
+    matmul_to(a, ta, b, tb, false)
+}
+
+/// [`matmul`] with an f32 result whatever the operands' dtype: bf16 operands, f32 accumulation
+/// and f32 output (the LM head's logits, never rounded to bf16).
+pub fn matmul_f32_out(a: &Tensor, ta: Transpose, b: &Tensor, tb: Transpose) -> Result<Tensor> {
+    matmul_to(a, ta, b, tb, true)
+}
+
+fn matmul_to(
+    a: &Tensor,
+    ta: Transpose,
+    b: &Tensor,
+    tb: Transpose,
+    f32_out: bool,
+) -> Result<Tensor> {
     let device = same_device("matmul", &[a, b])?;
     floats_only("matmul", &[a, b])?;
     ensure(a.shape.len() == 2 && b.shape.len() == 2, "matmul", || {
@@ -111,13 +127,23 @@ pub fn matmul(a: &Tensor, ta: Transpose, b: &Tensor, tb: Transpose) -> Result<Te
         Device::Cpu => {
             let mut c = host_out(m * n);
             cpu::matmul(&mut c, &host_f32(a), ta, &host_f32(b), tb, m, k, n, false)?;
-            Ok(host_tensor(vec![m, n], c, a.dtype()))
+            let dtype = if f32_out { DType::F32 } else { a.dtype() };
+            Ok(host_tensor(vec![m, n], c, dtype))
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             let Storage::Cuda(buffer) = &a.storage else { unreachable!("a is on a device") };
-            let c =
-                crate::cuda::matmul(&buffer.gpu, device_data(a), ta, device_data(b), tb, m, k, n)?;
+            let c = crate::cuda::matmul(
+                &buffer.gpu,
+                device_data(a),
+                ta,
+                device_data(b),
+                tb,
+                m,
+                k,
+                n,
+                f32_out,
+            )?;
             Ok(Tensor { shape: vec![m, n], storage: Storage::Cuda(c) })
         }
         #[cfg(not(feature = "cuda"))]
@@ -294,6 +320,12 @@ mod tests {
                             let c = matmul(&at, ta, &bt, tb).unwrap();
                             assert_eq!(c.shape(), [m, n]);
                             assert_eq!((c.dtype(), c.device()), (dtype, device));
+                            // The f32 output of the same product: only the final rounding differs.
+                            let c32 = matmul_f32_out(&at, ta, &bt, tb).unwrap();
+                            assert_eq!(c32.dtype(), DType::F32);
+                            let what32 = format!("{device} {dtype}→f32 matmul {m}×{k}×{n}");
+                            let err = max_rel_err(&what32, &c32.to_vec_f32().unwrap(), &want);
+                            assert!(err <= 1e-5, "{what32}: max relative error {err:.3e}");
                             let what = format!("{device} {dtype} matmul {m}×{k}×{n} {ta:?}/{tb:?}");
                             let err = max_rel_err(&what, &c.to_vec_f32().unwrap(), &want);
                             let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
@@ -510,6 +542,106 @@ mod tests {
                 t * 1e3
             );
         }
+        // The decoder's element-wise ops at a Qwen3-0.6B training shape: 16384 tokens (32×512),
+        // hidden 1024, intermediate 3072, 16 heads of 128. Bytes are what each op must move.
+        let (tokens, hidden, inter, heads, head_dim) = (16_384, 1024, 3072, 16, 128);
+        let gbs = |bytes: f64, t: f64| bytes / t / 1e9;
+        for dtype in [DType::F32, DType::BF16] {
+            let e = dtype.size_in_bytes() as f64;
+            let n = tokens * inter;
+            let (g, u) = (
+                tensor(&[n], &big(n), dtype, &device),
+                tensor(&[n], &big(n + 5)[5..], dtype, &device),
+            );
+            let f = time(20, &mut || drop(swiglu_forward(&g, &u).unwrap()));
+            let b = time(20, &mut || drop(swiglu_backward(&g, &g, &u).unwrap()));
+            println!(
+                "{device}: swiglu {dtype} {tokens}×{inter}: forward {:.1} µs ({:.0} GB/s), backward {:.1} µs ({:.0} GB/s)",
+                f * 1e6,
+                gbs(3.0 * e * n as f64, f),
+                b * 1e6,
+                gbs(5.0 * e * n as f64, b)
+            );
+            let q =
+                tensor(&[tokens, heads, head_dim], &big(tokens * heads * head_dim), dtype, &device);
+            let positions: Vec<u32> = (0..tokens as u32).map(|p| p % 512).collect();
+            let (cos, sin) = cpu::rope_tables(&positions, head_dim, 1_000_000.0);
+            let table = [tokens, head_dim / 2];
+            let (ct, st) = (
+                tensor(&table, &cos, DType::F32, &device),
+                tensor(&table, &sin, DType::F32, &device),
+            );
+            let r = time(20, &mut || drop(rope(&q, &ct, &st, false).unwrap()));
+            let bytes = 2.0 * e * q.len() as f64 + 8.0 * (tokens * head_dim / 2) as f64;
+            println!(
+                "{device}: rope {dtype} {tokens}×{heads}×{head_dim}: {:.1} µs ({:.0} GB/s)",
+                r * 1e6,
+                gbs(bytes, r)
+            );
+            let x = tensor(&[tokens, hidden], &big(tokens * hidden), dtype, &device);
+            let a = time(20, &mut || drop(add(&x, &x).unwrap()));
+            println!(
+                "{device}: add {dtype} {tokens}×{hidden}: {:.1} µs ({:.0} GB/s)",
+                a * 1e6,
+                gbs(3.0 * e * x.len() as f64, a)
+            );
+            let vocab = 151_936;
+            let table = tensor(&[vocab, hidden], &big(vocab * hidden), dtype, &device);
+            let ids: Vec<u32> = (0..tokens).map(|t| (t * 7919 % vocab) as u32).collect();
+            let ef = time(20, &mut || drop(embedding_forward(&table, &ids).unwrap()));
+            let dy = tensor(&[tokens, hidden], &big(tokens * hidden), dtype, &device);
+            let eb = time(5, &mut || drop(embedding_backward(&dy, &ids, vocab).unwrap()));
+            println!(
+                "{device}: embedding {dtype} {tokens} ids of {vocab}×{hidden}: forward {:.1} µs ({:.0} GB/s), \
+                 backward {:.1} µs (zeroes the {:.0} MB f32 table, then sums rows)",
+                ef * 1e6,
+                gbs(2.0 * e * (tokens * hidden) as f64, ef),
+                eb * 1e6,
+                (vocab * hidden * 4) as f64 / 1e6
+            );
+        }
+        // AdamW over 0.6B f32 parameters' worth of one tensor slice (64M), and its norm.
+        let n = 64 << 20;
+        let hyper = cpu::AdamW { lr: 1e-6, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.1 };
+        let f = |v: &[f32]| tensor(&[n], v, DType::F32, &device);
+        let (mut p, mut m, mut v, gr) =
+            (f(&big(n)), f(&vec![0.0; n]), f(&vec![0.0; n]), f(&big(n + 1)[1..]));
+        let mut step = 0;
+        let t = time(10, &mut || {
+            step += 1;
+            adamw_step(&hyper, step, 0.5, &mut p, &mut m, &mut v, &gr).unwrap()
+        });
+        println!(
+            "{device}: adamw f32 {n}: {:.1} µs ({:.0} GB/s: 4 read, 3 written)",
+            t * 1e6,
+            gbs(28.0 * n as f64, t)
+        );
+        let s = time(10, &mut || {
+            sum_squares(&gr).unwrap();
+        });
+        println!(
+            "{device}: sum_squares f32 {n}: {:.1} µs ({:.0} GB/s)",
+            s * 1e6,
+            gbs(4.0 * n as f64, s)
+        );
+        // The LM head's row statistics over one chunk of f32 logits (rows × 151936).
+        let (rows, vocab) = (64, 151_936);
+        let logits = tensor(&[rows, vocab], &big(rows * vocab), DType::F32, &device);
+        let targets: Vec<u32> = (0..rows as u32).collect();
+        let f = time(20, &mut || drop(logprob_rows(&logits, &targets, 1.0).unwrap()));
+        let ones = tensor(&[rows], &vec![1.0; rows], DType::F32, &device);
+        let b = time(20, &mut || {
+            drop(logprob_rows_backward(&logits, &targets, 1.0, &ones, &ones).unwrap())
+        });
+        let bytes = (rows * vocab * 4) as f64;
+        println!(
+            "{device}: logprob_rows {rows}×{vocab}: forward {:.1} µs ({:.0} GB/s, 3 passes over the logits), \
+             backward {:.1} µs ({:.0} GB/s, 4 passes and a write)",
+            f * 1e6,
+            gbs(3.0 * bytes, f),
+            b * 1e6,
+            gbs(5.0 * bytes, b)
+        );
         crate::POISON_OUTPUTS.store(cfg!(debug_assertions), Ordering::Relaxed);
     }
 
