@@ -169,10 +169,14 @@ mod tests {
                     let what = |n: &str| {
                         format!("{device} logprob_rows {n} {rows}×{vocab} T={temperature}")
                     };
-                    // Sums over the vocabulary in another order: 1e-5 of the scale.
-                    for (name, got, want) in [("logp", &lpt, &lp), ("entropy", &entt, &ent)] {
+                    // Sums over the vocabulary in another order: logp to 1e-5 of its scale;
+                    // entropy = lse − E[x] cancels, so its error is relative to the logits'
+                    // scale rather than its own: 1e-4.
+                    for (name, got, want, tol) in
+                        [("logp", &lpt, &lp, 1e-5), ("entropy", &entt, &ent, 1e-4)]
+                    {
                         let err = max_rel_err(&what(name), &got.to_vec_f32().unwrap(), want);
-                        assert!(err <= 1e-5, "{}: {err:.3e}", what(name));
+                        assert!(err <= tol, "{}: {err:.3e}", what(name));
                     }
                     let dt = |v: &[f32]| tensor(&[rows], v, DType::F32, &device);
                     let dlt = logprob_rows_backward(
@@ -183,8 +187,10 @@ mod tests {
                         &dt(&d_ent),
                     )
                     .unwrap();
+                    // d_logits carries the entropy's error through p·(log p + H): 1e-4.
                     let err = max_rel_err(&what("d_logits"), &dlt.to_vec_f32().unwrap(), &d);
-                    assert!(err <= 1e-5, "{}: {err:.3e}", what("d_logits"));
+                    assert!(err <= 1e-4, "{}: {err:.3e}", what("d_logits"));
+                    println!("{}: ok", what("all"));
                     // A row alone gives the bits it gives in the batch (batch invariance).
                     let r = rows - 1;
                     let one = tensor(&[1, vocab], &logits[r * vocab..], DType::F32, &device);
