@@ -3,7 +3,8 @@
 //
 // Same maths as miles-tensor's cpu::{swiglu_*, rope_*, embedding_*}; values are f32 or bf16 (T),
 // all arithmetic f32. Each output element is computed by one thread from its own inputs only, so
-// results do not depend on the launch shape or the batch. Names: <op>_{f32,bf16}.
+// results do not depend on the launch shape or the batch. Names: <op>_{f32,bf16}, and for the
+// streaming ops (swiglu, add) <op>_{f32,bf16}_v{1,4}: 4 elements per vector load when n % 4 == 0.
 #include "common.cuh"
 
 namespace {
@@ -26,23 +27,39 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < (n); \
          i += static_cast<size_t>(gridDim.x) * blockDim.x)
 
-// h = silu(gate) · up.
-template <typename T>
+// h = silu(gate) · up. VEC elements per step (VEC = 4 needs n % 4 == 0: aligned vector loads).
+template <typename T, int VEC>
 __device__ void swiglu_forward(T* h, const T* gate, const T* up, long long n) {
-    GRID_STRIDE(i, static_cast<size_t>(n)) {
-        const float g = get(gate, i);
-        put(h, i, g * sigmoid(g) * get(up, i));
+    GRID_STRIDE(v, static_cast<size_t>(n) / VEC) {
+        const size_t i = v * VEC;
+        float g[VEC], u[VEC], out[VEC];
+        miles::load<VEC>(gate + i, g);
+        miles::load<VEC>(up + i, u);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            out[j] = g[j] * sigmoid(g[j]) * u[j];
+        }
+        miles::store<VEC>(h + i, out);
     }
 }
 
-template <typename T>
+template <typename T, int VEC>
 __device__ void swiglu_backward(T* d_gate, T* d_up, const T* dh, const T* gate, const T* up,
                                 long long n) {
-    GRID_STRIDE(i, static_cast<size_t>(n)) {
-        const float g = get(gate, i), u = get(up, i), d = get(dh, i);
-        const float s = sigmoid(g);
-        put(d_up, i, d * g * s);
-        put(d_gate, i, d * u * s * (1.0f + g * (1.0f - s)));
+    GRID_STRIDE(v, static_cast<size_t>(n) / VEC) {
+        const size_t i = v * VEC;
+        float g[VEC], u[VEC], d[VEC], dg[VEC], du[VEC];
+        miles::load<VEC>(gate + i, g);
+        miles::load<VEC>(up + i, u);
+        miles::load<VEC>(dh + i, d);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            const float s = sigmoid(g[j]);
+            du[j] = d[j] * g[j] * s;
+            dg[j] = d[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
+        }
+        miles::store<VEC>(d_up + i, du);
+        miles::store<VEC>(d_gate + i, dg);
     }
 }
 
@@ -64,9 +81,19 @@ __device__ void rope(T* y, const T* x, const float* cos, const float* sin, long 
     }
 }
 
-template <typename T>
+template <typename T, int VEC>
 __device__ void add(T* out, const T* a, const T* b, long long n) {
-    GRID_STRIDE(i, static_cast<size_t>(n)) { put(out, i, get(a, i) + get(b, i)); }
+    GRID_STRIDE(v, static_cast<size_t>(n) / VEC) {
+        const size_t i = v * VEC;
+        float x[VEC], y[VEC];
+        miles::load<VEC>(a + i, x);
+        miles::load<VEC>(b + i, y);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            x[j] += y[j];
+        }
+        miles::store<VEC>(out + i, x);
+    }
 }
 
 // out[t] = table[ids[t]]: block t copies one row (ids checked on the host).
@@ -98,23 +125,31 @@ __device__ void embedding_backward(float* d_table, const T* d_out, const int* un
 
 }  // namespace
 
+// The vectorized element-wise kernels, VEC 1 (any n) and 4 (n % 4 == 0).
+#define VECTORIZED(T, SUFFIX, VEC)                                                             \
+    extern "C" __global__ void swiglu_forward_##SUFFIX##_v##VEC(T* h, const T* gate,           \
+                                                                const T* up, long long n) {    \
+        swiglu_forward<T, VEC>(h, gate, up, n);                                                \
+    }                                                                                          \
+    extern "C" __global__ void swiglu_backward_##SUFFIX##_v##VEC(                              \
+        T* d_gate, T* d_up, const T* dh, const T* gate, const T* up, long long n) {            \
+        swiglu_backward<T, VEC>(d_gate, d_up, dh, gate, up, n);                                \
+    }                                                                                          \
+    extern "C" __global__ void add_##SUFFIX##_v##VEC(T* out, const T* a, const T* b,           \
+                                                     long long n) {                            \
+        add<T, VEC>(out, a, b, n);                                                             \
+    }
+
+VECTORIZED(float, f32, 1)
+VECTORIZED(float, f32, 4)
+VECTORIZED(__nv_bfloat16, bf16, 1)
+VECTORIZED(__nv_bfloat16, bf16, 4)
+
 #define BOTH(T, SUFFIX)                                                                        \
-    extern "C" __global__ void swiglu_forward_##SUFFIX(T* h, const T* gate, const T* up,       \
-                                                       long long n) {                          \
-        swiglu_forward(h, gate, up, n);                                                        \
-    }                                                                                          \
-    extern "C" __global__ void swiglu_backward_##SUFFIX(T* d_gate, T* d_up, const T* dh,       \
-                                                        const T* gate, const T* up,            \
-                                                        long long n) {                         \
-        swiglu_backward(d_gate, d_up, dh, gate, up, n);                                        \
-    }                                                                                          \
     extern "C" __global__ void rope_##SUFFIX(T* y, const T* x, const float* cos,               \
                                              const float* sin, long long tokens, int heads,    \
                                              int head_dim, float sign) {                       \
         rope(y, x, cos, sin, tokens, heads, head_dim, sign);                                   \
-    }                                                                                          \
-    extern "C" __global__ void add_##SUFFIX(T* out, const T* a, const T* b, long long n) {     \
-        add(out, a, b, n);                                                                     \
     }                                                                                          \
     extern "C" __global__ void embedding_forward_##SUFFIX(T* out, const T* table,              \
                                                           const int* ids, int hidden) {        \

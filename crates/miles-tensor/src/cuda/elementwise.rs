@@ -16,6 +16,19 @@ fn wrap(gpu: &Arc<Gpu>, data: DeviceData) -> Buffer {
     Buffer { gpu: gpu.clone(), data }
 }
 
+/// The streaming kernels load 4 elements at a time when `n` allows it (the same arithmetic per
+/// element either way); the launch covers `n / 4` vector steps then.
+fn streaming(
+    n: usize,
+    f32_name: [&'static str; 2],
+    bf16_name: [&'static str; 2],
+    f32: bool,
+) -> (&'static str, LaunchConfig) {
+    let v4 = n.is_multiple_of(4);
+    let names = if f32 { f32_name } else { bf16_name };
+    (names[usize::from(v4)], elementwise_launch(if v4 { n / 4 } else { n }))
+}
+
 /// `h = silu(gate)·up` over `n` elements.
 pub(crate) fn swiglu_forward(
     gpu: &Arc<Gpu>,
@@ -23,20 +36,25 @@ pub(crate) fn swiglu_forward(
     up: &DeviceData,
     n: usize,
 ) -> Result<Buffer> {
-    let cfg = elementwise_launch(n);
     let n_i = n as i64;
+    let names = (
+        ["swiglu_forward_f32_v1", "swiglu_forward_f32_v4"],
+        ["swiglu_forward_bf16_v1", "swiglu_forward_bf16_v4"],
+    );
     let data = match (gate, up) {
         (DeviceData::F32(g), DeviceData::F32(u)) => {
             let mut h = gpu.alloc::<f32>(n)?;
             if n > 0 {
-                launch!(gpu, "elementwise", "swiglu_forward_f32", cfg, &mut h, g, u, &n_i)?;
+                let (k, cfg) = streaming(n, names.0, names.1, true);
+                launch!(gpu, "elementwise", k, cfg, &mut h, g, u, &n_i)?;
             }
             DeviceData::F32(h)
         }
         (DeviceData::BF16(g), DeviceData::BF16(u)) => {
             let mut h = gpu.alloc::<u16>(n)?;
             if n > 0 {
-                launch!(gpu, "elementwise", "swiglu_forward_bf16", cfg, &mut h, g, u, &n_i)?;
+                let (k, cfg) = streaming(n, names.0, names.1, false);
+                launch!(gpu, "elementwise", k, cfg, &mut h, g, u, &n_i)?;
             }
             DeviceData::BF16(h)
         }
@@ -53,13 +71,16 @@ pub(crate) fn swiglu_backward(
     up: &DeviceData,
     n: usize,
 ) -> Result<(Buffer, Buffer)> {
-    let cfg = elementwise_launch(n);
     let n_i = n as i64;
+    let names = (
+        ["swiglu_backward_f32_v1", "swiglu_backward_f32_v4"],
+        ["swiglu_backward_bf16_v1", "swiglu_backward_bf16_v4"],
+    );
     let (dg, du) = match (dh, gate, up) {
         (DeviceData::F32(d), DeviceData::F32(g), DeviceData::F32(u)) => {
             let (mut dg, mut du) = (gpu.alloc::<f32>(n)?, gpu.alloc::<f32>(n)?);
             if n > 0 {
-                let k = "swiglu_backward_f32";
+                let (k, cfg) = streaming(n, names.0, names.1, true);
                 launch!(gpu, "elementwise", k, cfg, &mut dg, &mut du, d, g, u, &n_i)?;
             }
             (DeviceData::F32(dg), DeviceData::F32(du))
@@ -67,7 +88,7 @@ pub(crate) fn swiglu_backward(
         (DeviceData::BF16(d), DeviceData::BF16(g), DeviceData::BF16(u)) => {
             let (mut dg, mut du) = (gpu.alloc::<u16>(n)?, gpu.alloc::<u16>(n)?);
             if n > 0 {
-                let k = "swiglu_backward_bf16";
+                let (k, cfg) = streaming(n, names.0, names.1, false);
                 launch!(gpu, "elementwise", k, cfg, &mut dg, &mut du, d, g, u, &n_i)?;
             }
             (DeviceData::BF16(dg), DeviceData::BF16(du))
@@ -118,20 +139,22 @@ pub(crate) fn rope(
 
 /// `a + b` over `n` elements.
 pub(crate) fn add(gpu: &Arc<Gpu>, a: &DeviceData, b: &DeviceData, n: usize) -> Result<Buffer> {
-    let cfg = elementwise_launch(n);
     let n_i = n as i64;
+    let names = (["add_f32_v1", "add_f32_v4"], ["add_bf16_v1", "add_bf16_v4"]);
     let data = match (a, b) {
         (DeviceData::F32(a), DeviceData::F32(b)) => {
             let mut out = gpu.alloc::<f32>(n)?;
             if n > 0 {
-                launch!(gpu, "elementwise", "add_f32", cfg, &mut out, a, b, &n_i)?;
+                let (k, cfg) = streaming(n, names.0, names.1, true);
+                launch!(gpu, "elementwise", k, cfg, &mut out, a, b, &n_i)?;
             }
             DeviceData::F32(out)
         }
         (DeviceData::BF16(a), DeviceData::BF16(b)) => {
             let mut out = gpu.alloc::<u16>(n)?;
             if n > 0 {
-                launch!(gpu, "elementwise", "add_bf16", cfg, &mut out, a, b, &n_i)?;
+                let (k, cfg) = streaming(n, names.0, names.1, false);
+                launch!(gpu, "elementwise", k, cfg, &mut out, a, b, &n_i)?;
             }
             DeviceData::BF16(out)
         }

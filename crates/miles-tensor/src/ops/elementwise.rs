@@ -275,6 +275,7 @@ mod tests {
     fn swiglu_matches_the_cpu_reference_on_every_device() {
         let mut rng = Rng::new(41);
         for device in devices() {
+            // 1000 takes the 4-wide kernels, the others the scalar ones.
             for &n in &[1usize, 7, 1000, 3 * 4864 + 5] {
                 let (gate, up, dh) = (rng.vec(n, 4.0), rng.vec(n, 1.0), rng.vec(n, 1.0));
                 for dtype in dtypes() {
@@ -331,19 +332,26 @@ mod tests {
     fn add_matches_the_cpu_reference_on_every_device() {
         let mut rng = Rng::new(43);
         for device in devices() {
-            let (a, b) = (rng.vec(4097, 1.0), rng.vec(4097, 1.0));
-            for dtype in dtypes() {
-                let want: Vec<f32> =
-                    rounded(&a, dtype).iter().zip(rounded(&b, dtype)).map(|(x, y)| x + y).collect();
-                let c = add(
-                    &tensor(&[17, 241], &a, dtype, &device),
-                    &tensor(&[17, 241], &b, dtype, &device),
-                )
-                .unwrap();
-                assert_eq!(c.shape(), [17, 241]);
-                // f32: the same single rounding on both devices.
-                let got = c.to_vec_f32().unwrap();
-                assert_eq!(got, round_out(&want, dtype), "{device} {dtype} add");
+            // 17×241 takes the scalar kernel, 16×256 the 4-wide one.
+            for shape in [[17, 241], [16, 256]] {
+                let n = shape[0] * shape[1];
+                let (a, b) = (rng.vec(n, 1.0), rng.vec(n, 1.0));
+                for dtype in dtypes() {
+                    let want: Vec<f32> = rounded(&a, dtype)
+                        .iter()
+                        .zip(rounded(&b, dtype))
+                        .map(|(x, y)| x + y)
+                        .collect();
+                    let c = add(
+                        &tensor(&shape, &a, dtype, &device),
+                        &tensor(&shape, &b, dtype, &device),
+                    )
+                    .unwrap();
+                    assert_eq!(c.shape(), shape);
+                    // The same single rounding on both devices: the same bits.
+                    let got = c.to_vec_f32().unwrap();
+                    assert_eq!(got, round_out(&want, dtype), "{device} {dtype} add {shape:?}");
+                }
             }
         }
     }
