@@ -4,7 +4,8 @@
 // Same maths as miles-tensor's cpu::{swiglu_*, rope_*, embedding_*}; values are f32 or bf16 (T),
 // all arithmetic f32. Each output element is computed by one thread from its own inputs only, so
 // results do not depend on the launch shape or the batch. Names: <op>_{f32,bf16}, and for the
-// streaming ops (swiglu, add) <op>_{f32,bf16}_v{1,4}: 4 elements per vector load when n % 4 == 0.
+// streaming ops (swiglu, add, rope, embedding_forward) <op>_{f32,bf16}_v{1,4}: 4 elements per
+// vector load when the sizes allow.
 #include "common.cuh"
 
 namespace {
@@ -64,20 +65,31 @@ __device__ void swiglu_backward(T* d_gate, T* d_up, const T* dh, const T* gate, 
 }
 
 // Rotate-half RoPE of x [tokens × heads × head_dim] with cos/sin [tokens × head_dim/2]:
-// (a, b) → (a·c − b·s, b·c + a·s), s negated for the backward (sign = −1).
-template <typename T>
+// (a, b) → (a·c − b·s, b·c + a·s), s negated for the backward (sign = −1). VEC consecutive
+// pairs per step (VEC = 4 needs head_dim/2 % 4 == 0).
+template <typename T, int VEC>
 __device__ void rope(T* y, const T* x, const float* cos, const float* sin, long long tokens,
                      int heads, int head_dim, float sign) {
     const int half = head_dim / 2;
     const size_t pairs = static_cast<size_t>(tokens) * heads * half;
-    GRID_STRIDE(p, pairs) {
+    GRID_STRIDE(v, pairs / VEC) {
+        const size_t p = v * VEC;
         const size_t token = p / (static_cast<size_t>(heads) * half);
         const int j = static_cast<int>(p % half);
         const size_t base = (p / half) * head_dim;  // (token, head) row start
-        const float c = cos[token * half + j], s = sign * sin[token * half + j];
-        const float a = get(x, base + j), b = get(x, base + j + half);
-        put(y, base + j, a * c - b * s);
-        put(y, base + j + half, b * c + a * s);
+        float c[VEC], s[VEC], a[VEC], b[VEC], ya[VEC], yb[VEC];
+        miles::load<VEC>(cos + token * half + j, c);
+        miles::load<VEC>(sin + token * half + j, s);
+        miles::load<VEC>(x + base + j, a);
+        miles::load<VEC>(x + base + j + half, b);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+            const float sk = sign * s[k];
+            ya[k] = a[k] * c[k] - b[k] * sk;
+            yb[k] = b[k] * c[k] + a[k] * sk;
+        }
+        miles::store<VEC>(y + base + j, ya);
+        miles::store<VEC>(y + base + j + half, yb);
     }
 }
 
@@ -96,13 +108,16 @@ __device__ void add(T* out, const T* a, const T* b, long long n) {
     }
 }
 
-// out[t] = table[ids[t]]: block t copies one row (ids checked on the host).
-template <typename T>
+// out[t] = table[ids[t]]: block t copies one row (ids checked on the host), VEC elements at a
+// time (VEC = 4 needs hidden % 4 == 0; bf16 → f32 → bf16 is exact, so it is a copy).
+template <typename T, int VEC>
 __device__ void embedding_forward(T* out, const T* table, const int* ids, int hidden) {
     const size_t t = blockIdx.x;
     const size_t row = static_cast<size_t>(ids[t]) * hidden;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        out[t * hidden + i] = table[row + i];
+    for (int i = threadIdx.x * VEC; i < hidden; i += blockDim.x * VEC) {
+        float v[VEC];
+        miles::load<VEC>(table + row + i, v);
+        miles::store<VEC>(out + t * hidden + i, v);
     }
 }
 
@@ -138,6 +153,15 @@ __device__ void embedding_backward(float* d_table, const T* d_out, const int* un
     extern "C" __global__ void add_##SUFFIX##_v##VEC(T* out, const T* a, const T* b,           \
                                                      long long n) {                            \
         add<T, VEC>(out, a, b, n);                                                             \
+    }                                                                                          \
+    extern "C" __global__ void rope_##SUFFIX##_v##VEC(T* y, const T* x, const float* cos,      \
+                                                      const float* sin, long long tokens,      \
+                                                      int heads, int head_dim, float sign) {   \
+        rope<T, VEC>(y, x, cos, sin, tokens, heads, head_dim, sign);                           \
+    }                                                                                          \
+    extern "C" __global__ void embedding_forward_##SUFFIX##_v##VEC(                            \
+        T* out, const T* table, const int* ids, int hidden) {                                  \
+        embedding_forward<T, VEC>(out, table, ids, hidden);                                    \
     }
 
 VECTORIZED(float, f32, 1)
@@ -146,15 +170,6 @@ VECTORIZED(__nv_bfloat16, bf16, 1)
 VECTORIZED(__nv_bfloat16, bf16, 4)
 
 #define BOTH(T, SUFFIX)                                                                        \
-    extern "C" __global__ void rope_##SUFFIX(T* y, const T* x, const float* cos,               \
-                                             const float* sin, long long tokens, int heads,    \
-                                             int head_dim, float sign) {                       \
-        rope(y, x, cos, sin, tokens, heads, head_dim, sign);                                   \
-    }                                                                                          \
-    extern "C" __global__ void embedding_forward_##SUFFIX(T* out, const T* table,              \
-                                                          const int* ids, int hidden) {        \
-        embedding_forward(out, table, ids, hidden);                                            \
-    }                                                                                          \
     extern "C" __global__ void embedding_backward_##SUFFIX(                                    \
         float* d_table, const T* d_out, const int* uniq, const int* offsets,                   \
         const int* positions, int hidden) {                                                    \

@@ -115,20 +115,48 @@ pub(crate) fn rope(
         return Err(Error::DType { op: "rope", message: "cos and sin must be f32".into() });
     };
     let n = tokens * heads * head_dim;
-    let cfg = elementwise_launch(n / 2);
     let (t, h, d) = (tokens as i64, heads as i32, head_dim as i32);
+    // 4 pairs per step when a head's half is a multiple of 4.
+    let v4 = (head_dim / 2).is_multiple_of(4);
+    let cfg = elementwise_launch(if v4 { n / 8 } else { n / 2 });
     let data = match x {
         DeviceData::F32(x) => {
             let mut y = gpu.alloc::<f32>(n)?;
             if n > 0 {
-                launch!(gpu, "elementwise", "rope_f32", cfg, &mut y, x, c, s, &t, &h, &d, &sign)?;
+                launch!(
+                    gpu,
+                    "elementwise",
+                    if v4 { "rope_f32_v4" } else { "rope_f32_v1" },
+                    cfg,
+                    &mut y,
+                    x,
+                    c,
+                    s,
+                    &t,
+                    &h,
+                    &d,
+                    &sign
+                )?;
             }
             DeviceData::F32(y)
         }
         DeviceData::BF16(x) => {
             let mut y = gpu.alloc::<u16>(n)?;
             if n > 0 {
-                launch!(gpu, "elementwise", "rope_bf16", cfg, &mut y, x, c, s, &t, &h, &d, &sign)?;
+                launch!(
+                    gpu,
+                    "elementwise",
+                    if v4 { "rope_bf16_v4" } else { "rope_bf16_v1" },
+                    cfg,
+                    &mut y,
+                    x,
+                    c,
+                    s,
+                    &t,
+                    &h,
+                    &d,
+                    &sign
+                )?;
             }
             DeviceData::BF16(y)
         }
@@ -182,7 +210,9 @@ pub(crate) fn embedding_forward(
 ) -> Result<Buffer> {
     let rows = ids.len();
     let hidden_i = hidden as i32;
-    let cfg = row_block(rows, hidden);
+    // Rows copied 4 elements at a time when hidden allows; the block covers hidden / 4 then.
+    let v4 = hidden.is_multiple_of(4);
+    let cfg = row_block(rows, if v4 { hidden / 4 } else { hidden });
     let ids_d = if rows > 0 { Some(upload(gpu, ids)?) } else { None };
     let data = match table {
         DeviceData::F32(t) => {
@@ -191,7 +221,7 @@ pub(crate) fn embedding_forward(
                 launch!(
                     gpu,
                     "elementwise",
-                    "embedding_forward_f32",
+                    if v4 { "embedding_forward_f32_v4" } else { "embedding_forward_f32_v1" },
                     cfg,
                     &mut out,
                     t,
@@ -207,7 +237,7 @@ pub(crate) fn embedding_forward(
                 launch!(
                     gpu,
                     "elementwise",
-                    "embedding_forward_bf16",
+                    if v4 { "embedding_forward_bf16_v4" } else { "embedding_forward_bf16_v1" },
                     cfg,
                     &mut out,
                     t,
