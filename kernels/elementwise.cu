@@ -169,11 +169,25 @@ VECTORIZED(float, f32, 4)
 VECTORIZED(__nv_bfloat16, bf16, 1)
 VECTORIZED(__nv_bfloat16, bf16, 4)
 
+// dst[rows[i]] = src[i], one block per source row (the rows are distinct: no races).
+template <typename T>
+__device__ void scatter_rows(T* dst, const T* src, const int* rows, int hidden) {
+    const size_t i = blockIdx.x;
+    const size_t row = static_cast<size_t>(rows[i]) * hidden;
+    for (int x = threadIdx.x; x < hidden; x += blockDim.x) {
+        dst[row + x] = src[i * hidden + x];
+    }
+}
+
 #define BOTH(T, SUFFIX)                                                                        \
     extern "C" __global__ void embedding_backward_##SUFFIX(                                    \
         float* d_table, const T* d_out, const int* uniq, const int* offsets,                   \
         const int* positions, int hidden) {                                                    \
         embedding_backward(d_table, d_out, uniq, offsets, positions, hidden);                  \
+    }                                                                                          \
+    extern "C" __global__ void scatter_rows_##SUFFIX(T* dst, const T* src, const int* rows,   \
+                                                     int hidden) {                             \
+        scatter_rows(dst, src, rows, hidden);                                                  \
     }
 
 BOTH(float, f32)

@@ -156,6 +156,35 @@ impl Tensor {
         place(shape.to_vec(), Storage::I32(data), device)
     }
 
+    /// `shape`'s product zeros of `dtype` on `device`.
+    pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        let len: usize = shape.iter().product();
+        match *device {
+            Device::Cpu => {
+                let storage = match dtype {
+                    DType::F32 => Storage::F32(vec![0.0; len]),
+                    DType::BF16 => Storage::BF16(vec![bf16::ZERO; len]),
+                    DType::I32 => Storage::I32(vec![0; len]),
+                };
+                Ok(Tensor { shape: shape.to_vec(), storage })
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                let gpu = crate::cuda::gpu(ordinal)?;
+                let buffer = crate::cuda::Buffer::zeros(&gpu, dtype, len)?;
+                Ok(Tensor { shape: shape.to_vec(), storage: Storage::Cuda(buffer) })
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(not_built()),
+        }
+    }
+
+    /// The same elements seen with another shape of as many elements (no copy).
+    pub fn reshape(self, shape: &[usize]) -> Result<Tensor> {
+        check_len(shape, self.len())?;
+        Ok(Tensor { shape: shape.to_vec(), storage: self.storage })
+    }
+
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }

@@ -22,7 +22,7 @@ use crate::{Result, ensure};
 /// Keys per block: the width of the transposed tiles and the paged KV cache's block size.
 pub const KEY_BLOCK: usize = 64;
 /// Query rows per forward / dq tile.
-const QUERY_BLOCK: usize = 64;
+pub(crate) const QUERY_BLOCK: usize = 64;
 
 /// Shapes of one attention call.
 #[derive(Debug, Clone, Copy)]
@@ -33,7 +33,7 @@ pub struct AttentionShape {
 }
 
 impl AttentionShape {
-    fn check(
+    pub(crate) fn check(
         &self,
         op: &'static str,
         tokens: usize,
@@ -117,10 +117,10 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 }
 
 /// (sequence start, sequence end, tile start, tile end).
-type Tile = (usize, usize, usize, usize);
+pub(crate) type Tile = (usize, usize, usize, usize);
 
 /// Tiles of `block` rows over each sequence.
-fn tiles(cu_seqlens: &[usize], block: usize) -> Vec<Tile> {
+pub(crate) fn tiles(cu_seqlens: &[usize], block: usize) -> Vec<Tile> {
     let mut out = Vec::new();
     for w in cu_seqlens.windows(2) {
         let mut s = w[0];

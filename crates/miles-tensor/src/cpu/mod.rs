@@ -1,6 +1,6 @@
 //! CPU reference implementations. Row-major `f32` slices; shapes in the argument names.
 
-mod attention;
+pub(crate) mod attention;
 mod elementwise;
 mod linear;
 mod logprob;

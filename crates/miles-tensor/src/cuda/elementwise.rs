@@ -307,3 +307,27 @@ pub(crate) fn embedding_backward(
     }
     Ok(wrap(gpu, DeviceData::F32(d_table)))
 }
+
+/// `dst[rows[i]] = src[i]` for distinct `rows` (checked on the host), `hidden` wide.
+pub(crate) fn scatter_rows(
+    gpu: &Arc<Gpu>,
+    dst: &mut DeviceData,
+    src: &DeviceData,
+    rows: &[i32],
+    hidden: usize,
+) -> Result<()> {
+    if rows.is_empty() || hidden == 0 {
+        return Ok(());
+    }
+    let cfg = row_block(rows.len(), hidden);
+    let (rows_d, hidden_i) = (upload(gpu, rows)?, hidden as i32);
+    match (dst, src) {
+        (DeviceData::F32(d), DeviceData::F32(s)) => {
+            launch!(gpu, "elementwise", "scatter_rows_f32", cfg, d, s, &rows_d, &hidden_i)
+        }
+        (DeviceData::BF16(d), DeviceData::BF16(s)) => {
+            launch!(gpu, "elementwise", "scatter_rows_bf16", cfg, d, s, &rows_d, &hidden_i)
+        }
+        _ => Err(mismatch("scatter_rows")),
+    }
+}

@@ -14,11 +14,13 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
+pub(crate) use attention::{MAX_HEAD_DIM, attention_backward, attention_forward};
 pub(crate) use elementwise::{
-    IdGroups, add, embedding_backward, embedding_forward, rope, swiglu_backward, swiglu_forward,
+    IdGroups, add, embedding_backward, embedding_forward, rope, scatter_rows, swiglu_backward,
+    swiglu_forward,
 };
 pub(crate) use logprob::{logprob_rows, logprob_rows_backward};
-pub(crate) use ops::{matmul, rmsnorm_backward, rmsnorm_forward};
+pub(crate) use ops::{matmul, matmul_into, rmsnorm_backward, rmsnorm_forward};
 pub(crate) use optim::{adamw, sum_squares};
 
 use crate::tensor::Storage;
@@ -46,6 +48,7 @@ macro_rules! launch {
         }
     }};
 }
+mod attention;
 mod elementwise;
 mod logprob;
 mod ops;
@@ -261,6 +264,18 @@ impl Buffer {
             Storage::Cuda(_) => {
                 return Err(Error::Device("from_host: storage is on a device".into()));
             }
+        };
+        Ok(Buffer { gpu: gpu.clone(), data })
+    }
+
+    /// `len` zeros of `dtype` on `gpu`.
+    pub(crate) fn zeros(gpu: &Arc<Gpu>, dtype: DType, len: usize) -> Result<Buffer> {
+        let stream = gpu.stream();
+        let err = |e| driver_error("alloc_zeros", e);
+        let data = match dtype {
+            DType::F32 => DeviceData::F32(stream.alloc_zeros(len).map_err(err)?),
+            DType::BF16 => DeviceData::BF16(stream.alloc_zeros(len).map_err(err)?),
+            DType::I32 => DeviceData::I32(stream.alloc_zeros(len).map_err(err)?),
         };
         Ok(Buffer { gpu: gpu.clone(), data })
     }

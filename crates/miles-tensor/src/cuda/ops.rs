@@ -35,17 +35,17 @@ pub(crate) fn matmul(
     let data = match (a, b, f32_out) {
         (DeviceData::F32(a), DeviceData::F32(b), _) => {
             let mut c = gpu.alloc::<f32>(m * n)?;
-            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), (f32_t, f32_t))?;
+            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), (f32_t, f32_t), 0.0)?;
             DeviceData::F32(c)
         }
         (DeviceData::BF16(a), DeviceData::BF16(b), false) => {
             let mut c = gpu.alloc::<u16>(m * n)?;
-            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), (bf16_t, bf16_t))?;
+            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), (bf16_t, bf16_t), 0.0)?;
             DeviceData::BF16(c)
         }
         (DeviceData::BF16(a), DeviceData::BF16(b), true) => {
             let mut c = gpu.alloc::<f32>(m * n)?;
-            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), (bf16_t, f32_t))?;
+            gemm(gpu, a, ta, b, tb, &mut c, (mi, ki, ni), (bf16_t, f32_t), 0.0)?;
             DeviceData::F32(c)
         }
         _ => return Err(Error::DType { op: "matmul", message: "operands differ in dtype".into() }),
@@ -53,9 +53,41 @@ pub(crate) fn matmul(
     Ok(Buffer { gpu: gpu.clone(), data })
 }
 
+/// `c += op(a)·op(b)` in place: `c` f32 (any float operands) or bf16 (bf16 operands).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_into(
+    gpu: &Arc<Gpu>,
+    c: &mut DeviceData,
+    a: &DeviceData,
+    ta: Transpose,
+    b: &DeviceData,
+    tb: Transpose,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
+    let dims = (to_i32(m, "m")?, to_i32(k, "k")?, to_i32(n, "n")?);
+    let (f32_t, bf16_t) = (cudaDataType::CUDA_R_32F, cudaDataType::CUDA_R_16BF);
+    match (a, b, c) {
+        (DeviceData::F32(a), DeviceData::F32(b), DeviceData::F32(c)) => {
+            gemm(gpu, a, ta, b, tb, c, dims, (f32_t, f32_t), 1.0)
+        }
+        (DeviceData::BF16(a), DeviceData::BF16(b), DeviceData::F32(c)) => {
+            gemm(gpu, a, ta, b, tb, c, dims, (bf16_t, f32_t), 1.0)
+        }
+        (DeviceData::BF16(a), DeviceData::BF16(b), DeviceData::BF16(c)) => {
+            gemm(gpu, a, ta, b, tb, c, dims, (bf16_t, bf16_t), 1.0)
+        }
+        _ => Err(Error::DType {
+            op: "matmul_acc",
+            message: "operands differ in dtype, or c is bf16 for f32 operands".into(),
+        }),
+    }
+}
+
 /// cuBLAS is column-major: row-major `c = op(a)·op(b)` is column-major `cᵀ = op(b)ᵀ·op(a)ᵀ`, and
 /// a row-major matrix is its column-major transpose, so b goes first and the flags carry over.
-/// `dtype` is (a and b's, c's).
+/// `dtype` is (a and b's, c's); `beta` 0 overwrites c, 1 adds to it.
 #[allow(clippy::too_many_arguments)]
 fn gemm<T: DeviceRepr, C: DeviceRepr>(
     gpu: &Gpu,
@@ -66,13 +98,14 @@ fn gemm<T: DeviceRepr, C: DeviceRepr>(
     c: &mut CudaSlice<C>,
     (m, k, n): (i32, i32, i32),
     (dtype, c_dtype): (cudaDataType, cudaDataType),
+    beta: f32,
 ) -> Result<()> {
     if m == 0 || n == 0 {
         return Ok(());
     }
     let stream = gpu.stream();
     if k == 0 {
-        return stream.memset_zeros_bytes(c);
+        return if beta == 0.0 { stream.memset_zeros_bytes(c) } else { Ok(()) };
     }
     let op = |t| match t {
         Transpose::No => cublasOperation_t::CUBLAS_OP_N,
@@ -84,7 +117,7 @@ fn gemm<T: DeviceRepr, C: DeviceRepr>(
         cudaDataType::CUDA_R_32F => cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
         _ => cublasComputeType_t::CUBLAS_COMPUTE_32F,
     };
-    let (alpha, beta) = (1.0f32, 0.0f32);
+    let alpha = 1.0f32;
     let blas = gpu.blas()?;
     let handle = *blas.handle();
     stream.context().bind_to_thread().map_err(|e| driver_error("bind context", e))?;

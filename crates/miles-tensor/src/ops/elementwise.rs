@@ -3,7 +3,6 @@
 
 use super::{dtype_is, floats_only, host_f32, host_out, host_tensor, same_device};
 use crate::cpu;
-#[cfg(feature = "cuda")]
 use crate::tensor::Storage;
 use crate::{DType, Device, Result, Tensor, ensure};
 
@@ -224,6 +223,61 @@ pub fn embedding_backward(d_out: &Tensor, ids: &[u32], vocab: usize) -> Result<T
     }
 }
 
+/// `out[i] = x[rows[i]]` of a 2-D `x`: the rows the LM head reads.
+pub fn gather_rows(x: &Tensor, rows: &[u32]) -> Result<Tensor> {
+    ensure(
+        x.shape.len() == 2 && rows.iter().all(|&r| (r as usize) < x.shape[0]),
+        "gather_rows",
+        || format!("rows {:?} of x {:?}", rows.iter().max(), x.shape),
+    )?;
+    embedding_forward(x, rows)
+}
+
+/// `dst[rows[i]] = src[i]` for distinct `rows`; `dst` `[n × width]`, `src` `[rows × width]`,
+/// one dtype.
+pub fn scatter_rows(dst: &mut Tensor, src: &Tensor, rows: &[u32]) -> Result<()> {
+    const OP: &str = "scatter_rows";
+    same_device(OP, &[dst, src])?;
+    floats_only(OP, &[dst, src])?;
+    dtype_is(OP, "src", src, dst.dtype())?;
+    let ok = dst.shape.len() == 2
+        && src.shape.len() == 2
+        && src.shape[0] == rows.len()
+        && src.shape[1] == dst.shape[1]
+        && rows.iter().all(|&r| (r as usize) < dst.shape[0]);
+    ensure(ok, OP, || {
+        format!("src {:?} into dst {:?} at {} rows", src.shape, dst.shape, rows.len())
+    })?;
+    let mut seen = vec![false; dst.shape[0]];
+    ensure(rows.iter().all(|&r| !std::mem::replace(&mut seen[r as usize], true)), OP, || {
+        "rows repeat".into()
+    })?;
+    let width = dst.shape[1];
+    match &mut dst.storage {
+        Storage::F32(d) => {
+            let s = host_f32(src);
+            for (i, &r) in rows.iter().enumerate() {
+                d[r as usize * width..][..width].copy_from_slice(&s[i * width..][..width]);
+            }
+            Ok(())
+        }
+        Storage::BF16(d) => {
+            let Storage::BF16(s) = &src.storage else { unreachable!("src is bf16 (checked)") };
+            for (i, &r) in rows.iter().enumerate() {
+                d[r as usize * width..][..width].copy_from_slice(&s[i * width..][..width]);
+            }
+            Ok(())
+        }
+        Storage::I32(_) => unreachable!("floats_only"),
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(buffer) => {
+            let rows: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+            let gpu = buffer.gpu.clone();
+            crate::cuda::scatter_rows(&gpu, &mut buffer.data, device_data(src), &rows, width)
+        }
+    }
+}
+
 /// Each distinct id with the positions holding it, in token order (a stable sort by id).
 #[cfg(feature = "cuda")]
 fn id_groups(ids: &[u32]) -> crate::cuda::IdGroups {
@@ -389,6 +443,51 @@ mod tests {
             let d = tensor(&[2, 2], &[0.0; 4], DType::F32, &device);
             assert!(embedding_backward(&d, &[1, 9], 4).is_err());
             assert!(embedding_backward(&d, &[1], 4).is_err());
+        }
+    }
+
+    #[test]
+    fn rows_gather_and_scatter_on_every_device() {
+        let mut rng = Rng::new(45);
+        for device in devices() {
+            for dtype in dtypes() {
+                let x = rng.vec(9 * 5, 1.0);
+                let xt = tensor(&[9, 5], &x, dtype, &device);
+                let rows = [7u32, 0, 3];
+                let g = gather_rows(&xt, &rows).unwrap();
+                let want: Vec<f32> =
+                    rows.iter().flat_map(|&r| x[r as usize * 5..][..5].to_vec()).collect();
+                assert_eq!(
+                    g.to_vec_f32().unwrap(),
+                    round_out(&want, dtype),
+                    "{device} {dtype} gather"
+                );
+                let mut back = Tensor::zeros(&[9, 5], dtype, &device).unwrap();
+                scatter_rows(&mut back, &g, &rows).unwrap();
+                let got = back.to_vec_f32().unwrap();
+                for r in 0..9 {
+                    let row = &got[r * 5..][..5];
+                    if rows.contains(&(r as u32)) {
+                        assert_eq!(
+                            row,
+                            &round_out(&x[r * 5..][..5], dtype)[..],
+                            "{device} {dtype} row {r}"
+                        );
+                    } else {
+                        assert!(
+                            row.iter().all(|&v| v == 0.0),
+                            "{device} {dtype} row {r} untouched"
+                        );
+                    }
+                }
+                assert!(
+                    scatter_rows(&mut back, &g, &[1, 1, 2])
+                        .unwrap_err()
+                        .to_string()
+                        .contains("repeat")
+                );
+                assert!(gather_rows(&xt, &[9]).is_err());
+            }
         }
     }
 

@@ -8,12 +8,15 @@ use crate::cpu::{self, Transpose};
 use crate::tensor::Storage;
 use crate::{DType, Device, Error, Result, Tensor, ensure};
 
+mod attention;
 mod elementwise;
 mod logprob;
 mod optim;
 
+pub use attention::{attention_backward, attention_forward};
 pub use elementwise::{
-    add, embedding_backward, embedding_forward, rope, swiglu_backward, swiglu_forward,
+    add, embedding_backward, embedding_forward, gather_rows, rope, scatter_rows, swiglu_backward,
+    swiglu_forward,
 };
 pub use logprob::{logprob_rows, logprob_rows_backward};
 pub use optim::{adamw_step, sum_squares};
@@ -94,14 +97,57 @@ pub fn matmul_f32_out(a: &Tensor, ta: Transpose, b: &Tensor, tb: Transpose) -> R
     matmul_to(a, ta, b, tb, true)
 }
 
-fn matmul_to(
+/// `c += op(a)·op(b)` in place, `c` `[m×n]`: f32 for any float operands (weight gradients of
+/// bf16 activations accumulate in f32), or the operands' dtype.
+pub fn matmul_acc(
+    c: &mut Tensor,
     a: &Tensor,
     ta: Transpose,
     b: &Tensor,
     tb: Transpose,
-    f32_out: bool,
-) -> Result<Tensor> {
-    let device = same_device("matmul", &[a, b])?;
+) -> Result<()> {
+    let device = same_device("matmul_acc", &[c, a, b])?;
+    let (m, k, n) = matmul_dims(a, ta, b, tb)?;
+    ensure(
+        c.shape == [m, n] && (c.dtype() == DType::F32 || c.dtype() == a.dtype()),
+        "matmul_acc",
+        || format!("c {:?} {} for a {} product [{m}×{n}]", c.shape, c.dtype(), a.dtype()),
+    )?;
+    match device {
+        Device::Cpu => {
+            let mut acc = host_f32(c).into_owned();
+            cpu::matmul(&mut acc, &host_f32(a), ta, &host_f32(b), tb, m, k, n, true)?;
+            *c = host_tensor(vec![m, n], acc, c.dtype());
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let Storage::Cuda(buffer) = &mut c.storage else { unreachable!("c is on a device") };
+            let gpu = buffer.gpu.clone();
+            crate::cuda::matmul_into(
+                &gpu,
+                &mut buffer.data,
+                device_data(a),
+                ta,
+                device_data(b),
+                tb,
+                m,
+                k,
+                n,
+            )
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// `(m, k, n)` of `op(a)·op(b)` for 2-D float operands of one dtype.
+fn matmul_dims(
+    a: &Tensor,
+    ta: Transpose,
+    b: &Tensor,
+    tb: Transpose,
+) -> Result<(usize, usize, usize)> {
     floats_only("matmul", &[a, b])?;
     ensure(a.shape.len() == 2 && b.shape.len() == 2, "matmul", || {
         format!("operands must be 2-D, are {:?} and {:?}", a.shape, b.shape)
@@ -123,6 +169,18 @@ fn matmul_to(
             message: format!("a is {}, b is {}", a.dtype(), b.dtype()),
         });
     }
+    Ok((m, k, n))
+}
+
+fn matmul_to(
+    a: &Tensor,
+    ta: Transpose,
+    b: &Tensor,
+    tb: Transpose,
+    f32_out: bool,
+) -> Result<Tensor> {
+    let device = same_device("matmul", &[a, b])?;
+    let (m, k, n) = matmul_dims(a, ta, b, tb)?;
     match device {
         Device::Cpu => {
             let mut c = host_out(m * n);
@@ -293,6 +351,29 @@ mod tests {
             .and_then(|t| t.to_dtype(dtype))
             .and_then(|t| t.to_device(device))
             .unwrap()
+    }
+
+    #[test]
+    fn matmul_acc_adds_the_product_on_every_device() {
+        let mut rng = Rng::new(24);
+        for device in devices() {
+            for dtype in [DType::F32, DType::BF16] {
+                let (m, k, n) = (33, 70, 17);
+                let (a, b, c0) = (rng.vec(k * m, 1.0), rng.vec(k * n, 1.0), rng.vec(m * n, 1.0));
+                let (ar, br) = (round_out(&a, dtype), round_out(&b, dtype));
+                let mut want = c0.clone();
+                cpu::matmul(&mut want, &ar, Transpose::Yes, &br, Transpose::No, m, k, n, true)
+                    .unwrap();
+                let mut c = tensor(&[m, n], &c0, DType::F32, &device);
+                let (at, bt) =
+                    (tensor(&[k, m], &a, dtype, &device), tensor(&[k, n], &b, dtype, &device));
+                matmul_acc(&mut c, &at, Transpose::Yes, &bt, Transpose::No).unwrap();
+                let err = max_rel_err("matmul_acc", &c.to_vec_f32().unwrap(), &want);
+                assert!(err < 1e-5, "{device} {dtype} matmul_acc: {err:.3e}");
+                let mut wrong = tensor(&[n, m], &c0, DType::F32, &device);
+                assert!(matmul_acc(&mut wrong, &at, Transpose::Yes, &bt, Transpose::No).is_err());
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,236 @@
+//! Varlen causal GQA attention of `kernels/attention.cu`: the forward (output and log-sum-exp)
+//! and the backward (dq, dk, dv). Shapes were checked by [`crate::ops`].
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaSlice, LaunchConfig};
+
+use super::{Buffer, DeviceData, Gpu, driver_error};
+use crate::cpu::AttentionShape;
+use crate::cpu::attention::{QUERY_BLOCK, tiles};
+use crate::{Error, Result};
+
+/// Threads per block of the tile kernels (8 warps), and the kernels' own constants.
+const THREADS: u32 = 256;
+const KEY_BLOCK: usize = crate::cpu::KEY_BLOCK;
+const WARPS: usize = 8;
+const PAIRS: usize = 16;
+/// The kernels keep up to 4 dimensions per lane.
+pub(crate) const MAX_HEAD_DIM: usize = 128;
+
+/// `[sequence start, sequence end, tile start]` per tile of `block` rows, on the device.
+fn tile_table(gpu: &Gpu, cu_seqlens: &[usize], block: usize) -> Result<(CudaSlice<i32>, u32)> {
+    let list = tiles(cu_seqlens, block);
+    let flat: Vec<i32> =
+        list.iter().flat_map(|&(a, b, s, _)| [a as i32, b as i32, s as i32]).collect();
+    let table = gpu.stream().clone_htod(&flat).map_err(|e| driver_error("copy to device", e))?;
+    Ok((table, list.len() as u32))
+}
+
+/// The launch shape over `(tiles, heads)` with `floats` of dynamic shared memory, raising the
+/// kernel's shared-memory limit when it needs more than the default 48 KiB.
+fn tile_launch(
+    gpu: &Gpu,
+    module_kernel: &'static str,
+    tiles: u32,
+    heads: usize,
+    floats: usize,
+) -> Result<LaunchConfig> {
+    let bytes = (floats * 4) as u32;
+    let f = gpu.function("attention", module_kernel)?;
+    f.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        bytes as i32,
+    )
+    .map_err(|e| driver_error(module_kernel, e))?;
+    Ok(LaunchConfig {
+        grid_dim: (tiles, heads as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: bytes,
+    })
+}
+
+fn mismatch(op: &'static str) -> Error {
+    Error::DType { op, message: "q, k, v (and d_out) must share a dtype, f32 or bf16".into() }
+}
+
+fn pick(f32: bool, names: [&'static str; 2]) -> &'static str {
+    names[usize::from(!f32)]
+}
+
+/// `(out, lse)`: out like q, lse `[tokens × q_heads]` f32.
+pub(crate) fn attention_forward(
+    gpu: &Arc<Gpu>,
+    q: &DeviceData,
+    k: &DeviceData,
+    v: &DeviceData,
+    cu_seqlens: &[usize],
+    shape: AttentionShape,
+) -> Result<(Buffer, Buffer)> {
+    let AttentionShape { q_heads, kv_heads, head_dim: d } = shape;
+    let tokens = *cu_seqlens.last().unwrap_or(&0);
+    let mut lse = gpu.alloc::<f32>(tokens * q_heads)?;
+    let (table, n) = tile_table(gpu, cu_seqlens, QUERY_BLOCK)?;
+    let floats = KEY_BLOCK * (d + 1) + KEY_BLOCK * d + WARPS * d;
+    let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, 1.0 / (d as f32).sqrt());
+    let names = ["attention_forward_f32", "attention_forward_bf16"];
+    let out = match (q, k, v) {
+        (DeviceData::F32(q), DeviceData::F32(k), DeviceData::F32(v)) => {
+            let mut out = gpu.alloc::<f32>(q.len())?;
+            if n > 0 {
+                let name = pick(true, names);
+                let cfg = tile_launch(gpu, name, n, q_heads, floats)?;
+                launch!(
+                    gpu,
+                    "attention",
+                    name,
+                    cfg,
+                    &mut out,
+                    &mut lse,
+                    q,
+                    k,
+                    v,
+                    &table,
+                    &qh,
+                    &kvh,
+                    &di,
+                    &scale
+                )?;
+            }
+            DeviceData::F32(out)
+        }
+        (DeviceData::BF16(q), DeviceData::BF16(k), DeviceData::BF16(v)) => {
+            let mut out = gpu.alloc::<u16>(q.len())?;
+            if n > 0 {
+                let name = pick(false, names);
+                let cfg = tile_launch(gpu, name, n, q_heads, floats)?;
+                launch!(
+                    gpu,
+                    "attention",
+                    name,
+                    cfg,
+                    &mut out,
+                    &mut lse,
+                    q,
+                    k,
+                    v,
+                    &table,
+                    &qh,
+                    &kvh,
+                    &di,
+                    &scale
+                )?;
+            }
+            DeviceData::BF16(out)
+        }
+        _ => return Err(mismatch("attention")),
+    };
+    let wrap = |data| Buffer { gpu: gpu.clone(), data };
+    Ok((wrap(out), wrap(DeviceData::F32(lse))))
+}
+
+/// `(dq, dk, dv)` of [`attention_forward`] from `d_out` and the forward's `out` and `lse`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_backward(
+    gpu: &Arc<Gpu>,
+    d_out: &DeviceData,
+    q: &DeviceData,
+    k: &DeviceData,
+    v: &DeviceData,
+    out: &DeviceData,
+    lse: &CudaSlice<f32>,
+    cu_seqlens: &[usize],
+    shape: AttentionShape,
+) -> Result<(Buffer, Buffer, Buffer)> {
+    let AttentionShape { q_heads, kv_heads, head_dim: d } = shape;
+    let tokens = *cu_seqlens.last().unwrap_or(&0);
+    let rows = tokens * q_heads;
+    let mut delta = gpu.alloc::<f32>(rows)?;
+    let (q_table, nq) = tile_table(gpu, cu_seqlens, QUERY_BLOCK)?;
+    let (k_table, nk) = tile_table(gpu, cu_seqlens, KEY_BLOCK)?;
+    let dq_floats = 2 * KEY_BLOCK * (d + 1) + WARPS * 2 * d;
+    let dkdv_floats = 2 * KEY_BLOCK * (d + 1) + 2 * PAIRS * d + 2 * PAIRS * KEY_BLOCK;
+    let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, 1.0 / (d as f32).sqrt());
+    let rows_l = rows as i64;
+    // One warp per (token, head) row for delta.
+    let delta_cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(8).clamp(1, 132 * 32) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    macro_rules! run {
+        ($ty:ty, $f32:expr, $d_out:expr, $q:expr, $k:expr, $v:expr, $out:expr, $wrap:path) => {{
+            let (mut dq, mut dk, mut dv) = (
+                gpu.alloc::<$ty>($q.len())?,
+                gpu.alloc::<$ty>($k.len())?,
+                gpu.alloc::<$ty>($v.len())?,
+            );
+            if rows > 0 {
+                let name = pick($f32, ["attention_delta_f32", "attention_delta_bf16"]);
+                launch!(gpu, "attention", name, delta_cfg, &mut delta, $d_out, $out, &rows_l, &di)?;
+                let name = pick($f32, ["attention_dq_f32", "attention_dq_bf16"]);
+                let cfg = tile_launch(gpu, name, nq, q_heads, dq_floats)?;
+                launch!(
+                    gpu,
+                    "attention",
+                    name,
+                    cfg,
+                    &mut dq,
+                    $d_out,
+                    $q,
+                    $k,
+                    $v,
+                    lse,
+                    &delta,
+                    &q_table,
+                    &qh,
+                    &kvh,
+                    &di,
+                    &scale
+                )?;
+                let name = pick($f32, ["attention_dkdv_f32", "attention_dkdv_bf16"]);
+                let cfg = tile_launch(gpu, name, nk, kv_heads, dkdv_floats)?;
+                launch!(
+                    gpu,
+                    "attention",
+                    name,
+                    cfg,
+                    &mut dk,
+                    &mut dv,
+                    $d_out,
+                    $q,
+                    $k,
+                    $v,
+                    lse,
+                    &delta,
+                    &k_table,
+                    &qh,
+                    &kvh,
+                    &di,
+                    &scale
+                )?;
+            }
+            ($wrap(dq), $wrap(dk), $wrap(dv))
+        }};
+    }
+    let (dq, dk, dv) = match (d_out, q, k, v, out) {
+        (
+            DeviceData::F32(d_out),
+            DeviceData::F32(q),
+            DeviceData::F32(k),
+            DeviceData::F32(v),
+            DeviceData::F32(out),
+        ) => run!(f32, true, d_out, q, k, v, out, DeviceData::F32),
+        (
+            DeviceData::BF16(d_out),
+            DeviceData::BF16(q),
+            DeviceData::BF16(k),
+            DeviceData::BF16(v),
+            DeviceData::BF16(out),
+        ) => run!(u16, false, d_out, q, k, v, out, DeviceData::BF16),
+        _ => return Err(mismatch("attention_backward")),
+    };
+    let wrap = |data| Buffer { gpu: gpu.clone(), data };
+    Ok((wrap(dq), wrap(dk), wrap(dv)))
+}

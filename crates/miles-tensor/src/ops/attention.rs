@@ -1,0 +1,358 @@
+//! Causal grouped-query attention over packed variable-length sequences (`cu_seqlens`), forward
+//! and backward, as [`crate::cpu::attention_forward`] lays it out. On the device the kernels keep
+//! the CPU's order (key blocks anchored at each sequence's start, keys summed in order), so a
+//! sequence's results have the same bits however it is packed.
+
+use super::{floats_only, host_f32, host_out, host_tensor, same_device};
+use crate::cpu::{self, AttentionShape};
+use crate::{DType, Device, Result, Tensor, ensure};
+
+#[cfg(feature = "cuda")]
+use super::device_data;
+#[cfg(feature = "cuda")]
+use crate::tensor::Storage;
+
+fn tokens_of(
+    op: &'static str,
+    q: &Tensor,
+    cu_seqlens: &[usize],
+    shape: AttentionShape,
+) -> Result<usize> {
+    let tokens = cu_seqlens.last().copied().unwrap_or(0);
+    ensure(shape.head_dim > 0 && shape.q_heads > 0, op, || format!("{shape:?} has no heads"))?;
+    ensure(q.len() == tokens * shape.q_heads * shape.head_dim, op, || {
+        format!("q {:?} for {tokens} tokens of {shape:?}", q.shape)
+    })?;
+    Ok(tokens)
+}
+
+#[cfg(feature = "cuda")]
+fn device_ready(
+    op: &'static str,
+    t: &Tensor,
+    shape: AttentionShape,
+) -> Result<std::sync::Arc<crate::cuda::Gpu>> {
+    ensure(shape.head_dim <= crate::cuda::MAX_HEAD_DIM, op, || {
+        format!(
+            "head_dim {} is above the CUDA kernels' {}",
+            shape.head_dim,
+            crate::cuda::MAX_HEAD_DIM
+        )
+    })?;
+    match &t.storage {
+        Storage::Cuda(buffer) => Ok(buffer.gpu.clone()),
+        _ => unreachable!("a device tensor"),
+    }
+}
+
+/// `(out, lse)`: `out` shaped and typed like `q`, `lse` f32 `[tokens × q_heads]`. `q` holds
+/// `tokens × q_heads × head_dim` elements, `k` and `v` `tokens × kv_heads × head_dim`, all one
+/// dtype.
+pub fn attention_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_seqlens: &[usize],
+    shape: AttentionShape,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "attention";
+    let device = same_device(OP, &[q, k, v])?;
+    floats_only(OP, &[q, k, v])?;
+    let tokens = tokens_of(OP, q, cu_seqlens, shape)?;
+    shape.check(OP, tokens, q.len(), k.len(), v.len(), cu_seqlens)?;
+    ensure(k.dtype() == q.dtype() && v.dtype() == q.dtype(), OP, || {
+        format!("q {}, k {}, v {}: one dtype", q.dtype(), k.dtype(), v.dtype())
+    })?;
+    let lse_shape = vec![tokens, shape.q_heads];
+    match device {
+        Device::Cpu => {
+            let (mut out, mut lse) = (host_out(q.len()), host_out(tokens * shape.q_heads));
+            cpu::attention_forward(
+                &mut out,
+                &mut lse,
+                &host_f32(q),
+                &host_f32(k),
+                &host_f32(v),
+                cu_seqlens,
+                shape,
+            )?;
+            Ok((
+                host_tensor(q.shape.clone(), out, q.dtype()),
+                host_tensor(lse_shape, lse, DType::F32),
+            ))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let gpu = device_ready(OP, q, shape)?;
+            let (out, lse) = crate::cuda::attention_forward(
+                &gpu,
+                device_data(q),
+                device_data(k),
+                device_data(v),
+                cu_seqlens,
+                shape,
+            )?;
+            Ok((
+                Tensor { shape: q.shape.clone(), storage: Storage::Cuda(out) },
+                Tensor { shape: lse_shape, storage: Storage::Cuda(lse) },
+            ))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// `(dq, dk, dv)` of [`attention_forward`] from `d_out` (like `q`) and the forward's `out` and
+/// `lse`. Every sum runs in a fixed order: the same bits on every run.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    d_out: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    cu_seqlens: &[usize],
+    shape: AttentionShape,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    const OP: &str = "attention_backward";
+    let device = same_device(OP, &[d_out, q, k, v, out, lse])?;
+    floats_only(OP, &[d_out, q, k, v, out, lse])?;
+    let tokens = tokens_of(OP, q, cu_seqlens, shape)?;
+    shape.check(OP, tokens, q.len(), k.len(), v.len(), cu_seqlens)?;
+    let dtype = q.dtype();
+    ensure(
+        [k, v, d_out, out].iter().all(|t| t.dtype() == dtype)
+            && lse.dtype() == DType::F32
+            && d_out.len() == q.len()
+            && out.len() == q.len()
+            && lse.len() == tokens * shape.q_heads,
+        OP,
+        || {
+            format!(
+                "d_out {:?} {}, out {:?} {}, lse {:?} {} for q {:?} {dtype}",
+                d_out.shape,
+                d_out.dtype(),
+                out.shape,
+                out.dtype(),
+                lse.shape,
+                lse.dtype(),
+                q.shape
+            )
+        },
+    )?;
+    match device {
+        Device::Cpu => {
+            let (mut dq, mut dk, mut dv) =
+                (host_out(q.len()), host_out(k.len()), host_out(v.len()));
+            cpu::attention_backward(
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                &host_f32(d_out),
+                &host_f32(q),
+                &host_f32(k),
+                &host_f32(v),
+                &host_f32(out),
+                &host_f32(lse),
+                cu_seqlens,
+                shape,
+            )?;
+            Ok((
+                host_tensor(q.shape.clone(), dq, dtype),
+                host_tensor(k.shape.clone(), dk, dtype),
+                host_tensor(v.shape.clone(), dv, dtype),
+            ))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let gpu = device_ready(OP, q, shape)?;
+            let crate::cuda::DeviceData::F32(lse_d) = device_data(lse) else {
+                unreachable!("lse is f32 (checked)")
+            };
+            let (dq, dk, dv) = crate::cuda::attention_backward(
+                &gpu,
+                device_data(d_out),
+                device_data(q),
+                device_data(k),
+                device_data(v),
+                device_data(out),
+                lse_d,
+                cu_seqlens,
+                shape,
+            )?;
+            let t =
+                |shape: &[usize], b| Tensor { shape: shape.to_vec(), storage: Storage::Cuda(b) };
+            Ok((t(&q.shape, dq), t(&k.shape, dk), t(&v.shape, dv)))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::tests::{devices, max_rel_err, round_out, tensor};
+    use crate::rng::Rng;
+
+    /// Packings with sequences shorter and longer than a key block, one empty, and lengths that
+    /// are not multiples of the tiles.
+    fn cases() -> Vec<(Vec<usize>, AttentionShape)> {
+        let s = |q_heads, kv_heads, head_dim| AttentionShape { q_heads, kv_heads, head_dim };
+        vec![
+            (vec![0, 1], s(1, 1, 4)),
+            (vec![0, 5, 5, 70, 200], s(4, 2, 16)),
+            (vec![0, 64, 129, 130], s(6, 3, 64)),
+            (vec![0, 300], s(4, 1, 100)),
+            (vec![0, 37, 170], s(16, 8, 128)),
+        ]
+    }
+
+    fn inputs(rng: &mut Rng, cu: &[usize], s: AttentionShape) -> [Vec<f32>; 4] {
+        let t = *cu.last().unwrap();
+        [
+            rng.vec(t * s.q_heads * s.head_dim, 1.5),
+            rng.vec(t * s.kv_heads * s.head_dim, 1.5),
+            rng.vec(t * s.kv_heads * s.head_dim, 1.0),
+            rng.vec(t * s.q_heads * s.head_dim, 1.0),
+        ]
+    }
+
+    #[test]
+    fn attention_matches_the_cpu_reference_on_every_device() {
+        let mut rng = Rng::new(51);
+        for (cu, s) in cases() {
+            let [q, k, v, d_out] = inputs(&mut rng, &cu, s);
+            for dtype in [DType::F32, DType::BF16] {
+                // The reference sees the inputs as the device does (rounded to bf16).
+                let r = |x: &[f32]| round_out(x, dtype);
+                let (qr, kr, vr, dr) = (r(&q), r(&k), r(&v), r(&d_out));
+                let t = cu.last().copied().unwrap();
+                let mut out = vec![0.0; q.len()];
+                let mut lse = vec![0.0; t * s.q_heads];
+                cpu::attention_forward(&mut out, &mut lse, &qr, &kr, &vr, &cu, s).unwrap();
+                let outr = r(&out);
+                let (mut dq, mut dk, mut dv) =
+                    (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+                cpu::attention_backward(
+                    &mut dq, &mut dk, &mut dv, &dr, &qr, &kr, &vr, &outr, &lse, &cu, s,
+                )
+                .unwrap();
+                // f32: different exp() and FMA contraction; bf16: outputs rounded once more.
+                let tol = if dtype == DType::F32 { 2e-5 } else { 1.5e-2 };
+                for device in devices() {
+                    let dev = |x: &[f32], n: usize| tensor(&[t, n * s.head_dim], x, dtype, &device);
+                    let (qt, kt, vt) =
+                        (dev(&q, s.q_heads), dev(&k, s.kv_heads), dev(&v, s.kv_heads));
+                    let (ot, lt) = attention_forward(&qt, &kt, &vt, &cu, s).unwrap();
+                    let what =
+                        |name: &str| format!("{device} {dtype} attention {name} {cu:?} {s:?}");
+                    for (name, got, want) in [("out", &ot, &out), ("lse", &lt, &lse)] {
+                        let want =
+                            if name == "out" { round_out(want, dtype) } else { want.clone() };
+                        let err = max_rel_err(&what(name), &got.to_vec_f32().unwrap(), &want);
+                        assert!(err <= tol, "{}: {err:.3e}", what(name));
+                    }
+                    // The backward from the reference's own forward, so only its error counts.
+                    let (ot, lt) =
+                        (dev(&out, s.q_heads), tensor(&[t, s.q_heads], &lse, DType::F32, &device));
+                    let dt = dev(&d_out, s.q_heads);
+                    let (gq, gk, gv) =
+                        attention_backward(&dt, &qt, &kt, &vt, &ot, &lt, &cu, s).unwrap();
+                    for (name, got, want) in [("dq", &gq, &dq), ("dk", &gk, &dk), ("dv", &gv, &dv)]
+                    {
+                        let err = max_rel_err(
+                            &what(name),
+                            &got.to_vec_f32().unwrap(),
+                            &round_out(want, dtype),
+                        );
+                        assert!(err <= tol, "{}: {err:.3e}", what(name));
+                    }
+                }
+            }
+        }
+    }
+
+    /// A sequence's outputs have the same bits alone, packed first or last, beside sequences of
+    /// any length; the backward gives the same bits run after run.
+    #[test]
+    fn attention_is_batch_invariant_and_deterministic_on_every_device() {
+        let mut rng = Rng::new(52);
+        let s = AttentionShape { q_heads: 8, kv_heads: 2, head_dim: 64 };
+        let lens = [150usize, 1, 64, 77];
+        let seqs: Vec<[Vec<f32>; 4]> = lens.iter().map(|&n| inputs(&mut rng, &[0, n], s)).collect();
+        for device in devices() {
+            for dtype in [DType::F32, DType::BF16] {
+                let run = |order: &[usize]| {
+                    let mut cu = vec![0];
+                    let mut parts: [Vec<f32>; 4] = Default::default();
+                    for &i in order {
+                        cu.push(cu.last().unwrap() + lens[i]);
+                        for (p, x) in parts.iter_mut().zip(&seqs[i]) {
+                            p.extend_from_slice(x);
+                        }
+                    }
+                    let t = *cu.last().unwrap();
+                    let dev = |x: &[f32], n: usize| tensor(&[t, n * s.head_dim], x, dtype, &device);
+                    let (q, k, v, d) = (
+                        dev(&parts[0], 8),
+                        dev(&parts[1], 2),
+                        dev(&parts[2], 2),
+                        dev(&parts[3], 8),
+                    );
+                    let (o, l) = attention_forward(&q, &k, &v, &cu, s).unwrap();
+                    let (dq, dk, dv) = attention_backward(&d, &q, &k, &v, &o, &l, &cu, s).unwrap();
+                    let v = |t: &Tensor| t.to_vec_f32().unwrap();
+                    (cu, [v(&o), v(&l), v(&dq), v(&dk), v(&dv)])
+                };
+                // Rows of sequence `i` in a run, per output (lse has one value per head).
+                let rows = |cu: &[usize], order: &[usize], i: usize, out: &[Vec<f32>; 5]| {
+                    let at = order.iter().position(|&x| x == i).unwrap();
+                    let (a, b) = (cu[at], cu[at + 1]);
+                    let widths = [8 * 64, 8, 8 * 64, 2 * 64, 2 * 64];
+                    out.iter()
+                        .zip(widths)
+                        .map(|(o, w)| o[a * w..b * w].to_vec())
+                        .collect::<Vec<_>>()
+                };
+                let alone: Vec<_> = (0..lens.len())
+                    .map(|i| {
+                        let (cu, out) = run(&[i]);
+                        rows(&cu, &[i], i, &out)
+                    })
+                    .collect();
+                for order in [vec![0, 1, 2, 3], vec![3, 2, 1, 0], vec![2, 0]] {
+                    let (cu, out) = run(&order);
+                    assert_eq!(run(&order).1, out, "{device} {dtype}: two runs differ");
+                    for &i in &order {
+                        assert!(
+                            rows(&cu, &order, i, &out) == alone[i],
+                            "{device} {dtype}: sequence {i} in {order:?} differs from alone"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_attention_operands_are_errors() {
+        let dev = Device::Cpu;
+        let s = AttentionShape { q_heads: 4, kv_heads: 3, head_dim: 2 };
+        let q = tensor(&[2, 8], &[0.5; 16], DType::F32, &dev);
+        let k = tensor(&[2, 6], &[0.5; 12], DType::F32, &dev);
+        let err = attention_forward(&q, &k, &k, &[0, 2], s).unwrap_err().to_string();
+        assert!(err.contains("not a multiple"), "{err}");
+        let s = AttentionShape { q_heads: 4, kv_heads: 2, head_dim: 2 };
+        let k = tensor(&[2, 4], &[0.5; 8], DType::F32, &dev);
+        assert!(attention_forward(&q, &k, &k, &[0, 3], s).is_err());
+        let kb = tensor(&[2, 4], &[0.5; 8], DType::BF16, &dev);
+        assert!(
+            attention_forward(&q, &kb, &kb, &[0, 2], s)
+                .unwrap_err()
+                .to_string()
+                .contains("one dtype")
+        );
+    }
+}

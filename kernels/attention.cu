@@ -1,0 +1,344 @@
+// Causal grouped-query attention over packed sequences, forward and backward, in the order of
+// the CPU reference (crates/miles-tensor/src/cpu/attention.rs): key blocks of KB keys anchored
+// at each sequence's first token, one online-softmax step per block, every sum over keys taken
+// in key order. A row's result depends only on its own sequence, never on where it sits in the
+// pack or how many sequences share the batch: that is what lets rollout and training agree.
+//
+// Layout: q [tokens × q_heads × d], k and v [tokens × kv_heads × d], f32 or bf16 (widened to
+// f32 in shared memory; all arithmetic f32). `tiles` holds three ints per tile: the sequence's
+// first token, its end, and the tile's first row (query rows for the forward and dq, keys for
+// dk/dv), as the host's tiles() lists them. Grid: (tiles, heads).
+//
+// The forward and dq kernels give each warp whole query rows: lanes take keys to form the
+// block's scores (a dot product in dimension order, as the CPU's), then take dimensions to
+// accumulate over the block's keys in order (the scores passed by shuffle). dk/dv gives each
+// warp KEYS_PER_WARP keys and walks the (query, head) pairs in order.
+#include "common.cuh"
+
+namespace {
+
+constexpr int KB = 64;            // keys per block (cpu::KEY_BLOCK)
+constexpr int QB = 64;            // query rows per tile (the CPU's QUERY_BLOCK)
+constexpr int WARPS = 8;
+constexpr int THREADS = WARPS * 32;
+constexpr int ROWS_PER_WARP = QB / WARPS;
+constexpr int MAXC = 4;           // dimensions per lane: head_dim ≤ 128
+constexpr int PAIRS = 16;         // (query, head) pairs staged at a time by dk/dv
+constexpr int KEYS_PER_WARP = KB / WARPS;
+constexpr unsigned FULL = 0xffffffffu;
+
+__device__ __forceinline__ float f32(float x) { return x; }
+__device__ __forceinline__ float f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void put(float* p, float x) { *p = x; }
+__device__ __forceinline__ void put(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+
+// Keys j0..j0+n of kv head `kvh` into ks (row stride d+1: lanes reading different keys at one
+// dimension hit different banks) and, when vs is given, the values likewise with stride vstride.
+template <typename T>
+__device__ void load_block(float* ks, float* vs, int vstride, const T* k, const T* v, int j0,
+                           int n, int kv_heads, int kvh, int d) {
+    for (int e = threadIdx.x; e < n * d; e += THREADS) {
+        const int jj = e / d;
+        const int x = e - jj * d;
+        const size_t at = ((size_t)(j0 + jj) * kv_heads + kvh) * d + x;
+        ks[jj * (d + 1) + x] = f32(k[at]);
+        if (vs != nullptr) {
+            vs[jj * vstride + x] = f32(v[at]);
+        }
+    }
+}
+
+// Σ_x a[x]·t[x] in dimension order (the CPU's project()).
+__device__ __forceinline__ float dot_in_order(const float* a, const float* t, int d) {
+    float s = 0.0f;
+    for (int x = 0; x < d; ++x) {
+        s += a[x] * t[x];
+    }
+    return s;
+}
+
+template <typename T>
+__device__ void forward(T* out, float* lse, const T* q, const T* k, const T* v, const int* tiles,
+                        int q_heads, int kv_heads, int d, float scale) {
+    extern __shared__ float smem[];
+    float* ks = smem;                       // [KB][d+1]
+    float* vs = ks + KB * (d + 1);          // [KB][d]
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    float* qs = vs + KB * d + warp * d;     // this warp's scaled query row
+    const int a = tiles[3 * blockIdx.x];
+    const int i0 = tiles[3 * blockIdx.x + 2];
+    const int i1 = min(i0 + QB, tiles[3 * blockIdx.x + 1]);
+    const int h = blockIdx.y;
+    const int kvh = h / (q_heads / kv_heads);
+
+    float m[ROWS_PER_WARP], l[ROWS_PER_WARP], acc[ROWS_PER_WARP][MAXC];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) acc[r][c] = 0.0f;
+    }
+    const int blocks = (i1 - a + KB - 1) / KB;
+    for (int b = 0; b < blocks; ++b) {
+        const int j0 = a + b * KB;
+        __syncthreads();  // the previous block's readers are done
+        load_block(ks, vs, d, k, v, j0, min(KB, i1 - j0), kv_heads, kvh, d);
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_WARP; ++r) {
+            const int i = i0 + warp + r * WARPS;
+            const int visible = i + 1 - a;
+            if (i >= i1 || visible <= b * KB) continue;  // uniform across the warp
+            const int n = min(KB, visible - b * KB);
+            const T* qi = q + ((size_t)i * q_heads + h) * d;
+            for (int x = lane; x < d; x += 32) qs[x] = f32(qi[x]) * scale;
+            __syncwarp();
+            const float s0 = lane < n ? dot_in_order(qs, ks + lane * (d + 1), d) : -INFINITY;
+            const float s1 =
+                lane + 32 < n ? dot_in_order(qs, ks + (lane + 32) * (d + 1), d) : -INFINITY;
+            __syncwarp();  // qs is rewritten by the next row
+            const float new_m = fmaxf(m[r], miles::warp_max(fmaxf(s0, s1)));
+            const float rescale = expf(m[r] - new_m);
+            l[r] *= rescale;
+#pragma unroll
+            for (int c = 0; c < MAXC; ++c) acc[r][c] *= rescale;
+            const float p0 = lane < n ? expf(s0 - new_m) : 0.0f;
+            const float p1 = lane + 32 < n ? expf(s1 - new_m) : 0.0f;
+            for (int jj = 0; jj < n; ++jj) {
+                const float p = __shfl_sync(FULL, jj < 32 ? p0 : p1, jj & 31);
+                l[r] += p;
+#pragma unroll
+                for (int c = 0; c < MAXC; ++c) {
+                    const int x = lane + 32 * c;
+                    if (x < d) acc[r][c] += p * vs[jj * d + x];
+                }
+            }
+            m[r] = new_m;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+        const int i = i0 + warp + r * WARPS;
+        if (i >= i1) continue;
+        const size_t row = (size_t)i * q_heads + h;
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+            const int x = lane + 32 * c;
+            if (x < d) put(out + row * d + x, acc[r][c] / l[r]);
+        }
+        if (lane == 0) lse[row] = m[r] + logf(l[r]);
+    }
+}
+
+// delta[row] = dO·O per (token, head): the softmax backward's row term. One warp per row.
+template <typename T>
+__device__ void delta(float* out, const T* d_out, const T* o, long rows, int d) {
+    const long warps = (long)gridDim.x * (blockDim.x >> 5);
+    const int lane = threadIdx.x & 31;
+    for (long row = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows;
+         row += warps) {
+        float s = 0.0f;
+        for (int x = lane; x < d; x += 32) s += f32(d_out[row * d + x]) * f32(o[row * d + x]);
+        s = miles::warp_sum(s);
+        if (lane == 0) out[row] = s;
+    }
+}
+
+// dq for a tile of query rows of one head: Σ over visible keys in order of scale·ds·k.
+template <typename T>
+__device__ void backward_dq(T* dq, const T* d_out, const T* q, const T* k, const T* v,
+                            const float* lse, const float* delta, const int* tiles, int q_heads,
+                            int kv_heads, int d, float scale) {
+    extern __shared__ float smem[];
+    float* ks = smem;                       // [KB][d+1]
+    float* vs = ks + KB * (d + 1);          // [KB][d+1]
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    float* qs = vs + KB * (d + 1) + warp * 2 * d;
+    float* dos = qs + d;
+    const int a = tiles[3 * blockIdx.x];
+    const int i0 = tiles[3 * blockIdx.x + 2];
+    const int i1 = min(i0 + QB, tiles[3 * blockIdx.x + 1]);
+    const int h = blockIdx.y;
+    const int kvh = h / (q_heads / kv_heads);
+
+    float acc[ROWS_PER_WARP][MAXC];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r)
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) acc[r][c] = 0.0f;
+    const int blocks = (i1 - a + KB - 1) / KB;
+    for (int b = 0; b < blocks; ++b) {
+        const int j0 = a + b * KB;
+        __syncthreads();
+        load_block(ks, vs, d + 1, k, v, j0, min(KB, i1 - j0), kv_heads, kvh, d);
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_WARP; ++r) {
+            const int i = i0 + warp + r * WARPS;
+            const int visible = i + 1 - a;
+            if (i >= i1 || visible <= b * KB) continue;
+            const int n = min(KB, visible - b * KB);
+            const size_t row = (size_t)i * q_heads + h;
+            for (int x = lane; x < d; x += 32) {
+                qs[x] = f32(q[row * d + x]) * scale;
+                dos[x] = f32(d_out[row * d + x]);
+            }
+            __syncwarp();
+            const float lse_r = lse[row];
+            const float delta_r = delta[row];
+            float ds0 = 0.0f, ds1 = 0.0f;
+            if (lane < n) {
+                const float p = expf(dot_in_order(qs, ks + lane * (d + 1), d) - lse_r);
+                ds0 = p * (dot_in_order(dos, vs + lane * (d + 1), d) - delta_r);
+            }
+            if (lane + 32 < n) {
+                const float p = expf(dot_in_order(qs, ks + (lane + 32) * (d + 1), d) - lse_r);
+                ds1 = p * (dot_in_order(dos, vs + (lane + 32) * (d + 1), d) - delta_r);
+            }
+            __syncwarp();
+            for (int jj = 0; jj < n; ++jj) {
+                const float g = scale * __shfl_sync(FULL, jj < 32 ? ds0 : ds1, jj & 31);
+#pragma unroll
+                for (int c = 0; c < MAXC; ++c) {
+                    const int x = lane + 32 * c;
+                    if (x < d) acc[r][c] += g * ks[jj * (d + 1) + x];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+        const int i = i0 + warp + r * WARPS;
+        if (i >= i1) continue;
+        const size_t row = (size_t)i * q_heads + h;
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+            const int x = lane + 32 * c;
+            if (x < d) put(dq + row * d + x, acc[r][c]);
+        }
+    }
+}
+
+// dk and dv for a block of keys of one kv head: the (query, head) pairs that see it, queries
+// in order and the group's heads in order within each, as the CPU sums them.
+template <typename T>
+__device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T* k, const T* v,
+                              const float* lse, const float* delta, const int* tiles,
+                              int q_heads, int kv_heads, int d, float scale) {
+    extern __shared__ float smem[];
+    float* ks = smem;                       // [KB][d+1]
+    float* vs = ks + KB * (d + 1);          // [KB][d+1]
+    float* qst = vs + KB * (d + 1);         // [PAIRS][d] queries (unscaled)
+    float* dost = qst + PAIRS * d;          // [PAIRS][d] output gradients
+    float* ps = dost + PAIRS * d;           // [PAIRS][KB] probabilities
+    float* dss = ps + PAIRS * KB;           // [PAIRS][KB] score gradients
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int j0 = tiles[3 * blockIdx.x + 2];
+    const int end = tiles[3 * blockIdx.x + 1];
+    const int len = min(KB, end - j0);
+    const int kvh = blockIdx.y;
+    const int group = q_heads / kv_heads;
+
+    load_block(ks, vs, d + 1, k, v, j0, len, kv_heads, kvh, d);
+    float ak[KEYS_PER_WARP][MAXC], av[KEYS_PER_WARP][MAXC];
+#pragma unroll
+    for (int kk = 0; kk < KEYS_PER_WARP; ++kk)
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) ak[kk][c] = av[kk][c] = 0.0f;
+
+    const int pairs = (end - j0) * group;
+    for (int p0 = 0; p0 < pairs; p0 += PAIRS) {
+        const int np = min(PAIRS, pairs - p0);
+        __syncthreads();  // the tiles are loaded; the previous batch's readers are done
+        for (int e = threadIdx.x; e < np * d; e += THREADS) {
+            const int pp = e / d;
+            const int x = e - pp * d;
+            const int pair = p0 + pp;
+            const size_t row = (size_t)(j0 + pair / group) * q_heads + kvh * group + pair % group;
+            qst[pp * d + x] = f32(q[row * d + x]);
+            dost[pp * d + x] = f32(d_out[row * d + x]);
+        }
+        __syncthreads();
+        // Phase A: one (pair, key) per thread and step, keys along the lanes.
+        for (int e = threadIdx.x; e < np * KB; e += THREADS) {
+            const int pp = e / KB;
+            const int jj = e - pp * KB;
+            const int pair = p0 + pp;
+            const int i = j0 + pair / group;
+            const size_t row = (size_t)i * q_heads + kvh * group + pair % group;
+            float p = 0.0f, ds = 0.0f;
+            if (jj < min(len, i + 1 - j0)) {
+                float s = 0.0f;
+                for (int x = 0; x < d; ++x) s += (qst[pp * d + x] * scale) * ks[jj * (d + 1) + x];
+                p = expf(s - lse[row]);
+                ds = p * (dot_in_order(dost + pp * d, vs + jj * (d + 1), d) - delta[row]);
+            }
+            ps[pp * KB + jj] = p;
+            dss[pp * KB + jj] = ds;
+        }
+        __syncthreads();
+        // Phase B: this warp's keys, dimensions along the lanes, pairs in order.
+        for (int pp = 0; pp < np; ++pp) {
+            const int n = min(len, j0 + (p0 + pp) / group + 1 - j0);
+#pragma unroll
+            for (int kk = 0; kk < KEYS_PER_WARP; ++kk) {
+                const int jj = warp * KEYS_PER_WARP + kk;
+                if (jj >= n) continue;
+                const float p = ps[pp * KB + jj];
+                const float g = scale * dss[pp * KB + jj];
+#pragma unroll
+                for (int c = 0; c < MAXC; ++c) {
+                    const int x = lane + 32 * c;
+                    if (x < d) {
+                        av[kk][c] += p * dost[pp * d + x];
+                        ak[kk][c] += g * qst[pp * d + x];
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int kk = 0; kk < KEYS_PER_WARP; ++kk) {
+        const int jj = warp * KEYS_PER_WARP + kk;
+        if (jj >= len) continue;
+        const size_t at = ((size_t)(j0 + jj) * kv_heads + kvh) * d;
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+            const int x = lane + 32 * c;
+            if (x < d) {
+                put(dk + at + x, ak[kk][c]);
+                put(dv + at + x, av[kk][c]);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+#define ATTENTION_KERNELS(SUFFIX, T)                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_forward_##SUFFIX(            \
+        T* out, float* lse, const T* q, const T* k, const T* v, const int* tiles, int q_heads,   \
+        int kv_heads, int d, float scale) {                                                      \
+        forward(out, lse, q, k, v, tiles, q_heads, kv_heads, d, scale);                          \
+    }                                                                                            \
+    extern "C" __global__ void attention_delta_##SUFFIX(float* out, const T* d_out, const T* o,  \
+                                                        long rows, int d) {                      \
+        delta(out, d_out, o, rows, d);                                                           \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_dq_##SUFFIX(                 \
+        T* dq, const T* d_out, const T* q, const T* k, const T* v, const float* lse,             \
+        const float* delta, const int* tiles, int q_heads, int kv_heads, int d, float scale) {   \
+        backward_dq(dq, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, d, scale);         \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdv_##SUFFIX(               \
+        T* dk, T* dv, const T* d_out, const T* q, const T* k, const T* v, const float* lse,      \
+        const float* delta, const int* tiles, int q_heads, int kv_heads, int d, float scale) {   \
+        backward_dkdv(dk, dv, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, d, scale);   \
+    }
+
+ATTENTION_KERNELS(f32, float)
+ATTENTION_KERNELS(bf16, __nv_bfloat16)
