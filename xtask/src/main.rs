@@ -61,7 +61,7 @@ enum Task {
     /// step is skipped when its output is there and up to date. Prints the HF directory.
     FetchSmollm2,
     /// Build what a GPU machine needs to run the CUDA tests (no Rust there) into
-    /// `target/device-bundle/`: the miles-tensor test binary built with `--features cuda` and
+    /// `target/device-bundle/`: the miles-tensor and miles-model test binaries built with `cuda` and
     /// `run.sh`, which runs it.
     DeviceBundle,
 }
@@ -192,7 +192,8 @@ fn ci() -> Result {
     clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
     run(clippy)?;
     let mut clippy_cuda = cargo();
-    clippy_cuda.args(["clippy", "-p", "miles-tensor", "--features", "cuda", "--all-targets"]);
+    clippy_cuda.args(["clippy", "-p", "miles-tensor", "-p", "miles-model", "--all-targets"]);
+    clippy_cuda.args(["--features", CUDA_FEATURES]);
     clippy_cuda.args(["--", "-D", "warnings"]);
     run(clippy_cuda)?;
     let mut build_cuda = cargo();
@@ -310,17 +311,18 @@ fn fetch_smollm2_gguf() -> Result<PathBuf> {
     Ok(gguf)
 }
 
-/// Builds the miles-tensor tests with `--features cuda` and copies them, with `run.sh`, into
+/// Builds the miles-tensor and miles-model tests with their `cuda` features and copies them, with `run.sh`, into
 /// `target/device-bundle/` for a GPU machine that has no Rust toolchain.
 fn device_bundle() -> Result<PathBuf> {
     let mut cmd = cargo();
-    cmd.args(["test", "-p", "miles-tensor", "--features", "cuda", "--no-run"]);
+    cmd.args(["test", "-p", "miles-tensor", "-p", "miles-model", "--no-run"]);
+    cmd.args(["--features", CUDA_FEATURES]);
     cmd.args(["--message-format=json"]);
     cmd.stderr(std::process::Stdio::inherit());
     eprintln!("xtask: running {cmd:?}");
     let out = cmd.output().map_err(|e| format!("cannot run cargo: {e}"))?;
     if !out.status.success() {
-        return Err(format!("building the miles-tensor tests failed ({})", out.status));
+        return Err(format!("building the device tests failed ({})", out.status));
     }
     let executables: Vec<(String, PathBuf)> = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -334,7 +336,7 @@ fn device_bundle() -> Result<PathBuf> {
         })
         .collect();
     if executables.is_empty() {
-        return Err("cargo built no miles-tensor test executable".into());
+        return Err("cargo built no device test executable".into());
     }
     let dir = target_dir().join("device-bundle");
     if dir.exists() {
@@ -380,13 +382,17 @@ fn device_bundle() -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// The crates whose tests the device bundle carries, with their `cuda` features.
+const CUDA_FEATURES: &str = "miles-tensor/cuda,miles-model/cuda";
+
 /// What one device run can carry.
 const BUNDLE_LIMIT: u64 = 64 << 20;
 
 /// The device bundle's entry point: finds cuBLAS, runs every test binary, passes its arguments
 /// on (a test name filter, say).
 const RUN_SH: &str = r#"#!/bin/sh
-# Runs the miles-tensor tests (built with --features cuda) on a machine with an NVIDIA GPU.
+# Runs the miles-tensor and miles-model tests (built with their cuda features) on a machine with
+# an NVIDIA GPU.
 # Usage: run.sh [test-filter] [libtest options]
 set -u
 here=$(cd "$(dirname "$0")" && pwd)

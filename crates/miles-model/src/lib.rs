@@ -6,14 +6,17 @@
 //! and yields the gradient of every weight. Losses live in host math elsewhere.
 
 pub mod config;
+pub mod device;
 mod error;
 pub mod kv;
+mod layer;
 pub mod model;
 pub mod presets;
 pub mod tokenizer;
 pub mod weights;
 
 pub use config::{Architecture, ModelConfig};
+pub use device::{DeviceForward, DeviceModel};
 pub use error::{Error, Result};
 pub use kv::{BlockId, KvCache};
 pub use model::{Forward, Model, PackedBatch, PackedLinears, StepRow};

@@ -9,7 +9,9 @@ use miles_tensor::cpu::{
 use rayon::prelude::*;
 
 use crate::kv::{BlockId, KvCache};
-use crate::weights::LayerWeights;
+use crate::layer::{
+    Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
+};
 use crate::{Error, ModelConfig, Result, Weights};
 
 /// Sequences packed back to back without padding. Sequence `s` is
@@ -71,7 +73,7 @@ impl PackedBatch {
         (rows, targets)
     }
 
-    fn validate(&self, vocab: usize) -> Result<()> {
+    pub(crate) fn validate(&self, vocab: usize) -> Result<()> {
         let ok = self.cu_seqlens.first() == Some(&0)
             && self.cu_seqlens.last() == Some(&self.tokens.len())
             && self.cu_seqlens.len() == self.prompt_lens.len() + 1
@@ -104,28 +106,6 @@ pub struct Model {
     pub weights: Weights,
 }
 
-/// Activations of one layer kept for the backward.
-struct LayerActivations {
-    x_in: Vec<f32>,
-    n1: Vec<f32>,
-    rstd1: Vec<f32>,
-    q_pre: Vec<f32>,
-    q_rstd: Vec<f32>,
-    k_pre: Vec<f32>,
-    k_rstd: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    attn: Vec<f32>,
-    lse: Vec<f32>,
-    x_mid: Vec<f32>,
-    n2: Vec<f32>,
-    rstd2: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    act: Vec<f32>,
-}
-
 /// The result of a forward: per response token logp and entropy, plus what the backward needs.
 pub struct Forward {
     pub logp: Vec<f32>,
@@ -133,7 +113,7 @@ pub struct Forward {
     temperature: f32,
     cos: Vec<f32>,
     sin: Vec<f32>,
-    layers: Vec<LayerActivations>,
+    layers: Vec<LayerActivations<Vec<f32>>>,
     x_final: Vec<f32>,
     rstd_final: Vec<f32>,
     rows: Vec<usize>,
@@ -218,10 +198,6 @@ fn split_columns(y: &[f32], widths: &[usize]) -> Vec<Vec<f32>> {
     }
     parts
 }
-
-/// `(q, k, v) → (attention output, log-sum-exp)`: where the training forward and the
-/// incremental step differ.
-type AttentionFn<'a> = dyn FnMut(&[f32], &[f32], &[f32]) -> Result<(Vec<f32>, Vec<f32>)> + 'a;
 
 /// One token of an incremental forward: its id, its position in its sequence and the
 /// sequence's block table, which must cover `position`.
@@ -328,66 +304,6 @@ impl Model {
         Ok((f.logp, f.entropy))
     }
 
-    /// One decoder layer on `x` `[tokens × hidden]`. `attention(q, k, v)` gets the roped
-    /// queries and keys and returns the attention output and its log-sum-exp: the training
-    /// forward and the incremental step differ only there.
-    fn layer_forward(
-        &self,
-        lw: &LayerWeights,
-        pl: &PackedLayer,
-        x: Vec<f32>,
-        cos: &[f32],
-        sin: &[f32],
-        attention: &mut AttentionFn,
-    ) -> Result<(Vec<f32>, LayerActivations)> {
-        let c = &self.config;
-        let Dims { d, nq, nkv, inter, qd, kvd, .. } = self.dims(0);
-        let eps = c.rms_norm_eps;
-        let (n1, rstd1) = rmsnorm(&x, &lw.input_norm, eps)?;
-        let [mut q, mut k, v]: [Vec<f32>; 3] =
-            split_columns(&linear(&n1, &pl.qkv)?, &[qd, kvd, kvd]).try_into().expect("3 parts");
-        let (mut q_pre, mut q_rstd, mut k_pre, mut k_rstd) = Default::default();
-        if c.architecture.has_qk_norm() {
-            q_pre = q;
-            (q, q_rstd) = rmsnorm(&q_pre, &lw.q_norm, eps)?;
-            k_pre = k;
-            (k, k_rstd) = rmsnorm(&k_pre, &lw.k_norm, eps)?;
-        }
-        rope_forward(&mut q, cos, sin, nq, d)?;
-        rope_forward(&mut k, cos, sin, nkv, d)?;
-        let (attn, lse) = attention(&q, &k, &v)?;
-        let o = linear(&attn, &pl.o)?;
-        let x_mid = add(&x, &o);
-        let (n2, rstd2) = rmsnorm(&x_mid, &lw.post_norm, eps)?;
-        let [gate, up]: [Vec<f32>; 2] =
-            split_columns(&linear(&n2, &pl.gate_up)?, &[inter, inter]).try_into().expect("2 parts");
-        let mut act = vec![0.0; gate.len()];
-        swiglu_forward(&mut act, &gate, &up)?;
-        let m = linear(&act, &pl.down)?;
-        let x_out = add(&x_mid, &m);
-        let a = LayerActivations {
-            x_in: x,
-            n1,
-            rstd1,
-            q_pre,
-            q_rstd,
-            k_pre,
-            k_rstd,
-            q,
-            k,
-            v,
-            attn,
-            lse,
-            x_mid,
-            n2,
-            rstd2,
-            gate,
-            up,
-            act,
-        };
-        Ok((x_out, a))
-    }
-
     fn check_packed(&self, packed: &PackedLinears) -> Result<()> {
         let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
         if packed.layers.len() != self.weights.layers.len()
@@ -419,15 +335,16 @@ impl Model {
         let mut x = vec![0.0; t * h];
         embedding_forward(&mut x, &self.weights.embed, &batch.tokens, h)?;
         let shape = self.attention_shape();
-        let mut attention = |q: &[f32], k: &[f32], v: &[f32]| {
+        let mut attention = |q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>| {
             let mut attn = vec![0.0; q.len()];
             let mut lse = vec![0.0; t * shape.q_heads];
             attention_forward(&mut attn, &mut lse, q, k, v, &batch.cu_seqlens, shape)?;
             Ok((attn, lse))
         };
+        let cpu = Cpu::new(self, Some(packed), &cos, &sin, &batch.cu_seqlens);
         let mut layers = Vec::new();
-        for (lw, pl) in self.weights.layers.iter().zip(&packed.layers) {
-            let (x_out, a) = self.layer_forward(lw, pl, x, &cos, &sin, &mut attention)?;
+        for layer in 0..c.num_hidden_layers {
+            let (x_out, a) = layer_forward(&cpu, c, layer, x, &mut attention)?;
             if keep {
                 layers.push(a);
             }
@@ -502,8 +419,9 @@ impl Model {
         let mut x = vec![0.0; rows.len() * h];
         embedding_forward(&mut x, &self.weights.embed, &tokens, h)?;
         let group = nq / nkv;
-        for (layer, (lw, pl)) in self.weights.layers.iter().zip(&packed.layers).enumerate() {
-            let mut attention = |q: &[f32], k: &[f32], v: &[f32]| {
+        let cpu = Cpu::new(self, Some(packed), &cos, &sin, &[]);
+        for layer in 0..c.num_hidden_layers {
+            let mut attention = |q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>| {
                 for (r, row) in rows.iter().enumerate() {
                     let (kr, vr) = (&k[r * kvd..(r + 1) * kvd], &v[r * kvd..(r + 1) * kvd]);
                     kv.write(layer, row.blocks, row.position, kr, vr);
@@ -526,7 +444,7 @@ impl Model {
                 debug_assert_eq!(attn.len(), rows.len() * qd);
                 Ok((attn, lse))
             };
-            x = self.layer_forward(lw, pl, x, &cos, &sin, &mut attention)?.0;
+            x = layer_forward(&cpu, c, layer, x, &mut attention)?.0;
         }
         Ok(rmsnorm(&x, &self.weights.final_norm, c.rms_norm_eps)?.0)
     }
@@ -605,108 +523,198 @@ impl Model {
             &fwd.rstd_final,
         )?;
 
-        let mut scratch = vec![0.0; t * h];
-        for ((lw, g), a) in
-            self.weights.layers.iter().zip(grads.layers.iter_mut()).zip(&fwd.layers).rev()
-        {
-            self.layer_backward(lw, g, a, batch, fwd, &mut dx, &mut scratch, dims)?;
+        let mut cpu = Cpu::new(self, None, &fwd.cos, &fwd.sin, &batch.cu_seqlens);
+        cpu.grads = Some(grads);
+        for (layer, a) in fwd.layers.iter().enumerate().rev() {
+            dx = layer_backward(&mut cpu, c, layer, a, dx)?;
         }
+        let grads = cpu.grads.take().expect("set above");
         embedding_backward(&mut grads.embed, &dx, &batch.tokens, h)?;
-        Ok(())
-    }
-
-    /// One layer's backward: `dx` holds d(loss)/d(layer output) and leaves holding
-    /// d(loss)/d(layer input).
-    #[allow(clippy::too_many_arguments)]
-    fn layer_backward(
-        &self,
-        lw: &LayerWeights,
-        g: &mut LayerWeights,
-        a: &LayerActivations,
-        batch: &PackedBatch,
-        fwd: &Forward,
-        dx: &mut [f32],
-        scratch: &mut [f32],
-        dims: Dims,
-    ) -> Result<()> {
-        let Dims { t, h, d, nq, nkv, inter, qd, kvd } = dims;
-        // MLP: x_out = x_mid + down(swiglu(gate(n2), up(n2))).
-        let mut d_act = vec![0.0; t * inter];
-        linear_backward(
-            &mut d_act,
-            false,
-            &mut g.down_proj,
-            dx,
-            &a.act,
-            &lw.down_proj,
-            t,
-            inter,
-            h,
-        )?;
-        let (mut d_gate, mut d_up) = (vec![0.0; t * inter], vec![0.0; t * inter]);
-        swiglu_backward(&mut d_gate, &mut d_up, &d_act, &a.gate, &a.up)?;
-        drop(d_act);
-        let mut d_n2 = vec![0.0; t * h];
-        linear_backward(
-            &mut d_n2,
-            false,
-            &mut g.gate_proj,
-            &d_gate,
-            &a.n2,
-            &lw.gate_proj,
-            t,
-            h,
-            inter,
-        )?;
-        linear_backward(&mut d_n2, true, &mut g.up_proj, &d_up, &a.n2, &lw.up_proj, t, h, inter)?;
-        rmsnorm_backward(scratch, &mut g.post_norm, &d_n2, &a.x_mid, &lw.post_norm, &a.rstd2)?;
-        dx.iter_mut().zip(scratch.iter()).for_each(|(x, s)| *x += s);
-
-        // Attention: x_mid = x_in + o(attn(rope(norm(q(n1))), rope(norm(k(n1))), v(n1))).
-        let mut d_attn = vec![0.0; t * qd];
-        linear_backward(&mut d_attn, false, &mut g.o_proj, dx, &a.attn, &lw.o_proj, t, qd, h)?;
-        let (mut dq, mut dk, mut dv) = (vec![0.0; t * qd], vec![0.0; t * kvd], vec![0.0; t * kvd]);
-        attention_backward(
-            &mut dq,
-            &mut dk,
-            &mut dv,
-            &d_attn,
-            &a.q,
-            &a.k,
-            &a.v,
-            &a.attn,
-            &a.lse,
-            &batch.cu_seqlens,
-            self.attention_shape(),
-        )?;
-        rope_backward(&mut dq, &fwd.cos, &fwd.sin, nq, d)?;
-        rope_backward(&mut dk, &fwd.cos, &fwd.sin, nkv, d)?;
-        if self.config.architecture.has_qk_norm() {
-            let mut dq_pre = vec![0.0; dq.len()];
-            rmsnorm_backward(&mut dq_pre, &mut g.q_norm, &dq, &a.q_pre, &lw.q_norm, &a.q_rstd)?;
-            dq = dq_pre;
-            let mut dk_pre = vec![0.0; dk.len()];
-            rmsnorm_backward(&mut dk_pre, &mut g.k_norm, &dk, &a.k_pre, &lw.k_norm, &a.k_rstd)?;
-            dk = dk_pre;
-        }
-        let mut d_n1 = vec![0.0; t * h];
-        linear_backward(&mut d_n1, false, &mut g.q_proj, &dq, &a.n1, &lw.q_proj, t, h, qd)?;
-        linear_backward(&mut d_n1, true, &mut g.k_proj, &dk, &a.n1, &lw.k_proj, t, h, kvd)?;
-        linear_backward(&mut d_n1, true, &mut g.v_proj, &dv, &a.n1, &lw.v_proj, t, h, kvd)?;
-        rmsnorm_backward(scratch, &mut g.input_norm, &d_n1, &a.x_in, &lw.input_norm, &a.rstd1)?;
-        dx.iter_mut().zip(scratch.iter()).for_each(|(x, s)| *x += s);
         Ok(())
     }
 }
 
+/// The CPU's layer primitives: f32 slices, the packed linears for forward products (so a
+/// token's activations do not depend on its batch), the unpacked weights for the backward.
+struct Cpu<'a> {
+    model: &'a Model,
+    packed: Option<&'a PackedLinears>,
+    cos: &'a [f32],
+    sin: &'a [f32],
+    cu_seqlens: &'a [usize],
+    grads: Option<&'a mut Weights>,
+}
+
+impl<'a> Cpu<'a> {
+    fn new(
+        model: &'a Model,
+        packed: Option<&'a PackedLinears>,
+        cos: &'a [f32],
+        sin: &'a [f32],
+        cu_seqlens: &'a [usize],
+    ) -> Self {
+        Cpu { model, packed, cos, sin, cu_seqlens, grads: None }
+    }
+
+    fn norm_weight(&self, layer: usize, norm: Norm) -> &'a [f32] {
+        let lw = &self.model.weights.layers[layer];
+        match norm {
+            Norm::Input => &lw.input_norm,
+            Norm::Post => &lw.post_norm,
+            Norm::Q => &lw.q_norm,
+            Norm::K => &lw.k_norm,
+        }
+    }
+
+    /// The linear's parts as `(weight, out width)`; the input width is the same for all.
+    fn parts(&self, layer: usize, linear: Linear) -> (Vec<(&'a [f32], usize)>, usize) {
+        let lw = &self.model.weights.layers[layer];
+        let Dims { h, inter, qd, kvd, .. } = self.model.dims(0);
+        match linear {
+            Linear::Qkv => (vec![(&lw.q_proj, qd), (&lw.k_proj, kvd), (&lw.v_proj, kvd)], h),
+            Linear::O => (vec![(&lw.o_proj, h)], qd),
+            Linear::GateUp => (vec![(&lw.gate_proj, inter), (&lw.up_proj, inter)], h),
+            Linear::Down => (vec![(&lw.down_proj, h)], inter),
+        }
+    }
+}
+
+fn missing(what: &str) -> Error {
+    Error::Invalid(format!("internal: the CPU layer backend was built without {what}"))
+}
+
+impl Backend for Cpu<'_> {
+    type Act = Vec<f32>;
+
+    fn rmsnorm(&self, layer: usize, norm: Norm, x: &Vec<f32>) -> Result<(Vec<f32>, Vec<f32>)> {
+        rmsnorm(x, self.norm_weight(layer, norm), self.model.config.rms_norm_eps)
+    }
+
+    fn linear(&self, layer: usize, linear: Linear, x: &Vec<f32>) -> Result<Vec<Vec<f32>>> {
+        let pl = &self.packed.ok_or_else(|| missing("packed linears"))?.layers[layer];
+        let w = match linear {
+            Linear::Qkv => &pl.qkv,
+            Linear::O => &pl.o,
+            Linear::GateUp => &pl.gate_up,
+            Linear::Down => &pl.down,
+        };
+        let widths: Vec<usize> = self.parts(layer, linear).0.iter().map(|p| p.1).collect();
+        let y = self::linear(x, w)?;
+        Ok(if widths.len() == 1 { vec![y] } else { split_columns(&y, &widths) })
+    }
+
+    fn rope(&self, mut x: Vec<f32>, heads: usize, inverse: bool) -> Result<Vec<f32>> {
+        let d = self.model.config.head_dim;
+        if inverse {
+            rope_backward(&mut x, self.cos, self.sin, heads, d)?;
+        } else {
+            rope_forward(&mut x, self.cos, self.sin, heads, d)?;
+        }
+        Ok(x)
+    }
+
+    fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>) -> Result<Vec<f32>> {
+        let mut act = vec![0.0; gate.len()];
+        swiglu_forward(&mut act, gate, up)?;
+        Ok(act)
+    }
+
+    fn add(&self, a: &Vec<f32>, b: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(add(a, b))
+    }
+}
+
+impl BackwardBackend for Cpu<'_> {
+    fn rmsnorm_backward(
+        &mut self,
+        layer: usize,
+        norm: Norm,
+        dy: &Vec<f32>,
+        x: &Vec<f32>,
+        rstd: &Vec<f32>,
+    ) -> Result<Vec<f32>> {
+        let w = self.norm_weight(layer, norm);
+        let g = &mut self.grads.as_mut().ok_or_else(|| missing("gradients"))?.layers[layer];
+        let dw = match norm {
+            Norm::Input => &mut g.input_norm,
+            Norm::Post => &mut g.post_norm,
+            Norm::Q => &mut g.q_norm,
+            Norm::K => &mut g.k_norm,
+        };
+        let mut dx = vec![0.0; x.len()];
+        rmsnorm_backward(&mut dx, dw, dy, x, w, rstd)?;
+        Ok(dx)
+    }
+
+    fn linear_backward(
+        &mut self,
+        layer: usize,
+        linear: Linear,
+        dys: &[&Vec<f32>],
+        x: &Vec<f32>,
+    ) -> Result<Vec<f32>> {
+        let (parts, d_in) = self.parts(layer, linear);
+        let rows = x.len() / d_in;
+        let g = &mut self.grads.as_mut().ok_or_else(|| missing("gradients"))?.layers[layer];
+        let mut dws: Vec<&mut Vec<f32>> = match linear {
+            Linear::Qkv => vec![&mut g.q_proj, &mut g.k_proj, &mut g.v_proj],
+            Linear::O => vec![&mut g.o_proj],
+            Linear::GateUp => vec![&mut g.gate_proj, &mut g.up_proj],
+            Linear::Down => vec![&mut g.down_proj],
+        };
+        let mut dx = vec![0.0; rows * d_in];
+        for (p, ((w, d_out), dy)) in parts.into_iter().zip(dys).enumerate() {
+            linear_backward(&mut dx, p > 0, dws[p], dy, x, w, rows, d_in, d_out)?;
+        }
+        Ok(dx)
+    }
+
+    fn swiglu_backward(
+        &self,
+        dh: &Vec<f32>,
+        gate: &Vec<f32>,
+        up: &Vec<f32>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (mut d_gate, mut d_up) = (vec![0.0; gate.len()], vec![0.0; up.len()]);
+        swiglu_backward(&mut d_gate, &mut d_up, dh, gate, up)?;
+        Ok((d_gate, d_up))
+    }
+
+    fn attention_backward(
+        &self,
+        d_out: &Vec<f32>,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        out: &Vec<f32>,
+        lse: &Vec<f32>,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        attention_backward(
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            d_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            self.cu_seqlens,
+            self.model.attention_shape(),
+        )?;
+        Ok((dq, dk, dv))
+    }
+}
+
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::Architecture;
     use miles_tensor::rng::Rng;
     use miles_tensor::testing::{check_gradient, dot};
 
-    fn tiny(architecture: Architecture, tie: bool) -> ModelConfig {
+    pub(crate) fn tiny(architecture: Architecture, tie: bool) -> ModelConfig {
         ModelConfig {
             architecture,
             vocab_size: 11,
@@ -726,7 +734,7 @@ mod tests {
     }
 
     /// Random weights large enough that every path matters, norms away from 1.
-    fn model(c: ModelConfig, seed: u64) -> Model {
+    pub(crate) fn model(c: ModelConfig, seed: u64) -> Model {
         let mut w = Weights::random(&c, seed);
         let mut rng = Rng::new(seed + 1);
         for t in w.tensors_mut(c.architecture) {
@@ -737,7 +745,7 @@ mod tests {
         Model::new(c, w)
     }
 
-    fn batch() -> PackedBatch {
+    pub(crate) fn batch() -> PackedBatch {
         PackedBatch::new(&[
             (vec![1, 5, 9, 2, 2, 7], 2),
             (vec![3, 10, 0], 1),

@@ -209,16 +209,30 @@ fn matmul_to(
     }
 }
 
-/// Rows and hidden size of `x [… × hidden]` normalized with `w [hidden]`.
+/// Rows and hidden size of `x [… × k·hidden]` normalized with `w [hidden]`: each group of
+/// `hidden` elements of the last dimension is a row (k > 1 normalizes every head of q or k).
 fn rmsnorm_rows(op: &'static str, x: &Tensor, w: &Tensor) -> Result<(usize, usize)> {
     ensure(w.shape.len() == 1 && !x.shape.is_empty(), op, || {
         format!("x {:?} must be [… × hidden], w {:?} must be [hidden]", x.shape, w.shape)
     })?;
     let hidden = w.shape[0];
-    ensure(hidden > 0 && x.shape[x.shape.len() - 1] == hidden, op, || {
-        format!("x {:?} and w {:?}: the last size must be w's, and not 0", x.shape, w.shape)
+    ensure(hidden > 0 && x.shape[x.shape.len() - 1].is_multiple_of(hidden), op, || {
+        format!(
+            "x {:?} and w {:?}: the last size must be a multiple of w's, not 0",
+            x.shape, w.shape
+        )
     })?;
     Ok((x.len() / hidden, hidden))
+}
+
+/// The shape of rstd: x's without its last dimension, and the heads per row when there are several.
+fn rstd_shape(x: &Tensor, hidden: usize) -> Vec<usize> {
+    let (last, lead) = x.shape.split_last().expect("rmsnorm_rows checked x is not 0-D");
+    let mut shape = lead.to_vec();
+    if *last != hidden {
+        shape.push(last / hidden);
+    }
+    shape
 }
 
 /// RMSNorm over the last dimension: `(y, rstd)` with `y = w · x · rstd`, `rstd = 1/√(mean(x²) +
@@ -229,7 +243,7 @@ pub fn rmsnorm_forward(x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tens
     floats_only("rmsnorm", &[x, w])?;
     let (rows, hidden) = rmsnorm_rows("rmsnorm", x, w)?;
     dtype_is("rmsnorm", "w", w, DType::F32)?;
-    let rstd_shape = x.shape[..x.shape.len() - 1].to_vec();
+    let rstd_shape = rstd_shape(x, hidden);
     match device {
         Device::Cpu => {
             let (mut y, mut rstd) = (host_out(rows * hidden), host_out(rows));

@@ -1,0 +1,642 @@
+//! The model resident on a device: f32 master weights, their compute copies (bf16, or f32 for
+//! parity runs), f32 gradients and AdamW moments stay there from step to step; a step's saved
+//! activations are tensors there too. Only token ids go in and per-token logp and entropy (and
+//! their gradients) cross back, the seam where the host's algorithm math lives. The layers run
+//! the same code as the CPU model ([`crate::layer`]) over [`miles_tensor::ops`].
+//!
+//! On [`Device::Cpu`] the same code runs on the CPU's reference ops: the tests check this path
+//! against [`Model`] on any machine, and the device bundle checks the CUDA kernels beneath it.
+
+use miles_tensor::cpu::{self, AdamW, AttentionShape, Transpose};
+use miles_tensor::{DType, Device, Tensor, ops};
+
+use crate::layer::{
+    Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
+};
+use crate::weights::tensor_spec;
+use crate::{Error, Model, ModelConfig, PackedBatch, Result, Weights};
+
+/// Response rows per LM-head chunk: logits exist for this many rows at a time, in f32.
+pub const HEAD_CHUNK_ROWS: usize = 1024;
+
+/// Indices of a layer's tensors in [`tensor_spec`] order.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    layers: usize,
+    qk_norm: bool,
+    tied: bool,
+}
+
+impl Layout {
+    fn per_layer(self) -> usize {
+        if self.qk_norm { 11 } else { 9 }
+    }
+    fn layer(self, layer: usize) -> usize {
+        1 + layer * self.per_layer()
+    }
+    fn norm(self, layer: usize, norm: Norm) -> usize {
+        let base = self.layer(layer);
+        let post = if self.qk_norm { 7 } else { 5 };
+        base + match norm {
+            Norm::Input => 0,
+            Norm::Q => 5,
+            Norm::K => 6,
+            Norm::Post => post,
+        }
+    }
+    /// The linear's parts, in order.
+    fn linear(self, layer: usize, linear: Linear) -> Vec<usize> {
+        let base = self.layer(layer);
+        let post = base + if self.qk_norm { 7 } else { 5 };
+        match linear {
+            Linear::Qkv => vec![base + 1, base + 2, base + 3],
+            Linear::O => vec![base + 4],
+            Linear::GateUp => vec![post + 1, post + 2],
+            Linear::Down => vec![post + 3],
+        }
+    }
+    fn final_norm(self) -> usize {
+        1 + self.layers * self.per_layer()
+    }
+    fn head(self) -> usize {
+        if self.tied { 0 } else { self.final_norm() + 1 }
+    }
+}
+
+/// AdamW's state on the device.
+struct Moments {
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+    step: u64,
+}
+
+/// A model on a device, with its gradients and optimizer state.
+pub struct DeviceModel {
+    pub config: ModelConfig,
+    device: Device,
+    dtype: DType,
+    layout: Layout,
+    /// f32 master weights, in [`tensor_spec`] order.
+    masters: Vec<Tensor>,
+    /// Compute copies of the matrices in `dtype` (`None`: the master is used, as for norms,
+    /// whose weights RMSNorm takes in f32, and for everything in f32 mode).
+    compute: Vec<Option<Tensor>>,
+    /// f32 gradients, summed over backward calls until [`DeviceModel::zero_grads`].
+    grads: Vec<Tensor>,
+    moments: Option<Moments>,
+}
+
+/// A device forward's results and what its backward needs.
+pub struct DeviceForward {
+    pub logp: Vec<f32>,
+    pub entropy: Vec<f32>,
+    temperature: f32,
+    cos: Tensor,
+    sin: Tensor,
+    layers: Vec<LayerActivations<Tensor>>,
+    x_final: Tensor,
+    rstd_final: Tensor,
+    rows: Vec<u32>,
+    targets: Vec<u32>,
+    tokens: usize,
+}
+
+impl DeviceModel {
+    /// Copies `model`'s weights to `device`, computing in `dtype` (bf16, or f32 for parity).
+    pub fn new(model: &Model, device: &Device, dtype: DType) -> Result<Self> {
+        if dtype == DType::I32 {
+            return Err(Error::Invalid("the compute dtype is bf16 or f32, not i32".into()));
+        }
+        let c = &model.config;
+        model.weights.check(c)?;
+        let spec = tensor_spec(c);
+        let mut masters = Vec::with_capacity(spec.len());
+        for ((_, shape), w) in spec.iter().zip(model.weights.tensors(c.architecture)) {
+            masters.push(Tensor::from_f32(shape, w.clone(), device)?);
+        }
+        let grads = spec
+            .iter()
+            .map(|(_, shape)| Tensor::zeros(shape, DType::F32, device))
+            .collect::<std::result::Result<_, _>>()?;
+        let layout = Layout {
+            layers: c.num_hidden_layers,
+            qk_norm: c.architecture.has_qk_norm(),
+            tied: c.tie_word_embeddings,
+        };
+        let mut m = DeviceModel {
+            config: c.clone(),
+            device: *device,
+            dtype,
+            layout,
+            masters,
+            compute: Vec::new(),
+            grads,
+            moments: None,
+        };
+        m.refresh_compute()?;
+        Ok(m)
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Rebuilds the compute copies from the masters (after an optimizer step).
+    fn refresh_compute(&mut self) -> Result<()> {
+        let spec = tensor_spec(&self.config);
+        self.compute = spec
+            .iter()
+            .zip(&self.masters)
+            .map(|((name, _), m)| {
+                let matrix = !name.ends_with("norm.weight");
+                Ok(if matrix && self.dtype != DType::F32 {
+                    Some(m.to_dtype(self.dtype)?)
+                } else {
+                    None
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(())
+    }
+
+    /// The weight `index` as the forward uses it.
+    fn weight(&self, index: usize) -> &Tensor {
+        self.weights().weight(index)
+    }
+
+    fn weights(&self) -> DeviceWeights<'_> {
+        DeviceWeights {
+            config: &self.config,
+            layout: self.layout,
+            masters: &self.masters,
+            compute: &self.compute,
+        }
+    }
+
+    fn attention_shape(&self) -> AttentionShape {
+        let c = &self.config;
+        AttentionShape {
+            q_heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        }
+    }
+
+    /// Per response token logp and entropy at `temperature`, keeping the activations for
+    /// [`DeviceModel::backward`].
+    pub fn forward(&self, batch: &PackedBatch, temperature: f32) -> Result<DeviceForward> {
+        self.run(batch, temperature, true)
+    }
+
+    /// Per response token logp and entropy, keeping nothing.
+    pub fn logprobs(&self, batch: &PackedBatch, temperature: f32) -> Result<(Vec<f32>, Vec<f32>)> {
+        let f = self.run(batch, temperature, false)?;
+        Ok((f.logp, f.entropy))
+    }
+
+    fn run(&self, batch: &PackedBatch, temperature: f32, keep: bool) -> Result<DeviceForward> {
+        let c = &self.config;
+        batch.validate(c.vocab_size)?;
+        if temperature.is_nan() || temperature <= 0.0 {
+            return Err(Error::Invalid(format!("temperature {temperature} must be > 0")));
+        }
+        let (cos, sin) = cpu::rope_tables(&batch.positions(), c.head_dim, c.rope_theta);
+        let t = batch.tokens.len();
+        let table = [t, c.head_dim / 2];
+        let cos = Tensor::from_f32(&table, cos, &self.device)?;
+        let sin = Tensor::from_f32(&table, sin, &self.device)?;
+        let dev = Dev {
+            w: self.weights(),
+            cos: &cos,
+            sin: &sin,
+            cu_seqlens: &batch.cu_seqlens,
+            grads: None,
+        };
+        let mut x = ops::embedding_forward(self.weight(0), &batch.tokens)?;
+        let shape = self.attention_shape();
+        let mut attention = |q: &Tensor, k: &Tensor, v: &Tensor| {
+            Ok(ops::attention_forward(q, k, v, &batch.cu_seqlens, shape)?)
+        };
+        let mut layers = Vec::new();
+        for layer in 0..c.num_hidden_layers {
+            let (x_out, a) = layer_forward(&dev, c, layer, x, &mut attention)?;
+            if keep {
+                layers.push(a);
+            }
+            x = x_out;
+        }
+        let final_w = self.weight(self.layout.final_norm());
+        let (nf, rstd_final) = ops::rmsnorm_forward(&x, final_w, c.rms_norm_eps)?;
+        let (rows, targets) = batch.response_rows();
+        let rows: Vec<u32> = rows.into_iter().map(|r| r as u32).collect();
+        let (mut logp, mut entropy) =
+            (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+        for (rows, targets) in rows.chunks(HEAD_CHUNK_ROWS).zip(targets.chunks(HEAD_CHUNK_ROWS)) {
+            let logits = self.head_logits(&nf, rows)?;
+            let (lp, ent) = ops::logprob_rows(&logits, targets, temperature)?;
+            logp.extend(lp.to_vec_f32()?);
+            entropy.extend(ent.to_vec_f32()?);
+        }
+        Ok(DeviceForward {
+            logp,
+            entropy,
+            temperature,
+            cos,
+            sin,
+            layers,
+            x_final: x,
+            rstd_final,
+            rows,
+            targets,
+            tokens: t,
+        })
+    }
+
+    /// f32 logits `[rows × vocab]` of the final-normed hidden states at `rows`.
+    fn head_logits(&self, nf: &Tensor, rows: &[u32]) -> Result<Tensor> {
+        let h = ops::gather_rows(nf, rows)?;
+        Ok(ops::matmul_f32_out(&h, Transpose::No, self.weight(self.layout.head()), Transpose::Yes)?)
+    }
+
+    /// Sets every gradient to zero.
+    pub fn zero_grads(&mut self) -> Result<()> {
+        for g in &mut self.grads {
+            *g = Tensor::zeros(g.shape(), DType::F32, &self.device)?;
+        }
+        Ok(())
+    }
+
+    /// Adds into the gradients those of a loss whose derivatives with respect to the response
+    /// tokens' logp and entropy are `d_logp` and `d_entropy`. `fwd` must come from
+    /// [`DeviceModel::forward`] on `batch`.
+    pub fn backward(
+        &mut self,
+        fwd: &DeviceForward,
+        batch: &PackedBatch,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+    ) -> Result<()> {
+        let c = &self.config;
+        let t = batch.tokens.len();
+        if fwd.layers.len() != c.num_hidden_layers || fwd.tokens != t {
+            return Err(Error::Invalid(
+                "backward needs the activations of forward() on the same batch".into(),
+            ));
+        }
+        if d_logp.len() != fwd.logp.len() || d_entropy.len() != fwd.logp.len() {
+            return Err(Error::Invalid(format!(
+                "backward: {} logp gradients and {} entropy gradients for {} response tokens",
+                d_logp.len(),
+                d_entropy.len(),
+                fwd.logp.len()
+            )));
+        }
+        let h = c.hidden_size;
+        let (final_i, head_i) = (self.layout.final_norm(), self.layout.head());
+        // The head, chunk by chunk: logits recomputed, never held for all rows.
+        let nf = ops::rmsnorm_forward(&fwd.x_final, self.weight(final_i), c.rms_norm_eps)?.0;
+        let mut d_nf = Tensor::zeros(&[t, h], self.dtype, &self.device)?;
+        let chunks = fwd.rows.chunks(HEAD_CHUNK_ROWS).zip(fwd.targets.chunks(HEAD_CHUNK_ROWS));
+        for (k, (rows, targets)) in chunks.enumerate() {
+            let at = k * HEAD_CHUNK_ROWS;
+            let hidden = ops::gather_rows(&nf, rows)?;
+            let logits =
+                ops::matmul_f32_out(&hidden, Transpose::No, self.weight(head_i), Transpose::Yes)?;
+            let n = rows.len();
+            let dl = Tensor::from_f32(&[n], d_logp[at..at + n].to_vec(), &self.device)?;
+            let de = Tensor::from_f32(&[n], d_entropy[at..at + n].to_vec(), &self.device)?;
+            let d_logits = ops::logprob_rows_backward(&logits, targets, fwd.temperature, &dl, &de)?;
+            drop(logits);
+            let d_logits = d_logits.to_dtype(self.dtype)?;
+            ops::matmul_acc(
+                &mut self.grads[head_i],
+                &d_logits,
+                Transpose::Yes,
+                &hidden,
+                Transpose::No,
+            )?;
+            let d_hidden =
+                ops::matmul(&d_logits, Transpose::No, self.weight(head_i), Transpose::No)?;
+            ops::scatter_rows(&mut d_nf, &d_hidden, rows)?;
+        }
+        let (mut dx, dw) =
+            ops::rmsnorm_backward(&d_nf, &fwd.x_final, self.weight(final_i), &fwd.rstd_final)?;
+        drop(d_nf);
+        add_into(&mut self.grads[final_i], &dw)?;
+
+        let w = DeviceWeights {
+            config: &self.config,
+            layout: self.layout,
+            masters: &self.masters,
+            compute: &self.compute,
+        };
+        let mut dev = Dev {
+            w,
+            cos: &fwd.cos,
+            sin: &fwd.sin,
+            cu_seqlens: &batch.cu_seqlens,
+            grads: Some(&mut self.grads),
+        };
+        for (layer, a) in fwd.layers.iter().enumerate().rev() {
+            dx = layer_backward(&mut dev, c, layer, a, dx)?;
+        }
+        let d_embed = ops::embedding_backward(&dx, &batch.tokens, c.vocab_size)?;
+        add_into(&mut self.grads[0], &d_embed)?;
+        Ok(())
+    }
+
+    /// The global L2 norm of the gradients (f64 sums of squares per tensor, in order).
+    pub fn grad_norm(&self) -> Result<f64> {
+        let mut sum = 0.0;
+        for g in &self.grads {
+            sum += ops::sum_squares(g)?;
+        }
+        Ok(sum.sqrt())
+    }
+
+    /// Clips the gradients to `clip_grad` (global norm; 0: off) and applies one AdamW step
+    /// to every master weight, then refreshes the compute copies. Returns the norm before
+    /// clipping and the factor applied.
+    pub fn adamw_step(&mut self, hyper: &AdamW, clip_grad: f64) -> Result<(f64, f32)> {
+        let norm = self.grad_norm()?;
+        let scale = cpu::clip_scale(norm, clip_grad);
+        let device = self.device;
+        if self.moments.is_none() {
+            let zeros = |ts: &[Tensor]| -> Result<Vec<Tensor>> {
+                ts.iter().map(|t| Ok(Tensor::zeros(t.shape(), DType::F32, &device)?)).collect()
+            };
+            self.moments =
+                Some(Moments { m: zeros(&self.masters)?, v: zeros(&self.masters)?, step: 0 });
+        }
+        let moments = self.moments.as_mut().expect("set above");
+        moments.step += 1;
+        for (((p, g), m), v) in
+            self.masters.iter_mut().zip(&self.grads).zip(&mut moments.m).zip(&mut moments.v)
+        {
+            ops::adamw_step(hyper, moments.step, scale, p, m, v, g)?;
+        }
+        self.refresh_compute()?;
+        Ok((norm, scale))
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps(&self) -> u64 {
+        self.moments.as_ref().map_or(0, |m| m.step)
+    }
+
+    /// The master weights, copied to the host.
+    pub fn to_weights(&self) -> Result<Weights> {
+        self.host_weights(&self.masters)
+    }
+
+    /// The gradients summed so far, copied to the host.
+    pub fn grads_to_host(&self) -> Result<Weights> {
+        self.host_weights(&self.grads)
+    }
+
+    fn host_weights(&self, tensors: &[Tensor]) -> Result<Weights> {
+        let mut w = Weights::zeros(&self.config);
+        for (slot, t) in w.tensors_mut(self.config.architecture).into_iter().zip(tensors) {
+            *slot = t.to_vec_f32()?;
+        }
+        Ok(w)
+    }
+}
+
+/// `acc += x` for f32 gradients.
+fn add_into(acc: &mut Tensor, x: &Tensor) -> Result<()> {
+    *acc = ops::add(acc, x)?;
+    Ok(())
+}
+
+/// The weights as the layers read them.
+#[derive(Clone, Copy)]
+struct DeviceWeights<'a> {
+    config: &'a ModelConfig,
+    layout: Layout,
+    masters: &'a [Tensor],
+    compute: &'a [Option<Tensor>],
+}
+
+impl<'a> DeviceWeights<'a> {
+    fn weight(&self, index: usize) -> &'a Tensor {
+        self.compute[index].as_ref().unwrap_or(&self.masters[index])
+    }
+}
+
+/// The device's layer primitives over tensors `[tokens × width]`.
+struct Dev<'a> {
+    w: DeviceWeights<'a>,
+    cos: &'a Tensor,
+    sin: &'a Tensor,
+    cu_seqlens: &'a [usize],
+    grads: Option<&'a mut Vec<Tensor>>,
+}
+
+impl Dev<'_> {
+    fn grads(&mut self) -> Result<&mut Vec<Tensor>> {
+        self.grads
+            .as_deref_mut()
+            .ok_or_else(|| Error::Invalid("internal: the device backward has no gradients".into()))
+    }
+}
+
+impl Backend for Dev<'_> {
+    type Act = Tensor;
+
+    fn rmsnorm(&self, layer: usize, norm: Norm, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let w = self.w.weight(self.w.layout.norm(layer, norm));
+        Ok(ops::rmsnorm_forward(x, w, self.w.config.rms_norm_eps)?)
+    }
+
+    fn linear(&self, layer: usize, linear: Linear, x: &Tensor) -> Result<Vec<Tensor>> {
+        self.w
+            .layout
+            .linear(layer, linear)
+            .into_iter()
+            .map(|i| Ok(ops::matmul(x, Transpose::No, self.w.weight(i), Transpose::Yes)?))
+            .collect()
+    }
+
+    fn rope(&self, x: Tensor, heads: usize, inverse: bool) -> Result<Tensor> {
+        let shape = x.shape().to_vec();
+        let d = self.w.config.head_dim;
+        let x = x.reshape(&[shape[0], heads, d])?;
+        Ok(ops::rope(&x, self.cos, self.sin, inverse)?.reshape(&shape)?)
+    }
+
+    fn swiglu(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        Ok(ops::swiglu_forward(gate, up)?)
+    }
+
+    fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        Ok(ops::add(a, b)?)
+    }
+}
+
+impl BackwardBackend for Dev<'_> {
+    fn rmsnorm_backward(
+        &mut self,
+        layer: usize,
+        norm: Norm,
+        dy: &Tensor,
+        x: &Tensor,
+        rstd: &Tensor,
+    ) -> Result<Tensor> {
+        let i = self.w.layout.norm(layer, norm);
+        let (dx, dw) = ops::rmsnorm_backward(dy, x, self.w.weight(i), rstd)?;
+        add_into(&mut self.grads()?[i], &dw)?;
+        Ok(dx)
+    }
+
+    fn linear_backward(
+        &mut self,
+        layer: usize,
+        linear: Linear,
+        dys: &[&Tensor],
+        x: &Tensor,
+    ) -> Result<Tensor> {
+        let parts = self.w.layout.linear(layer, linear);
+        let w = self.w;
+        let mut dx: Option<Tensor> = None;
+        for (&i, dy) in parts.iter().zip(dys) {
+            match dx.as_mut() {
+                None => dx = Some(ops::matmul(dy, Transpose::No, w.weight(i), Transpose::No)?),
+                Some(dx) => ops::matmul_acc(dx, dy, Transpose::No, w.weight(i), Transpose::No)?,
+            }
+            ops::matmul_acc(&mut self.grads()?[i], dy, Transpose::Yes, x, Transpose::No)?;
+        }
+        dx.ok_or_else(|| Error::Invalid("internal: a linear without parts".into()))
+    }
+
+    fn swiglu_backward(&self, dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(ops::swiglu_backward(dh, gate, up)?)
+    }
+
+    fn attention_backward(
+        &self,
+        d_out: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let c = self.w.config;
+        let shape = AttentionShape {
+            q_heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        };
+        Ok(ops::attention_backward(d_out, q, k, v, out, lse, self.cu_seqlens, shape)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Architecture;
+    use crate::model::tests::{batch, model, tiny};
+    use miles_tensor::rng::Rng;
+
+    fn devices() -> Vec<Device> {
+        let mut devices = vec![Device::Cpu];
+        match Device::Cuda(0).ensure_available() {
+            Ok(()) => devices.push(Device::Cuda(0)),
+            Err(e) => println!("skipping CUDA: {e}"),
+        }
+        devices
+    }
+
+    /// max |a − b| over max |b|.
+    fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+        assert_eq!(a.len(), b.len());
+        assert!(a.iter().all(|x| x.is_finite()), "not finite");
+        let scale = b.iter().fold(0f64, |m, x| m.max(f64::from(*x).abs())).max(1e-30);
+        a.iter().zip(b).fold(0f64, |m, (x, y)| m.max(f64::from(x - y).abs())) / scale
+    }
+
+    /// Logp, entropy and every gradient of the device model against the CPU model: f32 to
+    /// float32 rounding, bf16 to bf16's.
+    #[test]
+    fn matches_the_cpu_model_on_every_device() {
+        for device in devices() {
+            for (arch, tie) in [(Architecture::Qwen3, true), (Architecture::Llama, false)] {
+                let m = model(tiny(arch, tie), 21);
+                let b = batch();
+                let t = 0.8;
+                let fwd = m.forward(&b, t).unwrap();
+                let mut rng = Rng::new(3);
+                let (ga, gb) = (rng.vec(fwd.logp.len(), 1.0), rng.vec(fwd.logp.len(), 1.0));
+                let mut want = Weights::zeros(&m.config);
+                m.backward(&fwd, &b, &ga, &gb, &mut want).unwrap();
+                for (dtype, tol) in [(DType::F32, 2e-5), (DType::BF16, 6e-2)] {
+                    let what = format!("{device} {dtype} {arch:?}");
+                    let mut dm = DeviceModel::new(&m, &device, dtype).unwrap();
+                    let df = dm.forward(&b, t).unwrap();
+                    assert!(rel_err(&df.logp, &fwd.logp) < tol, "{what} logp");
+                    assert!(rel_err(&df.entropy, &fwd.entropy) < tol, "{what} entropy");
+                    dm.backward(&df, &b, &ga, &gb).unwrap();
+                    let got = dm.grads_to_host().unwrap();
+                    let spec = tensor_spec(&m.config);
+                    for ((name, _), (g, w)) in
+                        spec.iter().zip(got.tensors(arch).into_iter().zip(want.tensors(arch)))
+                    {
+                        let err = rel_err(g, w);
+                        // bf16 gradients pass through many roundings; f32 ones through none.
+                        let tol = if dtype == DType::F32 { 1e-4 } else { 0.1 };
+                        assert!(err < tol, "{what} gradient {name}: {err:.3e}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Two identical training steps give identical bits; a sequence's logprobs have the same
+    /// bits alone and packed (on CUDA, whose products are batch-invariant by construction
+    /// only where the GEMM route is; the CPU's tensor path is a reference, not that route).
+    #[test]
+    fn steps_are_deterministic_on_every_device() {
+        let m = model(tiny(Architecture::Qwen3, true), 8);
+        let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+        for device in devices() {
+            for dtype in [DType::F32, DType::BF16] {
+                let run = || {
+                    let mut dm = DeviceModel::new(&m, &device, dtype).unwrap();
+                    for _ in 0..2 {
+                        let f = dm.forward(&batch(), 1.0).unwrap();
+                        let n = f.logp.len();
+                        dm.zero_grads().unwrap();
+                        dm.backward(&f, &batch(), &vec![-1.0 / n as f32; n], &vec![0.01; n])
+                            .unwrap();
+                        dm.adamw_step(&hyper, 1.0).unwrap();
+                    }
+                    dm.to_weights().unwrap()
+                };
+                let (a, b) = (run(), run());
+                assert!(a == b, "{device} {dtype}: two runs differ");
+                assert!(a != m.weights, "{device} {dtype}: the steps changed nothing");
+            }
+        }
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        let m = model(tiny(Architecture::Llama, false), 1);
+        let mut dm = DeviceModel::new(&m, &Device::Cpu, DType::F32).unwrap();
+        assert!(DeviceModel::new(&m, &Device::Cpu, DType::I32).is_err());
+        let b = PackedBatch::new(&[(vec![1, 99], 1)]).unwrap();
+        assert!(dm.logprobs(&b, 1.0).unwrap_err().to_string().contains("outside the vocabulary"));
+        assert!(dm.logprobs(&batch(), 0.0).is_err());
+        let f = dm.forward(&batch(), 1.0).unwrap();
+        let n = f.logp.len();
+        let err = dm.backward(&f, &batch(), &vec![0.0; n + 1], &vec![0.0; n]).unwrap_err();
+        assert!(err.to_string().contains("logp gradients"), "{err}");
+        let other = PackedBatch::new(&[(vec![1, 2, 3], 1)]).unwrap();
+        assert!(dm.backward(&f, &other, &[0.0; 2], &[0.0; 2]).is_err());
+    }
+}

@@ -1,0 +1,183 @@
+//! One decoder layer, forward and backward, written once over a [`Backend`]: the CPU model runs
+//! it on f32 slices with the batch-invariant packed linears, the device model on tensors. Only
+//! the primitives differ between devices, never the steps of the layer or their order.
+
+use crate::{ModelConfig, Result};
+
+/// A layer's linears. Forward outputs come split into their parts: `[q, k, v]`, `[o]`,
+/// `[gate, up]`, `[down]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Linear {
+    Qkv,
+    O,
+    GateUp,
+    Down,
+}
+
+/// A layer's RMSNorms; `Q` and `K` (Qwen3) normalize each head of the queries and keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Norm {
+    Input,
+    Post,
+    Q,
+    K,
+}
+
+/// The forward primitives of one device. `Act` is an activation `[tokens × width]`.
+pub(crate) trait Backend {
+    type Act;
+    /// `(y, rstd)` of the layer's norm over `x`.
+    fn rmsnorm(&self, layer: usize, norm: Norm, x: &Self::Act) -> Result<(Self::Act, Self::Act)>;
+    /// `x·Wᵀ` for each part of the linear.
+    fn linear(&self, layer: usize, linear: Linear, x: &Self::Act) -> Result<Vec<Self::Act>>;
+    /// Rotates `heads` heads of every token by its position (`inverse`: the backward).
+    fn rope(&self, x: Self::Act, heads: usize, inverse: bool) -> Result<Self::Act>;
+    fn swiglu(&self, gate: &Self::Act, up: &Self::Act) -> Result<Self::Act>;
+    fn add(&self, a: &Self::Act, b: &Self::Act) -> Result<Self::Act>;
+}
+
+/// The backward primitives: the weight gradients accumulate inside the backend.
+pub(crate) trait BackwardBackend: Backend {
+    /// `dx` of the layer's norm; adds `dw` into the norm's gradient.
+    fn rmsnorm_backward(
+        &mut self,
+        layer: usize,
+        norm: Norm,
+        dy: &Self::Act,
+        x: &Self::Act,
+        rstd: &Self::Act,
+    ) -> Result<Self::Act>;
+    /// `dx = Σ_p dy_p·W_p` over the linear's parts, adding `dy_pᵀ·x` into each part's gradient.
+    fn linear_backward(
+        &mut self,
+        layer: usize,
+        linear: Linear,
+        dys: &[&Self::Act],
+        x: &Self::Act,
+    ) -> Result<Self::Act>;
+    fn swiglu_backward(
+        &self,
+        dh: &Self::Act,
+        gate: &Self::Act,
+        up: &Self::Act,
+    ) -> Result<(Self::Act, Self::Act)>;
+    /// `(dq, dk, dv)` of the causal attention whose forward gave `out` and `lse`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        d_out: &Self::Act,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        out: &Self::Act,
+        lse: &Self::Act,
+    ) -> Result<(Self::Act, Self::Act, Self::Act)>;
+}
+
+/// `(q, k, v) → (attention output, log-sum-exp)`: where the training forward and the
+/// incremental step differ.
+pub(crate) type AttentionFn<'a, A> = dyn FnMut(&A, &A, &A) -> Result<(A, A)> + 'a;
+
+/// What one layer's forward keeps for its backward. `q_pre`, `k_pre` and their `rstd` exist
+/// with q/k norms only.
+pub(crate) struct LayerActivations<A> {
+    pub x_in: A,
+    pub n1: A,
+    pub rstd1: A,
+    pub qk_norm: Option<[A; 4]>,
+    pub q: A,
+    pub k: A,
+    pub v: A,
+    pub attn: A,
+    pub lse: A,
+    pub x_mid: A,
+    pub n2: A,
+    pub rstd2: A,
+    pub gate: A,
+    pub up: A,
+    pub act: A,
+}
+
+fn take<const N: usize, A>(parts: Vec<A>) -> [A; N] {
+    parts.try_into().unwrap_or_else(|_| unreachable!("a backend returned the wrong part count"))
+}
+
+/// One decoder layer on `x`: `x + attn(norm(x))`, then `+ mlp(norm(·))`.
+pub(crate) fn layer_forward<B: Backend>(
+    b: &B,
+    c: &ModelConfig,
+    layer: usize,
+    x: B::Act,
+    attention: &mut AttentionFn<B::Act>,
+) -> Result<(B::Act, LayerActivations<B::Act>)> {
+    let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+    let (n1, rstd1) = b.rmsnorm(layer, Norm::Input, &x)?;
+    let [q, k, v] = take(b.linear(layer, Linear::Qkv, &n1)?);
+    let (q, k, qk_norm) = if c.architecture.has_qk_norm() {
+        let (qn, q_rstd) = b.rmsnorm(layer, Norm::Q, &q)?;
+        let (kn, k_rstd) = b.rmsnorm(layer, Norm::K, &k)?;
+        (qn, kn, Some([q, q_rstd, k, k_rstd]))
+    } else {
+        (q, k, None)
+    };
+    let q = b.rope(q, nq, false)?;
+    let k = b.rope(k, nkv, false)?;
+    let (attn, lse) = attention(&q, &k, &v)?;
+    let [o] = take(b.linear(layer, Linear::O, &attn)?);
+    let x_mid = b.add(&x, &o)?;
+    let (n2, rstd2) = b.rmsnorm(layer, Norm::Post, &x_mid)?;
+    let [gate, up] = take(b.linear(layer, Linear::GateUp, &n2)?);
+    let act = b.swiglu(&gate, &up)?;
+    let [m] = take(b.linear(layer, Linear::Down, &act)?);
+    let x_out = b.add(&x_mid, &m)?;
+    let a = LayerActivations {
+        x_in: x,
+        n1,
+        rstd1,
+        qk_norm,
+        q,
+        k,
+        v,
+        attn,
+        lse,
+        x_mid,
+        n2,
+        rstd2,
+        gate,
+        up,
+        act,
+    };
+    Ok((x_out, a))
+}
+
+/// The layer's backward: from d(loss)/d(output) to d(loss)/d(input), adding every weight's
+/// gradient into the backend's.
+pub(crate) fn layer_backward<B: BackwardBackend>(
+    b: &mut B,
+    c: &ModelConfig,
+    layer: usize,
+    a: &LayerActivations<B::Act>,
+    dx: B::Act,
+) -> Result<B::Act> {
+    let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+    // MLP: x_out = x_mid + down(swiglu(gate(n2), up(n2))).
+    let d_act = b.linear_backward(layer, Linear::Down, &[&dx], &a.act)?;
+    let (d_gate, d_up) = b.swiglu_backward(&d_act, &a.gate, &a.up)?;
+    drop(d_act);
+    let d_n2 = b.linear_backward(layer, Linear::GateUp, &[&d_gate, &d_up], &a.n2)?;
+    let d = b.rmsnorm_backward(layer, Norm::Post, &d_n2, &a.x_mid, &a.rstd2)?;
+    let dx = b.add(&dx, &d)?;
+
+    // Attention: x_mid = x_in + o(attn(rope(norm(q(n1))), rope(norm(k(n1))), v(n1))).
+    let d_attn = b.linear_backward(layer, Linear::O, &[&dx], &a.attn)?;
+    let (dq, dk, dv) = b.attention_backward(&d_attn, &a.q, &a.k, &a.v, &a.attn, &a.lse)?;
+    let mut dq = b.rope(dq, nq, true)?;
+    let mut dk = b.rope(dk, nkv, true)?;
+    if let Some([q_pre, q_rstd, k_pre, k_rstd]) = &a.qk_norm {
+        dq = b.rmsnorm_backward(layer, Norm::Q, &dq, q_pre, q_rstd)?;
+        dk = b.rmsnorm_backward(layer, Norm::K, &dk, k_pre, k_rstd)?;
+    }
+    let d_n1 = b.linear_backward(layer, Linear::Qkv, &[&dq, &dk, &dv], &a.n1)?;
+    let d = b.rmsnorm_backward(layer, Norm::Input, &d_n1, &a.x_in, &a.rstd1)?;
+    b.add(&dx, &d)
+}
