@@ -5,10 +5,11 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use miles_core::{Rollout, Sample, SamplingParams};
-use miles_model::{Model, PackedBatch, Weights, presets};
+use miles_model::{DeviceModel, Model, PackedBatch, Weights, presets};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
 use miles_tensor::rng::Rng;
+use miles_tensor::{DType, Device};
 use miles_train::Optimizer;
 use serde_json::json;
 
@@ -29,8 +30,8 @@ pub struct RolloutBenchArgs {
     pub preset: String,
     #[arg(long, value_name = "DIR")]
     pub hf_checkpoint: Option<PathBuf>,
-    #[arg(long, value_enum, default_value = "cpu")]
-    pub device: DeviceArg,
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
     /// Sequences decoded together.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
@@ -44,11 +45,37 @@ pub struct RolloutBenchArgs {
     pub seed: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DeviceArg {
-    Cpu,
-    Cuda,
+/// `--device`: cpu, cuda or cuda:N.
+pub fn parse_device(s: &str) -> Result<Device, String> {
+    s.parse().map_err(|e: miles_tensor::Error| e.to_string())
 }
+
+/// The compute dtype of a device run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DTypeArg {
+    /// bf16 weights and activations, f32 accumulation, f32 masters and moments.
+    Bf16,
+    /// f32 throughout (parity runs).
+    F32,
+}
+
+impl DTypeArg {
+    pub fn dtype(self) -> DType {
+        match self {
+            DTypeArg::Bf16 => DType::BF16,
+            DTypeArg::F32 => DType::F32,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GemmArg {
+    Invariant,
+    Cublas,
+}
+
+/// The H200's measured dense bf16 GEMM ceiling (TFLOP/s), the denominator of MFU.
+const H200_BF16_TFLOPS: f64 = 790.0;
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -58,8 +85,16 @@ pub struct BenchArgs {
     /// Benchmark a checkpoint's weights instead of a preset.
     #[arg(long, value_name = "DIR")]
     pub hf_checkpoint: Option<PathBuf>,
-    #[arg(long, value_enum, default_value = "cpu")]
-    pub device: DeviceArg,
+    /// Where the model runs: cpu, cuda (device 0) or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+    /// Compute dtype on a GPU (the CPU computes in f32).
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: DTypeArg,
+    /// GPU matrix products: `invariant` (pinned cuBLASLt algorithms, batch-invariant) or
+    /// `cublas` (cuBLAS's per-call choice), to measure what invariance costs.
+    #[arg(long, value_enum, default_value = "invariant")]
+    pub gemm: GemmArg,
     /// Sequences per step.
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
@@ -75,8 +110,8 @@ pub struct BenchArgs {
     pub seed: u64,
 }
 
-const NO_CUDA_MODEL: &str = "--device cuda: the model runs on the CPU in this build; the CUDA \
-    backend so far covers matmul and RMSNorm (miles-tensor ops)";
+const NO_CUDA_ENGINE: &str = "--device: the rollout engine runs on the CPU so far (the GPU \
+    engine is to come); bench train and logprob run on a GPU";
 
 fn bench_model(preset: &str, dir: &Option<PathBuf>, seed: u64) -> anyhow::Result<(Model, String)> {
     Ok(match dir {
@@ -95,9 +130,6 @@ pub fn run(command: &BenchCommand, out: &mut dyn Write) -> anyhow::Result<()> {
         BenchCommand::Logprob(a) => (a, "logprob_forward"),
         BenchCommand::Rollout(a) => return rollout(a, out),
     };
-    if args.device == DeviceArg::Cuda {
-        bail!(NO_CUDA_MODEL);
-    }
     if args.batch == 0 || args.seq_len < 2 || args.steps == 0 {
         bail!("--batch must be >= 1, --seq-len >= 2 and --steps >= 1");
     }
@@ -113,6 +145,16 @@ pub fn run(command: &BenchCommand, out: &mut dyn Write) -> anyhow::Result<()> {
     let d_logp: Vec<f32> = advantages.iter().map(|a| -a / scored as f32).collect();
     let d_entropy = vec![0.0; scored];
     let hyper = AdamW { lr: 1e-6, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+    if args.device != Device::Cpu {
+        let step = Step {
+            train: what == "train_step",
+            batch: &batch,
+            d_logp: &d_logp,
+            d_entropy: &d_entropy,
+            hyper,
+        };
+        return device_bench(args, what, &model, &label, &step, out);
+    }
     let mut optimizer = Optimizer::new(&config, hyper, 1.0);
     let mut grads = Weights::zeros(&config);
 
@@ -155,8 +197,8 @@ pub fn run(command: &BenchCommand, out: &mut dyn Write) -> anyhow::Result<()> {
 /// One generate call over `batch` random prompts: every prompt is prefilled in the first step,
 /// then all sequences decode together to `new_tokens`.
 fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
-    if args.device == DeviceArg::Cuda {
-        bail!(NO_CUDA_MODEL);
+    if args.device != Device::Cpu {
+        bail!(NO_CUDA_ENGINE);
     }
     if args.batch == 0 || args.prompt_len == 0 || args.new_tokens < 2 {
         bail!("--batch and --prompt-len must be >= 1, --new-tokens >= 2");
@@ -202,6 +244,79 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "decode_tokens_per_s": s.decode_tokens as f64 / s.decode_seconds,
         "time_to_first_token_s": s.first_token_seconds,
         "decode_step_ms": 1e3 * s.decode_seconds / (s.steps - 1).max(1) as f64,
+    });
+    writeln!(out, "{line}")?;
+    Ok(())
+}
+
+/// One timed step's inputs.
+struct Step<'a> {
+    train: bool,
+    batch: &'a PackedBatch,
+    d_logp: &'a [f32],
+    d_entropy: &'a [f32],
+    hyper: AdamW,
+}
+
+/// The bench on a GPU: the model resident there, each step synchronized before its clock stops.
+fn device_bench(
+    args: &BenchArgs,
+    what: &str,
+    model: &Model,
+    label: &str,
+    step: &Step,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let device = args.device;
+    device.ensure_available().with_context(|| format!("--device {device}"))?;
+    let dtype = args.dtype.dtype();
+    miles_tensor::set_gemm_route(match args.gemm {
+        GemmArg::Invariant => miles_tensor::GemmRoute::Invariant,
+        GemmArg::Cublas => miles_tensor::GemmRoute::Cublas,
+    });
+    let mut dm = DeviceModel::new(model, &device, dtype)?;
+    device.synchronize()?;
+    let resident = device.peak_memory()?;
+    let mut times = Vec::new();
+    for i in 0..args.warmup + args.steps {
+        let started = Instant::now();
+        if step.train {
+            dm.zero_grads()?;
+            let fwd = dm.forward(step.batch, 1.0)?;
+            dm.backward(&fwd, step.batch, step.d_logp, step.d_entropy)?;
+            drop(fwd);
+            dm.adamw_step(&step.hyper, 1.0)?;
+        } else {
+            dm.logprobs(step.batch, 1.0)?;
+        }
+        device.synchronize()?;
+        if i >= args.warmup {
+            times.push(started.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let seconds = times[times.len() / 2];
+    let tokens = (args.batch * args.seq_len) as f64;
+    let config = &model.config;
+    let params = config.num_parameters() as f64;
+    let flops_per_token = if step.train { 6.0 } else { 2.0 };
+    let tflops = flops_per_token * params * tokens / seconds / 1e12;
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let line = json!({
+        "what": what,
+        "model": label,
+        "device": device.to_string(),
+        "dtype": dtype.to_string(),
+        "gemm": format!("{:?}", args.gemm).to_lowercase(),
+        "params": config.num_parameters(),
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tflops_by_nd": tflops,
+        "mfu": tflops / H200_BF16_TFLOPS,
+        "resident_after_load_gib": gib(resident),
+        "peak_memory_gib": gib(device.peak_memory()?),
     });
     writeln!(out, "{line}")?;
     Ok(())

@@ -3,7 +3,12 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use miles_model::{Model, ModelConfig, PackedBatch, PackedLinears, Tokenizer, Weights};
+use miles_model::{
+    DeviceModel, Model, ModelConfig, PackedBatch, PackedLinears, Tokenizer, Weights,
+};
+use miles_tensor::Device;
+
+use crate::bench_cmd::DTypeArg;
 use serde_json::{Value, json};
 
 use crate::jsonl;
@@ -32,6 +37,41 @@ pub struct ScoreArgs {
     /// Tokens per packed forward pass.
     #[arg(long, default_value_t = 8192)]
     pub max_tokens_per_batch: usize,
+    /// Where the model runs: cpu, cuda (device 0) or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = crate::bench_cmd::parse_device)]
+    pub device: Device,
+    /// Compute dtype on a GPU (the CPU computes in f32).
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: DTypeArg,
+}
+
+/// The model where `--device` puts it.
+enum Scorer {
+    Cpu(Box<(Model, PackedLinears)>),
+    Device(Box<DeviceModel>),
+}
+
+impl Scorer {
+    fn new(model: Model, args: &ScoreArgs) -> anyhow::Result<Self> {
+        if args.device == Device::Cpu {
+            let packed = PackedLinears::new(&model)?;
+            return Ok(Scorer::Cpu(Box::new((model, packed))));
+        }
+        let device = args.device;
+        device.ensure_available().with_context(|| format!("--device {device}"))?;
+        Ok(Scorer::Device(Box::new(DeviceModel::new(&model, &device, args.dtype.dtype())?)))
+    }
+
+    fn logprobs(
+        &self,
+        batch: &PackedBatch,
+        temperature: f32,
+    ) -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
+        Ok(match self {
+            Scorer::Cpu(cpu) => cpu.0.logprobs_with(&cpu.1, batch, temperature)?,
+            Scorer::Device(dm) => dm.logprobs(batch, temperature)?,
+        })
+    }
 }
 
 /// One line to score: its number, the tokens and where the response starts.
@@ -99,7 +139,7 @@ pub fn run(args: &ScoreArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let lines = jsonl::read_objects(&args.input)?;
     let dir = &args.hf_checkpoint;
     let model = load_model(dir)?;
-    let packed = PackedLinears::new(&model)?;
+    let scorer = Scorer::new(model, args)?;
     let tokenizer =
         if dir.join("tokenizer.json").exists() { Some(Tokenizer::load(dir)?) } else { None };
     let items: Vec<Item> = lines
@@ -123,7 +163,7 @@ pub fn run(args: &ScoreArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         let pairs: Vec<(Vec<u32>, usize)> =
             group.iter().map(|i| (i.tokens.clone(), i.prompt_len)).collect();
         let batch = PackedBatch::new(&pairs)?;
-        let (logp, entropy) = model.logprobs_with(&packed, &batch, args.temperature)?;
+        let (logp, entropy) = scorer.logprobs(&batch, args.temperature)?;
         let mut offset = 0;
         for item in group {
             let n = item.tokens.len() - item.prompt_len;

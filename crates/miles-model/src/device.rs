@@ -640,3 +640,58 @@ mod tests {
         assert!(dm.backward(&f, &other, &[0.0; 2], &[0.0; 2]).is_err());
     }
 }
+
+#[cfg(test)]
+mod invariance {
+    use super::*;
+    use crate::Architecture;
+    use crate::model::tests::{model, tiny};
+    use miles_tensor::rng::Rng;
+
+    /// A sequence's logprobs and entropies have the same bits scored alone and packed with
+    /// others, first, last or in the middle, in batches of several sizes.
+    #[test]
+    fn logprobs_are_batch_invariant_on_cuda() {
+        let device = Device::Cuda(0);
+        if let Err(e) = device.ensure_available() {
+            println!("skipping CUDA: {e}");
+            return;
+        }
+        let mut c = tiny(Architecture::Qwen3, false);
+        (c.hidden_size, c.intermediate_size, c.vocab_size) = (256, 640, 1000);
+        (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (8, 2, 64);
+        let m = model(c, 4);
+        let mut rng = Rng::new(9);
+        let seqs: Vec<(Vec<u32>, usize)> = [3usize, 70, 1, 200, 129, 64, 500, 17]
+            .iter()
+            .map(|&n| ((0..n + 1).map(|_| rng.below(1000) as u32).collect(), 1))
+            .collect();
+        for dtype in [DType::BF16, DType::F32] {
+            let dm = DeviceModel::new(&m, &device, dtype).unwrap();
+            let alone: Vec<_> = seqs
+                .iter()
+                .map(|s| {
+                    dm.logprobs(&PackedBatch::new(std::slice::from_ref(s)).unwrap(), 0.7).unwrap()
+                })
+                .collect();
+            for order in [
+                vec![0, 1, 2, 3, 4, 5, 6, 7],
+                vec![7, 6, 5, 4, 3, 2, 1, 0],
+                vec![3, 1],
+                vec![6, 6, 6, 2],
+            ] {
+                let packed: Vec<_> = order.iter().map(|&i| seqs[i].clone()).collect();
+                let (lp, ent) = dm.logprobs(&PackedBatch::new(&packed).unwrap(), 0.7).unwrap();
+                let mut at = 0;
+                for &i in &order {
+                    let n = alone[i].0.len();
+                    assert!(
+                        lp[at..at + n] == alone[i].0[..] && ent[at..at + n] == alone[i].1[..],
+                        "{dtype}: sequence {i} in {order:?} differs from alone"
+                    );
+                    at += n;
+                }
+            }
+        }
+    }
+}

@@ -48,3 +48,29 @@ pub(crate) static POISON_OUTPUTS: std::sync::atomic::AtomicBool =
 pub(crate) fn poison_outputs() -> bool {
     POISON_OUTPUTS.load(std::sync::atomic::Ordering::Relaxed)
 }
+
+/// How device matrix products are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmRoute {
+    /// cuBLASLt with one pinned, split-K-free algorithm per shape class: a row's result does
+    /// not depend on how many rows share the product (batch-invariant). The default.
+    Invariant,
+    /// cuBLAS's own choice per call (its heuristics may split K for few rows): the comparison
+    /// point for what invariance costs.
+    Cublas,
+}
+
+static GEMM_ROUTE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets the route of every later device matrix product in this process.
+pub fn set_gemm_route(route: GemmRoute) {
+    GEMM_ROUTE.store(route == GemmRoute::Cublas, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub fn gemm_route() -> GemmRoute {
+    if GEMM_ROUTE.load(std::sync::atomic::Ordering::Relaxed) {
+        GemmRoute::Cublas
+    } else {
+        GemmRoute::Invariant
+    }
+}

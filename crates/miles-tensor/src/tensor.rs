@@ -49,6 +49,48 @@ impl Device {
     }
 }
 
+impl std::str::FromStr for Device {
+    type Err = crate::Error;
+
+    /// `cpu`, `cuda` (device 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Device> {
+        let bad =
+            || crate::Error::Device(format!("device `{s}`: use cpu, cuda (device 0) or cuda:N"));
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => match s.strip_prefix("cuda:") {
+                Some(n) => n.parse().map(Device::Cuda).map_err(|_| bad()),
+                None => Err(bad()),
+            },
+        }
+    }
+}
+
+impl Device {
+    /// Peak bytes of device memory held by this crate's buffers since the device was opened
+    /// or [`Device::reset_peak_memory`] (0 on the CPU).
+    pub fn peak_memory(&self) -> Result<u64> {
+        match *self {
+            Device::Cpu => Ok(0),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::gpu(ordinal)?.peak_memory(),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(not_built()),
+        }
+    }
+
+    pub fn reset_peak_memory(&self) -> Result<()> {
+        match *self {
+            Device::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::gpu(ordinal)?.reset_peak_memory(),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(not_built()),
+        }
+    }
+}
+
 /// The error for any CUDA request in a build without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
 pub(crate) fn not_built() -> crate::Error {

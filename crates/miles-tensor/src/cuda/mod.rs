@@ -50,6 +50,7 @@ macro_rules! launch {
 }
 mod attention;
 mod elementwise;
+mod gemm_lt;
 mod logprob;
 mod ops;
 mod optim;
@@ -66,6 +67,8 @@ pub(crate) struct Gpu {
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Created on the first matrix product, so the kernels work where cuBLAS is missing.
     blas: OnceLock<std::result::Result<Mutex<CudaBlas>, String>>,
+    /// cuBLASLt and the pinned algorithms of the batch-invariant route, made on first use.
+    lt: OnceLock<std::result::Result<gemm_lt::Lt, String>>,
 }
 
 /// Devices opened so far, by ordinal (failures are not kept: the next call tries again).
@@ -78,6 +81,7 @@ pub(crate) fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
         return Ok(gpu.clone());
     }
     let gpu = Arc::new(open(ordinal)?);
+    gpu.keep_freed_memory()?;
     gpus.push((ordinal, gpu.clone()));
     Ok(gpu)
 }
@@ -119,6 +123,7 @@ fn open(ordinal: usize) -> Result<Gpu> {
             modules,
             functions: Mutex::new(HashMap::new()),
             blas: OnceLock::new(),
+            lt: OnceLock::new(),
         })
     }));
     opened.unwrap_or_else(|panic| Err(no_device(panic_message(&panic))))
@@ -135,6 +140,62 @@ fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
 impl Gpu {
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The device's default memory pool, from which every buffer of this crate comes
+    /// (cudarc allocates stream-ordered where the device supports it, as the H100/H200 do).
+    fn pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool> {
+        let dev = self.stream.context().cu_device();
+        // SAFETY: `dev` is this context's device.
+        unsafe { cudarc::driver::result::device::get_default_mem_pool(dev) }
+            .map_err(|e| driver_error("memory pool", e))
+    }
+
+    /// Peak bytes in use from the pool since it was opened or [`Gpu::reset_peak_memory`].
+    pub(crate) fn peak_memory(&self) -> Result<u64> {
+        let mut v = 0u64;
+        let attr = cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        // SAFETY: the attribute is a u64 (cuuint64_t).
+        unsafe {
+            cudarc::driver::result::mem_pool::get_attribute(
+                self.pool()?,
+                attr,
+                (&mut v as *mut u64).cast(),
+            )
+        }
+        .map_err(|e| driver_error("memory pool attribute", e))?;
+        Ok(v)
+    }
+
+    pub(crate) fn reset_peak_memory(&self) -> Result<()> {
+        let mut zero = 0u64;
+        let attr = cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        // SAFETY: the attribute is a u64, and 0 is the one value it may be set to.
+        unsafe {
+            cudarc::driver::result::mem_pool::set_attribute(
+                self.pool()?,
+                attr,
+                (&mut zero as *mut u64).cast(),
+            )
+        }
+        .map_err(|e| driver_error("memory pool attribute", e))
+    }
+
+    /// Keeps freed memory in the pool instead of returning it to the driver at each
+    /// synchronization: a step's buffers are reused by the next step of the same shapes, as
+    /// a caching allocator does, without an allocation from the driver per step.
+    fn keep_freed_memory(&self) -> Result<()> {
+        let mut threshold = u64::MAX;
+        let attr = cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        // SAFETY: the attribute is a u64.
+        unsafe {
+            cudarc::driver::result::mem_pool::set_attribute(
+                self.pool()?,
+                attr,
+                (&mut threshold as *mut u64).cast(),
+            )
+        }
+        .map_err(|e| driver_error("memory pool attribute", e))
     }
 
     /// Waits for everything queued on the device.
@@ -193,6 +254,16 @@ impl Gpu {
             Ok(blas) => Ok(blas.lock().unwrap_or_else(PoisonError::into_inner)),
             Err(e) => Err(Error::Device(e.clone())),
         }
+    }
+
+    /// cuBLASLt for the batch-invariant GEMM route (created on first use).
+    pub(crate) fn lt(&self) -> Result<&gemm_lt::Lt> {
+        let lt = self.lt.get_or_init(|| {
+            catch_unwind(gemm_lt::Lt::new)
+                .unwrap_or_else(|panic| Err(Error::Device(panic_message(&panic))))
+                .map_err(|e| e.to_string())
+        });
+        lt.as_ref().map_err(|e| Error::Device(e.clone()))
     }
 
     /// `len` elements of uninitialized device memory, NaN-filled when [`crate::POISON_OUTPUTS`].

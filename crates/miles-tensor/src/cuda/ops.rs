@@ -117,6 +117,22 @@ fn gemm<T: DeviceRepr, C: DeviceRepr>(
         cudaDataType::CUDA_R_32F => cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
         _ => cublasComputeType_t::CUBLAS_COMPUTE_32F,
     };
+    if crate::gemm_route() == crate::GemmRoute::Invariant {
+        let lt = gpu.lt()?;
+        stream.context().bind_to_thread().map_err(|e| driver_error("bind context", e))?;
+        let (a_ptr, _a_sync) = a.device_ptr(stream);
+        let (b_ptr, _b_sync) = b.device_ptr(stream);
+        let (c_ptr, _c_sync) = c.device_ptr_mut(stream);
+        return lt.matmul(
+            stream.cu_stream() as _,
+            (a_ptr as *const c_void, ta),
+            (b_ptr as *const c_void, tb),
+            c_ptr as *mut c_void,
+            (m, k, n),
+            (dtype == cudaDataType::CUDA_R_32F, c_dtype == cudaDataType::CUDA_R_32F),
+            beta != 0.0,
+        );
+    }
     let alpha = 1.0f32;
     let blas = gpu.blas()?;
     let handle = *blas.handle();

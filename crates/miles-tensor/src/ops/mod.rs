@@ -367,6 +367,45 @@ mod tests {
             .unwrap()
     }
 
+    /// On the invariant route a row of `x·Wᵀ` (a linear layer) or `dy·W` (its input gradient)
+    /// has the same bits whatever the number of rows beside it.
+    #[test]
+    fn device_products_are_batch_invariant() {
+        let device = Device::Cuda(0);
+        if let Err(e) = device.ensure_available() {
+            println!("skipping CUDA: {e}");
+            return;
+        }
+        let mut rng = Rng::new(25);
+        for &(n, k) in &[(1024usize, 1024usize), (3072, 1024), (1024, 3072), (333, 70)] {
+            let (w, x) = (rng.vec(n * k, 0.05), rng.vec(4096 * k, 1.0));
+            let dy = rng.vec(4096 * n, 1.0);
+            for dtype in [DType::F32, DType::BF16] {
+                let wt = tensor(&[n, k], &w, dtype, &device);
+                let full = |rows: usize, forward: bool| {
+                    let t = if forward {
+                        let xt = tensor(&[rows, k], &x[..rows * k], dtype, &device);
+                        matmul(&xt, Transpose::No, &wt, Transpose::Yes)
+                    } else {
+                        let dt = tensor(&[rows, n], &dy[..rows * n], dtype, &device);
+                        matmul(&dt, Transpose::No, &wt, Transpose::No)
+                    };
+                    t.unwrap().to_vec_f32().unwrap()
+                };
+                for forward in [true, false] {
+                    let width = if forward { n } else { k };
+                    let all = full(4096, forward);
+                    for rows in [1usize, 2, 7, 64, 100, 1000, 4095] {
+                        assert!(
+                            full(rows, forward) == all[..rows * width],
+                            "{dtype} {n}×{k} forward={forward}: {rows} rows differ from 4096"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn matmul_acc_adds_the_product_on_every_device() {
         let mut rng = Rng::new(24);

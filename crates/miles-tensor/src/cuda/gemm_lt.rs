@@ -1,0 +1,251 @@
+//! Batch-invariant matrix products: cuBLASLt with one pinned algorithm per shape class.
+//!
+//! cuBLAS picks a kernel per call from the problem's sizes, and for few rows it likes split-K,
+//! whose partial sums change how a row is reduced: a token's activations would then depend on
+//! how many tokens share its batch. Here the rows (our `m`, tokens) are the only size that
+//! varies; for each class (transposes, `n`, `k`, dtypes, accumulate or not) the algorithm is
+//! chosen once, by cuBLASLt's heuristic at [`REFERENCE_ROWS`] rows with no workspace and no
+//! split-K reduction allowed, and then used for every row count. One kernel with one K order
+//! computes every output element, so a row's bits are the same in any batch. The cost against
+//! cuBLAS's own per-call choice is measured by `miles bench … --gemm cublas`.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys::{
+    self as lt_sys, cublasComputeType_t, cublasLtMatmulAlgo_t, cublasLtMatmulDescAttributes_t,
+    cublasLtMatmulPreferenceAttributes_t, cublasLtReductionScheme_t, cudaDataType,
+};
+
+use crate::cpu::Transpose;
+use crate::{Error, Result};
+
+/// The row count at which each class's algorithm is chosen: a training batch's order of size.
+const REFERENCE_ROWS: u64 = 8192;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Class {
+    ta: bool,
+    tb: bool,
+    n: i32,
+    k: i32,
+    ab: u32,
+    c: u32,
+    accumulate: bool,
+}
+
+/// A cuBLASLt handle and the pinned algorithm of each class met so far.
+pub(crate) struct Lt {
+    handle: lt_sys::cublasLtHandle_t,
+    algos: Mutex<HashMap<Class, cublasLtMatmulAlgo_t>>,
+}
+
+// SAFETY: the handle is used under the Gpu's one stream; cuBLASLt handles are thread-safe for
+// calls that do not share descriptors, and every descriptor here is per call.
+unsafe impl Send for Lt {}
+unsafe impl Sync for Lt {}
+
+fn lt_error(what: &str, e: lt::CublasError) -> Error {
+    Error::Device(format!("cuBLASLt {what}: {e}"))
+}
+
+/// Descriptors of one problem, destroyed on drop.
+struct Problem {
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    a: lt_sys::cublasLtMatrixLayout_t,
+    b: lt_sys::cublasLtMatrixLayout_t,
+    c: lt_sys::cublasLtMatrixLayout_t,
+}
+
+impl Drop for Problem {
+    fn drop(&mut self) {
+        // SAFETY: created by Problem::new and destroyed only here.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.c);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+fn op(t: bool) -> cublasOperation_t {
+    if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N }
+}
+
+impl Problem {
+    /// Row-major `c[m×n] = op(a)·op(b)` as cuBLASLt's column-major `cᵀ = op(b)ᵀ·op(a)ᵀ`: b
+    /// comes first, the transposes carry over, and a row-major matrix is its column-major
+    /// transpose.
+    fn new(class: Class, m: u64, dtype: cudaDataType, c_dtype: cudaDataType) -> Result<Self> {
+        let err = |e| lt_error("descriptor", e);
+        let compute = if dtype == cudaDataType::CUDA_R_32F {
+            cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC
+        } else {
+            cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let desc = lt::create_matmul_desc(compute, cudaDataType::CUDA_R_32F).map_err(err)?;
+        let (n, k) = (class.n as u64, class.k as u64);
+        // The column-major operands: A_cm is b, B_cm is a.
+        let (a_rows, a_cols) = if class.tb { (k, n) } else { (n, k) };
+        let (b_rows, b_cols) = if class.ta { (m, k) } else { (k, m) };
+        let a = lt::create_matrix_layout(dtype, a_rows, a_cols, a_rows as i64).map_err(err)?;
+        let b = lt::create_matrix_layout(dtype, b_rows, b_cols, b_rows as i64).map_err(err)?;
+        let c = lt::create_matrix_layout(c_dtype, n, m, n as i64).map_err(err)?;
+        let problem = Problem { desc, a, b, c };
+        for (attr, t) in [
+            (cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, op(class.tb)),
+            (cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, op(class.ta)),
+        ] {
+            // SAFETY: the attribute is a cublasOperation_t, passed by pointer with its size.
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    problem.desc,
+                    attr,
+                    (&t as *const cublasOperation_t).cast(),
+                    std::mem::size_of::<cublasOperation_t>(),
+                )
+            }
+            .map_err(err)?;
+        }
+        Ok(problem)
+    }
+}
+
+impl Lt {
+    pub(crate) fn new() -> Result<Self> {
+        // SAFETY: only tries to dlopen the library.
+        if !unsafe { lt_sys::is_culib_present() } {
+            return Err(Error::Device(
+                "cuBLASLt (libcublasLt.so.13) is not on the library path: install CUDA 13's \
+                 cuBLAS or add its lib folder to LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
+        let handle = lt::create_handle().map_err(|e| lt_error("create", e))?;
+        Ok(Lt { handle, algos: Mutex::new(HashMap::new()) })
+    }
+
+    /// The class's algorithm, chosen on first use: no workspace and no split-K reduction.
+    fn algo(
+        &self,
+        class: Class,
+        dtype: cudaDataType,
+        c_dtype: cudaDataType,
+    ) -> Result<cublasLtMatmulAlgo_t> {
+        let mut algos = self.algos.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(a) = algos.get(&class) {
+            return Ok(*a);
+        }
+        let problem = Problem::new(class, REFERENCE_ROWS, dtype, c_dtype)?;
+        let pref = lt::create_matmul_pref().map_err(|e| lt_error("preference", e))?;
+        let workspace = 0usize;
+        let reduction = cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
+        // SAFETY: each attribute is passed by pointer with its size (u64 and u32).
+        let set = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&workspace as *const usize).cast(),
+                std::mem::size_of::<usize>(),
+            )
+            .and_then(|()| {
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                    (&reduction as *const u32).cast(),
+                    std::mem::size_of::<u32>(),
+                )
+            })
+        };
+        // SAFETY: the descriptors are alive; the preference is destroyed once.
+        let heuristic = set.and_then(|()| unsafe {
+            lt::get_matmul_algo_heuristic(
+                self.handle,
+                problem.desc,
+                problem.a,
+                problem.b,
+                problem.c,
+                problem.c,
+                pref,
+            )
+        });
+        // SAFETY: created above, not used after.
+        unsafe {
+            let _ = lt::destroy_matmul_pref(pref);
+        }
+        let mut algo = heuristic
+            .map_err(|e| lt_error(&format!("no split-K-free algorithm for {class:?}"), e))?
+            .algo;
+        // Pin one K slice explicitly, whatever the heuristic's default.
+        let splits = 1i32;
+        // SAFETY: the attribute is an int32.
+        unsafe {
+            lt_sys::cublasLtMatmulAlgoConfigSetAttribute(
+                &mut algo,
+                lt_sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                (&splits as *const i32).cast(),
+                std::mem::size_of::<i32>(),
+            )
+        }
+        .result()
+        .map_err(|e| lt_error("split-K", e))?;
+        algos.insert(class, algo);
+        Ok(algo)
+    }
+
+    /// Row-major `c[m×n] (+)= op(a)·op(b)` on `stream`, with the class's pinned algorithm;
+    /// operands and result are f32 or bf16 as the flags say.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn matmul(
+        &self,
+        stream: lt_sys::cudaStream_t,
+        (a, ta): (*const c_void, Transpose),
+        (b, tb): (*const c_void, Transpose),
+        c: *mut c_void,
+        (m, k, n): (i32, i32, i32),
+        (ab_f32, c_f32): (bool, bool),
+        accumulate: bool,
+    ) -> Result<()> {
+        let dt = |f32: bool| if f32 { cudaDataType::CUDA_R_32F } else { cudaDataType::CUDA_R_16BF };
+        let (dtype, c_dtype) = (dt(ab_f32), dt(c_f32));
+        let class = Class {
+            ta: ta == Transpose::Yes,
+            tb: tb == Transpose::Yes,
+            n,
+            k,
+            ab: dtype as u32,
+            c: c_dtype as u32,
+            accumulate,
+        };
+        let algo = self.algo(class, dtype, c_dtype)?;
+        let problem = Problem::new(class, m as u64, dtype, c_dtype)?;
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        // SAFETY: the pointers address buffers of the sizes the layouts describe (checked by
+        // the op); no workspace is needed by a split-K-free algorithm chosen with none.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                problem.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                b,
+                problem.a,
+                a,
+                problem.b,
+                c,
+                problem.c,
+                c,
+                problem.c,
+                &algo,
+                std::ptr::null_mut(),
+                0,
+                stream,
+            )
+        }
+        .map_err(|e| lt_error(&format!("matmul {m}×{k}·{k}×{n}"), e))
+    }
+}
