@@ -1,0 +1,34 @@
+#!/bin/sh
+# The GPU checks of issue 11 in one device call (run from the repository root, with the device
+# bundle and target/gpu/{miles,hf_baseline.py} carried): the kernel and model tests, Qwen3-0.6B
+# bf16 against HF, and the benchmarks beside HF transformers. Results under $OUT.
+#   sh tests/device/gpu_checks.sh [tests|parity|bench|all]
+set -u
+what=${1:-all}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+miles=target/gpu/miles
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  target/device-bundle/run.sh > "$OUT/tests.txt" 2>&1
+  grep -E "test result|FAILED|panicked" "$OUT/tests.txt"
+fi
+if [ "$what" = parity ] || [ "$what" = all ]; then
+  d=/tmp/qwen3-parity
+  mkdir -p $d
+  python3 tests/device/qwen3_bf16_parity.py write $d 2>&1 | grep -v -i warn
+  $miles score --hf-checkpoint $d --input $d/tokens.jsonl --device cuda --dtype bf16 --output $d/ours.jsonl
+  python3 tests/device/qwen3_bf16_parity.py compare $d | tee "$OUT/parity.json"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for preset in qwen3-0.6b smollm2-135m; do
+    for gemm in invariant cublas; do
+      for w in logprob train; do
+        timeout 300 $miles bench $w --device cuda --preset $preset --batch 32 --seq-len 512 \
+          --steps 5 --warmup 2 --gemm $gemm | tee -a "$OUT/bench.jsonl"
+      done
+    done
+    timeout 300 python3 target/gpu/hf_baseline.py --model $preset --skip-generate 2>/dev/null \
+      | tee -a "$OUT/bench.jsonl"
+  done
+fi
