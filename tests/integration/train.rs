@@ -364,6 +364,26 @@ fn an_sft_run_trains_on_the_labels() {
     assert!(evals.last().unwrap().1 > evals[0].1, "{evals:?}");
 }
 
+/// `--device`: a bad name says what is valid; RL on a GPU is refused until the GPU engine
+/// exists (no GPU trainer beside a CPU engine); a build or machine without CUDA says so.
+#[test]
+fn device_runs_are_checked() {
+    let dir = scratch("train_device_flags");
+    let run = |flags: &[&str]| {
+        let mut args = vec!["train", "--num-rollout", "1", "--run-dir", dir.to_str().unwrap()];
+        args.extend_from_slice(flags);
+        miles(&args).unwrap_err()
+    };
+    let err = run(&["--device", "gpu"]);
+    assert!(err.contains("--device") && err.contains("cuda:N"), "{err}");
+    let err = run(&["--device", "cuda"]);
+    assert!(err.contains("RL iterations need the GPU rollout engine"), "{err}");
+    if miles_tensor::Device::Cuda(0).ensure_available().is_err() {
+        let err = run(&["--device", "cuda", "--loss-type", "sft_loss", "--sft-warmup-steps", "0"]);
+        assert!(err.contains("--device cuda") && err.contains("CUDA"), "{err}");
+    }
+}
+
 /// The example configurations parse into valid run settings (their paths are checked by runs).
 #[test]
 fn example_configs_are_valid() {

@@ -95,6 +95,13 @@ pub const FLAGS: &[Flag] = &[
         Ty::UInt,
         "Seed of the demo policy's initialization and of the SFT warm-up's data order.",
     ),
+    value(
+        MODEL,
+        "device",
+        Ty::Str,
+        "Where the trainer's model runs: cpu, cuda (device 0) or cuda:N; a GPU keeps weights, \
+         gradients and AdamW state there and computes in bf16 (miles-rs).",
+    ),
     // Data and evaluation.
     optional(
         DATA,

@@ -87,6 +87,8 @@ pub struct RunConfig {
     pub save_interval: Option<usize>,
     pub save_hf: Option<PathBuf>,
     pub seed: u64,
+    /// Where the trainer's model runs: `cpu`, `cuda` (device 0) or `cuda:N` (miles-rs).
+    pub device: String,
 
     // Data.
     pub prompt_data: Option<String>,
@@ -217,6 +219,7 @@ impl Default for RunConfig {
             save_interval: None,
             save_hf: None,
             seed: 1234,
+            device: "cpu".into(),
             prompt_data: None,
             input_key: "input".into(),
             label_key: None,

@@ -383,6 +383,32 @@ impl DeviceModel {
         Ok((norm, scale))
     }
 
+    /// AdamW's first and second moments and its step count, copied to the host (`None`
+    /// before the first step).
+    pub fn moments_to_host(&self) -> Result<Option<(Weights, Weights, u64)>> {
+        match &self.moments {
+            None => Ok(None),
+            Some(m) => Ok(Some((self.host_weights(&m.m)?, self.host_weights(&m.v)?, m.step))),
+        }
+    }
+
+    /// Restores AdamW's state (from a checkpoint): moments shaped like the weights, `step`
+    /// steps taken.
+    pub fn set_moments(&mut self, m: &Weights, v: &Weights, step: u64) -> Result<()> {
+        m.check(&self.config)?;
+        v.check(&self.config)?;
+        let spec = tensor_spec(&self.config);
+        let arch = self.config.architecture;
+        let upload = |w: &Weights| -> Result<Vec<Tensor>> {
+            spec.iter()
+                .zip(w.tensors(arch))
+                .map(|((_, shape), t)| Ok(Tensor::from_f32(shape, t.clone(), &self.device)?))
+                .collect()
+        };
+        self.moments = Some(Moments { m: upload(m)?, v: upload(v)?, step });
+        Ok(())
+    }
+
     /// Optimizer steps taken.
     pub fn steps(&self) -> u64 {
         self.moments.as_ref().map_or(0, |m| m.step)

@@ -32,9 +32,12 @@ use anyhow::{Context, anyhow, bail};
 use miles_core::config::{LossType, RunConfig};
 use miles_core::{Advantage, Correction, Reward, Rollout, Sample, SamplingParams, Status};
 use miles_data::{Cursor, DataSource, Dataset, PromptRow};
-use miles_model::{Model, PackedLinears, Tokenizer, Weights};
+use miles_model::{
+    DeviceForward, DeviceModel, Forward, Model, PackedBatch, PackedLinears, Tokenizer, Weights,
+};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::{self, AdamW};
+use miles_tensor::{DType, Device};
 use serde_json::{Map, Value, json};
 
 use crate::Optimizer;
@@ -193,6 +196,18 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
              reward server, or --custom-rm-path LIB); `miles plugins` lists the rewards"
         ),
     };
+    let device: Device = cfg.device.parse().map_err(|e| anyhow!("--device: {e}"))?;
+    if device != Device::Cpu {
+        let eval = eval_every.zip(eval_data.as_ref()).map(|(every, data)| Eval {
+            data,
+            every,
+            reward: reward.as_ref(),
+        });
+        let dir = tokenizer_dir.as_deref();
+        return train_on_device(
+            device, &cfg, model, &tokenizer, dir, train_data, eval, &run_dir, observe,
+        );
+    }
     let faults = Faults::from_env();
     let total = total_iterations(&cfg, train_data.len())?;
     let steps_per_rollout = steps_per_rollout(&cfg)?;
@@ -239,24 +254,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     // one (then saved with each checkpoint).
     let (policy, mut optimizer, mut state, reference) = match loaded {
         Some(l) => {
-            let at = l.dir.display();
-            let state: LoopState = serde_json::from_value(l.state.clone()).with_context(|| {
-                format!("{at}: trainer_state.json is not this version's loop state")
-            })?;
-            if l.config != config {
-                bail!("--load {at}: the checkpoint's config.json is another model than this run's");
-            }
-            if (state.rollout_seed, state.rollout_shuffle)
-                != (cfg.rollout_seed, cfg.rollout_shuffle)
-            {
-                bail!(
-                    "--load {at}: the run was started with --rollout-seed {} and rollout-shuffle \
-                     {}; resume with the same (or start a new run from its weights)",
-                    state.rollout_seed,
-                    state.rollout_shuffle
-                );
-            }
-            data.restore(state.data).with_context(|| format!("{at}: data cursor"))?;
+            let state = resume_state(&l, &config, &cfg, &mut data)?;
             let saved = l.extra.into_iter().find(|(n, _)| n == REF_WEIGHTS).map(|(_, w)| w);
             let reference = needs_ref.then(|| saved.unwrap_or(model.weights));
             (Model::new(config.clone(), l.weights), l.optimizer, state, reference)
@@ -360,16 +358,8 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
             } else {
                 StepLoss::Policy(&loss_cfg)
             };
-            match train_step(
-                engine.policy_mut(),
-                &mut optimizer,
-                part,
-                kind,
-                cfg.rollout_temperature,
-                micro,
-                lr,
-                nan,
-            )? {
+            let mut learner = CpuLearner::new(engine.policy_mut(), &mut optimizer)?;
+            match train_step(&mut learner, part, kind, cfg.rollout_temperature, micro, lr, nan)? {
                 Some(step) => sums.add(&step, lr),
                 None => state.skipped_steps += 1,
             }
@@ -441,6 +431,212 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         final_eval,
         skipped_steps: state.skipped_steps,
         weights: engine.into_model().weights,
+    })
+}
+
+/// The loop state of checkpoint `l`, checked against this run (same model, same data order),
+/// with the data source moved to where the checkpoint left it.
+fn resume_state(
+    l: &checkpoint::Loaded,
+    config: &miles_model::ModelConfig,
+    cfg: &RunConfig,
+    data: &mut DataSource,
+) -> anyhow::Result<LoopState> {
+    let at = l.dir.display();
+    let state: LoopState = serde_json::from_value(l.state.clone())
+        .with_context(|| format!("{at}: trainer_state.json is not this version's loop state"))?;
+    if &l.config != config {
+        bail!("--load {at}: the checkpoint's config.json is another model than this run's");
+    }
+    if (state.rollout_seed, state.rollout_shuffle) != (cfg.rollout_seed, cfg.rollout_shuffle) {
+        bail!(
+            "--load {at}: the run was started with --rollout-seed {} and rollout-shuffle {}; \
+             resume with the same (or start a new run from its weights)",
+            state.rollout_seed,
+            state.rollout_shuffle
+        );
+    }
+    data.restore(state.data).with_context(|| format!("{at}: data cursor"))?;
+    Ok(state)
+}
+
+/// What a run evaluates on, how often, and with which reward.
+struct Eval<'a> {
+    data: &'a Dataset,
+    every: usize,
+    reward: &'a dyn Reward,
+}
+
+/// `--device cuda`: supervised steps (`--loss-type sft_loss`) with the policy resident on the
+/// GPU (bf16 compute, f32 masters and moments there), checkpoints and exact resume as on the
+/// CPU. RL iterations need the GPU rollout engine, which is still to come; they are refused
+/// rather than run as a GPU trainer beside a CPU engine. Until then eval generates on the CPU
+/// engine from a host copy of the step's weights.
+#[allow(clippy::too_many_arguments)]
+fn train_on_device(
+    device: Device,
+    cfg: &RunConfig,
+    model: Model,
+    tokenizer: &Tokenizer,
+    tokenizer_dir: Option<&Path>,
+    train_data: Dataset,
+    eval: Option<Eval>,
+    run_dir: &Path,
+    observe: &mut dyn FnMut(&Record),
+) -> anyhow::Result<Summary> {
+    let flag = format!("--device {}", cfg.device);
+    if cfg.loss_type != LossType::SftLoss || cfg.sft_warmup_steps > 0 {
+        bail!(
+            "{flag}: RL iterations need the GPU rollout engine, which is still to come; on a GPU \
+             only supervised runs (--loss-type sft_loss) train so far. Use --device cpu for RL"
+        );
+    }
+    device.ensure_available().with_context(|| flag.clone())?;
+    let hyper = AdamW {
+        lr: cfg.lr,
+        beta1: cfg.adam_beta1,
+        beta2: cfg.adam_beta2,
+        eps: cfg.adam_eps,
+        weight_decay: cfg.weight_decay,
+    };
+    let clip = f64::from(cfg.clip_grad);
+    let total = total_iterations(cfg, train_data.len())?;
+    let steps_per_rollout = steps_per_rollout(cfg)?;
+    let schedule = LrSchedule::from_run_config(cfg, total * steps_per_rollout);
+    let config = model.config.clone();
+    let eos = eos_id(&model, tokenizer)?;
+    let loaded = match &cfg.load {
+        Some(root) if checkpoint::latest_iteration(root)?.is_some() => {
+            Some(checkpoint::load(root, hyper, clip, &[])?)
+        }
+        _ => None,
+    };
+    let resumed_from = loaded.as_ref().map(|l| l.iteration);
+    let mut log = MetricsLog::open(run_dir, resumed_from)?;
+    let mut data = DataSource::new(train_data, cfg.rollout_shuffle, cfg.rollout_seed)?;
+    let (mut dm, mut state) = match loaded {
+        Some(l) => {
+            let state = resume_state(&l, &config, cfg, &mut data)?;
+            let mut dm =
+                DeviceModel::new(&Model::new(config.clone(), l.weights), &device, DType::BF16)?;
+            let (m, v) = l.optimizer.moments();
+            dm.set_moments(m, v, l.optimizer.steps())?;
+            (dm, state)
+        }
+        None => {
+            let state = LoopState {
+                rollout_seed: cfg.rollout_seed,
+                rollout_shuffle: cfg.rollout_shuffle,
+                ..LoopState::default()
+            };
+            (DeviceModel::new(&model, &device, DType::BF16)?, state)
+        }
+    };
+    drop(model);
+    let sft = SftLossConfig::from_run_config(cfg);
+    let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
+    let source = data.dataset().source.clone();
+    let mut final_eval = None;
+    let mut run_eval = |dm: &DeviceModel, record: &mut Record| -> anyhow::Result<()> {
+        let Some(e) = &eval else { return Ok(()) };
+        let engine_config = EngineConfig {
+            kv_cache_bytes: cfg.rollout_kv_cache_mb.saturating_mul(1 << 20),
+            max_running: cfg.rollout_max_running,
+            max_prompt_len: cfg.rollout_max_prompt_len,
+            ..EngineConfig::default()
+        };
+        let policy = Model::new(config.clone(), dm.to_weights()?);
+        let mut engine = Engine::new(policy, Some(tokenizer.clone()), engine_config)?;
+        final_eval = Some(evaluate(cfg, &mut engine, tokenizer, e.data, e.reward, record)?);
+        Ok(())
+    };
+    if state.iteration == 0 && eval.is_some() {
+        let mut record = Record::new();
+        record.insert("step".into(), json!(0));
+        run_eval(&dm, &mut record)?;
+        log.write(&record)?;
+        observe(&record);
+    }
+    while state.iteration < total {
+        let started = Instant::now();
+        device.reset_peak_memory()?;
+        let mut record = Record::new();
+        record.insert("step".into(), json!(state.iteration + 1));
+        let rows = data.next_batch(cfg.rollout_batch_size);
+        let samples = sft_samples(&rows, cfg, tokenizer, eos, &source, "--loss-type sft_loss")?;
+        let mut sums = StepSums::default();
+        for range in split_ranges(samples.len(), steps_per_rollout) {
+            if range.is_empty() {
+                continue;
+            }
+            state.attempted_steps += 1;
+            let lr = schedule.at(dm.steps() as usize);
+            let mut learner = DeviceLearner::new(&mut dm, hyper, clip)?;
+            let step = StepLoss::Sft(sft);
+            match train_step(
+                &mut learner,
+                &samples[range],
+                step,
+                cfg.rollout_temperature,
+                micro,
+                lr,
+                false,
+            )? {
+                Some(step) => sums.add(&step, lr),
+                None => state.skipped_steps += 1,
+            }
+        }
+        sums.write(&mut record, false, false);
+        record.insert("train/skipped_steps".into(), json!(state.skipped_steps));
+        state.iteration += 1;
+        state.data = data.cursor();
+        device.synchronize()?;
+        let seconds = started.elapsed().as_secs_f64();
+        record.insert("perf/train_time".into(), json!(seconds));
+        record.insert("perf/step_time".into(), json!(seconds));
+        let peak = device.peak_memory()? as f64 / (1u64 << 30) as f64;
+        record.insert("perf/peak_gpu_memory_gib".into(), json!(peak));
+        if eval.as_ref().is_some_and(|e| state.iteration % e.every == 0 || state.iteration == total)
+        {
+            run_eval(&dm, &mut record)?;
+        }
+        log.write(&record)?;
+        observe(&record);
+
+        let due = cfg.save_interval.is_some_and(|k| state.iteration.is_multiple_of(k));
+        if let Some(root) = &cfg.save
+            && (due || state.iteration == total)
+        {
+            let optimizer = match dm.moments_to_host()? {
+                Some((m, v, steps)) => Optimizer::from_state(&config, hyper, clip, m, v, steps)?,
+                None => Optimizer::new(&config, hyper, clip),
+            };
+            checkpoint::save(
+                root,
+                state.iteration as u64,
+                &CheckpointRef {
+                    config: &config,
+                    weights: &dm.to_weights()?,
+                    optimizer: &optimizer,
+                    state: &serde_json::to_value(&state)?,
+                    tokenizer_dir,
+                    extra: &[],
+                },
+            )
+            .with_context(|| format!("--save {}", root.display()))?;
+        }
+    }
+    let weights = dm.to_weights()?;
+    if let Some(dir) = &cfg.save_hf {
+        checkpoint::export_hf(dir, &config, &weights, tokenizer_dir)
+            .with_context(|| format!("--save-hf {}", dir.display()))?;
+    }
+    Ok(Summary {
+        iterations: state.iteration,
+        resumed_from,
+        final_eval,
+        skipped_steps: state.skipped_steps,
+        weights,
     })
 }
 
@@ -710,13 +906,123 @@ struct StepResult {
     grad_norm: f64,
 }
 
+/// The model a training step updates and its optimizer: on the CPU the engine's own copy with
+/// the host AdamW; on a GPU the device model, whose weights, gradients and moments stay there.
+/// Only per-token logp and entropy and their gradients cross this seam.
+trait Learner {
+    type Forward;
+    fn forward(&mut self, batch: &PackedBatch, temperature: f32) -> anyhow::Result<Self::Forward>;
+    /// `(logp, entropy)` of the response tokens.
+    fn outputs(f: &Self::Forward) -> (&[f32], &[f32]);
+    /// Adds the gradient of the loss whose derivatives these are.
+    fn backward(
+        &mut self,
+        f: Self::Forward,
+        batch: &PackedBatch,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+    ) -> anyhow::Result<()>;
+    fn grad_norm(&mut self) -> anyhow::Result<f64>;
+    /// Clips and applies the summed gradients at `lr`; the norm before clipping.
+    fn apply(&mut self, lr: f32) -> anyhow::Result<f64>;
+}
+
+struct CpuLearner<'a> {
+    policy: &'a mut Model,
+    optimizer: &'a mut Optimizer,
+    packed: PackedLinears,
+    grads: Weights,
+}
+
+impl<'a> CpuLearner<'a> {
+    fn new(policy: &'a mut Model, optimizer: &'a mut Optimizer) -> anyhow::Result<Self> {
+        let packed = PackedLinears::new(policy)?;
+        let grads = Weights::zeros(&policy.config);
+        Ok(CpuLearner { policy, optimizer, packed, grads })
+    }
+}
+
+impl Learner for CpuLearner<'_> {
+    type Forward = Forward;
+
+    fn forward(&mut self, batch: &PackedBatch, temperature: f32) -> anyhow::Result<Forward> {
+        Ok(self.policy.forward_with(&self.packed, batch, temperature)?)
+    }
+
+    fn outputs(f: &Forward) -> (&[f32], &[f32]) {
+        (&f.logp, &f.entropy)
+    }
+
+    fn backward(
+        &mut self,
+        f: Forward,
+        batch: &PackedBatch,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+    ) -> anyhow::Result<()> {
+        Ok(self.policy.backward(&f, batch, d_logp, d_entropy, &mut self.grads)?)
+    }
+
+    fn grad_norm(&mut self) -> anyhow::Result<f64> {
+        let arch = self.policy.config.architecture;
+        let views: Vec<&[f32]> = self.grads.tensors(arch).into_iter().map(Vec::as_slice).collect();
+        Ok(cpu::global_norm(&views))
+    }
+
+    fn apply(&mut self, lr: f32) -> anyhow::Result<f64> {
+        Ok(self.optimizer.step(&mut self.policy.weights, &mut self.grads, lr)?.grad_norm)
+    }
+}
+
+struct DeviceLearner<'a> {
+    model: &'a mut DeviceModel,
+    hyper: AdamW,
+    clip_grad: f64,
+}
+
+impl<'a> DeviceLearner<'a> {
+    fn new(model: &'a mut DeviceModel, hyper: AdamW, clip_grad: f64) -> anyhow::Result<Self> {
+        model.zero_grads()?;
+        Ok(DeviceLearner { model, hyper, clip_grad })
+    }
+}
+
+impl Learner for DeviceLearner<'_> {
+    type Forward = DeviceForward;
+
+    fn forward(&mut self, batch: &PackedBatch, temperature: f32) -> anyhow::Result<DeviceForward> {
+        Ok(self.model.forward(batch, temperature)?)
+    }
+
+    fn outputs(f: &DeviceForward) -> (&[f32], &[f32]) {
+        (&f.logp, &f.entropy)
+    }
+
+    fn backward(
+        &mut self,
+        f: DeviceForward,
+        batch: &PackedBatch,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+    ) -> anyhow::Result<()> {
+        Ok(self.model.backward(&f, batch, d_logp, d_entropy)?)
+    }
+
+    fn grad_norm(&mut self) -> anyhow::Result<f64> {
+        Ok(self.model.grad_norm()?)
+    }
+
+    fn apply(&mut self, lr: f32) -> anyhow::Result<f64> {
+        Ok(self.model.adamw_step(&AdamW { lr, ..self.hyper }, self.clip_grad)?.0)
+    }
+}
+
 /// One optimizer step over `part`, accumulated over micro-batches of `micro` sequences, each
 /// weighted by its share of the step's denominator so the sum is the loss of the whole part.
 /// `None`: the loss or the gradient was not finite and nothing was applied.
 #[allow(clippy::too_many_arguments)]
-fn train_step(
-    policy: &mut Model,
-    optimizer: &mut Optimizer,
+fn train_step<L: Learner>(
+    learner: &mut L,
     part: &[TrainSample],
     loss: StepLoss,
     temperature: f32,
@@ -736,12 +1042,11 @@ fn train_step(
         }
     };
     let whole = weight(part);
-    let packed = PackedLinears::new(policy)?;
-    let mut grads = Weights::zeros(&policy.config);
     let mut total = StepResult { loss: 0.0, metrics: LossMetrics::default(), grad_norm: 0.0 };
     for mb in part.chunks(micro.max(1)) {
         let batch = batch::pack(mb)?;
-        let fwd = policy.forward_with(&packed, &batch, temperature)?;
+        let fwd = learner.forward(&batch, temperature)?;
+        let (logp, entropy) = L::outputs(&fwd);
         let old = concat(mb, |s| &s.old_logp);
         let adv = concat(mb, |s| &s.advantages);
         let mask = concat(mb, |s| &s.loss_mask);
@@ -759,10 +1064,10 @@ fn train_step(
             .all(|s| s.correction_mask.is_some())
             .then(|| concat(mb, |s| s.correction_mask.as_deref().unwrap_or_default()));
         let input = LossInput {
-            logp: &fwd.logp,
+            logp,
             old_logp: &old,
             ref_logp: refs.as_deref(),
-            entropy: &fwd.entropy,
+            entropy,
             advantages: &adv,
             loss_mask: &mask,
             response_lengths: &lengths,
@@ -783,20 +1088,14 @@ fn train_step(
         let scale = share as f32;
         out.d_logp.iter_mut().for_each(|g| *g *= scale);
         out.d_entropy.iter_mut().for_each(|g| *g *= scale);
-        policy.backward(&fwd, &batch, &out.d_logp, &out.d_entropy, &mut grads)?;
+        learner.backward(fwd, &batch, &out.d_logp, &out.d_entropy)?;
         total.loss += share * out.loss;
         total.metrics.add_scaled(&out.metrics, share);
     }
-    let norm = {
-        let views: Vec<&[f32]> =
-            grads.tensors(policy.config.architecture).into_iter().map(Vec::as_slice).collect();
-        cpu::global_norm(&views)
-    };
-    if !norm.is_finite() {
+    if !learner.grad_norm()?.is_finite() {
         return Ok(None);
     }
-    let stats = optimizer.step(&mut policy.weights, &mut grads, lr)?;
-    total.grad_norm = stats.grad_norm;
+    total.grad_norm = learner.apply(lr)?;
     Ok(Some(total))
 }
 
@@ -910,8 +1209,7 @@ fn sft_warmup(
         let samples = sft_samples(&rows, cfg, tok, eos, &where_, "--sft-warmup-steps")?;
         let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
         let result = train_step(
-            policy,
-            &mut optimizer,
+            &mut CpuLearner::new(policy, &mut optimizer)?,
             &samples,
             StepLoss::Sft(sft),
             cfg.rollout_temperature,
