@@ -2,7 +2,7 @@
 # The GPU checks of issue 11 in one device call (run from the repository root, with the device
 # bundle and target/gpu/{miles,hf_baseline.py} carried): the kernel and model tests, Qwen3-0.6B
 # bf16 against HF, and the benchmarks beside HF transformers. Results under $OUT.
-#   sh tests/device/gpu_checks.sh [tests|parity|bench|all]
+#   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|all]
 set -u
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -19,6 +19,14 @@ if [ "$what" = parity ] || [ "$what" = all ]; then
   python3 tests/device/qwen3_bf16_parity.py write $d 2>&1 | grep -v -i warn
   $miles score --hf-checkpoint $d --input $d/tokens.jsonl --device cuda --dtype bf16 --output $d/ours.jsonl
   python3 tests/device/qwen3_bf16_parity.py compare $d | tee "$OUT/parity.json"
+fi
+if [ "$what" = sft ] || [ "$what" = all ]; then
+  # The demo's addition table, supervised, on the GPU and on the CPU: the loss curves side by side.
+  for dev in cuda cpu; do
+    $miles train --device $dev --loss-type sft_loss --sft-warmup-steps 0 --lr 3e-3 \
+      --num-rollout 60 --eval-interval 20 --run-dir /tmp/sft-$dev | tail -2
+    cp /tmp/sft-$dev/metrics.jsonl "$OUT/sft-$dev.jsonl"
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for preset in qwen3-0.6b smollm2-135m; do

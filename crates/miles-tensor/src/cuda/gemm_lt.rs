@@ -4,8 +4,9 @@
 //! whose partial sums change how a row is reduced: a token's activations would then depend on
 //! how many tokens share its batch. Here the rows (our `m`, tokens) are the only size that
 //! varies; for each class (transposes, `n`, `k`, dtypes, accumulate or not) the algorithm is
-//! chosen once, by cuBLASLt's heuristic at [`REFERENCE_ROWS`] rows with no workspace and no
-//! split-K reduction allowed, and then used for every row count. One kernel with one K order
+//! chosen once: the first of cuBLASLt's heuristic candidates at [`REFERENCE_ROWS`] rows (no
+//! workspace, no split-K reduction) that also runs at every row count of [`PROBED_ROWS`], and
+//! then used for every row count. One kernel with one K order
 //! computes every output element, so a row's bits are the same in any batch. The cost against
 //! cuBLAS's own per-call choice is measured by `miles bench … --gemm cublas`.
 
@@ -25,6 +26,10 @@ use crate::{Error, Result};
 
 /// The row count at which each class's algorithm is chosen: a training batch's order of size.
 const REFERENCE_ROWS: u64 = 8192;
+/// Heuristic candidates considered per class.
+const CANDIDATES: usize = 32;
+/// Row counts a candidate must support (one decode row to a large batch, odd sizes between).
+const PROBED_ROWS: [u64; 7] = [1, 2, 3, 7, 259, 1000, 65_537];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Class {
@@ -161,25 +166,52 @@ impl Lt {
                 )
             })
         };
-        // SAFETY: the descriptors are alive; the preference is destroyed once.
-        let heuristic = set.and_then(|()| unsafe {
-            lt::get_matmul_algo_heuristic(
-                self.handle,
-                problem.desc,
-                problem.a,
-                problem.b,
-                problem.c,
-                problem.c,
-                pref,
-            )
+        // Candidates in the heuristic's order of preference at the reference size.
+        let mut found = [std::mem::MaybeUninit::<lt_sys::cublasLtMatmulHeuristicResult_t>::zeroed();
+            CANDIDATES];
+        let mut count = 0i32;
+        // SAFETY: the descriptors are alive; `found` holds CANDIDATES results.
+        let heuristic = set.and_then(|()| {
+            unsafe {
+                lt_sys::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    problem.desc,
+                    problem.a,
+                    problem.b,
+                    problem.c,
+                    problem.c,
+                    pref,
+                    CANDIDATES as i32,
+                    found.as_mut_ptr().cast(),
+                    &mut count,
+                )
+            }
+            .result()
         });
         // SAFETY: created above, not used after.
         unsafe {
             let _ = lt::destroy_matmul_pref(pref);
         }
-        let mut algo = heuristic
-            .map_err(|e| lt_error(&format!("no split-K-free algorithm for {class:?}"), e))?
-            .algo;
+        heuristic.map_err(|e| lt_error(&format!("heuristic for {class:?}"), e))?;
+        // The first candidate that runs at every row count probed: one algorithm for all sizes.
+        let mut chosen = None;
+        for candidate in found.iter().take(count.max(0) as usize) {
+            // SAFETY: the heuristic wrote the first `count` entries.
+            let candidate = unsafe { candidate.assume_init() };
+            if candidate.state != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                continue;
+            }
+            if self.runs_at_every_size(class, candidate.algo, dtype, c_dtype)? {
+                chosen = Some(candidate.algo);
+                break;
+            }
+        }
+        let mut algo = chosen.ok_or_else(|| {
+            Error::Device(format!(
+                "cuBLASLt: none of {count} split-K-free algorithms for {class:?} runs at every \
+                 row count; use the cuBLAS route (--gemm cublas), which is not batch-invariant"
+            ))
+        })?;
         // Pin one K slice explicitly, whatever the heuristic's default.
         let splits = 1i32;
         // SAFETY: the attribute is an int32.
@@ -195,6 +227,41 @@ impl Lt {
         .map_err(|e| lt_error("split-K", e))?;
         algos.insert(class, algo);
         Ok(algo)
+    }
+
+    /// Whether `algo` supports the class at each of [`PROBED_ROWS`] rows.
+    fn runs_at_every_size(
+        &self,
+        class: Class,
+        algo: cublasLtMatmulAlgo_t,
+        dtype: cudaDataType,
+        c_dtype: cudaDataType,
+    ) -> Result<bool> {
+        for rows in PROBED_ROWS {
+            let p = Problem::new(class, rows, dtype, c_dtype)?;
+            let mut result =
+                std::mem::MaybeUninit::<lt_sys::cublasLtMatmulHeuristicResult_t>::zeroed();
+            // SAFETY: the descriptors are alive; `result` is written by the call.
+            let status = unsafe {
+                lt_sys::cublasLtMatmulAlgoCheck(
+                    self.handle,
+                    p.desc,
+                    p.a,
+                    p.b,
+                    p.c,
+                    p.c,
+                    &algo,
+                    result.as_mut_ptr(),
+                )
+            };
+            // SAFETY: zero-initialized, and written on success.
+            if status != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                || unsafe { result.assume_init() }.workspaceSize != 0
+            {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Row-major `c[m×n] (+)= op(a)·op(b)` on `stream`, with the class's pinned algorithm;
