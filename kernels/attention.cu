@@ -10,9 +10,11 @@
 // dk/dv), as the host's tiles() lists them. Grid: (tiles, heads).
 //
 // The forward and dq kernels give each warp whole query rows: lanes take keys to form the
-// block's scores (a dot product in dimension order, as the CPU's), then take dimensions to
-// accumulate over the block's keys in order (the scores passed by shuffle). dk/dv gives each
-// warp KEYS_PER_WARP keys and walks the (query, head) pairs in order.
+// block's scores (a dot product in dimension order, as the CPU's), then take four consecutive
+// dimensions each to accumulate over the block's keys in order (the scores passed by shuffle).
+// dk/dv gives each warp KEYS_PER_WARP keys and walks the (query, head) pairs in order. Shared
+// memory is read 4 floats at a time (head_dim a multiple of 4; key rows padded by 4 floats so
+// the lanes' 16-byte reads of different keys fall in different banks).
 #include "common.cuh"
 
 namespace {
@@ -23,6 +25,7 @@ constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
 constexpr int ROWS_PER_WARP = QB / WARPS;
 constexpr int MAXC = 4;           // dimensions per lane: head_dim ≤ 128
+constexpr int PAD = 4;            // floats of padding per key row
 constexpr int PAIRS = 16;         // (query, head) pairs staged at a time by dk/dv
 constexpr int KEYS_PER_WARP = KB / WARPS;
 constexpr unsigned FULL = 0xffffffffu;
@@ -32,8 +35,8 @@ __device__ __forceinline__ float f32(__nv_bfloat16 x) { return __bfloat162float(
 __device__ __forceinline__ void put(float* p, float x) { *p = x; }
 __device__ __forceinline__ void put(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 
-// Keys j0..j0+n of kv head `kvh` into ks (row stride d+1: lanes reading different keys at one
-// dimension hit different banks) and, when vs is given, the values likewise with stride vstride.
+// Keys j0..j0+n of kv head `kvh` into ks (row stride d+PAD) and, when vs is given, the values
+// with row stride vstride.
 template <typename T>
 __device__ void load_block(float* ks, float* vs, int vstride, const T* k, const T* v, int j0,
                            int n, int kv_heads, int kvh, int d) {
@@ -41,28 +44,55 @@ __device__ void load_block(float* ks, float* vs, int vstride, const T* k, const 
         const int jj = e / d;
         const int x = e - jj * d;
         const size_t at = ((size_t)(j0 + jj) * kv_heads + kvh) * d + x;
-        ks[jj * (d + 1) + x] = f32(k[at]);
+        ks[jj * (d + PAD) + x] = f32(k[at]);
         if (vs != nullptr) {
             vs[jj * vstride + x] = f32(v[at]);
         }
     }
 }
 
-// Σ_x a[x]·t[x] in dimension order (the CPU's project()).
-__device__ __forceinline__ float dot_in_order(const float* a, const float* t, int d) {
+// Σ_x a[x]·t[x] in dimension order (the CPU's project()), 4 floats per shared-memory read;
+// `scale` multiplies each a[x] first (the CPU's pre-scaled queries).
+__device__ __forceinline__ float dot_in_order(const float* a, const float* t, int d,
+                                              float scale = 1.0f) {
     float s = 0.0f;
-    for (int x = 0; x < d; ++x) {
-        s += a[x] * t[x];
+    for (int x = 0; x < d; x += 4) {
+        const float4 u = *reinterpret_cast<const float4*>(a + x);
+        const float4 v = *reinterpret_cast<const float4*>(t + x);
+        s += (u.x * scale) * v.x;
+        s += (u.y * scale) * v.y;
+        s += (u.z * scale) * v.z;
+        s += (u.w * scale) * v.w;
     }
     return s;
+}
+
+// acc[c] += g · row[4·lane + c] for this lane's four dimensions.
+__device__ __forceinline__ void axpy4(float* acc, float g, const float* row, int lane, int d) {
+    if (4 * lane < d) {
+        const float4 v = *reinterpret_cast<const float4*>(row + 4 * lane);
+        acc[0] += g * v.x;
+        acc[1] += g * v.y;
+        acc[2] += g * v.z;
+        acc[3] += g * v.w;
+    }
+}
+
+// Writes this lane's four dimensions of a row.
+template <typename T>
+__device__ __forceinline__ void put4(T* row, const float* acc, float mul, int lane, int d) {
+    if (4 * lane < d) {
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) put(row + 4 * lane + c, acc[c] * mul);
+    }
 }
 
 template <typename T>
 __device__ void forward(T* out, float* lse, const T* q, const T* k, const T* v, const int* tiles,
                         int q_heads, int kv_heads, int d, float scale) {
     extern __shared__ float smem[];
-    float* ks = smem;                       // [KB][d+1]
-    float* vs = ks + KB * (d + 1);          // [KB][d]
+    float* ks = smem;                       // [KB][d+PAD]
+    float* vs = ks + KB * (d + PAD);        // [KB][d]
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     float* qs = vs + KB * d + warp * d;     // this warp's scaled query row
@@ -95,9 +125,9 @@ __device__ void forward(T* out, float* lse, const T* q, const T* k, const T* v, 
             const T* qi = q + ((size_t)i * q_heads + h) * d;
             for (int x = lane; x < d; x += 32) qs[x] = f32(qi[x]) * scale;
             __syncwarp();
-            const float s0 = lane < n ? dot_in_order(qs, ks + lane * (d + 1), d) : -INFINITY;
+            const float s0 = lane < n ? dot_in_order(qs, ks + lane * (d + PAD), d) : -INFINITY;
             const float s1 =
-                lane + 32 < n ? dot_in_order(qs, ks + (lane + 32) * (d + 1), d) : -INFINITY;
+                lane + 32 < n ? dot_in_order(qs, ks + (lane + 32) * (d + PAD), d) : -INFINITY;
             __syncwarp();  // qs is rewritten by the next row
             const float new_m = fmaxf(m[r], miles::warp_max(fmaxf(s0, s1)));
             const float rescale = expf(m[r] - new_m);
@@ -109,11 +139,7 @@ __device__ void forward(T* out, float* lse, const T* q, const T* k, const T* v, 
             for (int jj = 0; jj < n; ++jj) {
                 const float p = __shfl_sync(FULL, jj < 32 ? p0 : p1, jj & 31);
                 l[r] += p;
-#pragma unroll
-                for (int c = 0; c < MAXC; ++c) {
-                    const int x = lane + 32 * c;
-                    if (x < d) acc[r][c] += p * vs[jj * d + x];
-                }
+                axpy4(acc[r], p, vs + jj * d, lane, d);
             }
             m[r] = new_m;
         }
@@ -123,11 +149,7 @@ __device__ void forward(T* out, float* lse, const T* q, const T* k, const T* v, 
         const int i = i0 + warp + r * WARPS;
         if (i >= i1) continue;
         const size_t row = (size_t)i * q_heads + h;
-#pragma unroll
-        for (int c = 0; c < MAXC; ++c) {
-            const int x = lane + 32 * c;
-            if (x < d) put(out + row * d + x, acc[r][c] / l[r]);
-        }
+        put4(out + row * d, acc[r], 1.0f / l[r], lane, d);
         if (lane == 0) lse[row] = m[r] + logf(l[r]);
     }
 }
@@ -152,11 +174,11 @@ __device__ void backward_dq(T* dq, const T* d_out, const T* q, const T* k, const
                             const float* lse, const float* delta, const int* tiles, int q_heads,
                             int kv_heads, int d, float scale) {
     extern __shared__ float smem[];
-    float* ks = smem;                       // [KB][d+1]
-    float* vs = ks + KB * (d + 1);          // [KB][d+1]
+    float* ks = smem;                       // [KB][d+PAD]
+    float* vs = ks + KB * (d + PAD);        // [KB][d+PAD]
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
-    float* qs = vs + KB * (d + 1) + warp * 2 * d;
+    float* qs = vs + KB * (d + PAD) + warp * 2 * d;
     float* dos = qs + d;
     const int a = tiles[3 * blockIdx.x];
     const int i0 = tiles[3 * blockIdx.x + 2];
@@ -173,7 +195,7 @@ __device__ void backward_dq(T* dq, const T* d_out, const T* q, const T* k, const
     for (int b = 0; b < blocks; ++b) {
         const int j0 = a + b * KB;
         __syncthreads();
-        load_block(ks, vs, d + 1, k, v, j0, min(KB, i1 - j0), kv_heads, kvh, d);
+        load_block(ks, vs, d + PAD, k, v, j0, min(KB, i1 - j0), kv_heads, kvh, d);
         __syncthreads();
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) {
@@ -191,21 +213,17 @@ __device__ void backward_dq(T* dq, const T* d_out, const T* q, const T* k, const
             const float delta_r = delta[row];
             float ds0 = 0.0f, ds1 = 0.0f;
             if (lane < n) {
-                const float p = expf(dot_in_order(qs, ks + lane * (d + 1), d) - lse_r);
-                ds0 = p * (dot_in_order(dos, vs + lane * (d + 1), d) - delta_r);
+                const float p = expf(dot_in_order(qs, ks + lane * (d + PAD), d) - lse_r);
+                ds0 = p * (dot_in_order(dos, vs + lane * (d + PAD), d) - delta_r);
             }
             if (lane + 32 < n) {
-                const float p = expf(dot_in_order(qs, ks + (lane + 32) * (d + 1), d) - lse_r);
-                ds1 = p * (dot_in_order(dos, vs + (lane + 32) * (d + 1), d) - delta_r);
+                const float p = expf(dot_in_order(qs, ks + (lane + 32) * (d + PAD), d) - lse_r);
+                ds1 = p * (dot_in_order(dos, vs + (lane + 32) * (d + PAD), d) - delta_r);
             }
             __syncwarp();
             for (int jj = 0; jj < n; ++jj) {
                 const float g = scale * __shfl_sync(FULL, jj < 32 ? ds0 : ds1, jj & 31);
-#pragma unroll
-                for (int c = 0; c < MAXC; ++c) {
-                    const int x = lane + 32 * c;
-                    if (x < d) acc[r][c] += g * ks[jj * (d + 1) + x];
-                }
+                axpy4(acc[r], g, ks + jj * (d + PAD), lane, d);
             }
         }
     }
@@ -214,11 +232,7 @@ __device__ void backward_dq(T* dq, const T* d_out, const T* q, const T* k, const
         const int i = i0 + warp + r * WARPS;
         if (i >= i1) continue;
         const size_t row = (size_t)i * q_heads + h;
-#pragma unroll
-        for (int c = 0; c < MAXC; ++c) {
-            const int x = lane + 32 * c;
-            if (x < d) put(dq + row * d + x, acc[r][c]);
-        }
+        put4(dq + row * d, acc[r], 1.0f, lane, d);
     }
 }
 
@@ -229,9 +243,9 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T*
                               const float* lse, const float* delta, const int* tiles,
                               int q_heads, int kv_heads, int d, float scale) {
     extern __shared__ float smem[];
-    float* ks = smem;                       // [KB][d+1]
-    float* vs = ks + KB * (d + 1);          // [KB][d+1]
-    float* qst = vs + KB * (d + 1);         // [PAIRS][d] queries (unscaled)
+    float* ks = smem;                       // [KB][d+PAD]
+    float* vs = ks + KB * (d + PAD);        // [KB][d+PAD]
+    float* qst = vs + KB * (d + PAD);       // [PAIRS][d] queries (unscaled)
     float* dost = qst + PAIRS * d;          // [PAIRS][d] output gradients
     float* ps = dost + PAIRS * d;           // [PAIRS][KB] probabilities
     float* dss = ps + PAIRS * KB;           // [PAIRS][KB] score gradients
@@ -243,7 +257,7 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T*
     const int kvh = blockIdx.y;
     const int group = q_heads / kv_heads;
 
-    load_block(ks, vs, d + 1, k, v, j0, len, kv_heads, kvh, d);
+    load_block(ks, vs, d + PAD, k, v, j0, len, kv_heads, kvh, d);
     float ak[KEYS_PER_WARP][MAXC], av[KEYS_PER_WARP][MAXC];
 #pragma unroll
     for (int kk = 0; kk < KEYS_PER_WARP; ++kk)
@@ -272,10 +286,9 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T*
             const size_t row = (size_t)i * q_heads + kvh * group + pair % group;
             float p = 0.0f, ds = 0.0f;
             if (jj < min(len, i + 1 - j0)) {
-                float s = 0.0f;
-                for (int x = 0; x < d; ++x) s += (qst[pp * d + x] * scale) * ks[jj * (d + 1) + x];
+                const float s = dot_in_order(qst + pp * d, ks + jj * (d + PAD), d, scale);
                 p = expf(s - lse[row]);
-                ds = p * (dot_in_order(dost + pp * d, vs + jj * (d + 1), d) - delta[row]);
+                ds = p * (dot_in_order(dost + pp * d, vs + jj * (d + PAD), d) - delta[row]);
             }
             ps[pp * KB + jj] = p;
             dss[pp * KB + jj] = ds;
@@ -288,16 +301,8 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T*
             for (int kk = 0; kk < KEYS_PER_WARP; ++kk) {
                 const int jj = warp * KEYS_PER_WARP + kk;
                 if (jj >= n) continue;
-                const float p = ps[pp * KB + jj];
-                const float g = scale * dss[pp * KB + jj];
-#pragma unroll
-                for (int c = 0; c < MAXC; ++c) {
-                    const int x = lane + 32 * c;
-                    if (x < d) {
-                        av[kk][c] += p * dost[pp * d + x];
-                        ak[kk][c] += g * qst[pp * d + x];
-                    }
-                }
+                axpy4(av[kk], ps[pp * KB + jj], dost + pp * d, lane, d);
+                axpy4(ak[kk], scale * dss[pp * KB + jj], qst + pp * d, lane, d);
             }
         }
     }
@@ -306,14 +311,8 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T*
         const int jj = warp * KEYS_PER_WARP + kk;
         if (jj >= len) continue;
         const size_t at = ((size_t)(j0 + jj) * kv_heads + kvh) * d;
-#pragma unroll
-        for (int c = 0; c < MAXC; ++c) {
-            const int x = lane + 32 * c;
-            if (x < d) {
-                put(dk + at + x, ak[kk][c]);
-                put(dv + at + x, av[kk][c]);
-            }
-        }
+        put4(dk + at, ak[kk], 1.0f, lane, d);
+        put4(dv + at, av[kk], 1.0f, lane, d);
     }
 }
 

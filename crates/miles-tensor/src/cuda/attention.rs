@@ -16,8 +16,10 @@ const THREADS: u32 = 256;
 const KEY_BLOCK: usize = crate::cpu::KEY_BLOCK;
 const WARPS: usize = 8;
 const PAIRS: usize = 16;
-/// The kernels keep up to 4 dimensions per lane.
+/// The kernels keep 4 consecutive dimensions per lane (so head_dim is a multiple of 4).
 pub(crate) const MAX_HEAD_DIM: usize = 128;
+/// Padding of a key row in shared memory (floats).
+const PAD: usize = 4;
 
 /// `[sequence start, sequence end, tile start]` per tile of `block` rows, on the device.
 fn tile_table(gpu: &Gpu, cu_seqlens: &[usize], block: usize) -> Result<(CudaSlice<i32>, u32)> {
@@ -72,7 +74,7 @@ pub(crate) fn attention_forward(
     let tokens = *cu_seqlens.last().unwrap_or(&0);
     let mut lse = gpu.alloc::<f32>(tokens * q_heads)?;
     let (table, n) = tile_table(gpu, cu_seqlens, QUERY_BLOCK)?;
-    let floats = KEY_BLOCK * (d + 1) + KEY_BLOCK * d + WARPS * d;
+    let floats = KEY_BLOCK * (d + PAD) + KEY_BLOCK * d + WARPS * d;
     let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, 1.0 / (d as f32).sqrt());
     let names = ["attention_forward_f32", "attention_forward_bf16"];
     let out = match (q, k, v) {
@@ -149,8 +151,8 @@ pub(crate) fn attention_backward(
     let mut delta = gpu.alloc::<f32>(rows)?;
     let (q_table, nq) = tile_table(gpu, cu_seqlens, QUERY_BLOCK)?;
     let (k_table, nk) = tile_table(gpu, cu_seqlens, KEY_BLOCK)?;
-    let dq_floats = 2 * KEY_BLOCK * (d + 1) + WARPS * 2 * d;
-    let dkdv_floats = 2 * KEY_BLOCK * (d + 1) + 2 * PAIRS * d + 2 * PAIRS * KEY_BLOCK;
+    let dq_floats = 2 * KEY_BLOCK * (d + PAD) + WARPS * 2 * d;
+    let dkdv_floats = 2 * KEY_BLOCK * (d + PAD) + 2 * PAIRS * d + 2 * PAIRS * KEY_BLOCK;
     let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, 1.0 / (d as f32).sqrt());
     let rows_l = rows as i64;
     // One warp per (token, head) row for delta.

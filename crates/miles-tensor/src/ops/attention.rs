@@ -32,13 +32,17 @@ fn device_ready(
     t: &Tensor,
     shape: AttentionShape,
 ) -> Result<std::sync::Arc<crate::cuda::Gpu>> {
-    ensure(shape.head_dim <= crate::cuda::MAX_HEAD_DIM, op, || {
-        format!(
-            "head_dim {} is above the CUDA kernels' {}",
-            shape.head_dim,
-            crate::cuda::MAX_HEAD_DIM
-        )
-    })?;
+    ensure(
+        shape.head_dim <= crate::cuda::MAX_HEAD_DIM && shape.head_dim.is_multiple_of(4),
+        op,
+        || {
+            format!(
+                "head_dim {}: the CUDA kernels take a multiple of 4 up to {}",
+                shape.head_dim,
+                crate::cuda::MAX_HEAD_DIM
+            )
+        },
+    )?;
     match &t.storage {
         Storage::Cuda(buffer) => Ok(buffer.gpu.clone()),
         _ => unreachable!("a device tensor"),
