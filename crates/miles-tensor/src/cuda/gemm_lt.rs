@@ -4,7 +4,7 @@
 //! whose partial sums change how a row is reduced: a token's activations would then depend on
 //! how many tokens share its batch. Here the rows (our `m`, tokens) are the only size that
 //! varies; for each class (transposes, `n`, `k`, dtypes, accumulate or not) the algorithm is
-//! chosen once: the first of cuBLASLt's heuristic candidates at [`REFERENCE_ROWS`] rows (no
+//! chosen once: the first of cuBLASLt's heuristic candidates at [`REFERENCE_ROWS`] (no
 //! workspace, no split-K reduction) that also runs at every row count of [`PROBED_ROWS`], and
 //! then used for every row count. One kernel with one K order
 //! computes every output element, so a row's bits are the same in any batch. The cost against
@@ -24,12 +24,13 @@ use cudarc::cublaslt::sys::{
 use crate::cpu::Transpose;
 use crate::{Error, Result};
 
-/// The row count at which each class's algorithm is chosen: a training batch's order of size.
-const REFERENCE_ROWS: u64 = 8192;
+/// Row counts whose heuristic candidates are tried, in order: a training batch's order of size
+/// first, then a decode step's.
+const REFERENCE_ROWS: [u64; 2] = [8192, 1];
 /// Heuristic candidates considered per class.
 const CANDIDATES: usize = 32;
 /// Row counts a candidate must support (one decode row to a large batch, odd sizes between).
-const PROBED_ROWS: [u64; 7] = [1, 2, 3, 7, 259, 1000, 65_537];
+const PROBED_ROWS: [u64; 6] = [1, 2, 7, 259, 1000, 16_384];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Class {
@@ -145,11 +146,56 @@ impl Lt {
         if let Some(a) = algos.get(&class) {
             return Ok(*a);
         }
-        let problem = Problem::new(class, REFERENCE_ROWS, dtype, c_dtype)?;
+        let mut reasons = Vec::new();
+        let mut chosen = None;
+        'search: for reference in REFERENCE_ROWS {
+            for candidate in self.candidates(class, reference, dtype, c_dtype)? {
+                match self.why_not(class, &candidate, dtype, c_dtype)? {
+                    None => {
+                        chosen = Some(candidate);
+                        break 'search;
+                    }
+                    Some(why) => reasons.push(why),
+                }
+            }
+        }
+        let mut algo = chosen.ok_or_else(|| {
+            Error::Device(format!(
+                "cuBLASLt: no split-K-free algorithm for {class:?} runs at every row count ({}); \
+                 use the cuBLAS route (--gemm cublas), which is not batch-invariant",
+                reasons.join("; ")
+            ))
+        })?;
+        // Pin one K slice explicitly, whatever the heuristic's default.
+        let splits = 1i32;
+        // SAFETY: the attribute is an int32.
+        unsafe {
+            lt_sys::cublasLtMatmulAlgoConfigSetAttribute(
+                &mut algo,
+                lt_sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                (&splits as *const i32).cast(),
+                std::mem::size_of::<i32>(),
+            )
+        }
+        .result()
+        .map_err(|e| lt_error("split-K", e))?;
+        algos.insert(class, algo);
+        Ok(algo)
+    }
+
+    /// The heuristic's split-K-free, workspace-free candidates at `rows` rows, best first.
+    fn candidates(
+        &self,
+        class: Class,
+        rows: u64,
+        dtype: cudaDataType,
+        c_dtype: cudaDataType,
+    ) -> Result<Vec<cublasLtMatmulAlgo_t>> {
+        let problem = Problem::new(class, rows, dtype, c_dtype)?;
         let pref = lt::create_matmul_pref().map_err(|e| lt_error("preference", e))?;
         let workspace = 0usize;
         let reduction = cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
-        // SAFETY: each attribute is passed by pointer with its size (u64 and u32).
+        // SAFETY: each attribute is passed by pointer with its size (usize and u32).
         let set = unsafe {
             lt::set_matmul_pref_attribute(
                 pref,
@@ -166,7 +212,6 @@ impl Lt {
                 )
             })
         };
-        // Candidates in the heuristic's order of preference at the reference size.
         let mut found = [std::mem::MaybeUninit::<lt_sys::cublasLtMatmulHeuristicResult_t>::zeroed();
             CANDIDATES];
         let mut count = 0i32;
@@ -193,50 +238,25 @@ impl Lt {
             let _ = lt::destroy_matmul_pref(pref);
         }
         heuristic.map_err(|e| lt_error(&format!("heuristic for {class:?}"), e))?;
-        // The first candidate that runs at every row count probed: one algorithm for all sizes.
-        let mut chosen = None;
-        for candidate in found.iter().take(count.max(0) as usize) {
+        Ok(found
+            .iter()
+            .take(count.max(0) as usize)
             // SAFETY: the heuristic wrote the first `count` entries.
-            let candidate = unsafe { candidate.assume_init() };
-            if candidate.state != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-                continue;
-            }
-            if self.runs_at_every_size(class, candidate.algo, dtype, c_dtype)? {
-                chosen = Some(candidate.algo);
-                break;
-            }
-        }
-        let mut algo = chosen.ok_or_else(|| {
-            Error::Device(format!(
-                "cuBLASLt: none of {count} split-K-free algorithms for {class:?} runs at every \
-                 row count; use the cuBLAS route (--gemm cublas), which is not batch-invariant"
-            ))
-        })?;
-        // Pin one K slice explicitly, whatever the heuristic's default.
-        let splits = 1i32;
-        // SAFETY: the attribute is an int32.
-        unsafe {
-            lt_sys::cublasLtMatmulAlgoConfigSetAttribute(
-                &mut algo,
-                lt_sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
-                (&splits as *const i32).cast(),
-                std::mem::size_of::<i32>(),
-            )
-        }
-        .result()
-        .map_err(|e| lt_error("split-K", e))?;
-        algos.insert(class, algo);
-        Ok(algo)
+            .map(|c| unsafe { c.assume_init() })
+            .filter(|c| c.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|c| c.algo)
+            .collect())
     }
 
-    /// Whether `algo` supports the class at each of [`PROBED_ROWS`] rows.
-    fn runs_at_every_size(
+    /// `None` when `algo` runs the class at each of [`PROBED_ROWS`] rows without workspace;
+    /// else the first row count where it does not, and why.
+    fn why_not(
         &self,
         class: Class,
-        algo: cublasLtMatmulAlgo_t,
+        algo: &cublasLtMatmulAlgo_t,
         dtype: cudaDataType,
         c_dtype: cudaDataType,
-    ) -> Result<bool> {
+    ) -> Result<Option<String>> {
         for rows in PROBED_ROWS {
             let p = Problem::new(class, rows, dtype, c_dtype)?;
             let mut result =
@@ -250,18 +270,20 @@ impl Lt {
                     p.b,
                     p.c,
                     p.c,
-                    &algo,
+                    algo,
                     result.as_mut_ptr(),
                 )
             };
             // SAFETY: zero-initialized, and written on success.
-            if status != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                || unsafe { result.assume_init() }.workspaceSize != 0
-            {
-                return Ok(false);
+            let workspace = unsafe { result.assume_init() }.workspaceSize;
+            if status != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Ok(Some(format!("{rows} rows: {status:?}")));
+            }
+            if workspace != 0 {
+                return Ok(Some(format!("{rows} rows: needs {workspace} bytes of workspace")));
             }
         }
-        Ok(true)
+        Ok(None)
     }
 
     /// Row-major `c[m×n] (+)= op(a)·op(b)` on `stream`, with the class's pinned algorithm;
