@@ -5,7 +5,7 @@
 //! how many tokens share its batch. Here the rows (our `m`, tokens) are the only size that
 //! varies; for each class (transposes, `n`, `k`, dtypes, accumulate or not) the algorithm is
 //! chosen once: the first of cuBLASLt's heuristic candidates at [`REFERENCE_ROWS`] (no
-//! workspace, no split-K reduction) that also runs at every row count of [`PROBED_ROWS`], and
+//! split-K reduction, one K slice) that also runs at every row count of [`PROBED_ROWS`], and
 //! then used for every row count. One kernel with one K order
 //! computes every output element, so a row's bits are the same in any batch. The cost against
 //! cuBLAS's own per-call choice is measured by `miles bench … --gemm cublas`.
@@ -27,6 +27,8 @@ use crate::{Error, Result};
 /// Row counts whose heuristic candidates are tried, in order: a training batch's order of size
 /// first, then a decode step's.
 const REFERENCE_ROWS: [u64; 2] = [8192, 1];
+/// Workspace offered to the algorithms (split-K is excluded separately).
+const WORKSPACE_BYTES: usize = 1 << 20;
 /// Heuristic candidates considered per class.
 const CANDIDATES: usize = 32;
 /// Row counts a candidate must support (one decode row to a large batch, odd sizes between).
@@ -36,6 +38,10 @@ const PROBED_ROWS: [u64; 6] = [1, 2, 7, 259, 1000, 16_384];
 struct Class {
     ta: bool,
     tb: bool,
+    /// The row count for products that reduce over the tokens (`ta`: weight gradients, which
+    /// need determinism, not invariance, and get the heuristic's choice at their exact size);
+    /// 0 for the row-invariant classes, whose rows are the tokens.
+    m: i32,
     n: i32,
     k: i32,
     ab: u32,
@@ -47,6 +53,8 @@ struct Class {
 pub(crate) struct Lt {
     handle: lt_sys::cublasLtHandle_t,
     algos: Mutex<HashMap<Class, cublasLtMatmulAlgo_t>>,
+    /// Scratch some kernels ask for (a tile scheduler's counters; never split-K partials).
+    workspace: cudarc::driver::CudaSlice<u8>,
 }
 
 // SAFETY: the handle is used under the Gpu's one stream; cuBLASLt handles are thread-safe for
@@ -122,7 +130,7 @@ impl Problem {
 }
 
 impl Lt {
-    pub(crate) fn new() -> Result<Self> {
+    pub(crate) fn new(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Result<Self> {
         // SAFETY: only tries to dlopen the library.
         if !unsafe { lt_sys::is_culib_present() } {
             return Err(Error::Device(
@@ -132,7 +140,10 @@ impl Lt {
             ));
         }
         let handle = lt::create_handle().map_err(|e| lt_error("create", e))?;
-        Ok(Lt { handle, algos: Mutex::new(HashMap::new()) })
+        let workspace = stream
+            .alloc_zeros::<u8>(WORKSPACE_BYTES)
+            .map_err(|e| Error::Device(format!("cuBLASLt workspace: {e}")))?;
+        Ok(Lt { handle, algos: Mutex::new(HashMap::new()), workspace })
     }
 
     /// The class's algorithm, chosen on first use: no workspace and no split-K reduction.
@@ -145,6 +156,14 @@ impl Lt {
         let mut algos = self.algos.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(a) = algos.get(&class) {
             return Ok(*a);
+        }
+        if class.ta {
+            let exact = self.candidates(class, class.m as u64, dtype, c_dtype)?;
+            let algo = *exact.first().ok_or_else(|| {
+                Error::Device(format!("cuBLASLt: no split-K-free algorithm for {class:?}"))
+            })?;
+            algos.insert(class, algo);
+            return Ok(algo);
         }
         let mut reasons = Vec::new();
         let mut chosen = None;
@@ -193,7 +212,7 @@ impl Lt {
     ) -> Result<Vec<cublasLtMatmulAlgo_t>> {
         let problem = Problem::new(class, rows, dtype, c_dtype)?;
         let pref = lt::create_matmul_pref().map_err(|e| lt_error("preference", e))?;
-        let workspace = 0usize;
+        let workspace = WORKSPACE_BYTES;
         let reduction = cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
         // SAFETY: each attribute is passed by pointer with its size (usize and u32).
         let set = unsafe {
@@ -279,7 +298,7 @@ impl Lt {
             if status != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
                 return Ok(Some(format!("{rows} rows: {status:?}")));
             }
-            if workspace != 0 {
+            if workspace > WORKSPACE_BYTES {
                 return Ok(Some(format!("{rows} rows: needs {workspace} bytes of workspace")));
             }
         }
@@ -304,6 +323,7 @@ impl Lt {
         let class = Class {
             ta: ta == Transpose::Yes,
             tb: tb == Transpose::Yes,
+            m: if ta == Transpose::Yes { m } else { 0 },
             n,
             k,
             ab: dtype as u32,
@@ -313,8 +333,10 @@ impl Lt {
         let algo = self.algo(class, dtype, c_dtype)?;
         let problem = Problem::new(class, m as u64, dtype, c_dtype)?;
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        let stream_ = self.workspace.stream().clone();
+        let (ws, _ws_sync) = cudarc::driver::DevicePtr::device_ptr(&self.workspace, &stream_);
         // SAFETY: the pointers address buffers of the sizes the layouts describe (checked by
-        // the op); no workspace is needed by a split-K-free algorithm chosen with none.
+        // the op); the workspace holds what the algorithm was checked to need.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -330,8 +352,8 @@ impl Lt {
                 c,
                 problem.c,
                 &algo,
-                std::ptr::null_mut(),
-                0,
+                ws as *mut c_void,
+                WORKSPACE_BYTES,
                 stream,
             )
         }

@@ -259,7 +259,7 @@ impl Gpu {
     /// cuBLASLt for the batch-invariant GEMM route (created on first use).
     pub(crate) fn lt(&self) -> Result<&gemm_lt::Lt> {
         let lt = self.lt.get_or_init(|| {
-            catch_unwind(gemm_lt::Lt::new)
+            catch_unwind(AssertUnwindSafe(|| gemm_lt::Lt::new(&self.stream)))
                 .unwrap_or_else(|panic| Err(Error::Device(panic_message(&panic))))
                 .map_err(|e| e.to_string())
         });
