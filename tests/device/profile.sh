@@ -15,5 +15,5 @@ if [ -n "$nsys" ]; then
 else
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   $ncu --print-summary per-kernel --metrics gpu__time_duration.sum $cmd > "$OUT/ncu-$what.txt" 2>&1
-  grep -E "^  [a-zA-Z_].*\(|gpu__time_duration.sum" "$OUT/ncu-$what.txt" | head -80
+  python3 tests/device/ncu_summary.py "$OUT/ncu-$what.txt"
 fi
