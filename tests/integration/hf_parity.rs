@@ -4,91 +4,33 @@
 
 use std::path::PathBuf;
 
-use miles_model::weights::{TensorFiles, tensor_spec};
-use miles_model::{Model, ModelConfig, PackedBatch, Weights};
+use miles_model::testing::HfReference;
+use miles_model::{DeviceModel, ModelConfig, Weights};
+use miles_tensor::{DType, Device};
 
 fn fixture(name: &str) -> PathBuf {
     miles_tests::workspace_root().join("tests/fixtures/hf").join(name)
 }
 
-struct Reference {
-    batch: PackedBatch,
-    temperature: f32,
-    advantages: Vec<f32>,
-    entropy_coefs: Vec<f32>,
-    logp: Vec<f32>,
-    entropy: Vec<f32>,
-    files: TensorFiles,
-}
-
-fn reference(name: &str) -> Reference {
-    let dir = fixture(name);
-    let files = TensorFiles::single(&dir.join("reference.safetensors")).unwrap();
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let ids = files.i32("input_ids").unwrap().1;
-    let cu = files.i32("cu_seqlens").unwrap().1;
-    let prompts = files.i32("prompt_lens").unwrap().1;
-    let sequences: Vec<(Vec<u32>, usize)> = cu
-        .windows(2)
-        .zip(&prompts)
-        .map(|(w, &p)| {
-            (ids[w[0] as usize..w[1] as usize].iter().map(|&t| t as u32).collect(), p as usize)
-        })
-        .collect();
-    let vector = |n: &str| {
-        let shape = files.shape(n).unwrap();
-        files.f32(n, &shape).unwrap()
-    };
-    Reference {
-        batch: PackedBatch::new(&sequences).unwrap(),
-        temperature: json["temperature"].as_f64().unwrap() as f32,
-        advantages: vector("advantages"),
-        entropy_coefs: vector("entropy_coefs"),
-        logp: vector("logp"),
-        entropy: vector("entropy"),
-        files,
-    }
-}
-
-fn load(name: &str) -> Model {
-    let dir = fixture(name);
-    let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let weights = Weights::load(&dir, &config).unwrap();
-    Model::new(config, weights)
-}
-
+/// The CPU model, and the device model's code on the CPU's tensors (in f32), against the
+/// fixture (the device bundle runs the device model against it on the GPU).
 fn check(name: &str) {
-    let model = load(name);
-    let r = reference(name);
+    let r = HfReference::load(&fixture(name)).unwrap();
+    let model = &r.model;
     let fwd = model.forward(&r.batch, r.temperature).unwrap();
-    assert_eq!(fwd.logp.len(), r.logp.len());
-    for (k, ((a, b), (c, d))) in
-        fwd.logp.iter().zip(&r.logp).zip(fwd.entropy.iter().zip(&r.entropy)).enumerate()
-    {
-        assert!((a - b).abs() < 1e-4, "{name}: logp[{k}] {a} vs transformers {b}");
-        assert!((c - d).abs() < 1e-4, "{name}: entropy[{k}] {c} vs transformers {d}");
-    }
     let mut grads = Weights::zeros(&model.config);
     model.backward(&fwd, &r.batch, &r.advantages, &r.entropy_coefs, &mut grads).unwrap();
-    let spec = tensor_spec(&model.config);
-    for ((tensor, shape), ours) in spec.iter().zip(grads.tensors(model.config.architecture)) {
-        let theirs = r.files.f32(&format!("grad.{tensor}"), shape).unwrap();
-        let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
-        let diff: Vec<f32> = ours.iter().zip(&theirs).map(|(a, b)| a - b).collect();
-        let rel = norm(&diff) / norm(&theirs).max(1e-12);
-        assert!(
-            rel < 1e-3,
-            "{name}: gradient of {tensor} differs from transformers by {rel:.2e} (relative L2)"
-        );
-        for (a, b) in ours.iter().zip(&theirs) {
-            assert!(
-                (a - b).abs() <= 1e-3 * b.abs() + 1e-5,
-                "{name}: {tensor}: {a} vs transformers {b}"
-            );
-        }
-    }
+    r.assert_matches(name, &fwd.logp, &fwd.entropy, &grads);
+    let mut dm = DeviceModel::new(model, &Device::Cpu, DType::F32).unwrap();
+    let f = dm.forward(&r.batch, r.temperature).unwrap();
+    let (logp, entropy) = (f.logp.clone(), f.entropy.clone());
+    dm.backward(&f, &r.batch, &r.advantages, &r.entropy_coefs).unwrap();
+    r.assert_matches(
+        &format!("{name} (device model on the CPU)"),
+        &logp,
+        &entropy,
+        &dm.grads_to_host().unwrap(),
+    );
 }
 
 #[test]

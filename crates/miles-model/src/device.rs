@@ -650,6 +650,23 @@ mod tests {
         }
     }
 
+    /// Test 2 of the GPU model: logprobs, entropies and every gradient against transformers'
+    /// fixtures, in f32, within the CPU's tolerances, on every device present.
+    #[test]
+    fn matches_transformers_in_f32_on_every_device() {
+        for name in ["qwen3", "llama"] {
+            let r = crate::testing::HfReference::load(&crate::testing::hf_fixture(name)).unwrap();
+            for device in devices() {
+                let mut dm = DeviceModel::new(&r.model, &device, DType::F32).unwrap();
+                let f = dm.forward(&r.batch, r.temperature).unwrap();
+                let (logp, entropy) = (f.logp.clone(), f.entropy.clone());
+                dm.backward(&f, &r.batch, &r.advantages, &r.entropy_coefs).unwrap();
+                let grads = dm.grads_to_host().unwrap();
+                r.assert_matches(&format!("{device} {name}"), &logp, &entropy, &grads);
+            }
+        }
+    }
+
     #[test]
     fn bad_inputs_are_errors() {
         let m = model(tiny(Architecture::Llama, false), 1);

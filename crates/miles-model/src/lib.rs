@@ -12,6 +12,7 @@ pub mod kv;
 mod layer;
 pub mod model;
 pub mod presets;
+pub mod testing;
 pub mod tokenizer;
 pub mod weights;
 

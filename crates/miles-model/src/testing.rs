@@ -1,0 +1,86 @@
+//! Parity with HF transformers' fixtures (`tests/fixtures/hf`, written by
+//! `tests/fixtures/make_hf_parity.py`): a tiny checkpoint, a packed batch, and transformers'
+//! logprobs, entropies and gradients. Shared by the integration tests (CPU model) and the
+//! device model's tests (every device).
+
+use std::path::{Path, PathBuf};
+
+use crate::weights::{TensorFiles, tensor_spec};
+use crate::{Model, ModelConfig, PackedBatch, Result, Weights};
+
+/// `tests/fixtures/hf/<name>` of this workspace.
+pub fn hf_fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf").join(name)
+}
+
+/// A fixture: the model, the batch and what transformers computed on it.
+pub struct HfReference {
+    pub model: Model,
+    pub batch: PackedBatch,
+    pub temperature: f32,
+    /// d(loss)/d(logp) and d(loss)/d(entropy) of the fixture's loss.
+    pub advantages: Vec<f32>,
+    pub entropy_coefs: Vec<f32>,
+    pub logp: Vec<f32>,
+    pub entropy: Vec<f32>,
+    files: TensorFiles,
+}
+
+impl HfReference {
+    pub fn load(dir: &Path) -> Result<Self> {
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let model = Model::new(config.clone(), Weights::load(dir, &config)?);
+        let files = TensorFiles::single(&dir.join("reference.safetensors"))?;
+        let text = std::fs::read_to_string(dir.join("reference.json"))
+            .map_err(|e| crate::Error::Invalid(format!("{}: {e}", dir.display())))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| crate::Error::Invalid(format!("{}: {e}", dir.display())))?;
+        let ids = files.i32("input_ids")?.1;
+        let cu = files.i32("cu_seqlens")?.1;
+        let prompts = files.i32("prompt_lens")?.1;
+        let sequences: Vec<(Vec<u32>, usize)> = cu
+            .windows(2)
+            .zip(&prompts)
+            .map(|(w, &p)| {
+                (ids[w[0] as usize..w[1] as usize].iter().map(|&t| t as u32).collect(), p as usize)
+            })
+            .collect();
+        let vector = |n: &str| files.shape(n).and_then(|shape| files.f32(n, &shape));
+        Ok(HfReference {
+            model,
+            batch: PackedBatch::new(&sequences)?,
+            temperature: json["temperature"].as_f64().unwrap_or(1.0) as f32,
+            advantages: vector("advantages")?,
+            entropy_coefs: vector("entropy_coefs")?,
+            logp: vector("logp")?,
+            entropy: vector("entropy")?,
+            files,
+        })
+    }
+
+    /// Panics at the first value beyond the CPU's tolerances: 1e-4 on logp and entropy; per
+    /// gradient 1e-3 relative L2 and 1e-3·|theirs| + 1e-5 per element.
+    pub fn assert_matches(&self, what: &str, logp: &[f32], entropy: &[f32], grads: &Weights) {
+        assert_eq!(logp.len(), self.logp.len(), "{what}: response tokens");
+        for (k, ((a, b), (c, d))) in
+            logp.iter().zip(&self.logp).zip(entropy.iter().zip(&self.entropy)).enumerate()
+        {
+            assert!((a - b).abs() < 1e-4, "{what}: logp[{k}] {a} vs transformers {b}");
+            assert!((c - d).abs() < 1e-4, "{what}: entropy[{k}] {c} vs transformers {d}");
+        }
+        let c = &self.model.config;
+        for ((tensor, shape), ours) in tensor_spec(c).iter().zip(grads.tensors(c.architecture)) {
+            let theirs = self.files.f32(&format!("grad.{tensor}"), shape).expect("fixture grad");
+            let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+            let diff: Vec<f32> = ours.iter().zip(&theirs).map(|(a, b)| a - b).collect();
+            let rel = norm(&diff) / norm(&theirs).max(1e-12);
+            assert!(rel < 1e-3, "{what}: gradient of {tensor} differs by {rel:.2e} (relative L2)");
+            for (a, b) in ours.iter().zip(&theirs) {
+                assert!(
+                    (a - b).abs() <= 1e-3 * b.abs() + 1e-5,
+                    "{what}: {tensor}: {a} vs transformers {b}"
+                );
+            }
+        }
+    }
+}
