@@ -121,12 +121,14 @@ __device__ void embedding_forward(T* out, const T* table, const int* ids, int hi
     }
 }
 
-// d_table[uniq[u]] = Σ d_out[positions[k]] for k in [offsets[u], offsets[u+1]), positions in
-// token order: block u owns one vocabulary row, each thread one column, so every sum runs in
-// the CPU reference's order and no two blocks touch the same row (no atomics).
+// d_table[uniq[u]] (+)= Σ d_out[positions[k]] for k in [offsets[u], offsets[u+1]), positions
+// in token order: block u owns one vocabulary row, each thread one column, so every sum runs in
+// the CPU reference's order and no two blocks touch the same row (no atomics). `accumulate`
+// adds the sum into the row (a gradient summed over micro-batches) instead of writing it.
 template <typename T>
 __device__ void embedding_backward(float* d_table, const T* d_out, const int* uniq,
-                                   const int* offsets, const int* positions, int hidden) {
+                                   const int* offsets, const int* positions, int hidden,
+                                   int accumulate) {
     const int u = blockIdx.x;
     float* dst = d_table + static_cast<size_t>(uniq[u]) * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
@@ -134,7 +136,7 @@ __device__ void embedding_backward(float* d_table, const T* d_out, const int* un
         for (int k = offsets[u]; k < offsets[u + 1]; ++k) {
             acc += get(d_out, static_cast<size_t>(positions[k]) * hidden + i);
         }
-        dst[i] = acc;
+        dst[i] = accumulate ? dst[i] + acc : acc;
     }
 }
 
@@ -182,8 +184,8 @@ __device__ void scatter_rows(T* dst, const T* src, const int* rows, int hidden) 
 #define BOTH(T, SUFFIX)                                                                        \
     extern "C" __global__ void embedding_backward_##SUFFIX(                                    \
         float* d_table, const T* d_out, const int* uniq, const int* offsets,                   \
-        const int* positions, int hidden) {                                                    \
-        embedding_backward(d_table, d_out, uniq, offsets, positions, hidden);                  \
+        const int* positions, int hidden, int accumulate) {                                    \
+        embedding_backward(d_table, d_out, uniq, offsets, positions, hidden, accumulate);      \
     }                                                                                          \
     extern "C" __global__ void scatter_rows_##SUFFIX(T* dst, const T* src, const int* rows,   \
                                                      int hidden) {                             \

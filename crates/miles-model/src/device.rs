@@ -265,7 +265,7 @@ impl DeviceModel {
     /// Sets every gradient to zero.
     pub fn zero_grads(&mut self) -> Result<()> {
         for g in &mut self.grads {
-            *g = Tensor::zeros(g.shape(), DType::F32, &self.device)?;
+            g.zero_()?;
         }
         Ok(())
     }
@@ -344,8 +344,7 @@ impl DeviceModel {
         for (layer, a) in fwd.layers.iter().enumerate().rev() {
             dx = layer_backward(&mut dev, c, layer, a, dx)?;
         }
-        let d_embed = ops::embedding_backward(&dx, &batch.tokens, c.vocab_size)?;
-        add_into(&mut self.grads[0], &d_embed)?;
+        ops::embedding_backward_acc(&mut self.grads[0], &dx, &batch.tokens)?;
         Ok(())
     }
 

@@ -221,6 +221,18 @@ impl Tensor {
         }
     }
 
+    /// Sets every element to zero in place.
+    pub fn zero_(&mut self) -> Result<()> {
+        match &mut self.storage {
+            Storage::F32(v) => v.fill(0.0),
+            Storage::BF16(v) => v.fill(bf16::ZERO),
+            Storage::I32(v) => v.fill(0),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(buffer) => buffer.zero()?,
+        }
+        Ok(())
+    }
+
     /// The same elements seen with another shape of as many elements (no copy).
     pub fn reshape(self, shape: &[usize]) -> Result<Tensor> {
         check_len(shape, self.len())?;

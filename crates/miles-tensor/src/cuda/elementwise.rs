@@ -271,41 +271,57 @@ pub(crate) fn embedding_backward(
 ) -> Result<Buffer> {
     let mut d_table = gpu.alloc::<f32>(vocab * hidden)?;
     gpu.stream().memset_zeros(&mut d_table).map_err(|e| driver_error("memset", e))?;
-    let rows = groups.uniq.len();
-    if rows > 0 && hidden > 0 {
-        let (uniq, offsets) = (upload(gpu, &groups.uniq)?, upload(gpu, &groups.offsets)?);
-        let positions = upload(gpu, &groups.positions)?;
-        let cfg = row_block(rows, hidden);
-        let hidden_i = hidden as i32;
-        match d_out {
-            DeviceData::F32(d) => launch!(
-                gpu,
-                "elementwise",
-                "embedding_backward_f32",
-                cfg,
-                &mut d_table,
-                d,
-                &uniq,
-                &offsets,
-                &positions,
-                &hidden_i
-            )?,
-            DeviceData::BF16(d) => launch!(
-                gpu,
-                "elementwise",
-                "embedding_backward_bf16",
-                cfg,
-                &mut d_table,
-                d,
-                &uniq,
-                &offsets,
-                &positions,
-                &hidden_i
-            )?,
-            DeviceData::I32(_) => return Err(mismatch("embedding_backward")),
-        }
-    }
+    embedding_backward_into(gpu, &mut d_table, d_out, groups, hidden, false)?;
     Ok(wrap(gpu, DeviceData::F32(d_table)))
+}
+
+/// Writes (or with `accumulate` adds) each id's sum of its positions' `d_out` rows into its row
+/// of `d_table`; other rows are untouched.
+pub(crate) fn embedding_backward_into(
+    gpu: &Arc<Gpu>,
+    d_table: &mut CudaSlice<f32>,
+    d_out: &DeviceData,
+    groups: &IdGroups,
+    hidden: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let rows = groups.uniq.len();
+    if rows == 0 || hidden == 0 {
+        return Ok(());
+    }
+    let (uniq, offsets) = (upload(gpu, &groups.uniq)?, upload(gpu, &groups.offsets)?);
+    let positions = upload(gpu, &groups.positions)?;
+    let cfg = row_block(rows, hidden);
+    let (hidden_i, acc) = (hidden as i32, i32::from(accumulate));
+    match d_out {
+        DeviceData::F32(d) => launch!(
+            gpu,
+            "elementwise",
+            "embedding_backward_f32",
+            cfg,
+            d_table,
+            d,
+            &uniq,
+            &offsets,
+            &positions,
+            &hidden_i,
+            &acc
+        ),
+        DeviceData::BF16(d) => launch!(
+            gpu,
+            "elementwise",
+            "embedding_backward_bf16",
+            cfg,
+            d_table,
+            d,
+            &uniq,
+            &offsets,
+            &positions,
+            &hidden_i,
+            &acc
+        ),
+        DeviceData::I32(_) => Err(mismatch("embedding_backward")),
+    }
 }
 
 /// `dst[rows[i]] = src[i]` for distinct `rows` (checked on the host), `hidden` wide.

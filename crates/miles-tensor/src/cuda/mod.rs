@@ -16,8 +16,8 @@ use half::bf16;
 
 pub(crate) use attention::{MAX_HEAD_DIM, attention_backward, attention_forward};
 pub(crate) use elementwise::{
-    IdGroups, add, embedding_backward, embedding_forward, rope, scatter_rows, swiglu_backward,
-    swiglu_forward,
+    IdGroups, add, embedding_backward, embedding_backward_into, embedding_forward, rope,
+    scatter_rows, swiglu_backward, swiglu_forward,
 };
 pub(crate) use logprob::{logprob_rows, logprob_rows_backward};
 pub(crate) use ops::{matmul, matmul_into, rmsnorm_backward, rmsnorm_forward};
@@ -349,6 +349,16 @@ impl Buffer {
             DType::I32 => DeviceData::I32(stream.alloc_zeros(len).map_err(err)?),
         };
         Ok(Buffer { gpu: gpu.clone(), data })
+    }
+
+    pub(crate) fn zero(&mut self) -> Result<()> {
+        let stream = self.gpu.stream().clone();
+        let err = |e| driver_error("memset", e);
+        match &mut self.data {
+            DeviceData::F32(s) => stream.memset_zeros(s).map_err(err),
+            DeviceData::BF16(s) => stream.memset_zeros(s).map_err(err),
+            DeviceData::I32(s) => stream.memset_zeros(s).map_err(err),
+        }
     }
 
     pub(crate) fn to_host(&self) -> Result<Storage> {

@@ -223,6 +223,48 @@ pub fn embedding_backward(d_out: &Tensor, ids: &[u32], vocab: usize) -> Result<T
     }
 }
 
+/// [`embedding_backward`] added into an existing f32 gradient `d_table [vocab × hidden]` (only
+/// the rows of `ids` are touched): a step's embedding gradient without a second table.
+pub fn embedding_backward_acc(d_table: &mut Tensor, d_out: &Tensor, ids: &[u32]) -> Result<()> {
+    const OP: &str = "embedding_backward_acc";
+    same_device(OP, &[d_table, d_out])?;
+    floats_only(OP, &[d_out])?;
+    dtype_is(OP, "d_table", d_table, DType::F32)?;
+    ensure(
+        d_table.shape.len() == 2
+            && d_out.shape.len() == 2
+            && d_out.shape[0] == ids.len()
+            && d_out.shape[1] == d_table.shape[1],
+        OP,
+        || {
+            format!(
+                "d_out {:?} for {} ids into d_table {:?}",
+                d_out.shape,
+                ids.len(),
+                d_table.shape
+            )
+        },
+    )?;
+    table_shape(OP, d_table, ids)?;
+    let hidden = d_table.shape[1];
+    match &mut d_table.storage {
+        Storage::F32(t) => cpu::embedding_backward(t, &host_f32(d_out), ids, hidden),
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(crate::cuda::Buffer { gpu, data: crate::cuda::DeviceData::F32(t) }) => {
+            let gpu = gpu.clone();
+            crate::cuda::embedding_backward_into(
+                &gpu,
+                t,
+                device_data(d_out),
+                &id_groups(ids),
+                hidden,
+                true,
+            )
+        }
+        _ => unreachable!("d_table is f32 (checked)"),
+    }
+}
+
 /// `out[i] = x[rows[i]]` of a 2-D `x`: the rows the LM head reads.
 pub fn gather_rows(x: &Tensor, rows: &[u32]) -> Result<Tensor> {
     ensure(
@@ -435,6 +477,14 @@ mod tests {
                     assert_eq!(d_table.dtype(), DType::F32);
                     // Token order on both devices: the same bits.
                     assert_eq!(d_table.to_vec_f32().unwrap(), want, "{what}: backward");
+                    // Added into an existing gradient: the rows of the ids move, the rest not.
+                    let base = rng.vec(vocab * hidden, 1.0);
+                    let mut acc = tensor(&[vocab, hidden], &base, DType::F32, &device);
+                    embedding_backward_acc(&mut acc, &dt, &ids).unwrap();
+                    let got = acc.to_vec_f32().unwrap();
+                    let sum: Vec<f32> = base.iter().zip(&want).map(|(a, b)| a + b).collect();
+                    let err = max_rel_err(&what, &got, &sum);
+                    assert!(err < 1e-6, "{what}: accumulated backward {err:.3e}");
                 }
             }
             let table = tensor(&[4, 2], &[0.0; 8], DType::F32, &device);

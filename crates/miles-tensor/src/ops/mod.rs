@@ -15,8 +15,8 @@ mod optim;
 
 pub use attention::{attention_backward, attention_forward};
 pub use elementwise::{
-    add, embedding_backward, embedding_forward, gather_rows, rope, scatter_rows, swiglu_backward,
-    swiglu_forward,
+    add, embedding_backward, embedding_backward_acc, embedding_forward, gather_rows, rope,
+    scatter_rows, swiglu_backward, swiglu_forward,
 };
 pub use logprob::{logprob_rows, logprob_rows_backward};
 pub use optim::{adamw_step, sum_squares};
