@@ -27,6 +27,16 @@ if [ "$what" = sft ] || [ "$what" = all ]; then
       --num-rollout 60 --eval-interval 20 --run-dir /tmp/sft-$dev | tail -2
     cp /tmp/sft-$dev/metrics.jsonl "$OUT/sft-$dev.jsonl"
   done
+  python3 - "$OUT" <<'PY'
+import json, sys
+runs = {d: [json.loads(l) for l in open(f"{sys.argv[1]}/sft-{d}.jsonl")] for d in ("cuda", "cpu")}
+print("step  loss cuda  loss cpu  eval cuda  eval cpu")
+for a, b in zip(runs["cuda"], runs["cpu"]):
+    if a["step"] % 10 == 0:
+        f = lambda r, k: f"{r[k]:.3f}" if k in r else "-"
+        print(f"{a['step']:4d}  {f(a, 'train/loss'):>9}  {f(b, 'train/loss'):>8}  "
+              f"{f(a, 'eval/reward'):>9}  {f(b, 'eval/reward'):>8}")
+PY
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   preset=${PRESET:-qwen3-0.6b}
