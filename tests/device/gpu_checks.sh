@@ -3,6 +3,9 @@
 # bundle and target/gpu/{miles,hf_baseline.py} carried): the kernel and model tests, Qwen3-0.6B
 # bf16 against HF, and the benchmarks beside HF transformers. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|all]
+# Prepare here: cargo xtask device-bundle && cargo build --release -p miles-cli --features cuda &&
+#   mkdir -p target/gpu && cp target/release/miles ../shared/bench/hf_baseline.py target/gpu/
+# and carry target/device-bundle and target/gpu.
 set -u
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
