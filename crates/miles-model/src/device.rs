@@ -201,9 +201,7 @@ impl DeviceModel {
     fn run(&self, batch: &PackedBatch, temperature: f32, keep: bool) -> Result<DeviceForward> {
         let c = &self.config;
         batch.validate(c.vocab_size)?;
-        if temperature.is_nan() || temperature <= 0.0 {
-            return Err(Error::Invalid(format!("temperature {temperature} must be > 0")));
-        }
+        crate::model::check_temperature(temperature)?;
         let (cos, sin) = cpu::rope_tables(&batch.positions(), c.head_dim, c.rope_theta);
         let t = batch.tokens.len();
         let table = [t, c.head_dim / 2];
@@ -287,14 +285,7 @@ impl DeviceModel {
                 "backward needs the activations of forward() on the same batch".into(),
             ));
         }
-        if d_logp.len() != fwd.logp.len() || d_entropy.len() != fwd.logp.len() {
-            return Err(Error::Invalid(format!(
-                "backward: {} logp gradients and {} entropy gradients for {} response tokens",
-                d_logp.len(),
-                d_entropy.len(),
-                fwd.logp.len()
-            )));
-        }
+        crate::model::check_output_grads(d_logp, d_entropy, fwd.logp.len())?;
         let h = c.hidden_size;
         let (final_i, head_i) = (self.layout.final_norm(), self.layout.head());
         // The head, chunk by chunk: logits recomputed, never held for all rows.

@@ -99,6 +99,26 @@ impl PackedBatch {
     }
 }
 
+/// Errors unless `temperature` is a positive number.
+pub(crate) fn check_temperature(temperature: f32) -> Result<()> {
+    if temperature.is_nan() || temperature <= 0.0 {
+        return Err(Error::Invalid(format!("temperature {temperature} must be > 0")));
+    }
+    Ok(())
+}
+
+/// Errors unless a backward gets one logp and one entropy gradient per response token.
+pub(crate) fn check_output_grads(d_logp: &[f32], d_entropy: &[f32], tokens: usize) -> Result<()> {
+    if d_logp.len() != tokens || d_entropy.len() != tokens {
+        return Err(Error::Invalid(format!(
+            "backward: {} logp gradients and {} entropy gradients for {tokens} response tokens",
+            d_logp.len(),
+            d_entropy.len(),
+        )));
+    }
+    Ok(())
+}
+
 /// A model: its configuration and f32 weights.
 #[derive(Debug, Clone)]
 pub struct Model {
@@ -327,9 +347,7 @@ impl Model {
         let c = &self.config;
         batch.validate(c.vocab_size)?;
         self.check_packed(packed)?;
-        if temperature.is_nan() || temperature <= 0.0 {
-            return Err(Error::Invalid(format!("temperature {temperature} must be > 0")));
-        }
+        check_temperature(temperature)?;
         let Dims { t, h, .. } = self.dims(batch.tokens.len());
         let (cos, sin) = rope_tables(&batch.positions(), c.head_dim, c.rope_theta);
         let mut x = vec![0.0; t * h];
@@ -474,14 +492,7 @@ impl Model {
                 "backward needs the activations of forward() on the same batch".into(),
             ));
         }
-        if d_logp.len() != fwd.logp.len() || d_entropy.len() != fwd.logp.len() {
-            return Err(Error::Invalid(format!(
-                "backward: {} logp gradients and {} entropy gradients for {} response tokens",
-                d_logp.len(),
-                d_entropy.len(),
-                fwd.logp.len()
-            )));
-        }
+        check_output_grads(d_logp, d_entropy, fwd.logp.len())?;
         if grads.layers.len() != self.weights.layers.len()
             || grads.lm_head.is_some() != self.weights.lm_head.is_some()
         {

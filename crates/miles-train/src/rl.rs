@@ -219,13 +219,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     if cfg.use_rollout_routing_replay {
         bail!("--use-rollout-routing-replay: needs an MoE model, which miles-rs does not load yet");
     }
-    let hyper = AdamW {
-        lr: cfg.lr,
-        beta1: cfg.adam_beta1,
-        beta2: cfg.adam_beta2,
-        eps: cfg.adam_eps,
-        weight_decay: cfg.weight_decay,
-    };
+    let hyper = adamw(&cfg, cfg.lr);
     let schedule = LrSchedule::from_run_config(&cfg, total * steps_per_rollout);
     let config = model.config.clone();
     let eos = eos_id(&model, &tokenizer)?;
@@ -434,6 +428,17 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     })
 }
 
+/// AdamW's settings of the run at learning rate `lr`.
+fn adamw(cfg: &RunConfig, lr: f32) -> AdamW {
+    AdamW {
+        lr,
+        beta1: cfg.adam_beta1,
+        beta2: cfg.adam_beta2,
+        eps: cfg.adam_eps,
+        weight_decay: cfg.weight_decay,
+    }
+}
+
 /// The loop state of checkpoint `l`, checked against this run (same model, same data order),
 /// with the data source moved to where the checkpoint left it.
 fn resume_state(
@@ -492,13 +497,7 @@ fn train_on_device(
         );
     }
     device.ensure_available().with_context(|| flag.clone())?;
-    let hyper = AdamW {
-        lr: cfg.lr,
-        beta1: cfg.adam_beta1,
-        beta2: cfg.adam_beta2,
-        eps: cfg.adam_eps,
-        weight_decay: cfg.weight_decay,
-    };
+    let hyper = adamw(cfg, cfg.lr);
     let clip = f64::from(cfg.clip_grad);
     let total = total_iterations(cfg, train_data.len())?;
     let steps_per_rollout = steps_per_rollout(cfg)?;
@@ -1193,13 +1192,7 @@ fn sft_warmup(
 ) -> anyhow::Result<()> {
     let mut source = DataSource::new(data.dataset().clone(), true, mix(cfg.seed, 0x5F7))?;
     let lr = cfg.sft_lr.unwrap_or(cfg.lr);
-    let hyper = AdamW {
-        lr,
-        beta1: cfg.adam_beta1,
-        beta2: cfg.adam_beta2,
-        eps: cfg.adam_eps,
-        weight_decay: cfg.weight_decay,
-    };
+    let hyper = adamw(cfg, lr);
     let mut optimizer = Optimizer::new(&policy.config, hyper, f64::from(cfg.clip_grad));
     let sft = SftLossConfig::from_run_config(cfg);
     let where_ = data.dataset().source.clone();
