@@ -5,40 +5,58 @@
 // every operation as the CPU does (the _rn intrinsics keep nvcc from fusing multiply-adds), so
 // the two devices give the same bits. sumsq_* reduce in an order fixed by the data size alone
 // (chunks of SUMSQ_CHUNK elements, a fixed tree per chunk, chunks in order), in f64.
+#include <cuda_bf16.h>
 #include <stdint.h>
 
 namespace {
 
 constexpr int SUMSQ_THREADS = 256;
 
-}  // namespace
+// One tensor of a multi-tensor launch: its buffers (copy, the bf16 compute copy AdamW refreshes,
+// may be null; m, v and param are null for a sum of squares), its size, and the first of its
+// blocks in the launch (blocks of `chunk` elements, tensor after tensor, in order).
+struct Slot {
+    float* param;
+    float* m;
+    float* v;
+    const float* grad;
+    __nv_bfloat16* copy;
+    long long n;
+    long long first_block;
+};
 
-// One AdamW step: g = grad·grad_scale (the clipping factor), m and v updated in place, then
-// p ← p·decay − step_size·m / (sqrt(v)/bc2_sqrt + eps), with step_size = lr/(1 − β1^t) and
-// bc2_sqrt = sqrt(1 − β2^t) computed on the host in f64 as the CPU does.
-extern "C" __global__ void adamw_f32(float* param, float* m, float* v, const float* grad,
-                                     long long n, float grad_scale, float beta1, float beta2,
-                                     float eps, float decay, float step_size, float bc2_sqrt) {
-    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
-         i < static_cast<size_t>(n); i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-        const float g = __fmul_rn(grad[i], grad_scale);
-        const float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(1.0f - beta1, g));
-        const float vi =
-            __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(1.0f - beta2, g), g));
-        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
-        m[i] = mi;
-        v[i] = vi;
-        param[i] = __fsub_rn(__fmul_rn(param[i], decay), __fdiv_rn(__fmul_rn(step_size, mi), denom));
+// The slot that block `b` belongs to (the last one starting at or before it).
+__device__ __forceinline__ int slot_of(const Slot* slots, int count, long long b) {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (slots[mid].first_block <= b) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
     }
+    return lo;
 }
 
-// partial[b] = Σ x² over elements [b·chunk, (b+1)·chunk): threads stride the chunk, then a fixed
-// shared-memory tree. One block of SUMSQ_THREADS per chunk.
-extern "C" __global__ void sumsq_partial_f32(double* partial, const float* x, long long n,
-                                             long long chunk) {
+__device__ __forceinline__ float adamw_element(float* param, float* m, float* v, const float* grad,
+                                               size_t i, float grad_scale, float beta1,
+                                               float beta2, float eps, float decay,
+                                               float step_size, float bc2_sqrt) {
+    const float g = __fmul_rn(grad[i], grad_scale);
+    const float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(1.0f - beta1, g));
+    const float vi = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(1.0f - beta2, g), g));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+    m[i] = mi;
+    v[i] = vi;
+    const float p = __fsub_rn(__fmul_rn(param[i], decay), __fdiv_rn(__fmul_rn(step_size, mi), denom));
+    param[i] = p;
+    return p;
+}
+
+// Σ x² over [start, end) of x by one block: threads stride, then a fixed shared-memory tree.
+__device__ double block_sumsq(const float* x, long long start, long long end) {
     __shared__ double scratch[SUMSQ_THREADS];
-    const long long start = blockIdx.x * chunk;
-    const long long end = start + chunk < n ? start + chunk : n;
     double acc = 0.0;
     for (long long i = start + threadIdx.x; i < end; i += SUMSQ_THREADS) {
         const double xi = x[i];
@@ -52,8 +70,69 @@ extern "C" __global__ void sumsq_partial_f32(double* partial, const float* x, lo
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) {
-        partial[blockIdx.x] = scratch[0];
+    return scratch[0];
+}
+
+}  // namespace
+
+// One AdamW step: g = grad·grad_scale (the clipping factor), m and v updated in place, then
+// p ← p·decay − step_size·m / (sqrt(v)/bc2_sqrt + eps), with step_size = lr/(1 − β1^t) and
+// bc2_sqrt = sqrt(1 − β2^t) computed on the host in f64 as the CPU does.
+extern "C" __global__ void adamw_f32(float* param, float* m, float* v, const float* grad,
+                                     long long n, float grad_scale, float beta1, float beta2,
+                                     float eps, float decay, float step_size, float bc2_sqrt) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+         i < static_cast<size_t>(n); i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        adamw_element(param, m, v, grad, i, grad_scale, beta1, beta2, eps, decay, step_size,
+                      bc2_sqrt);
+    }
+}
+
+// The same step over every tensor of `slots` in one launch, each block one chunk of one
+// tensor, writing the bf16 compute copy (round to nearest even) where the slot has one.
+extern "C" __global__ void adamw_multi_f32(const Slot* slots, int count, long long chunk,
+                                           float grad_scale, float beta1, float beta2, float eps,
+                                           float decay, float step_size, float bc2_sqrt) {
+    const Slot s = slots[slot_of(slots, count, blockIdx.x)];
+    const long long start = (blockIdx.x - s.first_block) * chunk;
+    const long long end = start + chunk < s.n ? start + chunk : s.n;
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
+        const float p = adamw_element(s.param, s.m, s.v, s.grad, i, grad_scale, beta1, beta2, eps,
+                                      decay, step_size, bc2_sqrt);
+        if (s.copy != nullptr) s.copy[i] = __float2bfloat16_rn(p);
+    }
+}
+
+// partial[b] = Σ x² over elements [b·chunk, (b+1)·chunk). One block of SUMSQ_THREADS per chunk.
+extern "C" __global__ void sumsq_partial_f32(double* partial, const float* x, long long n,
+                                             long long chunk) {
+    const long long start = blockIdx.x * chunk;
+    const double sum = block_sumsq(x, start, start + chunk < n ? start + chunk : n);
+    if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+}
+
+// The same partials for every slot's grad in one launch (a chunk never spans two tensors).
+extern "C" __global__ void sumsq_multi_partial_f32(double* partial, const Slot* slots, int count,
+                                                   long long chunk) {
+    const Slot s = slots[slot_of(slots, count, blockIdx.x)];
+    const long long start = (blockIdx.x - s.first_block) * chunk;
+    const double sum = block_sumsq(s.grad, start, start + chunk < s.n ? start + chunk : s.n);
+    if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+}
+
+// out[0] = Σ over slots in order of (Σ of the slot's partials in order): the bits of summing the
+// tensors' sums_squares one after the other from 0.
+extern "C" __global__ void sumsq_multi_total(double* out, const double* partial, const Slot* slots,
+                                             int count, long long chunk) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        double total = 0.0;
+        for (int t = 0; t < count; ++t) {
+            double sum = 0.0;
+            const long long blocks = (slots[t].n + chunk - 1) / chunk;
+            for (long long b = 0; b < blocks; ++b) sum += partial[slots[t].first_block + b];
+            total += sum;
+        }
+        out[0] = total;
     }
 }
 

@@ -21,6 +21,7 @@ if [ "$what" = parity ] || [ "$what" = all ]; then
   mkdir -p $d
   python3 tests/device/qwen3_bf16_parity.py write $d 2>&1 | grep -v -i warn
   $miles score --hf-checkpoint $d --input $d/tokens.jsonl --device cuda --dtype bf16 --output $d/ours.jsonl
+  $miles score --hf-checkpoint $d --input $d/tokens.jsonl --device cuda --dtype f32 --output $d/ours_f32.jsonl
   python3 tests/device/qwen3_bf16_parity.py compare $d | tee "$OUT/parity.json"
 fi
 if [ "$what" = sft ] || [ "$what" = all ]; then

@@ -4,11 +4,12 @@ judged by HF transformers f32 on the same (bf16-valued) weights. Runs on the GPU
 
   python3 qwen3_bf16_parity.py write DIR        # checkpoint, tokens.jsonl, hf.json
   miles score --hf-checkpoint DIR --input DIR/tokens.jsonl --device cuda --output DIR/ours.jsonl
+  (and --dtype f32 --output DIR/ours_f32.jsonl: our f32 mode against HF f32, optional)
   python3 qwen3_bf16_parity.py compare DIR      # one JSON line: |Δlogp| of both against HF f32
 
 Acceptance (issue 11): ours' mean, p99 and max |Δlogp| no worse than HF bf16's.
 """
-import json, sys
+import json, os, sys
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -50,8 +51,11 @@ def compare(d):
         diff = (torch.tensor(sum(rows, []), dtype=torch.float64) - ref).abs()
         return dict(mean=diff.mean().item(), p99=diff.quantile(0.99).item(), max=diff.max().item())
 
-    print(json.dumps(dict(what="qwen3_0.6b_bf16_parity", tokens=len(ref),
-                          ours_bf16_vs_hf_f32=stats(ours), hf_bf16_vs_hf_f32=stats(hf["hf_bf16"]))))
+    res = dict(what="qwen3_0.6b_bf16_parity", tokens=len(ref), ours_bf16_vs_hf_f32=stats(ours),
+               hf_bf16_vs_hf_f32=stats(hf["hf_bf16"]))
+    if os.path.exists(f"{d}/ours_f32.jsonl"):  # our f32 mode: how far the f32 references agree
+        res["ours_f32_vs_hf_f32"] = stats([json.loads(l)["log_probs"] for l in open(f"{d}/ours_f32.jsonl")])
+    print(json.dumps(res))
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ impl DeviceModel {
         self.dtype
     }
 
-    /// Rebuilds the compute copies from the masters (after an optimizer step).
+    /// Builds the compute copies from the masters (AdamW refreshes them in place).
     fn refresh_compute(&mut self) -> Result<()> {
         let spec = tensor_spec(&self.config);
         self.compute = spec
@@ -341,16 +341,13 @@ impl DeviceModel {
 
     /// The global L2 norm of the gradients (f64 sums of squares per tensor, in order).
     pub fn grad_norm(&self) -> Result<f64> {
-        let mut sum = 0.0;
-        for g in &self.grads {
-            sum += ops::sum_squares(g)?;
-        }
-        Ok(sum.sqrt())
+        let grads: Vec<&Tensor> = self.grads.iter().collect();
+        Ok(ops::sum_squares_multi(&grads)?.sqrt())
     }
 
     /// Clips the gradients to `clip_grad` (global norm; 0: off) and applies one AdamW step
-    /// to every master weight, then refreshes the compute copies. Returns the norm before
-    /// clipping and the factor applied.
+    /// to every master weight, refreshing the compute copies in the same launch. Returns the
+    /// norm before clipping and the factor applied.
     pub fn adamw_step(&mut self, hyper: &AdamW, clip_grad: f64) -> Result<(f64, f32)> {
         let norm = self.grad_norm()?;
         let scale = cpu::clip_scale(norm, clip_grad);
@@ -364,12 +361,21 @@ impl DeviceModel {
         }
         let moments = self.moments.as_mut().expect("set above");
         moments.step += 1;
-        for (((p, g), m), v) in
-            self.masters.iter_mut().zip(&self.grads).zip(&mut moments.m).zip(&mut moments.v)
-        {
-            ops::adamw_step(hyper, moments.step, scale, p, m, v, g)?;
-        }
-        self.refresh_compute()?;
+        let mut parts: Vec<ops::AdamWTensors> = self
+            .masters
+            .iter_mut()
+            .zip(&self.grads)
+            .zip(moments.m.iter_mut().zip(&mut moments.v))
+            .zip(&mut self.compute)
+            .map(|(((param, grad), (m, v)), copy)| ops::AdamWTensors {
+                param,
+                m,
+                v,
+                grad,
+                copy: copy.as_mut(),
+            })
+            .collect();
+        ops::adamw_multi(hyper, moments.step, scale, &mut parts)?;
         Ok((norm, scale))
     }
 
@@ -726,5 +732,45 @@ mod invariance {
                 }
             }
         }
+    }
+
+    /// Test 3's question on any GPU, with the CPU as the judge: bf16 on CUDA strays from the
+    /// f32 logprobs no further than the CPU's bf16 twin of the same steps does (the gap that
+    /// HF bf16 shows against HF f32). A Qwen3-0.6B-shaped layer stack, a small vocabulary.
+    #[test]
+    fn bf16_on_cuda_is_as_close_to_f32_as_its_cpu_twin() {
+        let device = Device::Cuda(0);
+        if let Err(e) = device.ensure_available() {
+            println!("skipping CUDA: {e}");
+            return;
+        }
+        let mut c = tiny(Architecture::Qwen3, true);
+        (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers) =
+            (1024, 3072, 4096, 4);
+        (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (16, 8, 128);
+        c.rope_theta = 1e6;
+        let mut m = model(c, 5);
+        for t in m.weights.tensors_mut(m.config.architecture) {
+            t.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+        }
+        let mut rng = Rng::new(17);
+        let seqs: Vec<(Vec<u32>, usize)> = [300usize, 64, 17, 600, 129]
+            .iter()
+            .map(|&n| ((0..n).map(|_| rng.below(4096) as u32).collect(), 1))
+            .collect();
+        let b = PackedBatch::new(&seqs).unwrap();
+        let f32_logp = m.logprobs(&b, 1.0).unwrap().0;
+        let stats = |lp: &[f32]| {
+            let mut d: Vec<f64> =
+                lp.iter().zip(&f32_logp).map(|(a, b)| f64::from(a - b).abs()).collect();
+            d.sort_by(f64::total_cmp);
+            (d.iter().sum::<f64>() / d.len() as f64, d[d.len() - 1])
+        };
+        let on = |device: &Device| {
+            DeviceModel::new(&m, device, DType::BF16).unwrap().logprobs(&b, 1.0).unwrap().0
+        };
+        let (cpu, gpu) = (stats(&on(&Device::Cpu)), stats(&on(&device)));
+        println!("|Δlogp| against f32 (mean, max): cpu bf16 {cpu:?}, cuda bf16 {gpu:?}");
+        assert!(gpu.0 <= 1.3 * cpu.0 && gpu.1 <= 2.0 * cpu.1, "cuda {gpu:?} vs cpu {cpu:?}");
     }
 }

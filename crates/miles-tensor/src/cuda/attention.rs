@@ -1,5 +1,6 @@
-//! Varlen causal GQA attention of `kernels/attention.cu`: the forward (output and log-sum-exp)
-//! and the backward (dq, dk, dv). Shapes were checked by [`crate::ops`].
+//! Varlen causal GQA attention: the forward (output and log-sum-exp) and the backward (dq, dk,
+//! dv). bf16 at head_dim 64 or 128 runs on the tensor cores (`kernels/attention_mma.cu`);
+//! f32 and other head sizes on `kernels/attention.cu`. Shapes were checked by [`crate::ops`].
 
 use std::sync::Arc;
 
@@ -11,8 +12,13 @@ use crate::cpu::AttentionShape;
 use crate::cpu::attention::{QUERY_BLOCK, tiles};
 use crate::{Error, Result};
 
-/// Threads per block of the tile kernels (8 warps), and the kernels' own constants.
+/// Threads per block of the tile kernels (8 warps; 4 for the tensor-core ones), and the
+/// kernels' own constants.
 const THREADS: u32 = 256;
+const MMA_THREADS: u32 = 128;
+/// Query rows per step of the tensor-core dk/dv kernel, and the padding of its shared rows.
+const MMA_QUERY_CHUNK: usize = 32;
+const MMA_SKEW: usize = 8;
 const KEY_BLOCK: usize = crate::cpu::KEY_BLOCK;
 const WARPS: usize = 8;
 const PAIRS: usize = 16;
@@ -30,6 +36,20 @@ fn tile_table(gpu: &Gpu, cu_seqlens: &[usize], block: usize) -> Result<(CudaSlic
     Ok((table, list.len() as u32))
 }
 
+/// The tensor-core kernels' name suffix for this head size, if they cover it.
+fn mma_suffix(head_dim: usize) -> Option<&'static str> {
+    match head_dim {
+        64 => Some("d64"),
+        128 => Some("d128"),
+        _ => None,
+    }
+}
+
+/// Bytes of shared memory of `rows` padded bf16 rows of the tensor-core kernels.
+fn mma_rows_bytes(rows: usize, d: usize) -> usize {
+    rows * (d + MMA_SKEW) * 2
+}
+
 /// The launch shape over `(tiles, heads)` with `floats` of dynamic shared memory, raising the
 /// kernel's shared-memory limit when it needs more than the default 48 KiB.
 fn tile_launch(
@@ -39,8 +59,19 @@ fn tile_launch(
     heads: usize,
     floats: usize,
 ) -> Result<LaunchConfig> {
-    let bytes = (floats * 4) as u32;
-    let f = gpu.function("attention", module_kernel)?;
+    launch_with(gpu, "attention", module_kernel, (tiles, heads), THREADS, floats * 4)
+}
+
+fn launch_with(
+    gpu: &Gpu,
+    module: &'static str,
+    module_kernel: &'static str,
+    (tiles, heads): (u32, usize),
+    threads: u32,
+    bytes: usize,
+) -> Result<LaunchConfig> {
+    let bytes = bytes as u32;
+    let f = gpu.function(module, module_kernel)?;
     f.set_attribute(
         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
         bytes as i32,
@@ -48,7 +79,7 @@ fn tile_launch(
     .map_err(|e| driver_error(module_kernel, e))?;
     Ok(LaunchConfig {
         grid_dim: (tiles, heads as u32, 1),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: bytes,
     })
 }
@@ -59,6 +90,18 @@ fn mismatch(op: &'static str) -> Error {
 
 fn pick(f32: bool, names: [&'static str; 2]) -> &'static str {
     names[usize::from(!f32)]
+}
+
+/// `attention_mma_{what}_{suffix}`, as `kernels/attention_mma.cu` names its kernels.
+fn mma_name(what: &str, suffix: &str) -> &'static str {
+    match (what, suffix) {
+        ("forward", "d64") => "attention_mma_forward_d64",
+        ("forward", _) => "attention_mma_forward_d128",
+        ("dq", "d64") => "attention_mma_dq_d64",
+        ("dq", _) => "attention_mma_dq_d128",
+        ("dkdv", "d64") => "attention_mma_dkdv_d64",
+        _ => "attention_mma_dkdv_d128",
+    }
 }
 
 /// `(out, lse)`: out like q, lse `[tokens × q_heads]` f32.
@@ -104,7 +147,27 @@ pub(crate) fn attention_forward(
         }
         (DeviceData::BF16(q), DeviceData::BF16(k), DeviceData::BF16(v)) => {
             let mut out = gpu.alloc::<u16>(q.len())?;
-            if n > 0 {
+            if let (true, Some(suffix)) = (n > 0, mma_suffix(d)) {
+                let name = mma_name("forward", suffix);
+                let bytes = mma_rows_bytes(QUERY_BLOCK + 2 * KEY_BLOCK, d);
+                let cfg =
+                    launch_with(gpu, "attention_mma", name, (n, q_heads), MMA_THREADS, bytes)?;
+                launch!(
+                    gpu,
+                    "attention_mma",
+                    name,
+                    cfg,
+                    &mut out,
+                    &mut lse,
+                    q,
+                    k,
+                    v,
+                    &table,
+                    &qh,
+                    &kvh,
+                    &scale
+                )?;
+            } else if n > 0 {
                 let name = pick(false, names);
                 let cfg = tile_launch(gpu, name, n, q_heads, floats)?;
                 launch!(
@@ -171,47 +234,100 @@ pub(crate) fn attention_backward(
             if rows > 0 {
                 let name = pick($f32, ["attention_delta_f32", "attention_delta_bf16"]);
                 launch!(gpu, "attention", name, delta_cfg, &mut delta, $d_out, $out, &rows_l, &di)?;
-                let name = pick($f32, ["attention_dq_f32", "attention_dq_bf16"]);
-                let cfg = tile_launch(gpu, name, nq, q_heads, dq_floats)?;
-                launch!(
-                    gpu,
-                    "attention",
-                    name,
-                    cfg,
-                    &mut dq,
-                    $d_out,
-                    $q,
-                    $k,
-                    $v,
-                    lse,
-                    &delta,
-                    &q_table,
-                    &qh,
-                    &kvh,
-                    &di,
-                    &scale
-                )?;
-                let name = pick($f32, ["attention_dkdv_f32", "attention_dkdv_bf16"]);
-                let cfg = tile_launch(gpu, name, nk, kv_heads, dkdv_floats)?;
-                launch!(
-                    gpu,
-                    "attention",
-                    name,
-                    cfg,
-                    &mut dk,
-                    &mut dv,
-                    $d_out,
-                    $q,
-                    $k,
-                    $v,
-                    lse,
-                    &delta,
-                    &k_table,
-                    &qh,
-                    &kvh,
-                    &di,
-                    &scale
-                )?;
+                if let (false, Some(suffix)) = ($f32, mma_suffix(d)) {
+                    let name = mma_name("dq", suffix);
+                    let bytes = mma_rows_bytes(2 * QUERY_BLOCK + 2 * KEY_BLOCK, d);
+                    let cfg =
+                        launch_with(gpu, "attention_mma", name, (nq, q_heads), MMA_THREADS, bytes)?;
+                    launch!(
+                        gpu,
+                        "attention_mma",
+                        name,
+                        cfg,
+                        &mut dq,
+                        $d_out,
+                        $q,
+                        $k,
+                        $v,
+                        lse,
+                        &delta,
+                        &q_table,
+                        &qh,
+                        &kvh,
+                        &scale
+                    )?;
+                    let name = mma_name("dkdv", suffix);
+                    let bytes = mma_rows_bytes(2 * KEY_BLOCK + 2 * MMA_QUERY_CHUNK, d)
+                        + 2 * MMA_QUERY_CHUNK * 4;
+                    let cfg = launch_with(
+                        gpu,
+                        "attention_mma",
+                        name,
+                        (nk, kv_heads),
+                        MMA_THREADS,
+                        bytes,
+                    )?;
+                    launch!(
+                        gpu,
+                        "attention_mma",
+                        name,
+                        cfg,
+                        &mut dk,
+                        &mut dv,
+                        $d_out,
+                        $q,
+                        $k,
+                        $v,
+                        lse,
+                        &delta,
+                        &k_table,
+                        &qh,
+                        &kvh,
+                        &scale
+                    )?;
+                } else {
+                    let name = pick($f32, ["attention_dq_f32", "attention_dq_bf16"]);
+                    let cfg = tile_launch(gpu, name, nq, q_heads, dq_floats)?;
+                    launch!(
+                        gpu,
+                        "attention",
+                        name,
+                        cfg,
+                        &mut dq,
+                        $d_out,
+                        $q,
+                        $k,
+                        $v,
+                        lse,
+                        &delta,
+                        &q_table,
+                        &qh,
+                        &kvh,
+                        &di,
+                        &scale
+                    )?;
+                    let name = pick($f32, ["attention_dkdv_f32", "attention_dkdv_bf16"]);
+                    let cfg = tile_launch(gpu, name, nk, kv_heads, dkdv_floats)?;
+                    launch!(
+                        gpu,
+                        "attention",
+                        name,
+                        cfg,
+                        &mut dk,
+                        &mut dv,
+                        $d_out,
+                        $q,
+                        $k,
+                        $v,
+                        lse,
+                        &delta,
+                        &k_table,
+                        &qh,
+                        &kvh,
+                        &di,
+                        &scale
+                    )?;
+                }
             }
             ($wrap(dq), $wrap(dk), $wrap(dv))
         }};

@@ -21,7 +21,7 @@ pub(crate) use elementwise::{
 };
 pub(crate) use logprob::{logprob_rows, logprob_rows_backward};
 pub(crate) use ops::{matmul, matmul_into, rmsnorm_backward, rmsnorm_forward};
-pub(crate) use optim::{adamw, sum_squares};
+pub(crate) use optim::{AdamWSlot, adamw, adamw_multi, sum_squares, sum_squares_multi};
 
 use crate::tensor::Storage;
 use crate::{DType, Error, Result};

@@ -1,6 +1,6 @@
 //! AdamW and the gradient sum of squares of `kernels/optim.cu`, over f32 device buffers.
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::{Gpu, driver_error, elementwise_launch};
 use crate::Result;
@@ -69,5 +69,116 @@ pub(crate) fn sum_squares(gpu: &Gpu, x: &CudaSlice<f32>) -> Result<f64> {
     let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
     launch!(gpu, "optim", "sumsq_total", one, &mut total, &partial, &parts_i)?;
     let host = gpu.stream().clone_dtoh(&total).map_err(|e| driver_error("copy to host", e))?;
+    Ok(host[0])
+}
+
+/// The buffers of one tensor in a multi-tensor AdamW step.
+pub(crate) struct AdamWSlot<'a> {
+    pub param: &'a mut CudaSlice<f32>,
+    pub m: &'a mut CudaSlice<f32>,
+    pub v: &'a mut CudaSlice<f32>,
+    pub grad: &'a CudaSlice<f32>,
+    /// The bf16 compute copy to refresh from the updated weights, if the tensor has one.
+    pub copy: Option<&'a mut CudaSlice<u16>>,
+}
+
+/// `kernels/optim.cu`'s `Slot` table on the device (seven 8-byte words per tensor) and the
+/// launch's block count: blocks of SUMSQ_CHUNK elements, tensor after tensor.
+fn slot_table(gpu: &Gpu, slots: &[[u64; 5]], sizes: &[usize]) -> Result<(CudaSlice<u64>, u32)> {
+    let mut words = Vec::with_capacity(slots.len() * 7);
+    let mut block = 0usize;
+    for (ptrs, &n) in slots.iter().zip(sizes) {
+        words.extend_from_slice(ptrs);
+        words.extend([n as u64, block as u64]);
+        block += n.div_ceil(SUMSQ_CHUNK);
+    }
+    let table = gpu.stream().clone_htod(&words).map_err(|e| driver_error("copy to device", e))?;
+    Ok((table, block as u32))
+}
+
+/// One AdamW step over every slot in one launch, as [`adamw`] does tensor by tensor, refreshing
+/// the compute copies in the same pass.
+pub(crate) fn adamw_multi(
+    gpu: &Gpu,
+    hyper: &AdamW,
+    step: u64,
+    grad_scale: f32,
+    slots: &mut [AdamWSlot],
+) -> Result<()> {
+    let stream = gpu.stream().clone();
+    let sizes: Vec<usize> = slots.iter().map(|s| s.param.len()).collect();
+    let (table, blocks) = {
+        let mut ptrs = Vec::with_capacity(slots.len());
+        let mut guards = Vec::new();
+        for s in slots.iter_mut() {
+            let (p, gp) = s.param.device_ptr_mut(&stream);
+            let (m, gm) = s.m.device_ptr_mut(&stream);
+            let (v, gv) = s.v.device_ptr_mut(&stream);
+            let (g, gg) = s.grad.device_ptr(&stream);
+            let copy = match s.copy.as_mut() {
+                Some(c) => {
+                    let (c, gc) = c.device_ptr_mut(&stream);
+                    guards.push(gc);
+                    c
+                }
+                None => 0,
+            };
+            guards.extend([gp, gm, gv, gg]);
+            ptrs.push([p, m, v, g, copy]);
+        }
+        slot_table(gpu, &ptrs, &sizes)?
+    };
+    if blocks == 0 {
+        return Ok(());
+    }
+    let (step_size, bc2_sqrt, decay) = hyper.step_constants(step);
+    let AdamW { beta1, beta2, eps, .. } = *hyper;
+    let (count, chunk) = (slots.len() as i32, SUMSQ_CHUNK as i64);
+    let cfg =
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    launch!(
+        gpu,
+        "optim",
+        "adamw_multi_f32",
+        cfg,
+        &table,
+        &count,
+        &chunk,
+        &grad_scale,
+        &beta1,
+        &beta2,
+        &eps,
+        &decay,
+        &step_size,
+        &bc2_sqrt
+    )
+}
+
+/// Σ over the tensors in order of their [`sum_squares`], with the same bits, in two launches.
+pub(crate) fn sum_squares_multi(gpu: &Gpu, xs: &[&CudaSlice<f32>]) -> Result<f64> {
+    let stream = gpu.stream().clone();
+    let sizes: Vec<usize> = xs.iter().map(|x| x.len()).collect();
+    let (table, blocks) = {
+        let mut ptrs = Vec::with_capacity(xs.len());
+        let mut guards = Vec::with_capacity(xs.len());
+        for x in xs {
+            let (g, guard) = x.device_ptr(&stream);
+            guards.push(guard);
+            ptrs.push([0, 0, 0, g, 0]);
+        }
+        slot_table(gpu, &ptrs, &sizes)?
+    };
+    if blocks == 0 {
+        return Ok(0.0);
+    }
+    let mut partial = gpu.alloc::<f64>(blocks as usize)?;
+    let (count, chunk) = (xs.len() as i32, SUMSQ_CHUNK as i64);
+    let cfg =
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    launch!(gpu, "optim", "sumsq_multi_partial_f32", cfg, &mut partial, &table, &count, &chunk)?;
+    let mut total = gpu.alloc::<f64>(1)?;
+    let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+    launch!(gpu, "optim", "sumsq_multi_total", one, &mut total, &partial, &table, &count, &chunk)?;
+    let host = stream.clone_dtoh(&total).map_err(|e| driver_error("copy to host", e))?;
     Ok(host[0])
 }

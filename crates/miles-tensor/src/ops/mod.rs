@@ -19,7 +19,7 @@ pub use elementwise::{
     scatter_rows, swiglu_backward, swiglu_forward,
 };
 pub use logprob::{logprob_rows, logprob_rows_backward};
-pub use optim::{adamw_step, sum_squares};
+pub use optim::{AdamWTensors, adamw_multi, adamw_step, sum_squares, sum_squares_multi};
 
 /// A host buffer of `n` f32 for an op to overwrite (NaN in debug builds: see POISON_OUTPUTS).
 fn host_out(n: usize) -> Vec<f32> {

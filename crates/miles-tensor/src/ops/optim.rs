@@ -23,6 +23,14 @@ fn device_f32_mut(t: &mut Tensor) -> &mut cudarc::driver::CudaSlice<f32> {
 }
 
 #[cfg(feature = "cuda")]
+fn device_bf16_mut(t: &mut Tensor) -> &mut cudarc::driver::CudaSlice<u16> {
+    match &mut t.storage {
+        Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::BF16(s), .. }) => s,
+        _ => unreachable!("device_bf16_mut of a non-bf16 or host tensor (checked by the op)"),
+    }
+}
+
+#[cfg(feature = "cuda")]
 fn device_f32(t: &Tensor) -> &cudarc::driver::CudaSlice<f32> {
     match &t.storage {
         Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::F32(s), .. }) => s,
@@ -73,6 +81,104 @@ pub fn adamw_step(
             };
             let (p, mm, vv) = (device_f32_mut(param), device_f32_mut(m), device_f32_mut(v));
             crate::cuda::adamw(&gpu, hyper, step, grad_scale, p, mm, vv, device_f32(grad))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// One tensor of [`adamw_multi`]: the f32 master, its moments and gradient (one shape), and
+/// the bf16 compute copy of the master that the step refreshes, if it has one.
+pub struct AdamWTensors<'a> {
+    pub param: &'a mut Tensor,
+    pub m: &'a mut Tensor,
+    pub v: &'a mut Tensor,
+    pub grad: &'a Tensor,
+    pub copy: Option<&'a mut Tensor>,
+}
+
+/// [`adamw_step`] over many tensors, with the same bits, refreshing each compute copy from
+/// its updated master (round to nearest even): one launch for all of them on CUDA.
+pub fn adamw_multi(
+    hyper: &AdamW,
+    step: u64,
+    grad_scale: f32,
+    tensors: &mut [AdamWTensors],
+) -> Result<()> {
+    const OP: &str = "adamw_multi";
+    let Some(first) = tensors.first() else { return Ok(()) };
+    let device = first.param.device();
+    for t in tensors.iter() {
+        let mut all = vec![&*t.param, &*t.m, &*t.v, t.grad];
+        all.extend(t.copy.as_deref());
+        ensure(same_device(OP, &all)? == device, OP, || "tensors on different devices".into())?;
+        for (what, x) in [("param", &*t.param), ("m", &*t.m), ("v", &*t.v), ("grad", t.grad)] {
+            dtype_is(OP, what, x, DType::F32)?;
+        }
+        if let Some(c) = t.copy.as_deref() {
+            dtype_is(OP, "copy", c, DType::BF16)?;
+        }
+        for x in all {
+            ensure(x.shape == t.param.shape, OP, || {
+                format!("{:?} must be shaped like param {:?}", x.shape, t.param.shape)
+            })?;
+        }
+    }
+    ensure(step >= 1, OP, || "step counts from 1".into())?;
+    match device {
+        Device::Cpu => {
+            for t in tensors.iter_mut() {
+                adamw_step(hyper, step, grad_scale, t.param, t.m, t.v, t.grad)?;
+                if let Some(c) = t.copy.as_deref_mut() {
+                    *c = t.param.to_dtype(DType::BF16)?;
+                }
+            }
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let gpu = match &tensors[0].param.storage {
+                Storage::Cuda(buffer) => buffer.gpu.clone(),
+                _ => unreachable!("param is on a device"),
+            };
+            let mut slots: Vec<crate::cuda::AdamWSlot> = tensors
+                .iter_mut()
+                .map(|t| crate::cuda::AdamWSlot {
+                    param: device_f32_mut(t.param),
+                    m: device_f32_mut(t.m),
+                    v: device_f32_mut(t.v),
+                    grad: device_f32(t.grad),
+                    copy: t.copy.as_deref_mut().map(device_bf16_mut),
+                })
+                .collect();
+            crate::cuda::adamw_multi(&gpu, hyper, step, grad_scale, &mut slots)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// Σ over `tensors` in order of their [`sum_squares`], with the same bits (two launches on
+/// CUDA for all of them): the square of the global gradient norm.
+pub fn sum_squares_multi(tensors: &[&Tensor]) -> Result<f64> {
+    const OP: &str = "sum_squares_multi";
+    if tensors.is_empty() {
+        return Ok(0.0);
+    }
+    let device = same_device(OP, tensors)?;
+    for t in tensors {
+        dtype_is(OP, "every tensor", t, DType::F32)?;
+    }
+    match device {
+        Device::Cpu => tensors.iter().try_fold(0.0, |sum, t| Ok(sum + sum_squares(t)?)),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let gpu = match &tensors[0].storage {
+                Storage::Cuda(buffer) => buffer.gpu.clone(),
+                _ => unreachable!("on a device"),
+            };
+            let slices: Vec<_> = tensors.iter().map(|t| device_f32(t)).collect();
+            crate::cuda::sum_squares_multi(&gpu, &slices)
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(crate::tensor::not_built()),
@@ -131,6 +237,81 @@ mod tests {
             let bad = tensor(&[n - 1], &param0[1..], DType::F32, &device);
             assert!(adamw_step(&hyper, 1, 1.0, &mut pt, &mut mt, &mut vt, &bad).is_err());
             assert!(adamw_step(&hyper, 0, 1.0, &mut pt, &mut mt, &mut vt, &t(&param0)).is_err());
+        }
+    }
+
+    /// The multi-tensor step gives every tensor the bits of its own step, the compute copies
+    /// those of converting the new weights; the multi-tensor sum those of summing in order.
+    #[test]
+    fn multi_tensor_adamw_and_norm_give_the_single_tensor_bits() {
+        let mut rng = Rng::new(53);
+        let hyper = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
+        let sizes = [1usize, 0, (1 << 16) + 5, 300, 3 << 16];
+        let data: Vec<[Vec<f32>; 2]> =
+            sizes.iter().map(|&n| [rng.vec(n, 1.0), rng.vec(n, 0.1)]).collect();
+        for device in devices() {
+            let t = |x: &[f32]| tensor(&[x.len()], x, DType::F32, &device);
+            let single: Vec<Vec<f32>> = data
+                .iter()
+                .map(|[p, g]| {
+                    let (mut p, mut m, mut v) =
+                        (t(p), t(&vec![0.0; p.len()]), t(&vec![0.0; p.len()]));
+                    for step in 1..=2 {
+                        adamw_step(&hyper, step, 0.7, &mut p, &mut m, &mut v, &t(g)).unwrap();
+                    }
+                    p.to_vec_f32().unwrap()
+                })
+                .collect();
+            let mut ps: Vec<Tensor> = data.iter().map(|[p, _]| t(p)).collect();
+            let gs: Vec<Tensor> = data.iter().map(|[_, g]| t(g)).collect();
+            let zeros = || data.iter().map(|[p, _]| t(&vec![0.0; p.len()])).collect::<Vec<_>>();
+            let (mut ms, mut vs) = (zeros(), zeros());
+            let mut copies: Vec<Tensor> =
+                data.iter().map(|[p, _]| tensor(&[p.len()], p, DType::BF16, &device)).collect();
+            for step in 1..=2 {
+                let mut parts: Vec<AdamWTensors> = ps
+                    .iter_mut()
+                    .zip(&mut ms)
+                    .zip(&mut vs)
+                    .zip(&gs)
+                    .zip(&mut copies)
+                    .enumerate()
+                    .map(|(i, ((((param, m), v), grad), copy))| AdamWTensors {
+                        param,
+                        m,
+                        v,
+                        grad,
+                        copy: (i != 3).then_some(copy),
+                    })
+                    .collect();
+                adamw_multi(&hyper, step, 0.7, &mut parts).unwrap();
+            }
+            for (i, (p, want)) in ps.iter().zip(&single).enumerate() {
+                assert_eq!(&p.to_vec_f32().unwrap(), want, "{device}: tensor {i}");
+                let copy = copies[i].to_vec_f32().unwrap();
+                let rounded: Vec<f32> = if i == 3 {
+                    data[i][0].iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
+                } else {
+                    want.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
+                };
+                assert_eq!(copy, rounded, "{device}: copy {i} (3 has none: left alone)");
+            }
+            let refs: Vec<&Tensor> = gs.iter().collect();
+            let sum = refs.iter().fold(0.0, |s, g| s + sum_squares(g).unwrap());
+            assert_eq!(sum_squares_multi(&refs).unwrap().to_bits(), sum.to_bits(), "{device}");
+            let bf = tensor(&[2], &[1.0, 2.0], DType::BF16, &device);
+            assert!(sum_squares_multi(&[&gs[0], &bf]).is_err());
+            let mut bad_copy = t(&data[0][0]);
+            let (mut p, mut m, mut v) = (t(&[1.0]), t(&[0.0]), t(&[0.0]));
+            let g = t(&[1.0]);
+            let mut parts = [AdamWTensors {
+                param: &mut p,
+                m: &mut m,
+                v: &mut v,
+                grad: &g,
+                copy: Some(&mut bad_copy),
+            }];
+            assert!(adamw_multi(&hyper, 1, 1.0, &mut parts).is_err(), "an f32 copy");
         }
     }
 

@@ -1,0 +1,424 @@
+// Causal grouped-query attention over packed sequences on the tensor cores (mma.sync m16n8k16,
+// bf16 operands, f32 accumulation): the bf16 route of ops::attention_{forward,backward} for
+// head_dim 64 and 128. attention.cu keeps f32 and the other head sizes.
+//
+// The reduction structure is the one of attention.cu and the CPU reference: key blocks of KB
+// keys anchored at each sequence's first token, one online-softmax step per block. A query row
+// sits in one row of an m16 fragment; its scores, softmax step and P·V products never mix with
+// other rows and the order of every sum is fixed by the block and fragment shapes alone. So a
+// row's bits depend on its own sequence only: not on the pack, the batch size, which row of the
+// tile it occupies, nor on how many rows share its tile (a decode step with one query row in a
+// tile gives the same bits). Blocks past a row's diagonal add exact zeros.
+//
+// Layout as attention.cu: q [tokens × q_heads × D], k and v [tokens × kv_heads × D], bf16; lse
+// f32 [tokens × q_heads] (natural log of the scaled scores' sum of exponentials); `tiles` holds
+// [sequence start, sequence end, tile start] per tile. Grid (tiles, heads), 4 warps per block.
+// The forward and dq give each warp 16 query rows of a 64-row tile; dk/dv gives each warp 16
+// keys of a key block and walks the queries that see them in chunks of QC.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int KB = 64;       // keys per block (cpu::KEY_BLOCK)
+constexpr int QB = 64;       // query rows per tile (cpu::QUERY_BLOCK)
+constexpr int QC = 32;       // query rows per step of dk/dv
+constexpr int WARPS = 4;
+constexpr int THREADS = WARPS * 32;
+constexpr int SKEW = 8;      // bf16 of padding per shared-memory row: ldmatrix without conflicts
+constexpr float LOG2E = 1.4426950408889634f;
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t* r, const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// c += a·b for one m16n8k16 fragment.
+__device__ __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Rows [r0, r0 + n) of `rows` rows of width D from global `src` (row r at src + r·stride) into
+// shared `dst` (row stride D + SKEW), 16 bytes per thread and step; rows past n are zero.
+template <int D>
+__device__ __forceinline__ void load_rows(bf16* dst, const bf16* src, size_t stride, int rows,
+                                          int n) {
+    constexpr int CHUNKS = D / 8;
+    for (int e = threadIdx.x; e < rows * CHUNKS; e += THREADS) {
+        const int r = e / CHUNKS;
+        const int c = (e - r * CHUNKS) * 8;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (r < n) val = *reinterpret_cast<const uint4*>(src + r * stride + c);
+        *reinterpret_cast<uint4*>(dst + r * (D + SKEW) + c) = val;
+    }
+}
+
+// The A fragment (16 rows × 16 columns at column k0) of a row-major shared tile.
+template <int D>
+__device__ __forceinline__ void load_a(uint32_t* a, const bf16* tile, int row0, int k0) {
+    const int lane = threadIdx.x & 31;
+    const int r = row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    ldsm_x4(a, tile + r * (D + SKEW) + k0 + (lane >> 4) * 8);
+}
+
+// B fragments of two n-tiles (rows n0..n0+15 of a row-major tile as the columns of B, their
+// columns k0..k0+15 as its rows): b[0..2] for rows n0..n0+7, b[2..4] for n0+8..n0+15.
+template <int D>
+__device__ __forceinline__ void load_b(uint32_t* b, const bf16* tile, int n0, int k0) {
+    const int lane = threadIdx.x & 31;
+    const int r = n0 + (lane & 7) + (lane >> 4) * 8;
+    ldsm_x4(b, tile + r * (D + SKEW) + k0 + ((lane >> 3) & 1) * 8);
+}
+
+// B fragments of a row-major tile read as B itself (rows k0..k0+15 of the tile are the k of
+// B, its columns n0..n0+15 two n-tiles): b[0..2] for columns n0..n0+7, b[2..4] for n0+8...
+template <int D>
+__device__ __forceinline__ void load_b_t(uint32_t* b, const bf16* tile, int k0, int n0) {
+    const int lane = threadIdx.x & 31;
+    const int r = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    ldsm_x4_t(b, tile + r * (D + SKEW) + n0 + (lane >> 4) * 8);
+}
+
+// s[n-tile][4] = rows(a-tile, row0..row0+15) · rows(b-tile, 0..KB)ᵀ over D: a row's scores
+// against a block's keys (or dO·Vᵀ), the sum over dimensions in k-steps of 16.
+template <int D, int N>
+__device__ __forceinline__ void scores(float (*s)[4], const bf16* a_tile, int row0,
+                                       const bf16* b_tile) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+        uint32_t a[4];
+        load_a<D>(a, a_tile, row0, k * 16);
+#pragma unroll
+        for (int n = 0; n < N; n += 2) {
+            uint32_t b[4];
+            load_b<D>(b, b_tile, n * 8, k * 16);
+            mma(s[n], a, b);
+            mma(s[n + 1], a, b + 2);
+        }
+    }
+}
+
+// acc[D/8][4] += p (16 × 8·N, C-fragment layout, rounded to bf16) · tile rows 0..8·N (× D).
+template <int D, int N>
+__device__ __forceinline__ void accumulate(float (*acc)[4], const float (*p)[4], const bf16* tile) {
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {
+        const uint32_t a[4] = {pack(p[2 * k][0], p[2 * k][1]), pack(p[2 * k][2], p[2 * k][3]),
+                               pack(p[2 * k + 1][0], p[2 * k + 1][1]),
+                               pack(p[2 * k + 1][2], p[2 * k + 1][3])};
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            uint32_t b[4];
+            load_b_t<D>(b, tile, k * 16, n * 8);
+            mma(acc[n], a, b);
+            mma(acc[n + 1], a, b + 2);
+        }
+    }
+}
+
+// Sum over the four lanes of a quad (the lanes that share a fragment row), in a fixed order.
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+template <int D>
+__device__ void forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
+                        const int* tiles, int q_heads, int kv_heads, float scale) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [QB][D+SKEW]
+    bf16* ks = qs + QB * (D + SKEW);                  // [KB][D+SKEW]
+    bf16* vs = ks + KB * (D + SKEW);                  // [KB][D+SKEW]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int a = tiles[3 * blockIdx.x];
+    const int i0 = tiles[3 * blockIdx.x + 2];
+    const int i1 = min(i0 + QB, tiles[3 * blockIdx.x + 1]);
+    const int h = blockIdx.y;
+    const int kvh = h / (q_heads / kv_heads);
+    const size_t q_stride = (size_t)q_heads * D, kv_stride = (size_t)kv_heads * D;
+    const float sl2 = scale * LOG2E;
+
+    load_rows<D>(qs, q + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
+    // This warp's rows are i0 + 16·warp + g and + 8.
+    const int row0 = warp * 16;
+    const int ia = i0 + row0 + g, ib = ia + 8;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+    const int blocks = (i1 - a + KB - 1) / KB;
+    for (int b = 0; b < blocks; ++b) {
+        const int j0 = a + b * KB;
+        __syncthreads();  // the previous block's readers are done
+        const int n = min(KB, i1 - j0);
+        load_rows<D>(ks, k + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, n);
+        load_rows<D>(vs, v + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, n);
+        __syncthreads();
+        if (j0 > i0 + row0 + 15) continue;  // every row of this warp is before the block
+        float s[KB / 8][4];
+        scores<D, KB / 8>(s, qs, row0, ks);
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nt = 0; nt < KB / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = j0 + nt * 8 + 2 * t + (e & 1);
+                const int i = e < 2 ? ia : ib;
+                if (j > i) s[nt][e] = -INFINITY;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+            }
+        }
+        float base[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float new_m = fmaxf(m[r], quad_max(mx[r]));
+            // A row that has seen no key yet keeps m = -inf: exponents from 0 then.
+            const float use = new_m == -INFINITY ? 0.0f : new_m;
+            const float alpha = exp2f((m[r] - use) * sl2);
+            l[r] *= alpha;
+#pragma unroll
+            for (int nn = 0; nn < D / 8; ++nn) {
+                acc[nn][2 * r] *= alpha;
+                acc[nn][2 * r + 1] *= alpha;
+            }
+            m[r] = new_m;
+            base[r] = use * sl2;
+        }
+#pragma unroll
+        for (int nt = 0; nt < KB / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2f(s[nt][e] * sl2 - base[e >> 1]);
+                s[nt][e] = p;
+                l[e >> 1] += p;
+            }
+        }
+        accumulate<D, KB / 8>(acc, s, vs);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = r == 0 ? ia : ib;
+        const float sum = quad_sum(l[r]);
+        if (i >= i1) continue;
+        const size_t row = (size_t)i * q_heads + h;
+        const float inv = 1.0f / sum;
+#pragma unroll
+        for (int nn = 0; nn < D / 8; ++nn) {
+            *reinterpret_cast<__nv_bfloat162*>(out + row * D + nn * 8 + 2 * t) =
+                __floats2bfloat162_rn(acc[nn][2 * r] * inv, acc[nn][2 * r + 1] * inv);
+        }
+        if (t == 0) lse[row] = m[r] * scale + logf(sum);
+    }
+}
+
+// dq for a tile of query rows of one head: Σ over visible keys, block by block, of
+// scale · ds · k with ds = p ⊙ (dO·vᵀ − delta) and p recomputed from lse.
+template <int D>
+__device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf16* k,
+                            const bf16* v, const float* lse, const float* delta, const int* tiles,
+                            int q_heads, int kv_heads, float scale) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [QB][D+SKEW]
+    bf16* dos = qs + QB * (D + SKEW);                 // [QB][D+SKEW]
+    bf16* ks = dos + QB * (D + SKEW);                 // [KB][D+SKEW]
+    bf16* vs = ks + KB * (D + SKEW);                  // [KB][D+SKEW]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int a = tiles[3 * blockIdx.x];
+    const int i0 = tiles[3 * blockIdx.x + 2];
+    const int i1 = min(i0 + QB, tiles[3 * blockIdx.x + 1]);
+    const int h = blockIdx.y;
+    const int kvh = h / (q_heads / kv_heads);
+    const size_t q_stride = (size_t)q_heads * D, kv_stride = (size_t)kv_heads * D;
+    const float sl2 = scale * LOG2E;
+
+    load_rows<D>(qs, q + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
+    load_rows<D>(dos, d_out + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
+    const int row0 = warp * 16;
+    const int ia = i0 + row0 + g, ib = ia + 8;
+    float lse2[2], del[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = r == 0 ? ia : ib;
+        const size_t row = (size_t)i * q_heads + h;
+        lse2[r] = i < i1 ? lse[row] * LOG2E : 0.0f;
+        del[r] = i < i1 ? delta[row] : 0.0f;
+    }
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+    const int blocks = (i1 - a + KB - 1) / KB;
+    for (int b = 0; b < blocks; ++b) {
+        const int j0 = a + b * KB;
+        __syncthreads();
+        const int n = min(KB, i1 - j0);
+        load_rows<D>(ks, k + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, n);
+        load_rows<D>(vs, v + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, n);
+        __syncthreads();
+        if (j0 > i0 + row0 + 15) continue;
+        float s[KB / 8][4], dp[KB / 8][4];
+        scores<D, KB / 8>(s, qs, row0, ks);
+        scores<D, KB / 8>(dp, dos, row0, vs);
+#pragma unroll
+        for (int nt = 0; nt < KB / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = j0 + nt * 8 + 2 * t + (e & 1);
+                const int r = e >> 1;
+                const int i = r == 0 ? ia : ib;
+                const float p = j > i || i >= i1 ? 0.0f : exp2f(s[nt][e] * sl2 - lse2[r]);
+                s[nt][e] = p * (dp[nt][e] - del[r]);
+            }
+        }
+        accumulate<D, KB / 8>(acc, s, ks);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = r == 0 ? ia : ib;
+        if (i >= i1) continue;
+        const size_t row = (size_t)i * q_heads + h;
+#pragma unroll
+        for (int nn = 0; nn < D / 8; ++nn) {
+            *reinterpret_cast<__nv_bfloat162*>(dq + row * D + nn * 8 + 2 * t) =
+                __floats2bfloat162_rn(acc[nn][2 * r] * scale, acc[nn][2 * r + 1] * scale);
+        }
+    }
+}
+
+// dk and dv for a block of keys of one kv head: over the group's heads in order, then the
+// queries that see the block in chunks of QC, dv += pᵀ·dO and dk += scale · dsᵀ·q, with the
+// scores computed keys-first (k·qᵀ) so that keys are the fragments' rows.
+template <int D>
+__device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16* q, const bf16* k,
+                              const bf16* v, const float* lse, const float* delta,
+                              const int* tiles, int q_heads, int kv_heads, float scale) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16* ks = reinterpret_cast<bf16*>(smem_raw);  // [KB][D+SKEW]
+    bf16* vs = ks + KB * (D + SKEW);                  // [KB][D+SKEW]
+    bf16* qs = vs + KB * (D + SKEW);                  // [QC][D+SKEW]
+    bf16* dos = qs + QC * (D + SKEW);                 // [QC][D+SKEW]
+    float* lse2 = reinterpret_cast<float*>(dos + QC * (D + SKEW));  // [QC]
+    float* del = lse2 + QC;                                          // [QC]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int j0 = tiles[3 * blockIdx.x + 2];
+    const int end = tiles[3 * blockIdx.x + 1];
+    const int len = min(KB, end - j0);
+    const int kvh = blockIdx.y;
+    const int group = q_heads / kv_heads;
+    const size_t q_stride = (size_t)q_heads * D, kv_stride = (size_t)kv_heads * D;
+    const float sl2 = scale * LOG2E;
+
+    load_rows<D>(ks, k + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, len);
+    load_rows<D>(vs, v + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, len);
+    const int key0 = warp * 16;
+    const int ja = j0 + key0 + g, jb = ja + 8;
+    float ak[D / 8][4], av[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ak[n][e] = av[n][e] = 0.0f;
+
+    for (int hh = 0; hh < group; ++hh) {
+        const int h = kvh * group + hh;
+        for (int c0 = j0; c0 < end; c0 += QC) {
+            const int n = min(QC, end - c0);
+            __syncthreads();  // the previous chunk's readers are done
+            load_rows<D>(qs, q + (size_t)c0 * q_stride + h * D, q_stride, QC, n);
+            load_rows<D>(dos, d_out + (size_t)c0 * q_stride + h * D, q_stride, QC, n);
+            for (int r = threadIdx.x; r < QC; r += THREADS) {
+                const size_t row = (size_t)(c0 + r) * q_heads + h;
+                lse2[r] = r < n ? lse[row] * LOG2E : 0.0f;
+                del[r] = r < n ? delta[row] : 0.0f;
+            }
+            __syncthreads();
+            if (c0 + QC - 1 < j0 + key0) continue;  // every query of the chunk is before these keys
+            float s[QC / 8][4], dp[QC / 8][4];
+            scores<D, QC / 8>(s, ks, key0, qs);
+            scores<D, QC / 8>(dp, vs, key0, dos);
+#pragma unroll
+            for (int nt = 0; nt < QC / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int c = nt * 8 + 2 * t + (e & 1);
+                    const int i = c0 + c;
+                    const int j = e < 2 ? ja : jb;
+                    const float p = i < j || c >= n ? 0.0f : exp2f(s[nt][e] * sl2 - lse2[c]);
+                    s[nt][e] = p;
+                    dp[nt][e] = p * (dp[nt][e] - del[c]);
+                }
+            }
+            accumulate<D, QC / 8>(av, s, dos);
+            accumulate<D, QC / 8>(ak, dp, qs);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = r == 0 ? ja : jb;
+        if (j >= j0 + len) continue;
+        const size_t at = ((size_t)j * kv_heads + kvh) * D;
+#pragma unroll
+        for (int nn = 0; nn < D / 8; ++nn) {
+            *reinterpret_cast<__nv_bfloat162*>(dk + at + nn * 8 + 2 * t) =
+                __floats2bfloat162_rn(ak[nn][2 * r] * scale, ak[nn][2 * r + 1] * scale);
+            *reinterpret_cast<__nv_bfloat162*>(dv + at + nn * 8 + 2 * t) =
+                __floats2bfloat162_rn(av[nn][2 * r], av[nn][2 * r + 1]);
+        }
+    }
+}
+
+}  // namespace
+
+#define ATTENTION_MMA_KERNELS(D)                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_forward_d##D(            \
+        bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const int* tiles,    \
+        int q_heads, int kv_heads, float scale) {                                                \
+        forward<D>(out, lse, q, k, v, tiles, q_heads, kv_heads, scale);                          \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_dq_d##D(                 \
+        bf16* dq, const bf16* d_out, const bf16* q, const bf16* k, const bf16* v,                \
+        const float* lse, const float* delta, const int* tiles, int q_heads, int kv_heads,       \
+        float scale) {                                                                           \
+        backward_dq<D>(dq, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, scale);         \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_dkdv_d##D(               \
+        bf16* dk, bf16* dv, const bf16* d_out, const bf16* q, const bf16* k, const bf16* v,      \
+        const float* lse, const float* delta, const int* tiles, int q_heads, int kv_heads,       \
+        float scale) {                                                                           \
+        backward_dkdv<D>(dk, dv, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, scale);   \
+    }
+
+ATTENTION_MMA_KERNELS(64)
+ATTENTION_MMA_KERNELS(128)
