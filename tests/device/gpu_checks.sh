@@ -2,7 +2,7 @@
 # The GPU checks of issue 11 in one device call (run from the repository root, with the device
 # bundle and target/gpu/{miles,hf_baseline.py} carried): the kernel and model tests, Qwen3-0.6B
 # bf16 against HF, and the benchmarks beside HF transformers. Results under $OUT.
-#   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|all]
+#   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|all]
 # Prepare here: cargo xtask device-bundle && cargo build --release -p miles-cli --features cuda &&
 #   mkdir -p target/gpu && cp target/release/miles ../shared/bench/hf_baseline.py target/gpu/
 # and carry target/device-bundle and target/gpu.
@@ -41,6 +41,11 @@ for a, b in zip(runs["cuda"], runs["cpu"]):
         print(f"{a['step']:4d}  {f(a, 'train/loss'):>9}  {f(b, 'train/loss'):>8}  "
               f"{f(a, 'eval/reward'):>9}  {f(b, 'eval/reward'):>8}")
 PY
+fi
+if [ "$what" = kernels ] || [ "$what" = all ]; then
+  # Criterion benches of every CUDA op (CUDA events), one line per bench.
+  target/device-bundle/benches/cuda_ops --bench --noplot 2>&1 | tee "$OUT/kernels.txt" \
+    | grep -E "^[a-z].*/|time:|thrpt:"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   preset=${PRESET:-qwen3-0.6b}

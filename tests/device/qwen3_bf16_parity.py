@@ -22,7 +22,19 @@ def write(d):
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                       vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=8192,
                       rope_theta=1000000.0, rms_norm_eps=1e-6)
-    model = Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    model = Qwen3ForCausalLM(cfg).to("cuda").eval()
+    # model.to(dtype) casts every floating buffer, RoPE's inverse frequencies too; from_pretrained
+    # keeps them in f32, as we do. Without this, both HF runs rotate by bf16-rounded frequencies
+    # (off by up to 2 rad at position 1000) and differ from any f32 RoPE by ~0.008 per token.
+    rope = {n: b.clone() for n, b in model.named_buffers() if n.endswith("inv_freq")}
+
+    def cast(dtype):
+        model.to(dtype)
+        for name, b in rope.items():
+            owner, attr = name.rsplit(".", 1)
+            setattr(model.get_submodule(owner), attr, b)
+
+    cast(torch.bfloat16)
     model.save_pretrained(d, safe_serialization=True)
     seqs = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in LENGTHS]
     with open(f"{d}/tokens.jsonl", "w") as f:
@@ -30,7 +42,7 @@ def write(d):
             f.write(json.dumps({"tokens": s, "response_length": len(s) - 1}) + "\n")
     out = {}
     for name, dtype in [("hf_bf16", torch.bfloat16), ("hf_f32", torch.float32)]:
-        model = model.to(dtype)
+        cast(dtype)
         rows = []
         with torch.no_grad():
             for s in seqs:

@@ -192,8 +192,9 @@ fn ci() -> Result {
     clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
     run(clippy)?;
     let mut clippy_cuda = cargo();
-    clippy_cuda.args(["clippy", "-p", "miles-tensor", "-p", "miles-model", "--all-targets"]);
-    clippy_cuda.args(["--features", CUDA_FEATURES]);
+    clippy_cuda.args(["clippy", "-p", "miles-tensor", "-p", "miles-model", "-p", "miles-benches"]);
+    clippy_cuda.args(["--all-targets", "--features", CUDA_FEATURES]);
+    clippy_cuda.args(["--features", "miles-benches/cuda"]);
     clippy_cuda.args(["--", "-D", "warnings"]);
     run(clippy_cuda)?;
     let mut build_cuda = cargo();
@@ -353,6 +354,7 @@ fn device_bundle() -> Result<PathBuf> {
             eprintln!("xtask: could not strip {}: copied with its debug info", copy.display());
         }
     }
+    bundle_kernel_benches(&dir)?;
     let script = dir.join("run.sh");
     std::fs::write(&script, RUN_SH).map_err(|e| format!("{}: {e}", script.display()))?;
     #[cfg(unix)]
@@ -380,6 +382,32 @@ fn device_bundle() -> Result<PathBuf> {
         bytes as f64 / 1048576.0
     );
     Ok(dir)
+}
+
+/// Adds `benches/cuda_ops` (the criterion benches of the CUDA ops, release build) to the bundle:
+/// run there as `benches/cuda_ops --bench` with cuBLAS on the library path.
+fn bundle_kernel_benches(dir: &Path) -> Result {
+    let mut cmd = cargo();
+    cmd.args(["bench", "-p", "miles-benches", "--features", "cuda", "--bench", "cuda_ops"]);
+    cmd.args(["--no-run", "--message-format=json"]);
+    cmd.stderr(std::process::Stdio::inherit());
+    eprintln!("xtask: running {cmd:?}");
+    let out = cmd.output().map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("building the CUDA kernel benches failed ({})", out.status));
+    }
+    let exe = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "cuda_ops")
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .ok_or("cargo built no cuda_ops bench executable")?;
+    let benches = dir.join("benches");
+    std::fs::create_dir_all(&benches).map_err(|e| format!("{}: {e}", benches.display()))?;
+    let copy = benches.join("cuda_ops");
+    std::fs::copy(&exe, &copy).map_err(|e| format!("{}: {e}", exe.display()))?;
+    let _ = Command::new("strip").arg(&copy).status();
+    Ok(())
 }
 
 /// The crates whose tests the device bundle carries, with their `cuda` features.

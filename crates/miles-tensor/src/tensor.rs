@@ -80,6 +80,29 @@ impl Device {
         }
     }
 
+    /// Time the device spends on `iters` runs of `f`: between CUDA events recorded around
+    /// them on the device's stream (launch gaps included, host time before the first launch
+    /// not), or the wall time on the CPU. For benchmarks.
+    pub fn time(
+        &self,
+        iters: u64,
+        mut f: impl FnMut() -> Result<()>,
+    ) -> Result<std::time::Duration> {
+        match *self {
+            Device::Cpu => {
+                let start = std::time::Instant::now();
+                for _ in 0..iters {
+                    f()?;
+                }
+                Ok(start.elapsed())
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::gpu(ordinal)?.time(iters, f),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(not_built()),
+        }
+    }
+
     pub fn reset_peak_memory(&self) -> Result<()> {
         match *self {
             Device::Cpu => Ok(()),

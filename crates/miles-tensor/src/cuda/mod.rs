@@ -167,6 +167,22 @@ impl Gpu {
         Ok(v)
     }
 
+    /// Device time of `iters` runs of `f`, between two events on the stream.
+    pub(crate) fn time(
+        &self,
+        iters: u64,
+        mut f: impl FnMut() -> Result<()>,
+    ) -> Result<std::time::Duration> {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.stream.record_event(flags).map_err(|e| driver_error("event", e))?;
+        for _ in 0..iters {
+            f()?;
+        }
+        let end = self.stream.record_event(flags).map_err(|e| driver_error("event", e))?;
+        let ms = start.elapsed_ms(&end).map_err(|e| driver_error("event time", e))?;
+        Ok(std::time::Duration::from_secs_f64(f64::from(ms) / 1e3))
+    }
+
     pub(crate) fn reset_peak_memory(&self) -> Result<()> {
         let mut zero = 0u64;
         let attr = cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;

@@ -1,0 +1,225 @@
+//! Every CUDA op at the sizes of a Qwen3-0.6B training step (32 sequences × 512 tokens, bf16),
+//! timed with CUDA events around the launches. Throughput is FLOP/s for the products and
+//! attention ("elements" = FLOP) and bytes moved for the rest, to set beside the H200's
+//! measured ceilings (bf16 GEMM ≈ 790 TFLOP/s, copy ≈ 4.3 TB/s). Needs a GPU:
+//!   cargo bench -p miles-benches --features cuda --bench cuda_ops
+
+use std::time::Duration;
+
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
+use miles_tensor::cpu::{AdamW, AttentionShape, Transpose};
+use miles_tensor::ops::{self, AdamWTensors};
+use miles_tensor::rng::Rng;
+use miles_tensor::{DType, Device, GemmRoute, Tensor, set_gemm_route};
+
+const DEVICE: Device = Device::Cuda(0);
+const SEQS: usize = 32;
+const SEQ_LEN: usize = 512;
+const TOKENS: usize = SEQS * SEQ_LEN;
+const HIDDEN: usize = 1024;
+const INTER: usize = 3072;
+const VOCAB: usize = 151_936;
+const HEAD_ROWS: usize = 1024;
+const SHAPE: AttentionShape = AttentionShape { q_heads: 16, kv_heads: 8, head_dim: 128 };
+
+fn random(rng: &mut Rng, shape: &[usize], scale: f32, dtype: DType) -> Tensor {
+    let data = rng.vec(shape.iter().product(), scale);
+    Tensor::from_f32(shape, data, &DEVICE).and_then(|t| t.to_dtype(dtype)).expect("on the GPU")
+}
+
+/// Times `f` with CUDA events, criterion choosing the iteration counts.
+fn on_device(g: &mut BenchmarkGroup<WallTime>, name: &str, mut f: impl FnMut()) {
+    g.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            DEVICE
+                .time(iters, || {
+                    f();
+                    Ok(())
+                })
+                .expect("timed on the GPU")
+        })
+    });
+}
+
+fn group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
+    let mut g = c.benchmark_group(name);
+    g.sample_size(10).warm_up_time(Duration::from_millis(300));
+    g.measurement_time(Duration::from_secs(1));
+    g
+}
+
+fn matmul(c: &mut Criterion) {
+    let mut rng = Rng::new(1);
+    let x = random(&mut rng, &[TOKENS, HIDDEN], 1.0, DType::BF16);
+    let w = random(&mut rng, &[INTER, HIDDEN], 0.02, DType::BF16);
+    let dy = random(&mut rng, &[TOKENS, INTER], 1.0, DType::BF16);
+    let mut dw = Tensor::zeros(&[INTER, HIDDEN], DType::F32, &DEVICE).expect("on the GPU");
+    let head_x = random(&mut rng, &[HEAD_ROWS, HIDDEN], 1.0, DType::BF16);
+    let head_w = random(&mut rng, &[VOCAB, HIDDEN], 0.02, DType::BF16);
+    for (route, label) in [(GemmRoute::Invariant, "invariant"), (GemmRoute::Cublas, "cublas")] {
+        set_gemm_route(route);
+        let mut g = group(c, &format!("matmul_bf16_{label}"));
+        g.throughput(Throughput::Elements((2 * TOKENS * HIDDEN * INTER) as u64));
+        on_device(&mut g, "x_wT_16384x1024x3072", || {
+            ops::matmul(&x, Transpose::No, &w, Transpose::Yes).expect("matmul");
+        });
+        on_device(&mut g, "dy_w_16384x3072x1024", || {
+            ops::matmul(&dy, Transpose::No, &w, Transpose::No).expect("matmul");
+        });
+        on_device(&mut g, "dw_acc_dyT_x_3072x16384x1024", || {
+            ops::matmul_acc(&mut dw, &dy, Transpose::Yes, &x, Transpose::No).expect("matmul");
+        });
+        g.throughput(Throughput::Elements((2 * HEAD_ROWS * HIDDEN * VOCAB) as u64));
+        on_device(&mut g, "lm_head_f32_out_1024x1024x151936", || {
+            ops::matmul_f32_out(&head_x, Transpose::No, &head_w, Transpose::Yes).expect("matmul");
+        });
+        g.finish();
+    }
+    set_gemm_route(GemmRoute::Invariant);
+}
+
+fn attention(c: &mut Criterion) {
+    let mut rng = Rng::new(2);
+    let AttentionShape { q_heads, kv_heads, head_dim: d } = SHAPE;
+    let cu: Vec<usize> = (0..=SEQS).map(|i| i * SEQ_LEN).collect();
+    // Causal: each sequence's L(L+1)/2 query-key pairs, 2 products of 2·d FLOP each.
+    let pairs = SEQS * SEQ_LEN * (SEQ_LEN + 1) / 2;
+    let fwd_flop = (4 * pairs * d * q_heads) as u64;
+    for dtype in [DType::BF16, DType::F32] {
+        let q = random(&mut rng, &[TOKENS, q_heads * d], 1.0, dtype);
+        let k = random(&mut rng, &[TOKENS, kv_heads * d], 1.0, dtype);
+        let v = random(&mut rng, &[TOKENS, kv_heads * d], 1.0, dtype);
+        let d_out = random(&mut rng, &[TOKENS, q_heads * d], 1.0, dtype);
+        let mut g = group(c, &format!("attention_{dtype}_32x512_h16_kv8_d128"));
+        g.throughput(Throughput::Elements(fwd_flop));
+        on_device(&mut g, "forward", || {
+            ops::attention_forward(&q, &k, &v, &cu, SHAPE).expect("attention");
+        });
+        let (out, lse) = ops::attention_forward(&q, &k, &v, &cu, SHAPE).expect("attention");
+        // The backward's five products against the forward's two.
+        g.throughput(Throughput::Elements(fwd_flop * 5 / 2));
+        on_device(&mut g, "backward", || {
+            ops::attention_backward(&d_out, &q, &k, &v, &out, &lse, &cu, SHAPE).expect("backward");
+        });
+        g.finish();
+    }
+}
+
+fn rowwise(c: &mut Criterion) {
+    let mut rng = Rng::new(3);
+    let mut g = group(c, "rowwise_bf16_16384x1024");
+    let x = random(&mut rng, &[TOKENS, HIDDEN], 1.0, DType::BF16);
+    let w = random(&mut rng, &[HIDDEN], 1.0, DType::F32);
+    let bytes = (TOKENS * HIDDEN * 2) as u64;
+    // Read x, write y.
+    g.throughput(Throughput::Bytes(2 * bytes));
+    on_device(&mut g, "rmsnorm_forward", || {
+        ops::rmsnorm_forward(&x, &w, 1e-6).expect("rmsnorm");
+    });
+    let (y, rstd) = ops::rmsnorm_forward(&x, &w, 1e-6).expect("rmsnorm");
+    // Read dy and x, write dx.
+    g.throughput(Throughput::Bytes(3 * bytes));
+    on_device(&mut g, "rmsnorm_backward", || {
+        ops::rmsnorm_backward(&y, &x, &w, &rstd).expect("rmsnorm");
+    });
+    on_device(&mut g, "add", || {
+        ops::add(&x, &y).expect("add");
+    });
+    let ids: Vec<u32> = (0..TOKENS).map(|_| rng.below(VOCAB) as u32).collect();
+    let table = random(&mut rng, &[VOCAB, HIDDEN], 0.02, DType::BF16);
+    g.throughput(Throughput::Bytes(2 * bytes));
+    on_device(&mut g, "embedding_forward", || {
+        ops::embedding_forward(&table, &ids).expect("embedding");
+    });
+    g.finish();
+
+    let mut g = group(c, "rope_bf16_16384x16x128");
+    let q = random(&mut rng, &[TOKENS, SHAPE.q_heads, SHAPE.head_dim], 1.0, DType::BF16);
+    let cos = random(&mut rng, &[TOKENS, SHAPE.head_dim / 2], 1.0, DType::F32);
+    let sin = random(&mut rng, &[TOKENS, SHAPE.head_dim / 2], 1.0, DType::F32);
+    g.throughput(Throughput::Bytes((2 * TOKENS * HIDDEN * 2 * 2 + 2 * TOKENS * SHAPE.head_dim / 2 * 4) as u64));
+    on_device(&mut g, "forward", || {
+        ops::rope(&q, &cos, &sin, false).expect("rope");
+    });
+    g.finish();
+
+    let mut g = group(c, "swiglu_bf16_16384x3072");
+    let gate = random(&mut rng, &[TOKENS, INTER], 1.0, DType::BF16);
+    let up = random(&mut rng, &[TOKENS, INTER], 1.0, DType::BF16);
+    let n = (TOKENS * INTER * 2) as u64;
+    g.throughput(Throughput::Bytes(3 * n));
+    on_device(&mut g, "forward", || {
+        ops::swiglu_forward(&gate, &up).expect("swiglu");
+    });
+    // Read dh, gate, up; write d_gate, d_up.
+    g.throughput(Throughput::Bytes(5 * n));
+    on_device(&mut g, "backward", || {
+        ops::swiglu_backward(&up, &gate, &up).expect("swiglu");
+    });
+    g.finish();
+}
+
+fn logprob(c: &mut Criterion) {
+    let mut rng = Rng::new(4);
+    let mut g = group(c, "logprob_f32_1024x151936");
+    let logits = random(&mut rng, &[HEAD_ROWS, VOCAB], 3.0, DType::F32);
+    let targets: Vec<u32> = (0..HEAD_ROWS).map(|_| rng.below(VOCAB) as u32).collect();
+    let n = (HEAD_ROWS * VOCAB * 4) as u64;
+    g.throughput(Throughput::Bytes(n));
+    on_device(&mut g, "rows", || {
+        ops::logprob_rows(&logits, &targets, 0.8).expect("logprob");
+    });
+    let dl = random(&mut rng, &[HEAD_ROWS], 1.0, DType::F32);
+    let de = random(&mut rng, &[HEAD_ROWS], 1.0, DType::F32);
+    g.throughput(Throughput::Bytes(2 * n));
+    on_device(&mut g, "rows_backward", || {
+        ops::logprob_rows_backward(&logits, &targets, 0.8, &dl, &de).expect("logprob");
+    });
+    g.finish();
+}
+
+fn optimizer(c: &mut Criterion) {
+    let mut rng = Rng::new(5);
+    // 100 tensors of a Qwen3-0.6B layer's sizes: 1M to 3M elements each.
+    let sizes: Vec<usize> =
+        (0..100).map(|i| [HIDDEN * HIDDEN, 2 * HIDDEN * HIDDEN, INTER * HIDDEN][i % 3]).collect();
+    let total: usize = sizes.iter().sum();
+    let make = |rng: &mut Rng, scale| -> Vec<Tensor> {
+        sizes.iter().map(|&n| random(rng, &[n], scale, DType::F32)).collect()
+    };
+    let (mut p, g_) = (make(&mut rng, 0.02), make(&mut rng, 1e-3));
+    let (mut m, mut v) = (make(&mut rng, 1e-3), make(&mut rng, 1e-6));
+    let mut copies: Vec<Tensor> =
+        p.iter().map(|t| t.to_dtype(DType::BF16).expect("bf16")).collect();
+    let hyper = AdamW { lr: 1e-5, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.01 };
+    let mut g = group(c, "optimizer_f32_100_tensors");
+    // Read p, m, v, g; write p, m, v and the bf16 copy.
+    g.throughput(Throughput::Bytes((total * (7 * 4 + 2)) as u64));
+    on_device(&mut g, "adamw_multi", || {
+        let mut parts: Vec<AdamWTensors> = p
+            .iter_mut()
+            .zip(&mut m)
+            .zip(&mut v)
+            .zip(&g_)
+            .zip(&mut copies)
+            .map(|((((param, m), v), grad), copy)| AdamWTensors {
+                param,
+                m,
+                v,
+                grad,
+                copy: Some(copy),
+            })
+            .collect();
+        ops::adamw_multi(&hyper, 3, 1.0, &mut parts).expect("adamw");
+    });
+    let grads: Vec<&Tensor> = g_.iter().collect();
+    g.throughput(Throughput::Bytes((total * 4) as u64));
+    on_device(&mut g, "sum_squares_multi", || {
+        ops::sum_squares_multi(&grads).expect("norm");
+    });
+    g.finish();
+}
+
+criterion_group!(benches, matmul, attention, rowwise, logprob, optimizer);
+criterion_main!(benches);
