@@ -98,11 +98,11 @@ extern "C" __global__ void logprob_rows_f32(float* logp, float* entropy, const f
     }
 }
 
-// d_logits[j] = (g_lp·(δ_j − p_j) − g_ent·p_j·(log p_j + H)) / T.
-extern "C" __global__ void logprob_rows_backward_f32(float* d_logits, const float* logits,
-                                                     const int* targets, const float* d_logp,
-                                                     const float* d_entropy, int vocab,
-                                                     float t) {
+// d_logits[j] = (g_lp·(δ_j − p_j) − g_ent·p_j·(log p_j + H)) / T, written in f32 or rounded to
+// bf16 (what the head's products take next).
+template <typename Out>
+__device__ void backward_row(Out* d_logits, const float* logits, const int* targets,
+                             const float* d_logp, const float* d_entropy, int vocab, float t) {
     __shared__ float scratch[3 * 32];
     const size_t row = blockIdx.x;
     const float* z = logits + row * vocab;
@@ -113,6 +113,22 @@ extern "C" __global__ void logprob_rows_backward_f32(float* d_logits, const floa
         const float log_p = z[i] / t - st.lse;
         const float p = expf(log_p);
         const float onehot = i == target ? 1.0f : 0.0f;
-        d_logits[row * vocab + i] = (g_lp * (onehot - p) - g_ent * p * (log_p + st.entropy)) / t;
+        const float d = (g_lp * (onehot - p) - g_ent * p * (log_p + st.entropy)) / t;
+        miles::store<1>(d_logits + row * vocab + i, &d);
     }
+}
+
+extern "C" __global__ void logprob_rows_backward_f32(float* d_logits, const float* logits,
+                                                     const int* targets, const float* d_logp,
+                                                     const float* d_entropy, int vocab,
+                                                     float t) {
+    backward_row(d_logits, logits, targets, d_logp, d_entropy, vocab, t);
+}
+
+extern "C" __global__ void logprob_rows_backward_bf16(__nv_bfloat16* d_logits,
+                                                      const float* logits, const int* targets,
+                                                      const float* d_logp,
+                                                      const float* d_entropy, int vocab,
+                                                      float t) {
+    backward_row(d_logits, logits, targets, d_logp, d_entropy, vocab, t);
 }

@@ -138,7 +138,9 @@ fn rowwise(c: &mut Criterion) {
     let q = random(&mut rng, &[TOKENS, SHAPE.q_heads, SHAPE.head_dim], 1.0, DType::BF16);
     let cos = random(&mut rng, &[TOKENS, SHAPE.head_dim / 2], 1.0, DType::F32);
     let sin = random(&mut rng, &[TOKENS, SHAPE.head_dim / 2], 1.0, DType::F32);
-    g.throughput(Throughput::Bytes((2 * TOKENS * HIDDEN * 2 * 2 + 2 * TOKENS * SHAPE.head_dim / 2 * 4) as u64));
+    g.throughput(Throughput::Bytes(
+        (2 * TOKENS * HIDDEN * 2 * 2 + 2 * TOKENS * SHAPE.head_dim / 2 * 4) as u64,
+    ));
     on_device(&mut g, "forward", || {
         ops::rope(&q, &cos, &sin, false).expect("rope");
     });
@@ -172,9 +174,10 @@ fn logprob(c: &mut Criterion) {
     });
     let dl = random(&mut rng, &[HEAD_ROWS], 1.0, DType::F32);
     let de = random(&mut rng, &[HEAD_ROWS], 1.0, DType::F32);
-    g.throughput(Throughput::Bytes(2 * n));
-    on_device(&mut g, "rows_backward", || {
-        ops::logprob_rows_backward(&logits, &targets, 0.8, &dl, &de).expect("logprob");
+    // Two passes over the logits (statistics, then the gradient), bf16 gradients written.
+    g.throughput(Throughput::Bytes(2 * n + n / 2));
+    on_device(&mut g, "rows_backward_bf16_out", || {
+        ops::logprob_rows_backward(&logits, &targets, 0.8, &dl, &de, DType::BF16).expect("logprob");
     });
     g.finish();
 }

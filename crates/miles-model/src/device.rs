@@ -300,9 +300,9 @@ impl DeviceModel {
             let n = rows.len();
             let dl = Tensor::from_f32(&[n], d_logp[at..at + n].to_vec(), &self.device)?;
             let de = Tensor::from_f32(&[n], d_entropy[at..at + n].to_vec(), &self.device)?;
-            let d_logits = ops::logprob_rows_backward(&logits, targets, fwd.temperature, &dl, &de)?;
+            let t = fwd.temperature;
+            let d_logits = ops::logprob_rows_backward(&logits, targets, t, &dl, &de, self.dtype)?;
             drop(logits);
-            let d_logits = d_logits.to_dtype(self.dtype)?;
             ops::matmul_acc(
                 &mut self.grads[head_i],
                 &d_logits,

@@ -54,7 +54,8 @@ pub(crate) fn logprob_rows(
     Ok((wrap(logp), wrap(entropy)))
 }
 
-/// `d_logits [rows × vocab]` of `d_logp·logp + d_entropy·entropy`.
+/// `d_logits [rows × vocab]` of `d_logp·logp + d_entropy·entropy`, in f32 or rounded to bf16.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn logprob_rows_backward(
     gpu: &Arc<Gpu>,
     logits: &CudaSlice<f32>,
@@ -63,25 +64,36 @@ pub(crate) fn logprob_rows_backward(
     d_entropy: &CudaSlice<f32>,
     vocab: usize,
     t: f32,
+    bf16_out: bool,
 ) -> Result<Buffer> {
     let rows = targets.len();
-    let mut d_logits = gpu.alloc::<f32>(rows * vocab)?;
-    if rows > 0 {
-        let targets = targets_on(gpu, targets)?;
-        let vocab_i = vocab as i32;
-        launch!(
-            gpu,
-            "logprob",
-            "logprob_rows_backward_f32",
-            per_row(rows),
-            &mut d_logits,
-            logits,
-            &targets,
-            d_logp,
-            d_entropy,
-            &vocab_i,
-            &t
-        )?;
+    let targets = targets_on(gpu, if rows > 0 { targets } else { &[0] })?;
+    let vocab_i = vocab as i32;
+    macro_rules! run {
+        ($ty:ty, $kernel:expr, $wrap:path) => {{
+            let mut d_logits = gpu.alloc::<$ty>(rows * vocab)?;
+            if rows > 0 {
+                launch!(
+                    gpu,
+                    "logprob",
+                    $kernel,
+                    per_row(rows),
+                    &mut d_logits,
+                    logits,
+                    &targets,
+                    d_logp,
+                    d_entropy,
+                    &vocab_i,
+                    &t
+                )?;
+            }
+            $wrap(d_logits)
+        }};
     }
-    Ok(Buffer { gpu: gpu.clone(), data: DeviceData::F32(d_logits) })
+    let data = if bf16_out {
+        run!(u16, "logprob_rows_backward_bf16", DeviceData::BF16)
+    } else {
+        run!(f32, "logprob_rows_backward_f32", DeviceData::F32)
+    };
+    Ok(Buffer { gpu: gpu.clone(), data })
 }

@@ -2,7 +2,7 @@
 //! entropy at a temperature, and their gradient. On the device the logits come from a GEMM over
 //! a chunk of rows; these ops never see more than that chunk.
 
-use super::{dtype_is, same_device};
+use super::{dtype_is, host_tensor, same_device};
 use crate::tensor::Storage;
 use crate::{DType, Device, Error, Result, Tensor, cpu, ensure};
 
@@ -83,15 +83,18 @@ pub fn logprob_rows(
 }
 
 /// The gradient of `Σ d_logp·logp + d_entropy·entropy` with respect to `logits` (f32,
-/// `[rows × vocab]`), recomputing each row's statistics rather than keeping them.
+/// `[rows × vocab]`), recomputing each row's statistics rather than keeping them; `out` is
+/// its dtype (f32, or bf16 rounded from the f32 value).
 pub fn logprob_rows_backward(
     logits: &Tensor,
     targets: &[u32],
     temperature: f32,
     d_logp: &Tensor,
     d_entropy: &Tensor,
+    out: DType,
 ) -> Result<Tensor> {
     const OP: &str = "logprob_rows_backward";
+    ensure(out != DType::I32, OP, || "the gradient is f32 or bf16, not i32".into())?;
     let dev = same_device(OP, &[logits, d_logp, d_entropy])?;
     let vocab = shape_of(OP, logits, targets, temperature)?;
     for (what, t) in [("d_logp", d_logp), ("d_entropy", d_entropy)] {
@@ -111,7 +114,7 @@ pub fn logprob_rows_backward(
                 host(d_entropy),
                 temperature,
             )?;
-            Ok(Tensor { shape: logits.shape.clone(), storage: Storage::F32(d) })
+            Ok(host_tensor(logits.shape.clone(), d, out))
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
@@ -124,6 +127,7 @@ pub fn logprob_rows_backward(
                 device(d_entropy),
                 vocab,
                 temperature,
+                out == DType::BF16,
             )?;
             Ok(Tensor { shape: logits.shape.clone(), storage: Storage::Cuda(d) })
         }
@@ -179,17 +183,16 @@ mod tests {
                         assert!(err <= tol, "{}: {err:.3e}", what(name));
                     }
                     let dt = |v: &[f32]| tensor(&[rows], v, DType::F32, &device);
-                    let dlt = logprob_rows_backward(
-                        &lt,
-                        &targets,
-                        temperature,
-                        &dt(&d_logp),
-                        &dt(&d_ent),
-                    )
-                    .unwrap();
-                    // d_logits carries the entropy's error through p·(log p + H): 1e-4.
-                    let err = max_rel_err(&what("d_logits"), &dlt.to_vec_f32().unwrap(), &d);
-                    assert!(err <= 1e-4, "{}: {err:.3e}", what("d_logits"));
+                    // d_logits carries the entropy's error through p·(log p + H): 1e-4; in
+                    // bf16, the rounding of the output as well.
+                    for (out, tol) in [(DType::F32, 1e-4), (DType::BF16, 8e-3)] {
+                        let (dl, de) = (dt(&d_logp), dt(&d_ent));
+                        let dlt = logprob_rows_backward(&lt, &targets, temperature, &dl, &de, out)
+                            .unwrap();
+                        assert_eq!(dlt.dtype(), out);
+                        let err = max_rel_err(&what("d_logits"), &dlt.to_vec_f32().unwrap(), &d);
+                        assert!(err <= tol, "{} {out}: {err:.3e}", what("d_logits"));
+                    }
                     println!("{}: ok", what("all"));
                     // A row alone gives the bits it gives in the batch (batch invariance).
                     let r = rows - 1;
