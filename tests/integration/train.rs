@@ -470,3 +470,48 @@ fn every_estimator_and_option_runs_end_to_end() {
         miles(&["score", "--hf-checkpoint", hf, "--input", pairs.to_str().unwrap()]).unwrap();
     }
 }
+
+/// `--use-tensorboard`: TensorBoard's own reader (the package `cargo xtask ci` installs, on
+/// `MILES_TENSORBOARD_PYTHONPATH`) finds every number of `metrics.jsonl` at its step.
+#[test]
+fn tensorboard_reads_every_metric_back() {
+    let dir = scratch("train_tensorboard");
+    let d = dir.to_str().unwrap();
+    let flags = "--sft-warmup-steps 3 --rollout-batch-size 4 --n-samples-per-prompt 2 \
+                 --eval-interval 1 --num-rollout 2 --use-tensorboard";
+    let mut args: Vec<&str> = vec!["train", "--run-dir", d];
+    args.extend(flags.split_whitespace());
+    miles(&args).unwrap();
+    let records: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let events = dir.join(rl::TENSORBOARD_DIR);
+    assert!(std::fs::read_dir(&events).unwrap().count() == 1, "one event file");
+    let Some(pkg) = std::env::var_os("MILES_TENSORBOARD_PYTHONPATH") else {
+        println!("skipping TensorBoard's reader: MILES_TENSORBOARD_PYTHONPATH is unset");
+        return;
+    };
+    let script = miles_tests::workspace_root().join("tests/fixtures/tensorboard/read_events.py");
+    let out = Command::new("python3").arg(script).arg(&events).env("PYTHONPATH", pkg).output();
+    let out = out.expect("python3 runs");
+    assert!(out.status.success(), "{}", text(&out));
+    let series: serde_json::Map<String, Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let mut checked = 0;
+    for record in &records {
+        let step = record["step"].as_i64().unwrap();
+        for (tag, v) in record.as_object().unwrap() {
+            let (Some(v), false) = (v.as_f64(), tag == "step") else { continue };
+            let points = series.get(tag).and_then(Value::as_array);
+            let at = points.and_then(|p| p.iter().find(|p| p[0].as_i64() == Some(step)));
+            // TensorBoard keeps f32s; compared as f32 (a printed f64 may parse an ulp away).
+            let got = at.and_then(|p| p[1].as_f64()).map(|g| g as f32);
+            assert_eq!(got, Some(v as f32), "{tag} at step {step}");
+            checked += 1;
+        }
+    }
+    let points: usize = series.values().map(|s| s.as_array().unwrap().len()).sum();
+    assert_eq!(points, checked, "TensorBoard holds exactly the metrics' numbers");
+    assert!(checked > 50, "only {checked} numbers");
+}

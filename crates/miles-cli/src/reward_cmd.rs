@@ -7,9 +7,11 @@ use anyhow::Context;
 use clap::Args;
 use miles_core::{Reward, RewardError, RewardValue, Sample, Status};
 use miles_plugin_abi::host::DynamicReward;
+use miles_rewards::python_spec;
 
 use crate::jsonl::{self, Line};
 use crate::linked;
+use crate::train_cmd::python_reward;
 
 #[derive(Debug, Args)]
 #[command(group = clap::ArgGroup::new("reward").required(true).args(["rm_type", "custom_rm_path"]))]
@@ -21,9 +23,13 @@ pub struct RewardArgs {
     /// A built-in reward by name (`miles plugins` lists them).
     #[arg(long, value_name = "NAME")]
     pub rm_type: Option<String>,
-    /// A reward plugin library, `LIB[:SYMBOL]`.
+    /// A reward plugin library, `LIB[:SYMBOL]`, or a Python function, `FILE.py[:FUNCTION]`
+    /// (default compute_score), run in a worker process.
     #[arg(long, value_name = "LIB")]
     pub custom_rm_path: Option<String>,
+    /// The Python interpreter for a `FILE.py` --custom-rm-path (default: python3).
+    #[arg(long, value_name = "PATH")]
+    pub rm_python: Option<PathBuf>,
     /// JSON configuration handed to the reward when it is created.
     #[arg(long, value_name = "JSON")]
     pub custom_rm_config: Option<String>,
@@ -58,11 +64,26 @@ pub fn run(args: &RewardArgs, out: &mut dyn Write) -> anyhow::Result<()> {
                 .with_context(|| "--rm-type".to_string())?;
             (reward, format!("{name} (static)"))
         }
-        (None, Some(spec)) => {
-            let plugin = DynamicReward::load(spec, &config)?;
-            let label = format!("{} {} (dynamic, {spec})", plugin.name(), plugin.version());
-            (Box::new(plugin), label)
-        }
+        (None, Some(spec)) => match python_spec(spec) {
+            Some((file, function)) => {
+                let python = args.rm_python.clone();
+                let reward = python_reward(&file, &function, python, config, args.group_rm)?;
+                let info = reward.info();
+                let label = format!(
+                    "{} (Python {} worker, called as {}{})",
+                    reward.label(),
+                    info.python_version,
+                    info.call,
+                    if info.is_async { ", async" } else { "" }
+                );
+                (Box::new(reward), label)
+            }
+            None => {
+                let plugin = DynamicReward::load(spec, &config)?;
+                let label = format!("{} {} (dynamic, {spec})", plugin.name(), plugin.version());
+                (Box::new(plugin), label)
+            }
+        },
         (None, None) => unreachable!("clap requires one of --rm-type and --custom-rm-path"),
     };
 

@@ -107,7 +107,8 @@ pub const FLAGS: &[Flag] = &[
         DATA,
         "prompt-data",
         Ty::Str,
-        "JSONL prompt dataset; `FILE@[a:b]` keeps rows a..b (0-based, either end optional).",
+        "Prompt dataset, JSONL or Parquet (`.parquet`); `FILE@[a:b]` keeps rows a..b (0-based, \
+         either end optional).",
     ),
     value(DATA, "input-key", Ty::Str, "Key of the prompt (text or chat messages) in each line."),
     optional(DATA, "label-key", Ty::Str, "Key of the label (the reward's reference) in each line."),
@@ -126,7 +127,12 @@ pub const FLAGS: &[Flag] = &[
         Ty::UInt,
         "Passes over --prompt-data to run, instead of --num-rollout.",
     ),
-    optional(DATA, "eval-prompt-data", Ty::Str, "JSONL evaluation prompts, like --prompt-data."),
+    optional(
+        DATA,
+        "eval-prompt-data",
+        Ty::Str,
+        "Evaluation prompts, JSONL or Parquet, like --prompt-data.",
+    ),
     optional(DATA, "eval-interval", Ty::UInt, "Evaluate every N rollouts."),
     value(DATA, "n-samples-per-eval-prompt", Ty::UInt, "Responses sampled per evaluation prompt."),
     optional(
@@ -146,6 +152,11 @@ pub const FLAGS: &[Flag] = &[
         "run-dir",
         Ty::Path,
         "Directory of metrics.jsonl and plots/ (default: runs/<time>).",
+    ),
+    switch(
+        DATA,
+        "use-tensorboard",
+        "Also write every metric as TensorBoard scalars to <run dir>/tensorboard/.",
     ),
     value(
         DATA,
@@ -222,13 +233,26 @@ pub const FLAGS: &[Flag] = &[
     ),
     // Reward.
     optional(REWARD, "rm-type", Ty::Str, "A built-in reward by name (`miles plugins` lists them)."),
-    optional(REWARD, "custom-rm-path", Ty::Str, "A reward plugin library, `LIB[:SYMBOL]`."),
+    optional(
+        REWARD,
+        "custom-rm-path",
+        Ty::Str,
+        "A reward plugin library, `LIB[:SYMBOL]`, or a Python function, `FILE.py[:FUNCTION]` \
+         (default compute_score), run in a worker process.",
+    ),
+    optional(
+        REWARD,
+        "rm-python",
+        Ty::Path,
+        "The Python interpreter for a `FILE.py` --custom-rm-path (default: python3).",
+    ),
     optional(
         REWARD,
         "custom-rm-config",
         Ty::Str,
-        "JSON handed to the reward when it is created (a plugin's configuration, or remote_rm's \
-         timeout_secs, max_retries, backoff_ms, concurrency).",
+        "JSON handed to the reward when it is created (a plugin's configuration, remote_rm's \
+         timeout_secs, max_retries, backoff_ms, concurrency, or a Python reward's timeout_secs, \
+         startup_timeout_secs, max_restarts, backoff_ms and its function's `args`).",
     ),
     optional(REWARD, "rm-url", Ty::Str, "URL of a remote reward model."),
     switch(REWARD, "group-rm", "Score each prompt's group of responses in one call."),

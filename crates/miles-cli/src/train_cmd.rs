@@ -10,6 +10,7 @@ use miles_core::{Correction, Reward, registry};
 use miles_data::{Dataset, Keys};
 use miles_model::Tokenizer;
 use miles_plugin_abi::host::DynamicReward;
+use miles_rewards::{PythonReward, PythonRewardConfig, python_spec};
 use miles_train::advantage::AdvantageConfig;
 use miles_train::rl::{self, Record, Setup};
 use serde_json::Value;
@@ -58,6 +59,20 @@ fn make_reward(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Reward>>> {
         None => Value::Null,
     };
     if let Some(spec) = &cfg.custom_rm_path {
+        if let Some((file, function)) = python_spec(spec) {
+            let reward =
+                python_reward(&file, &function, cfg.rm_python.clone(), config, cfg.group_rm)?;
+            let info = reward.info();
+            eprintln!(
+                "reward: {} in a Python {} worker (pid {}, called as {}{})",
+                reward.label(),
+                info.python_version,
+                reward.worker_pid().unwrap_or_default(),
+                info.call,
+                if info.is_async { ", async" } else { "" }
+            );
+            return Ok(Some(Box::new(reward)));
+        }
         return Ok(Some(Box::new(DynamicReward::load(spec, &config)?)));
     }
     let name = match (&cfg.rm_type, &cfg.rm_url) {
@@ -77,6 +92,20 @@ fn make_reward(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Reward>>> {
         map.insert("group".into(), cfg.group_rm.into());
     }
     Ok(Some(registry::create_reward(name, &config).context("--rm-type")?))
+}
+
+/// The Python reward of `--custom-rm-path FILE.py:FUNCTION`, its worker started and ready;
+/// `--group-rm` makes the function score whole groups.
+pub(crate) fn python_reward(
+    file: &std::path::Path,
+    function: &str,
+    python: Option<PathBuf>,
+    config: Value,
+    group_rm: bool,
+) -> anyhow::Result<PythonReward> {
+    let mut config = PythonRewardConfig::from_json(&config)?;
+    config.group |= group_rm;
+    Ok(PythonReward::start(file, function, python, config)?)
 }
 
 fn make_advantage(cfg: &RunConfig) -> anyhow::Result<Box<dyn miles_core::Advantage>> {

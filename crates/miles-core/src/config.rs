@@ -107,6 +107,8 @@ pub struct RunConfig {
     pub eval_temperature: Option<f32>,
     /// Where `metrics.jsonl` and `plots/` go (miles-rs; default `runs/<time>`).
     pub run_dir: Option<PathBuf>,
+    /// Every metric also as TensorBoard scalars in `<run dir>/tensorboard/` (slime's flag).
+    pub use_tensorboard: bool,
     /// miles-rs: supervised steps on (prompt, label) pairs before RL, with a fresh optimizer at
     /// `sft-lr` (default `lr`); the demo's warm-up.
     pub sft_warmup_steps: usize,
@@ -134,6 +136,9 @@ pub struct RunConfig {
     // Reward.
     pub rm_type: Option<String>,
     pub custom_rm_path: Option<String>,
+    /// The Python interpreter that runs a `--custom-rm-path FILE.py:FUNCTION` reward
+    /// (default `python3`).
+    pub rm_python: Option<PathBuf>,
     /// JSON handed to the reward when it is created (a plugin's, or remote_rm's settings).
     pub custom_rm_config: Option<String>,
     pub rm_url: Option<String>,
@@ -234,6 +239,7 @@ impl Default for RunConfig {
             eval_max_response_len: None,
             eval_temperature: None,
             run_dir: None,
+            use_tensorboard: false,
             sft_warmup_steps: 0,
             sft_lr: None,
             rollout_batch_size: 8,
@@ -253,6 +259,7 @@ impl Default for RunConfig {
             rollout_max_running: 64,
             rm_type: None,
             custom_rm_path: None,
+            rm_python: None,
             custom_rm_config: None,
             rm_url: None,
             group_rm: false,

@@ -1,4 +1,8 @@
-//! JSONL prompt files → [`Dataset`]: one [`PromptRow`] per non-blank line.
+//! Prompt files → [`Dataset`]: one [`PromptRow`] per non-blank line of a JSONL file, or per row
+//! of a Parquet file (`.parquet`, read in `parquet_file` into the same JSON objects).
+
+use std::ops::Range;
+use std::path::Path;
 
 use miles_core::{Message, Prompt};
 use serde::{Deserialize, Serialize};
@@ -6,8 +10,8 @@ use serde_json::{Map, Value};
 
 use crate::{DataError, parse_slice};
 
-/// Which keys of each JSON line hold the prompt, the label and the metadata (slime's
-/// `--input-key`, `--label-key`, `--metadata-key`).
+/// Which keys of each JSON line (columns of a Parquet file) hold the prompt, the label and the
+/// metadata (slime's `--input-key`, `--label-key`, `--metadata-key`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Keys {
     pub input_key: String,
@@ -29,8 +33,8 @@ impl Default for Keys {
     }
 }
 
-/// One prompt row. `line` is the 1-based line number in its file (for error messages and
-/// provenance).
+/// One prompt row. `line` is the 1-based line number in its JSONL file, or the 1-based row
+/// number in its Parquet file (for error messages and provenance).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PromptRow {
     pub prompt: Prompt,
@@ -60,8 +64,16 @@ impl Dataset {
     /// see malformed rows outside it. A UTF-8 byte order mark and CRLF line ends are accepted.
     /// The load fails on the first bad row, naming `file:line`, and on a slice or file with no
     /// row.
+    ///
+    /// A file named `*.parquet` (any case) is read as Parquet instead: each row becomes the JSON
+    /// object a JSONL line of the same data would hold, and goes through the same checks, so the
+    /// rows, slices, keys and messages are the JSONL ones (a bad row is named by its 1-based row
+    /// number). Only the columns the keys name are read.
     pub fn load(spec: &str, keys: &Keys) -> Result<Dataset, DataError> {
         let (path, from, to) = parse_slice(spec)?;
+        if is_parquet(&path) {
+            return crate::parquet_file::load(spec, &path, from, to, keys);
+        }
         let bytes =
             std::fs::read(&path).map_err(|source| DataError::Io { path: path.clone(), source })?;
         let bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
@@ -72,31 +84,18 @@ impl Dataset {
             .map(|(i, l)| (i + 1, l.strip_suffix(b"\r").unwrap_or(l)))
             .filter(|(_, l)| !l.iter().all(|b| matches!(b, b' ' | b'\t' | b'\r')))
             .collect();
-        let total = lines.len();
-        let (start, end) = (from.unwrap_or(0), to.unwrap_or(total).min(total));
-        if start >= end {
-            let rows = match total {
-                1 => "1 row".to_string(),
-                n => format!("{n} rows"),
-            };
-            if from.is_none() && to.is_none() {
-                return Err(DataError::Empty {
-                    dataset: spec.to_string(),
-                    hint: " (the file is empty or every line is blank)".into(),
-                });
-            }
-            return Err(DataError::Slice {
-                spec: spec.to_string(),
-                message: format!(
-                    "the slice selects no row ({} has {rows}, counted from 0)",
-                    path.display()
-                ),
-            });
-        }
-        let rows = lines[start..end]
+        let rows = row_range(
+            spec,
+            &path,
+            (from, to),
+            lines.len(),
+            " (the file is empty or every line is blank)",
+        )?;
+        let rows = lines[rows]
             .iter()
             .map(|&(line, text)| {
-                parse_row(text, keys)
+                parse_line(text)
+                    .and_then(|object| parse_object(&object, keys))
                     .map_err(|message| DataError::Row { path: path.clone(), line, message })
                     .map(|(prompt, label, metadata)| PromptRow { prompt, label, metadata, line })
             })
@@ -113,8 +112,43 @@ impl Dataset {
     }
 }
 
-/// One line → (prompt, label, metadata), or what is wrong with it (the caller adds file:line).
-fn parse_row(text: &[u8], keys: &Keys) -> Result<(Prompt, Option<String>, Value), String> {
+/// Whether `path` names a Parquet file: its extension is `.parquet`, in any case.
+fn is_parquet(path: &Path) -> bool {
+    path.extension().and_then(|e| e.to_str()).is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
+}
+
+/// The rows `from..to` of a file of `total` rows (`to` clamped to `total`, as Python slices do),
+/// or the error for a slice, or a whole file, with no row; `empty_hint` says why a whole file
+/// may have none.
+pub(crate) fn row_range(
+    spec: &str,
+    path: &Path,
+    (from, to): (Option<usize>, Option<usize>),
+    total: usize,
+    empty_hint: &str,
+) -> Result<Range<usize>, DataError> {
+    let (start, end) = (from.unwrap_or(0), to.unwrap_or(total).min(total));
+    if start < end {
+        return Ok(start..end);
+    }
+    if from.is_none() && to.is_none() {
+        return Err(DataError::Empty { dataset: spec.to_string(), hint: empty_hint.into() });
+    }
+    let rows = match total {
+        1 => "1 row".to_string(),
+        n => format!("{n} rows"),
+    };
+    Err(DataError::Slice {
+        spec: spec.to_string(),
+        message: format!(
+            "the slice selects no row ({} has {rows}, counted from 0)",
+            path.display()
+        ),
+    })
+}
+
+/// One JSONL line → its JSON object, or what is wrong with it (the caller adds file:line).
+fn parse_line(text: &[u8]) -> Result<Map<String, Value>, String> {
     let text = std::str::from_utf8(text).map_err(|e| {
         format!(
             "not valid UTF-8 (at byte {} of the line); save the file as UTF-8",
@@ -124,16 +158,25 @@ fn parse_row(text: &[u8], keys: &Keys) -> Result<(Prompt, Option<String>, Value)
     let value: Value = serde_json::from_str(text).map_err(|e| {
         format!("not valid JSON ({e}); each line must hold one JSON object (JSONL)")
     })?;
-    let Value::Object(object) = value else {
-        return Err(format!(
+    match value {
+        Value::Object(object) => Ok(object),
+        other => Err(format!(
             "expected a JSON object, found {}; each line must hold one JSON object (JSONL)",
-            kind(&value)
-        ));
-    };
-    let prompt = parse_prompt(get(&object, &keys.input_key, "--input-key")?, &keys.input_key)?;
+            kind(&other)
+        )),
+    }
+}
+
+/// One row's JSON object (a JSONL line, or a Parquet row in the same form) → (prompt, label,
+/// metadata), or what is wrong with it (the caller adds where).
+pub(crate) fn parse_object(
+    object: &Map<String, Value>,
+    keys: &Keys,
+) -> Result<(Prompt, Option<String>, Value), String> {
+    let prompt = parse_prompt(get(object, &keys.input_key, "--input-key")?, &keys.input_key)?;
     let label = match &keys.label_key {
         None => None,
-        Some(key) => Some(match get(&object, key, "--label-key")? {
+        Some(key) => Some(match get(object, key, "--label-key")? {
             Value::String(s) => s.clone(),
             v @ (Value::Number(_) | Value::Bool(_)) => v.to_string(),
             other => {
@@ -147,7 +190,7 @@ fn parse_row(text: &[u8], keys: &Keys) -> Result<(Prompt, Option<String>, Value)
     };
     let metadata = match &keys.metadata_key {
         None => Value::Null,
-        Some(key) => get(&object, key, "--metadata-key")?.clone(),
+        Some(key) => get(object, key, "--metadata-key")?.clone(),
     };
     Ok((prompt, label, metadata))
 }
@@ -155,23 +198,33 @@ fn parse_row(text: &[u8], keys: &Keys) -> Result<(Prompt, Option<String>, Value)
 /// `object[key]`, or an error saying which flag names the key and which keys the line has.
 fn get<'a>(object: &'a Map<String, Value>, key: &str, flag: &str) -> Result<&'a Value, String> {
     object.get(key).ok_or_else(|| {
-        const SHOWN: usize = 20;
-        let mut have: Vec<String> = object.keys().take(SHOWN).map(|k| format!("'{k}'")).collect();
-        if object.len() > SHOWN {
-            have.push(format!("and {} more", object.len() - SHOWN));
-        }
-        let have = if have.is_empty() {
+        let have = if object.is_empty() {
             "this line has no key".to_string()
         } else {
-            format!("this line has {}", have.join(", "))
+            format!("this line has {}", quoted_list(object.keys()))
         };
         format!("no key '{key}' (set {flag}; {have})")
     })
 }
 
+/// `'a', 'b', 'c'`, the first 20 names and then how many more.
+pub(crate) fn quoted_list<S: AsRef<str>>(names: impl ExactSizeIterator<Item = S>) -> String {
+    const SHOWN: usize = 20;
+    let total = names.len();
+    let mut list: Vec<String> = names.take(SHOWN).map(|k| format!("'{}'", k.as_ref())).collect();
+    if total > SHOWN {
+        list.push(format!("and {} more", total - SHOWN));
+    }
+    list.join(", ")
+}
+
+/// What a prompt may be, for error messages: "the prompt {PROMPT_FORMS}".
+pub(crate) const PROMPT_FORMS: &str =
+    "must be text or a list of {\"role\", \"content\"} chat messages";
+
 /// Text, or a non-empty list of `{"role": .., "content": ..}` chat messages.
 fn parse_prompt(value: &Value, key: &str) -> Result<Prompt, String> {
-    let must = "must be text or a list of {\"role\", \"content\"} chat messages";
+    let must = PROMPT_FORMS;
     match value {
         Value::String(text) => Ok(Prompt::Text(text.clone())),
         Value::Array(items) if items.is_empty() => {

@@ -14,6 +14,15 @@ pub enum DataError {
     /// wrong kind. `line` is 1-based.
     #[error("{}:{line}: {message}", path.display())]
     Row { path: PathBuf, line: usize, message: String },
+    /// A `.parquet` file cannot be read as prompts: it is not Parquet, lacks a column the keys
+    /// name, has a prompt column of a type a prompt cannot be, uses a codec or type that is not
+    /// built in, or is corrupt.
+    #[error("{}: {message}", path.display())]
+    Parquet { path: PathBuf, message: String },
+    /// One row of a Parquet file is malformed (a null prompt, a chat message without a role…);
+    /// `row` is 1-based, as [`crate::PromptRow::line`] is.
+    #[error("{}: row {row} (counted from 1): {message}", path.display())]
+    ParquetRow { path: PathBuf, row: usize, message: String },
     /// The dataset has no row to serve.
     #[error("{dataset}: no prompt rows{hint}")]
     Empty { dataset: String, hint: String },

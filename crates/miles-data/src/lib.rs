@@ -1,14 +1,16 @@
 //! Prompt datasets for miles-rs: what a rollout asks "give me the next N prompts" of.
 //!
-//! [`Dataset::load`] reads a JSONL file (optionally a row slice of it, `FILE@[a:b]` as in slime)
-//! into [`PromptRow`]s, taking the prompt, label and metadata from the keys in [`Keys`]; every
-//! malformed row fails the load with `file:line`, what is wrong and which flag to set.
+//! [`Dataset::load`] reads a JSONL or Parquet file (optionally a row slice of it, `FILE@[a:b]` as
+//! in slime) into [`PromptRow`]s, taking the prompt, label and metadata from the keys in
+//! [`Keys`]; every malformed row fails the load with `file:line` (a Parquet file: its row), what
+//! is wrong and which flag to set.
 //! [`DataSource`] serves those rows batch after batch, epoch after epoch, in file order or in a
 //! seeded per-epoch shuffle that is the same on every platform, and its [`Cursor`] saved with a
 //! checkpoint lets a resumed run draw exactly the prompts the original run would have drawn.
 
 mod dataset;
 mod error;
+mod parquet_file;
 mod shuffle;
 mod slice;
 mod source;

@@ -12,6 +12,9 @@
 //!
 //! Every reward except `remote_rm` compares against the sample's label, and a sample without
 //! one is a per-sample [`miles_core::RewardError`] naming the reward.
+//!
+//! [`PythonReward`] (`--custom-rm-path FILE.py:FUNCTION`) runs a Python function in a worker
+//! process; it is created by the driver, not registered (see [`python`] for its protocol).
 
 mod dapo;
 mod deepscaler;
@@ -20,6 +23,7 @@ mod f1;
 mod http;
 mod latex;
 mod math;
+pub mod python;
 mod remote_rm;
 
 pub use dapo::{Dapo, normalize_final_answer};
@@ -28,6 +32,7 @@ pub use exact_match::ExactMatch;
 pub use f1::{TokenF1, f1_score};
 pub use latex::{Rational, last_boxed, parse_number};
 pub use math::{MathAnswer, answers_match, normalize_answer};
+pub use python::{PythonReward, PythonRewardConfig, python_spec};
 pub use remote_rm::{RemoteRm, RemoteRmConfig};
 
 use miles_core::{Reward, RewardError, RewardValue, Sample};

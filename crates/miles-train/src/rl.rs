@@ -116,16 +116,27 @@ fn mix(a: u64, b: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Appends records to `metrics.jsonl`, flushing each line.
+/// Appends records to `metrics.jsonl`, flushing each line, and with `--use-tensorboard` the
+/// same numbers as TensorBoard scalars under `<run dir>/tensorboard/`.
 struct MetricsLog {
     file: std::fs::File,
     path: PathBuf,
+    tensorboard: Option<miles_tensorboard::EventWriter>,
 }
+
+/// Where `--use-tensorboard` writes its event files, inside the run directory.
+pub const TENSORBOARD_DIR: &str = "tensorboard";
 
 impl MetricsLog {
     /// A fresh log, or on resume from iteration `k` the old one without the records of
-    /// iterations after `k` (they are about to be run again).
-    fn open(run_dir: &Path, resumed_from: Option<u64>) -> anyhow::Result<MetricsLog> {
+    /// iterations after `k` (they are about to be run again). A resumed run's TensorBoard
+    /// events go to a new file; TensorBoard drops the old file's points past step `k` when the
+    /// new one goes back to it.
+    fn open(
+        run_dir: &Path,
+        resumed_from: Option<u64>,
+        tensorboard: bool,
+    ) -> anyhow::Result<MetricsLog> {
         std::fs::create_dir_all(run_dir)
             .with_context(|| format!("--run-dir: cannot create {}", run_dir.display()))?;
         let path = run_dir.join(METRICS_FILE);
@@ -146,13 +157,29 @@ impl MetricsLog {
             .append(true)
             .open(&path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(MetricsLog { file, path })
+        let tensorboard = match tensorboard {
+            true => Some(miles_tensorboard::EventWriter::create(&run_dir.join(TENSORBOARD_DIR))?),
+            false => None,
+        };
+        Ok(MetricsLog { file, path, tensorboard })
     }
 
     fn write(&mut self, record: &Record) -> anyhow::Result<()> {
         let line = serde_json::to_string(record)?;
         writeln!(self.file, "{line}")
-            .with_context(|| format!("cannot write {}", self.path.display()))
+            .with_context(|| format!("cannot write {}", self.path.display()))?;
+        if let Some(tb) = &mut self.tensorboard {
+            // Every number but the step itself, at the record's step (SFT warm-up records
+            // carry theirs in `step` too).
+            let step = record.get("step").and_then(Value::as_i64).unwrap_or(0);
+            let scalars: Vec<(&str, f64)> = record
+                .iter()
+                .filter(|(k, _)| k.as_str() != "step")
+                .filter_map(|(k, v)| Some((k.as_str(), v.as_f64()?)))
+                .collect();
+            tb.write_scalars(step, miles_tensorboard::wall_time_now(), &scalars)?;
+        }
+        Ok(())
     }
 }
 
@@ -237,7 +264,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         _ => None,
     };
     let resumed_from = loaded.as_ref().map(|l| l.iteration);
-    let mut log = MetricsLog::open(&run_dir, resumed_from)?;
+    let mut log = MetricsLog::open(&run_dir, resumed_from, cfg.use_tensorboard)?;
     let mut emit = |log: &mut MetricsLog, record: Record| -> anyhow::Result<()> {
         log.write(&record)?;
         observe(&record);
@@ -511,7 +538,7 @@ fn train_on_device(
         _ => None,
     };
     let resumed_from = loaded.as_ref().map(|l| l.iteration);
-    let mut log = MetricsLog::open(run_dir, resumed_from)?;
+    let mut log = MetricsLog::open(run_dir, resumed_from, cfg.use_tensorboard)?;
     let mut data = DataSource::new(train_data, cfg.rollout_shuffle, cfg.rollout_seed)?;
     let (mut dm, mut state) = match loaded {
         Some(l) => {
