@@ -515,3 +515,33 @@ fn tensorboard_reads_every_metric_back() {
     assert_eq!(points, checked, "TensorBoard holds exactly the metrics' numbers");
     assert!(checked > 50, "only {checked} numbers");
 }
+
+/// A Python reward whose worker dies on every call is restarted `max_restarts` times, then the
+/// run stops with an error naming the file, instead of training on failed samples.
+#[test]
+fn a_python_reward_that_keeps_crashing_stops_the_run() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        println!("skipping: no python3");
+        return;
+    }
+    let dir = scratch("train_python_reward_crash");
+    let file = dir.join("crash.py");
+    std::fs::write(&file, "import os\n\ndef score(sample):\n    os._exit(3)\n").unwrap();
+    let spec = format!("{}:score", file.display());
+    let run = dir.join("run");
+    let err = miles(&[
+        "train",
+        "--num-rollout",
+        "1",
+        "--sft-warmup-steps",
+        "0",
+        "--custom-rm-path",
+        &spec,
+        "--custom-rm-config",
+        r#"{"max_restarts": 1, "backoff_ms": 1}"#,
+        "--run-dir",
+        run.to_str().unwrap(),
+    ])
+    .unwrap_err();
+    assert!(err.contains("the reward stopped working") && err.contains("crash.py"), "{err}");
+}

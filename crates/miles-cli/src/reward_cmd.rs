@@ -3,7 +3,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::Args;
 use miles_core::{Reward, RewardError, RewardValue, Sample, Status};
 use miles_plugin_abi::host::DynamicReward;
@@ -90,6 +90,9 @@ pub fn run(args: &RewardArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let started = Instant::now();
     let results = miles_rewards::score_all(reward.as_ref(), &samples, args.group_rm);
     let elapsed = started.elapsed();
+    if let Some(why) = reward.fatal() {
+        bail!("the reward stopped working: {why}");
+    }
 
     let summary = Summary::of(&lines, &results);
     writeln!(

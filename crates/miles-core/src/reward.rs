@@ -56,6 +56,13 @@ pub trait Reward: Send + Sync {
     fn score_group(&self, samples: &[Sample]) -> Vec<Result<RewardValue, RewardError>> {
         samples.iter().map(|s| self.score(s)).collect()
     }
+
+    /// Why this reward can score nothing more (a worker process that failed again and again),
+    /// so the run stops with that error instead of going on with every sample failed. `None`
+    /// while it works.
+    fn fatal(&self) -> Option<String> {
+        None
+    }
 }
 
 #[cfg(test)]

@@ -824,15 +824,19 @@ fn failure_reason(s: &Sample) -> Option<String> {
 }
 
 /// Scores a generation's groups in one call (so a reward server sees the whole batch); the
-/// samples come back flat, in group order, with their rewards.
+/// samples come back flat, in group order, with their rewards. A reward that can score no more
+/// ([`Reward::fatal`]) stops the run.
 fn score_groups(
     reward: &dyn Reward,
     groups: Vec<Vec<Sample>>,
     cfg: &RunConfig,
-) -> (Vec<Sample>, Vec<Option<f32>>, usize) {
+) -> anyhow::Result<(Vec<Sample>, Vec<Option<f32>>, usize)> {
     let mut flat: Vec<Sample> = groups.into_iter().flatten().collect();
     let (rewards, failed) = score(reward, &mut flat, cfg);
-    (flat, rewards, failed)
+    if let Some(why) = reward.fatal() {
+        anyhow::bail!("the reward stopped working: {why}");
+    }
+    Ok((flat, rewards, failed))
 }
 
 /// Generates and scores one iteration's batch; records slime's `rollout/*` metrics.
@@ -870,7 +874,7 @@ fn rollout(
             ..cfg.sampling_params()
         };
         let groups = engine.generate(groups, &params)?;
-        let (flat, rewards, fails) = score_groups(reward, groups, cfg);
+        let (flat, rewards, fails) = score_groups(reward, groups, cfg)?;
         failed += fails;
         if first_error.is_none() {
             first_error = flat.iter().find_map(failure_reason);
@@ -1274,7 +1278,7 @@ fn evaluate(
         ..cfg.sampling_params()
     };
     let groups = engine.generate(groups, &params)?;
-    let (_, rewards, failed) = score_groups(reward, groups, cfg);
+    let (_, rewards, failed) = score_groups(reward, groups, cfg)?;
     let (mut sum, mut solved, mut count, mut any) = (0.0, 0usize, 0usize, 0usize);
     for rewards in rewards.chunks(n) {
         let live: Vec<f32> = rewards.iter().flatten().copied().collect();

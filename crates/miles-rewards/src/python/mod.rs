@@ -463,6 +463,11 @@ impl Reward for PythonReward {
     fn score_group(&self, samples: &[Sample]) -> Vec<Result<RewardValue, RewardError>> {
         self.run(samples)
     }
+
+    /// Set once the worker failed more than `max_restarts` times in a row.
+    fn fatal(&self) -> Option<String> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).stopped.clone()
+    }
 }
 
 impl Drop for PythonReward {

@@ -203,7 +203,10 @@ fn repeated_crashes_stop_scoring_with_an_error_naming_the_file_and_stderr() {
         return;
     }
     let rm = start("always_crash", json!({"backoff_ms": 1, "max_restarts": 2}));
+    assert_eq!(rm.fatal(), None);
     let results = rm.score_group(&responses(&["a", "CRASH"]));
+    // The run stops here (Reward::fatal), rather than training on failed samples.
+    assert!(rm.fatal().is_some_and(|why| why.contains("scoring stopped")));
     let file = rewards_py().display().to_string();
     for r in &results {
         let err = error(r);
