@@ -3,8 +3,11 @@
 //! JSONL path's own checks ([`parse_object`]), so keys, labels, metadata and their errors are the
 //! same for both formats.
 //!
-//! Read with the `parquet` crate's record API ([`Row`], [`Field`]), which needs no Arrow arrays,
-//! and only the columns the [`Keys`] name. Each value becomes the JSON that `json.dumps` of
+//! Read with the `parquet` crate's record API ([`Row`], [`Field`]), which needs no Arrow arrays.
+//! Metadata is the `--metadata-key` column's value when that flag is given, as in JSONL; without
+//! it, every other column (those neither prompt nor label, of types the reader converts) goes
+//! into the metadata object, as verl's Parquet files carry `data_source`, `extra_info` and the
+//! like beside the prompt. Each value becomes the JSON that `json.dumps` of
 //! pyarrow's `to_pylist()` would write, where JSON can say it:
 //!
 //! | Parquet / Arrow                           | JSON                                        |
@@ -146,8 +149,14 @@ fn projection(schema: &Type, keys: &Keys) -> Result<Type, String> {
             ));
         }
     }
-    let selected: Vec<_> =
-        columns.iter().filter(|c| wanted.iter().any(|&(k, _)| k == c.name())).cloned().collect();
+    // Without --metadata-key the other columns become the metadata (verl's `data_source`,
+    // `extra_info`, …), those the reader can convert.
+    let other = |c: &&Arc<Type>| keys.metadata_key.is_none() && all_readable(c);
+    let selected: Vec<_> = columns
+        .iter()
+        .filter(|c| wanted.iter().any(|&(k, _)| k == c.name()) || other(c))
+        .cloned()
+        .collect();
     let projection =
         Type::group_type_builder(schema.name()).with_fields(selected).build().map_err(|e| {
             format!("cannot select the columns {} ({e})", quoted_list(wanted.iter().map(|w| w.0)))
@@ -165,6 +174,15 @@ fn projection(schema: &Type, keys: &Keys) -> Result<Type, String> {
         }
     }
     Ok(projection)
+}
+
+/// Whether every leaf of a top-level column is of a type [`json`] converts.
+fn all_readable(column: &Arc<Type>) -> bool {
+    let Ok(alone) = Type::group_type_builder("row").with_fields(vec![column.clone()]).build()
+    else {
+        return false;
+    };
+    SchemaDescriptor::new(Arc::new(alone)).columns().iter().all(|leaf| readable(leaf))
 }
 
 /// Whether a primitive column reads as text (pyarrow writes strings as annotated BYTE_ARRAY;
@@ -284,7 +302,10 @@ fn read_rows(
             }
             let line = index + 1;
             let (prompt, label, metadata) = row_object(&row)
-                .and_then(|object| parse_object(&object, keys))
+                .and_then(|object| {
+                    let (prompt, label, metadata) = parse_object(&object, keys)?;
+                    Ok((prompt, label, metadata_of(object, keys, metadata)))
+                })
                 .map_err(|message| DataError::ParquetRow {
                     path: path.to_path_buf(),
                     row: line,
@@ -305,6 +326,19 @@ fn read_rows(
         ));
     }
     Ok(rows)
+}
+
+/// A row's metadata: the `--metadata-key` column's value when one is named (as in JSONL),
+/// else an object of the columns that are neither prompt nor label (`null` when there are none).
+fn metadata_of(mut object: Map<String, Value>, keys: &Keys, keyed: Value) -> Value {
+    if keys.metadata_key.is_some() {
+        return keyed;
+    }
+    object.remove(&keys.input_key);
+    if let Some(label) = &keys.label_key {
+        object.remove(label);
+    }
+    if object.is_empty() { Value::Null } else { Value::Object(object) }
 }
 
 /// A row (or struct) → its JSON object, or what is wrong with one of its values.
@@ -477,9 +511,32 @@ mod tests {
         ] {
             let parquet = Dataset::load(&fixture("prompts.parquet"), &k).unwrap();
             let jsonl = Dataset::load(&fixture("prompts.jsonl"), &k).unwrap();
-            assert_eq!(parquet.rows, jsonl.rows, "{k:?}");
+            if k.metadata_key.is_some() {
+                assert_eq!(parquet.rows, jsonl.rows, "{k:?}");
+            } else {
+                // Without a metadata key the other columns are the metadata (JSONL: none).
+                let strip = |rows: &[PromptRow]| -> Vec<_> {
+                    rows.iter().map(|r| (r.prompt.clone(), r.label.clone(), r.line)).collect()
+                };
+                assert_eq!(strip(&parquet.rows), strip(&jsonl.rows), "{k:?}");
+            }
             assert_eq!(parquet.source, fixture("prompts.parquet"));
         }
+        let d = Dataset::load(&fixture("prompts.parquet"), &keys("question", Some("answer"), None))
+            .unwrap();
+        let Value::Object(first) = &d.rows[0].metadata else { panic!("{:?}", d.rows[0]) };
+        let mut names: Vec<&str> = first.keys().map(String::as_str).collect();
+        names.sort();
+        let jsonl_line: Value = serde_json::from_str(
+            std::fs::read_to_string(fixture("prompts.jsonl")).unwrap().lines().next().unwrap(),
+        )
+        .unwrap();
+        let mut want: Vec<&str> =
+            jsonl_line.as_object().unwrap().keys().map(String::as_str).collect();
+        want.retain(|k| *k != "question" && *k != "answer");
+        want.sort();
+        assert_eq!(names, want, "every other column, and only those");
+        assert_eq!(first["meta"], jsonl_line["meta"]);
         let d = Dataset::load(
             &fixture("prompts.parquet"),
             &keys("question", Some("answer"), Some("meta")),
