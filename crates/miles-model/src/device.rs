@@ -231,11 +231,16 @@ impl DeviceModel {
         let (nf, rstd_final) = ops::rmsnorm_forward(&x, final_w, c.rms_norm_eps)?;
         let (rows, targets) = batch.response_rows();
         let rows: Vec<u32> = rows.into_iter().map(|r| r as u32).collect();
-        let (mut logp, mut entropy) =
-            (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+        // Every chunk is queued before the first result is copied back: one wait for the
+        // device, not one per chunk.
+        let mut stats = Vec::new();
         for (rows, targets) in rows.chunks(HEAD_CHUNK_ROWS).zip(targets.chunks(HEAD_CHUNK_ROWS)) {
             let logits = self.head_logits(&nf, rows)?;
-            let (lp, ent) = ops::logprob_rows(&logits, targets, temperature)?;
+            stats.push(ops::logprob_rows(&logits, targets, temperature)?);
+        }
+        let (mut logp, mut entropy) =
+            (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+        for (lp, ent) in stats {
             logp.extend(lp.to_vec_f32()?);
             entropy.extend(ent.to_vec_f32()?);
         }
