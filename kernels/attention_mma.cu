@@ -14,7 +14,9 @@
 // f32 [tokens × q_heads] (natural log of the scaled scores' sum of exponentials); `tiles` holds
 // [sequence start, sequence end, tile start] per tile. Grid (tiles, heads), 4 warps per block.
 // The forward and dq give each warp 16 query rows of a 64-row tile; dk/dv gives each warp 16
-// keys of a key block and walks the queries that see them in chunks of QC.
+// keys of a key block and walks the queries that see them in chunks of QC. Each kernel loads
+// the next key block (or query chunk) with cp.async into the other of two shared buffers while
+// it computes the current one.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -60,19 +62,32 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Rows [r0, r0 + n) of `rows` rows of width D from global `src` (row r at src + r·stride) into
-// shared `dst` (row stride D + SKEW), 16 bytes per thread and step; rows past n are zero.
+// Rows [0, rows) of width D from global `src` (row r at src + r·stride) into shared `dst` (row
+// stride D + SKEW) as cp.async copies of 16 bytes, rows past n zero-filled by the copy itself,
+// so the next block's rows stream in while the current one is computed. They have landed after
+// the wait() that follows their commit(), and a barrier.
 template <int D>
-__device__ __forceinline__ void load_rows(bf16* dst, const bf16* src, size_t stride, int rows,
-                                          int n) {
+__device__ __forceinline__ void load_rows_async(bf16* dst, const bf16* src, size_t stride,
+                                                int rows, int n) {
     constexpr int CHUNKS = D / 8;
     for (int e = threadIdx.x; e < rows * CHUNKS; e += THREADS) {
         const int r = e / CHUNKS;
         const int c = (e - r * CHUNKS) * 8;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (r < n) val = *reinterpret_cast<const uint4*>(src + r * stride + c);
-        *reinterpret_cast<uint4*>(dst + r * (D + SKEW) + c) = val;
+        // A zero-filled row reads nothing; its address only has to be valid: row 0's.
+        const bf16* from = src + (r < n ? r : 0) * stride + c;
+        const int bytes = r < n ? 16 : 0;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                         smem_addr(dst + r * (D + SKEW) + c)),
+                     "l"(from), "r"(bytes));
     }
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most `pending` of this thread's committed groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
 }
 
 // The A fragment (16 rows × 16 columns at column k0) of a row-major shared tile.
@@ -156,8 +171,7 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, const bf16* k, con
                         const int* tiles, int q_heads, int kv_heads, float scale) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [QB][D+SKEW]
-    bf16* ks = qs + QB * (D + SKEW);                  // [KB][D+SKEW]
-    bf16* vs = ks + KB * (D + SKEW);                  // [KB][D+SKEW]
+    bf16* kv = qs + QB * (D + SKEW);                  // 2 × ([KB][D+SKEW] keys, then values)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int a = tiles[3 * blockIdx.x];
@@ -167,8 +181,19 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, const bf16* k, con
     const int kvh = h / (q_heads / kv_heads);
     const size_t q_stride = (size_t)q_heads * D, kv_stride = (size_t)kv_heads * D;
     const float sl2 = scale * LOG2E;
+    // Block b's keys and values go to buffer b % 2; block b + 1 loads while b is computed.
+    auto load_block = [&](int b) {
+        const int j0 = a + b * KB;
+        bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
+        load_rows_async<D>(ks, k + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB,
+                           min(KB, i1 - j0));
+        load_rows_async<D>(ks + KB * (D + SKEW), v + (size_t)j0 * kv_stride + kvh * D, kv_stride,
+                           KB, min(KB, i1 - j0));
+    };
 
-    load_rows<D>(qs, q + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
+    load_rows_async<D>(qs, q + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
+    load_block(0);
+    commit();
     // This warp's rows are i0 + 16·warp + g and + 8.
     const int row0 = warp * 16;
     const int ia = i0 + row0 + g, ib = ia + 8;
@@ -180,51 +205,58 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, const bf16* k, con
     const int blocks = (i1 - a + KB - 1) / KB;
     for (int b = 0; b < blocks; ++b) {
         const int j0 = a + b * KB;
-        __syncthreads();  // the previous block's readers are done
-        const int n = min(KB, i1 - j0);
-        load_rows<D>(ks, k + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, n);
-        load_rows<D>(vs, v + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, n);
-        __syncthreads();
-        if (j0 > i0 + row0 + 15) continue;  // every row of this warp is before the block
-        float s[KB / 8][4];
-        scores<D, KB / 8>(s, qs, row0, ks);
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int nt = 0; nt < KB / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int j = j0 + nt * 8 + 2 * t + (e & 1);
-                const int i = e < 2 ? ia : ib;
-                if (j > i) s[nt][e] = -INFINITY;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-            }
+        if (b + 1 < blocks) {
+            load_block(b + 1);
+            commit();
+            wait<1>();
+        } else {
+            wait<0>();
         }
-        float base[2];
+        __syncthreads();  // block b (and the queries) are in shared memory for every thread
+        const bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
+        const bf16* vs = ks + KB * (D + SKEW);
+        if (j0 <= i0 + row0 + 15) {  // else every row of this warp is before the block
+            float s[KB / 8][4];
+            scores<D, KB / 8>(s, qs, row0, ks);
+            float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float new_m = fmaxf(m[r], quad_max(mx[r]));
-            // A row that has seen no key yet keeps m = -inf: exponents from 0 then.
-            const float use = new_m == -INFINITY ? 0.0f : new_m;
-            const float alpha = exp2f((m[r] - use) * sl2);
-            l[r] *= alpha;
+            for (int nt = 0; nt < KB / 8; ++nt) {
 #pragma unroll
-            for (int nn = 0; nn < D / 8; ++nn) {
-                acc[nn][2 * r] *= alpha;
-                acc[nn][2 * r + 1] *= alpha;
+                for (int e = 0; e < 4; ++e) {
+                    const int j = j0 + nt * 8 + 2 * t + (e & 1);
+                    const int i = e < 2 ? ia : ib;
+                    if (j > i) s[nt][e] = -INFINITY;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+                }
             }
-            m[r] = new_m;
-            base[r] = use * sl2;
-        }
+            float base[2];
 #pragma unroll
-        for (int nt = 0; nt < KB / 8; ++nt) {
+            for (int r = 0; r < 2; ++r) {
+                const float new_m = fmaxf(m[r], quad_max(mx[r]));
+                // A row that has seen no key yet keeps m = -inf: exponents from 0 then.
+                const float use = new_m == -INFINITY ? 0.0f : new_m;
+                const float alpha = exp2f((m[r] - use) * sl2);
+                l[r] *= alpha;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2f(s[nt][e] * sl2 - base[e >> 1]);
-                s[nt][e] = p;
-                l[e >> 1] += p;
+                for (int nn = 0; nn < D / 8; ++nn) {
+                    acc[nn][2 * r] *= alpha;
+                    acc[nn][2 * r + 1] *= alpha;
+                }
+                m[r] = new_m;
+                base[r] = use * sl2;
             }
+#pragma unroll
+            for (int nt = 0; nt < KB / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = exp2f(s[nt][e] * sl2 - base[e >> 1]);
+                    s[nt][e] = p;
+                    l[e >> 1] += p;
+                }
+            }
+            accumulate<D, KB / 8>(acc, s, vs);
         }
-        accumulate<D, KB / 8>(acc, s, vs);
+        __syncthreads();  // buffer b % 2 is free for block b + 2
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -251,8 +283,7 @@ __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [QB][D+SKEW]
     bf16* dos = qs + QB * (D + SKEW);                 // [QB][D+SKEW]
-    bf16* ks = dos + QB * (D + SKEW);                 // [KB][D+SKEW]
-    bf16* vs = ks + KB * (D + SKEW);                  // [KB][D+SKEW]
+    bf16* kv = dos + QB * (D + SKEW);                 // 2 × ([KB][D+SKEW] keys, then values)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int a = tiles[3 * blockIdx.x];
@@ -262,9 +293,20 @@ __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf
     const int kvh = h / (q_heads / kv_heads);
     const size_t q_stride = (size_t)q_heads * D, kv_stride = (size_t)kv_heads * D;
     const float sl2 = scale * LOG2E;
+    // As the forward: block b in buffer b % 2, block b + 1 loading while b is computed.
+    auto load_block = [&](int b) {
+        const int j0 = a + b * KB;
+        bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
+        load_rows_async<D>(ks, k + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB,
+                           min(KB, i1 - j0));
+        load_rows_async<D>(ks + KB * (D + SKEW), v + (size_t)j0 * kv_stride + kvh * D, kv_stride,
+                           KB, min(KB, i1 - j0));
+    };
 
-    load_rows<D>(qs, q + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
-    load_rows<D>(dos, d_out + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
+    load_rows_async<D>(qs, q + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
+    load_rows_async<D>(dos, d_out + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
+    load_block(0);
+    commit();
     const int row0 = warp * 16;
     const int ia = i0 + row0 + g, ib = ia + 8;
     float lse2[2], del[2];
@@ -282,27 +324,34 @@ __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf
     const int blocks = (i1 - a + KB - 1) / KB;
     for (int b = 0; b < blocks; ++b) {
         const int j0 = a + b * KB;
-        __syncthreads();
-        const int n = min(KB, i1 - j0);
-        load_rows<D>(ks, k + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, n);
-        load_rows<D>(vs, v + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, n);
-        __syncthreads();
-        if (j0 > i0 + row0 + 15) continue;
-        float s[KB / 8][4], dp[KB / 8][4];
-        scores<D, KB / 8>(s, qs, row0, ks);
-        scores<D, KB / 8>(dp, dos, row0, vs);
-#pragma unroll
-        for (int nt = 0; nt < KB / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int j = j0 + nt * 8 + 2 * t + (e & 1);
-                const int r = e >> 1;
-                const int i = r == 0 ? ia : ib;
-                const float p = j > i || i >= i1 ? 0.0f : exp2f(s[nt][e] * sl2 - lse2[r]);
-                s[nt][e] = p * (dp[nt][e] - del[r]);
-            }
+        if (b + 1 < blocks) {
+            load_block(b + 1);
+            commit();
+            wait<1>();
+        } else {
+            wait<0>();
         }
-        accumulate<D, KB / 8>(acc, s, ks);
+        __syncthreads();
+        const bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
+        const bf16* vs = ks + KB * (D + SKEW);
+        if (j0 <= i0 + row0 + 15) {
+            float s[KB / 8][4], dp[KB / 8][4];
+            scores<D, KB / 8>(s, qs, row0, ks);
+            scores<D, KB / 8>(dp, dos, row0, vs);
+#pragma unroll
+            for (int nt = 0; nt < KB / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = j0 + nt * 8 + 2 * t + (e & 1);
+                    const int r = e >> 1;
+                    const int i = r == 0 ? ia : ib;
+                    const float p = j > i || i >= i1 ? 0.0f : exp2f(s[nt][e] * sl2 - lse2[r]);
+                    s[nt][e] = p * (dp[nt][e] - del[r]);
+                }
+            }
+            accumulate<D, KB / 8>(acc, s, ks);
+        }
+        __syncthreads();
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -327,10 +376,8 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* ks = reinterpret_cast<bf16*>(smem_raw);  // [KB][D+SKEW]
     bf16* vs = ks + KB * (D + SKEW);                  // [KB][D+SKEW]
-    bf16* qs = vs + KB * (D + SKEW);                  // [QC][D+SKEW]
-    bf16* dos = qs + QC * (D + SKEW);                 // [QC][D+SKEW]
-    float* lse2 = reinterpret_cast<float*>(dos + QC * (D + SKEW));  // [QC]
-    float* del = lse2 + QC;                                          // [QC]
+    bf16* qdo = vs + KB * (D + SKEW);                 // 2 × ([QC][D+SKEW] queries, then dO)
+    float* stats = reinterpret_cast<float*>(qdo + 4 * QC * (D + SKEW));  // 2 × (lse·log2e, delta)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int j0 = tiles[3 * blockIdx.x + 2];
@@ -340,9 +387,30 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
     const int group = q_heads / kv_heads;
     const size_t q_stride = (size_t)q_heads * D, kv_stride = (size_t)kv_heads * D;
     const float sl2 = scale * LOG2E;
+    // Step c covers head kvh·group + c / chunks, queries j0 + (c % chunks)·QC onwards; its rows
+    // go to buffer c % 2 (cp.async), its lse and delta there too (plain stores, made visible by
+    // the barrier that starts step c).
+    const int chunks = (end - j0 + QC - 1) / QC;
+    auto load_step = [&](int c) {
+        const int h = kvh * group + c / chunks;
+        const int c0 = j0 + (c % chunks) * QC;
+        const int n = min(QC, end - c0);
+        bf16* qs = qdo + (c & 1) * 2 * QC * (D + SKEW);
+        load_rows_async<D>(qs, q + (size_t)c0 * q_stride + h * D, q_stride, QC, n);
+        load_rows_async<D>(qs + QC * (D + SKEW), d_out + (size_t)c0 * q_stride + h * D, q_stride,
+                           QC, n);
+        float* st = stats + (c & 1) * 2 * QC;
+        for (int r = threadIdx.x; r < QC; r += THREADS) {
+            const size_t row = (size_t)(c0 + r) * q_heads + h;
+            st[r] = r < n ? lse[row] * LOG2E : 0.0f;
+            st[QC + r] = r < n ? delta[row] : 0.0f;
+        }
+    };
 
-    load_rows<D>(ks, k + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, len);
-    load_rows<D>(vs, v + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, len);
+    load_rows_async<D>(ks, k + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, len);
+    load_rows_async<D>(vs, v + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB, len);
+    load_step(0);
+    commit();
     const int key0 = warp * 16;
     const int ja = j0 + key0 + g, jb = ja + 8;
     float ak[D / 8][4], av[D / 8][4];
@@ -351,20 +419,23 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
 #pragma unroll
         for (int e = 0; e < 4; ++e) ak[n][e] = av[n][e] = 0.0f;
 
-    for (int hh = 0; hh < group; ++hh) {
-        const int h = kvh * group + hh;
-        for (int c0 = j0; c0 < end; c0 += QC) {
-            const int n = min(QC, end - c0);
-            __syncthreads();  // the previous chunk's readers are done
-            load_rows<D>(qs, q + (size_t)c0 * q_stride + h * D, q_stride, QC, n);
-            load_rows<D>(dos, d_out + (size_t)c0 * q_stride + h * D, q_stride, QC, n);
-            for (int r = threadIdx.x; r < QC; r += THREADS) {
-                const size_t row = (size_t)(c0 + r) * q_heads + h;
-                lse2[r] = r < n ? lse[row] * LOG2E : 0.0f;
-                del[r] = r < n ? delta[row] : 0.0f;
-            }
-            __syncthreads();
-            if (c0 + QC - 1 < j0 + key0) continue;  // every query of the chunk is before these keys
+    const int steps = group * chunks;
+    for (int c = 0; c < steps; ++c) {
+        if (c + 1 < steps) {
+            load_step(c + 1);
+            commit();
+            wait<1>();
+        } else {
+            wait<0>();
+        }
+        __syncthreads();
+        const int c0 = j0 + (c % chunks) * QC;
+        const int n = min(QC, end - c0);
+        const bf16* qs = qdo + (c & 1) * 2 * QC * (D + SKEW);
+        const bf16* dos = qs + QC * (D + SKEW);
+        const float* lse2 = stats + (c & 1) * 2 * QC;
+        const float* del = lse2 + QC;
+        if (c0 + QC - 1 >= j0 + key0) {  // else every query of the chunk is before these keys
             float s[QC / 8][4], dp[QC / 8][4];
             scores<D, QC / 8>(s, ks, key0, qs);
             scores<D, QC / 8>(dp, vs, key0, dos);
@@ -372,17 +443,19 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
             for (int nt = 0; nt < QC / 8; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int c = nt * 8 + 2 * t + (e & 1);
-                    const int i = c0 + c;
+                    const int cc = nt * 8 + 2 * t + (e & 1);
+                    const int i = c0 + cc;
                     const int j = e < 2 ? ja : jb;
-                    const float p = i < j || c >= n ? 0.0f : exp2f(s[nt][e] * sl2 - lse2[c]);
+                    const float p =
+                        i < j || cc >= n ? 0.0f : exp2f(s[nt][e] * sl2 - lse2[cc]);
                     s[nt][e] = p;
-                    dp[nt][e] = p * (dp[nt][e] - del[c]);
+                    dp[nt][e] = p * (dp[nt][e] - del[cc]);
                 }
             }
             accumulate<D, QC / 8>(av, s, dos);
             accumulate<D, QC / 8>(ak, dp, qs);
         }
+        __syncthreads();  // buffer c % 2 is free for step c + 2
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -149,7 +149,8 @@ pub(crate) fn attention_forward(
             let mut out = gpu.alloc::<u16>(q.len())?;
             if let (true, Some(suffix)) = (n > 0, mma_suffix(d)) {
                 let name = mma_name("forward", suffix);
-                let bytes = mma_rows_bytes(QUERY_BLOCK + 2 * KEY_BLOCK, d);
+                // The queries, and two buffers of a key block's keys and values.
+                let bytes = mma_rows_bytes(QUERY_BLOCK + 4 * KEY_BLOCK, d);
                 let cfg =
                     launch_with(gpu, "attention_mma", name, (n, q_heads), MMA_THREADS, bytes)?;
                 launch!(
@@ -236,7 +237,8 @@ pub(crate) fn attention_backward(
                 launch!(gpu, "attention", name, delta_cfg, &mut delta, $d_out, $out, &rows_l, &di)?;
                 if let (false, Some(suffix)) = ($f32, mma_suffix(d)) {
                     let name = mma_name("dq", suffix);
-                    let bytes = mma_rows_bytes(2 * QUERY_BLOCK + 2 * KEY_BLOCK, d);
+                    // Queries and dO, and two buffers of a key block's keys and values.
+                    let bytes = mma_rows_bytes(2 * QUERY_BLOCK + 4 * KEY_BLOCK, d);
                     let cfg =
                         launch_with(gpu, "attention_mma", name, (nq, q_heads), MMA_THREADS, bytes)?;
                     launch!(
@@ -257,8 +259,10 @@ pub(crate) fn attention_backward(
                         &scale
                     )?;
                     let name = mma_name("dkdv", suffix);
-                    let bytes = mma_rows_bytes(2 * KEY_BLOCK + 2 * MMA_QUERY_CHUNK, d)
-                        + 2 * MMA_QUERY_CHUNK * 4;
+                    // The block's keys and values, and two buffers of a query chunk's
+                    // queries, dO, lse and delta.
+                    let bytes = mma_rows_bytes(2 * KEY_BLOCK + 4 * MMA_QUERY_CHUNK, d)
+                        + 4 * MMA_QUERY_CHUNK * 4;
                     let cfg = launch_with(
                         gpu,
                         "attention_mma",
