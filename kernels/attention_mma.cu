@@ -166,45 +166,84 @@ __device__ __forceinline__ float quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
-template <int D>
-__device__ void forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                        const int* tiles, int q_heads, int kv_heads, float scale) {
+// A query tile of the forward: rows q0 .. q0 + n of q (and of out, lse), one sequence's
+// positions pos0 .. pos0 + n, seeing keys 0 .. pos0 + n.
+struct QueryTile {
+    int q0, n, pos0;
+};
+
+// The keys of packed sequences: key j of the sequence starting at row `start` is row start + j
+// of k and v ([tokens × kv_heads × D]).
+struct PackedKeys {
+    const bf16* k;
+    const bf16* v;
+    size_t stride;
+    int start;
+    template <int D>
+    __device__ __forceinline__ void block(int b, int kvh, const bf16** kb, const bf16** vb,
+                                          size_t* rs) const {
+        const size_t at = (size_t)(start + b * KB) * stride + kvh * D;
+        *kb = k + at;
+        *vb = v + at;
+        *rs = stride;
+    }
+};
+
+// The keys of the paged KV cache: key block b of a sequence is cache block table[b], laid out
+// [blocks][layers][keys, values][kv_heads][KB][D]; a block of one kv head is a KB × D tile.
+struct PagedKeys {
+    const bf16* cache;
+    const int* table;
+    int layer, layers, kv_heads;
+    template <int D>
+    __device__ __forceinline__ void block(int b, int kvh, const bf16** kb, const bf16** vb,
+                                          size_t* rs) const {
+        const size_t tile = (size_t)KB * D;
+        const size_t base = ((size_t)table[b] * layers + layer) * 2 * kv_heads * tile;
+        *kb = cache + base + kvh * tile;
+        *vb = *kb + kv_heads * tile;
+        *rs = D;
+    }
+};
+
+template <int D, class Keys>
+__device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Keys keys,
+                        int q_heads, int kv_heads, float scale) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [QB][D+SKEW]
     bf16* kv = qs + QB * (D + SKEW);                  // 2 × ([KB][D+SKEW] keys, then values)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int a = tiles[3 * blockIdx.x];
-    const int i0 = tiles[3 * blockIdx.x + 2];
-    const int i1 = min(i0 + QB, tiles[3 * blockIdx.x + 1]);
+    const int n = tile.n, pos0 = tile.pos0, kv_len = tile.pos0 + tile.n;
     const int h = blockIdx.y;
     const int kvh = h / (q_heads / kv_heads);
-    const size_t q_stride = (size_t)q_heads * D, kv_stride = (size_t)kv_heads * D;
+    const size_t q_stride = (size_t)q_heads * D;
     const float sl2 = scale * LOG2E;
     // Block b's keys and values go to buffer b % 2; block b + 1 loads while b is computed.
     auto load_block = [&](int b) {
-        const int j0 = a + b * KB;
+        const bf16 *kb, *vb;
+        size_t rs;
+        keys.template block<D>(b, kvh, &kb, &vb, &rs);
         bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
-        load_rows_async<D>(ks, k + (size_t)j0 * kv_stride + kvh * D, kv_stride, KB,
-                           min(KB, i1 - j0));
-        load_rows_async<D>(ks + KB * (D + SKEW), v + (size_t)j0 * kv_stride + kvh * D, kv_stride,
-                           KB, min(KB, i1 - j0));
+        const int valid = min(KB, kv_len - b * KB);
+        load_rows_async<D>(ks, kb, rs, KB, valid);
+        load_rows_async<D>(ks + KB * (D + SKEW), vb, rs, KB, valid);
     };
 
-    load_rows_async<D>(qs, q + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
+    load_rows_async<D>(qs, q + (size_t)tile.q0 * q_stride + h * D, q_stride, QB, n);
     load_block(0);
     commit();
-    // This warp's rows are i0 + 16·warp + g and + 8.
+    // This warp's rows are 16·warp + g and + 8 of the tile, at positions pa and pb.
     const int row0 = warp * 16;
-    const int ia = i0 + row0 + g, ib = ia + 8;
+    const int pa = pos0 + row0 + g, pb = pa + 8;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float acc[D / 8][4];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int nn = 0; nn < D / 8; ++nn) acc[nn][0] = acc[nn][1] = acc[nn][2] = acc[nn][3] = 0.0f;
 
-    const int blocks = (i1 - a + KB - 1) / KB;
+    const int blocks = (kv_len + KB - 1) / KB;
     for (int b = 0; b < blocks; ++b) {
-        const int j0 = a + b * KB;
+        const int j0 = b * KB;
         if (b + 1 < blocks) {
             load_block(b + 1);
             commit();
@@ -215,7 +254,8 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, const bf16* k, con
         __syncthreads();  // block b (and the queries) are in shared memory for every thread
         const bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
         const bf16* vs = ks + KB * (D + SKEW);
-        if (j0 <= i0 + row0 + 15) {  // else every row of this warp is before the block
+        // Else this warp has no rows, or every row is before the block.
+        if (row0 < n && j0 <= pos0 + row0 + 15) {
             float s[KB / 8][4];
             scores<D, KB / 8>(s, qs, row0, ks);
             float mx[2] = {-INFINITY, -INFINITY};
@@ -224,7 +264,7 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, const bf16* k, con
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int j = j0 + nt * 8 + 2 * t + (e & 1);
-                    const int i = e < 2 ? ia : ib;
+                    const int i = e < 2 ? pa : pb;
                     if (j > i) s[nt][e] = -INFINITY;
                     mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
                 }
@@ -260,10 +300,10 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, const bf16* k, con
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int i = r == 0 ? ia : ib;
+        const int rr = row0 + g + 8 * r;
         const float sum = quad_sum(l[r]);
-        if (i >= i1) continue;
-        const size_t row = (size_t)i * q_heads + h;
+        if (rr >= n) continue;
+        const size_t row = (size_t)(tile.q0 + rr) * q_heads + h;
         const float inv = 1.0f / sum;
 #pragma unroll
         for (int nn = 0; nn < D / 8; ++nn) {
@@ -478,7 +518,19 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
     extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_forward_d##D(            \
         bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const int* tiles,    \
         int q_heads, int kv_heads, float scale) {                                                \
-        forward<D>(out, lse, q, k, v, tiles, q_heads, kv_heads, scale);                          \
+        const int* tl = tiles + 3 * blockIdx.x;                                                  \
+        const int end = min(tl[2] + QB, tl[1]);                                                  \
+        const QueryTile tile = {tl[2], end - tl[2], tl[2] - tl[0]};                              \
+        const PackedKeys keys = {k, v, (size_t)kv_heads * D, tl[0]};                             \
+        forward<D>(out, lse, q, tile, keys, q_heads, kv_heads, scale);                           \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_paged_d##D(              \
+        bf16* out, float* lse, const bf16* q, const bf16* cache, const int* tiles,               \
+        const int* tables, int layer, int layers, int q_heads, int kv_heads, float scale) {      \
+        const int* tl = tiles + 4 * blockIdx.x;                                                  \
+        const QueryTile tile = {tl[0], tl[1], tl[2]};                                            \
+        const PagedKeys keys = {cache, tables + tl[3], layer, layers, kv_heads};                 \
+        forward<D>(out, lse, q, tile, keys, q_heads, kv_heads, scale);                           \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_dq_d##D(                 \
         bf16* dq, const bf16* d_out, const bf16* q, const bf16* k, const bf16* v,                \

@@ -93,7 +93,9 @@ extern "C" __global__ void logprob_rows_f32(float* logp, float* entropy, const f
     const float* z = logits + row * vocab;
     const RowStats st = row_stats(z, vocab, t, scratch);
     if (threadIdx.x == 0) {
-        logp[row] = z[targets[row]] / t - st.lse;
+        // A negative target (a sampler's "no token") has no logprob.
+        const int target = targets[row];
+        logp[row] = target < 0 ? NAN : z[target] / t - st.lse;
         entropy[row] = st.entropy;
     }
 }

@@ -2,7 +2,7 @@
 # The GPU checks of issue 11 in one device call (run from the repository root, with the device
 # bundle and target/gpu/{miles,hf_baseline.py} carried): the kernel and model tests, Qwen3-0.6B
 # bf16 against HF, and the benchmarks beside HF transformers. Results under $OUT.
-#   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|all]
+#   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|all]
 # Prepare here: cargo xtask device-bundle && cargo build --release -p miles-cli --features cuda &&
 #   mkdir -p target/gpu && cp target/release/miles ../shared/bench/hf_baseline.py target/gpu/
 # and carry target/device-bundle and target/gpu.
@@ -62,4 +62,49 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   done
   timeout 300 python3 target/gpu/hf_baseline.py --model $preset --skip-generate 2>/dev/null \
     | tee -a "$OUT/bench.jsonl"
+fi
+if [ "$what" = rollout ] || [ "$what" = all ]; then
+  # The GPU engine (issue 12): decode throughput at several batch sizes beside HF generate.
+  preset=${PRESET:-qwen3-0.6b}
+  for b in ${BATCHES:-1 8 64 256}; do
+    timeout 300 $miles bench rollout --device cuda --preset $preset --batch $b --prompt-len 64 \
+      --new-tokens 256 | tee -a "$OUT/rollout.jsonl"
+  done
+  timeout 300 $miles bench rollout --device cuda --preset smollm2-135m --batch 64 --prompt-len 64 \
+    --new-tokens 256 | tee -a "$OUT/rollout.jsonl"
+  if [ -z "${SKIP_HF:-}" ]; then
+    for m in $preset smollm2-135m; do
+      timeout 300 python3 target/gpu/hf_baseline.py --model $m --gen-batch 64 --prompt-len 64 \
+        --new-tokens 256 --train-batch 1 --train-len 16 2>/dev/null | grep generate \
+        | tee -a "$OUT/rollout.jsonl"
+    done
+  fi
+fi
+if [ "$what" = smollm2 ]; then
+  # The real SmolLM2-135M-Instruct on the GPU engine. Its GGUF (98 MB) comes in two calls, as
+  # target/smollm2-a/part and target/smollm2-b/part (tests/device/smollm2_parts.sh), the second
+  # made while the machine is still warm; target/gpu/miles and gsm8k.jsonl from an earlier call.
+  cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf || exit 1
+  $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1
+  printf '{"input": [{"role": "user", "content": "What is the capital of France?"}]}\n' > /tmp/paris.jsonl
+  $miles generate --hf-checkpoint /tmp/smollm2 --prompt-data /tmp/paris.jsonl --apply-chat-template \
+    --rollout-top-k 1 --rollout-max-response-len 24 --device cuda --output "$OUT/paris.jsonl"
+  python3 -c "import json,sys; s=json.loads(open(sys.argv[1]).readline()); print('greedy answer:', repr(s['response'])); print('PARIS', 'Paris' in s['response'])" "$OUT/paris.jsonl"
+  # Sampled GSM8K rollouts, then scored on the GPU: rollout logprobs against the scorer's.
+  $miles generate --hf-checkpoint /tmp/smollm2 --prompt-data target/gpu/gsm8k.jsonl --input-key question \
+    --label-key answer --apply-chat-template --n-samples-per-prompt 8 --rollout-max-response-len 256 \
+    --rollout-temperature 0.8 --rollout-top-p 0.95 --device cuda --output "$OUT/gsm8k.jsonl"
+  $miles score --hf-checkpoint /tmp/smollm2 --input "$OUT/gsm8k.jsonl" --rollout-temperature 0.8 \
+    --device cuda --output /tmp/gsm8k-scored.jsonl
+  python3 - "$OUT/gsm8k.jsonl" /tmp/gsm8k-scored.jsonl <<'PY' | tee "$OUT/gsm8k-check.txt"
+import json, sys
+samples = [json.loads(l) for l in open(sys.argv[1])]
+scored = [json.loads(l) for l in open(sys.argv[2])]
+same = sum(s["rollout_log_probs"] == r["log_probs"] for s, r in zip(samples, scored))
+valid = sum(s["status"] in ("completed", "truncated") and s["response_length"] > 0 for s in samples)
+print(f"{len(samples)} samples, {valid} valid, {same} with rollout logprobs == scorer's bit for bit")
+print("first response:", repr(samples[0]["response"][:300]))
+PY
+  timeout 300 $miles bench rollout --device cuda --hf-checkpoint /tmp/smollm2 --batch 64 --prompt-len 64 \
+    --new-tokens 256 | tee -a "$OUT/rollout.jsonl"
 fi

@@ -195,7 +195,8 @@ fn ci() -> Result {
     clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
     run(clippy)?;
     let mut clippy_cuda = cargo();
-    clippy_cuda.args(["clippy", "-p", "miles-tensor", "-p", "miles-model", "-p", "miles-benches"]);
+    clippy_cuda.args(["clippy", "-p", "miles-tensor", "-p", "miles-model", "-p", "miles-rollout"]);
+    clippy_cuda.args(["-p", "miles-benches"]);
     clippy_cuda.args(["--all-targets", "--features", CUDA_FEATURES]);
     clippy_cuda.args(["--features", "miles-benches/cuda"]);
     clippy_cuda.args(["--", "-D", "warnings"]);
@@ -332,11 +333,20 @@ fn fetch_smollm2_gguf() -> Result<PathBuf> {
     Ok(gguf)
 }
 
-/// Builds the miles-tensor and miles-model tests with their `cuda` features and copies them, with `run.sh`, into
+/// Builds the miles-tensor, miles-model and miles-rollout tests with their `cuda` features and copies them, with `run.sh`, into
 /// `target/device-bundle/` for a GPU machine that has no Rust toolchain.
 fn device_bundle() -> Result<PathBuf> {
     let mut cmd = cargo();
-    cmd.args(["test", "-p", "miles-tensor", "-p", "miles-model", "--no-run"]);
+    cmd.args([
+        "test",
+        "-p",
+        "miles-tensor",
+        "-p",
+        "miles-model",
+        "-p",
+        "miles-rollout",
+        "--no-run",
+    ]);
     cmd.args(["--features", CUDA_FEATURES]);
     cmd.args(["--message-format=json"]);
     cmd.stderr(std::process::Stdio::inherit());

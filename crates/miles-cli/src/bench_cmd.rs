@@ -6,7 +6,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use miles_core::{Rollout, Sample, SamplingParams};
 use miles_model::{DeviceModel, Model, PackedBatch, Weights, presets};
-use miles_rollout::{Engine, EngineConfig};
+use miles_rollout::{Engine, EngineConfig, Policy};
 use miles_tensor::cpu::AdamW;
 use miles_tensor::rng::Rng;
 use miles_tensor::{DType, Device};
@@ -32,6 +32,16 @@ pub struct RolloutBenchArgs {
     pub hf_checkpoint: Option<PathBuf>,
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: Device,
+    /// Compute dtype on a GPU (the CPU computes in f32).
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: DTypeArg,
+    /// Run every decode step eagerly instead of replaying captured CUDA graphs.
+    #[arg(long)]
+    pub disable_cuda_graph: bool,
+    /// GPU matrix products: `invariant` (rollout logprobs equal the trainer's) or `cublas`
+    /// (cuBLAS's per-call choice), to measure what true on-policy costs.
+    #[arg(long, value_enum, default_value = "invariant")]
+    pub gemm: GemmArg,
     /// Sequences decoded together.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
@@ -109,9 +119,6 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
-
-const NO_CUDA_ENGINE: &str = "--device: the rollout engine runs on the CPU so far (the GPU \
-    engine is to come); bench train and logprob run on a GPU";
 
 fn bench_model(preset: &str, dir: &Option<PathBuf>, seed: u64) -> anyhow::Result<(Model, String)> {
     Ok(match dir {
@@ -195,25 +202,22 @@ pub fn run(command: &BenchCommand, out: &mut dyn Write) -> anyhow::Result<()> {
 }
 
 /// One generate call over `batch` random prompts: every prompt is prefilled in the first step,
-/// then all sequences decode together to `new_tokens`.
+/// then all sequences decode together to `new_tokens`. On a GPU a short call first loads the
+/// kernels and pins the GEMM algorithms.
 fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
-    if args.device != Device::Cpu {
-        bail!(NO_CUDA_ENGINE);
-    }
     if args.batch == 0 || args.prompt_len == 0 || args.new_tokens < 2 {
         bail!("--batch and --prompt-len must be >= 1, --new-tokens >= 2");
     }
     let (model, label) = bench_model(&args.preset, &args.hf_checkpoint, args.seed)?;
     let vocab = model.config.vocab_size;
-    let per_block = miles_model::KvCache::bytes_per_block(&model.config);
     let tokens = args.batch * (args.prompt_len + args.new_tokens);
-    let config = EngineConfig {
+    let config = |per_block: usize| EngineConfig {
         kv_cache_bytes: (tokens.div_ceil(64) + 2 * args.batch) * per_block,
         max_running: args.batch,
         max_prefill_tokens: args.batch * args.prompt_len,
         max_prompt_len: None,
+        cuda_graphs: !args.disable_cuda_graph,
     };
-    let mut engine = Engine::new(model, None, config)?;
     let mut rng = Rng::new(args.seed + 1);
     let groups: Vec<Vec<Sample>> = (0..args.batch)
         .map(|i| {
@@ -227,26 +231,63 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         seed: args.seed,
         ..SamplingParams::default()
     };
-    let started = Instant::now();
-    engine.generate(groups, &params)?;
-    let seconds = started.elapsed().as_secs_f64();
-    let s = engine.stats();
+    let device = args.device;
+    let (seconds, s, dtype) = if device == Device::Cpu {
+        let per_block = miles_model::KvCache::bytes_per_block(&model.config);
+        let mut engine = Engine::new(model, None, config(per_block))?;
+        (timed_generate(&mut engine, groups, &params)?, engine.stats().clone(), "f32")
+    } else {
+        device.ensure_available().with_context(|| format!("--device {device}"))?;
+        set_route(args.gemm);
+        let dtype = args.dtype.dtype();
+        let per_block = miles_model::DeviceKvCache::bytes_per_block(&model.config, dtype);
+        let dm = DeviceModel::new(&model, &device, dtype)?;
+        let mut engine = Engine::on_device(dm, None, config(per_block))?;
+        let warm = SamplingParams { max_new_tokens: 2, ..params.clone() };
+        engine.generate(groups.clone(), &warm)?;
+        engine.reset_stats();
+        let seconds = timed_generate(&mut engine, groups, &params)?;
+        (seconds, engine.stats().clone(), if dtype == DType::BF16 { "bf16" } else { "f32" })
+    };
     let line = json!({
         "what": "rollout",
         "model": label,
-        "device": "cpu",
+        "device": device.to_string(),
+        "dtype": dtype,
+        "cuda_graphs": device != Device::Cpu && !args.disable_cuda_graph,
+        "gemm": format!("{:?}", args.gemm).to_lowercase(),
         "threads": rayon::current_num_threads(),
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "seconds": seconds,
+        "tokens_per_s": (args.batch * args.new_tokens) as f64 / seconds,
         "prefill_tokens_per_s": s.prefill_tokens as f64 / s.prefill_seconds,
         "decode_tokens_per_s": s.decode_tokens as f64 / s.decode_seconds,
         "time_to_first_token_s": s.first_token_seconds,
         "decode_step_ms": 1e3 * s.decode_seconds / (s.steps - 1).max(1) as f64,
+        "peak_memory_gib": device.peak_memory()? as f64 / (1u64 << 30) as f64,
     });
     writeln!(out, "{line}")?;
     Ok(())
+}
+
+/// Seconds of one `generate` call.
+fn timed_generate<P: Policy>(
+    engine: &mut Engine<P>,
+    groups: Vec<Vec<Sample>>,
+    params: &SamplingParams,
+) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    engine.generate(groups, params)?;
+    Ok(started.elapsed().as_secs_f64())
+}
+
+fn set_route(gemm: GemmArg) {
+    miles_tensor::set_gemm_route(match gemm {
+        GemmArg::Invariant => miles_tensor::GemmRoute::Invariant,
+        GemmArg::Cublas => miles_tensor::GemmRoute::Cublas,
+    });
 }
 
 /// One timed step's inputs.
@@ -270,10 +311,7 @@ fn device_bench(
     let device = args.device;
     device.ensure_available().with_context(|| format!("--device {device}"))?;
     let dtype = args.dtype.dtype();
-    miles_tensor::set_gemm_route(match args.gemm {
-        GemmArg::Invariant => miles_tensor::GemmRoute::Invariant,
-        GemmArg::Cublas => miles_tensor::GemmRoute::Cublas,
-    });
+    set_route(args.gemm);
     let mut dm = DeviceModel::new(model, &device, dtype)?;
     device.synchronize()?;
     let resident = device.peak_memory()?;

@@ -8,9 +8,11 @@ use anyhow::{Context, bail};
 use clap::Args;
 use miles_core::{Sample, SamplingParams, Status};
 use miles_data::{Dataset, Keys};
-use miles_model::Tokenizer;
-use miles_rollout::{Engine, EngineConfig, Progress};
+use miles_model::{DeviceModel, Tokenizer};
+use miles_rollout::{Engine, EngineConfig, EngineStats, Policy, Progress, kv_cache_budget};
+use miles_tensor::Device;
 
+use crate::bench_cmd::{DTypeArg, parse_device};
 use crate::score_cmd::load_model;
 
 #[derive(Debug, Args)]
@@ -58,6 +60,19 @@ pub struct GenerateArgs {
     /// KV cache budget in MiB; sequences wait when it is full.
     #[arg(long, default_value_t = 1024)]
     pub rollout_kv_cache_mb: usize,
+    /// KV cache budget as a share of the GPU's free memory after the weights are loaded
+    /// (SGLang's --mem-fraction-static role); replaces --rollout-kv-cache-mb.
+    #[arg(long, value_name = "F")]
+    pub rollout_kv_cache_fraction: Option<f64>,
+    /// Where the engine runs: cpu, cuda (device 0) or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+    /// Compute dtype on a GPU (the CPU computes in f32).
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: DTypeArg,
+    /// Run every decode step eagerly instead of replaying captured CUDA graphs.
+    #[arg(long)]
+    pub disable_cuda_graph: bool,
     /// Most sequences decoding at once.
     #[arg(long, default_value_t = 64)]
     pub rollout_max_running: usize,
@@ -125,14 +140,21 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             (0..n).map(|i| Sample { group_index: g, index: g * n + i, ..s.clone() }).collect()
         })
         .collect();
-    let kv_cache_bytes = args
-        .rollout_kv_cache_mb
-        .checked_mul(1 << 20)
-        .context("--rollout-kv-cache-mb: too large for this machine's address space")?;
+    let device = args.device;
+    if device != Device::Cpu {
+        device.ensure_available().with_context(|| format!("--device {device}"))?;
+    }
+    let model = match device {
+        Device::Cpu => Loaded::Cpu(model),
+        _ => Loaded::Device(Box::new(DeviceModel::new(&model, &device, args.dtype.dtype())?)),
+    };
+    let kv_cache_bytes =
+        kv_cache_budget(args.rollout_kv_cache_mb, args.rollout_kv_cache_fraction, &device)?;
     let config = EngineConfig {
         kv_cache_bytes,
         max_running: args.rollout_max_running.max(1),
         max_prompt_len: args.rollout_max_prompt_len,
+        cuda_graphs: !args.disable_cuda_graph,
         ..EngineConfig::default()
     };
     let params = SamplingParams {
@@ -145,23 +167,16 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         ignore_eos: false,
         seed: args.rollout_seed,
     };
-    let mut engine = Engine::new(model, Some(tok), config)?;
     let started = Instant::now();
-    let terminal = std::io::stderr().is_terminal();
-    let groups = engine.generate_with_progress(groups, &params, &mut |p| {
-        if terminal {
-            draw_progress(p, started);
-        }
-    })?;
-    if terminal {
-        eprintln!();
-    }
+    let (groups, stats) = match model {
+        Loaded::Cpu(m) => generate(Engine::new(m, Some(tok), config)?, groups, &params)?,
+        Loaded::Device(m) => generate(Engine::on_device(*m, Some(tok), config)?, groups, &params)?,
+    };
     let seconds = started.elapsed().as_secs_f64();
     write_samples(&args.output, &groups)?;
     let samples: Vec<&Sample> = groups.iter().flatten().collect();
     let count = |st: Status| samples.iter().filter(|s| s.status == st).count();
     let tokens: usize = samples.iter().map(|s| s.response_length).sum();
-    let stats = engine.stats();
     writeln!(
         out,
         "generated {} samples ({} completed, {} truncated, {} failed), {tokens} tokens in \
@@ -176,6 +191,30 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         args.output.display()
     )?;
     Ok(())
+}
+
+enum Loaded {
+    Cpu(miles_model::Model),
+    Device(Box<DeviceModel>),
+}
+
+/// Runs `engine` over `groups` with a progress bar on a terminal.
+fn generate<P: Policy>(
+    mut engine: Engine<P>,
+    groups: Vec<Vec<Sample>>,
+    params: &SamplingParams,
+) -> anyhow::Result<(Vec<Vec<Sample>>, EngineStats)> {
+    let started = Instant::now();
+    let terminal = std::io::stderr().is_terminal();
+    let groups = engine.generate_with_progress(groups, params, &mut |p| {
+        if terminal {
+            draw_progress(p, started);
+        }
+    })?;
+    if terminal {
+        eprintln!();
+    }
+    Ok((groups, engine.stats().clone()))
 }
 
 /// Writes next to `path` and renames, so a failed run never leaves half a file.

@@ -7,14 +7,22 @@
 //! On [`Device::Cpu`] the same code runs on the CPU's reference ops: the tests check this path
 //! against [`Model`] on any machine, and the device bundle checks the CUDA kernels beneath it.
 
-use miles_tensor::cpu::{self, AdamW, AttentionShape, Transpose};
+use miles_tensor::cpu::{self, AdamW, AttentionShape, PagedRows, Transpose};
 use miles_tensor::{DType, Device, Tensor, ops};
 
 use crate::layer::{
     Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
 };
 use crate::weights::tensor_spec;
-use crate::{Error, Model, ModelConfig, PackedBatch, Result, Weights};
+use crate::{DeviceKvCache, Error, Model, ModelConfig, PackedBatch, Result, StepRow, Weights};
+
+/// How [`DeviceModel::sample`] draws: temperature, then top-k (0: off), then top-p (1: off).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleParams {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+}
 
 /// Response rows per LM-head chunk: logits exist for this many rows at a time, in f32.
 pub const HEAD_CHUNK_ROWS: usize = 1024;
@@ -257,6 +265,118 @@ impl DeviceModel {
             targets,
             tokens: t,
         })
+    }
+
+    /// An incremental forward over the paged cache, as [`Model::step`] on the CPU: writes each
+    /// row's keys and values at its position, attends over positions `0..=position` of its
+    /// block table, and returns the final-normed hidden states `[rows × hidden]`. Rows of one
+    /// sequence come together in position order (its prompt, or a chunk of it, or one decode
+    /// row). Each row's bits equal the training forward's for that token.
+    pub fn step(&self, rows: &[StepRow], kv: &mut DeviceKvCache) -> Result<Tensor> {
+        let c = &self.config;
+        let layout = kv.layout();
+        for (r, row) in rows.iter().enumerate() {
+            if row.token as usize >= c.vocab_size {
+                return Err(Error::Invalid(format!(
+                    "step row {r}: token id {} is outside the vocabulary of {}",
+                    row.token, c.vocab_size
+                )));
+            }
+        }
+        // Runs of rows of one sequence at consecutive positions.
+        let mut seqs: Vec<PagedRows> = Vec::new();
+        for row in rows {
+            match seqs.last_mut() {
+                Some(s) if std::ptr::eq(s.table, row.blocks) && s.pos0 + s.n == row.position => {
+                    s.n += 1
+                }
+                _ => seqs.push(PagedRows { n: 1, pos0: row.position, table: row.blocks }),
+            }
+        }
+        let positions: Vec<u32> = rows.iter().map(|r| r.position as u32).collect();
+        let (cos, sin) = self.rope_tensors(&positions)?;
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let x = ops::embedding_forward(self.weight(0), &tokens)?;
+        let plan = ops::PagedPlan::new(&seqs, layout, &self.device)?;
+        self.step_layers(x, &cos, &sin, &plan, kv)
+    }
+
+    /// RoPE's cos and sin tables `[positions × head_dim/2]` on the device.
+    pub(crate) fn rope_tensors(&self, positions: &[u32]) -> Result<(Tensor, Tensor)> {
+        let c = &self.config;
+        let (cos, sin) = cpu::rope_tables(positions, c.head_dim, c.rope_theta);
+        let table = [positions.len(), c.head_dim / 2];
+        Ok((
+            Tensor::from_f32(&table, cos, &self.device)?,
+            Tensor::from_f32(&table, sin, &self.device)?,
+        ))
+    }
+
+    /// The layers and the final norm of a step over the paged cache, from the embedded rows.
+    pub(crate) fn step_layers(
+        &self,
+        mut x: Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        plan: &ops::PagedPlan,
+        kv: &mut DeviceKvCache,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let dev = Dev { w: self.weights(), cos, sin, cu_seqlens: &[], grads: None };
+        for layer in 0..c.num_hidden_layers {
+            let mut attention = |q: &Tensor, k: &Tensor, v: &Tensor| {
+                ops::paged_kv_write(kv.data_mut(), k, v, layer, plan)?;
+                let q_heads = c.num_attention_heads;
+                Ok(ops::paged_attention(q, kv.data(), layer, plan, q_heads)?)
+            };
+            x = layer_forward(&dev, c, layer, x, &mut attention)?.0;
+        }
+        let final_w = self.weight(self.layout.final_norm());
+        Ok(ops::rmsnorm_forward(&x, final_w, c.rms_norm_eps)?.0)
+    }
+
+    /// The LM head's f32 logits `[rows × vocab]` of final-normed hidden states, all rows.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn head_all(&self, hidden: &Tensor) -> Result<Tensor> {
+        let head = self.weight(self.layout.head());
+        Ok(ops::matmul_f32_out(hidden, Transpose::No, head, Transpose::Yes)?)
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn embedding(&self) -> &Tensor {
+        self.weight(0)
+    }
+
+    /// Draws one token per entry of `picks` (a row of `hidden`, from [`DeviceModel::step`])
+    /// with the uniform number `uniforms[i]`, and its logprob at `temperature` before any
+    /// truncation: the number the scorer's forward gives for that token, bit for bit (the
+    /// same head product and [`ops::logprob_rows`]). `None` where the logits are not finite.
+    pub fn sample(
+        &self,
+        hidden: &Tensor,
+        picks: &[u32],
+        params: SampleParams,
+        uniforms: &[f64],
+    ) -> Result<Vec<Option<(u32, f32)>>> {
+        if picks.len() != uniforms.len() {
+            return Err(Error::Invalid(format!(
+                "{} picks with {} uniform numbers",
+                picks.len(),
+                uniforms.len()
+            )));
+        }
+        crate::model::check_temperature(params.temperature)?;
+        let t = params.temperature;
+        let mut out = Vec::with_capacity(picks.len());
+        for (picks, uniforms) in picks.chunks(HEAD_CHUNK_ROWS).zip(uniforms.chunks(HEAD_CHUNK_ROWS))
+        {
+            let logits = self.head_logits(hidden, picks)?;
+            let drawn = ops::sample_rows(&logits, t, params.top_k, params.top_p, uniforms)?;
+            let targets: Vec<u32> = drawn.iter().map(|d| d.unwrap_or(0)).collect();
+            let logp = ops::logprob_rows(&logits, &targets, t)?.0.to_vec_f32()?;
+            out.extend(drawn.into_iter().zip(logp).map(|(d, lp)| d.map(|tok| (tok, lp))));
+        }
+        Ok(out)
     }
 
     /// f32 logits `[rows × vocab]` of the final-normed hidden states at `rows`.

@@ -6,6 +6,7 @@
 //! and yields the gradient of every weight. Losses live in host math elsewhere.
 
 pub mod config;
+mod decode;
 pub mod device;
 mod error;
 pub mod kv;
@@ -17,9 +18,10 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use config::{Architecture, ModelConfig};
-pub use device::{DeviceForward, DeviceModel};
+pub use decode::DecodeGraphs;
+pub use device::{DeviceForward, DeviceModel, SampleParams};
 pub use error::{Error, Result};
-pub use kv::{BlockId, KvCache};
+pub use kv::{BlockId, DeviceKvCache, KvCache};
 pub use model::{Forward, Model, PackedBatch, PackedLinears, StepRow};
 pub use tokenizer::Tokenizer;
 pub use weights::Weights;

@@ -13,12 +13,12 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use miles_core::{Prompt, Rollout, Sample, SamplingParams, Status};
-use miles_model::{BlockId, KvCache, Model, PackedLinears, StepRow, Tokenizer, Weights};
-use miles_tensor::cpu::{KEY_BLOCK, tempered_log_softmax};
-use rayon::prelude::*;
+use miles_model::{BlockId, DeviceModel, Model, PackedLinears, StepRow, Tokenizer, Weights};
+use miles_tensor::cpu::KEY_BLOCK;
 
 use crate::blocks::BlockAllocator;
-use crate::sampler::{Draw, sample, uniform};
+use crate::policy::{CpuPolicy, DevicePolicy, DrawRequest, Policy, model_error};
+use crate::sampler::{Draw, uniform};
 
 /// Limits of the engine (flags `--rollout-kv-cache-mb`, `--rollout-max-running`,
 /// `--rollout-max-prefill-tokens`, `--rollout-max-prompt-len`).
@@ -32,6 +32,8 @@ pub struct EngineConfig {
     pub max_prefill_tokens: usize,
     /// Longer prompts are skipped: the sample comes back `Failed` with the reason.
     pub max_prompt_len: Option<usize>,
+    /// Replay decode steps as CUDA graphs (flag `--disable-cuda-graph` turns it off).
+    pub cuda_graphs: bool,
 }
 
 impl Default for EngineConfig {
@@ -41,6 +43,7 @@ impl Default for EngineConfig {
             max_running: 64,
             max_prefill_tokens: 4096,
             max_prompt_len: None,
+            cuda_graphs: true,
         }
     }
 }
@@ -73,12 +76,12 @@ pub struct Progress {
     pub generated_tokens: usize,
 }
 
-pub struct Engine {
-    model: Model,
-    packed: PackedLinears,
+/// The rollout engine over a [`Policy`]: the CPU model by default, or a [`DeviceModel`]
+/// ([`Engine::on_device`]).
+pub struct Engine<P: Policy = CpuPolicy> {
+    policy: P,
     tokenizer: Option<Tokenizer>,
     config: EngineConfig,
-    kv: KvCache,
     stats: EngineStats,
     weight_version: u64,
     /// The weights changed through [`Engine::policy_mut`] and are not repacked yet.
@@ -127,37 +130,89 @@ fn failed(mut s: Sample, reason: String) -> Sample {
     s
 }
 
-impl Engine {
+impl Engine<CpuPolicy> {
     pub fn new(
         model: Model,
         tokenizer: Option<Tokenizer>,
         config: EngineConfig,
     ) -> crate::Result<Self> {
-        let per_block = KvCache::bytes_per_block(&model.config);
-        let num_blocks = config.kv_cache_bytes / per_block.max(1);
-        if num_blocks == 0 {
-            return Err(crate::Error::config(
-                "rollout-kv-cache-mb",
-                format!(
-                    "{} bytes hold no KV block of this model ({per_block} bytes per {KEY_BLOCK} tokens)",
-                    config.kv_cache_bytes
-                ),
-            ));
-        }
-        let kv = KvCache::new(&model.config, num_blocks).map_err(model_error)?;
-        let packed = PackedLinears::new(&model).map_err(model_error)?;
-        let stats = EngineStats { total_blocks: num_blocks, ..EngineStats::default() };
-        Ok(Engine { model, packed, tokenizer, config, kv, stats, weight_version: 0, stale: false })
+        let policy = CpuPolicy::new(model, config.kv_cache_bytes)?;
+        Ok(Engine::with_policy(policy, tokenizer, config))
     }
 
     pub fn model(&self) -> &Model {
-        &self.model
+        &self.policy.model
     }
 
     /// The current policy's packed linears, for scoring with [`Model::logprobs_with`] without
     /// packing again.
     pub fn packed(&self) -> &PackedLinears {
-        &self.packed
+        &self.policy.packed
+    }
+
+    /// The policy itself, for a trainer in the same process to update in place: the one copy
+    /// of the weights serves training and rollout (zero-copy weight sync). Call
+    /// [`Engine::weights_updated`] before generating again.
+    pub fn policy_mut(&mut self) -> &mut Model {
+        self.stale = true;
+        &mut self.policy.model
+    }
+
+    /// Finishes an in-place update: repacks the linears and bumps the policy version.
+    pub fn weights_updated(&mut self) -> crate::Result<()> {
+        let model = &self.policy.model;
+        model.weights.check(&model.config).map_err(model_error)?;
+        self.policy.packed = PackedLinears::new(model).map_err(model_error)?;
+        self.stale = false;
+        self.weight_version += 1;
+        Ok(())
+    }
+
+    /// The policy, taken out of the engine (the end of a run).
+    pub fn into_model(self) -> Model {
+        self.policy.model
+    }
+
+    /// Weight sync: takes the trainer's new weights (moved, not copied through a file) and
+    /// repacks them for the forward kernel.
+    pub fn update_weights(&mut self, weights: Weights) -> crate::Result<()> {
+        let config = &self.policy.model.config;
+        weights.check(config).map_err(model_error)?;
+        let model = Model::new(config.clone(), weights);
+        // Packed first: a failure leaves the engine on its old policy, whole.
+        self.policy.packed = PackedLinears::new(&model).map_err(model_error)?;
+        self.policy.model = model;
+        self.weight_version += 1;
+        Ok(())
+    }
+}
+
+impl Engine<DevicePolicy> {
+    /// The engine on `model`'s device: its KV cache there in the model's compute dtype, the
+    /// forward, the LM head and the sampler there too.
+    pub fn on_device(
+        model: DeviceModel,
+        tokenizer: Option<Tokenizer>,
+        config: EngineConfig,
+    ) -> crate::Result<Self> {
+        let policy = DevicePolicy::new(model, config.kv_cache_bytes, config.cuda_graphs)?;
+        Ok(Engine::with_policy(policy, tokenizer, config))
+    }
+
+    pub fn device_model(&self) -> &DeviceModel {
+        &self.policy.model
+    }
+
+    /// The policy, taken out of the engine.
+    pub fn into_device_model(self) -> DeviceModel {
+        self.policy.model
+    }
+}
+
+impl<P: Policy> Engine<P> {
+    fn with_policy(policy: P, tokenizer: Option<Tokenizer>, config: EngineConfig) -> Self {
+        let stats = EngineStats { total_blocks: policy.num_blocks(), ..EngineStats::default() };
+        Engine { policy, tokenizer, config, stats, weight_version: 0, stale: false }
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
@@ -166,6 +221,12 @@ impl Engine {
 
     pub fn stats(&self) -> &EngineStats {
         &self.stats
+    }
+
+    /// Starts the statistics afresh (after a warm-up call).
+    pub fn reset_stats(&mut self) {
+        self.stats =
+            EngineStats { total_blocks: self.policy.num_blocks(), ..EngineStats::default() };
     }
 
     /// The policy version stamped on samples; grows with every weight update.
@@ -178,43 +239,9 @@ impl Engine {
         self.weight_version = version;
     }
 
-    /// The policy itself, for a trainer in the same process to update in place: the one copy
-    /// of the weights serves training and rollout (zero-copy weight sync). Call
-    /// [`Engine::weights_updated`] before generating again.
-    pub fn policy_mut(&mut self) -> &mut Model {
-        self.stale = true;
-        &mut self.model
-    }
-
-    /// Finishes an in-place update: repacks the linears and bumps the policy version.
-    pub fn weights_updated(&mut self) -> crate::Result<()> {
-        self.model.weights.check(&self.model.config).map_err(model_error)?;
-        self.packed = PackedLinears::new(&self.model).map_err(model_error)?;
-        self.stale = false;
-        self.weight_version += 1;
-        Ok(())
-    }
-
-    /// The policy, taken out of the engine (the end of a run).
-    pub fn into_model(self) -> Model {
-        self.model
-    }
-
-    /// Weight sync: takes the trainer's new weights (moved, not copied through a file) and
-    /// repacks them for the forward kernel.
-    pub fn update_weights(&mut self, weights: Weights) -> crate::Result<()> {
-        weights.check(&self.model.config).map_err(model_error)?;
-        let model = Model::new(self.model.config.clone(), weights);
-        // Packed first: a failure leaves the engine on its old policy, whole.
-        self.packed = PackedLinears::new(&model).map_err(model_error)?;
-        self.model = model;
-        self.weight_version += 1;
-        Ok(())
-    }
-
     /// Token ids that end a sequence: the config's EOS ids, else the tokenizer's EOS token.
     fn eos_ids(&self) -> Vec<u32> {
-        let ids = &self.model.config.eos_token_ids;
+        let ids = &self.policy.config().eos_token_ids;
         if !ids.is_empty() {
             return ids.clone();
         }
@@ -272,7 +299,7 @@ impl Engine {
                 next.extend(run.advance(self, seq, draw[0], &eos, params));
             }
             for (unit, draws) in admitted.into_iter().zip(unit_draws) {
-                let seqs = self.fork(unit);
+                let seqs = self.fork(unit)?;
                 for (seq, draw) in seqs.into_iter().zip(draws) {
                     next.extend(run.advance(self, seq, *draw, &eos, params));
                 }
@@ -370,15 +397,16 @@ impl Engine {
     }
 
     /// After a unit's prefill: the other members copy the prefilled partial last block.
-    fn fork(&mut self, unit: Unit) -> Vec<Seq> {
+    fn fork(&mut self, unit: Unit) -> crate::Result<Vec<Seq>> {
         let len = unit[0].tokens.len();
         if unit.len() > 1 && !len.is_multiple_of(KEY_BLOCK) {
             let src = *unit[0].blocks.last().expect("a prefilled sequence has blocks");
             for seq in &unit[1..] {
-                self.kv.copy_block(src, *seq.blocks.last().expect("allocated at admission"));
+                let dst = *seq.blocks.last().expect("allocated at admission");
+                self.policy.copy_block(src, dst)?;
             }
         }
-        unit
+        Ok(unit)
     }
 
     /// One forward over the running sequences' next positions and the admitted prompts;
@@ -390,40 +418,25 @@ impl Engine {
         params: &SamplingParams,
     ) -> crate::Result<Vec<Vec<Option<Draw>>>> {
         let mut rows: Vec<StepRow> = Vec::new();
-        let mut sample_rows: Vec<usize> = Vec::new();
-        let mut members: Vec<Vec<(u64, usize)>> = Vec::new();
+        let mut draws: Vec<DrawRequest> = Vec::new();
+        let mut sizes: Vec<usize> = Vec::new();
+        let u = |seq: &Seq| uniform(params.seed, seq.key, seq.response_len() as u64);
         for seq in running {
             let p = seq.tokens.len() - 1;
-            sample_rows.push(rows.len());
+            draws.push((rows.len(), u(seq)));
+            sizes.push(1);
             rows.push(StepRow { token: seq.tokens[p], position: p, blocks: &seq.blocks });
-            members.push(vec![(seq.key, seq.response_len())]);
         }
         for unit in admitted {
             let lead = &unit[0];
             for (p, &token) in lead.tokens.iter().enumerate() {
                 rows.push(StepRow { token, position: p, blocks: &lead.blocks });
             }
-            sample_rows.push(rows.len() - 1);
-            members.push(unit.iter().map(|s| (s.key, s.response_len())).collect());
+            draws.extend(unit.iter().map(|s| (rows.len() - 1, u(s))));
+            sizes.push(unit.len());
         }
-        let hidden = self.model.step(&self.packed, &rows, &mut self.kv).map_err(model_error)?;
-        let h = self.model.config.hidden_size;
-        let picked: Vec<f32> =
-            sample_rows.iter().flat_map(|&r| hidden[r * h..(r + 1) * h].iter().copied()).collect();
-        let mut logits = self.model.logits(&self.packed, &picked).map_err(model_error)?;
-        let vocab = self.model.config.vocab_size;
-        let (t, k, p, seed) = (params.temperature, params.top_k, params.top_p, params.seed);
-        Ok(logits
-            .par_chunks_mut(vocab)
-            .zip(&members)
-            .map(|(z, members)| {
-                let lse = tempered_log_softmax(z, t);
-                members
-                    .iter()
-                    .map(|&(key, step)| sample(z, lse, k, p, uniform(seed, key, step as u64)))
-                    .collect()
-            })
-            .collect())
+        let mut drawn = self.policy.step(&rows, &draws, params)?.into_iter();
+        Ok(sizes.iter().map(|&n| drawn.by_ref().take(n).collect()).collect())
     }
 }
 
@@ -439,8 +452,8 @@ struct Run {
 }
 
 impl Run {
-    fn new(
-        engine: &mut Engine,
+    fn new<P: Policy>(
+        engine: &mut Engine<P>,
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
         eos: &[u32],
@@ -450,12 +463,12 @@ impl Run {
             out: Vec::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
-            blocks: BlockAllocator::new(engine.kv.num_blocks()),
+            blocks: BlockAllocator::new(engine.policy.num_blocks()),
             total,
             remaining: 0,
             generated: 0,
         };
-        let capacity = engine.kv.num_blocks() * KEY_BLOCK;
+        let capacity = engine.policy.num_blocks() * KEY_BLOCK;
         // A sample's draws are keyed by its index: two samples sharing one would be twins.
         let mut seen = std::collections::HashSet::new();
         if let Some(s) = groups.iter().flatten().find(|s| !seen.insert(s.index)) {
@@ -511,9 +524,9 @@ impl Run {
     }
 
     /// Appends a draw; a finished sequence frees its blocks and fills its sample.
-    fn advance(
+    fn advance<P: Policy>(
         &mut self,
-        engine: &Engine,
+        engine: &Engine<P>,
         mut seq: Seq,
         draw: Option<Draw>,
         eos: &[u32],
@@ -544,8 +557,8 @@ impl Run {
 }
 
 /// Whether `seq` stops after its newest token `token`, and how.
-fn finish_status(
-    engine: &Engine,
+fn finish_status<P: Policy>(
+    engine: &Engine<P>,
     seq: &Seq,
     token: u32,
     eos: &[u32],
@@ -564,7 +577,7 @@ fn finish_status(
     (seq.response_len() >= params.max_new_tokens).then_some(Status::Truncated)
 }
 
-impl Engine {
+impl<P: Policy> Engine<P> {
     /// Prepares a sample for generation: its prompt tokens (encoding a text prompt when no
     /// tokens are given) and checks. `Ok(Some(prompt_len))` to generate, `Ok(None)` when it is
     /// already done, `Err(reason)` to skip it.
@@ -609,7 +622,9 @@ impl Engine {
                 "the prompt has {prompt_len} tokens, more than --rollout-max-prompt-len {max}"
             ));
         }
-        if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
+        if let Some(&bad) =
+            s.tokens.iter().find(|&&t| t as usize >= self.policy.config().vocab_size)
+        {
             return Err(format!("token id {bad} is outside the model's vocabulary"));
         }
         if s.rollout_log_probs.len() != s.response_length {
@@ -683,11 +698,7 @@ fn check_params(p: &SamplingParams) -> crate::Result<()> {
     Ok(())
 }
 
-fn model_error(e: miles_model::Error) -> crate::Error {
-    crate::Error::Invalid(format!("rollout engine: {e}"))
-}
-
-impl Rollout for Engine {
+impl<P: Policy> Rollout for Engine<P> {
     fn generate(
         &mut self,
         groups: Vec<Vec<Sample>>,

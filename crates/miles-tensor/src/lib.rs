@@ -20,6 +20,8 @@ mod tensor;
 pub mod testing;
 
 pub use cpu::Transpose;
+#[cfg(feature = "cuda")]
+pub use cuda::Graph;
 pub use tensor::{DType, Device, Tensor};
 
 /// Errors of the op layer: shapes or dtypes that do not fit, or a device that is not there.

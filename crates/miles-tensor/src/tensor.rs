@@ -80,6 +80,29 @@ impl Device {
         }
     }
 
+    /// `(free, total)` bytes of device memory (`None` on the CPU, whose budget is the
+    /// caller's).
+    pub fn memory_info(&self) -> Result<Option<(u64, u64)>> {
+        match *self {
+            Device::Cpu => Ok(None),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::gpu(ordinal)?.memory_info().map(Some),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(not_built()),
+        }
+    }
+
+    /// Captures what `f` queues on this device into a [`crate::Graph`] that replays it with
+    /// one launch (CUDA graphs). `f` runs the ops without executing them: it must not copy to
+    /// or from the host, wait for the device, or read results. Only on CUDA.
+    #[cfg(feature = "cuda")]
+    pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<crate::Graph> {
+        match *self {
+            Device::Cpu => Err(crate::Error::Device("graphs are captured on CUDA only".into())),
+            Device::Cuda(ordinal) => crate::cuda::gpu(ordinal)?.capture(f),
+        }
+    }
+
     /// Time the device spends on `iters` runs of `f`: between CUDA events recorded around
     /// them on the device's stream (launch gaps included, host time before the first launch
     /// not), or the wall time on the CPU. For benchmarks.
@@ -254,6 +277,52 @@ impl Tensor {
             Storage::Cuda(buffer) => buffer.zero()?,
         }
         Ok(())
+    }
+
+    /// Overwrites the elements with `src`'s (same dtype and length; `src` on the host or on
+    /// this tensor's device), in place: on a device the buffer keeps its address.
+    pub fn copy_from(&mut self, src: &Tensor) -> Result<()> {
+        if src.dtype() != self.dtype() || src.len() != self.len() {
+            return Err(crate::Error::Shape {
+                op: "copy_from",
+                message: format!(
+                    "{} {:?} into {} {:?}",
+                    src.dtype(),
+                    src.shape,
+                    self.dtype(),
+                    self.shape
+                ),
+            });
+        }
+        match (&mut self.storage, &src.storage) {
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(buffer), from) => {
+                if let Storage::Cuda(b) = from
+                    && b.ordinal() != buffer.ordinal()
+                {
+                    return Err(crate::Error::Device("copy_from: another device".into()));
+                }
+                buffer.copy_from(from)
+            }
+            #[cfg(feature = "cuda")]
+            (to, Storage::Cuda(_)) => {
+                *to = src.to_device(&Device::Cpu)?.storage;
+                Ok(())
+            }
+            (Storage::F32(to), Storage::F32(from)) => {
+                to.copy_from_slice(from);
+                Ok(())
+            }
+            (Storage::BF16(to), Storage::BF16(from)) => {
+                to.copy_from_slice(from);
+                Ok(())
+            }
+            (Storage::I32(to), Storage::I32(from)) => {
+                to.copy_from_slice(from);
+                Ok(())
+            }
+            _ => unreachable!("the dtypes are equal (checked above)"),
+        }
     }
 
     /// The same elements seen with another shape of as many elements (no copy).

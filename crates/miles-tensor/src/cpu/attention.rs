@@ -240,6 +240,164 @@ pub fn attention_forward(
     Ok(())
 }
 
+/// Geometry of a paged KV cache, `[blocks][layers][keys, values][kv_heads][KEY_BLOCK][head_dim]`:
+/// one kv head's keys (or values) in one block of one layer are a `KEY_BLOCK × head_dim` tile,
+/// read whole by the attention kernels, and one block of every layer is a contiguous span.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedLayout {
+    pub blocks: usize,
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl PagedLayout {
+    /// Rows of `head_dim` elements in one block (all layers, keys and values).
+    pub fn rows_per_block(&self) -> usize {
+        self.layers * 2 * self.kv_heads * KEY_BLOCK
+    }
+
+    /// Rows of `head_dim` elements in the whole cache.
+    pub fn rows(&self) -> usize {
+        self.blocks * self.rows_per_block()
+    }
+
+    /// The row holding kv head `kv_head`'s key at `slot` of `block` in `layer`; its value is
+    /// `kv_heads · KEY_BLOCK` rows further.
+    pub fn key_row(&self, block: u32, layer: usize, kv_head: usize, slot: usize) -> usize {
+        ((block as usize * self.layers + layer) * 2 * self.kv_heads + kv_head) * KEY_BLOCK + slot
+    }
+
+    pub fn value_offset(&self) -> usize {
+        self.kv_heads * KEY_BLOCK
+    }
+}
+
+/// Consecutive query rows of one sequence in a paged call: `n` rows at positions `pos0 ..
+/// pos0 + n`, seeing keys `0 ..= position` through the block table `table` (block ids in
+/// position order). The sequences of a call take the query rows in order.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedRows<'a> {
+    pub n: usize,
+    pub pos0: usize,
+    pub table: &'a [u32],
+}
+
+/// Checks a paged call: rows and tables against the layout; returns the total rows.
+pub(crate) fn check_paged(
+    op: &'static str,
+    seqs: &[PagedRows],
+    layer: usize,
+    layout: PagedLayout,
+) -> Result<usize> {
+    ensure(layer < layout.layers, op, || format!("layer {layer} of {}", layout.layers))?;
+    for (i, s) in seqs.iter().enumerate() {
+        ensure(
+            s.table.len() * KEY_BLOCK >= s.pos0 + s.n
+                && s.table.iter().all(|&b| (b as usize) < layout.blocks),
+            op,
+            || {
+                format!(
+                    "sequence {i}: positions up to {} through {} blocks of a {}-block cache",
+                    s.pos0 + s.n,
+                    s.table.len(),
+                    layout.blocks
+                )
+            },
+        )?;
+    }
+    Ok(seqs.iter().map(|s| s.n).sum())
+}
+
+/// Attention of query rows over a paged KV cache (`cache` `[layout.rows() × head_dim]`, this
+/// step's keys already written): `out` `[rows × q_heads × head_dim]` and `lse`
+/// `[rows × q_heads]`. Each row runs [`attend_row`] over its key blocks as the training forward
+/// does, so its bits equal the packed forward's for the same token.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_forward(
+    out: &mut [f32],
+    lse: &mut [f32],
+    q: &[f32],
+    cache: &[f32],
+    layer: usize,
+    seqs: &[PagedRows],
+    q_heads: usize,
+    layout: PagedLayout,
+) -> Result<()> {
+    const OP: &str = "paged_attention";
+    let PagedLayout { kv_heads, head_dim: d, .. } = layout;
+    let rows = check_paged(OP, seqs, layer, layout)?;
+    ensure(kv_heads > 0 && q_heads.is_multiple_of(kv_heads), OP, || {
+        format!("{q_heads} query heads are not a multiple of {kv_heads} kv heads")
+    })?;
+    ensure(
+        q.len() == rows * q_heads * d
+            && out.len() == q.len()
+            && lse.len() == rows * q_heads
+            && cache.len() == layout.rows() * d,
+        OP,
+        || {
+            format!(
+                "q {} out {} lse {} cache {} for {rows} rows",
+                q.len(),
+                out.len(),
+                lse.len(),
+                cache.len()
+            )
+        },
+    )?;
+    let group = q_heads / kv_heads;
+    let mut starts = Vec::with_capacity(seqs.len());
+    let mut r0 = 0;
+    for s in seqs {
+        starts.push(r0);
+        r0 += s.n;
+    }
+    let work: Vec<(usize, usize)> =
+        (0..seqs.len()).flat_map(|i| (0..kv_heads).map(move |g| (i, g))).collect();
+    let results: Vec<Vec<(usize, Vec<f32>, f32)>> = work
+        .par_iter()
+        .map(|&(i, g)| {
+            let s = &seqs[i];
+            let visible = s.pos0 + s.n;
+            // The blocks' keys transposed, as attend_row reads them; values in place.
+            let tiles: Vec<(Vec<f32>, usize)> = (0..visible.div_ceil(KEY_BLOCK))
+                .map(|b| {
+                    let mut kt = vec![0f32; d * KEY_BLOCK];
+                    let first = layout.key_row(s.table[b], layer, g, 0);
+                    for j in 0..KEY_BLOCK.min(visible - b * KEY_BLOCK) {
+                        for x in 0..d {
+                            kt[x * KEY_BLOCK + j] = cache[(first + j) * d + x];
+                        }
+                    }
+                    (kt, (first + layout.value_offset()) * d)
+                })
+                .collect();
+            let mut done = Vec::new();
+            for h in g * group..(g + 1) * group {
+                for r in 0..s.n {
+                    let row = starts[i] + r;
+                    let mut o = vec![0f32; d];
+                    let l = attend_row(
+                        &mut o,
+                        &q[(row * q_heads + h) * d..][..d],
+                        s.pos0 + r + 1,
+                        d,
+                        |b| (&tiles[b].0[..], &cache[tiles[b].1..]),
+                    );
+                    done.push((row * q_heads + h, o, l));
+                }
+            }
+            done
+        })
+        .collect();
+    for (at, o, l) in results.into_iter().flatten() {
+        out[at * d..(at + 1) * d].copy_from_slice(&o);
+        lse[at] = l;
+    }
+    Ok(())
+}
+
 /// Gradients of [`attention_forward`]: writes `dq`, `dk`, `dv` from `d_out`, using the saved
 /// `out` and `lse`.
 #[allow(clippy::too_many_arguments)]

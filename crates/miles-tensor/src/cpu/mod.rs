@@ -6,8 +6,12 @@ mod linear;
 mod logprob;
 mod matmul;
 mod optim;
+pub(crate) mod sample;
 
-pub use attention::{AttentionShape, KEY_BLOCK, attend_row, attention_backward, attention_forward};
+pub use attention::{
+    AttentionShape, KEY_BLOCK, PagedLayout, PagedRows, attend_row, attention_backward,
+    attention_forward, paged_attention_forward,
+};
 pub use elementwise::{
     embedding_backward, embedding_forward, rmsnorm_backward, rmsnorm_forward, rope_backward,
     rope_forward, rope_tables, swiglu_backward, swiglu_forward,
@@ -19,6 +23,7 @@ pub use logprob::{
 };
 pub use matmul::{Transpose, matmul};
 pub use optim::{AdamW, clip_scale, global_norm};
+pub use sample::{MASS_BITS, sample_mass, sample_row, sample_rows};
 
 /// Lanes of the partial sums in [`dot`].
 const DOT_LANES: usize = 16;

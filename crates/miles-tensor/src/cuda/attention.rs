@@ -8,8 +8,8 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Buffer, DeviceData, Gpu, driver_error};
-use crate::cpu::AttentionShape;
 use crate::cpu::attention::{QUERY_BLOCK, tiles};
+use crate::cpu::{AttentionShape, PagedLayout, PagedRows};
 use crate::{Error, Result};
 
 /// Threads per block of the tile kernels (8 warps; 4 for the tensor-core ones), and the
@@ -355,4 +355,215 @@ pub(crate) fn attention_backward(
     };
     let wrap = |data| Buffer { gpu: gpu.clone(), data };
     Ok((wrap(dq), wrap(dk), wrap(dv)))
+}
+
+/// A paged step's tiles, block tables and write slots on the device.
+pub(crate) struct PagedPlanDevice {
+    /// [first query row, rows, position of the first, table offset] per tile.
+    tiles: CudaSlice<i32>,
+    count: u32,
+    tables: CudaSlice<i32>,
+    /// [block, slot] per row.
+    slots: CudaSlice<i32>,
+    rows: u32,
+    /// (stride, scratch block) of a fixed-capacity decode plan.
+    decode: Option<(usize, u32)>,
+}
+
+/// Cuts each sequence's rows into tiles of at most a query block, at multiples of the block in
+/// position, and uploads them with the block tables and each row's (block, slot).
+pub(crate) fn paged_plan(gpu: &Arc<Gpu>, seqs: &[PagedRows]) -> Result<PagedPlanDevice> {
+    let (mut tiles, mut tables, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+    let mut row = 0;
+    for s in seqs {
+        let offset = tables.len() as i32;
+        tables.extend(s.table.iter().map(|&b| b as i32));
+        let mut p = s.pos0;
+        while p < s.pos0 + s.n {
+            let end = (p / QUERY_BLOCK + 1) * QUERY_BLOCK;
+            let n = end.min(s.pos0 + s.n) - p;
+            tiles.extend([(row + p - s.pos0) as i32, n as i32, p as i32, offset]);
+            p += n;
+        }
+        for p in s.pos0..s.pos0 + s.n {
+            slots.extend([s.table[p / KEY_BLOCK] as i32, (p % KEY_BLOCK) as i32]);
+        }
+        row += s.n;
+    }
+    // Never empty: a zero-length upload is refused.
+    let upload = |mut v: Vec<i32>| {
+        if v.is_empty() {
+            v.push(0);
+        }
+        gpu.stream().clone_htod(&v).map_err(|e| driver_error("copy to device", e))
+    };
+    Ok(PagedPlanDevice {
+        count: (tiles.len() / 4) as u32,
+        tiles: upload(tiles)?,
+        tables: upload(tables)?,
+        slots: upload(slots)?,
+        rows: row as u32,
+        decode: None,
+    })
+}
+
+/// Buffers for `rows` decode rows, tables of `stride` blocks, one more table entry holding
+/// the scratch block; every row starts as padding.
+pub(crate) fn paged_decode_plan(
+    gpu: &Arc<Gpu>,
+    rows: usize,
+    stride: usize,
+    scratch: u32,
+) -> Result<PagedPlanDevice> {
+    let pad = (rows * stride) as i32;
+    let tiles: Vec<i32> = (0..rows as i32).flat_map(|r| [r, 1, 0, pad]).collect();
+    let mut tables = vec![0i32; rows * stride + 1];
+    tables[rows * stride] = scratch as i32;
+    let slots: Vec<i32> = (0..rows).flat_map(|_| [scratch as i32, 0]).collect();
+    let upload =
+        |v: &[i32]| gpu.stream().clone_htod(v).map_err(|e| driver_error("copy to device", e));
+    Ok(PagedPlanDevice {
+        tiles: upload(&tiles)?,
+        count: rows as u32,
+        tables: upload(&tables)?,
+        slots: upload(&slots)?,
+        rows: rows as u32,
+        decode: Some((stride, scratch)),
+    })
+}
+
+/// Writes one step's decode rows into a decode plan's buffers (in place; checked by the op).
+pub(crate) fn load_decode_plan(plan: &mut PagedPlanDevice, seqs: &[PagedRows]) -> Result<()> {
+    let (stride, scratch) = plan.decode.expect("a decode plan (checked by the op)");
+    let rows = plan.rows as usize;
+    let pad = (rows * stride) as i32;
+    let mut tiles = Vec::with_capacity(rows * 4);
+    let mut tables = vec![0i32; seqs.len() * stride];
+    let mut slots = Vec::with_capacity(rows * 2);
+    for (r, s) in seqs.iter().enumerate() {
+        tiles.extend([r as i32, 1, s.pos0 as i32, (r * stride) as i32]);
+        for (b, &id) in s.table.iter().enumerate() {
+            tables[r * stride + b] = id as i32;
+        }
+        slots.extend([s.table[s.pos0 / KEY_BLOCK] as i32, (s.pos0 % KEY_BLOCK) as i32]);
+    }
+    for r in seqs.len()..rows {
+        tiles.extend([r as i32, 1, 0, pad]);
+        slots.extend([scratch as i32, 0]);
+    }
+    let stream = plan.tiles.stream().clone();
+    let err = |e| driver_error("copy to device", e);
+    stream.memcpy_htod(&tiles, &mut plan.tiles).map_err(err)?;
+    stream.memcpy_htod(&slots, &mut plan.slots).map_err(err)?;
+    if !tables.is_empty() {
+        let mut view = plan.tables.slice_mut(..tables.len());
+        stream.memcpy_htod(&tables, &mut view).map_err(err)?;
+    }
+    Ok(())
+}
+
+/// [`crate::ops::paged_kv_write`]: one block per (row, kv head).
+pub(crate) fn paged_kv_write(
+    gpu: &Arc<Gpu>,
+    cache: &mut DeviceData,
+    k: &DeviceData,
+    v: &DeviceData,
+    plan: &PagedPlanDevice,
+    layer: usize,
+    layout: PagedLayout,
+) -> Result<()> {
+    if plan.rows == 0 {
+        return Ok(());
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (plan.rows, layout.kv_heads as u32, 1),
+        block_dim: (layout.head_dim.min(128) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (layer, layers) = (layer as i32, layout.layers as i32);
+    let (kvh, d) = (layout.kv_heads as i32, layout.head_dim as i32);
+    match (cache, k, v) {
+        (DeviceData::F32(c), DeviceData::F32(k), DeviceData::F32(v)) => launch!(
+            gpu,
+            "paged",
+            "paged_kv_write_f32",
+            cfg,
+            c,
+            k,
+            v,
+            &plan.slots,
+            &layer,
+            &layers,
+            &kvh,
+            &d
+        ),
+        (DeviceData::BF16(c), DeviceData::BF16(k), DeviceData::BF16(v)) => launch!(
+            gpu,
+            "paged",
+            "paged_kv_write_bf16",
+            cfg,
+            c,
+            k,
+            v,
+            &plan.slots,
+            &layer,
+            &layers,
+            &kvh,
+            &d
+        ),
+        _ => Err(mismatch("paged_kv_write")),
+    }
+}
+
+/// `(out, lse)` of [`crate::ops::paged_attention`]: bf16 at head_dim 64 or 128 only.
+pub(crate) fn paged_attention(
+    gpu: &Arc<Gpu>,
+    q: &DeviceData,
+    cache: &DeviceData,
+    layer: usize,
+    plan: &PagedPlanDevice,
+    q_heads: usize,
+    layout: PagedLayout,
+) -> Result<(Buffer, Buffer)> {
+    let d = layout.head_dim;
+    let (DeviceData::BF16(q), DeviceData::BF16(cache), Some(suffix)) = (q, cache, mma_suffix(d))
+    else {
+        return Err(Error::DType {
+            op: "paged_attention",
+            message: format!(
+                "the paged attention on CUDA runs in bf16 at head_dim 64 or 128, not {} at {d}",
+                if matches!(q, DeviceData::F32(_)) { "f32" } else { "this dtype" }
+            ),
+        });
+    };
+    let mut out = gpu.alloc::<u16>(q.len())?;
+    let mut lse = gpu.alloc::<f32>(plan.rows as usize * q_heads)?;
+    if plan.count > 0 {
+        let name =
+            if suffix == "d64" { "attention_mma_paged_d64" } else { "attention_mma_paged_d128" };
+        let bytes = mma_rows_bytes(QUERY_BLOCK + 4 * KEY_BLOCK, d);
+        let cfg =
+            launch_with(gpu, "attention_mma", name, (plan.count, q_heads), MMA_THREADS, bytes)?;
+        let (layer, layers) = (layer as i32, layout.layers as i32);
+        let (qh, kvh, scale) = (q_heads as i32, layout.kv_heads as i32, 1.0 / (d as f32).sqrt());
+        launch!(
+            gpu,
+            "attention_mma",
+            name,
+            cfg,
+            &mut out,
+            &mut lse,
+            q,
+            cache,
+            &plan.tiles,
+            &plan.tables,
+            &layer,
+            &layers,
+            &qh,
+            &kvh,
+            &scale
+        )?;
+    }
+    let wrap = |data| Buffer { gpu: gpu.clone(), data };
+    Ok((wrap(DeviceData::BF16(out)), wrap(DeviceData::F32(lse))))
 }

@@ -201,11 +201,26 @@ fn upload(gpu: &Gpu, v: &[i32]) -> Result<CudaSlice<i32>> {
     gpu.stream().clone_htod(v).map_err(|e| driver_error("copy to device", e))
 }
 
-/// `out[t] = table[ids[t]]`, `table [vocab × hidden]` (ids checked on the host).
+/// Token ids of a device op: from the host (uploaded by the op) or already on the device.
+pub(crate) enum Ids<'a> {
+    Host(&'a [i32]),
+    Device(&'a CudaSlice<i32>, usize),
+}
+
+impl Ids<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Ids::Host(v) => v.len(),
+            Ids::Device(_, n) => *n,
+        }
+    }
+}
+
+/// `out[t] = table[ids[t]]`, `table [vocab × hidden]` (ids checked by the caller).
 pub(crate) fn embedding_forward(
     gpu: &Arc<Gpu>,
     table: &DeviceData,
-    ids: &[i32],
+    ids: Ids,
     hidden: usize,
 ) -> Result<Buffer> {
     let rows = ids.len();
@@ -213,11 +228,19 @@ pub(crate) fn embedding_forward(
     // Rows copied 4 elements at a time when hidden allows; the block covers hidden / 4 then.
     let v4 = hidden.is_multiple_of(4);
     let cfg = row_block(rows, if v4 { hidden / 4 } else { hidden });
-    let ids_d = if rows > 0 { Some(upload(gpu, ids)?) } else { None };
+    let uploaded = match ids {
+        Ids::Host(v) if rows > 0 => Some(upload(gpu, v)?),
+        _ => None,
+    };
+    let ids_d = match ids {
+        _ if rows == 0 => None,
+        Ids::Host(_) => uploaded.as_ref(),
+        Ids::Device(d, _) => Some(d),
+    };
     let data = match table {
         DeviceData::F32(t) => {
             let mut out = gpu.alloc::<f32>(rows * hidden)?;
-            if let Some(ids_d) = &ids_d {
+            if let Some(ids_d) = ids_d {
                 launch!(
                     gpu,
                     "elementwise",
@@ -233,7 +256,7 @@ pub(crate) fn embedding_forward(
         }
         DeviceData::BF16(t) => {
             let mut out = gpu.alloc::<u16>(rows * hidden)?;
-            if let Some(ids_d) = &ids_d {
+            if let Some(ids_d) = ids_d {
                 launch!(
                     gpu,
                     "elementwise",

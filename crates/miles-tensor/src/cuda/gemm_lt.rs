@@ -27,12 +27,32 @@ use crate::{Error, Result};
 /// Row counts whose heuristic candidates are tried, in order: a training batch's order of size
 /// first, then a decode step's.
 const REFERENCE_ROWS: [u64; 2] = [8192, 1];
-/// Workspace offered to the algorithms (split-K is excluded separately).
-const WORKSPACE_BYTES: usize = 1 << 20;
+/// Workspace offered to the algorithms (split-K is excluded separately); `MILES_GEMM_WORKSPACE`
+/// (bytes) overrides it, to study which kernels a cap lets in.
+fn workspace_bytes() -> usize {
+    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| {
+        std::env::var("MILES_GEMM_WORKSPACE").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 20)
+    })
+}
 /// Heuristic candidates considered per class.
 const CANDIDATES: usize = 32;
 /// Row counts a candidate must support (one decode row to a large batch, odd sizes between).
 const PROBED_ROWS: [u64; 6] = [1, 2, 7, 259, 1000, 16_384];
+/// The self-check: a product of this many rows on fixed pseudo-random operands, whose first
+/// rows the runs at [`CHECKED_ROWS`] must reproduce bit for bit.
+const CHECK_ROWS: u64 = 4096;
+const CHECKED_ROWS: [u64; 6] = [1, 2, 7, 64, 259, 1000];
+/// Products of at most this many rows (decode steps) may take a second algorithm, tuned for
+/// few rows, when it reproduces the first one's bits.
+const SMALL_ROWS: u64 = 256;
+
+/// A class's algorithms: `large` for every row count, or `small` up to [`SMALL_ROWS`] rows.
+#[derive(Clone, Copy)]
+struct Pinned {
+    large: cublasLtMatmulAlgo_t,
+    small: Option<cublasLtMatmulAlgo_t>,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Class {
@@ -52,7 +72,7 @@ struct Class {
 /// A cuBLASLt handle and the pinned algorithm of each class met so far.
 pub(crate) struct Lt {
     handle: lt_sys::cublasLtHandle_t,
-    algos: Mutex<HashMap<Class, cublasLtMatmulAlgo_t>>,
+    algos: Mutex<HashMap<Class, Pinned>>,
     /// Scratch some kernels ask for (a tile scheduler's counters; never split-K partials).
     workspace: cudarc::driver::CudaSlice<u8>,
 }
@@ -141,18 +161,13 @@ impl Lt {
         }
         let handle = lt::create_handle().map_err(|e| lt_error("create", e))?;
         let workspace = stream
-            .alloc_zeros::<u8>(WORKSPACE_BYTES)
+            .alloc_zeros::<u8>(workspace_bytes().max(1))
             .map_err(|e| Error::Device(format!("cuBLASLt workspace: {e}")))?;
         Ok(Lt { handle, algos: Mutex::new(HashMap::new()), workspace })
     }
 
     /// The class's algorithm, chosen on first use: no workspace and no split-K reduction.
-    fn algo(
-        &self,
-        class: Class,
-        dtype: cudaDataType,
-        c_dtype: cudaDataType,
-    ) -> Result<cublasLtMatmulAlgo_t> {
+    fn algo(&self, class: Class, dtype: cudaDataType, c_dtype: cudaDataType) -> Result<Pinned> {
         let mut algos = self.algos.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(a) = algos.get(&class) {
             return Ok(*a);
@@ -162,44 +177,56 @@ impl Lt {
             let algo = *exact.first().ok_or_else(|| {
                 Error::Device(format!("cuBLASLt: no split-K-free algorithm for {class:?}"))
             })?;
-            algos.insert(class, algo);
-            return Ok(algo);
+            let pinned = Pinned { large: algo, small: None };
+            algos.insert(class, pinned);
+            return Ok(pinned);
         }
+        let check = Check::new(self, class, dtype, c_dtype)?;
         let mut reasons = Vec::new();
         let mut chosen = None;
         'search: for reference in REFERENCE_ROWS {
             for candidate in self.candidates(class, reference, dtype, c_dtype)? {
-                match self.why_not(class, &candidate, dtype, c_dtype)? {
+                let candidate = one_slice(candidate)?;
+                let why = match self.why_not(class, &candidate, dtype, c_dtype, &PROBED_ROWS)? {
+                    Some(why) => why,
                     None => {
-                        chosen = Some(candidate);
-                        break 'search;
+                        let full = check.run(self, &candidate, CHECK_ROWS)?;
+                        match check.differs(self, &candidate, &full, &CHECKED_ROWS)? {
+                            None => {
+                                chosen = Some((candidate, full));
+                                break 'search;
+                            }
+                            Some(rows) => format!("{rows} rows are not the rows of {CHECK_ROWS}"),
+                        }
                     }
-                    Some(why) => reasons.push(why),
-                }
+                };
+                reasons.push(why);
             }
         }
-        let mut algo = chosen.ok_or_else(|| {
+        let (large, full) = chosen.ok_or_else(|| {
             Error::Device(format!(
-                "cuBLASLt: no split-K-free algorithm for {class:?} runs at every row count ({}); \
-                 use the cuBLAS route (--gemm cublas), which is not batch-invariant",
+                "cuBLASLt: no split-K-free algorithm for {class:?} runs at every row count and \
+                 gives a row the same bits in any batch ({}); use the cuBLAS route (--gemm \
+                 cublas), which is not batch-invariant",
                 reasons.join("; ")
             ))
         })?;
-        // Pin one K slice explicitly, whatever the heuristic's default.
-        let splits = 1i32;
-        // SAFETY: the attribute is an int32.
-        unsafe {
-            lt_sys::cublasLtMatmulAlgoConfigSetAttribute(
-                &mut algo,
-                lt_sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
-                (&splits as *const i32).cast(),
-                std::mem::size_of::<i32>(),
-            )
+        // The heuristic's favourite for a decode step, if it computes the same bits.
+        let small_rows: Vec<u64> =
+            CHECKED_ROWS.iter().copied().filter(|&r| r <= SMALL_ROWS).collect();
+        let mut small = None;
+        for candidate in self.candidates(class, 64, dtype, c_dtype)?.into_iter().take(8) {
+            let candidate = one_slice(candidate)?;
+            if self.why_not(class, &candidate, dtype, c_dtype, &small_rows)?.is_none()
+                && check.differs(self, &candidate, &full, &small_rows)?.is_none()
+            {
+                small = Some(candidate);
+                break;
+            }
         }
-        .result()
-        .map_err(|e| lt_error("split-K", e))?;
-        algos.insert(class, algo);
-        Ok(algo)
+        let pinned = Pinned { large, small };
+        algos.insert(class, pinned);
+        Ok(pinned)
     }
 
     /// The heuristic's split-K-free, workspace-free candidates at `rows` rows, best first.
@@ -212,7 +239,7 @@ impl Lt {
     ) -> Result<Vec<cublasLtMatmulAlgo_t>> {
         let problem = Problem::new(class, rows, dtype, c_dtype)?;
         let pref = lt::create_matmul_pref().map_err(|e| lt_error("preference", e))?;
-        let workspace = WORKSPACE_BYTES;
+        let workspace = workspace_bytes();
         let reduction = cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
         // SAFETY: each attribute is passed by pointer with its size (usize and u32).
         let set = unsafe {
@@ -267,7 +294,7 @@ impl Lt {
             .collect())
     }
 
-    /// `None` when `algo` runs the class at each of [`PROBED_ROWS`] rows without workspace;
+    /// `None` when `algo` runs the class at each of the `probed` row counts within the workspace;
     /// else the first row count where it does not, and why.
     fn why_not(
         &self,
@@ -275,8 +302,9 @@ impl Lt {
         algo: &cublasLtMatmulAlgo_t,
         dtype: cudaDataType,
         c_dtype: cudaDataType,
+        probed: &[u64],
     ) -> Result<Option<String>> {
-        for rows in PROBED_ROWS {
+        for &rows in probed {
             let p = Problem::new(class, rows, dtype, c_dtype)?;
             let mut result =
                 std::mem::MaybeUninit::<lt_sys::cublasLtMatmulHeuristicResult_t>::zeroed();
@@ -298,7 +326,7 @@ impl Lt {
             if status != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
                 return Ok(Some(format!("{rows} rows: {status:?}")));
             }
-            if workspace > WORKSPACE_BYTES {
+            if workspace > workspace_bytes() {
                 return Ok(Some(format!("{rows} rows: needs {workspace} bytes of workspace")));
             }
         }
@@ -330,7 +358,27 @@ impl Lt {
             c: c_dtype as u32,
             accumulate,
         };
-        let algo = self.algo(class, dtype, c_dtype)?;
+        let pinned = self.algo(class, dtype, c_dtype)?;
+        let algo = match pinned.small {
+            Some(small) if m as u64 <= SMALL_ROWS => small,
+            _ => pinned.large,
+        };
+        self.launch(&algo, class, m, (a, b, c), (dtype, c_dtype), accumulate, stream)
+    }
+
+    /// One product with `algo`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
+        &self,
+        algo: &cublasLtMatmulAlgo_t,
+        class: Class,
+        m: i32,
+        (a, b, c): (*const c_void, *const c_void, *mut c_void),
+        (dtype, c_dtype): (cudaDataType, cudaDataType),
+        accumulate: bool,
+        stream: lt_sys::cudaStream_t,
+    ) -> Result<()> {
+        let (k, n) = (class.k, class.n);
         let problem = Problem::new(class, m as u64, dtype, c_dtype)?;
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         let stream_ = self.workspace.stream().clone();
@@ -351,12 +399,116 @@ impl Lt {
                 problem.c,
                 c,
                 problem.c,
-                &algo,
+                algo,
                 ws as *mut c_void,
-                WORKSPACE_BYTES,
+                workspace_bytes(),
                 stream,
             )
         }
         .map_err(|e| lt_error(&format!("matmul {m}×{k}·{k}×{n}"), e))
+    }
+}
+
+/// `algo` with one K slice pinned, whatever the heuristic's default.
+fn one_slice(mut algo: cublasLtMatmulAlgo_t) -> Result<cublasLtMatmulAlgo_t> {
+    let splits = 1i32;
+    // SAFETY: the attribute is an int32.
+    unsafe {
+        lt_sys::cublasLtMatmulAlgoConfigSetAttribute(
+            &mut algo,
+            lt_sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+            (&splits as *const i32).cast(),
+            std::mem::size_of::<i32>(),
+        )
+    }
+    .result()
+    .map_err(|e| lt_error("split-K", e))?;
+    Ok(algo)
+}
+
+/// Fixed pseudo-random operands of a class for the self-check, on the device.
+struct Check {
+    class: Class,
+    dtype: cudaDataType,
+    c_dtype: cudaDataType,
+    a: cudarc::driver::CudaSlice<u8>,
+    b: cudarc::driver::CudaSlice<u8>,
+}
+
+impl Check {
+    fn new(lt: &Lt, class: Class, dtype: cudaDataType, c_dtype: cudaDataType) -> Result<Self> {
+        let f32 = dtype == cudaDataType::CUDA_R_32F;
+        let (n, k) = (class.n as usize, class.k as usize);
+        let bytes = |len: usize, seed: u64| -> Vec<u8> {
+            let mut x = seed;
+            let mut out = Vec::with_capacity(len * 4);
+            for _ in 0..len {
+                // xorshift64*: values in [-1, 1).
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let v = ((x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32)
+                    / (1u64 << 23) as f32
+                    - 1.0;
+                if f32 {
+                    out.extend_from_slice(&v.to_le_bytes());
+                } else {
+                    out.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
+                }
+            }
+            out
+        };
+        let stream = lt.workspace.stream().clone();
+        let up = |v: Vec<u8>| {
+            stream.clone_htod(&v).map_err(|e| crate::cuda::driver_error("copy to device", e))
+        };
+        Ok(Check {
+            class,
+            dtype,
+            c_dtype,
+            a: up(bytes(CHECK_ROWS as usize * k, 0x9e37_79b9))?,
+            b: up(bytes(n * k, 0x85eb_ca6b))?,
+        })
+    }
+
+    /// The product's `rows × n` result bytes with `algo` (onto zeros when accumulating).
+    fn run(&self, lt: &Lt, algo: &cublasLtMatmulAlgo_t, rows: u64) -> Result<Vec<u8>> {
+        let stream = lt.workspace.stream().clone();
+        let err = |e| crate::cuda::driver_error("self-check", e);
+        let size = if self.c_dtype == cudaDataType::CUDA_R_32F { 4 } else { 2 };
+        let mut c =
+            stream.alloc_zeros::<u8>(rows as usize * self.class.n as usize * size).map_err(err)?;
+        {
+            let (a, _a) = cudarc::driver::DevicePtr::device_ptr(&self.a, &stream);
+            let (b, _b) = cudarc::driver::DevicePtr::device_ptr(&self.b, &stream);
+            let (cp, _c) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut c, &stream);
+            lt.launch(
+                algo,
+                self.class,
+                rows as i32,
+                (a as *const c_void, b as *const c_void, cp as *mut c_void),
+                (self.dtype, self.c_dtype),
+                self.class.accumulate,
+                stream.cu_stream() as lt_sys::cudaStream_t,
+            )?;
+        }
+        stream.clone_dtoh(&c).map_err(err)
+    }
+
+    /// The first of `rows` whose product with `algo` is not the start of `full`.
+    fn differs(
+        &self,
+        lt: &Lt,
+        algo: &cublasLtMatmulAlgo_t,
+        full: &[u8],
+        rows: &[u64],
+    ) -> Result<Option<u64>> {
+        for &r in rows {
+            let got = self.run(lt, algo, r)?;
+            if got[..] != full[..got.len()] {
+                return Ok(Some(r));
+            }
+        }
+        Ok(None)
     }
 }

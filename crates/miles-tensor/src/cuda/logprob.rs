@@ -24,18 +24,27 @@ fn targets_on(gpu: &Gpu, targets: &[u32]) -> Result<CudaSlice<i32>> {
     gpu.stream().clone_htod(&t).map_err(|e| driver_error("copy to device", e))
 }
 
-/// `(logp, entropy)` `[rows]` of `logits [rows × vocab]` at temperature `t`.
+/// `(logp, entropy)` `[rows]` of `logits [rows × vocab]` at temperature `t`; the targets from
+/// the host or already on the device.
 pub(crate) fn logprob_rows(
     gpu: &Arc<Gpu>,
     logits: &CudaSlice<f32>,
-    targets: &[u32],
+    targets: super::Ids,
     vocab: usize,
     t: f32,
 ) -> Result<(Buffer, Buffer)> {
     let rows = targets.len();
     let (mut logp, mut entropy) = (gpu.alloc::<f32>(rows)?, gpu.alloc::<f32>(rows)?);
     if rows > 0 {
-        let targets = targets_on(gpu, targets)?;
+        let uploaded;
+        let targets = match targets {
+            super::Ids::Host(v) => {
+                uploaded =
+                    gpu.stream().clone_htod(v).map_err(|e| driver_error("copy to device", e))?;
+                &uploaded
+            }
+            super::Ids::Device(d, _) => d,
+        };
         let vocab_i = vocab as i32;
         launch!(
             gpu,
@@ -45,7 +54,7 @@ pub(crate) fn logprob_rows(
             &mut logp,
             &mut entropy,
             logits,
-            &targets,
+            targets,
             &vocab_i,
             &t
         )?;

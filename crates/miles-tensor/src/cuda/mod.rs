@@ -14,14 +14,18 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
-pub(crate) use attention::{MAX_HEAD_DIM, attention_backward, attention_forward};
+pub(crate) use attention::{
+    MAX_HEAD_DIM, PagedPlanDevice, attention_backward, attention_forward, load_decode_plan,
+    paged_attention, paged_decode_plan, paged_kv_write, paged_plan,
+};
 pub(crate) use elementwise::{
-    IdGroups, add, embedding_backward, embedding_backward_into, embedding_forward, rope,
+    IdGroups, Ids, add, embedding_backward, embedding_backward_into, embedding_forward, rope,
     scatter_rows, swiglu_backward, swiglu_forward,
 };
 pub(crate) use logprob::{logprob_rows, logprob_rows_backward};
 pub(crate) use ops::{matmul, matmul_into, rmsnorm_backward, rmsnorm_forward};
 pub(crate) use optim::{AdamWSlot, adamw, adamw_multi, sum_squares, sum_squares_multi};
+pub(crate) use sample::{sample_rows, sample_rows_on_device};
 
 use crate::tensor::Storage;
 use crate::{DType, Error, Result};
@@ -54,6 +58,7 @@ mod gemm_lt;
 mod logprob;
 mod ops;
 mod optim;
+mod sample;
 
 mod embedded {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
@@ -109,7 +114,8 @@ fn open(ordinal: usize) -> Result<Gpu> {
         // SAFETY: every op of this crate runs on the one stream below, so the cross-stream
         // events that tracking records are never needed.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own, not the legacy default one: CUDA graphs are captured from it.
+        let stream = ctx.new_stream().map_err(|e| driver_error("stream", e))?;
         let mut modules = Vec::new();
         for (name, fatbin) in embedded::MODULES {
             let module = ctx
@@ -165,6 +171,15 @@ impl Gpu {
         }
         .map_err(|e| driver_error("memory pool attribute", e))?;
         Ok(v)
+    }
+
+    /// `(free, total)` bytes of device memory, as the driver reports them (memory this
+    /// process's pool keeps counts as used).
+    pub(crate) fn memory_info(&self) -> Result<(u64, u64)> {
+        self.stream.context().bind_to_thread().map_err(|e| driver_error("bind context", e))?;
+        let (free, total) =
+            cudarc::driver::result::mem_get_info().map_err(|e| driver_error("memory info", e))?;
+        Ok((free as u64, total as u64))
     }
 
     /// Device time of `iters` runs of `f`, between two events on the stream.
@@ -301,6 +316,40 @@ impl Gpu {
     }
 }
 
+/// A captured sequence of this crate's ops on one device, replayed with one launch.
+pub struct Graph {
+    graph: cudarc::driver::CudaGraph,
+}
+
+impl Gpu {
+    /// Records what `f` queues on the stream (nothing runs) into a graph. `f` must not copy
+    /// from or to the host nor wait for the device; buffers it allocates and drops become the
+    /// graph's own.
+    pub(crate) fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        self.stream.begin_capture(mode).map_err(|e| driver_error("begin capture", e))?;
+        let body = f();
+        let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
+        let ended = self.stream.end_capture(flags);
+        body?;
+        let graph = ended
+            .map_err(|e| driver_error("end capture", e))?
+            .ok_or_else(|| Error::Device("the captured graph is empty".into()))?;
+        Ok(Graph { graph })
+    }
+}
+
+// SAFETY: a graph may be used from any thread as long as no two use it at once (CUDA's graph
+// thread-safety rules); `Graph` is not `Sync`, so its one owner is the only user.
+unsafe impl Send for Graph {}
+
+impl Graph {
+    /// Queues one replay on the device's stream.
+    pub fn launch(&self) -> Result<()> {
+        self.graph.launch().map_err(|e| driver_error("graph launch", e))
+    }
+}
+
 /// Device memory of one dtype (bf16 travels as its bits).
 pub(crate) enum DeviceData {
     F32(CudaSlice<f32>),
@@ -353,6 +402,32 @@ impl Buffer {
             }
         };
         Ok(Buffer { gpu: gpu.clone(), data })
+    }
+
+    /// Overwrites this buffer with `src` (host storage, or a buffer of the same dtype and
+    /// length on the same device), keeping its address: inputs of a captured graph are loaded
+    /// this way, and a graph's results copied out.
+    pub(crate) fn copy_from(&mut self, src: &Storage) -> Result<()> {
+        let stream = self.gpu.stream().clone();
+        let err = |e| driver_error("copy into a buffer", e);
+        match (&mut self.data, src) {
+            (DeviceData::F32(d), Storage::F32(v)) => stream.memcpy_htod(v, d).map_err(err),
+            (DeviceData::I32(d), Storage::I32(v)) => stream.memcpy_htod(v, d).map_err(err),
+            (DeviceData::BF16(d), Storage::BF16(v)) => {
+                let bits: Vec<u16> = v.iter().map(|x| x.to_bits()).collect();
+                stream.memcpy_htod(&bits, d).map_err(err)
+            }
+            (DeviceData::F32(d), Storage::Cuda(Buffer { data: DeviceData::F32(s), .. })) => {
+                stream.memcpy_dtod(s, d).map_err(err)
+            }
+            (DeviceData::I32(d), Storage::Cuda(Buffer { data: DeviceData::I32(s), .. })) => {
+                stream.memcpy_dtod(s, d).map_err(err)
+            }
+            (DeviceData::BF16(d), Storage::Cuda(Buffer { data: DeviceData::BF16(s), .. })) => {
+                stream.memcpy_dtod(s, d).map_err(err)
+            }
+            _ => Err(Error::Device("copy_from: another dtype".into())),
+        }
     }
 
     /// `len` zeros of `dtype` on `gpu`.

@@ -4,7 +4,7 @@
 //! sequence's results have the same bits however it is packed.
 
 use super::{floats_only, host_f32, host_out, host_tensor, same_device};
-use crate::cpu::{self, AttentionShape};
+use crate::cpu::{self, AttentionShape, PagedLayout, PagedRows};
 use crate::{DType, Device, Result, Tensor, ensure};
 
 #[cfg(feature = "cuda")]
@@ -194,6 +194,251 @@ pub fn attention_backward(
     }
 }
 
+/// One step's rows over a paged KV cache, prepared once (on the device: the tiles, block
+/// tables and write slots uploaded) and read by every layer's [`paged_kv_write`] and
+/// [`paged_attention`]. The sequences take the step's rows in order.
+pub struct PagedPlan {
+    layout: PagedLayout,
+    rows: usize,
+    seqs: Vec<(usize, usize, Vec<u32>)>,
+    /// (stride, scratch block) of a fixed-capacity decode plan.
+    decode: Option<(usize, u32)>,
+    #[cfg(feature = "cuda")]
+    device: Option<crate::cuda::PagedPlanDevice>,
+}
+
+impl PagedPlan {
+    pub fn new(seqs: &[PagedRows], layout: PagedLayout, device: &Device) -> Result<Self> {
+        let rows = cpu::attention::check_paged("paged_plan", seqs, 0, layout)?;
+        #[cfg(not(feature = "cuda"))]
+        if *device != Device::Cpu {
+            return Err(crate::tensor::not_built());
+        }
+        let owned = seqs.iter().map(|s| (s.n, s.pos0, s.table.to_vec())).collect();
+        Ok(PagedPlan {
+            layout,
+            rows,
+            seqs: owned,
+            decode: None,
+            #[cfg(feature = "cuda")]
+            device: match device {
+                Device::Cpu => None,
+                Device::Cuda(ordinal) => {
+                    Some(crate::cuda::paged_plan(&crate::cuda::gpu(*ordinal)?, seqs)?)
+                }
+            },
+        })
+    }
+
+    /// A plan of `rows` decode rows (one position of one sequence each) whose contents
+    /// [`PagedPlan::load_decode`] replaces at every step while its device buffers stay put, as
+    /// a captured graph needs. Tables hold up to `stride` blocks; rows beyond a step's
+    /// sequences attend to block `scratch` alone (a block the scheduler never hands out).
+    pub fn for_decode(
+        rows: usize,
+        stride: usize,
+        scratch: u32,
+        layout: PagedLayout,
+        device: &Device,
+    ) -> Result<Self> {
+        ensure((scratch as usize) < layout.blocks && stride > 0, "paged_plan", || {
+            format!("scratch block {scratch} of {}, stride {stride}", layout.blocks)
+        })?;
+        let table = vec![scratch];
+        let pad = vec![PagedRows { n: 1, pos0: 0, table: &table }; rows];
+        let mut plan = PagedPlan::new(&pad, layout, device)?;
+        plan.decode = Some((stride, scratch));
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(ordinal) = device {
+            let gpu = crate::cuda::gpu(*ordinal)?;
+            plan.device = Some(crate::cuda::paged_decode_plan(&gpu, rows, stride, scratch)?);
+        }
+        Ok(plan)
+    }
+
+    /// Loads one decode step's sequences (each of one row, at most the plan's rows, tables of
+    /// at most its stride) into a [`PagedPlan::for_decode`] plan; the rows after them are
+    /// padding on the scratch block.
+    pub fn load_decode(&mut self, seqs: &[PagedRows]) -> Result<()> {
+        const OP: &str = "paged_plan";
+        let (stride, scratch) = self
+            .decode
+            .ok_or_else(|| crate::Error::Device("load_decode: not a decode plan".into()))?;
+        ensure(
+            seqs.len() <= self.rows && seqs.iter().all(|s| s.n == 1 && s.table.len() <= stride),
+            OP,
+            || format!("{} sequences for {} decode rows of stride {stride}", seqs.len(), self.rows),
+        )?;
+        cpu::attention::check_paged(OP, seqs, 0, self.layout)?;
+        self.seqs = seqs.iter().map(|s| (1, s.pos0, s.table.to_vec())).collect();
+        self.seqs.resize(self.rows, (1, 0, vec![scratch]));
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &mut self.device {
+            crate::cuda::load_decode_plan(d, seqs)?;
+        }
+        Ok(())
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn seqs(&self) -> Vec<PagedRows<'_>> {
+        self.seqs.iter().map(|(n, pos0, table)| PagedRows { n: *n, pos0: *pos0, table }).collect()
+    }
+}
+
+/// Stores this step's keys and values (`k`, `v` `[rows × kv_heads × head_dim]`, the plan's
+/// rows) into the paged `cache` (`[layout.rows() × head_dim]`, their dtype) at each row's
+/// position of `layer`.
+pub fn paged_kv_write(
+    cache: &mut Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    layer: usize,
+    plan: &PagedPlan,
+) -> Result<()> {
+    const OP: &str = "paged_kv_write";
+    let device = same_device(OP, &[cache, k, v])?;
+    floats_only(OP, &[cache, k, v])?;
+    let layout = plan.layout;
+    let (rows, kvh, d) = (plan.rows, layout.kv_heads, layout.head_dim);
+    ensure(
+        layer < layout.layers
+            && k.dtype() == cache.dtype()
+            && v.dtype() == cache.dtype()
+            && k.len() == rows * kvh * d
+            && v.len() == k.len()
+            && cache.len() == layout.rows() * d,
+        OP,
+        || {
+            format!(
+                "layer {layer}: k {:?} v {:?} {} into cache {:?} {} for {rows} rows",
+                k.shape,
+                v.shape,
+                k.dtype(),
+                cache.shape,
+                cache.dtype()
+            )
+        },
+    )?;
+    match device {
+        Device::Cpu => {
+            let mut key_rows = Vec::with_capacity(rows * kvh);
+            for s in plan.seqs() {
+                for p in s.pos0..s.pos0 + s.n {
+                    let block = s.table[p / cpu::KEY_BLOCK];
+                    for g in 0..kvh {
+                        key_rows.push(layout.key_row(block, layer, g, p % cpu::KEY_BLOCK) as u32);
+                    }
+                }
+            }
+            let value_rows: Vec<u32> =
+                key_rows.iter().map(|&r| r + layout.value_offset() as u32).collect();
+            super::elementwise::scatter_flat(cache, k, &key_rows, d)?;
+            super::elementwise::scatter_flat(cache, v, &value_rows, d)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let plan = plan.device.as_ref().ok_or_else(|| {
+                crate::Error::Device("paged_kv_write: the plan was made for the CPU".into())
+            })?;
+            let Storage::Cuda(buffer) = &mut cache.storage else { unreachable!("on a device") };
+            let gpu = buffer.gpu.clone();
+            crate::cuda::paged_kv_write(
+                &gpu,
+                &mut buffer.data,
+                device_data(k),
+                device_data(v),
+                plan,
+                layer,
+                layout,
+            )
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// Attention of the plan's query rows (`q` `[rows × q_heads × head_dim]`) over the paged
+/// `cache` of `layer`, this step's keys and values already written: `(out, lse)` as
+/// [`attention_forward`] gives them, with the same bits per row. On CUDA it runs in bf16 at
+/// head_dim 64 or 128 (the tensor-core forward reading key blocks through the block tables).
+pub fn paged_attention(
+    q: &Tensor,
+    cache: &Tensor,
+    layer: usize,
+    plan: &PagedPlan,
+    q_heads: usize,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "paged_attention";
+    let device = same_device(OP, &[q, cache])?;
+    floats_only(OP, &[q, cache])?;
+    let (layout, rows) = (plan.layout, plan.rows);
+    let d = layout.head_dim;
+    ensure(
+        layer < layout.layers
+            && q.dtype() == cache.dtype()
+            && q.len() == rows * q_heads * d
+            && cache.len() == layout.rows() * d
+            && layout.kv_heads > 0
+            && q_heads.is_multiple_of(layout.kv_heads),
+        OP,
+        || {
+            format!(
+                "layer {layer}: q {:?} {} with {q_heads} heads, cache {:?} {} for {rows} rows of \
+                 {layout:?}",
+                q.shape,
+                q.dtype(),
+                cache.shape,
+                cache.dtype()
+            )
+        },
+    )?;
+    let lse_shape = vec![rows, q_heads];
+    match device {
+        Device::Cpu => {
+            let (mut out, mut lse) = (host_out(q.len()), host_out(rows * q_heads));
+            cpu::paged_attention_forward(
+                &mut out,
+                &mut lse,
+                &host_f32(q),
+                &host_f32(cache),
+                layer,
+                &plan.seqs(),
+                q_heads,
+                layout,
+            )?;
+            Ok((
+                host_tensor(q.shape.clone(), out, q.dtype()),
+                host_tensor(lse_shape, lse, DType::F32),
+            ))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let dp = plan.device.as_ref().ok_or_else(|| {
+                crate::Error::Device("paged_attention: the plan was made for the CPU".into())
+            })?;
+            let Storage::Cuda(buffer) = &q.storage else { unreachable!("a device tensor") };
+            let (out, lse) = crate::cuda::paged_attention(
+                &buffer.gpu,
+                device_data(q),
+                device_data(cache),
+                layer,
+                dp,
+                q_heads,
+                layout,
+            )?;
+            Ok((
+                Tensor { shape: q.shape.clone(), storage: Storage::Cuda(out) },
+                Tensor { shape: lse_shape, storage: Storage::Cuda(lse) },
+            ))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -366,5 +611,109 @@ mod tests {
                 .to_string()
                 .contains("one dtype")
         );
+    }
+
+    /// The paged attention over a cache filled in pieces (a prompt, then chunks, then decode
+    /// rows) gives each row the bits of the packed forward over the whole sequences: on the CPU
+    /// in f32 and bf16, on CUDA in bf16 (its tensor-core kernel), with block tables out of
+    /// order and shared by no one.
+    #[test]
+    fn paged_attention_has_the_bits_of_the_packed_forward() {
+        let mut rng = Rng::new(77);
+        let lens = [1usize, 70, 129, 64, 200];
+        let cu: Vec<usize> = std::iter::once(0)
+            .chain(lens.iter().scan(0, |a, &n| {
+                *a += n;
+                Some(*a)
+            }))
+            .collect();
+        for d in [64usize, 128] {
+            let s = AttentionShape { q_heads: 6, kv_heads: 2, head_dim: d };
+            let [q, k, v, _] = inputs(&mut rng, &cu, s);
+            let t = *cu.last().unwrap();
+            let blocks_of = |n: usize| n.div_ceil(cpu::KEY_BLOCK);
+            let total: usize = lens.iter().map(|&n| blocks_of(n)).sum::<usize>() + 3;
+            let layout = PagedLayout { blocks: total, layers: 2, kv_heads: 2, head_dim: d };
+            // Block ids handed out in a scrambled order.
+            let mut ids: Vec<u32> = (0..total as u32).collect();
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, rng.below(i + 1));
+            }
+            let mut tables = Vec::new();
+            for &n in &lens {
+                tables.push(ids.drain(..blocks_of(n)).collect::<Vec<u32>>());
+            }
+            // Each sequence cut into steps: [0, a), [a, b), then one row at a time.
+            let steps: Vec<Vec<(usize, usize)>> = lens
+                .iter()
+                .map(|&n| {
+                    let (a, b) = (n / 2, n.saturating_sub(2).max(n / 2));
+                    let mut v = vec![(0, a), (a, b)];
+                    v.extend((b..n).map(|p| (p, p + 1)));
+                    v.retain(|&(x, y)| y > x);
+                    v
+                })
+                .collect();
+            for device in devices() {
+                for dtype in [DType::F32, DType::BF16] {
+                    if device != Device::Cpu && dtype == DType::F32 {
+                        continue; // CUDA's paged kernel is the bf16 tensor-core one
+                    }
+                    let what = format!("{device} {dtype} d{d}");
+                    let dev = |x: &[f32], n: usize, rows: usize| {
+                        tensor(&[rows, n * d], x, dtype, &device)
+                    };
+                    let (want, want_lse) =
+                        attention_forward(&dev(&q, 6, t), &dev(&k, 2, t), &dev(&v, 2, t), &cu, s)
+                            .unwrap();
+                    let (want, want_lse) =
+                        (want.to_vec_f32().unwrap(), want_lse.to_vec_f32().unwrap());
+                    let mut cache =
+                        tensor(&[layout.rows(), d], &vec![0.5; layout.rows() * d], dtype, &device);
+                    let rounds = steps.iter().map(Vec::len).max().unwrap();
+                    for round in 0..rounds {
+                        // One call per round over every sequence with a step left.
+                        let seqs: Vec<(usize, PagedRows)> = (0..lens.len())
+                            .filter_map(|i| {
+                                steps[i].get(round).map(|&(a, b)| {
+                                    (i, PagedRows { n: b - a, pos0: a, table: &tables[i] })
+                                })
+                            })
+                            .collect();
+                        let gather = |x: &[f32], heads: usize| -> Vec<f32> {
+                            seqs.iter()
+                                .flat_map(|(i, r)| {
+                                    let at = (cu[*i] + r.pos0) * heads * d;
+                                    x[at..at + r.n * heads * d].to_vec()
+                                })
+                                .collect()
+                        };
+                        let rows: usize = seqs.iter().map(|(_, r)| r.n).sum();
+                        let paged: Vec<PagedRows> = seqs.iter().map(|(_, r)| *r).collect();
+                        let plan = PagedPlan::new(&paged, layout, &device).unwrap();
+                        for layer in [1, 0] {
+                            let (kt, vt) =
+                                (dev(&gather(&k, 2), 2, rows), dev(&gather(&v, 2), 2, rows));
+                            paged_kv_write(&mut cache, &kt, &vt, layer, &plan).unwrap();
+                        }
+                        let qt = dev(&gather(&q, 6), 6, rows);
+                        let (out, lse) = paged_attention(&qt, &cache, 0, &plan, 6).unwrap();
+                        let (out, lse) = (out.to_vec_f32().unwrap(), lse.to_vec_f32().unwrap());
+                        let mut row = 0;
+                        for (i, r) in &seqs {
+                            for p in r.pos0..r.pos0 + r.n {
+                                let (g, w) = (row * 6, (cu[*i] + p) * 6);
+                                assert!(
+                                    out[g * d..(g + 6) * d] == want[w * d..(w + 6) * d]
+                                        && lse[g..g + 6] == want_lse[w..w + 6],
+                                    "{what}: sequence {i} position {p} (round {round})"
+                                );
+                                row += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }

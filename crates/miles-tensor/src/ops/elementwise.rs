@@ -174,12 +174,40 @@ pub fn embedding_forward(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             let ids: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
+            let ids = crate::cuda::Ids::Host(&ids);
             let out =
-                crate::cuda::embedding_forward(gpu_of(table), device_data(table), &ids, hidden)?;
+                crate::cuda::embedding_forward(gpu_of(table), device_data(table), ids, hidden)?;
             Ok(on_device(shape, out))
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// [`embedding_forward`] with the ids in an i32 tensor on the table's device (a captured
+/// graph's input). The caller guarantees they are in the vocabulary: on a device they are not
+/// read back to be checked.
+pub fn embedding_forward_ids(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    const OP: &str = "embedding_ids";
+    same_device(OP, &[table, ids])?;
+    dtype_is(OP, "ids", ids, DType::I32)?;
+    match &ids.storage {
+        Storage::I32(v) => {
+            let ids: Vec<u32> = v.iter().map(|&i| i as u32).collect();
+            embedding_forward(table, &ids)
+        }
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::I32(d), .. }) => {
+            floats_only(OP, &[table])?;
+            ensure(table.shape.len() == 2, OP, || format!("table {:?}", table.shape))?;
+            let hidden = table.shape[1];
+            let rows = ids.len();
+            let ids = crate::cuda::Ids::Device(d, rows);
+            let out =
+                crate::cuda::embedding_forward(gpu_of(table), device_data(table), ids, hidden)?;
+            Ok(on_device(vec![rows, hidden], out))
+        }
+        _ => unreachable!("an i32 tensor (checked)"),
     }
 }
 
@@ -295,6 +323,17 @@ pub fn scatter_rows(dst: &mut Tensor, src: &Tensor, rows: &[u32]) -> Result<()> 
         "rows repeat".into()
     })?;
     let width = dst.shape[1];
+    scatter_flat(dst, src, rows, width)
+}
+
+/// `dst[rows[i]] = src[i]` over both tensors' elements seen as rows of `width` (checked by the
+/// caller): the paged KV cache writes its `head_dim`-wide rows through it.
+pub(super) fn scatter_flat(
+    dst: &mut Tensor,
+    src: &Tensor,
+    rows: &[u32],
+    width: usize,
+) -> Result<()> {
     match &mut dst.storage {
         Storage::F32(d) => {
             let s = host_f32(src);

@@ -64,10 +64,11 @@ pub fn logprob_rows(
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             let Storage::Cuda(buffer) = &logits.storage else { unreachable!("on a device") };
+            let targets: Vec<i32> = targets.iter().map(|&t| t as i32).collect();
             let (lp, ent) = crate::cuda::logprob_rows(
                 &buffer.gpu,
                 device(logits),
-                targets,
+                crate::cuda::Ids::Host(&targets),
                 vocab,
                 temperature,
             )?;
@@ -79,6 +80,51 @@ pub fn logprob_rows(
             let _ = vocab;
             Err(crate::tensor::not_built())
         }
+    }
+}
+
+/// [`logprob_rows`] with the targets in an i32 tensor on the logits' device (a captured
+/// graph's sampled tokens). The caller guarantees they are in the vocabulary.
+pub fn logprob_rows_ids(
+    logits: &Tensor,
+    targets: &Tensor,
+    temperature: f32,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "logprob_rows_ids";
+    same_device(OP, &[logits, targets])?;
+    dtype_is(OP, "targets", targets, DType::I32)?;
+    match &targets.storage {
+        Storage::I32(v) => {
+            let t: Vec<u32> = v.iter().map(|&i| i as u32).collect();
+            logprob_rows(logits, &t, temperature)
+        }
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::I32(d), .. }) => {
+            let rows = targets.len();
+            dtype_is(OP, "logits", logits, DType::F32)?;
+            ensure(
+                logits.shape.len() == 2 && logits.shape[0] == rows && temperature > 0.0,
+                OP,
+                || {
+                    format!(
+                        "logits {:?} for {rows} targets, temperature {temperature}",
+                        logits.shape
+                    )
+                },
+            )?;
+            let Storage::Cuda(buffer) = &logits.storage else { unreachable!("on a device") };
+            let ids = crate::cuda::Ids::Device(d, rows);
+            let (lp, ent) = crate::cuda::logprob_rows(
+                &buffer.gpu,
+                device(logits),
+                ids,
+                logits.shape[1],
+                temperature,
+            )?;
+            let t = |b| Tensor { shape: vec![rows], storage: Storage::Cuda(b) };
+            Ok((t(lp), t(ent)))
+        }
+        _ => unreachable!("an i32 tensor (checked)"),
     }
 }
 

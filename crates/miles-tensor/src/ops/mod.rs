@@ -12,14 +12,18 @@ mod attention;
 mod elementwise;
 mod logprob;
 mod optim;
+mod sample;
 
-pub use attention::{attention_backward, attention_forward};
-pub use elementwise::{
-    add, embedding_backward, embedding_backward_acc, embedding_forward, gather_rows, rope,
-    scatter_rows, swiglu_backward, swiglu_forward,
+pub use attention::{
+    PagedPlan, attention_backward, attention_forward, paged_attention, paged_kv_write,
 };
-pub use logprob::{logprob_rows, logprob_rows_backward};
+pub use elementwise::{
+    add, embedding_backward, embedding_backward_acc, embedding_forward, embedding_forward_ids,
+    gather_rows, rope, scatter_rows, swiglu_backward, swiglu_forward,
+};
+pub use logprob::{logprob_rows, logprob_rows_backward, logprob_rows_ids};
 pub use optim::{AdamWTensors, adamw_multi, adamw_step, sum_squares, sum_squares_multi};
+pub use sample::{sample_rows, sample_rows_ids};
 
 /// A host buffer of `n` f32 for an op to overwrite (NaN in debug builds: see POISON_OUTPUTS).
 fn host_out(n: usize) -> Vec<f32> {
@@ -403,6 +407,23 @@ mod tests {
                     }
                 }
             }
+        }
+        // The LM head: bf16 operands, f32 logits, a vocabulary of rows (SmolLM2's shape).
+        let (n, k) = (49152usize, 576usize);
+        let (w, x) = (rng.vec(n * k, 0.05), rng.vec(1024 * k, 1.0));
+        let wt = tensor(&[n, k], &w, DType::BF16, &device);
+        let head = |rows: usize| {
+            let xt = tensor(&[rows, k], &x[..rows * k], DType::BF16, &device);
+            matmul_f32_out(&xt, Transpose::No, &wt, Transpose::Yes).unwrap().to_vec_f32().unwrap()
+        };
+        let all = head(1024);
+        for rows in [1usize, 2, 8, 64, 137, 256, 1000] {
+            let got = head(rows);
+            let differ = got.iter().zip(&all).filter(|(a, b)| a != b).count();
+            assert!(
+                differ == 0,
+                "head {n}×{k}: {rows} rows: {differ} logits differ from 1024 rows"
+            );
         }
     }
 

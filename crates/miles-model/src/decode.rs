@@ -1,0 +1,255 @@
+//! Decode steps replayed as CUDA graphs. A pure decode step (one row per running sequence)
+//! launches some 15 kernels per layer; from the host that costs more than the GPU takes to run
+//! them at RL's batch sizes. So each batch-size bucket's step is captured once, with its
+//! inputs (token ids, RoPE tables, the paged plan, the uniform numbers) in buffers that keep
+//! their addresses and its outputs (tokens, logprobs) copied into two more; a step then loads
+//! the inputs, launches the graph and reads 8 bytes per row back. Rows past the step's
+//! sequences are padding on the cache's scratch block. The graph replays the eager step's
+//! kernels on the same per-row data, so the tokens and logprob bits are the eager step's.
+//!
+//! Without CUDA (the CPU's tensor ops, or a build without the feature) [`DeviceModel::decode`]
+//! runs the eager step.
+
+#[cfg(feature = "cuda")]
+use miles_tensor::cpu::PagedRows;
+#[cfg(feature = "cuda")]
+use miles_tensor::{DType, Device, Tensor, ops};
+
+use crate::{DeviceKvCache, DeviceModel, Error, Result, SampleParams, StepRow};
+
+/// Batch sizes of the captured steps: powers of two to 256, then multiples of 128.
+#[cfg(any(test, feature = "cuda"))]
+fn bucket(rows: usize) -> usize {
+    if rows <= 256 { rows.next_power_of_two() } else { rows.div_ceil(128) * 128 }
+}
+
+/// The captured decode steps of one sampling configuration and block-table width.
+pub struct DecodeGraphs {
+    params: SampleParams,
+    /// Blocks per sequence the captured plans hold.
+    #[cfg(feature = "cuda")]
+    stride: usize,
+    #[cfg(feature = "cuda")]
+    graphs: Vec<DecodeGraph>,
+}
+
+impl DecodeGraphs {
+    pub fn new(params: SampleParams) -> Self {
+        DecodeGraphs {
+            params,
+            #[cfg(feature = "cuda")]
+            stride: 0,
+            #[cfg(feature = "cuda")]
+            graphs: Vec::new(),
+        }
+    }
+
+    pub fn params(&self) -> SampleParams {
+        self.params
+    }
+
+    /// Captured steps so far.
+    pub fn len(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        return self.graphs.len();
+        #[cfg(not(feature = "cuda"))]
+        0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One bucket's graph and the buffers it reads and writes.
+#[cfg(feature = "cuda")]
+struct DecodeGraph {
+    rows: usize,
+    graph: Option<miles_tensor::Graph>,
+    ids: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    plan: ops::PagedPlan,
+    uniforms: Tensor,
+    tokens: Tensor,
+    logp: Tensor,
+}
+
+impl DeviceModel {
+    /// One decode step: `rows` are one position of distinct sequences; draws the next token of
+    /// each with `uniforms[i]` as [`DeviceModel::step`] then [`DeviceModel::sample`] do, with
+    /// the same bits, through a captured graph on CUDA.
+    pub fn decode(
+        &self,
+        graphs: &mut DecodeGraphs,
+        rows: &[StepRow],
+        uniforms: &[f64],
+        kv: &mut DeviceKvCache,
+    ) -> Result<Vec<Option<(u32, f32)>>> {
+        if rows.len() != uniforms.len() {
+            return Err(Error::Invalid(format!(
+                "{} decode rows with {} uniform numbers",
+                rows.len(),
+                uniforms.len()
+            )));
+        }
+        #[cfg(feature = "cuda")]
+        if matches!(self.device(), Device::Cuda(_)) && self.dtype() == DType::BF16 {
+            return self.decode_graph(graphs, rows, uniforms, kv);
+        }
+        let hidden = self.step(rows, kv)?;
+        let picks: Vec<u32> = (0..rows.len() as u32).collect();
+        self.sample(&hidden, &picks, graphs.params, uniforms)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn decode_graph(
+        &self,
+        graphs: &mut DecodeGraphs,
+        rows: &[StepRow],
+        uniforms: &[f64],
+        kv: &mut DeviceKvCache,
+    ) -> Result<Vec<Option<(u32, f32)>>> {
+        let c = &self.config;
+        if let Some((r, row)) =
+            rows.iter().enumerate().find(|(_, r)| r.token as usize >= c.vocab_size)
+        {
+            return Err(Error::Invalid(format!(
+                "decode row {r}: token id {} is outside the vocabulary of {}",
+                row.token, c.vocab_size
+            )));
+        }
+        // Tables wider than the captured plans': capture again, twice as wide.
+        let widest = rows.iter().map(|r| r.blocks.len()).max().unwrap_or(1);
+        if widest > graphs.stride {
+            graphs.stride = widest.next_power_of_two().max(8);
+            graphs.graphs.clear();
+        }
+        let b = bucket(rows.len());
+        let index = match graphs.graphs.iter().position(|g| g.rows == b) {
+            Some(i) => {
+                let g = &mut graphs.graphs[i];
+                self.load_inputs(g, rows, uniforms)?;
+                g.graph.as_ref().expect("captured when made").launch()?;
+                i
+            }
+            None => {
+                let g = self.capture_decode(b, graphs.stride, graphs.params, rows, uniforms, kv)?;
+                graphs.graphs.push(g);
+                graphs.graphs.len() - 1
+            }
+        };
+        let g = &graphs.graphs[index];
+        let tokens = g.tokens.to_vec_i32()?;
+        let logp = g.logp.to_vec_f32()?;
+        Ok(tokens[..rows.len()]
+            .iter()
+            .zip(&logp)
+            .map(|(&t, &lp)| u32::try_from(t).ok().map(|t| (t, lp)))
+            .collect())
+    }
+
+    /// Writes a step's inputs into the graph's buffers (padding rows: token 0 at position 0 of
+    /// the scratch block, uniform 0).
+    #[cfg(feature = "cuda")]
+    fn load_inputs(&self, g: &mut DecodeGraph, rows: &[StepRow], uniforms: &[f64]) -> Result<()> {
+        let cpu = Device::Cpu;
+        let mut ids: Vec<i32> = rows.iter().map(|r| r.token as i32).collect();
+        ids.resize(g.rows, 0);
+        g.ids.copy_from(&Tensor::from_i32(&[g.rows], ids, &cpu)?)?;
+        let mut positions: Vec<u32> = rows.iter().map(|r| r.position as u32).collect();
+        positions.resize(g.rows, 0);
+        let c = &self.config;
+        let (cos, sin) = miles_tensor::cpu::rope_tables(&positions, c.head_dim, c.rope_theta);
+        let half = [g.rows, c.head_dim / 2];
+        g.cos.copy_from(&Tensor::from_f32(&half, cos, &cpu)?)?;
+        g.sin.copy_from(&Tensor::from_f32(&half, sin, &cpu)?)?;
+        let seqs: Vec<PagedRows> =
+            rows.iter().map(|r| PagedRows { n: 1, pos0: r.position, table: r.blocks }).collect();
+        g.plan.load_decode(&seqs)?;
+        // The uniforms' f64 bits as i32 pairs: the sampler reads them as doubles.
+        let mut bits: Vec<i32> = uniforms
+            .iter()
+            .flat_map(|u| {
+                let b = u.to_bits();
+                [b as u32 as i32, (b >> 32) as u32 as i32]
+            })
+            .collect();
+        bits.resize(2 * g.rows, 0);
+        g.uniforms.copy_from(&Tensor::from_i32(&[g.rows, 2], bits, &cpu)?)?;
+        Ok(())
+    }
+
+    /// Makes bucket `rows`'s buffers, runs the step once eagerly on them (this step's result;
+    /// it also loads the kernels and pins the GEMM algorithms), then captures the same body.
+    #[cfg(feature = "cuda")]
+    fn capture_decode(
+        &self,
+        rows: usize,
+        stride: usize,
+        params: SampleParams,
+        step: &[StepRow],
+        uniforms: &[f64],
+        kv: &mut DeviceKvCache,
+    ) -> Result<DecodeGraph> {
+        let (c, device) = (&self.config, self.device());
+        let half = [rows, c.head_dim / 2];
+        let layout = kv.layout();
+        let plan = ops::PagedPlan::for_decode(rows, stride, kv.scratch_block(), layout, &device)?;
+        let mut g = DecodeGraph {
+            rows,
+            graph: None,
+            ids: Tensor::zeros(&[rows], DType::I32, &device)?,
+            cos: Tensor::zeros(&half, DType::F32, &device)?,
+            sin: Tensor::zeros(&half, DType::F32, &device)?,
+            plan,
+            uniforms: Tensor::zeros(&[rows, 2], DType::I32, &device)?,
+            tokens: Tensor::zeros(&[rows], DType::I32, &device)?,
+            logp: Tensor::zeros(&[rows], DType::F32, &device)?,
+        };
+        self.load_inputs(&mut g, step, uniforms)?;
+        self.decode_body(&mut g, params, kv)?;
+        let body = || {
+            self.decode_body(&mut g, params, kv).map_err(|e| match e {
+                Error::Op(e) => e,
+                other => miles_tensor::Error::Device(other.to_string()),
+            })
+        };
+        let graph = device.capture(body)?;
+        g.graph = Some(graph);
+        Ok(g)
+    }
+
+    /// The step on the graph's buffers: what is captured.
+    #[cfg(feature = "cuda")]
+    fn decode_body(
+        &self,
+        g: &mut DecodeGraph,
+        params: SampleParams,
+        kv: &mut DeviceKvCache,
+    ) -> Result<()> {
+        let x = ops::embedding_forward_ids(self.embedding(), &g.ids)?;
+        let hidden = self.step_layers(x, &g.cos, &g.sin, &g.plan, kv)?;
+        let logits = self.head_all(&hidden)?;
+        drop(hidden);
+        let t = params.temperature;
+        let tokens = ops::sample_rows_ids(&logits, t, params.top_k, params.top_p, &g.uniforms)?;
+        let (logp, _) = ops::logprob_rows_ids(&logits, &tokens, t)?;
+        g.tokens.copy_from(&tokens)?;
+        g.logp.copy_from(&logp)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bucket;
+
+    #[test]
+    fn buckets_cover_every_batch() {
+        assert_eq!(
+            [1, 2, 3, 5, 64, 65, 256, 257, 300].map(bucket),
+            [1, 2, 4, 8, 64, 128, 256, 384, 384]
+        );
+    }
+}

@@ -1,0 +1,232 @@
+//! The engine over a [`DeviceModel`]: the same scheduler on the device's KV cache, kernels and
+//! sampler. On CUDA (through the device bundle) rollout logprobs equal the scorer's bit for
+//! bit and a sample's tokens do not depend on its batch, the budget or a preemption; on the
+//! CPU's tensor ops (whose products are a reference, not batch-invariant) the same runs agree
+//! to rounding.
+
+use miles_core::{Rollout, Sample, SamplingParams, Status};
+use miles_model::{
+    Architecture, DeviceKvCache, DeviceModel, Model, ModelConfig, PackedBatch, Weights, presets,
+};
+use miles_tensor::rng::Rng;
+use miles_tensor::{DType, Device};
+
+use crate::{Engine, EngineConfig, policy::DevicePolicy};
+
+/// A small model at head_dim 64 (the tensor-core attention's), far from uniform.
+fn model(arch: Architecture, seed: u64) -> Model {
+    let mut c: ModelConfig = presets::preset("tiny", Some(arch)).unwrap();
+    (c.hidden_size, c.intermediate_size, c.num_hidden_layers) = (256, 512, 2);
+    (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (4, 2, 64);
+    let mut w = Weights::random(&c, seed);
+    let mut rng = Rng::new(seed + 100);
+    for t in w.tensors_mut(arch) {
+        for v in t.iter_mut() {
+            *v = if *v == 1.0 { 1.0 + 0.2 * rng.normal() } else { 0.1 * rng.normal() };
+        }
+    }
+    Model::new(c, w)
+}
+
+/// Prompt lengths around the 64-token block: shorter, one block, longer, two blocks, one.
+fn groups(n: usize, seed: u64, vocab: usize) -> Vec<Vec<Sample>> {
+    let mut rng = Rng::new(seed);
+    [5usize, 64, 70, 13, 128, 1]
+        .iter()
+        .enumerate()
+        .map(|(g, &len)| {
+            let tokens: Vec<u32> = (0..len).map(|_| rng.below(vocab) as u32).collect();
+            (0..n)
+                .map(|i| Sample {
+                    group_index: g,
+                    index: g * n + i,
+                    tokens: tokens.clone(),
+                    ..Sample::default()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn params(max_new: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        top_k: 50,
+        max_new_tokens: max_new,
+        ignore_eos: true,
+        seed: 7,
+        ..SamplingParams::default()
+    }
+}
+
+fn engine(m: &Model, device: &Device, dtype: DType, config: EngineConfig) -> Engine<DevicePolicy> {
+    Engine::on_device(DeviceModel::new(m, device, dtype).unwrap(), None, config).unwrap()
+}
+
+/// (tokens, logprob bits, status) of every sample, in order.
+fn results(groups: &[Vec<Sample>]) -> Vec<(Vec<u32>, Vec<u32>, Status)> {
+    groups
+        .iter()
+        .flatten()
+        .map(|s| {
+            (s.tokens.clone(), s.rollout_log_probs.iter().map(|v| v.to_bits()).collect(), s.status)
+        })
+        .collect()
+}
+
+fn cuda() -> Option<Device> {
+    match Device::Cuda(0).ensure_available() {
+        Ok(()) => Some(Device::Cuda(0)),
+        Err(e) => {
+            println!("skipping CUDA: {e}");
+            None
+        }
+    }
+}
+
+/// Each sample's logprobs scored by the device model, packed in `per_batch`es in `order`.
+fn score(
+    dm: &DeviceModel,
+    samples: &[Sample],
+    order: &[usize],
+    per_batch: usize,
+    t: f32,
+) -> Vec<Vec<f32>> {
+    let mut by_sample = vec![Vec::new(); samples.len()];
+    for chunk in order.chunks(per_batch) {
+        let batch: Vec<_> = chunk
+            .iter()
+            .map(|&i| (samples[i].tokens.clone(), samples[i].prompt_length().unwrap()))
+            .collect();
+        let (lp, _) = dm.logprobs(&PackedBatch::new(&batch).unwrap(), t).unwrap();
+        let mut at = 0;
+        for &i in chunk {
+            let n = samples[i].response_length;
+            by_sample[i] = lp[at..at + n].to_vec();
+            at += n;
+        }
+    }
+    by_sample
+}
+
+/// Test 1 on CUDA: rollout logprobs equal the scorer's bit for bit under several packings,
+/// with prefix sharing, continuous batching and top-k/top-p sampling.
+#[test]
+fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
+    let Some(device) = cuda() else { return };
+    for arch in [Architecture::Qwen3, Architecture::Llama] {
+        let m = model(arch, 3);
+        let p = params(40);
+        let mut e = engine(
+            &m,
+            &device,
+            DType::BF16,
+            EngineConfig { max_running: 5, ..EngineConfig::default() },
+        );
+        let samples: Vec<Sample> =
+            e.generate(groups(3, 4, m.config.vocab_size), &p).unwrap().concat();
+        let want: Vec<Vec<f32>> = samples.iter().map(|s| s.rollout_log_probs.clone()).collect();
+        let dm = e.device_model();
+        let forward: Vec<usize> = (0..samples.len()).collect();
+        let reversed: Vec<usize> = forward.iter().rev().copied().collect();
+        for (order, per, what) in [
+            (&forward, samples.len(), "one batch"),
+            (&reversed, 5, "reversed by 5"),
+            (&forward, 1, "alone"),
+        ] {
+            let got = score(dm, &samples, order, per, p.temperature);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(g), bits(w), "{arch:?} {what}: sample {i}");
+            }
+        }
+    }
+}
+
+/// On CUDA a sample's tokens and logprobs are the same alone, in a batch, under a KV budget
+/// that forces preemption, and continued from a partial response.
+#[test]
+fn device_samples_do_not_depend_on_the_batch_the_budget_or_a_pause() {
+    let Some(device) = cuda() else { return };
+    let m = model(Architecture::Qwen3, 5);
+    let p = params(70);
+    let input = groups(2, 6, m.config.vocab_size);
+    let mut wide = engine(&m, &device, DType::BF16, EngineConfig::default());
+    let want = results(&wide.generate(input.clone(), &p).unwrap());
+    let per_block = DeviceKvCache::bytes_per_block(&m.config, DType::BF16);
+    let mut tight = engine(
+        &m,
+        &device,
+        DType::BF16,
+        EngineConfig { kv_cache_bytes: 7 * per_block, ..EngineConfig::default() },
+    );
+    assert_eq!(results(&tight.generate(input.clone(), &p).unwrap()), want, "under a tight budget");
+    assert!(tight.stats().preemptions > 0, "{:?}", tight.stats());
+    let mut alone = Vec::new();
+    for s in input.iter().flatten().rev() {
+        alone.push(wide.generate(vec![vec![s.clone()]], &p).unwrap().remove(0).remove(0));
+    }
+    alone.reverse();
+    assert_eq!(results(&[alone]), want, "alone");
+    // Stopped after 30 tokens, then continued to 70.
+    let first =
+        wide.generate(input.clone(), &SamplingParams { max_new_tokens: 30, ..p.clone() }).unwrap();
+    let paused: Vec<Vec<Sample>> = first
+        .into_iter()
+        .map(|g| g.into_iter().map(|s| Sample { status: Status::Aborted, ..s }).collect())
+        .collect();
+    assert_eq!(results(&wide.generate(paused, &p).unwrap()), want, "continued");
+}
+
+/// The same scheduler over the CPU's tensor ops: samples complete, logprobs agree with the
+/// device scorer to rounding, and the budget's preemptions change nothing beyond it.
+#[test]
+fn the_device_engine_runs_on_cpu_tensors() {
+    let m = model(Architecture::Qwen3, 8);
+    let p = params(12);
+    for dtype in [DType::F32, DType::BF16] {
+        // A small cache: the CPU's paged attention reads it whole at every layer.
+        let kv_cache_bytes = 40 * DeviceKvCache::bytes_per_block(&m.config, dtype);
+        let config = EngineConfig { max_running: 4, kv_cache_bytes, ..EngineConfig::default() };
+        let mut e = engine(&m, &Device::Cpu, dtype, config);
+        let samples = e.generate(groups(2, 9, m.config.vocab_size), &p).unwrap().concat();
+        assert!(samples.iter().all(|s| s.status == Status::Truncated && s.response_length == 12));
+        let order: Vec<usize> = (0..samples.len()).collect();
+        let got = score(e.device_model(), &samples, &order, samples.len(), p.temperature);
+        let tol = if dtype == DType::F32 { 1e-4 } else { 0.1 };
+        for (s, g) in samples.iter().zip(&got) {
+            for (a, b) in s.rollout_log_probs.iter().zip(g) {
+                assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{dtype}: {a} vs {b}");
+            }
+        }
+    }
+}
+
+/// Greedy decoding (top-k 1) on CUDA follows the argmax of the CPU model's logits wherever
+/// the best two are not within bf16's rounding of each other: the kernels compute the model.
+#[test]
+fn greedy_on_cuda_tracks_the_cpu_model() {
+    let Some(device) = cuda() else { return };
+    let m = model(Architecture::Llama, 11);
+    let greedy = SamplingParams { top_k: 1, top_p: 1.0, temperature: 1.0, ..params(20) };
+    let input = groups(1, 12, m.config.vocab_size);
+    let gpu = engine(&m, &device, DType::BF16, EngineConfig::default())
+        .generate(input.clone(), &greedy)
+        .unwrap();
+    let mut cpu = Engine::new(m.clone(), None, EngineConfig::default()).unwrap();
+    let want = cpu.generate(input, &greedy).unwrap();
+    let (mut same, mut total) = (0, 0);
+    for (a, b) in gpu.iter().flatten().zip(want.iter().flatten()) {
+        let r = a.prompt_length().unwrap();
+        // Compare up to the first divergence: later tokens have different contexts.
+        for (x, y) in a.tokens[r..].iter().zip(&b.tokens[r..]) {
+            total += 1;
+            if x != y {
+                break;
+            }
+            same += 1;
+        }
+    }
+    assert!(same * 10 >= total * 8, "greedy tokens agree {same}/{total}");
+}

@@ -1,0 +1,222 @@
+//! Where the engine's forward runs. The scheduler ([`crate::Engine`]) is one piece of code; a
+//! [`Policy`] owns the weights and the KV cache's storage and turns one step's rows into draws:
+//! [`CpuPolicy`] (the reference: the batch-invariant CPU model over [`KvCache`]) or
+//! [`DevicePolicy`] (a [`DeviceModel`] over a [`DeviceKvCache`], the LM head and the sampler on
+//! the device, so only token ids and logprobs come back).
+
+use miles_core::SamplingParams;
+use miles_model::{
+    BlockId, DecodeGraphs, DeviceKvCache, DeviceModel, KvCache, Model, ModelConfig, PackedLinears,
+    SampleParams, StepRow,
+};
+use miles_tensor::cpu::{KEY_BLOCK, sample_row, tempered_log_softmax};
+use rayon::prelude::*;
+
+use crate::sampler::Draw;
+
+/// One draw of a step: the row whose next token is drawn, and its uniform number.
+pub type DrawRequest = (usize, f64);
+
+/// The model side of the engine.
+pub trait Policy: Send {
+    fn config(&self) -> &ModelConfig;
+    /// Blocks of [`KEY_BLOCK`] tokens the KV cache holds.
+    fn num_blocks(&self) -> usize;
+    /// One forward over `rows` (writing their keys and values into the cache), then one draw
+    /// per request, in order. Requests of one row come together.
+    fn step(
+        &mut self,
+        rows: &[StepRow],
+        draws: &[DrawRequest],
+        params: &SamplingParams,
+    ) -> crate::Result<Vec<Option<Draw>>>;
+    /// Copies every layer of block `src` into `dst`.
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()>;
+}
+
+/// Blocks that fit `bytes` at `per_block` bytes each, or the flag's error.
+pub(crate) fn blocks_in(bytes: usize, per_block: usize) -> crate::Result<usize> {
+    match bytes / per_block.max(1) {
+        0 => Err(crate::Error::config(
+            "rollout-kv-cache-mb",
+            format!(
+                "{bytes} bytes hold no KV block of this model ({per_block} bytes per {KEY_BLOCK} tokens)"
+            ),
+        )),
+        n => Ok(n),
+    }
+}
+
+/// The KV cache budget in bytes: `fraction` of the device's free memory when given (SGLang's
+/// `--mem-fraction-static` role; GPU only), else `mb` MiB.
+pub fn kv_cache_budget(
+    mb: usize,
+    fraction: Option<f64>,
+    device: &miles_tensor::Device,
+) -> crate::Result<usize> {
+    let Some(f) = fraction else {
+        return mb.checked_mul(1 << 20).ok_or_else(|| {
+            crate::Error::config(
+                "rollout-kv-cache-mb",
+                "too large for this machine's address space",
+            )
+        });
+    };
+    if !(f > 0.0 && f <= 1.0) {
+        return Err(crate::Error::config(
+            "rollout-kv-cache-fraction",
+            format!("{f} is outside (0, 1]"),
+        ));
+    }
+    let info = device
+        .memory_info()
+        .map_err(|e| crate::Error::config("rollout-kv-cache-fraction", e.to_string()))?;
+    match info {
+        Some((free, _)) => Ok((free as f64 * f) as usize),
+        None => Err(crate::Error::config(
+            "rollout-kv-cache-fraction",
+            "is a share of GPU memory; on the CPU give --rollout-kv-cache-mb",
+        )),
+    }
+}
+
+pub(crate) fn model_error(e: miles_model::Error) -> crate::Error {
+    crate::Error::Invalid(format!("rollout engine: {e}"))
+}
+
+/// The CPU model, its packed linears and an f32 KV cache in host memory.
+pub struct CpuPolicy {
+    pub(crate) model: Model,
+    pub(crate) packed: PackedLinears,
+    kv: KvCache,
+}
+
+impl CpuPolicy {
+    /// `model` with a KV cache of `kv_bytes`.
+    pub fn new(model: Model, kv_bytes: usize) -> crate::Result<Self> {
+        let blocks = blocks_in(kv_bytes, KvCache::bytes_per_block(&model.config))?;
+        let kv = KvCache::new(&model.config, blocks).map_err(model_error)?;
+        let packed = PackedLinears::new(&model).map_err(model_error)?;
+        Ok(CpuPolicy { model, packed, kv })
+    }
+}
+
+impl Policy for CpuPolicy {
+    fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.kv.num_blocks()
+    }
+
+    fn step(
+        &mut self,
+        rows: &[StepRow],
+        draws: &[DrawRequest],
+        params: &SamplingParams,
+    ) -> crate::Result<Vec<Option<Draw>>> {
+        let hidden = self.model.step(&self.packed, rows, &mut self.kv).map_err(model_error)?;
+        let h = self.model.config.hidden_size;
+        // The distinct rows drawn from, and which of them each draw reads.
+        let mut picked: Vec<usize> = Vec::new();
+        let mut of_draw = Vec::with_capacity(draws.len());
+        for &(row, _) in draws {
+            if picked.last() != Some(&row) {
+                picked.push(row);
+            }
+            of_draw.push(picked.len() - 1);
+        }
+        let states: Vec<f32> =
+            picked.iter().flat_map(|&r| hidden[r * h..(r + 1) * h].iter().copied()).collect();
+        let mut logits = self.model.logits(&self.packed, &states).map_err(model_error)?;
+        let vocab = self.model.config.vocab_size;
+        // Tempered in place: the sampler then reads them at temperature 1 (z / 1 = z).
+        let lse: Vec<f32> = logits
+            .par_chunks_mut(vocab)
+            .map(|z| tempered_log_softmax(z, params.temperature))
+            .collect();
+        Ok(draws
+            .par_iter()
+            .zip(&of_draw)
+            .map(|(&(_, u), &i)| {
+                let z = &logits[i * vocab..(i + 1) * vocab];
+                if !lse[i].is_finite() {
+                    return None;
+                }
+                let token = sample_row(z, 1.0, params.top_k, params.top_p, u)?;
+                Some(Draw { token, logprob: z[token as usize] - lse[i] })
+            })
+            .collect())
+    }
+
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()> {
+        self.kv.copy_block(src, dst);
+        Ok(())
+    }
+}
+
+/// A model resident on a device (CUDA, or the CPU's tensor ops) with its KV cache there.
+pub struct DevicePolicy {
+    pub(crate) model: DeviceModel,
+    kv: DeviceKvCache,
+    /// Captured decode steps of the current sampling parameters.
+    graphs: Option<DecodeGraphs>,
+    use_graphs: bool,
+}
+
+impl DevicePolicy {
+    /// `model` with a KV cache of `kv_bytes` on its device, in its compute dtype; decode steps
+    /// replayed as CUDA graphs when `graphs`.
+    pub fn new(model: DeviceModel, kv_bytes: usize, graphs: bool) -> crate::Result<Self> {
+        let per_block = DeviceKvCache::bytes_per_block(&model.config, model.dtype());
+        let blocks = blocks_in(kv_bytes, per_block)?;
+        let kv = DeviceKvCache::new(&model.config, blocks, &model.device(), model.dtype())
+            .map_err(model_error)?;
+        Ok(DevicePolicy { model, kv, graphs: None, use_graphs: graphs })
+    }
+}
+
+impl Policy for DevicePolicy {
+    fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.kv.num_blocks()
+    }
+
+    fn step(
+        &mut self,
+        rows: &[StepRow],
+        draws: &[DrawRequest],
+        params: &SamplingParams,
+    ) -> crate::Result<Vec<Option<Draw>>> {
+        let how = SampleParams {
+            temperature: params.temperature,
+            top_k: params.top_k,
+            top_p: params.top_p,
+        };
+        let uniforms: Vec<f64> = draws.iter().map(|&(_, u)| u).collect();
+        // A pure decode step (one draw per row, each row its own sequence's) replays a graph.
+        let decode = self.use_graphs
+            && rows.len() == draws.len()
+            && draws.iter().enumerate().all(|(i, d)| d.0 == i);
+        let drawn = if decode {
+            let graphs = match &mut self.graphs {
+                Some(g) if g.params() == how => g,
+                slot => slot.insert(DecodeGraphs::new(how)),
+            };
+            self.model.decode(graphs, rows, &uniforms, &mut self.kv).map_err(model_error)?
+        } else {
+            let hidden = self.model.step(rows, &mut self.kv).map_err(model_error)?;
+            let picks: Vec<u32> = draws.iter().map(|&(r, _)| r as u32).collect();
+            self.model.sample(&hidden, &picks, how, &uniforms).map_err(model_error)?
+        };
+        Ok(drawn.into_iter().map(|d| d.map(|(token, logprob)| Draw { token, logprob })).collect())
+    }
+
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()> {
+        self.kv.copy_block(src, dst).map_err(model_error)
+    }
+}

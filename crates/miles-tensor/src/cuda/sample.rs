@@ -1,0 +1,92 @@
+//! Token sampling of `kernels/sample.cu`: one draw per row of f32 logits, the CPU's token.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, LaunchConfig};
+
+use super::{Buffer, DeviceData, Gpu, driver_error};
+use crate::Result;
+
+/// Threads per row: the kernel's constant, so a row's result never depends on the batch.
+const SAMPLE_THREADS: u32 = 1024;
+
+/// The token drawn from each row of `logits [rows × vocab]` with its uniform (the kernel's -1,
+/// None: a tempered logit is NaN or +inf, or all are -inf); `top_k` 0 or ≥ vocab and `top_p` 1
+/// keep every token.
+pub(crate) fn sample_rows(
+    gpu: &Arc<Gpu>,
+    logits: &CudaSlice<f32>,
+    vocab: usize,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    uniforms: &[f64],
+) -> Result<Vec<Option<u32>>> {
+    let rows = uniforms.len();
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    let stream = gpu.stream();
+    let u = stream.clone_htod(uniforms).map_err(|e| driver_error("copy to device", e))?;
+    let mut tokens = gpu.alloc::<i32>(rows)?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (SAMPLE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (vocab_i, top_k_i) = (vocab as i32, if top_k < vocab { top_k as i32 } else { 0 });
+    launch!(
+        gpu,
+        "sample",
+        "sample_rows_f32",
+        cfg,
+        &mut tokens,
+        logits,
+        &u,
+        &vocab_i,
+        &temperature,
+        &top_k_i,
+        &top_p
+    )?;
+    let tokens = stream.clone_dtoh(&tokens).map_err(|e| driver_error("copy to host", e))?;
+    Ok(tokens.into_iter().map(|t| u32::try_from(t).ok()).collect())
+}
+
+/// [`sample_rows`] with each row's uniform as the two i32 halves of its f64 bits in a device
+/// buffer (a captured graph's input), the tokens left on the device (-1: none).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sample_rows_on_device(
+    gpu: &Arc<Gpu>,
+    logits: &CudaSlice<f32>,
+    vocab: usize,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    uniform_bits: &CudaSlice<i32>,
+    rows: usize,
+) -> Result<Buffer> {
+    let mut tokens = gpu.alloc::<i32>(rows)?;
+    if rows > 0 {
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (SAMPLE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (vocab_i, top_k_i) = (vocab as i32, if top_k < vocab { top_k as i32 } else { 0 });
+        // The kernel reads the buffer as doubles: a device pointer is a device pointer.
+        launch!(
+            gpu,
+            "sample",
+            "sample_rows_f32",
+            cfg,
+            &mut tokens,
+            logits,
+            uniform_bits,
+            &vocab_i,
+            &temperature,
+            &top_k_i,
+            &top_p
+        )?;
+    }
+    Ok(Buffer { gpu: gpu.clone(), data: DeviceData::I32(tokens) })
+}
