@@ -93,7 +93,8 @@ if [ "$what" = smollm2 ]; then
   # Sampled GSM8K rollouts, then scored on the GPU: rollout logprobs against the scorer's.
   $miles generate --hf-checkpoint /tmp/smollm2 --prompt-data target/gpu/gsm8k.jsonl --input-key question \
     --label-key answer --apply-chat-template --n-samples-per-prompt 8 --rollout-max-response-len 256 \
-    --rollout-temperature 0.8 --rollout-top-p 0.95 --device cuda --output "$OUT/gsm8k.jsonl"
+    --rollout-temperature 0.8 --rollout-top-p 0.95 --device cuda --output "$OUT/gsm8k.jsonl" \
+    --check-logprobs
   $miles score --hf-checkpoint /tmp/smollm2 --input "$OUT/gsm8k.jsonl" --rollout-temperature 0.8 \
     --device cuda --output /tmp/gsm8k-scored.jsonl
   python3 - "$OUT/gsm8k.jsonl" /tmp/gsm8k-scored.jsonl <<'PY' | tee "$OUT/gsm8k-check.txt"

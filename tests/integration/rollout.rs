@@ -324,9 +324,11 @@ fn generate_writes_samples_that_score_reproduces() {
         "0.9",
         "--output",
         out.to_str().unwrap(),
+        "--check-logprobs",
     ])
     .unwrap();
     assert!(report.contains("generated 6 samples") && report.contains("tokens/s"), "{report}");
+    assert!(report.contains("bit for bit on 6 of 6 samples"), "{report}");
     let text = std::fs::read_to_string(&out).unwrap();
     let samples: Vec<Sample> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(samples.len(), 6);

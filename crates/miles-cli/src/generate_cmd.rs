@@ -8,8 +8,8 @@ use anyhow::{Context, bail};
 use clap::Args;
 use miles_core::{Sample, SamplingParams, Status};
 use miles_data::{Dataset, Keys};
-use miles_model::{DeviceModel, Tokenizer};
-use miles_rollout::{Engine, EngineConfig, EngineStats, Policy, Progress, kv_cache_budget};
+use miles_model::{DeviceModel, PackedBatch, Tokenizer};
+use miles_rollout::{Engine, EngineConfig, Policy, Progress, kv_cache_budget};
 use miles_tensor::Device;
 
 use crate::bench_cmd::{DTypeArg, parse_device};
@@ -73,6 +73,10 @@ pub struct GenerateArgs {
     /// Run every decode step eagerly instead of replaying captured CUDA graphs.
     #[arg(long)]
     pub disable_cuda_graph: bool,
+    /// After generating, score every sample with the same model as the trainer would (packed
+    /// forward) and report whether the rollout logprobs equal it bit for bit.
+    #[arg(long)]
+    pub check_logprobs: bool,
     /// Most sequences decoding at once.
     #[arg(long, default_value_t = 64)]
     pub rollout_max_running: usize,
@@ -168,11 +172,29 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         seed: args.rollout_seed,
     };
     let started = Instant::now();
-    let (groups, stats) = match model {
-        Loaded::Cpu(m) => generate(Engine::new(m, Some(tok), config)?, groups, &params)?,
-        Loaded::Device(m) => generate(Engine::on_device(*m, Some(tok), config)?, groups, &params)?,
+    let t = params.temperature;
+    let (groups, stats, seconds, check) = match model {
+        Loaded::Cpu(m) => {
+            let mut engine = Engine::new(m, Some(tok), config)?;
+            let groups = generate(&mut engine, groups, &params)?;
+            let seconds = started.elapsed().as_secs_f64();
+            let check = args.check_logprobs.then(|| {
+                check_logprobs(&groups, |b| {
+                    Ok(engine.model().logprobs_with(engine.packed(), b, t)?.0)
+                })
+            });
+            (groups, engine.stats().clone(), seconds, check.transpose()?)
+        }
+        Loaded::Device(m) => {
+            let mut engine = Engine::on_device(*m, Some(tok), config)?;
+            let groups = generate(&mut engine, groups, &params)?;
+            let seconds = started.elapsed().as_secs_f64();
+            let check = args
+                .check_logprobs
+                .then(|| check_logprobs(&groups, |b| Ok(engine.device_model().logprobs(b, t)?.0)));
+            (groups, engine.stats().clone(), seconds, check.transpose()?)
+        }
     };
-    let seconds = started.elapsed().as_secs_f64();
     write_samples(&args.output, &groups)?;
     let samples: Vec<&Sample> = groups.iter().flatten().collect();
     let count = |st: Status| samples.iter().filter(|s| s.status == st).count();
@@ -190,6 +212,9 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         stats.preemptions,
         args.output.display()
     )?;
+    if let Some(check) = check {
+        writeln!(out, "{check}")?;
+    }
     Ok(())
 }
 
@@ -200,10 +225,10 @@ enum Loaded {
 
 /// Runs `engine` over `groups` with a progress bar on a terminal.
 fn generate<P: Policy>(
-    mut engine: Engine<P>,
+    engine: &mut Engine<P>,
     groups: Vec<Vec<Sample>>,
     params: &SamplingParams,
-) -> anyhow::Result<(Vec<Vec<Sample>>, EngineStats)> {
+) -> anyhow::Result<Vec<Vec<Sample>>> {
     let started = Instant::now();
     let terminal = std::io::stderr().is_terminal();
     let groups = engine.generate_with_progress(groups, params, &mut |p| {
@@ -214,7 +239,48 @@ fn generate<P: Policy>(
     if terminal {
         eprintln!();
     }
-    Ok((groups, engine.stats().clone()))
+    Ok(groups)
+}
+
+/// Scores the generated samples with `score` (packed batches of up to 8192 tokens) and says
+/// how many have rollout logprobs equal to it bit for bit, and the largest difference.
+fn check_logprobs(
+    groups: &[Vec<Sample>],
+    score: impl Fn(&PackedBatch) -> anyhow::Result<Vec<f32>>,
+) -> anyhow::Result<String> {
+    let samples: Vec<&Sample> = groups.iter().flatten().filter(|s| s.response_length > 0).collect();
+    let (mut same, mut max_diff) = (0, 0f32);
+    let mut at = 0;
+    while at < samples.len() {
+        let mut end = at;
+        let mut tokens = 0;
+        while end < samples.len() && (end == at || tokens + samples[end].tokens.len() <= 8192) {
+            tokens += samples[end].tokens.len();
+            end += 1;
+        }
+        let seqs: Vec<(Vec<u32>, usize)> = samples[at..end]
+            .iter()
+            .map(|s| Ok((s.tokens.clone(), s.prompt_length()?)))
+            .collect::<anyhow::Result<_>>()?;
+        let lp = score(&PackedBatch::new(&seqs)?)?;
+        let mut row = 0;
+        for s in &samples[at..end] {
+            let got = &lp[row..row + s.response_length];
+            row += s.response_length;
+            same += usize::from(
+                got.iter().zip(&s.rollout_log_probs).all(|(a, b)| a.to_bits() == b.to_bits()),
+            );
+            for (a, b) in got.iter().zip(&s.rollout_log_probs) {
+                max_diff = max_diff.max((a - b).abs());
+            }
+        }
+        at = end;
+    }
+    Ok(format!(
+        "rollout logprobs equal the scorer's bit for bit on {same} of {} samples (largest \
+         difference {max_diff:e})",
+        samples.len()
+    ))
 }
 
 /// Writes next to `path` and renames, so a failed run never leaves half a file.

@@ -230,3 +230,57 @@ fn greedy_on_cuda_tracks_the_cpu_model() {
     }
     assert!(same * 10 >= total * 8, "greedy tokens agree {same}/{total}");
 }
+
+/// SmolLM2-135M's shape (two of its layers): 9 query heads over 3 kv heads, a 49152-token
+/// vocabulary, tied head. Rollouts scored by the engine's model and by a second device model
+/// made from the same weights (as `miles score` would), bit for bit.
+#[test]
+fn smollm2_shaped_rollouts_equal_a_fresh_scorer() {
+    let Some(device) = cuda() else { return };
+    let mut c: ModelConfig = presets::preset("tiny", Some(Architecture::Llama)).unwrap();
+    (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size) = (576, 1536, 2, 49152);
+    (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (9, 3, 64);
+    (c.rope_theta, c.tie_word_embeddings) = (1e5, true);
+    let mut w = Weights::random(&c, 21);
+    let mut rng = Rng::new(121);
+    for t in w.tensors_mut(Architecture::Llama) {
+        for v in t.iter_mut() {
+            *v = if *v == 1.0 { 1.0 + 0.2 * rng.normal() } else { 0.05 * rng.normal() };
+        }
+    }
+    let m = Model::new(c, w);
+    // 16 prompts × 8 samples through 64 running slots: prefills join decode steps, as in
+    // `miles generate` over GSM8K.
+    let groups: Vec<Vec<Sample>> = (0..16)
+        .map(|g| {
+            let prompt: Vec<u32> = (0..90 + g).map(|_| rng.below(49152) as u32).collect();
+            (0..8)
+                .map(|i| Sample { index: g * 8 + i, tokens: prompt.clone(), ..Sample::default() })
+                .collect()
+        })
+        .collect();
+    let p = params(40);
+    let mut e = engine(&m, &device, DType::BF16, EngineConfig::default());
+    let samples = e.generate(groups, &p).unwrap().concat();
+    let fresh = DeviceModel::new(&m, &device, DType::BF16).unwrap();
+    let order: Vec<usize> = (0..samples.len()).collect();
+    for (what, dm) in [("engine's model", e.device_model()), ("fresh model", &fresh)] {
+        let got = score(dm, &samples, &order, samples.len(), p.temperature);
+        for (i, (s, g)) in samples.iter().zip(&got).enumerate() {
+            let bad: Vec<(usize, f32, f32)> = s
+                .rollout_log_probs
+                .iter()
+                .zip(g)
+                .enumerate()
+                .filter(|(_, (a, b))| a.to_bits() != b.to_bits())
+                .map(|(j, (a, b))| (j, *a, *b))
+                .collect();
+            assert!(
+                bad.is_empty(),
+                "{what}: sample {i}: {} positions differ, first {:?}",
+                bad.len(),
+                &bad[..bad.len().min(3)]
+            );
+        }
+    }
+}
