@@ -43,6 +43,9 @@ const PROBED_ROWS: [u64; 6] = [1, 2, 7, 259, 1000, 16_384];
 /// rows the runs at [`CHECKED_ROWS`] must reproduce bit for bit.
 const CHECK_ROWS: u64 = 4096;
 const CHECKED_ROWS: [u64; 6] = [1, 2, 7, 64, 259, 1000];
+/// Where else in the batch the checked rows start (multiples of 8 rows keep the operands
+/// 16-byte aligned in either dtype).
+const SHIFTS: [u64; 2] = [8, 1096];
 /// Products of at most this many rows (decode steps) may take a second algorithm, tuned for
 /// few rows, when it reproduces the first one's bits.
 const SMALL_ROWS: u64 = 256;
@@ -190,7 +193,7 @@ impl Lt {
                 let why = match self.why_not(class, &candidate, dtype, c_dtype, &PROBED_ROWS)? {
                     Some(why) => why,
                     None => {
-                        let full = check.run(self, &candidate, CHECK_ROWS)?;
+                        let full = check.run(self, &candidate, CHECK_ROWS, 0)?;
                         match check.differs(self, &candidate, &full, &CHECKED_ROWS)? {
                             None => {
                                 chosen = Some((candidate, full));
@@ -471,8 +474,9 @@ impl Check {
         })
     }
 
-    /// The product's `rows × n` result bytes with `algo` (onto zeros when accumulating).
-    fn run(&self, lt: &Lt, algo: &cublasLtMatmulAlgo_t, rows: u64) -> Result<Vec<u8>> {
+    /// The product's `rows × n` result bytes with `algo` (onto zeros when accumulating), of
+    /// the operand rows from `skip` on.
+    fn run(&self, lt: &Lt, algo: &cublasLtMatmulAlgo_t, rows: u64, skip: u64) -> Result<Vec<u8>> {
         let stream = lt.workspace.stream().clone();
         let err = |e| crate::cuda::driver_error("self-check", e);
         let size = if self.c_dtype == cudaDataType::CUDA_R_32F { 4 } else { 2 };
@@ -480,6 +484,8 @@ impl Check {
             stream.alloc_zeros::<u8>(rows as usize * self.class.n as usize * size).map_err(err)?;
         {
             let (a, _a) = cudarc::driver::DevicePtr::device_ptr(&self.a, &stream);
+            let in_size = if self.dtype == cudaDataType::CUDA_R_32F { 4 } else { 2 };
+            let a = a + skip * self.class.k as u64 * in_size;
             let (b, _b) = cudarc::driver::DevicePtr::device_ptr(&self.b, &stream);
             let (cp, _c) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut c, &stream);
             lt.launch(
@@ -495,7 +501,9 @@ impl Check {
         stream.clone_dtoh(&c).map_err(err)
     }
 
-    /// The first of `rows` whose product with `algo` is not the start of `full`.
+    /// The first of `rows` whose product with `algo` is not the matching part of `full`: the
+    /// product of the first rows, and of rows starting at [`SHIFTS`] (a token at another place
+    /// of its batch).
     fn differs(
         &self,
         lt: &Lt,
@@ -503,10 +511,14 @@ impl Check {
         full: &[u8],
         rows: &[u64],
     ) -> Result<Option<u64>> {
+        let row_bytes = full.len() / CHECK_ROWS as usize;
         for &r in rows {
-            let got = self.run(lt, algo, r)?;
-            if got[..] != full[..got.len()] {
-                return Ok(Some(r));
+            for skip in std::iter::once(0).chain(SHIFTS) {
+                let got = self.run(lt, algo, r, skip)?;
+                let at = skip as usize * row_bytes;
+                if got[..] != full[at..at + got.len()] {
+                    return Ok(Some(r));
+                }
             }
         }
         Ok(None)
