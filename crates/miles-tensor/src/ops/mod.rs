@@ -412,19 +412,20 @@ mod tests {
         let (n, k) = (49152usize, 576usize);
         let (w, x) = (rng.vec(n * k, 0.05), rng.vec(1024 * k, 1.0));
         let wt = tensor(&[n, k], &w, DType::BF16, &device);
-        let head = |rows: usize| {
-            let xt = tensor(&[rows, k], &x[..rows * k], DType::BF16, &device);
+        let head = |from: usize, rows: usize| {
+            let xt = tensor(&[rows, k], &x[from * k..(from + rows) * k], DType::BF16, &device);
             matmul_f32_out(&xt, Transpose::No, &wt, Transpose::Yes).unwrap().to_vec_f32().unwrap()
         };
-        let all = head(1024);
-        for rows in [1usize, 2, 8, 64, 137, 256, 1000] {
-            let got = head(rows);
-            let differ = got.iter().zip(&all).filter(|(a, b)| a != b).count();
-            assert!(
-                differ == 0,
-                "head {n}×{k}: {rows} rows: {differ} logits differ from 1024 rows"
-            );
+        let all = head(0, 1024);
+        // Rows from the start of the batch, and from elsewhere (a token at another place).
+        let cases = [(0, 1), (0, 2), (0, 8), (0, 64), (0, 137), (0, 1000), (5, 1), (37, 64), (300, 256)];
+        for (from, rows) in cases {
+            let got = head(from, rows);
+            let want = &all[from * n..(from + rows) * n];
+            let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();
+            assert!(differ == 0, "head {n}×{k}: rows {from}..+{rows}: {differ} logits differ");
         }
+    }
     }
 
     #[test]
