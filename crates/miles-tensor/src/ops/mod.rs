@@ -418,14 +418,14 @@ mod tests {
         };
         let all = head(0, 1024);
         // Rows from the start of the batch, and from elsewhere (a token at another place).
-        let cases = [(0, 1), (0, 2), (0, 8), (0, 64), (0, 137), (0, 1000), (5, 1), (37, 64), (300, 256)];
+        let cases =
+            [(0, 1), (0, 2), (0, 8), (0, 64), (0, 137), (0, 1000), (5, 1), (37, 64), (300, 256)];
         for (from, rows) in cases {
             let got = head(from, rows);
             let want = &all[from * n..(from + rows) * n];
             let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();
             assert!(differ == 0, "head {n}×{k}: rows {from}..+{rows}: {differ} logits differ");
         }
-    }
     }
 
     #[test]
