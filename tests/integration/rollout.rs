@@ -174,6 +174,46 @@ fn the_kv_budget_bounds_the_cache_and_sequences_wait_for_it() {
     assert_eq!(out[0].status, Status::Truncated);
 }
 
+/// Prompts prefilled in chunks beside the others' decode rows give every sample the tokens and
+/// logprob bits of whole prefills, at any chunk size, with or without preemptions.
+#[test]
+fn chunked_prefill_changes_no_bit() {
+    let m = model(Architecture::Qwen3, 13);
+    let input = groups(3, 14);
+    for max_new in [30, 70] {
+        let p = params(max_new);
+        let mut whole = engine(&m, EngineConfig { max_running: 7, ..EngineConfig::default() });
+        let want = results(&whole.generate(input.clone(), &p).unwrap());
+        // Chunk sizes below, at and above a key block; with 70 new tokens, a budget of 7
+        // blocks also preempts and resumes sequences.
+        let runs: &[(usize, Option<usize>)] = if max_new == 30 {
+            &[(1, None), (7, None), (64, None), (100, None)]
+        } else {
+            &[(20, Some(7))]
+        };
+        for &(size, blocks) in runs {
+            let mut config = EngineConfig {
+                max_running: 7,
+                chunked_prefill_size: Some(size),
+                ..EngineConfig::default()
+            };
+            if let Some(b) = blocks {
+                config.kv_cache_bytes = blocks_mb(&m, b);
+            }
+            let mut e = engine(&m, config);
+            let got = e.generate(input.clone(), &p).unwrap();
+            assert_eq!(results(&got), want, "chunks of {size}, budget {blocks:?}");
+            if blocks.is_some() {
+                assert!(e.stats().preemptions > 0, "{:?}", e.stats());
+            }
+        }
+    }
+    let mut zero =
+        engine(&m, EngineConfig { chunked_prefill_size: Some(0), ..EngineConfig::default() });
+    let err = zero.generate(input, &params(4)).unwrap_err().to_string();
+    assert!(err.contains("rollout-chunked-prefill-size"), "{err}");
+}
+
 #[test]
 fn the_samples_of_a_prompt_share_its_prefill_and_blocks() {
     let m = model(Architecture::Qwen3, 7);

@@ -38,6 +38,10 @@ pub struct RolloutBenchArgs {
     /// Run every decode step eagerly instead of replaying captured CUDA graphs.
     #[arg(long)]
     pub disable_cuda_graph: bool,
+    /// Prefill at most this many prompt tokens per step: longer prompts are prefilled in
+    /// chunks beside the others' decode steps (SGLang's --chunked-prefill-size).
+    #[arg(long, value_name = "TOKENS")]
+    pub chunked_prefill_size: Option<usize>,
     /// GPU matrix products: `invariant` (rollout logprobs equal the trainer's) or `cublas`
     /// (cuBLAS's per-call choice), to measure what true on-policy costs.
     #[arg(long, value_enum, default_value = "invariant")]
@@ -217,6 +221,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         max_prefill_tokens: args.batch * args.prompt_len,
         max_prompt_len: None,
         cuda_graphs: !args.disable_cuda_graph,
+        chunked_prefill_size: args.chunked_prefill_size,
     };
     let mut rng = Rng::new(args.seed + 1);
     let groups: Vec<Vec<Sample>> = (0..args.batch)

@@ -73,6 +73,10 @@ pub struct GenerateArgs {
     /// Run every decode step eagerly instead of replaying captured CUDA graphs.
     #[arg(long)]
     pub disable_cuda_graph: bool,
+    /// Prefill at most this many prompt tokens per step: longer prompts are prefilled in
+    /// chunks beside the others' decode steps (SGLang's --chunked-prefill-size).
+    #[arg(long, value_name = "TOKENS")]
+    pub chunked_prefill_size: Option<usize>,
     /// After generating, score every sample with the same model as the trainer would (packed
     /// forward) and report whether the rollout logprobs equal it bit for bit.
     #[arg(long)]
@@ -159,6 +163,7 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         max_running: args.rollout_max_running.max(1),
         max_prompt_len: args.rollout_max_prompt_len,
         cuda_graphs: !args.disable_cuda_graph,
+        chunked_prefill_size: args.chunked_prefill_size,
         ..EngineConfig::default()
     };
     let params = SamplingParams {

@@ -145,7 +145,8 @@ fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
 }
 
 /// On CUDA a sample's tokens and logprobs are the same alone, in a batch, under a KV budget
-/// that forces preemption, and continued from a partial response.
+/// that forces preemption, with prompts prefilled in chunks, and continued from a partial
+/// response.
 #[test]
 fn device_samples_do_not_depend_on_the_batch_the_budget_or_a_pause() {
     let Some(device) = cuda() else { return };
@@ -163,6 +164,9 @@ fn device_samples_do_not_depend_on_the_batch_the_budget_or_a_pause() {
     );
     assert_eq!(results(&tight.generate(input.clone(), &p).unwrap()), want, "under a tight budget");
     assert!(tight.stats().preemptions > 0, "{:?}", tight.stats());
+    let config = EngineConfig { chunked_prefill_size: Some(20), ..EngineConfig::default() };
+    let mut chunked = engine(&m, &device, DType::BF16, config);
+    assert_eq!(results(&chunked.generate(input.clone(), &p).unwrap()), want, "chunked prefill");
     let mut alone = Vec::new();
     for s in input.iter().flatten().rev() {
         alone.push(wide.generate(vec![vec![s.clone()]], &p).unwrap().remove(0).remove(0));

@@ -34,6 +34,9 @@ pub struct EngineConfig {
     pub max_prompt_len: Option<usize>,
     /// Replay decode steps as CUDA graphs (flag `--disable-cuda-graph` turns it off).
     pub cuda_graphs: bool,
+    /// Prefill tokens per step when set (SGLang's `--chunked-prefill-size`): a longer prompt is
+    /// prefilled over several steps, beside the decode rows of the others.
+    pub chunked_prefill_size: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +47,7 @@ impl Default for EngineConfig {
             max_prefill_tokens: 4096,
             max_prompt_len: None,
             cuda_graphs: true,
+            chunked_prefill_size: None,
         }
     }
 }
@@ -257,6 +261,9 @@ impl<P: Policy> Engine<P> {
         progress: &mut dyn FnMut(Progress),
     ) -> crate::Result<Vec<Vec<Sample>>> {
         check_params(params)?;
+        if self.config.chunked_prefill_size == Some(0) {
+            return Err(crate::Error::config("rollout-chunked-prefill-size", "must be at least 1"));
+        }
         if self.stale {
             return Err(crate::Error::Invalid(
                 "the policy changed through policy_mut(); call weights_updated() first".into(),
@@ -275,15 +282,20 @@ impl<P: Policy> Engine<P> {
         while run.remaining > 0 {
             self.grow(&mut run);
             let admitted = self.admit(&mut run, &mut admissions);
-            if run.running.is_empty() && admitted.is_empty() {
+            let chunk = self.chunk(&run, &admitted);
+            if run.running.is_empty() && admitted.is_empty() && chunk.is_none() {
                 return Err(crate::Error::Invalid(
                     "rollout engine: no sequence could be scheduled (this is a bug)".into(),
                 ));
             }
             let step_start = Instant::now();
-            let draws = self.step(&run.running, &admitted, params)?;
+            let prefilling = run.prefilling.as_ref().map(|(unit, _)| unit);
+            let in_chunk = prefilling.zip(chunk.clone());
+            let mut draws = self.step(&run.running, &admitted, in_chunk, params)?;
             let seconds = step_start.elapsed().as_secs_f64();
-            if admitted.is_empty() {
+            let prefilled: usize = admitted.iter().map(|u| u[0].tokens.len()).sum::<usize>()
+                + chunk.as_ref().map_or(0, ExactSizeIterator::len);
+            if prefilled == 0 {
                 self.stats.decode_seconds += seconds;
             } else {
                 self.stats.prefill_seconds += seconds;
@@ -291,21 +303,32 @@ impl<P: Policy> Engine<P> {
             self.stats.first_token_seconds.get_or_insert(start.elapsed().as_secs_f64());
             self.stats.steps += 1;
             self.stats.decode_tokens += run.running.len();
-            self.stats.prefill_tokens += admitted.iter().map(|u| u[0].tokens.len()).sum::<usize>();
+            self.stats.prefill_tokens += prefilled;
+            let in_step = draws.iter().map(Vec::len).sum::<usize>();
+            // A chunked prompt's last chunk: its samples have drawn their first tokens.
+            let mut units = admitted;
+            if let Some(c) = chunk {
+                let (unit, done) = run.prefilling.as_mut().expect("a chunk of the prefilling unit");
+                *done = c.end;
+                if c.end == unit[0].tokens.len() {
+                    units.push(run.prefilling.take().expect("checked above").0);
+                } else {
+                    draws.pop();
+                }
+            }
             let (running_draws, unit_draws) = draws.split_at(run.running.len());
             let running = std::mem::take(&mut run.running);
             let mut next: Vec<Seq> = Vec::new();
             for (seq, draw) in running.into_iter().zip(running_draws) {
                 next.extend(run.advance(self, seq, draw[0], &eos, params));
             }
-            for (unit, draws) in admitted.into_iter().zip(unit_draws) {
+            for (unit, draws) in units.into_iter().zip(unit_draws) {
                 let seqs = self.fork(unit)?;
                 for (seq, draw) in seqs.into_iter().zip(draws) {
                     next.extend(run.advance(self, seq, *draw, &eos, params));
                 }
             }
             next.sort_by_key(|s| s.admitted);
-            let in_step = draws.iter().map(Vec::len).sum::<usize>();
             self.stats.peak_running = self.stats.peak_running.max(in_step);
             run.running = next;
             self.stats.peak_blocks = self.stats.peak_blocks.max(run.blocks.peak_used());
@@ -347,10 +370,23 @@ impl<P: Policy> Engine<P> {
     /// allocated here (shared full prompt blocks included), so a step never runs out.
     fn admit(&mut self, run: &mut Run, admissions: &mut u64) -> Vec<Unit> {
         let mut admitted: Vec<Unit> = Vec::new();
-        let mut prefill = 0;
+        let chunk_size = self.config.chunked_prefill_size;
+        let max_prefill = chunk_size.unwrap_or(self.config.max_prefill_tokens);
+        // What the prompt being prefilled in chunks takes of this step's budget.
+        let mut prefill = match (&run.prefilling, chunk_size) {
+            (Some((unit, done)), Some(size)) => (unit[0].tokens.len() - done).min(size),
+            _ => 0,
+        };
         while let Some(unit) = run.waiting.front() {
             let len = unit[0].tokens.len();
-            let seqs = run.running.len() + admitted.iter().map(Vec::len).sum::<usize>();
+            // Longer than a chunk: prefilled over several steps, one such prompt at a time.
+            let chunked = chunk_size.is_some_and(|size| len > size);
+            if chunked && (run.prefilling.is_some() || prefill >= max_prefill) {
+                break;
+            }
+            let seqs = run.running.len()
+                + admitted.iter().map(Vec::len).sum::<usize>()
+                + run.prefilling.as_ref().map_or(0, |(u, _)| u.len());
             let need = unit_blocks(unit);
             // Keep a block of headroom per running sequence when others are running, so a
             // newcomer is not preempted at its first decode step.
@@ -358,8 +394,9 @@ impl<P: Policy> Engine<P> {
             let fits_blocks = need + headroom <= run.blocks.num_free()
                 || (seqs == 0 && need <= run.blocks.num_free());
             let fits_batch = seqs + unit.len() <= self.config.max_running.max(1);
-            let fits_prefill =
-                prefill + len <= self.config.max_prefill_tokens || admitted.is_empty();
+            let fits_prefill = chunked
+                || prefill + len <= max_prefill
+                || (admitted.is_empty() && run.prefilling.is_none());
             if !(fits_blocks && fits_batch && fits_prefill) {
                 if seqs == 0 && unit.len() > 1 {
                     // Even alone the group does not fit at once: let its samples go one by one.
@@ -390,10 +427,24 @@ impl<P: Policy> Engine<P> {
                 seq.admitted = *admissions;
                 *admissions += 1;
             }
+            if chunked {
+                run.prefilling = Some((unit, 0));
+                break;
+            }
             prefill += len;
             admitted.push(unit);
         }
         admitted
+    }
+
+    /// The positions of the chunked prompt prefilled this step: what the chunk size leaves
+    /// after the prompts admitted whole.
+    fn chunk(&self, run: &Run, admitted: &[Unit]) -> Option<std::ops::Range<usize>> {
+        let (unit, done) = run.prefilling.as_ref()?;
+        let size = self.config.chunked_prefill_size?;
+        let taken: usize = admitted.iter().map(|u| u[0].tokens.len()).sum();
+        let end = (done + size.saturating_sub(taken)).min(unit[0].tokens.len());
+        (end > *done).then_some(*done..end)
     }
 
     /// After a unit's prefill: the other members copy the prefilled partial last block.
@@ -415,6 +466,7 @@ impl<P: Policy> Engine<P> {
         &mut self,
         running: &[Seq],
         admitted: &[Unit],
+        chunk: Option<(&Unit, std::ops::Range<usize>)>,
         params: &SamplingParams,
     ) -> crate::Result<Vec<Vec<Option<Draw>>>> {
         let mut rows: Vec<StepRow> = Vec::new();
@@ -435,6 +487,18 @@ impl<P: Policy> Engine<P> {
             draws.extend(unit.iter().map(|s| (rows.len() - 1, u(s))));
             sizes.push(unit.len());
         }
+        // The chunk's rows; its members draw only from the prompt's last row.
+        if let Some((unit, range)) = chunk {
+            let lead = &unit[0];
+            let last = range.end == lead.tokens.len();
+            for p in range {
+                rows.push(StepRow { token: lead.tokens[p], position: p, blocks: &lead.blocks });
+            }
+            if last {
+                draws.extend(unit.iter().map(|s| (rows.len() - 1, u(s))));
+            }
+            sizes.push(if last { unit.len() } else { 0 });
+        }
         let mut drawn = self.policy.step(&rows, &draws, params)?.into_iter();
         Ok(sizes.iter().map(|&n| drawn.by_ref().take(n).collect()).collect())
     }
@@ -445,6 +509,8 @@ struct Run {
     out: Vec<Vec<Sample>>,
     waiting: VecDeque<Unit>,
     running: Vec<Seq>,
+    /// A prompt longer than the chunk size being prefilled, and how many tokens are done.
+    prefilling: Option<(Unit, usize)>,
     blocks: BlockAllocator,
     total: usize,
     remaining: usize,
@@ -463,6 +529,7 @@ impl Run {
             out: Vec::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            prefilling: None,
             blocks: BlockAllocator::new(engine.policy.num_blocks()),
             total,
             remaining: 0,
