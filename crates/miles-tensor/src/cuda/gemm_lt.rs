@@ -228,6 +228,13 @@ impl Lt {
             }
         }
         let pinned = Pinned { large, small };
+        if std::env::var_os("MILES_GEMM_LOG").is_some() {
+            let small = small.map_or("none".to_string(), |a| describe(&a));
+            eprintln!(
+                "gemm {class:?}: large {}, small {small}; rejected: {reasons:?}",
+                describe(&large)
+            );
+        }
         algos.insert(class, pinned);
         Ok(pinned)
     }
@@ -523,4 +530,30 @@ impl Check {
         }
         Ok(None)
     }
+}
+
+/// An algorithm's id, tile, stages and cluster shape (`MILES_GEMM_LOG=1` prints each pin).
+fn describe(algo: &cublasLtMatmulAlgo_t) -> String {
+    use lt_sys::cublasLtMatmulAlgoConfigAttributes_t as A;
+    let get = |attr: A| {
+        let (mut v, mut written) = (0u32, 0usize);
+        // SAFETY: these attributes are 32-bit integers; `v` holds 4 bytes.
+        let status = unsafe {
+            lt_sys::cublasLtMatmulAlgoConfigGetAttribute(
+                algo,
+                attr,
+                (&mut v as *mut u32).cast(),
+                std::mem::size_of::<u32>(),
+                &mut written,
+            )
+        };
+        if status == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS { v as i64 } else { -1 }
+    };
+    format!(
+        "id {} tile {} stages {} cluster {}",
+        get(A::CUBLASLT_ALGO_CONFIG_ID),
+        get(A::CUBLASLT_ALGO_CONFIG_TILE_ID),
+        get(A::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+        get(A::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID)
+    )
 }
