@@ -30,18 +30,8 @@ pub struct RolloutBenchArgs {
     pub preset: String,
     #[arg(long, value_name = "DIR")]
     pub hf_checkpoint: Option<PathBuf>,
-    #[arg(long, default_value = "cpu", value_parser = parse_device)]
-    pub device: Device,
-    /// Compute dtype on a GPU (the CPU computes in f32).
-    #[arg(long, value_enum, default_value = "bf16")]
-    pub dtype: DTypeArg,
-    /// Run every decode step eagerly instead of replaying captured CUDA graphs.
-    #[arg(long)]
-    pub disable_cuda_graph: bool,
-    /// Prefill at most this many prompt tokens per step: longer prompts are prefilled in
-    /// chunks beside the others' decode steps (SGLang's --chunked-prefill-size).
-    #[arg(long, value_name = "TOKENS")]
-    pub chunked_prefill_size: Option<usize>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// GPU matrix products: `invariant` (rollout logprobs equal the trainer's) or `cublas`
     /// (cuBLAS's per-call choice), to measure what true on-policy costs.
     #[arg(long, value_enum, default_value = "invariant")]
@@ -57,6 +47,24 @@ pub struct RolloutBenchArgs {
     pub new_tokens: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+}
+
+/// Where the rollout engine runs and how (`miles generate`, `miles bench rollout`).
+#[derive(Debug, Args)]
+pub struct EngineArgs {
+    /// Where the engine runs: cpu, cuda (device 0) or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+    /// Compute dtype on a GPU (the CPU computes in f32).
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: DTypeArg,
+    /// Run every decode step eagerly instead of replaying captured CUDA graphs.
+    #[arg(long)]
+    pub disable_cuda_graph: bool,
+    /// Prefill at most this many prompt tokens per step: longer prompts are prefilled in
+    /// chunks beside the others' decode steps (SGLang's --chunked-prefill-size).
+    #[arg(long, value_name = "TOKENS")]
+    pub chunked_prefill_size: Option<usize>,
 }
 
 /// `--device`: cpu, cuda or cuda:N.
@@ -220,8 +228,8 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         max_running: args.batch,
         max_prefill_tokens: args.batch * args.prompt_len,
         max_prompt_len: None,
-        cuda_graphs: !args.disable_cuda_graph,
-        chunked_prefill_size: args.chunked_prefill_size,
+        cuda_graphs: !args.engine.disable_cuda_graph,
+        chunked_prefill_size: args.engine.chunked_prefill_size,
     };
     let mut rng = Rng::new(args.seed + 1);
     let groups: Vec<Vec<Sample>> = (0..args.batch)
@@ -236,7 +244,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         seed: args.seed,
         ..SamplingParams::default()
     };
-    let device = args.device;
+    let device = args.engine.device;
     let (seconds, s, dtype) = if device == Device::Cpu {
         let per_block = miles_model::KvCache::bytes_per_block(&model.config);
         let mut engine = Engine::new(model, None, config(per_block))?;
@@ -244,7 +252,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     } else {
         device.ensure_available().with_context(|| format!("--device {device}"))?;
         set_route(args.gemm);
-        let dtype = args.dtype.dtype();
+        let dtype = args.engine.dtype.dtype();
         let per_block = miles_model::DeviceKvCache::bytes_per_block(&model.config, dtype);
         let dm = DeviceModel::new(&model, &device, dtype)?;
         let mut engine = Engine::on_device(dm, None, config(per_block))?;
@@ -259,7 +267,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "model": label,
         "device": device.to_string(),
         "dtype": dtype,
-        "cuda_graphs": device != Device::Cpu && !args.disable_cuda_graph,
+        "cuda_graphs": device != Device::Cpu && !args.engine.disable_cuda_graph,
         "gemm": format!("{:?}", args.gemm).to_lowercase(),
         "threads": rayon::current_num_threads(),
         "batch": args.batch,

@@ -12,7 +12,7 @@ use miles_model::{DeviceModel, PackedBatch, Tokenizer};
 use miles_rollout::{Engine, EngineConfig, Policy, Progress, kv_cache_budget};
 use miles_tensor::Device;
 
-use crate::bench_cmd::{DTypeArg, parse_device};
+use crate::bench_cmd::EngineArgs;
 use crate::score_cmd::load_model;
 
 #[derive(Debug, Args)]
@@ -64,19 +64,8 @@ pub struct GenerateArgs {
     /// (SGLang's --mem-fraction-static role); replaces --rollout-kv-cache-mb.
     #[arg(long, value_name = "F")]
     pub rollout_kv_cache_fraction: Option<f64>,
-    /// Where the engine runs: cpu, cuda (device 0) or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = parse_device)]
-    pub device: Device,
-    /// Compute dtype on a GPU (the CPU computes in f32).
-    #[arg(long, value_enum, default_value = "bf16")]
-    pub dtype: DTypeArg,
-    /// Run every decode step eagerly instead of replaying captured CUDA graphs.
-    #[arg(long)]
-    pub disable_cuda_graph: bool,
-    /// Prefill at most this many prompt tokens per step: longer prompts are prefilled in
-    /// chunks beside the others' decode steps (SGLang's --chunked-prefill-size).
-    #[arg(long, value_name = "TOKENS")]
-    pub chunked_prefill_size: Option<usize>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// After generating, score every sample with the same model as the trainer would (packed
     /// forward) and report whether the rollout logprobs equal it bit for bit.
     #[arg(long)]
@@ -148,13 +137,15 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             (0..n).map(|i| Sample { group_index: g, index: g * n + i, ..s.clone() }).collect()
         })
         .collect();
-    let device = args.device;
+    let device = args.engine.device;
     if device != Device::Cpu {
         device.ensure_available().with_context(|| format!("--device {device}"))?;
     }
     let model = match device {
         Device::Cpu => Loaded::Cpu(model),
-        _ => Loaded::Device(Box::new(DeviceModel::new(&model, &device, args.dtype.dtype())?)),
+        _ => {
+            Loaded::Device(Box::new(DeviceModel::new(&model, &device, args.engine.dtype.dtype())?))
+        }
     };
     let kv_cache_bytes =
         kv_cache_budget(args.rollout_kv_cache_mb, args.rollout_kv_cache_fraction, &device)?;
@@ -162,8 +153,8 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         kv_cache_bytes,
         max_running: args.rollout_max_running.max(1),
         max_prompt_len: args.rollout_max_prompt_len,
-        cuda_graphs: !args.disable_cuda_graph,
-        chunked_prefill_size: args.chunked_prefill_size,
+        cuda_graphs: !args.engine.disable_cuda_graph,
+        chunked_prefill_size: args.engine.chunked_prefill_size,
         ..EngineConfig::default()
     };
     let params = SamplingParams {

@@ -110,15 +110,7 @@ impl DeviceModel {
         uniforms: &[f64],
         kv: &mut DeviceKvCache,
     ) -> Result<Vec<Option<(u32, f32)>>> {
-        let c = &self.config;
-        if let Some((r, row)) =
-            rows.iter().enumerate().find(|(_, r)| r.token as usize >= c.vocab_size)
-        {
-            return Err(Error::Invalid(format!(
-                "decode row {r}: token id {} is outside the vocabulary of {}",
-                row.token, c.vocab_size
-            )));
-        }
+        self.check_step_tokens(rows)?;
         // Tables wider than the captured plans': capture again, twice as wide.
         let widest = rows.iter().map(|r| r.blocks.len()).max().unwrap_or(1);
         if widest > graphs.stride {

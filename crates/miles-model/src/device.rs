@@ -273,16 +273,8 @@ impl DeviceModel {
     /// sequence come together in position order (its prompt, or a chunk of it, or one decode
     /// row). Each row's bits equal the training forward's for that token.
     pub fn step(&self, rows: &[StepRow], kv: &mut DeviceKvCache) -> Result<Tensor> {
-        let c = &self.config;
         let layout = kv.layout();
-        for (r, row) in rows.iter().enumerate() {
-            if row.token as usize >= c.vocab_size {
-                return Err(Error::Invalid(format!(
-                    "step row {r}: token id {} is outside the vocabulary of {}",
-                    row.token, c.vocab_size
-                )));
-            }
-        }
+        self.check_step_tokens(rows)?;
         // Runs of rows of one sequence at consecutive positions.
         let mut seqs: Vec<PagedRows> = Vec::new();
         for row in rows {
@@ -299,6 +291,18 @@ impl DeviceModel {
         let x = ops::embedding_forward(self.weight(0), &tokens)?;
         let plan = ops::PagedPlan::new(&seqs, layout, &self.device)?;
         self.step_layers(x, &cos, &sin, &plan, kv)
+    }
+
+    /// Every row's token is in the vocabulary (the kernels index the embedding with it).
+    pub(crate) fn check_step_tokens(&self, rows: &[StepRow]) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        match rows.iter().enumerate().find(|(_, r)| r.token as usize >= vocab) {
+            Some((r, row)) => Err(Error::Invalid(format!(
+                "step row {r}: token id {} is outside the vocabulary of {vocab}",
+                row.token
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// RoPE's cos and sin tables `[positions × head_dim/2]` on the device.

@@ -218,7 +218,7 @@ impl Lt {
         let small_rows: Vec<u64> =
             CHECKED_ROWS.iter().copied().filter(|&r| r <= SMALL_ROWS).collect();
         let mut small = None;
-        for candidate in self.candidates(class, 64, dtype, c_dtype)?.into_iter().take(8) {
+        for candidate in self.candidates(class, 64, dtype, c_dtype)? {
             let candidate = one_slice(candidate)?;
             if self.why_not(class, &candidate, dtype, c_dtype, &small_rows)?.is_none()
                 && check.differs(self, &candidate, &full, &small_rows)?.is_none()

@@ -28,43 +28,36 @@ pub(crate) fn sample_rows(
     }
     let stream = gpu.stream();
     let u = stream.clone_htod(uniforms).map_err(|e| driver_error("copy to device", e))?;
-    let mut tokens = gpu.alloc::<i32>(rows)?;
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (SAMPLE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (vocab_i, top_k_i) = (vocab as i32, if top_k < vocab { top_k as i32 } else { 0 });
-    launch!(
-        gpu,
-        "sample",
-        "sample_rows_f32",
-        cfg,
-        &mut tokens,
-        logits,
-        &u,
-        &vocab_i,
-        &temperature,
-        &top_k_i,
-        &top_p
-    )?;
+    let tokens = launch_sample(gpu, logits, vocab, (temperature, top_k, top_p), &u, rows)?;
     let tokens = stream.clone_dtoh(&tokens).map_err(|e| driver_error("copy to host", e))?;
     Ok(tokens.into_iter().map(|t| u32::try_from(t).ok()).collect())
 }
 
 /// [`sample_rows`] with each row's uniform as the two i32 halves of its f64 bits in a device
 /// buffer (a captured graph's input), the tokens left on the device (-1: none).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn sample_rows_on_device(
     gpu: &Arc<Gpu>,
     logits: &CudaSlice<f32>,
     vocab: usize,
-    temperature: f32,
-    top_k: usize,
-    top_p: f32,
+    (temperature, top_k, top_p): (f32, usize, f32),
     uniform_bits: &CudaSlice<i32>,
     rows: usize,
 ) -> Result<Buffer> {
+    let tokens =
+        launch_sample(gpu, logits, vocab, (temperature, top_k, top_p), uniform_bits, rows)?;
+    Ok(Buffer { gpu: gpu.clone(), data: DeviceData::I32(tokens) })
+}
+
+/// One block per row; the kernel reads `uniforms` as doubles (f64s, or their bits as i32
+/// pairs: a device pointer is a device pointer).
+fn launch_sample<U: cudarc::driver::DeviceRepr>(
+    gpu: &Arc<Gpu>,
+    logits: &CudaSlice<f32>,
+    vocab: usize,
+    (temperature, top_k, top_p): (f32, usize, f32),
+    uniforms: &CudaSlice<U>,
+    rows: usize,
+) -> Result<CudaSlice<i32>> {
     let mut tokens = gpu.alloc::<i32>(rows)?;
     if rows > 0 {
         let cfg = LaunchConfig {
@@ -73,7 +66,6 @@ pub(crate) fn sample_rows_on_device(
             shared_mem_bytes: 0,
         };
         let (vocab_i, top_k_i) = (vocab as i32, if top_k < vocab { top_k as i32 } else { 0 });
-        // The kernel reads the buffer as doubles: a device pointer is a device pointer.
         launch!(
             gpu,
             "sample",
@@ -81,12 +73,12 @@ pub(crate) fn sample_rows_on_device(
             cfg,
             &mut tokens,
             logits,
-            uniform_bits,
+            uniforms,
             &vocab_i,
             &temperature,
             &top_k_i,
             &top_p
         )?;
     }
-    Ok(Buffer { gpu: gpu.clone(), data: DeviceData::I32(tokens) })
+    Ok(tokens)
 }

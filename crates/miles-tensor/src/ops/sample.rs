@@ -84,9 +84,7 @@ pub fn sample_rows_ids(
                 gpu,
                 s,
                 vocab,
-                temperature,
-                top_k,
-                top_p,
+                (temperature, top_k, top_p),
                 u,
                 rows,
             )?;
