@@ -65,6 +65,7 @@ impl DecodeGraphs {
 #[cfg(feature = "cuda")]
 struct DecodeGraph {
     rows: usize,
+    /// `None` when capture failed: the body then runs eagerly on the same buffers.
     graph: Option<miles_tensor::Graph>,
     ids: Tensor,
     cos: Tensor,
@@ -122,7 +123,10 @@ impl DeviceModel {
             Some(i) => {
                 let g = &mut graphs.graphs[i];
                 self.load_inputs(g, rows, uniforms)?;
-                g.graph.as_ref().expect("captured when made").launch()?;
+                match &g.graph {
+                    Some(graph) => graph.launch()?,
+                    None => self.decode_body(g, graphs.params, kv)?,
+                }
                 i
             }
             None => {
@@ -207,8 +211,15 @@ impl DeviceModel {
                 other => miles_tensor::Error::Device(other.to_string()),
             })
         };
-        let graph = device.capture(body)?;
-        g.graph = Some(graph);
+        // This step's result is in `g` already; a graph that cannot be captured leaves the
+        // later steps eager.
+        g.graph = match device.capture(body) {
+            Ok(graph) => Some(graph),
+            Err(e) => {
+                eprintln!("warning: decode steps run eagerly: capturing a CUDA graph failed: {e}");
+                None
+            }
+        };
         Ok(g)
     }
 
