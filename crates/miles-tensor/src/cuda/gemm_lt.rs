@@ -47,8 +47,9 @@ const CHECKED_ROWS: [u64; 6] = [1, 2, 7, 64, 259, 1000];
 /// 16-byte aligned in either dtype).
 const SHIFTS: [u64; 2] = [8, 1096];
 /// Products of at most this many rows (decode steps) may take a second algorithm, tuned for
-/// few rows, when it reproduces the first one's bits.
+/// few rows, when it reproduces the first one's bits at [`SMALL_CHECKED_ROWS`].
 const SMALL_ROWS: u64 = 256;
+const SMALL_CHECKED_ROWS: [u64; 6] = [1, 2, 7, 64, 129, 256];
 
 /// A class's algorithms: `large` for every row count, or `small` up to [`SMALL_ROWS`] rows.
 #[derive(Clone, Copy)]
@@ -215,13 +216,11 @@ impl Lt {
             ))
         })?;
         // The heuristic's favourite for a decode step, if it computes the same bits.
-        let small_rows: Vec<u64> =
-            CHECKED_ROWS.iter().copied().filter(|&r| r <= SMALL_ROWS).collect();
         let mut small = None;
         for candidate in self.candidates(class, 64, dtype, c_dtype)? {
             let candidate = one_slice(candidate)?;
-            if self.why_not(class, &candidate, dtype, c_dtype, &small_rows)?.is_none()
-                && check.differs(self, &candidate, &full, &small_rows)?.is_none()
+            if self.why_not(class, &candidate, dtype, c_dtype, &SMALL_CHECKED_ROWS)?.is_none()
+                && check.differs(self, &candidate, &full, &SMALL_CHECKED_ROWS)?.is_none()
             {
                 small = Some(candidate);
                 break;
