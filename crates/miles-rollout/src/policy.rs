@@ -220,3 +220,22 @@ impl Policy for DevicePolicy {
         self.kv.copy_block(src, dst).map_err(model_error)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use miles_tensor::Device;
+
+    #[test]
+    fn kv_budgets_name_their_flag() {
+        assert_eq!(kv_cache_budget(3, None, &Device::Cpu).unwrap(), 3 << 20);
+        let err = |mb, f| kv_cache_budget(mb, f, &Device::Cpu).unwrap_err().to_string();
+        assert!(err(1, Some(0.5)).contains("rollout-kv-cache-fraction"));
+        assert!(err(1, Some(0.5)).contains("on the CPU give --rollout-kv-cache-mb"));
+        assert!(err(1, Some(1.5)).contains("outside (0, 1]"));
+        assert!(err(1, Some(f64::NAN)).contains("outside (0, 1]"));
+        assert!(err(usize::MAX, None).contains("rollout-kv-cache-mb"));
+        assert!(blocks_in(10, 100).unwrap_err().to_string().contains("rollout-kv-cache-mb"));
+        assert_eq!(blocks_in(250, 100).unwrap(), 2);
+    }
+}
