@@ -1,8 +1,9 @@
 #!/bin/sh
-# The GPU checks of issue 11 in one device call (run from the repository root, with the device
-# bundle and target/gpu/{miles,hf_baseline.py} carried): the kernel and model tests, Qwen3-0.6B
-# bf16 against HF, and the benchmarks beside HF transformers. Results under $OUT.
-#   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|all]
+# The GPU checks (run from the repository root, with the device bundle and
+# target/gpu/{miles,hf_baseline.py} carried): the kernel, model and engine tests, Qwen3-0.6B
+# bf16 against HF, the benchmarks beside HF transformers, the real SmolLM2 on the GPU engine,
+# and where a decode step's time goes. Results under $OUT.
+#   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|all]
 # Prepare here: cargo xtask device-bundle && cargo build --release -p miles-cli --features cuda &&
 #   mkdir -p target/gpu && cp target/release/miles ../shared/bench/hf_baseline.py target/gpu/
 # and carry target/device-bundle and target/gpu.
@@ -108,4 +109,13 @@ print("first response:", repr(samples[0]["response"][:300]))
 PY
   timeout 300 $miles bench rollout --device cuda --hf-checkpoint /tmp/smollm2 --batch 64 --prompt-len 64 \
     --new-tokens 256 | tee -a "$OUT/rollout.jsonl"
+fi
+if [ "$what" = decode-profile ]; then
+  # Where a Qwen3-0.6B decode step's GPU time goes (B = 64): every kernel of a short eager run
+  # under ncu, and each GEMM class's pinned algorithms. Carry target/gpu.
+  MILES_GEMM_LOG=1 timeout 200 $miles bench rollout --device cuda --preset qwen3-0.6b --batch 64 \
+    --prompt-len 64 --new-tokens 8 2> "$OUT/gemm-pins.txt" | tee -a "$OUT/rollout.jsonl"
+  grep -c "small none" "$OUT/gemm-pins.txt"; grep -c "gemm Class" "$OUT/gemm-pins.txt"
+  timeout 400 sh tests/device/profile.sh rollout --preset qwen3-0.6b --batch 64 --prompt-len 64 \
+    --new-tokens 4 --disable-cuda-graph
 fi
