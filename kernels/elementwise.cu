@@ -194,3 +194,30 @@ __device__ void scatter_rows(T* dst, const T* src, const int* rows, int hidden) 
 
 BOTH(float, f32)
 BOTH(__nv_bfloat16, bf16)
+
+// The columns of x [rows × (w0 + w1 + w2)] into o0 [rows × w0], o1 [rows × w1], o2 [rows × w2]
+// (w2 = 0: two parts), one block per row: a fused product's output split into its parts.
+template <typename T>
+__device__ void split_columns(const T* x, T* o0, int w0, T* o1, int w1, T* o2, int w2) {
+    const size_t r = blockIdx.x;
+    const int width = w0 + w1 + w2;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        const T v = x[r * width + c];
+        if (c < w0) {
+            o0[r * w0 + c] = v;
+        } else if (c < w0 + w1) {
+            o1[r * w1 + (c - w0)] = v;
+        } else {
+            o2[r * w2 + (c - w0 - w1)] = v;
+        }
+    }
+}
+
+#define SPLIT(T, SUFFIX)                                                                        \
+    extern "C" __global__ void split_columns_##SUFFIX(const T* x, T* o0, int w0, T* o1, int w1, \
+                                                      T* o2, int w2) {                          \
+        split_columns(x, o0, w0, o1, w1, o2, w2);                                               \
+    }
+
+SPLIT(float, f32)
+SPLIT(__nv_bfloat16, bf16)

@@ -370,3 +370,65 @@ pub(crate) fn scatter_rows(
         _ => Err(mismatch("scatter_rows")),
     }
 }
+
+/// The columns of `x [rows × Σ widths]` as two or three tensors (checked by the op), one launch.
+pub(crate) fn split_columns(
+    gpu: &Arc<Gpu>,
+    x: &DeviceData,
+    rows: usize,
+    widths: &[usize],
+) -> Result<Vec<Buffer>> {
+    let w = |i: usize| widths.get(i).copied().unwrap_or(0);
+    let (w0, w1, w2) = (w(0) as i32, w(1) as i32, w(2) as i32);
+    let width: usize = widths.iter().sum();
+    let cfg = row_block(rows, width);
+    macro_rules! run {
+        ($ty:ty, $x:expr, $kernel:expr, $wrap:path) => {{
+            let mut outs: Vec<CudaSlice<$ty>> =
+                (0..3).map(|i| gpu.alloc::<$ty>(rows * w(i).max(1))).collect::<Result<_>>()?;
+            if rows > 0 && width > 0 {
+                let [o0, o1, o2] = &mut outs[..] else { unreachable!("three outputs") };
+                launch!(gpu, "elementwise", $kernel, cfg, $x, o0, &w0, o1, &w1, o2, &w2)?;
+            }
+            outs.into_iter().take(widths.len()).map(|s| wrap(gpu, $wrap(s))).collect()
+        }};
+    }
+    Ok(match x {
+        DeviceData::F32(x) => run!(f32, x, "split_columns_f32", DeviceData::F32),
+        DeviceData::BF16(x) => run!(u16, x, "split_columns_bf16", DeviceData::BF16),
+        DeviceData::I32(_) => return Err(mismatch("split_columns")),
+    })
+}
+
+/// The rows of `parts` (one dtype, one width) stacked into one buffer.
+pub(crate) fn concat_rows(gpu: &Arc<Gpu>, parts: &[&DeviceData]) -> Result<Buffer> {
+    let stream = gpu.stream().clone();
+    let err = |e| driver_error("device copy", e);
+    macro_rules! run {
+        ($ty:ty, $variant:path) => {{
+            let slices: Vec<&CudaSlice<$ty>> = parts
+                .iter()
+                .map(|p| match p {
+                    $variant(s) => Ok(s),
+                    _ => Err(mismatch("concat_rows")),
+                })
+                .collect::<Result<_>>()?;
+            let total: usize = slices.iter().map(|s| s.len()).sum();
+            let mut out = gpu.alloc::<$ty>(total.max(1))?;
+            let mut at = 0;
+            for s in slices {
+                if s.len() > 0 {
+                    let mut view = out.slice_mut(at..at + s.len());
+                    stream.memcpy_dtod(s, &mut view).map_err(err)?;
+                }
+                at += s.len();
+            }
+            wrap(gpu, $variant(out))
+        }};
+    }
+    Ok(match parts.first() {
+        Some(DeviceData::F32(_)) => run!(f32, DeviceData::F32),
+        Some(DeviceData::BF16(_)) => run!(u16, DeviceData::BF16),
+        _ => return Err(mismatch("concat_rows")),
+    })
+}

@@ -19,8 +19,8 @@ pub(crate) use attention::{
     paged_attention, paged_decode_plan, paged_kv_write, paged_plan,
 };
 pub(crate) use elementwise::{
-    IdGroups, Ids, add, embedding_backward, embedding_backward_into, embedding_forward, rope,
-    scatter_rows, swiglu_backward, swiglu_forward,
+    IdGroups, Ids, add, concat_rows, embedding_backward, embedding_backward_into,
+    embedding_forward, rope, scatter_rows, split_columns, swiglu_backward, swiglu_forward,
 };
 pub(crate) use logprob::{logprob_rows, logprob_rows_backward};
 pub(crate) use ops::{matmul, matmul_into, rmsnorm_backward, rmsnorm_forward};

@@ -359,6 +359,78 @@ pub(super) fn scatter_flat(
     }
 }
 
+/// The columns of `x` `[rows × Σ widths]` as two or three tensors `[rows × widths[i]]` (a fused
+/// product's output split into its parts), exact copies.
+pub fn split_columns(x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+    const OP: &str = "split_columns";
+    floats_only(OP, &[x])?;
+    ensure(
+        x.shape.len() == 2
+            && (2..=3).contains(&widths.len())
+            && widths.iter().sum::<usize>() == x.shape[1],
+        OP,
+        || format!("x {:?} into column widths {widths:?}", x.shape),
+    )?;
+    let rows = x.shape[0];
+    match &x.storage {
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(buffer) => {
+            Ok(crate::cuda::split_columns(&buffer.gpu, &buffer.data, rows, widths)?
+                .into_iter()
+                .zip(widths)
+                .map(|(b, &w)| on_device(vec![rows, w], b))
+                .collect())
+        }
+        _ => {
+            let v = host_f32(x);
+            let width = x.shape[1];
+            let mut at = 0;
+            Ok(widths
+                .iter()
+                .map(|&w| {
+                    let part: Vec<f32> = (0..rows)
+                        .flat_map(|r| v[r * width + at..r * width + at + w].iter().copied())
+                        .collect();
+                    at += w;
+                    host_tensor(vec![rows, w], part, x.dtype())
+                })
+                .collect())
+        }
+    }
+}
+
+/// `parts` (one dtype, one device, equal widths) stacked by rows: `[Σ rows × width]`.
+pub fn concat_rows(parts: &[&Tensor]) -> Result<Tensor> {
+    const OP: &str = "concat_rows";
+    ensure(!parts.is_empty(), OP, || "no parts".into())?;
+    same_device(OP, parts)?;
+    floats_only(OP, parts)?;
+    let (dtype, width) = (parts[0].dtype(), parts[0].shape.last().copied().unwrap_or(0));
+    ensure(
+        parts.iter().all(|p| p.dtype() == dtype && p.shape.len() == 2 && p.shape[1] == width),
+        OP,
+        || {
+            format!(
+                "parts {:?}",
+                parts.iter().map(|p| (p.shape.clone(), p.dtype())).collect::<Vec<_>>()
+            )
+        },
+    )?;
+    let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
+    match parts[0].device() {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let data: Vec<&crate::cuda::DeviceData> =
+                parts.iter().map(|p| device_data(p)).collect();
+            Ok(on_device(vec![rows, width], crate::cuda::concat_rows(gpu_of(parts[0]), &data)?))
+        }
+        _ => {
+            let all: Vec<f32> = parts.iter().flat_map(|p| host_f32(p).into_owned()).collect();
+            Ok(host_tensor(vec![rows, width], all, dtype))
+        }
+    }
+}
+
 /// Each distinct id with the positions holding it, in token order (a stable sort by id).
 #[cfg(feature = "cuda")]
 fn id_groups(ids: &[u32]) -> crate::cuda::IdGroups {
@@ -592,5 +664,42 @@ mod tests {
         assert!(
             rope(&tensor(&[2, 1, 3], &[1.0; 6], DType::F32, &dev), &table, &table, false).is_err()
         );
+    }
+
+    /// A fused product's output split into its parts, and weights stacked into a fused one: exact
+    /// copies on every device, in both float dtypes; bad shapes are errors.
+    #[test]
+    fn split_columns_and_concat_rows_copy_exactly_on_every_device() {
+        let mut rng = crate::rng::Rng::new(61);
+        let (rows, widths) = (37usize, [96usize, 32, 32]);
+        let x = rng.vec(rows * 160, 1.0);
+        for device in devices() {
+            for dtype in [DType::F32, DType::BF16] {
+                let xr = round_out(&x, dtype);
+                let t = tensor(&[rows, 160], &x, dtype, &device);
+                for ws in [&widths[..], &[100, 60][..]] {
+                    let parts = split_columns(&t, ws).unwrap();
+                    let mut at = 0;
+                    for (p, &w) in parts.iter().zip(ws) {
+                        assert_eq!(p.shape(), [rows, w]);
+                        let want: Vec<f32> = (0..rows)
+                            .flat_map(|r| xr[r * 160 + at..r * 160 + at + w].to_vec())
+                            .collect();
+                        assert_eq!(p.to_vec_f32().unwrap(), want, "{device} {dtype} {ws:?}");
+                        at += w;
+                    }
+                }
+                let a = tensor(&[3, 160], &x[..480], dtype, &device);
+                let joined = concat_rows(&[&a, &t]).unwrap();
+                assert_eq!(joined.shape(), [3 + rows, 160]);
+                let mut want = round_out(&x[..480], dtype);
+                want.extend(&xr);
+                assert_eq!(joined.to_vec_f32().unwrap(), want, "{device} {dtype} concat");
+                assert!(split_columns(&t, &[100, 50]).is_err());
+                assert!(split_columns(&t, &[160]).is_err());
+                let narrow = tensor(&[2, 8], &x[..16], dtype, &device);
+                assert!(concat_rows(&[&a, &narrow]).is_err());
+            }
+        }
     }
 }
