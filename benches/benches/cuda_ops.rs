@@ -182,6 +182,21 @@ fn logprob(c: &mut Criterion) {
     g.finish();
 }
 
+fn sample(c: &mut Criterion) {
+    let mut rng = Rng::new(6);
+    let rows = 64;
+    let mut g = group(c, "sample_f32_64x151936");
+    let logits = random(&mut rng, &[rows, VOCAB], 3.0, DType::F32);
+    let uniforms: Vec<f64> = (0..rows).map(|r| (r as f64 + 0.5) / rows as f64).collect();
+    g.throughput(Throughput::Bytes((rows * VOCAB * 4) as u64));
+    for (name, top_k, top_p) in [("full", 0, 1.0), ("top_k_20", 20, 1.0), ("top_p_0.9", 0, 0.9)] {
+        on_device(&mut g, name, || {
+            ops::sample_rows(&logits, 1.0, top_k, top_p, &uniforms).expect("sample");
+        });
+    }
+    g.finish();
+}
+
 fn optimizer(c: &mut Criterion) {
     let mut rng = Rng::new(5);
     // 100 tensors of a Qwen3-0.6B layer's sizes: 1M to 3M elements each.
@@ -224,5 +239,5 @@ fn optimizer(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, matmul, attention, rowwise, logprob, optimizer);
+criterion_group!(benches, matmul, attention, rowwise, logprob, sample, optimizer);
 criterion_main!(benches);

@@ -235,35 +235,4 @@ mod tests {
             sample_rows(&bf, 1.0, 0, 1.0, &[0.5, 0.5]).unwrap_err().to_string().contains("f32")
         );
     }
-
-    /// Times the CUDA kernel on Qwen3-sized rows (by hand: `--ignored`).
-    #[test]
-    #[ignore = "timings on a GPU; run with --ignored --test-threads=1"]
-    fn cuda_sample_timings() {
-        let device = Device::Cuda(0);
-        if let Err(e) = device.ensure_available() {
-            println!("skipping CUDA: {e}");
-            return;
-        }
-        let vocab = 151_936;
-        let mut rng = Rng::new(75);
-        let logits = rng.vec(256 * vocab, 3.0);
-        for rows in [1, 16, 256] {
-            let lt = tensor(&[rows, vocab], &logits[..rows * vocab], DType::F32, &device);
-            let uniforms: Vec<f64> = (0..rows).map(|r| (r as f64 + 0.5) / rows as f64).collect();
-            for (top_k, top_p) in [(0, 1.0), (1, 1.0), (20, 1.0), (0, 0.9), (50, 0.95)] {
-                sample_rows(&lt, 1.0, top_k, top_p, &uniforms).unwrap();
-                let reps = 20;
-                let start = std::time::Instant::now();
-                for _ in 0..reps {
-                    sample_rows(&lt, 1.0, top_k, top_p, &uniforms).unwrap();
-                }
-                let t = start.elapsed().as_secs_f64() / f64::from(reps);
-                println!(
-                    "{device}: sample_rows {rows}×{vocab} top_k {top_k} top_p {top_p}: {:.1} µs",
-                    t * 1e6
-                );
-            }
-        }
-    }
 }
