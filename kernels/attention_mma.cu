@@ -66,11 +66,11 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
 // stride D + SKEW) as cp.async copies of 16 bytes, rows past n zero-filled by the copy itself,
 // so the next block's rows stream in while the current one is computed. They have landed after
 // the wait() that follows their commit(), and a barrier.
-template <int D>
+template <int D, int NT = THREADS>
 __device__ __forceinline__ void load_rows_async(bf16* dst, const bf16* src, size_t stride,
                                                 int rows, int n) {
     constexpr int CHUNKS = D / 8;
-    for (int e = threadIdx.x; e < rows * CHUNKS; e += THREADS) {
+    for (int e = threadIdx.x; e < rows * CHUNKS; e += NT) {
         const int r = e / CHUNKS;
         const int c = (e - r * CHUNKS) * 8;
         // A zero-filled row reads nothing; its address only has to be valid: row 0's.
@@ -206,6 +206,56 @@ struct PagedKeys {
     }
 };
 
+// One online-softmax step of a warp's 16 query rows (rows row0.. of the shared tile `qs`, at
+// positions pa for fragment rows g and pb for g + 8) over the key block at j0 (keys `ks`,
+// values `vs` in shared memory): scores, the causal mask, the rescale of l and acc, then
+// acc += p·V. The forward and the decode kernel share it, so a row's bits are the same in both.
+template <int D>
+__device__ __forceinline__ void block_step(float (*acc)[4], float* m, float* l, const bf16* qs,
+                                           int row0, const bf16* ks, const bf16* vs, int j0,
+                                           int pa, int pb, float sl2) {
+    const int t = threadIdx.x & 3;
+    float s[KB / 8][4];
+    scores<D, KB / 8>(s, qs, row0, ks);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < KB / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = j0 + nt * 8 + 2 * t + (e & 1);
+            const int i = e < 2 ? pa : pb;
+            if (j > i) s[nt][e] = -INFINITY;
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+        }
+    }
+    float base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float new_m = fmaxf(m[r], quad_max(mx[r]));
+        // A row that has seen no key yet keeps m = -inf: exponents from 0 then.
+        const float use = new_m == -INFINITY ? 0.0f : new_m;
+        const float alpha = exp2f((m[r] - use) * sl2);
+        l[r] *= alpha;
+#pragma unroll
+        for (int nn = 0; nn < D / 8; ++nn) {
+            acc[nn][2 * r] *= alpha;
+            acc[nn][2 * r + 1] *= alpha;
+        }
+        m[r] = new_m;
+        base[r] = use * sl2;
+    }
+#pragma unroll
+    for (int nt = 0; nt < KB / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float p = exp2f(s[nt][e] * sl2 - base[e >> 1]);
+            s[nt][e] = p;
+            l[e >> 1] += p;
+        }
+    }
+    accumulate<D, KB / 8>(acc, s, vs);
+}
+
 template <int D, class Keys>
 __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Keys keys,
                         int q_heads, int kv_heads, float scale) {
@@ -256,45 +306,7 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Ke
         const bf16* vs = ks + KB * (D + SKEW);
         // Else this warp has no rows, or every row is before the block.
         if (row0 < n && j0 <= pos0 + row0 + 15) {
-            float s[KB / 8][4];
-            scores<D, KB / 8>(s, qs, row0, ks);
-            float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int nt = 0; nt < KB / 8; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = j0 + nt * 8 + 2 * t + (e & 1);
-                    const int i = e < 2 ? pa : pb;
-                    if (j > i) s[nt][e] = -INFINITY;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-                }
-            }
-            float base[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float new_m = fmaxf(m[r], quad_max(mx[r]));
-                // A row that has seen no key yet keeps m = -inf: exponents from 0 then.
-                const float use = new_m == -INFINITY ? 0.0f : new_m;
-                const float alpha = exp2f((m[r] - use) * sl2);
-                l[r] *= alpha;
-#pragma unroll
-                for (int nn = 0; nn < D / 8; ++nn) {
-                    acc[nn][2 * r] *= alpha;
-                    acc[nn][2 * r + 1] *= alpha;
-                }
-                m[r] = new_m;
-                base[r] = use * sl2;
-            }
-#pragma unroll
-            for (int nt = 0; nt < KB / 8; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = exp2f(s[nt][e] * sl2 - base[e >> 1]);
-                    s[nt][e] = p;
-                    l[e >> 1] += p;
-                }
-            }
-            accumulate<D, KB / 8>(acc, s, vs);
+            block_step<D>(acc, m, l, qs, row0, ks, vs, j0, pa, pb, sl2);
         }
         __syncthreads();  // buffer b % 2 is free for block b + 2
     }
@@ -304,6 +316,69 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Ke
         const float sum = quad_sum(l[r]);
         if (rr >= n) continue;
         const size_t row = (size_t)(tile.q0 + rr) * q_heads + h;
+        const float inv = 1.0f / sum;
+#pragma unroll
+        for (int nn = 0; nn < D / 8; ++nn) {
+            *reinterpret_cast<__nv_bfloat162*>(out + row * D + nn * 8 + 2 * t) =
+                __floats2bfloat162_rn(acc[nn][2 * r] * inv, acc[nn][2 * r + 1] * inv);
+        }
+        if (t == 0) lse[row] = m[r] * scale + logf(sum);
+    }
+}
+
+// A decode step's attention, where every tile is one query row: one warp per (row, kv head),
+// whose 16 fragment rows are the group's query heads at the row's position (rows past the group
+// are zeros). Each head's row goes through the forward's block_step over the same key blocks,
+// so it gets the forward's bits, with a warp and under a third of the shared memory per tile
+// instead of four warps per query head.
+template <int D>
+__device__ void decode(bf16* out, float* lse, const bf16* q, int q0, int pos0, PagedKeys keys,
+                       int q_heads, int kv_heads, float scale) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [16][D+SKEW]
+    bf16* kv = qs + 16 * (D + SKEW);                  // 2 × ([KB][D+SKEW] keys, then values)
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int kvh = blockIdx.y, group = q_heads / kv_heads;
+    const int kv_len = pos0 + 1;
+    const float sl2 = scale * LOG2E;
+    auto load_block = [&](int b) {
+        const bf16 *kb, *vb;
+        size_t rs;
+        keys.template block<D>(b, kvh, &kb, &vb, &rs);
+        bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
+        const int valid = min(KB, kv_len - b * KB);
+        load_rows_async<D, 32>(ks, kb, rs, KB, valid);
+        load_rows_async<D, 32>(ks + KB * (D + SKEW), vb, rs, KB, valid);
+    };
+    // The group's heads are consecutive in q's row q0.
+    load_rows_async<D, 32>(qs, q + ((size_t)q0 * q_heads + kvh * group) * D, D, 16, group);
+    load_block(0);
+    commit();
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float acc[D / 8][4];
+#pragma unroll
+    for (int nn = 0; nn < D / 8; ++nn) acc[nn][0] = acc[nn][1] = acc[nn][2] = acc[nn][3] = 0.0f;
+    const int blocks = (kv_len + KB - 1) / KB;
+    for (int b = 0; b < blocks; ++b) {
+        if (b + 1 < blocks) {
+            load_block(b + 1);
+            commit();
+            wait<1>();
+        } else {
+            wait<0>();
+        }
+        __syncwarp();  // block b (and the queries) are in shared memory for every lane
+        const bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
+        block_step<D>(acc, m, l, qs, 0, ks, ks + KB * (D + SKEW), b * KB, pos0, pos0, sl2);
+        __syncwarp();  // buffer b % 2 is free for block b + 2
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int rr = g + 8 * r;
+        const float sum = quad_sum(l[r]);
+        if (rr >= group) continue;
+        const size_t row = (size_t)q0 * q_heads + kvh * group + rr;
         const float inv = 1.0f / sum;
 #pragma unroll
         for (int nn = 0; nn < D / 8; ++nn) {
@@ -531,6 +606,13 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
         const QueryTile tile = {tl[0], tl[1], tl[2]};                                            \
         const PagedKeys keys = {cache, tables + tl[3], layer, layers, kv_heads};                 \
         forward<D>(out, lse, q, tile, keys, q_heads, kv_heads, scale);                           \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32) attention_decode_paged_d##D(                 \
+        bf16* out, float* lse, const bf16* q, const bf16* cache, const int* tiles,               \
+        const int* tables, int layer, int layers, int q_heads, int kv_heads, float scale) {      \
+        const int* tl = tiles + 4 * blockIdx.x;                                                  \
+        const PagedKeys keys = {cache, tables + tl[3], layer, layers, kv_heads};                 \
+        decode<D>(out, lse, q, tl[0], tl[2], keys, q_heads, kv_heads, scale);                    \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_dq_d##D(                 \
         bf16* dq, const bf16* d_out, const bf16* q, const bf16* k, const bf16* v,                \

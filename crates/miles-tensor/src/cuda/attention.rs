@@ -88,6 +88,11 @@ fn mismatch(op: &'static str) -> Error {
     Error::DType { op, message: "q, k, v (and d_out) must share a dtype, f32 or bf16".into() }
 }
 
+/// The d64 or d128 kernel of `names`, by [`mma_suffix`].
+fn pick_d(suffix: &str, names: [&'static str; 2]) -> &'static str {
+    names[usize::from(suffix == "d128")]
+}
+
 fn pick(f32: bool, names: [&'static str; 2]) -> &'static str {
     names[usize::from(!f32)]
 }
@@ -368,6 +373,8 @@ pub(crate) struct PagedPlanDevice {
     rows: u32,
     /// (stride, scratch block) of a fixed-capacity decode plan.
     decode: Option<(usize, u32)>,
+    /// Every tile is one query row (a decode step): the one-warp decode kernel applies.
+    single_rows: bool,
 }
 
 /// Cuts each sequence's rows into tiles of at most a query block, at multiples of the block in
@@ -397,7 +404,9 @@ pub(crate) fn paged_plan(gpu: &Arc<Gpu>, seqs: &[PagedRows]) -> Result<PagedPlan
         }
         gpu.stream().clone_htod(&v).map_err(|e| driver_error("copy to device", e))
     };
+    let single_rows = tiles.chunks(4).all(|t| t[1] == 1);
     Ok(PagedPlanDevice {
+        single_rows,
         count: (tiles.len() / 4) as u32,
         tiles: upload(tiles)?,
         tables: upload(tables)?,
@@ -429,6 +438,7 @@ pub(crate) fn paged_decode_plan(
         slots: upload(&slots)?,
         rows: rows as u32,
         decode: Some((stride, scratch)),
+        single_rows: true,
     })
 }
 
@@ -539,11 +549,25 @@ pub(crate) fn paged_attention(
     let mut out = gpu.alloc::<u16>(q.len())?;
     let mut lse = gpu.alloc::<f32>(plan.rows as usize * q_heads)?;
     if plan.count > 0 {
-        let name =
-            if suffix == "d64" { "attention_mma_paged_d64" } else { "attention_mma_paged_d128" };
-        let bytes = mma_rows_bytes(QUERY_BLOCK + 4 * KEY_BLOCK, d);
-        let cfg =
-            launch_with(gpu, "attention_mma", name, (plan.count, q_heads), MMA_THREADS, bytes)?;
+        // A decode step takes one warp per (row, kv head) with the group's heads as its rows.
+        let decode = plan.single_rows && q_heads / layout.kv_heads <= 16;
+        let cfg = if decode {
+            let name =
+                pick_d(suffix, ["attention_decode_paged_d64", "attention_decode_paged_d128"]);
+            let bytes = mma_rows_bytes(16 + 4 * KEY_BLOCK, d);
+            (
+                name,
+                launch_with(gpu, "attention_mma", name, (plan.count, layout.kv_heads), 32, bytes)?,
+            )
+        } else {
+            let name = pick_d(suffix, ["attention_mma_paged_d64", "attention_mma_paged_d128"]);
+            let bytes = mma_rows_bytes(QUERY_BLOCK + 4 * KEY_BLOCK, d);
+            (
+                name,
+                launch_with(gpu, "attention_mma", name, (plan.count, q_heads), MMA_THREADS, bytes)?,
+            )
+        };
+        let (name, cfg) = cfg;
         let (layer, layers) = (layer as i32, layout.layers as i32);
         let (qh, kvh, scale) = (q_heads as i32, layout.kv_heads as i32, 1.0 / (d as f32).sqrt());
         launch!(
