@@ -7,8 +7,11 @@
 //! chosen once: the first of cuBLASLt's heuristic candidates at [`REFERENCE_ROWS`] (no
 //! split-K reduction, one K slice) that also runs at every row count of [`PROBED_ROWS`], and
 //! then used for every row count. One kernel with one K order
-//! computes every output element, so a row's bits are the same in any batch. The cost against
-//! cuBLAS's own per-call choice is measured by `miles bench … --gemm cublas`.
+//! computes every output element, so a row's bits are the same in any batch. Decode-sized
+//! products (tiers of up to 16, 64 and 256 rows) take the fastest candidate, timed on the
+//! device, that reproduces those bits; a large kernel's tiles leave most of the GPU idle at
+//! few rows. The cost against cuBLAS's own per-call choice is measured by
+//! `miles bench … --gemm cublas`.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -46,16 +49,27 @@ const CHECKED_ROWS: [u64; 6] = [1, 2, 7, 64, 259, 1000];
 /// Where else in the batch the checked rows start (multiples of 8 rows keep the operands
 /// 16-byte aligned in either dtype).
 const SHIFTS: [u64; 2] = [8, 1096];
-/// Products of at most this many rows (decode steps) may take a second algorithm, tuned for
-/// few rows, when it reproduces the first one's bits at [`SMALL_CHECKED_ROWS`].
-const SMALL_ROWS: u64 = 256;
-const SMALL_CHECKED_ROWS: [u64; 6] = [1, 2, 7, 64, 129, 256];
+/// Products of few rows (decode steps) may take another algorithm per tier of row counts: the
+/// fastest at the tier's `timed` rows among the heuristic's candidates (and the large one) that
+/// reproduce the large algorithm's bits at the tier's `checked` row counts.
+struct Tier {
+    max_rows: u64,
+    timed: u64,
+    checked: &'static [u64],
+}
+const TIERS: [Tier; 3] = [
+    Tier { max_rows: 16, timed: 8, checked: &[1, 2, 7, 16] },
+    Tier { max_rows: 64, timed: 64, checked: &[1, 7, 33, 64] },
+    Tier { max_rows: 256, timed: 256, checked: &[1, 7, 64, 129, 256] },
+];
+/// Launches timed per candidate (after two untimed ones).
+const TIMED_LAUNCHES: usize = 10;
 
-/// A class's algorithms: `large` for every row count, or `small` up to [`SMALL_ROWS`] rows.
+/// A class's algorithms: `large` for every row count, or a tier's own up to its rows.
 #[derive(Clone, Copy)]
 struct Pinned {
     large: cublasLtMatmulAlgo_t,
-    small: Option<cublasLtMatmulAlgo_t>,
+    tiers: [Option<cublasLtMatmulAlgo_t>; TIERS.len()],
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -181,7 +195,7 @@ impl Lt {
             let algo = *exact.first().ok_or_else(|| {
                 Error::Device(format!("cuBLASLt: no split-K-free algorithm for {class:?}"))
             })?;
-            let pinned = Pinned { large: algo, small: None };
+            let pinned = Pinned { large: algo, tiers: [None; TIERS.len()] };
             algos.insert(class, pinned);
             return Ok(pinned);
         }
@@ -215,27 +229,74 @@ impl Lt {
                 reasons.join("; ")
             ))
         })?;
-        // The heuristic's favourite for a decode step, if it computes the same bits.
-        let mut small = None;
-        for candidate in self.candidates(class, 64, dtype, c_dtype)? {
-            let candidate = one_slice(candidate)?;
-            if self.why_not(class, &candidate, dtype, c_dtype, &SMALL_CHECKED_ROWS)?.is_none()
-                && check.differs(self, &candidate, &full, &SMALL_CHECKED_ROWS)?.is_none()
-            {
-                small = Some(candidate);
-                break;
+        // Every tier's heuristic candidates, for every tier: the favourite at 256 rows may be
+        // the fastest at 64 too.
+        let mut pool: Vec<cublasLtMatmulAlgo_t> = Vec::new();
+        for tier in &TIERS {
+            for candidate in self.candidates(class, tier.timed, dtype, c_dtype)? {
+                let candidate = one_slice(candidate)?;
+                if !pool.iter().any(|a| a.data == candidate.data) {
+                    pool.push(candidate);
+                }
             }
         }
-        let pinned = Pinned { large, small };
+        let mut tiers = [None; TIERS.len()];
+        let mut picks = Vec::new();
+        for (slot, tier) in tiers.iter_mut().zip(&TIERS) {
+            let pick = self.fastest_same_bits(class, tier, &check, &large, &full, &pool)?;
+            picks.push(pick.as_ref().map_or("large".to_string(), |(algo, ms, large_ms)| {
+                format!(
+                    "≤{} rows {} ({ms:.4} ms, large {large_ms:.4} ms)",
+                    tier.max_rows,
+                    describe(algo)
+                )
+            }));
+            *slot = pick.map(|(algo, _, _)| algo);
+        }
+        let pinned = Pinned { large, tiers };
         if std::env::var_os("MILES_GEMM_LOG").is_some() {
-            let small = small.map_or("none".to_string(), |a| describe(&a));
             eprintln!(
-                "gemm {class:?}: large {}, small {small}; rejected: {reasons:?}",
-                describe(&large)
+                "gemm {class:?}: large {}; {}; rejected: {reasons:?}",
+                describe(&large),
+                picks.join("; ")
             );
         }
         algos.insert(class, pinned);
         Ok(pinned)
+    }
+
+    /// The fastest algorithm of `pool` at `tier.timed` rows that computes `large`'s bits at the
+    /// tier's checked row counts, with its time and the large one's; `None` when that is `large`.
+    fn fastest_same_bits(
+        &self,
+        class: Class,
+        tier: &Tier,
+        check: &Check,
+        large: &cublasLtMatmulAlgo_t,
+        full: &[u8],
+        pool: &[cublasLtMatmulAlgo_t],
+    ) -> Result<Option<(cublasLtMatmulAlgo_t, f32, f32)>> {
+        let (dtype, c_dtype) = (check.dtype, check.c_dtype);
+        let large_ms = check.time(self, large, tier.timed)?;
+        let mut timed = Vec::new();
+        for &candidate in pool {
+            if self.why_not(class, &candidate, dtype, c_dtype, tier.checked)?.is_some() {
+                continue;
+            }
+            // A candidate that fails to launch is only not taken.
+            if let Ok(ms) = check.time(self, &candidate, tier.timed)
+                && ms < large_ms
+            {
+                timed.push((ms, candidate));
+            }
+        }
+        timed.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for (ms, candidate) in timed {
+            if check.differs(self, &candidate, full, tier.checked)?.is_none() {
+                return Ok(Some((candidate, ms, large_ms)));
+            }
+        }
+        Ok(None)
     }
 
     /// The heuristic's split-K-free, workspace-free candidates at `rows` rows, best first.
@@ -368,10 +429,8 @@ impl Lt {
             accumulate,
         };
         let pinned = self.algo(class, dtype, c_dtype)?;
-        let algo = match pinned.small {
-            Some(small) if m as u64 <= SMALL_ROWS => small,
-            _ => pinned.large,
-        };
+        let tier = TIERS.iter().position(|t| m as u64 <= t.max_rows);
+        let algo = tier.and_then(|t| pinned.tiers[t]).unwrap_or(pinned.large);
         self.launch(&algo, class, m, (a, b, c), (dtype, c_dtype), accumulate, stream)
     }
 
@@ -505,6 +564,43 @@ impl Check {
             )?;
         }
         stream.clone_dtoh(&c).map_err(err)
+    }
+
+    /// Milliseconds per product of `rows` rows with `algo` (CUDA events around
+    /// [`TIMED_LAUNCHES`] launches, after two).
+    fn time(&self, lt: &Lt, algo: &cublasLtMatmulAlgo_t, rows: u64) -> Result<f32> {
+        let stream = lt.workspace.stream().clone();
+        let err = |e| crate::cuda::driver_error("gemm timing", e);
+        let size = if self.c_dtype == cudaDataType::CUDA_R_32F { 4 } else { 2 };
+        let mut c =
+            stream.alloc_zeros::<u8>(rows as usize * self.class.n as usize * size).map_err(err)?;
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (start, end) = (
+            stream.context().new_event(flags).map_err(err)?,
+            stream.context().new_event(flags).map_err(err)?,
+        );
+        {
+            let (a, _a) = cudarc::driver::DevicePtr::device_ptr(&self.a, &stream);
+            let (b, _b) = cudarc::driver::DevicePtr::device_ptr(&self.b, &stream);
+            let (cp, _c) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut c, &stream);
+            let cu_stream = stream.cu_stream() as lt_sys::cudaStream_t;
+            for i in 0..TIMED_LAUNCHES + 2 {
+                if i == 2 {
+                    start.record(&stream).map_err(err)?;
+                }
+                lt.launch(
+                    algo,
+                    self.class,
+                    rows as i32,
+                    (a as *const c_void, b as *const c_void, cp as *mut c_void),
+                    (self.dtype, self.c_dtype),
+                    self.class.accumulate,
+                    cu_stream,
+                )?;
+            }
+            end.record(&stream).map_err(err)?;
+        }
+        Ok(start.elapsed_ms(&end).map_err(err)? / TIMED_LAUNCHES as f32)
     }
 
     /// The first of `rows` whose product with `algo` is not the matching part of `full`: the
