@@ -392,10 +392,13 @@ fn generate_writes_samples_that_score_reproduces() {
         "0.9",
     ])
     .unwrap();
-    for (row, s) in scored.lines().zip(&samples) {
+    for ((row, line), s) in scored.lines().zip(text.lines()).zip(&samples) {
         let row: serde_json::Value = serde_json::from_str(row).unwrap();
         let lp: Vec<f32> = serde_json::from_value(row["log_probs"].clone()).unwrap();
         assert_eq!(lp, s.rollout_log_probs, "sample {}", s.index);
+        // Written alike too: a reader parsing the numbers as f64 (Python) finds them equal.
+        let written: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(row["log_probs"], written["rollout_log_probs"], "sample {}", s.index);
     }
 
     // Bad input names the file, the line and the flag.

@@ -9,7 +9,7 @@ use miles_model::{
 use miles_tensor::Device;
 
 use crate::bench_cmd::DTypeArg;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::jsonl;
 
@@ -72,6 +72,21 @@ impl Scorer {
             Scorer::Device(dm) => dm.logprobs(batch, temperature)?,
         })
     }
+}
+
+/// One line of `miles score`'s output. Serialized field by field, so each f32 is written in
+/// its shortest form, as `miles generate` writes `rollout_log_probs`: a reader that parses
+/// JSON numbers as f64 (Python) then sees equal numbers where the f32 are equal. (Through
+/// `json!` they would be widened to f64 first and printed with all of the f64's digits.)
+#[derive(serde::Serialize)]
+struct ScoredRow<'a> {
+    line: usize,
+    prompt_length: usize,
+    response_length: usize,
+    response_tokens: &'a [u32],
+    log_probs: &'a [f32],
+    entropy: &'a [f32],
+    sum_log_prob: f64,
 }
 
 /// One line to score: its number, the tokens and where the response starts.
@@ -169,16 +184,16 @@ pub fn run(args: &ScoreArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             let n = item.tokens.len() - item.prompt_len;
             let (lp, ent) = (&logp[offset..offset + n], &entropy[offset..offset + n]);
             offset += n;
-            let row = json!({
-                "line": item.line,
-                "prompt_length": item.prompt_len,
-                "response_length": n,
-                "response_tokens": &item.tokens[item.prompt_len..],
-                "log_probs": lp,
-                "entropy": ent,
-                "sum_log_prob": lp.iter().map(|v| f64::from(*v)).sum::<f64>(),
-            });
-            rendered.push_str(&row.to_string());
+            let row = ScoredRow {
+                line: item.line,
+                prompt_length: item.prompt_len,
+                response_length: n,
+                response_tokens: &item.tokens[item.prompt_len..],
+                log_probs: lp,
+                entropy: ent,
+                sum_log_prob: lp.iter().map(|v| f64::from(*v)).sum::<f64>(),
+            };
+            rendered.push_str(&serde_json::to_string(&row)?);
             rendered.push('\n');
         }
         start = end;
