@@ -112,4 +112,34 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(lane < warps ? scratch[lane] : -INFINITY);
 }
 
+// RMSNorm's rstd of the row `xr` (1/sqrt(mean(x²) + eps)), every thread of the block getting
+// it: each thread sums the squares of its VEC-element chunks, then block_sum. rmsnorm.cu and the
+// fused q/k kernel share it (and rms_apply), so their bits agree for the same block size.
+template <typename T, int VEC>
+__device__ __forceinline__ float rms_rstd(const T* xr, int hidden, float eps, float* scratch) {
+    const int stride = blockDim.x * VEC;
+    float ss = 0.0f;
+    for (int i = threadIdx.x * VEC; i < hidden; i += stride) {
+        float v[VEC];
+        load<VEC>(xr + i, v);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            ss += v[j] * v[j];
+        }
+    }
+    const float ms = block_sum(ss, scratch) / static_cast<float>(hidden);
+    return 1.0f / sqrtf(ms + eps);
+}
+
+// One normalized element: weight · (x · rstd).
+__device__ __forceinline__ float rms_apply(float w, float x, float rstd) { return w * (x * rstd); }
+
+// One rotary pair (a at j, b at j + half of a head): sign +1 rotates, -1 is the backward.
+__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, float sign,
+                                          float* ya, float* yb) {
+    const float sk = sign * s;
+    *ya = a * c - b * sk;
+    *yb = b * c + a * sk;
+}
+
 }  // namespace miles

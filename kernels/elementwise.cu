@@ -84,9 +84,7 @@ __device__ void rope(T* y, const T* x, const float* cos, const float* sin, long 
         miles::load<VEC>(x + base + j + half, b);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-            const float sk = sign * s[k];
-            ya[k] = a[k] * c[k] - b[k] * sk;
-            yb[k] = b[k] * c[k] + a[k] * sk;
+            miles::rope_pair(a[k], b[k], c[k], s[k], sign, &ya[k], &yb[k]);
         }
         miles::store<VEC>(y + base + j, ya);
         miles::store<VEC>(y + base + j + half, yb);

@@ -627,6 +627,40 @@ impl Backend for Dev<'_> {
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         Ok(ops::add(a, b)?)
     }
+
+    fn add_rmsnorm(
+        &self,
+        layer: usize,
+        norm: Norm,
+        a: &Tensor,
+        b: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let w = self.w.weight(self.w.layout.norm(layer, norm));
+        let [sum, y, rstd] = ops::add_rmsnorm(a, b, w, self.w.config.rms_norm_eps)?;
+        Ok((sum, y, rstd))
+    }
+
+    /// One launch for both norms and both rotations (ops::qk_norm_rope keeps their bits).
+    fn qk_norm_rope(
+        &self,
+        c: &ModelConfig,
+        layer: usize,
+        q: Tensor,
+        k: Tensor,
+    ) -> Result<(Tensor, Tensor, Option<[Tensor; 4]>)> {
+        if !c.architecture.has_qk_norm() {
+            let (q, k) = (
+                self.rope(q, c.num_attention_heads, false)?,
+                self.rope(k, c.num_key_value_heads, false)?,
+            );
+            return Ok((q, k, None));
+        }
+        let w = |norm| self.w.weight(self.w.layout.norm(layer, norm));
+        let eps = c.rms_norm_eps;
+        let [qo, q_rstd, ko, k_rstd] =
+            ops::qk_norm_rope(&q, &k, w(Norm::Q), w(Norm::K), eps, self.cos, self.sin)?;
+        Ok((qo, ko, Some([q, q_rstd, k, k_rstd])))
+    }
 }
 
 impl BackwardBackend for Dev<'_> {

@@ -34,6 +34,43 @@ pub(crate) trait Backend {
     fn rope(&self, x: Self::Act, heads: usize, inverse: bool) -> Result<Self::Act>;
     fn swiglu(&self, gate: &Self::Act, up: &Self::Act) -> Result<Self::Act>;
     fn add(&self, a: &Self::Act, b: &Self::Act) -> Result<Self::Act>;
+
+    /// `(a + b, y, rstd)` with `(y, rstd)` the layer's `norm` of `a + b`: a residual add and the
+    /// norm after it. A backend may fuse them, keeping their bits.
+    fn add_rmsnorm(
+        &self,
+        layer: usize,
+        norm: Norm,
+        a: &Self::Act,
+        b: &Self::Act,
+    ) -> Result<(Self::Act, Self::Act, Self::Act)> {
+        let sum = self.add(a, b)?;
+        let (y, rstd) = self.rmsnorm(layer, norm, &sum)?;
+        Ok((sum, y, rstd))
+    }
+
+    /// The queries and keys as attention takes them: each head normalized (models with q/k
+    /// norms), then rotated; with the norms also what their backward needs, `[q, q_rstd, k,
+    /// k_rstd]`. A backend may fuse these steps, keeping their bits.
+    #[allow(clippy::type_complexity)]
+    fn qk_norm_rope(
+        &self,
+        c: &ModelConfig,
+        layer: usize,
+        q: Self::Act,
+        k: Self::Act,
+    ) -> Result<(Self::Act, Self::Act, Option<[Self::Act; 4]>)> {
+        let (q, k, qk_norm) = if c.architecture.has_qk_norm() {
+            let (qn, q_rstd) = self.rmsnorm(layer, Norm::Q, &q)?;
+            let (kn, k_rstd) = self.rmsnorm(layer, Norm::K, &k)?;
+            (qn, kn, Some([q, q_rstd, k, k_rstd]))
+        } else {
+            (q, k, None)
+        };
+        let q = self.rope(q, c.num_attention_heads, false)?;
+        let k = self.rope(k, c.num_key_value_heads, false)?;
+        Ok((q, k, qk_norm))
+    }
 }
 
 /// The backward primitives: the weight gradients accumulate inside the backend.
@@ -110,22 +147,12 @@ pub(crate) fn layer_forward<B: Backend>(
     x: B::Act,
     attention: &mut AttentionFn<B::Act>,
 ) -> Result<(B::Act, LayerActivations<B::Act>)> {
-    let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
     let (n1, rstd1) = b.rmsnorm(layer, Norm::Input, &x)?;
     let [q, k, v] = take(b.linear(layer, Linear::Qkv, &n1)?);
-    let (q, k, qk_norm) = if c.architecture.has_qk_norm() {
-        let (qn, q_rstd) = b.rmsnorm(layer, Norm::Q, &q)?;
-        let (kn, k_rstd) = b.rmsnorm(layer, Norm::K, &k)?;
-        (qn, kn, Some([q, q_rstd, k, k_rstd]))
-    } else {
-        (q, k, None)
-    };
-    let q = b.rope(q, nq, false)?;
-    let k = b.rope(k, nkv, false)?;
+    let (q, k, qk_norm) = b.qk_norm_rope(c, layer, q, k)?;
     let (attn, lse) = attention(&q, &k, &v)?;
     let [o] = take(b.linear(layer, Linear::O, &attn)?);
-    let x_mid = b.add(&x, &o)?;
-    let (n2, rstd2) = b.rmsnorm(layer, Norm::Post, &x_mid)?;
+    let (x_mid, n2, rstd2) = b.add_rmsnorm(layer, Norm::Post, &x, &o)?;
     let [gate, up] = take(b.linear(layer, Linear::GateUp, &n2)?);
     let act = b.swiglu(&gate, &up)?;
     let [m] = take(b.linear(layer, Linear::Down, &act)?);

@@ -23,7 +23,9 @@ pub(crate) use elementwise::{
     embedding_forward, rope, scatter_rows, split_columns, swiglu_backward, swiglu_forward,
 };
 pub(crate) use logprob::{logprob_rows, logprob_rows_backward};
-pub(crate) use ops::{matmul, matmul_into, rmsnorm_backward, rmsnorm_forward};
+pub(crate) use ops::{
+    add_rmsnorm, matmul, matmul_into, qk_norm_rope, rmsnorm_backward, rmsnorm_forward,
+};
 pub(crate) use optim::{AdamWSlot, adamw, adamw_multi, sum_squares, sum_squares_multi};
 pub(crate) use sample::{sample_rows, sample_rows_on_device};
 

@@ -216,6 +216,117 @@ fn f32_of<'a>(d: &'a DeviceData, what: &str) -> Result<&'a CudaSlice<f32>> {
     }
 }
 
+/// `[a + b, y, rstd]` of [`crate::ops::add_rmsnorm`]: one block per row, rmsnorm's launch.
+pub(crate) fn add_rmsnorm(
+    gpu: &Arc<Gpu>,
+    (a, b): (&DeviceData, &DeviceData),
+    w: &DeviceData,
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+) -> Result<[Buffer; 3]> {
+    let w = f32_of(w, "w")?;
+    let hidden_i = to_i32(hidden, "hidden")?;
+    to_i32(rows, "rows")?;
+    let vec = vec_width(hidden);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (row_threads(hidden, vec), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut rstd = gpu.alloc::<f32>(rows)?;
+    let (sum, y) = match (a, b) {
+        (DeviceData::F32(a), DeviceData::F32(b)) => {
+            let (mut sum, mut y) =
+                (gpu.alloc::<f32>(rows * hidden)?, gpu.alloc::<f32>(rows * hidden)?);
+            if rows > 0 {
+                let name = if vec == 4 { "add_rmsnorm_f32_v4" } else { "add_rmsnorm_f32_v1" };
+                launch!(
+                    gpu, "rmsnorm", name, cfg, &mut sum, &mut y, &mut rstd, a, b, w, &hidden_i,
+                    &eps
+                )?;
+            }
+            (DeviceData::F32(sum), DeviceData::F32(y))
+        }
+        (DeviceData::BF16(a), DeviceData::BF16(b)) => {
+            let (mut sum, mut y) =
+                (gpu.alloc::<u16>(rows * hidden)?, gpu.alloc::<u16>(rows * hidden)?);
+            if rows > 0 {
+                let name = if vec == 4 { "add_rmsnorm_bf16_v4" } else { "add_rmsnorm_bf16_v1" };
+                launch!(
+                    gpu, "rmsnorm", name, cfg, &mut sum, &mut y, &mut rstd, a, b, w, &hidden_i,
+                    &eps
+                )?;
+            }
+            (DeviceData::BF16(sum), DeviceData::BF16(y))
+        }
+        _ => {
+            return Err(Error::DType {
+                op: "add_rmsnorm",
+                message: "a and b must share a dtype, f32 or bf16".into(),
+            });
+        }
+    };
+    let wrap = |data| Buffer { gpu: gpu.clone(), data };
+    Ok([wrap(sum), wrap(y), wrap(DeviceData::F32(rstd))])
+}
+
+/// [`crate::ops::qk_norm_rope`] on bf16 (dtypes and shapes checked by the op): `[q, q_rstd, k,
+/// k_rstd]`, one block per (token, head) of rmsnorm's block size for a row of `d`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qk_norm_rope(
+    gpu: &Arc<Gpu>,
+    (q, k): (&CudaSlice<u16>, &CudaSlice<u16>),
+    (q_w, k_w): (&DeviceData, &DeviceData),
+    (cos, sin): (&DeviceData, &DeviceData),
+    tokens: usize,
+    (q_heads, kv_heads, d): (usize, usize, usize),
+    eps: f32,
+) -> Result<[Buffer; 4]> {
+    let (q_w, k_w) = (f32_of(q_w, "q_w")?, f32_of(k_w, "k_w")?);
+    let (cos, sin) = (f32_of(cos, "cos")?, f32_of(sin, "sin")?);
+    let (qh, kvh, di) =
+        (to_i32(q_heads, "q heads")?, to_i32(kv_heads, "kv heads")?, to_i32(d, "d")?);
+    let mut q_out = gpu.alloc::<u16>(tokens * q_heads * d)?;
+    let mut k_out = gpu.alloc::<u16>(tokens * kv_heads * d)?;
+    let mut q_rstd = gpu.alloc::<f32>(tokens * q_heads)?;
+    let mut k_rstd = gpu.alloc::<f32>(tokens * kv_heads)?;
+    if tokens > 0 {
+        let cfg = LaunchConfig {
+            grid_dim: (to_i32(tokens, "tokens")? as u32, (q_heads + kv_heads) as u32, 1),
+            block_dim: (row_threads(d, 4), 1, 1),
+            shared_mem_bytes: (d * 4) as u32,
+        };
+        launch!(
+            gpu,
+            "rmsnorm",
+            "qk_norm_rope_bf16",
+            cfg,
+            &mut q_out,
+            &mut q_rstd,
+            &mut k_out,
+            &mut k_rstd,
+            q,
+            k,
+            q_w,
+            k_w,
+            cos,
+            sin,
+            &qh,
+            &kvh,
+            &di,
+            &eps
+        )?;
+    }
+    let wrap = |data| Buffer { gpu: gpu.clone(), data };
+    Ok([
+        wrap(DeviceData::BF16(q_out)),
+        wrap(DeviceData::F32(q_rstd)),
+        wrap(DeviceData::BF16(k_out)),
+        wrap(DeviceData::F32(k_rstd)),
+    ])
+}
+
 /// `(y, rstd)` of `x [rows × hidden]` (f32 or bf16) and `w [hidden]` (f32).
 pub(crate) fn rmsnorm_forward(
     gpu: &Arc<Gpu>,

@@ -279,6 +279,139 @@ pub fn rmsnorm_forward(x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tens
     }
 }
 
+/// A residual add and the norm after it: `[a + b, y, rstd]` with `(y, rstd)` =
+/// [`rmsnorm_forward`]`(a + b, w, eps)`. On CUDA one launch, with the bits of [`add`] then
+/// [`rmsnorm_forward`] (tested).
+pub fn add_rmsnorm(a: &Tensor, b: &Tensor, w: &Tensor, eps: f32) -> Result<[Tensor; 3]> {
+    const OP: &str = "add_rmsnorm";
+    let device = same_device(OP, &[a, b, w])?;
+    floats_only(OP, &[a, b, w])?;
+    ensure(a.shape == b.shape && a.dtype() == b.dtype(), OP, || {
+        format!(
+            "a {:?} {} and b {:?} {} must share a shape and a dtype",
+            a.shape,
+            a.dtype(),
+            b.shape,
+            b.dtype()
+        )
+    })?;
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    let (rows, hidden) = rmsnorm_rows(OP, a, w)?;
+    dtype_is(OP, "w", w, DType::F32)?;
+    match device {
+        Device::Cpu => {
+            let sum = add(a, b)?;
+            let (y, rstd) = rmsnorm_forward(&sum, w, eps)?;
+            Ok([sum, y, rstd])
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let Storage::Cuda(buffer) = &a.storage else { unreachable!("a is on a device") };
+            let [sum, y, rstd] = crate::cuda::add_rmsnorm(
+                &buffer.gpu,
+                (device_data(a), device_data(b)),
+                device_data(w),
+                rows,
+                hidden,
+                eps,
+            )?;
+            let t = |shape: Vec<usize>, b| Tensor { shape, storage: Storage::Cuda(b) };
+            Ok([t(a.shape.clone(), sum), t(a.shape.clone(), y), t(rstd_shape(a, hidden), rstd)])
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn bf16_data(t: &Tensor) -> &cudarc::driver::CudaSlice<u16> {
+    match device_data(t) {
+        crate::cuda::DeviceData::BF16(s) => s,
+        _ => unreachable!("the caller checked the dtype"),
+    }
+}
+
+/// Qwen3's attention inputs: `rope(rmsnorm(q, q_w))` and `rope(rmsnorm(k, k_w))`, each head
+/// normalized on its own (`q` `[tokens × q_heads·d]`, `k` `[tokens × kv_heads·d]`, `d` the
+/// weights' length), with the norms' rstd: `[q, q_rstd, k, k_rstd]` as [`rmsnorm_forward`] and
+/// [`rope`] give them. In bf16 on CUDA one launch computes all four with those ops' bits (tested);
+/// elsewhere it is those ops.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope(
+    q: &Tensor,
+    k: &Tensor,
+    q_w: &Tensor,
+    k_w: &Tensor,
+    eps: f32,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<[Tensor; 4]> {
+    const OP: &str = "qk_norm_rope";
+    let device = same_device(OP, &[q, k, q_w, k_w, cos, sin])?;
+    let d = q_w.shape.first().copied().unwrap_or(0);
+    ensure(
+        q.shape.len() == 2
+            && k.shape.len() == 2
+            && q.shape[0] == k.shape[0]
+            && q_w.shape == [d]
+            && k_w.shape == [d]
+            && d.is_multiple_of(2)
+            && d > 0
+            && q.shape[1].is_multiple_of(d)
+            && k.shape[1].is_multiple_of(d),
+        OP,
+        || {
+            format!(
+                "q {:?} and k {:?} must be [tokens × heads·d] with q_w {:?} and k_w {:?} both [d], d even",
+                q.shape, k.shape, q_w.shape, k_w.shape
+            )
+        },
+    )?;
+    let (tokens, q_heads, kv_heads) = (q.shape[0], q.shape[1] / d, k.shape[1] / d);
+    let fused = cfg!(feature = "cuda")
+        && device != Device::Cpu
+        && q.dtype() == DType::BF16
+        && k.dtype() == DType::BF16
+        && d.is_multiple_of(4)
+        && d <= 1024;
+    if !fused {
+        let one = |x: &Tensor, w: &Tensor, heads: usize| -> Result<(Tensor, Tensor)> {
+            let (n, rstd) = rmsnorm_forward(x, w, eps)?;
+            let r = rope(&n.reshape(&[tokens, heads, d])?, cos, sin, false)?;
+            Ok((r.reshape(&x.shape)?, rstd))
+        };
+        let (qo, q_rstd) = one(q, q_w, q_heads)?;
+        let (ko, k_rstd) = one(k, k_w, kv_heads)?;
+        return Ok([qo, q_rstd, ko, k_rstd]);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let table = [tokens, d / 2];
+        ensure(cos.shape == table && sin.shape == table, OP, || {
+            format!("cos {:?} and sin {:?} must be {table:?}", cos.shape, sin.shape)
+        })?;
+        let Storage::Cuda(buffer) = &q.storage else { unreachable!("q is on a device") };
+        let [qo, q_rstd, ko, k_rstd] = crate::cuda::qk_norm_rope(
+            &buffer.gpu,
+            (bf16_data(q), bf16_data(k)),
+            (device_data(q_w), device_data(k_w)),
+            (device_data(cos), device_data(sin)),
+            tokens,
+            (q_heads, kv_heads, d),
+            eps,
+        )?;
+        let t = |shape: Vec<usize>, b| Tensor { shape, storage: Storage::Cuda(b) };
+        Ok([
+            t(q.shape.clone(), qo),
+            t(rstd_shape(q, d), q_rstd),
+            t(k.shape.clone(), ko),
+            t(rstd_shape(k, d), k_rstd),
+        ])
+    }
+    #[cfg(not(feature = "cuda"))]
+    unreachable!("fused only with the cuda feature")
+}
+
 /// Gradients of [`rmsnorm_forward`]: `(dx, dw)` from `dy` and the forward's `x`, `w` and
 /// `rstd`. `dy` and `x` share a dtype (f32 or bf16, dx has it too); `w`, `rstd` and `dw` are f32.
 /// `dw` is a fresh sum over the rows, reduced in a fixed order.
@@ -496,6 +629,97 @@ mod tests {
                 "{device}: matmul max relative error f32 {:.3e}, bf16 {:.3e}",
                 worst[0], worst[1]
             );
+        }
+    }
+
+    /// The fused residual add and norm give the bits of add then rmsnorm_forward.
+    #[test]
+    fn add_rmsnorm_has_the_bits_of_add_then_rmsnorm() {
+        let mut rng = Rng::new(32);
+        for device in devices() {
+            for dtype in [DType::F32, DType::BF16] {
+                for &(rows, hidden) in &[(1, 1024), (37, 576), (5, 1001), (64, 4096)] {
+                    let t = |v: Vec<f32>, dtype| tensor(&[rows, hidden], &v, dtype, &device);
+                    let (a, b) = (
+                        t(rng.vec(rows * hidden, 2.0), dtype),
+                        t(rng.vec(rows * hidden, 0.5), dtype),
+                    );
+                    let w: Vec<f32> = rng.vec(hidden, 0.3).iter().map(|v| 1.0 + v).collect();
+                    let w = tensor(&[hidden], &w, DType::F32, &device);
+                    let got = add_rmsnorm(&a, &b, &w, 1e-6).unwrap();
+                    let sum = add(&a, &b).unwrap();
+                    let (y, rstd) = rmsnorm_forward(&sum, &w, 1e-6).unwrap();
+                    let bits = |t: &Tensor| {
+                        t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    };
+                    for (name, g, want) in
+                        [("sum", &got[0], &sum), ("y", &got[1], &y), ("rstd", &got[2], &rstd)]
+                    {
+                        let what = format!("{device} {dtype} {rows}×{hidden} {name}");
+                        assert_eq!((g.shape(), g.dtype()), (want.shape(), want.dtype()), "{what}");
+                        assert!(bits(g) == bits(want), "{what}: not the separate ops' bits");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The fused q/k norms and rotary embedding give the bits of rmsnorm_forward then rope on
+    /// every device and dtype (on CUDA bf16, its own kernel), at head sizes 64 and 128, GQA.
+    #[test]
+    fn qk_norm_rope_has_the_bits_of_the_separate_ops() {
+        let mut rng = Rng::new(31);
+        let eps = 1e-6;
+        for device in devices() {
+            for dtype in [DType::F32, DType::BF16] {
+                for &(tokens, q_heads, kv_heads, d) in
+                    &[(1, 2, 1, 128), (37, 16, 8, 128), (5, 9, 3, 64)]
+                {
+                    let positions: Vec<u32> = (0..tokens as u32).map(|p| p * 7 % 300).collect();
+                    let (cos, sin) = cpu::rope_tables(&positions, d, 1e6);
+                    let table = |v: Vec<f32>| tensor(&[tokens, d / 2], &v, DType::F32, &device);
+                    let (cos, sin) = (table(cos), table(sin));
+                    let q = tensor(
+                        &[tokens, q_heads * d],
+                        &rng.vec(tokens * q_heads * d, 2.0),
+                        dtype,
+                        &device,
+                    );
+                    let k = tensor(
+                        &[tokens, kv_heads * d],
+                        &rng.vec(tokens * kv_heads * d, 2.0),
+                        dtype,
+                        &device,
+                    );
+                    let w = |rng: &mut Rng| {
+                        let v: Vec<f32> = rng.vec(d, 0.5).iter().map(|x| 1.0 + x).collect();
+                        tensor(&[d], &v, DType::F32, &device)
+                    };
+                    let (q_w, k_w) = (w(&mut rng), w(&mut rng));
+                    let got = qk_norm_rope(&q, &k, &q_w, &k_w, eps, &cos, &sin).unwrap();
+                    let apart = |x: &Tensor, w: &Tensor, heads: usize| {
+                        let (n, rstd) = rmsnorm_forward(x, w, eps).unwrap();
+                        let r = rope(&n.reshape(&[tokens, heads, d]).unwrap(), &cos, &sin, false);
+                        [r.unwrap().reshape(x.shape()).unwrap(), rstd]
+                    };
+                    let [qa, qr] = apart(&q, &q_w, q_heads);
+                    let [ka, kr] = apart(&k, &k_w, kv_heads);
+                    for (name, g, want) in [
+                        ("q", &got[0], qa),
+                        ("q rstd", &got[1], qr),
+                        ("k", &got[2], ka),
+                        ("k rstd", &got[3], kr),
+                    ] {
+                        let what =
+                            format!("{device} {dtype} {tokens}×{q_heads}/{kv_heads}×{d} {name}");
+                        assert_eq!((g.shape(), g.dtype()), (want.shape(), want.dtype()), "{what}");
+                        let bits = |t: &Tensor| {
+                            t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                        };
+                        assert!(bits(g) == bits(&want), "{what}: not the separate ops' bits");
+                    }
+                }
+            }
         }
     }
 
