@@ -24,6 +24,12 @@ pub struct SampleParams {
     pub top_p: f32,
 }
 
+/// Products of at most this many rows use the stacked q/k/v and gate/up matrices.
+const STACK_MAX_ROWS: usize = 256;
+/// Row counts at which the stacked products are checked against their parts': each decode
+/// tier of the pinned GEMMs.
+const STACK_CHECK_ROWS: [usize; 7] = [1, 7, 16, 33, 64, 129, 256];
+
 /// Response rows per LM-head chunk: logits exist for this many rows at a time, in f32.
 pub const HEAD_CHUNK_ROWS: usize = 1024;
 
@@ -89,6 +95,10 @@ pub struct DeviceModel {
     /// Compute copies of the matrices in `dtype` (`None`: the master is used, as for norms,
     /// whose weights RMSNorm takes in f32, and for everything in f32 mode).
     compute: Vec<Option<Tensor>>,
+    /// Per layer, the compute copies of q/k/v and of gate/up stacked by rows: a decode-sized
+    /// linear is then one product and a split. Empty when they would not give the separate
+    /// products' bits (see [`DeviceModel::stack_linears`]) or in f32.
+    stacked: Vec<[Tensor; 2]>,
     /// f32 gradients, summed over backward calls until [`DeviceModel::zero_grads`].
     grads: Vec<Tensor>,
     moments: Option<Moments>,
@@ -138,10 +148,12 @@ impl DeviceModel {
             layout,
             masters,
             compute: Vec::new(),
+            stacked: Vec::new(),
             grads,
             moments: None,
         };
         m.refresh_compute()?;
+        m.stack_linears()?;
         Ok(m)
     }
 
@@ -171,6 +183,70 @@ impl DeviceModel {
         Ok(())
     }
 
+    /// Builds [`DeviceModel::stacked`] when, on this device, a stacked product gives each
+    /// part the bits of its own product at every decode row count (the pinned GEMM classes of
+    /// the stack and of the parts are checked to agree on layer 0's weights and random rows);
+    /// else leaves it empty. Costs the stacks' memory (a third of the layers' matrices).
+    fn stack_linears(&mut self) -> Result<()> {
+        self.stacked.clear();
+        if self.dtype == DType::F32 || self.device == Device::Cpu {
+            return Ok(());
+        }
+        let mut stacked = Vec::with_capacity(self.layout.layers);
+        for layer in 0..self.layout.layers {
+            let stack = |linear| -> Result<Tensor> {
+                let parts: Vec<&Tensor> =
+                    self.layout.linear(layer, linear).iter().map(|&i| self.weight(i)).collect();
+                Ok(ops::concat_rows(&parts)?)
+            };
+            stacked.push([stack(Linear::Qkv)?, stack(Linear::GateUp)?]);
+        }
+        let mut rng = miles_tensor::rng::Rng::new(0x5eed);
+        let hidden = self.config.hidden_size;
+        for rows in STACK_CHECK_ROWS {
+            let x = Tensor::from_f32(&[rows, hidden], rng.vec(rows * hidden, 1.0), &self.device)?
+                .to_dtype(self.dtype)?;
+            for (linear, w) in [(Linear::Qkv, &stacked[0][0]), (Linear::GateUp, &stacked[0][1])] {
+                let parts = self.layout.linear(0, linear);
+                let widths: Vec<usize> = parts.iter().map(|&i| self.weight(i).shape()[0]).collect();
+                let whole = ops::matmul(&x, Transpose::No, w, Transpose::Yes)?;
+                for (got, &i) in ops::split_columns(&whole, &widths)?.iter().zip(&parts) {
+                    let want = ops::matmul(&x, Transpose::No, self.weight(i), Transpose::Yes)?;
+                    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                        Ok(t.to_vec_f32()?.iter().map(|v| v.to_bits()).collect())
+                    };
+                    if bits(got)? != bits(&want)? {
+                        if std::env::var_os("MILES_GEMM_LOG").is_some() {
+                            eprintln!("stacked {linear:?} differs from its parts at {rows} rows");
+                        }
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        self.stacked = stacked;
+        Ok(())
+    }
+
+    /// Copies the compute copies into the stacks, in place (their addresses stay, for the
+    /// CUDA graphs that read them).
+    fn refresh_stacked(&mut self) -> Result<()> {
+        for (layer, stacks) in self.stacked.iter_mut().enumerate() {
+            for (stack, linear) in stacks.iter_mut().zip([Linear::Qkv, Linear::GateUp]) {
+                let mut row = 0u32;
+                for i in self.layout.linear(layer, linear) {
+                    let part =
+                        self.compute[i].as_ref().expect("a bf16 copy (stacks exist in bf16)");
+                    let n = part.shape()[0] as u32;
+                    let rows: Vec<u32> = (row..row + n).collect();
+                    ops::scatter_rows(stack, part, &rows)?;
+                    row += n;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The weight `index` as the forward uses it.
     fn weight(&self, index: usize) -> &Tensor {
         self.weights().weight(index)
@@ -182,6 +258,7 @@ impl DeviceModel {
             layout: self.layout,
             masters: &self.masters,
             compute: &self.compute,
+            stacked: &self.stacked,
         }
     }
 
@@ -453,6 +530,7 @@ impl DeviceModel {
             layout: self.layout,
             masters: &self.masters,
             compute: &self.compute,
+            stacked: &self.stacked,
         };
         let mut dev = Dev {
             w,
@@ -505,6 +583,8 @@ impl DeviceModel {
             })
             .collect();
         ops::adamw_multi(hyper, moments.step, scale, &mut parts)?;
+        drop(parts);
+        self.refresh_stacked()?;
         Ok((norm, scale))
     }
 
@@ -571,6 +651,7 @@ struct DeviceWeights<'a> {
     layout: Layout,
     masters: &'a [Tensor],
     compute: &'a [Option<Tensor>],
+    stacked: &'a [[Tensor; 2]],
 }
 
 impl<'a> DeviceWeights<'a> {
@@ -605,9 +686,19 @@ impl Backend for Dev<'_> {
     }
 
     fn linear(&self, layer: usize, linear: Linear, x: &Tensor) -> Result<Vec<Tensor>> {
-        self.w
-            .layout
-            .linear(layer, linear)
+        let parts = self.w.layout.linear(layer, linear);
+        let stack = match linear {
+            Linear::Qkv => self.w.stacked.get(layer).map(|s| &s[0]),
+            Linear::GateUp => self.w.stacked.get(layer).map(|s| &s[1]),
+            Linear::O | Linear::Down => None,
+        };
+        // Decode-sized: one product and a split (checked to give the parts' bits).
+        if let Some(w) = stack.filter(|_| x.shape()[0] <= STACK_MAX_ROWS) {
+            let whole = ops::matmul(x, Transpose::No, w, Transpose::Yes)?;
+            let widths: Vec<usize> = parts.iter().map(|&i| self.w.weight(i).shape()[0]).collect();
+            return Ok(ops::split_columns(&whole, &widths)?);
+        }
+        parts
             .into_iter()
             .map(|i| Ok(ops::matmul(x, Transpose::No, self.w.weight(i), Transpose::Yes)?))
             .collect()

@@ -8,6 +8,7 @@ use miles_core::{Rollout, Sample, SamplingParams, Status};
 use miles_model::{
     Architecture, DeviceKvCache, DeviceModel, Model, ModelConfig, PackedBatch, Weights, presets,
 };
+use miles_tensor::cpu::AdamW;
 use miles_tensor::rng::Rng;
 use miles_tensor::{DType, Device};
 
@@ -286,5 +287,41 @@ fn smollm2_shaped_rollouts_equal_a_fresh_scorer() {
                 &bad[..bad.len().min(3)]
             );
         }
+    }
+}
+
+/// On CUDA, after an AdamW step the decode steps (which read the stacked q/k/v and gate/up
+/// copies) follow the new weights: the next rollouts' logprobs equal the scorer's bit for bit.
+#[test]
+fn rollouts_after_a_training_step_still_equal_the_scorer() {
+    let Some(device) = cuda() else { return };
+    let m = model(Architecture::Qwen3, 5);
+    let p = params(24);
+    let vocab = m.config.vocab_size;
+    let mut e = engine(&m, &device, DType::BF16, EngineConfig::default());
+    let first = e.generate(groups(2, 5, vocab), &p).unwrap().concat();
+    let mut dm = e.into_device_model();
+    let seqs: Vec<_> =
+        first.iter().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
+    let batch = PackedBatch::new(&seqs).unwrap();
+    let fwd = dm.forward(&batch, p.temperature).unwrap();
+    let n = fwd.logp.len();
+    dm.zero_grads().unwrap();
+    dm.backward(&fwd, &batch, &vec![-1.0 / n as f32; n], &vec![0.0; n]).unwrap();
+    drop(fwd);
+    let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+    dm.adamw_step(&hyper, 1.0).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let all = |s: &[Sample]| (0..s.len()).collect::<Vec<_>>();
+    let before = score(&dm, &first, &all(&first), first.len(), p.temperature);
+    assert!(
+        before.iter().zip(&first).any(|(g, s)| bits(g) != bits(&s.rollout_log_probs)),
+        "the step changed no logprob"
+    );
+    let mut e = Engine::on_device(dm, None, EngineConfig::default()).unwrap();
+    let second = e.generate(groups(2, 6, vocab), &p).unwrap().concat();
+    let got = score(e.device_model(), &second, &all(&second), second.len(), p.temperature);
+    for (i, (g, s)) in got.iter().zip(&second).enumerate() {
+        assert_eq!(bits(g), bits(&s.rollout_log_probs), "sample {i}");
     }
 }
