@@ -79,8 +79,12 @@ fn grpo_lifts_the_demo_past_0_8_and_zeroed_advantages_do_not() {
 /// Runs the real binary (faults come through the environment, so each run is its own
 /// process).
 fn run_binary(args: &[&str], fault: Option<&str>) -> Output {
+    run_binary_with(args, fault, &[])
+}
+
+fn run_binary_with(args: &[&str], fault: Option<&str>, env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(miles_binary());
-    cmd.arg("train").args(args).env("RAYON_NUM_THREADS", "2");
+    cmd.arg("train").args(args).env("RAYON_NUM_THREADS", "2").envs(env.iter().copied());
     match fault {
         Some(f) => cmd.env("MILES_FAULT", f),
         None => cmd.env_remove("MILES_FAULT"),
@@ -126,15 +130,26 @@ fn checkpoint_file(dir: &Path, iteration: u64, file: &str) -> Vec<u8> {
 /// Straight to 6 iterations, versus killed after iteration 5 (checkpoint at 4), resumed from
 /// 4 and run to 6: the checkpoints of iteration 6 must be byte for byte the same.
 fn check_exact_resume(name: &str, flags: &str, extra: &[&str]) {
+    check_exact_resume_with(name, flags, extra, &[]);
+}
+
+/// Returns the straight run's directory.
+fn check_exact_resume_with(
+    name: &str,
+    flags: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> PathBuf {
     let root = scratch(name);
     let (straight, resumed) = (root.join("straight"), root.join("resumed"));
-    let out = run_binary(&strs(&run_args(flags, &straight, 6)), None);
+    let out = run_binary_with(&strs(&run_args(flags, &straight, 6)), None, env);
     assert!(out.status.success(), "{}", text(&out));
 
-    let out = run_binary(&strs(&run_args(flags, &resumed, 6)), Some("abort-after-rollout:5"));
+    let fault = Some("abort-after-rollout:5");
+    let out = run_binary_with(&strs(&run_args(flags, &resumed, 6)), fault, env);
     assert!(!out.status.success(), "the fault must kill the run: {}", text(&out));
     assert_eq!(latest(&resumed), "4");
-    let out = run_binary(&strs(&run_args(flags, &resumed, 6)), None);
+    let out = run_binary_with(&strs(&run_args(flags, &resumed, 6)), None, env);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("resumed from iteration 4"), "{}", text(&out));
 
@@ -167,11 +182,38 @@ fn check_exact_resume(name: &str, flags: &str, extra: &[&str]) {
         assert_eq!(x["rollout/raw_reward"], y["rollout/raw_reward"]);
         assert_eq!(x["train/loss"], y["train/loss"]);
     }
+    straight
 }
 
 #[test]
 fn a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
     check_exact_resume("train_exact_resume", SHORT, &["ref.safetensors"]);
+}
+
+/// The GPU loop's code (the engine's DeviceModel trained in place, its AdamW state saved from
+/// the device) on host tensors: RL iterations with the GPU metrics, and a killed run resumes
+/// to the same bytes.
+#[test]
+fn the_device_loop_runs_on_host_tensors_and_resumes_exactly() {
+    let env = [("MILES_DEVICE_ACTOR_ON_HOST", "1")];
+    let dir =
+        check_exact_resume_with("train_device_loop_resume", SHORT, &["ref.safetensors"], &env);
+    let last: Value = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .next_back()
+        .unwrap();
+    for key in [
+        "perf/rollout_time",
+        "perf/train_time",
+        "perf/update_weights_time",
+        "perf/tokens_per_gpu_per_sec",
+        "perf/peak_gpu_memory_gib",
+        "train/train_rollout_logprob_abs_diff",
+    ] {
+        assert!(last.get(key).is_some_and(Value::is_number), "{key} missing: {last}");
+    }
 }
 
 /// Without a warm-up the KL reference is the initial model, rebuilt on resume, not the
@@ -364,8 +406,7 @@ fn an_sft_run_trains_on_the_labels() {
     assert!(evals.last().unwrap().1 > evals[0].1, "{evals:?}");
 }
 
-/// `--device`: a bad name says what is valid; RL on a GPU is refused until the GPU engine
-/// exists (no GPU trainer beside a CPU engine); a build or machine without CUDA says so.
+/// `--device`: a bad name says what is valid; a build or machine without CUDA says so.
 #[test]
 fn device_runs_are_checked() {
     let dir = scratch("train_device_flags");
@@ -376,9 +417,9 @@ fn device_runs_are_checked() {
     };
     let err = run(&["--device", "gpu"]);
     assert!(err.contains("--device") && err.contains("cuda:N"), "{err}");
-    let err = run(&["--device", "cuda"]);
-    assert!(err.contains("RL iterations need the GPU rollout engine"), "{err}");
     if miles_tensor::Device::Cuda(0).ensure_available().is_err() {
+        let err = run(&["--device", "cuda"]);
+        assert!(err.contains("--device cuda") && err.contains("CUDA"), "{err}");
         let err = run(&["--device", "cuda", "--loss-type", "sft_loss", "--sft-warmup-steps", "0"]);
         assert!(err.contains("--device cuda") && err.contains("CUDA"), "{err}");
     }

@@ -207,6 +207,20 @@ impl Engine<DevicePolicy> {
         &self.policy.model
     }
 
+    /// The device model, for a trainer in the same process to update in place (its AdamW
+    /// refreshes the compute copies where they are, so the decode graphs stay valid). Call
+    /// [`Engine::device_weights_updated`] before generating again.
+    pub fn device_model_mut(&mut self) -> &mut DeviceModel {
+        self.stale = true;
+        &mut self.policy.model
+    }
+
+    /// Finishes an in-place update of the device model: bumps the policy version.
+    pub fn device_weights_updated(&mut self) {
+        self.stale = false;
+        self.weight_version += 1;
+    }
+
     /// The policy, taken out of the engine.
     pub fn into_device_model(self) -> DeviceModel {
         self.policy.model

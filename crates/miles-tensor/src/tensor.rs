@@ -80,6 +80,17 @@ impl Device {
         }
     }
 
+    /// The chip's name ("cpu" on the CPU).
+    pub fn name(&self) -> Result<String> {
+        match *self {
+            Device::Cpu => Ok("cpu".into()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::gpu(ordinal)?.name(),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(not_built()),
+        }
+    }
+
     /// `(free, total)` bytes of device memory (`None` on the CPU, whose budget is the
     /// caller's).
     pub fn memory_info(&self) -> Result<Option<(u64, u64)>> {

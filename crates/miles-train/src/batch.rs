@@ -77,9 +77,19 @@ pub fn logprobs(
     temperature: f32,
     chunk: usize,
 ) -> miles_model::Result<Vec<Vec<f32>>> {
+    logprobs_by(samples, chunk, |b| Ok(model.logprobs_with(packed, b, temperature)?.0))
+}
+
+/// Each sample's response logprobs as `score` gives them for packed batches of `chunk`
+/// samples (any model, any device).
+pub fn logprobs_by(
+    samples: &[TrainSample],
+    chunk: usize,
+    mut score: impl FnMut(&PackedBatch) -> miles_model::Result<Vec<f32>>,
+) -> miles_model::Result<Vec<Vec<f32>>> {
     let mut out = Vec::with_capacity(samples.len());
     for part in samples.chunks(chunk.max(1)) {
-        let (logp, _) = model.logprobs_with(packed, &pack(part)?, temperature)?;
+        let logp = score(&pack(part)?)?;
         let mut at = 0;
         for s in part {
             out.push(logp[at..at + s.response_len()].to_vec());

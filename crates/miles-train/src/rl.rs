@@ -24,6 +24,7 @@
 //! optimizer step K (1-based, counting attempted steps) with NaN; `abort-during-save` is the
 //! checkpoint writer's.
 
+use std::borrow::Cow;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -35,7 +36,7 @@ use miles_data::{Cursor, DataSource, Dataset, PromptRow};
 use miles_model::{
     DeviceForward, DeviceModel, Forward, Model, PackedBatch, PackedLinears, Tokenizer, Weights,
 };
-use miles_rollout::{Engine, EngineConfig};
+use miles_rollout::{CpuPolicy, DevicePolicy, Engine, EngineConfig, Policy};
 use miles_tensor::cpu::{self, AdamW};
 use miles_tensor::{DType, Device};
 use serde_json::{Map, Value, json};
@@ -225,15 +226,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     };
     let device: Device = cfg.device.parse().map_err(|e| anyhow!("--device: {e}"))?;
     if device != Device::Cpu {
-        let eval = eval_every.zip(eval_data.as_ref()).map(|(every, data)| Eval {
-            data,
-            every,
-            reward: reward.as_ref(),
-        });
-        let dir = tokenizer_dir.as_deref();
-        return train_on_device(
-            device, &cfg, model, &tokenizer, dir, train_data, eval, &run_dir, observe,
-        );
+        device.ensure_available().with_context(|| format!("--device {}", cfg.device))?;
     }
     let faults = Faults::from_env();
     let total = total_iterations(&cfg, train_data.len())?;
@@ -265,15 +258,10 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     };
     let resumed_from = loaded.as_ref().map(|l| l.iteration);
     let mut log = MetricsLog::open(&run_dir, resumed_from, cfg.use_tensorboard)?;
-    let mut emit = |log: &mut MetricsLog, record: Record| -> anyhow::Result<()> {
-        log.write(&record)?;
-        observe(&record);
-        Ok(())
-    };
     let mut data = DataSource::new(train_data, cfg.rollout_shuffle, cfg.rollout_seed)?;
     // The frozen reference is the policy RL starts from: the initial model, or the warmed-up
     // one (then saved with each checkpoint).
-    let (policy, mut optimizer, mut state, reference) = match loaded {
+    let (policy, optimizer, state, reference) = match loaded {
         Some(l) => {
             let state = resume_state(&l, &config, &cfg, &mut data)?;
             let saved = l.extra.into_iter().find(|(n, _)| n == REF_WEIGHTS).map(|(_, w)| w);
@@ -283,7 +271,12 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         None => {
             let mut policy = model;
             if cfg.sft_warmup_steps > 0 {
-                sft_warmup(&cfg, &mut policy, &tokenizer, eos, &data, &mut |r| emit(&mut log, r))?;
+                // On the host, before the policy moves to its device.
+                sft_warmup(&cfg, &mut policy, &tokenizer, eos, &data, &mut |r| {
+                    log.write(&r)?;
+                    observe(&r);
+                    Ok(())
+                })?;
             }
             let optimizer = Optimizer::new(&config, hyper, f64::from(cfg.clip_grad));
             let state = LoopState {
@@ -302,157 +295,42 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     } else {
         None
     };
-    let kv_cache_bytes = cfg.rollout_kv_cache_mb.saturating_mul(1 << 20);
     let engine_config = EngineConfig {
-        kv_cache_bytes,
+        kv_cache_bytes: cfg.rollout_kv_cache_mb.saturating_mul(1 << 20),
         max_running: cfg.rollout_max_running,
         max_prompt_len: cfg.rollout_max_prompt_len,
         ..EngineConfig::default()
     };
-    // The engine holds the one copy of the policy; the trainer updates it in place.
-    let mut engine = Engine::new(policy, Some(tokenizer.clone()), engine_config)?;
-    // The policy version is the number of weight syncs so far, one per iteration.
-    engine.set_weight_version(state.iteration as u64);
-    let loss_cfg = PolicyLossConfig::from_run_config(&cfg);
-    loss_cfg.validate()?;
-    let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
-    let mut final_eval = None;
-
-    if state.iteration == 0
-        && let Some(eval) = eval_data.as_ref().filter(|_| eval_every.is_some())
-    {
-        let mut record = Record::new();
-        record.insert("step".into(), json!(0));
-        let score = evaluate(&cfg, &mut engine, &tokenizer, eval, reward.as_ref(), &mut record)?;
-        final_eval = Some(score);
-        emit(&mut log, record)?;
+    let run = Run {
+        cfg: &cfg,
+        tokenizer: &tokenizer,
+        tokenizer_dir: tokenizer_dir.as_deref(),
+        eval: eval_every.zip(eval_data.as_ref()),
+        reward: reward.as_ref(),
+        advantage: advantage.as_ref(),
+        correction: correction.as_deref(),
+        reference: reference.as_ref(),
+        saved_ref,
+        config: &config,
+        total,
+        steps_per_rollout,
+        schedule,
+        faults,
+        sft_run,
+        eos,
+    };
+    let progress = Progress { state, data, log, resumed_from };
+    // A test hook: the GPU loop's actor on host tensors, so CI runs its code.
+    let device_on_host = std::env::var_os("MILES_DEVICE_ACTOR_ON_HOST").is_some();
+    if device == Device::Cpu && !device_on_host {
+        // The engine holds the one copy of the policy; the trainer updates it in place.
+        let engine = Engine::new(policy, Some(tokenizer.clone()), engine_config)?;
+        run.iterate(CpuActor { engine, optimizer }, progress, observe)
+    } else {
+        let actor = DeviceActor::new(&policy, &optimizer, device, &cfg, engine_config, &tokenizer)?;
+        drop(policy);
+        run.iterate(actor, progress, observe)
     }
-
-    while state.iteration < total {
-        let started = Instant::now();
-        let mut record = Record::new();
-        record.insert("step".into(), json!(state.iteration + 1));
-
-        // 1–2. Rollout and reward, with dynamic sampling when over-sampling; an SFT run
-        // (`--loss-type sft_loss`) trains on the labels instead, as slime's SFT rollout does.
-        let mut samples = if sft_run {
-            let rows = data.next_batch(cfg.rollout_batch_size);
-            let source = &data.dataset().source;
-            sft_samples(&rows, &cfg, &tokenizer, eos, source, "--loss-type sft_loss")?
-        } else {
-            rollout(
-                &cfg,
-                &mut engine,
-                &tokenizer,
-                &mut data,
-                reward.as_ref(),
-                state.iteration,
-                &mut record,
-            )?
-        };
-        let rollout_time = started.elapsed().as_secs_f64();
-        let train_started = Instant::now();
-        if !sft_run {
-            prepare(
-                &cfg,
-                &engine,
-                &mut samples,
-                reference.as_ref(),
-                correction.as_deref(),
-                advantage.as_ref(),
-                &mut record,
-            )?;
-        }
-
-        // 4. Optimizer steps over consecutive slices of the batch.
-        let mut sums = StepSums::default();
-        for range in split_ranges(samples.len(), steps_per_rollout) {
-            let part = &samples[range];
-            if part.is_empty() {
-                continue;
-            }
-            state.attempted_steps += 1;
-            let nan = faults.nan_loss_at_step == Some(state.attempted_steps);
-            let lr = schedule.at(optimizer.steps() as usize);
-            let kind = if sft_run {
-                StepLoss::Sft(SftLossConfig::from_run_config(&cfg))
-            } else {
-                StepLoss::Policy(&loss_cfg)
-            };
-            let mut learner = CpuLearner::new(engine.policy_mut(), &mut optimizer)?;
-            match train_step(&mut learner, part, kind, cfg.rollout_temperature, micro, lr, nan)? {
-                Some(step) => sums.add(&step, lr),
-                None => state.skipped_steps += 1,
-            }
-        }
-        sums.write(&mut record, cfg.use_tis, cfg.use_opsm);
-        record.insert("train/skipped_steps".into(), json!(state.skipped_steps));
-
-        // 5. Weight sync: the optimizer updated the engine's own weights; repack them.
-        engine.weights_updated()?;
-        state.iteration += 1;
-        state.data = data.cursor();
-
-        let train_time = train_started.elapsed().as_secs_f64();
-        record.insert("perf/rollout_time".into(), json!(rollout_time));
-        record.insert("perf/train_time".into(), json!(train_time));
-        let generated = record.get("rollout/generated_tokens").and_then(Value::as_f64);
-        record.insert(
-            "perf/tokens_per_s".into(),
-            json!(generated.unwrap_or(0.0) / rollout_time.max(1e-9)),
-        );
-        if let (Some(every), Some(eval)) = (eval_every, eval_data.as_ref())
-            && (state.iteration % every == 0 || state.iteration == total)
-        {
-            let score =
-                evaluate(&cfg, &mut engine, &tokenizer, eval, reward.as_ref(), &mut record)?;
-            final_eval = Some(score);
-        }
-        record.insert("perf/step_time".into(), json!(started.elapsed().as_secs_f64()));
-        emit(&mut log, record)?;
-
-        let due = cfg.save_interval.is_some_and(|k| state.iteration.is_multiple_of(k));
-        if let Some(root) = &cfg.save
-            && (due || state.iteration == total)
-        {
-            let extra_ref;
-            let extra: &[(&str, &Weights)] = match &reference {
-                Some((r, _)) if !saved_ref.is_empty() => {
-                    extra_ref = [(REF_WEIGHTS, &r.weights)];
-                    &extra_ref
-                }
-                _ => &[],
-            };
-            let state_json = serde_json::to_value(&state)?;
-            checkpoint::save(
-                root,
-                state.iteration as u64,
-                &CheckpointRef {
-                    config: &config,
-                    weights: &engine.model().weights,
-                    optimizer: &optimizer,
-                    state: &state_json,
-                    tokenizer_dir: tokenizer_dir.as_deref(),
-                    extra,
-                },
-            )
-            .with_context(|| format!("--save {}", root.display()))?;
-        }
-        if faults.abort_after_rollout == Some(state.iteration) {
-            std::process::abort();
-        }
-    }
-    if let Some(dir) = &cfg.save_hf {
-        checkpoint::export_hf(dir, &config, &engine.model().weights, tokenizer_dir.as_deref())
-            .with_context(|| format!("--save-hf {}", dir.display()))?;
-    }
-    Ok(Summary {
-        iterations: state.iteration,
-        resumed_from,
-        final_eval,
-        skipped_steps: state.skipped_steps,
-        weights: engine.into_model().weights,
-    })
 }
 
 /// AdamW's settings of the run at learning rate `lr`.
@@ -492,186 +370,447 @@ fn resume_state(
     Ok(state)
 }
 
-/// What a run evaluates on, how often, and with which reward.
-struct Eval<'a> {
-    data: &'a Dataset,
-    every: usize,
+/// What an RL (or supervised) run needs besides the policy: settings, data, rewards.
+struct Run<'a> {
+    cfg: &'a RunConfig,
+    tokenizer: &'a Tokenizer,
+    tokenizer_dir: Option<&'a Path>,
+    /// Every how many iterations, on what.
+    eval: Option<(usize, &'a Dataset)>,
     reward: &'a dyn Reward,
+    advantage: &'a dyn Advantage,
+    correction: Option<&'a dyn Correction>,
+    reference: Option<&'a (Model, PackedLinears)>,
+    saved_ref: &'a [&'a str],
+    config: &'a miles_model::ModelConfig,
+    total: usize,
+    steps_per_rollout: usize,
+    schedule: LrSchedule,
+    faults: Faults,
+    sft_run: bool,
+    eos: u32,
 }
 
-/// `--device cuda`: supervised steps (`--loss-type sft_loss`) with the policy resident on the
-/// GPU (bf16 compute, f32 masters and moments there), checkpoints and exact resume as on the
-/// CPU. RL iterations need the GPU rollout engine, which is still to come; they are refused
-/// rather than run as a GPU trainer beside a CPU engine. Until then eval generates on the CPU
-/// engine from a host copy of the step's weights.
-#[allow(clippy::too_many_arguments)]
-fn train_on_device(
-    device: Device,
-    cfg: &RunConfig,
-    model: Model,
-    tokenizer: &Tokenizer,
-    tokenizer_dir: Option<&Path>,
-    train_data: Dataset,
-    eval: Option<Eval>,
-    run_dir: &Path,
-    observe: &mut dyn FnMut(&Record),
-) -> anyhow::Result<Summary> {
-    let flag = format!("--device {}", cfg.device);
-    if cfg.loss_type != LossType::SftLoss || cfg.sft_warmup_steps > 0 {
-        bail!(
-            "{flag}: RL iterations need the GPU rollout engine, which is still to come; on a GPU \
-             only supervised runs (--loss-type sft_loss) train so far. Use --device cpu for RL"
-        );
-    }
-    device.ensure_available().with_context(|| flag.clone())?;
-    let hyper = adamw(cfg, cfg.lr);
-    let clip = f64::from(cfg.clip_grad);
-    let total = total_iterations(cfg, train_data.len())?;
-    let steps_per_rollout = steps_per_rollout(cfg)?;
-    let schedule = LrSchedule::from_run_config(cfg, total * steps_per_rollout);
-    let config = model.config.clone();
-    let eos = eos_id(&model, tokenizer)?;
-    let loaded = match &cfg.load {
-        Some(root) if checkpoint::latest_iteration(root)?.is_some() => {
-            Some(checkpoint::load(root, hyper, clip, &[])?)
-        }
-        _ => None,
-    };
-    let resumed_from = loaded.as_ref().map(|l| l.iteration);
-    let mut log = MetricsLog::open(run_dir, resumed_from, cfg.use_tensorboard)?;
-    let mut data = DataSource::new(train_data, cfg.rollout_shuffle, cfg.rollout_seed)?;
-    let (mut dm, mut state) = match loaded {
-        Some(l) => {
-            let state = resume_state(&l, &config, cfg, &mut data)?;
-            let mut dm =
-                DeviceModel::new(&Model::new(config.clone(), l.weights), &device, DType::BF16)?;
-            let (m, v) = l.optimizer.moments();
-            dm.set_moments(m, v, l.optimizer.steps())?;
-            (dm, state)
-        }
-        None => {
-            let state = LoopState {
-                rollout_seed: cfg.rollout_seed,
-                rollout_shuffle: cfg.rollout_shuffle,
-                ..LoopState::default()
-            };
-            (DeviceModel::new(&model, &device, DType::BF16)?, state)
-        }
-    };
-    drop(model);
-    let sft = SftLossConfig::from_run_config(cfg);
-    let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
-    let source = data.dataset().source.clone();
-    let mut final_eval = None;
-    let mut run_eval = |dm: &DeviceModel, record: &mut Record| -> anyhow::Result<()> {
-        let Some(e) = &eval else { return Ok(()) };
-        let engine_config = EngineConfig {
-            kv_cache_bytes: cfg.rollout_kv_cache_mb.saturating_mul(1 << 20),
-            max_running: cfg.rollout_max_running,
-            max_prompt_len: cfg.rollout_max_prompt_len,
-            ..EngineConfig::default()
-        };
-        let policy = Model::new(config.clone(), dm.to_weights()?);
-        let mut engine = Engine::new(policy, Some(tokenizer.clone()), engine_config)?;
-        final_eval = Some(evaluate(cfg, &mut engine, tokenizer, e.data, e.reward, record)?);
-        Ok(())
-    };
-    if state.iteration == 0 && eval.is_some() {
-        let mut record = Record::new();
-        record.insert("step".into(), json!(0));
-        run_eval(&dm, &mut record)?;
-        log.write(&record)?;
-        observe(&record);
-    }
-    while state.iteration < total {
-        let started = Instant::now();
-        device.reset_peak_memory()?;
-        let mut record = Record::new();
-        record.insert("step".into(), json!(state.iteration + 1));
-        let rows = data.next_batch(cfg.rollout_batch_size);
-        let samples = sft_samples(&rows, cfg, tokenizer, eos, &source, "--loss-type sft_loss")?;
-        let mut sums = StepSums::default();
-        for range in split_ranges(samples.len(), steps_per_rollout) {
-            if range.is_empty() {
-                continue;
-            }
-            state.attempted_steps += 1;
-            let lr = schedule.at(dm.steps() as usize);
-            let mut learner = DeviceLearner::new(&mut dm, hyper, clip)?;
-            let step = StepLoss::Sft(sft);
-            match train_step(
-                &mut learner,
-                &samples[range],
-                step,
-                cfg.rollout_temperature,
-                micro,
-                lr,
-                false,
-            )? {
-                Some(step) => sums.add(&step, lr),
-                None => state.skipped_steps += 1,
-            }
-        }
-        sums.write(&mut record, false, false);
-        record.insert("train/skipped_steps".into(), json!(state.skipped_steps));
-        state.iteration += 1;
-        state.data = data.cursor();
-        device.synchronize()?;
-        let seconds = started.elapsed().as_secs_f64();
-        record.insert("perf/train_time".into(), json!(seconds));
-        record.insert("perf/step_time".into(), json!(seconds));
-        let peak = device.peak_memory()? as f64 / (1u64 << 30) as f64;
-        record.insert("perf/peak_gpu_memory_gib".into(), json!(peak));
-        if eval.as_ref().is_some_and(|e| state.iteration % e.every == 0 || state.iteration == total)
-        {
-            run_eval(&dm, &mut record)?;
-        }
-        log.write(&record)?;
-        observe(&record);
+/// Where the loop stands: its state, the data cursor, the metrics log.
+struct Progress {
+    state: LoopState,
+    data: DataSource,
+    log: MetricsLog,
+    resumed_from: Option<u64>,
+}
 
-        let due = cfg.save_interval.is_some_and(|k| state.iteration.is_multiple_of(k));
-        if let Some(root) = &cfg.save
-            && (due || state.iteration == total)
+impl Run<'_> {
+    /// The iterations, from `progress` to `--num-rollout`: rollout, reward, old logprobs and
+    /// advantages, optimizer steps, weight sync, eval, checkpoint.
+    fn iterate<A: Actor>(
+        &self,
+        mut actor: A,
+        progress: Progress,
+        observe: &mut dyn FnMut(&Record),
+    ) -> anyhow::Result<Summary> {
+        let cfg = self.cfg;
+        let Progress { mut state, mut data, mut log, resumed_from } = progress;
+        let mut emit = |log: &mut MetricsLog, record: Record| -> anyhow::Result<()> {
+            log.write(&record)?;
+            observe(&record);
+            Ok(())
+        };
+        // The policy version is the number of weight syncs so far, one per iteration.
+        actor.engine().set_weight_version(state.iteration as u64);
+        let loss_cfg = PolicyLossConfig::from_run_config(cfg);
+        loss_cfg.validate()?;
+        let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
+        let mut final_eval = None;
+
+        if state.iteration == 0
+            && let Some((_, eval)) = self.eval
         {
-            let optimizer = match dm.moments_to_host()? {
-                Some((m, v, steps)) => Optimizer::from_state(&config, hyper, clip, m, v, steps)?,
-                None => Optimizer::new(&config, hyper, clip),
-            };
-            checkpoint::save(
-                root,
-                state.iteration as u64,
-                &CheckpointRef {
-                    config: &config,
-                    weights: &dm.to_weights()?,
-                    optimizer: &optimizer,
-                    state: &serde_json::to_value(&state)?,
-                    tokenizer_dir,
-                    extra: &[],
-                },
-            )
-            .with_context(|| format!("--save {}", root.display()))?;
+            let mut record = Record::new();
+            record.insert("step".into(), json!(0));
+            let score =
+                evaluate(cfg, actor.engine(), self.tokenizer, eval, self.reward, &mut record)?;
+            final_eval = Some(score);
+            emit(&mut log, record)?;
         }
+
+        while state.iteration < self.total {
+            let started = Instant::now();
+            if let Some(device) = actor.device() {
+                device.reset_peak_memory()?;
+            }
+            let mut record = Record::new();
+            record.insert("step".into(), json!(state.iteration + 1));
+
+            // 1–2. Rollout and reward, with dynamic sampling when over-sampling; an SFT run
+            // (`--loss-type sft_loss`) trains on the labels instead, as slime's SFT rollout does.
+            let mut samples = if self.sft_run {
+                let rows = data.next_batch(cfg.rollout_batch_size);
+                let source = &data.dataset().source;
+                sft_samples(&rows, cfg, self.tokenizer, self.eos, source, "--loss-type sft_loss")?
+            } else {
+                rollout(
+                    cfg,
+                    actor.engine(),
+                    self.tokenizer,
+                    &mut data,
+                    self.reward,
+                    state.iteration,
+                    &mut record,
+                )?
+            };
+            let rollout_time = started.elapsed().as_secs_f64();
+            let train_started = Instant::now();
+            if !self.sft_run {
+                prepare(
+                    cfg,
+                    &actor,
+                    &mut samples,
+                    self.reference,
+                    self.correction,
+                    self.advantage,
+                    &mut record,
+                )?;
+            }
+
+            // 4. Optimizer steps over consecutive slices of the batch.
+            let mut sums = StepSums::default();
+            for range in split_ranges(samples.len(), self.steps_per_rollout) {
+                let part = &samples[range];
+                if part.is_empty() {
+                    continue;
+                }
+                state.attempted_steps += 1;
+                let nan = self.faults.nan_loss_at_step == Some(state.attempted_steps);
+                let lr = self.schedule.at(actor.steps() as usize);
+                let kind = if self.sft_run {
+                    StepLoss::Sft(SftLossConfig::from_run_config(cfg))
+                } else {
+                    StepLoss::Policy(&loss_cfg)
+                };
+                match actor.train_step(part, kind, cfg.rollout_temperature, micro, lr, nan)? {
+                    Some(step) => sums.add(&step, lr),
+                    None => state.skipped_steps += 1,
+                }
+            }
+            sums.write(&mut record, cfg.use_tis, cfg.use_opsm);
+            record.insert("train/skipped_steps".into(), json!(state.skipped_steps));
+            let train_time = train_started.elapsed().as_secs_f64();
+
+            // 5. Weight sync: the optimizer updated the engine's own weights.
+            let sync_started = Instant::now();
+            actor.weights_updated()?;
+            let sync_time = sync_started.elapsed().as_secs_f64();
+            state.iteration += 1;
+            state.data = data.cursor();
+
+            record.insert("perf/rollout_time".into(), json!(rollout_time));
+            record.insert("perf/train_time".into(), json!(train_time));
+            record.insert("perf/update_weights_time".into(), json!(sync_time));
+            let generated = record.get("rollout/generated_tokens").and_then(Value::as_f64);
+            record.insert(
+                "perf/tokens_per_s".into(),
+                json!(generated.unwrap_or(0.0) / rollout_time.max(1e-9)),
+            );
+            let tokens: usize = samples.iter().map(|s| s.tokens.len()).sum();
+            let step_seconds = started.elapsed().as_secs_f64();
+            record.insert(
+                "perf/tokens_per_gpu_per_sec".into(),
+                json!(tokens as f64 / step_seconds.max(1e-9)),
+            );
+            if let Some(device) = actor.device() {
+                // Forward and backward: 6 FLOPs per parameter and token, over the peak.
+                if let Some(peak) = peak_bf16_flops(&device) {
+                    let flops = 6.0 * self.config.num_parameters() as f64 * tokens as f64;
+                    record.insert(
+                        "perf/actor_train_mfu".into(),
+                        json!(flops / train_time.max(1e-9) / peak),
+                    );
+                }
+                let peak = device.peak_memory()? as f64 / (1u64 << 30) as f64;
+                record.insert("perf/peak_gpu_memory_gib".into(), json!(peak));
+            }
+            if let Some((every, eval)) = self.eval
+                && (state.iteration % every == 0 || state.iteration == self.total)
+            {
+                let score =
+                    evaluate(cfg, actor.engine(), self.tokenizer, eval, self.reward, &mut record)?;
+                final_eval = Some(score);
+            }
+            record.insert("perf/step_time".into(), json!(started.elapsed().as_secs_f64()));
+            emit(&mut log, record)?;
+
+            let due = cfg.save_interval.is_some_and(|k| state.iteration.is_multiple_of(k));
+            if let Some(root) = &cfg.save
+                && (due || state.iteration == self.total)
+            {
+                let extra_ref;
+                let extra: &[(&str, &Weights)] = match self.reference {
+                    Some((r, _)) if !self.saved_ref.is_empty() => {
+                        extra_ref = [(REF_WEIGHTS, &r.weights)];
+                        &extra_ref
+                    }
+                    _ => &[],
+                };
+                let state_json = serde_json::to_value(&state)?;
+                let (weights, optimizer) = actor.checkpoint_parts()?;
+                checkpoint::save(
+                    root,
+                    state.iteration as u64,
+                    &CheckpointRef {
+                        config: self.config,
+                        weights: &weights,
+                        optimizer: &optimizer,
+                        state: &state_json,
+                        tokenizer_dir: self.tokenizer_dir,
+                        extra,
+                    },
+                )
+                .with_context(|| format!("--save {}", root.display()))?;
+            }
+            if self.faults.abort_after_rollout == Some(state.iteration) {
+                std::process::abort();
+            }
+        }
+        let weights = actor.into_weights()?;
+        if let Some(dir) = &cfg.save_hf {
+            checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir)
+                .with_context(|| format!("--save-hf {}", dir.display()))?;
+        }
+        Ok(Summary {
+            iterations: state.iteration,
+            resumed_from,
+            final_eval,
+            skipped_steps: state.skipped_steps,
+            weights,
+        })
     }
-    let weights = dm.to_weights()?;
-    if let Some(dir) = &cfg.save_hf {
-        checkpoint::export_hf(dir, &config, &weights, tokenizer_dir)
-            .with_context(|| format!("--save-hf {}", dir.display()))?;
+}
+
+/// Dense bf16 tensor-core FLOP/s of the device's chip, where known (for the MFU metric).
+fn peak_bf16_flops(device: &Device) -> Option<f64> {
+    let name = device.name().ok()?;
+    ["H100", "H200", "H800", "GH200"].iter().any(|n| name.contains(n)).then_some(989e12)
+}
+
+/// Where the policy lives during a run: the rollout engine over it and the trainer that
+/// updates it in place, so one copy of the weights serves both (zero-copy weight sync).
+trait Actor {
+    type P: Policy;
+    fn engine(&mut self) -> &mut Engine<Self::P>;
+    /// Each sample's response logprobs under the current weights, `micro` samples per forward.
+    fn logprobs(
+        &self,
+        samples: &[TrainSample],
+        temperature: f32,
+        micro: usize,
+    ) -> anyhow::Result<Vec<Vec<f32>>>;
+    /// One optimizer step over `part` ([`train_step`]).
+    fn train_step(
+        &mut self,
+        part: &[TrainSample],
+        loss: StepLoss,
+        temperature: f32,
+        micro: usize,
+        lr: f32,
+        inject_nan: bool,
+    ) -> anyhow::Result<Option<StepResult>>;
+    /// Optimizer steps taken (the learning-rate schedule's position).
+    fn steps(&self) -> u64;
+    /// After an iteration's steps: the engine generates with the new weights from now on.
+    fn weights_updated(&mut self) -> anyhow::Result<()>;
+    /// The weights and optimizer state for a checkpoint, on the host.
+    fn checkpoint_parts(&self) -> anyhow::Result<(Cow<'_, Weights>, Cow<'_, Optimizer>)>;
+    fn into_weights(self) -> anyhow::Result<Weights>;
+    /// The device of a device actor, for the memory and MFU figures; `None` for the CPU's.
+    fn device(&self) -> Option<Device>;
+}
+
+/// The CPU: the engine's `Model` with the host AdamW.
+struct CpuActor {
+    engine: Engine,
+    optimizer: Optimizer,
+}
+
+impl Actor for CpuActor {
+    type P = CpuPolicy;
+
+    fn engine(&mut self) -> &mut Engine {
+        &mut self.engine
     }
-    Ok(Summary {
-        iterations: state.iteration,
-        resumed_from,
-        final_eval,
-        skipped_steps: state.skipped_steps,
-        weights,
-    })
+
+    fn logprobs(
+        &self,
+        samples: &[TrainSample],
+        temperature: f32,
+        micro: usize,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let (m, p) = (self.engine.model(), self.engine.packed());
+        Ok(batch::logprobs(m, p, samples, temperature, micro)?)
+    }
+
+    fn train_step(
+        &mut self,
+        part: &[TrainSample],
+        loss: StepLoss,
+        temperature: f32,
+        micro: usize,
+        lr: f32,
+        inject_nan: bool,
+    ) -> anyhow::Result<Option<StepResult>> {
+        let mut learner = CpuLearner::new(self.engine.policy_mut(), &mut self.optimizer)?;
+        train_step(&mut learner, part, loss, temperature, micro, lr, inject_nan)
+    }
+
+    fn steps(&self) -> u64 {
+        self.optimizer.steps()
+    }
+
+    fn weights_updated(&mut self) -> anyhow::Result<()> {
+        // Repacks the linears the engine's forward reads.
+        Ok(self.engine.weights_updated()?)
+    }
+
+    fn checkpoint_parts(&self) -> anyhow::Result<(Cow<'_, Weights>, Cow<'_, Optimizer>)> {
+        Ok((Cow::Borrowed(&self.engine.model().weights), Cow::Borrowed(&self.optimizer)))
+    }
+
+    fn into_weights(self) -> anyhow::Result<Weights> {
+        Ok(self.engine.into_model().weights)
+    }
+
+    fn device(&self) -> Option<Device> {
+        None
+    }
+}
+
+/// A GPU: the engine's `DeviceModel` (f32 masters, bf16 compute copies, gradients and AdamW
+/// moments all there), trained in place; its KV cache is allocated beside it once.
+struct DeviceActor {
+    engine: Engine<DevicePolicy>,
+    hyper: AdamW,
+    clip: f64,
+    device: Device,
+}
+
+impl DeviceActor {
+    /// `policy` (and the optimizer state of a resumed run) on `device`, with the rollout
+    /// engine's KV cache; prints the memory plan, and fails naming the flag when the cache
+    /// does not fit.
+    fn new(
+        policy: &Model,
+        optimizer: &Optimizer,
+        device: Device,
+        cfg: &RunConfig,
+        engine_config: EngineConfig,
+        tokenizer: &Tokenizer,
+    ) -> anyhow::Result<Self> {
+        // bf16 on a GPU; f32 where the device loop runs on host tensors (a test).
+        let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
+        let mut dm = DeviceModel::new(policy, &device, dtype)?;
+        if optimizer.steps() > 0 {
+            let (m, v) = optimizer.moments();
+            dm.set_moments(m, v, optimizer.steps())?;
+        }
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let kv = engine_config.kv_cache_bytes as u64;
+        if let Some((free, total)) = device.memory_info()? {
+            eprintln!(
+                "memory plan on {device}: model, gradients and AdamW state {:.2} GiB in use, \
+                 KV cache {:.2} GiB (--rollout-kv-cache-mb), {:.2} GiB free of {:.2} GiB before \
+                 it; training activations come from what is left",
+                gib(total - free),
+                gib(kv),
+                gib(free),
+                gib(total)
+            );
+            if kv > free {
+                bail!(
+                    "--rollout-kv-cache-mb {}: the KV cache needs {:.2} GiB and {device} has \
+                     {:.2} GiB free beside the model; lower it",
+                    cfg.rollout_kv_cache_mb,
+                    gib(kv),
+                    gib(free)
+                );
+            }
+        }
+        let engine = Engine::on_device(dm, Some(tokenizer.clone()), engine_config)?;
+        Ok(DeviceActor {
+            engine,
+            hyper: adamw(cfg, cfg.lr),
+            clip: f64::from(cfg.clip_grad),
+            device,
+        })
+    }
+}
+
+impl Actor for DeviceActor {
+    type P = DevicePolicy;
+
+    fn engine(&mut self) -> &mut Engine<DevicePolicy> {
+        &mut self.engine
+    }
+
+    fn logprobs(
+        &self,
+        samples: &[TrainSample],
+        temperature: f32,
+        micro: usize,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let dm = self.engine.device_model();
+        Ok(batch::logprobs_by(samples, micro, |b| Ok(dm.logprobs(b, temperature)?.0))?)
+    }
+
+    fn train_step(
+        &mut self,
+        part: &[TrainSample],
+        loss: StepLoss,
+        temperature: f32,
+        micro: usize,
+        lr: f32,
+        inject_nan: bool,
+    ) -> anyhow::Result<Option<StepResult>> {
+        let dm = self.engine.device_model_mut();
+        let mut learner = DeviceLearner::new(dm, self.hyper, self.clip)?;
+        train_step(&mut learner, part, loss, temperature, micro, lr, inject_nan)
+    }
+
+    fn steps(&self) -> u64 {
+        self.engine.device_model().steps()
+    }
+
+    fn weights_updated(&mut self) -> anyhow::Result<()> {
+        // AdamW refreshed the bf16 copies the engine reads, in place: nothing to move.
+        self.engine.device_weights_updated();
+        Ok(())
+    }
+
+    fn checkpoint_parts(&self) -> anyhow::Result<(Cow<'_, Weights>, Cow<'_, Optimizer>)> {
+        let dm = self.engine.device_model();
+        let config = &dm.config;
+        let optimizer = match dm.moments_to_host()? {
+            Some((m, v, steps)) => {
+                Optimizer::from_state(config, self.hyper, self.clip, m, v, steps)?
+            }
+            None => Optimizer::new(config, self.hyper, self.clip),
+        };
+        Ok((Cow::Owned(dm.to_weights()?), Cow::Owned(optimizer)))
+    }
+
+    fn into_weights(self) -> anyhow::Result<Weights> {
+        Ok(self.engine.device_model().to_weights()?)
+    }
+
+    fn device(&self) -> Option<Device> {
+        Some(self.device)
+    }
 }
 
 /// Step 3 of an RL iteration: old logprobs (and their gap to the rollout's), reference
 /// logprobs, the off-policy correction and the advantages of every sample.
 #[allow(clippy::too_many_arguments)]
-fn prepare(
+fn prepare<A: Actor>(
     cfg: &RunConfig,
-    engine: &Engine,
+    actor: &A,
     samples: &mut [TrainSample],
     reference: Option<&(Model, PackedLinears)>,
     correction: Option<&dyn Correction>,
@@ -680,7 +819,7 @@ fn prepare(
 ) -> anyhow::Result<()> {
     let temperature = cfg.rollout_temperature;
     let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
-    let trainer = batch::logprobs(engine.model(), engine.packed(), samples, temperature, micro)?;
+    let trainer = actor.logprobs(samples, temperature, micro)?;
     for (s, t) in samples.iter_mut().zip(&trainer) {
         let old = if cfg.use_rollout_logprobs { &s.rollout_logp } else { t };
         s.old_logp = old.clone();
@@ -841,9 +980,9 @@ fn score_groups(
 
 /// Generates and scores one iteration's batch; records slime's `rollout/*` metrics.
 #[allow(clippy::too_many_arguments)]
-fn rollout(
+fn rollout<P: Policy>(
     cfg: &RunConfig,
-    engine: &mut Engine,
+    engine: &mut Engine<P>,
     tok: &Tokenizer,
     data: &mut DataSource,
     reward: &dyn Reward,
@@ -1259,9 +1398,9 @@ fn sft_warmup(
 /// Eval on every prompt of `eval`: mean reward, pass@1 (the fraction of samples with a
 /// positive reward) and, with several samples per prompt, pass@n. Its draws use a fixed seed,
 /// so successive evals differ only by the policy.
-fn evaluate(
+fn evaluate<P: Policy>(
     cfg: &RunConfig,
-    engine: &mut Engine,
+    engine: &mut Engine<P>,
     tok: &Tokenizer,
     eval: &Dataset,
     reward: &dyn Reward,

@@ -184,6 +184,11 @@ impl Gpu {
         Ok((free as u64, total as u64))
     }
 
+    /// The chip's name, as the driver gives it ("NVIDIA H200").
+    pub(crate) fn name(&self) -> Result<String> {
+        self.stream.context().name().map_err(|e| driver_error("device name", e))
+    }
+
     /// Device time of `iters` runs of `f`, between two events on the stream.
     pub(crate) fn time(
         &self,
