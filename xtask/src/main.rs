@@ -60,6 +60,17 @@ enum Task {
     /// and convert it with the release driver into the HF checkpoint `.cache/smollm2/hf`; each
     /// step is skipped when its output is there and up to date. Prints the HF directory.
     FetchSmollm2,
+    /// Write the addition example's data (examples/addition-smollm2.toml): "What is X + Y?"
+    /// for X, Y in 10..=99, `test.jsonl` (96 problems) and `train.jsonl` (every other pair, in
+    /// neither order a test problem), into `--out`. The same files for the same seed.
+    AdditionData {
+        #[arg(long, default_value = ".cache/addition")]
+        out: PathBuf,
+        #[arg(long, default_value_t = 96)]
+        test_size: usize,
+        #[arg(long, default_value_t = 17)]
+        seed: u64,
+    },
     /// Build what a GPU machine needs to run the CUDA tests (no Rust there) into
     /// `target/device-bundle/`: the miles-tensor and miles-model test binaries built with `cuda` and
     /// `run.sh`, which runs it.
@@ -78,6 +89,11 @@ fn main() -> ExitCode {
         Task::Bench { args } => bench(&args),
         Task::CudaSetup => cuda_setup().map(|nvcc| println!("nvcc: {}", nvcc.display())),
         Task::FetchSmollm2 => fetch_smollm2().map(|dir| println!("{}", dir.display())),
+        Task::AdditionData { out, test_size, seed } => {
+            addition_data(&workspace_root().join(&out), test_size, seed).map(|(train, test)| {
+                println!("wrote {train} train and {test} test problems to {}", out.display());
+            })
+        }
         Task::DeviceBundle => device_bundle().map(|dir| {
             println!("bundle: {} (run {}/run.sh there)", dir.display(), dir.display());
         }),
@@ -553,9 +569,77 @@ fn bench(args: &[String]) -> Result {
     run(cmd)
 }
 
+/// `x + y`.
+type Problem = (u32, u32);
+
+/// The addition problems as (test, train) pairs `(x, y)`: `test_size` pairs drawn with `seed`,
+/// and every other pair whose problem is not a test problem in either order.
+fn addition_split(test_size: usize, seed: u64) -> (Vec<Problem>, Vec<Problem>) {
+    let mut pairs: Vec<Problem> = (10..=99).flat_map(|x| (10..=99).map(move |y| (x, y))).collect();
+    // Fisher–Yates with splitmix64: the same order on every machine.
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    for i in (1..pairs.len()).rev() {
+        pairs.swap(i, (next() % (i as u64 + 1)) as usize);
+    }
+    let test: Vec<Problem> = pairs[..test_size.min(pairs.len())].to_vec();
+    let held: std::collections::HashSet<Problem> =
+        test.iter().flat_map(|&(x, y)| [(x, y), (y, x)]).collect();
+    let mut train: Vec<Problem> =
+        pairs[test.len()..].iter().copied().filter(|p| !held.contains(p)).collect();
+    train.sort_unstable();
+    (test, train)
+}
+
+/// Writes `train.jsonl` and `test.jsonl` ({"prompt", "label"} lines) into `out`.
+fn addition_data(out: &Path, test_size: usize, seed: u64) -> Result<(usize, usize)> {
+    let (test, train) = addition_split(test_size, seed);
+    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    for (name, pairs) in [("train.jsonl", &train), ("test.jsonl", &test)] {
+        let text: String = pairs
+            .iter()
+            .map(|(x, y)| {
+                format!("{{\"prompt\": \"What is {x} + {y}?\", \"label\": \"{}\"}}\n", x + y)
+            })
+            .collect();
+        let path = out.join(name);
+        std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok((train.len(), test.len()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The held-out problems are never trained on, in either order; the split is the same for
+    /// the same seed, and every problem is one or the other.
+    #[test]
+    fn addition_test_problems_never_appear_in_train() {
+        let (test, train) = addition_split(96, 17);
+        assert_eq!(test.len(), 96);
+        for &(x, y) in &test {
+            assert!(!train.contains(&(x, y)) && !train.contains(&(y, x)), "{x} + {y}");
+        }
+        let swapped_test = test.iter().filter(|&&(x, y)| x != y).count();
+        assert!(train.len() + test.len() + swapped_test >= 8100 - 96, "{}", train.len());
+        assert_eq!(addition_split(96, 17), (test.clone(), train.clone()));
+        assert_ne!(addition_split(96, 18).0, test);
+        let dir = std::env::temp_dir().join(format!("miles-addition-{}", std::process::id()));
+        addition_data(&dir, 96, 17).unwrap();
+        let first = std::fs::read_to_string(dir.join("test.jsonl")).unwrap();
+        let line: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
+        let (x, y) = test[0];
+        assert_eq!(line["prompt"], format!("What is {x} + {y}?"));
+        assert_eq!(line["label"], (x + y).to_string());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn unknown_plugins_are_refused_with_the_valid_names() {

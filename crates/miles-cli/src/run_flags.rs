@@ -149,6 +149,12 @@ pub const FLAGS: &[Flag] = &[
     ),
     optional(
         DATA,
+        "eval-top-k",
+        Ty::Int,
+        "Evaluation top-k, 1 for greedy answers (default: --rollout-top-k).",
+    ),
+    optional(
+        DATA,
         "run-dir",
         Ty::Path,
         "Directory of metrics.jsonl and plots/ (default: runs/<time>).",

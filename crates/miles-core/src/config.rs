@@ -105,6 +105,8 @@ pub struct RunConfig {
     /// Eval sampling; each falls back to its rollout counterpart.
     pub eval_max_response_len: Option<usize>,
     pub eval_temperature: Option<f32>,
+    /// 1: greedy evaluation.
+    pub eval_top_k: Option<i64>,
     /// Where `metrics.jsonl` and `plots/` go (miles-rs; default `runs/<time>`).
     pub run_dir: Option<PathBuf>,
     /// Every metric also as TensorBoard scalars in `<run dir>/tensorboard/` (slime's flag).
@@ -238,6 +240,7 @@ impl Default for RunConfig {
             n_samples_per_eval_prompt: 1,
             eval_max_response_len: None,
             eval_temperature: None,
+            eval_top_k: None,
             run_dir: None,
             use_tensorboard: false,
             sft_warmup_steps: 0,
@@ -389,6 +392,11 @@ impl RunConfig {
         }
         if let Some(t) = self.eval_temperature {
             check(t > 0.0, "eval-temperature", || format!("{t} must be > 0"))?;
+        }
+        if let Some(k) = self.eval_top_k {
+            check(k == -1 || k >= 1, "eval-top-k", || {
+                format!("{k} must be -1 (off) or at least 1")
+            })?;
         }
         if let Some(lr) = self.sft_lr {
             check(lr >= 0.0, "sft-lr", || format!("{lr} must be >= 0"))?;

@@ -288,12 +288,12 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
             (policy, optimizer, state, reference)
         }
     };
-    let reference = if let Some(weights) = reference {
-        let model = Model::new(config.clone(), weights);
-        let packed = PackedLinears::new(&model)?;
-        Some((model, packed))
-    } else {
-        None
+    // A test hook: the GPU loop's actor on host tensors, so CI runs its code.
+    let device_on_host = std::env::var_os("MILES_DEVICE_ACTOR_ON_HOST").is_some();
+    let on_device = device != Device::Cpu || device_on_host;
+    let reference = match reference {
+        Some(weights) => Some(Reference::new(&config, weights, on_device.then_some(device))?),
+        None => None,
     };
     let engine_config = EngineConfig {
         kv_cache_bytes: cfg.rollout_kv_cache_mb.saturating_mul(1 << 20),
@@ -320,9 +320,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         eos,
     };
     let progress = Progress { state, data, log, resumed_from };
-    // A test hook: the GPU loop's actor on host tensors, so CI runs its code.
-    let device_on_host = std::env::var_os("MILES_DEVICE_ACTOR_ON_HOST").is_some();
-    if device == Device::Cpu && !device_on_host {
+    if !on_device {
         // The engine holds the one copy of the policy; the trainer updates it in place.
         let engine = Engine::new(policy, Some(tokenizer.clone()), engine_config)?;
         run.iterate(CpuActor { engine, optimizer }, progress, observe)
@@ -370,6 +368,56 @@ fn resume_state(
     Ok(state)
 }
 
+/// The frozen KL reference: on the host, or beside the policy on its device.
+enum Reference {
+    Host(Model, PackedLinears),
+    /// The device model, and its weights on the host for checkpoints.
+    Device(Box<DeviceModel>, Weights),
+}
+
+impl Reference {
+    /// `weights` as the reference, on `device` when the run's policy is on one.
+    fn new(
+        config: &miles_model::ModelConfig,
+        weights: Weights,
+        device: Option<Device>,
+    ) -> anyhow::Result<Reference> {
+        let model = Model::new(config.clone(), weights);
+        Ok(match device {
+            None => {
+                let packed = PackedLinears::new(&model)?;
+                Reference::Host(model, packed)
+            }
+            Some(d) => {
+                let dtype = if d == Device::Cpu { DType::F32 } else { DType::BF16 };
+                let dm = DeviceModel::new(&model, &d, dtype)?;
+                Reference::Device(Box::new(dm), model.weights)
+            }
+        })
+    }
+
+    fn weights(&self) -> &Weights {
+        match self {
+            Reference::Host(m, _) => &m.weights,
+            Reference::Device(_, w) => w,
+        }
+    }
+
+    fn logprobs(
+        &self,
+        samples: &[TrainSample],
+        temperature: f32,
+        micro: usize,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        Ok(match self {
+            Reference::Host(m, p) => batch::logprobs(m, p, samples, temperature, micro)?,
+            Reference::Device(dm, _) => {
+                batch::logprobs_by(samples, micro, |b| Ok(dm.logprobs(b, temperature)?.0))?
+            }
+        })
+    }
+}
+
 /// What an RL (or supervised) run needs besides the policy: settings, data, rewards.
 struct Run<'a> {
     cfg: &'a RunConfig,
@@ -380,7 +428,7 @@ struct Run<'a> {
     reward: &'a dyn Reward,
     advantage: &'a dyn Advantage,
     correction: Option<&'a dyn Correction>,
-    reference: Option<&'a (Model, PackedLinears)>,
+    reference: Option<&'a Reference>,
     saved_ref: &'a [&'a str],
     config: &'a miles_model::ModelConfig,
     total: usize,
@@ -545,8 +593,8 @@ impl Run<'_> {
             {
                 let extra_ref;
                 let extra: &[(&str, &Weights)] = match self.reference {
-                    Some((r, _)) if !self.saved_ref.is_empty() => {
-                        extra_ref = [(REF_WEIGHTS, &r.weights)];
+                    Some(r) if !self.saved_ref.is_empty() => {
+                        extra_ref = [(REF_WEIGHTS, r.weights())];
                         &extra_ref
                     }
                     _ => &[],
@@ -812,7 +860,7 @@ fn prepare<A: Actor>(
     cfg: &RunConfig,
     actor: &A,
     samples: &mut [TrainSample],
-    reference: Option<&(Model, PackedLinears)>,
+    reference: Option<&Reference>,
     correction: Option<&dyn Correction>,
     advantage: &dyn Advantage,
     record: &mut Record,
@@ -824,8 +872,8 @@ fn prepare<A: Actor>(
         let old = if cfg.use_rollout_logprobs { &s.rollout_logp } else { t };
         s.old_logp = old.clone();
     }
-    if let Some((r, p)) = reference {
-        let refs = batch::logprobs(r, p, samples, temperature, micro)?;
+    if let Some(r) = reference {
+        let refs = r.logprobs(samples, temperature, micro)?;
         for (s, r) in samples.iter_mut().zip(refs) {
             s.ref_logp = Some(r);
         }
@@ -1412,6 +1460,7 @@ fn evaluate<P: Policy>(
     let groups = make_groups(&rows, n, cfg, tok, &eval.source)?;
     let params = SamplingParams {
         temperature: cfg.eval_temperature.unwrap_or(cfg.rollout_temperature),
+        top_k: usize::try_from(cfg.eval_top_k.unwrap_or(cfg.rollout_top_k)).unwrap_or(0),
         max_new_tokens: cfg.eval_max_response_len.unwrap_or(cfg.rollout_max_response_len),
         seed: mix(cfg.rollout_seed, 0xE7A1),
         ..cfg.sampling_params()
