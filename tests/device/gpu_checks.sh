@@ -3,7 +3,8 @@
 # target/gpu/{miles,hf_baseline.py} carried): the kernel, model and engine tests, Qwen3-0.6B
 # bf16 against HF, the benchmarks beside HF transformers, the real SmolLM2 on the GPU engine,
 # and where a decode step's time goes. Results under $OUT.
-#   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|all]
+#   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
+#                                  trl|addition|gsm8k|resume|all]
 # Prepare here: cargo xtask device-bundle && cargo build --release -p miles-cli --features cuda &&
 #   mkdir -p target/gpu && cp target/release/miles ../shared/bench/hf_baseline.py target/gpu/
 # and carry target/device-bundle and target/gpu, or, when they pass 64 MiB together, the archive
@@ -120,4 +121,58 @@ if [ "$what" = decode-profile ]; then
   grep -c "small none" "$OUT/gemm-pins.txt"; grep -c "gemm Class" "$OUT/gemm-pins.txt"
   timeout 400 sh tests/device/profile.sh rollout --preset qwen3-0.6b --batch 64 --prompt-len 64 \
     --new-tokens 4 --disable-cuda-graph
+fi
+if [ "$what" = trl ]; then
+  # Per-step time against TRL's GRPOTrainer on the same shape in one command (issue 13): the
+  # SmolLM2-135M shape with random weights and SmolLM2's tokenizer, 8 prompts × 8 samples, 256
+  # new tokens. Carry target/gpu (with trl_grpo_peer.py and smollm2-tokenizer/ from
+  # ../shared/bench), .cache/addition and .cache/whl (TRL's wheels: the peer's docstring).
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .cache/whl/*.whl 2>&1 | tail -1
+  (cd target/gpu && PYTHONPATH=/tmp/site timeout 400 python3 trl_grpo_peer.py --tok smollm2-tokenizer \
+    --prompts-per-step 8 --n 8 --max-new 256 --steps 5 2>/dev/null | tail -1) | tee "$OUT/trl.json"
+  $miles init-model --preset smollm2-135m --out /tmp/s135 | tail -1
+  cp target/gpu/smollm2-tokenizer/* /tmp/s135/
+  $miles train --device cuda --hf-checkpoint /tmp/s135 --prompt-data .cache/addition/train.jsonl \
+    --input-key prompt --label-key label --apply-chat-template --rm-type math \
+    --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 256 \
+    --num-rollout 8 --lr 1e-6 --run-dir /tmp/speed | tail -1
+  python3 tests/device/curve.py /tmp/speed/metrics.jsonl | tee "$OUT/miles-speed.txt"
+fi
+if [ "$what" = addition ]; then
+  # examples/addition-smollm2.toml on the real SmolLM2 (converted by the smollm2 section, or
+  # here from the two parts): held-out greedy accuracy against training time.
+  [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
+    $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
+  timeout ${LIMIT:-420} $miles train --config examples/addition-smollm2.toml --hf-checkpoint /tmp/smollm2 \
+    --num-rollout ${ROLLOUTS:-400} ${ADDITION_FLAGS:-} | tail -2
+  cp runs/addition-smollm2/metrics.jsonl "$OUT/addition-metrics.jsonl"
+  python3 tests/device/curve.py runs/addition-smollm2/metrics.jsonl | tee "$OUT/addition.txt"
+fi
+if [ "$what" = gsm8k ]; then
+  # examples/gsm8k-smollm2.toml on the real SmolLM2 (after `addition` or `smollm2`, which
+  # convert it), with GSM8K from target/gpu/gsm8k/ (copied from ../shared/data/gsm8k). Longer
+  # than one call: each call trains for LIMIT seconds and the next resumes from the checkpoint.
+  [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
+    $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
+  timeout ${LIMIT:-500} $miles train --config examples/gsm8k-smollm2.toml --hf-checkpoint /tmp/smollm2 \
+    --prompt-data target/gpu/gsm8k/train.jsonl --eval-prompt-data 'target/gpu/gsm8k/test.jsonl@[0:256]' \
+    --load runs/gsm8k-smollm2/checkpoints ${GSM8K_FLAGS:-} 2>&1 | tail -4
+  cp runs/gsm8k-smollm2/metrics.jsonl "$OUT/gsm8k-metrics.jsonl"
+  python3 tests/device/curve.py runs/gsm8k-smollm2/metrics.jsonl | tail -25 | tee "$OUT/gsm8k.txt"
+fi
+if [ "$what" = resume ]; then
+  # Exact resume on the GPU (issue 13): 6 iterations straight, against killed after iteration 5
+  # (checkpoint at 4) and resumed; the iteration-6 checkpoints must be byte for byte the same.
+  # The real SmolLM2 on the addition example (after `addition`, which converts it).
+  for model in smollm2; do
+    flags="--device cuda --num-rollout 6 --save-interval 2 --rollout-batch-size 8 --n-samples-per-prompt 4 --num-steps-per-rollout 2 --eval-interval 100"
+    [ $model = smollm2 ] && flags="--config examples/addition-smollm2.toml --hf-checkpoint /tmp/smollm2 $flags --save-hf /tmp/resume-hf"
+    run() { $miles train $flags --save /tmp/resume-$model/$1 --load /tmp/resume-$model/$1 --run-dir /tmp/resume-$model/$1 > /tmp/resume-$model-$1.log 2>&1; }
+    rm -rf /tmp/resume-$model; run straight; MILES_FAULT=abort-after-rollout:5 run resumed; run resumed
+    for f in model.safetensors optimizer.safetensors trainer_state.json; do
+      cmp -s /tmp/resume-$model/straight/iter_0000006/$f /tmp/resume-$model/resumed/iter_0000006/$f \
+        && echo "$model $f: identical" || echo "$model $f: DIFFERS"
+    done
+    grep -h "resumed from" /tmp/resume-$model-resumed.log | head -1
+  done | tee "$OUT/resume.txt"
 fi

@@ -216,6 +216,57 @@ fn the_device_loop_runs_on_host_tensors_and_resumes_exactly() {
     }
 }
 
+/// With one optimizer step per rollout the old logprobs are the step's own forward's: the run
+/// ends with the same bytes and metrics as one that computes them in a forward of their own,
+/// on both actors, over several micro-batches, and when a step is skipped (NaN loss at step 2,
+/// whose logprob gap then comes from a separate forward).
+#[test]
+fn old_logprobs_from_the_training_step_give_the_bits_of_a_separate_forward() {
+    let flags = "--sft-warmup-steps 20 --rollout-batch-size 4 --n-samples-per-prompt 4 \
+                 --num-steps-per-rollout 1 --micro-batch-size 5 --eval-interval 100 \
+                 --use-kl-loss --kl-loss-coef 0.05 --entropy-coef 0.01 --lr 1e-3";
+    let root = scratch("train_old_logprobs_in_step");
+    for (name, on_host) in [("cpu", None), ("device", Some(("MILES_DEVICE_ACTOR_ON_HOST", "1")))] {
+        let run = |sub: &str, separate: bool| -> (Vec<u8>, Vec<u8>, Vec<Value>) {
+            let dir = root.join(name).join(sub);
+            let mut env: Vec<(&str, &str)> = on_host.into_iter().collect();
+            if separate {
+                env.push(("MILES_SEPARATE_OLD_LOGPROBS", "1"));
+            }
+            let out =
+                run_binary_with(&strs(&run_args(flags, &dir, 3)), Some("nan-loss-at-step:2"), &env);
+            assert!(out.status.success(), "{name} {sub}: {}", text(&out));
+            let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .filter(|r: &Value| r.get("rollout/raw_reward").is_some())
+                .collect();
+            let file = |f| checkpoint_file(&dir, 3, f);
+            (file("model.safetensors"), file("optimizer.safetensors"), metrics)
+        };
+        let (model, optimizer, in_step) = run("in-step", false);
+        let (model_s, optimizer_s, separate) = run("separate", true);
+        assert!(model == model_s, "{name}: the weights differ");
+        assert!(optimizer == optimizer_s, "{name}: the AdamW state differs");
+        assert_eq!(in_step.len(), 3);
+        for (i, (a, b)) in in_step.iter().zip(&separate).enumerate() {
+            for key in ["train/loss", "train/ppo_kl", "train/pg_clipfrac", "train/kl_loss"] {
+                assert_eq!(a.get(key), b.get(key), "{name} {key}: {a} vs {b}");
+            }
+            let gap = "train/train_rollout_logprob_abs_diff";
+            assert_eq!(a[gap], b[gap], "{name}: {a} vs {b}");
+            if on_host.is_none() {
+                assert_eq!(a[gap], 0.0, "{name}: {a}");
+            }
+            // One step per rollout; the second iteration's was the NaN one.
+            assert_eq!(a["train/steps"], u64::from(i != 1), "{name}: {a}");
+        }
+        assert_eq!(in_step[1]["train/skipped_steps"], 1, "{name}: {}", in_step[1]);
+        assert_eq!(in_step[2]["train/skipped_steps"], 1, "{name}: {}", in_step[2]);
+    }
+}
+
 /// Without a warm-up the KL reference is the initial model, rebuilt on resume, not the
 /// resumed policy (an entropy bonus moves the policy although the reward is all zeros).
 #[test]

@@ -101,13 +101,55 @@ pub fn step_of(record: &Record, index: usize) -> f64 {
     record.get("step").and_then(Value::as_f64).unwrap_or(index as f64)
 }
 
-/// The points of metric `key` over the run. Records without the key, or with a null, string or
-/// other non-numeric value there, are skipped.
+/// What a chart's x axis measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XAxis {
+    /// The record's step ([`step_of`]).
+    Step,
+    /// Seconds of training up to and including the record: the running sum of its
+    /// `perf/rollout_time`, `perf/train_time` and `perf/update_weights_time` (evals excluded).
+    TrainingTime,
+}
+
+impl XAxis {
+    fn label(self) -> &'static str {
+        match self {
+            XAxis::Step => "step",
+            XAxis::TrainingTime => "training time (s)",
+        }
+    }
+
+    /// The x of every record.
+    pub fn values(self, records: &[Record]) -> Vec<f64> {
+        let mut clock = 0.0;
+        let seconds = |r: &Record, k: &str| r.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+        records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| match self {
+                XAxis::Step => step_of(r, i),
+                XAxis::TrainingTime => {
+                    let keys = ["perf/rollout_time", "perf/train_time", "perf/update_weights_time"];
+                    clock += keys.iter().map(|k| seconds(r, k)).sum::<f64>();
+                    clock
+                }
+            })
+            .collect()
+    }
+}
+
+/// The points of metric `key` over the run, against the step. Records without the key, or with
+/// a null, string or other non-numeric value there, are skipped.
 pub fn series(records: &[Record], key: &str) -> Series {
+    series_against(records, &XAxis::Step.values(records), key)
+}
+
+/// The points of metric `key` at the x values `xs` (one per record).
+fn series_against(records: &[Record], xs: &[f64], key: &str) -> Series {
     let points = records
         .iter()
-        .enumerate()
-        .filter_map(|(i, r)| r.get(key).and_then(Value::as_f64).map(|y| (step_of(r, i), y)))
+        .zip(xs)
+        .filter_map(|(r, &x)| r.get(key).and_then(Value::as_f64).map(|y| (x, y)))
         .filter(|(x, y)| x.is_finite() && y.is_finite())
         .collect();
     Series { name: key.to_string(), points }
@@ -123,6 +165,7 @@ pub struct ChartSpec {
     pub keys: &'static [&'static str],
     /// Every metric whose name starts with this is drawn too, in order of first appearance.
     pub prefix: Option<&'static str>,
+    pub x: XAxis,
 }
 
 impl ChartSpec {
@@ -145,9 +188,13 @@ impl ChartSpec {
                 }
             }
         }
-        let series =
-            keys.iter().map(|k| series(records, k)).filter(|s| !s.points.is_empty()).collect();
-        Chart { title: self.title.to_string(), x_label: "step".to_string(), series }
+        let xs = self.x.values(records);
+        let series = keys
+            .iter()
+            .map(|k| series_against(records, &xs, k))
+            .filter(|s| !s.points.is_empty())
+            .collect();
+        Chart { title: self.title.to_string(), x_label: self.x.label().to_string(), series }
     }
 }
 
@@ -158,42 +205,56 @@ pub const CHARTS: &[ChartSpec] = &[
         title: "Reward",
         keys: &["rollout/raw_reward"],
         prefix: Some("eval/"),
+        x: XAxis::Step,
+    },
+    ChartSpec {
+        file: "eval_time.png",
+        title: "Held-out eval against training time",
+        keys: &[],
+        prefix: Some("eval/"),
+        x: XAxis::TrainingTime,
     },
     ChartSpec {
         file: "kl.png",
         title: "KL",
         keys: &["train/ppo_kl", "train/kl_loss", "train/train_rollout_logprob_abs_diff"],
         prefix: None,
+        x: XAxis::Step,
     },
     ChartSpec {
         file: "clipfrac.png",
         title: "Clip fraction",
         keys: &["train/pg_clipfrac", "train/tis_clipfrac"],
         prefix: None,
+        x: XAxis::Step,
     },
     ChartSpec {
         file: "response_len.png",
         title: "Response length (tokens)",
         keys: &["rollout/response_len/mean"],
         prefix: None,
+        x: XAxis::Step,
     },
     ChartSpec {
         file: "truncated.png",
         title: "Truncated responses (ratio)",
         keys: &["rollout/truncated_ratio"],
         prefix: None,
+        x: XAxis::Step,
     },
     ChartSpec {
         file: "step_time.png",
         title: "Step time (s)",
         keys: &["perf/step_time", "perf/rollout_time", "perf/train_time"],
         prefix: None,
+        x: XAxis::Step,
     },
     ChartSpec {
         file: "loss.png",
         title: "Loss",
         keys: &["train/loss", "train/pg_loss", "sft/loss"],
         prefix: None,
+        x: XAxis::Step,
     },
 ];
 

@@ -174,7 +174,15 @@ fn end_to_end_run_draws_every_chart_with_data_and_skips_the_rest() {
         written.iter().map(|p| p.file_name().unwrap().to_str().unwrap().to_string()).collect();
     assert_eq!(
         names,
-        ["reward.png", "kl.png", "clipfrac.png", "response_len.png", "step_time.png", "loss.png"]
+        [
+            "reward.png",
+            "eval_time.png",
+            "kl.png",
+            "clipfrac.png",
+            "response_len.png",
+            "step_time.png",
+            "loss.png"
+        ]
     );
     assert!(!out.join("truncated.png").exists());
 
@@ -201,6 +209,20 @@ fn end_to_end_run_draws_every_chart_with_data_and_skips_the_rest() {
     let loss = CHARTS.iter().find(|s| s.file == "loss.png").unwrap().chart(&records);
     assert_eq!(loss.series[1].points.len(), 59, "the null pg_loss is skipped");
     assert_eq!(loss.series[2].name, "sft/loss");
+
+    // The eval chart against training time: rollout + train time summed up to each eval.
+    let timed = CHARTS.iter().find(|s| s.file == "eval_time.png").unwrap().chart(&records);
+    assert_eq!(timed.x_label, "training time (s)");
+    let clock: f64 = records[5..=10]
+        .iter()
+        .map(|r| r.get("perf/rollout_time").and_then(Value::as_f64).unwrap() + 0.5)
+        .sum();
+    assert_eq!(timed.series[1].name, "eval/pass@1");
+    let first = timed.series[1].points[0].0;
+    assert!(
+        (first - clock).abs() < 1e-9,
+        "step 10's eval at {first}, not after 6 RL steps' {clock}"
+    );
 }
 
 fn area_pixels(area: canvas::Rect) -> usize {
@@ -221,7 +243,15 @@ fn charts_without_data_are_skipped_and_reported() {
     let skipped: Vec<_> = report.skipped.iter().map(|s| s.file).collect();
     assert_eq!(
         skipped,
-        ["reward.png", "kl.png", "clipfrac.png", "response_len.png", "step_time.png", "loss.png"]
+        [
+            "reward.png",
+            "eval_time.png",
+            "kl.png",
+            "clipfrac.png",
+            "response_len.png",
+            "step_time.png",
+            "loss.png"
+        ]
     );
     assert_eq!(report.skipped[0].describe(), "rollout/raw_reward, eval/*");
     assert_eq!(fs::read_dir(&out).unwrap().count(), 1);

@@ -169,6 +169,13 @@ impl DevicePolicy {
     /// `model` with a KV cache of `kv_bytes` on its device, in its compute dtype; decode steps
     /// replayed as CUDA graphs when `graphs`.
     pub fn new(model: DeviceModel, kv_bytes: usize, graphs: bool) -> crate::Result<Self> {
+        let d = model.config.head_dim;
+        if model.device() != miles_tensor::Device::Cpu && !matches!(d, 64 | 128) {
+            return Err(crate::Error::Invalid(format!(
+                "rollout engine: on a GPU the paged attention runs at head_dim 64 or 128, and \
+                 this model's is {d}: use --device cpu for it"
+            )));
+        }
         let per_block = DeviceKvCache::bytes_per_block(&model.config, model.dtype());
         let blocks = blocks_in(kv_bytes, per_block)?;
         let kv = DeviceKvCache::new(&model.config, blocks, &model.device(), model.dtype())

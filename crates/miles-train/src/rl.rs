@@ -7,7 +7,10 @@
 //!    full), `n-samples-per-prompt` responses each from the embedded engine;
 //! 2. score them; a failed reward marks the sample failed: it is counted and left out;
 //! 3. old logprobs (the trainer's, or the rollout's with `use-rollout-logprobs`), reference
-//!    logprobs for the KL terms, the off-policy correction, the advantages;
+//!    logprobs for the KL terms, the off-policy correction, the advantages. With one
+//!    optimizer step per rollout and nothing that reads the old logprobs before it (no TIS/MIS,
+//!    no KL reward shaping), they are the step's own forward's, detached: the policy before
+//!    the step is the old policy, so a separate forward would compute the same bits;
 //! 4. `num-steps-per-rollout` optimizer steps over consecutive slices of the batch, each
 //!    accumulated over micro-batches; a step whose loss or gradient is not finite is skipped
 //!    and counted (`train/skipped_steps`);
@@ -301,6 +304,10 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         max_prompt_len: cfg.rollout_max_prompt_len,
         ..EngineConfig::default()
     };
+    // A test hook: the separate old-logprob forward even where the step's own would do, to
+    // show both give the same bits.
+    let separate_old = std::env::var_os("MILES_SEPARATE_OLD_LOGPROBS").is_some();
+    let old_logprobs_in_step = !separate_old && old_logprobs_in_step(&cfg, steps_per_rollout);
     let run = Run {
         cfg: &cfg,
         tokenizer: &tokenizer,
@@ -314,6 +321,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         config: &config,
         total,
         steps_per_rollout,
+        old_logprobs_in_step,
         schedule,
         faults,
         sft_run,
@@ -433,6 +441,8 @@ struct Run<'a> {
     config: &'a miles_model::ModelConfig,
     total: usize,
     steps_per_rollout: usize,
+    /// The old logprobs are the optimizer step's own forward's ([`old_logprobs_in_step`]).
+    old_logprobs_in_step: bool,
     schedule: LrSchedule,
     faults: Faults,
     sft_run: bool,
@@ -509,10 +519,16 @@ impl Run<'_> {
             let rollout_time = started.elapsed().as_secs_f64();
             let train_started = Instant::now();
             if !self.sft_run {
+                let old = if self.old_logprobs_in_step {
+                    OldLogprobs::InStep
+                } else {
+                    OldLogprobs::Separate
+                };
                 prepare(
                     cfg,
                     &actor,
                     &mut samples,
+                    old,
                     self.reference,
                     self.correction,
                     self.advantage,
@@ -522,6 +538,7 @@ impl Run<'_> {
 
             // 4. Optimizer steps over consecutive slices of the batch.
             let mut sums = StepSums::default();
+            let mut forward_logp = Vec::with_capacity(samples.len());
             for range in split_ranges(samples.len(), self.steps_per_rollout) {
                 let part = &samples[range];
                 if part.is_empty() {
@@ -535,10 +552,23 @@ impl Run<'_> {
                 } else {
                     StepLoss::Policy(&loss_cfg)
                 };
-                match actor.train_step(part, kind, cfg.rollout_temperature, micro, lr, nan)? {
-                    Some(step) => sums.add(&step, lr),
+                let step = actor.train_step(part, kind, cfg.rollout_temperature, micro, lr, nan)?;
+                match step.applied {
+                    Some(result) => sums.add(&result, lr),
                     None => state.skipped_steps += 1,
                 }
+                forward_logp.extend(step.logp);
+            }
+            if self.old_logprobs_in_step && !self.sft_run {
+                // A skipped step stops at the non-finite loss; the rest of the batch, under the
+                // same (unchanged) weights, gets a forward of its own.
+                let rest = &samples[forward_logp.len()..];
+                if !rest.is_empty() {
+                    forward_logp.extend(actor.logprobs(rest, cfg.rollout_temperature, micro)?);
+                }
+                let per_token = cfg.calculate_per_token_loss;
+                let diff = batch::rollout_logprob_abs_diff(&samples, &forward_logp, per_token);
+                record.insert("train/train_rollout_logprob_abs_diff".into(), json!(diff));
             }
             sums.write(&mut record, cfg.use_tis, cfg.use_opsm);
             record.insert("train/skipped_steps".into(), json!(state.skipped_steps));
@@ -661,7 +691,7 @@ trait Actor {
         micro: usize,
         lr: f32,
         inject_nan: bool,
-    ) -> anyhow::Result<Option<StepResult>>;
+    ) -> anyhow::Result<StepOutcome>;
     /// Optimizer steps taken (the learning-rate schedule's position).
     fn steps(&self) -> u64;
     /// After an iteration's steps: the engine generates with the new weights from now on.
@@ -704,7 +734,7 @@ impl Actor for CpuActor {
         micro: usize,
         lr: f32,
         inject_nan: bool,
-    ) -> anyhow::Result<Option<StepResult>> {
+    ) -> anyhow::Result<StepOutcome> {
         let mut learner = CpuLearner::new(self.engine.policy_mut(), &mut self.optimizer)?;
         train_step(&mut learner, part, loss, temperature, micro, lr, inject_nan)
     }
@@ -816,7 +846,7 @@ impl Actor for DeviceActor {
         micro: usize,
         lr: f32,
         inject_nan: bool,
-    ) -> anyhow::Result<Option<StepResult>> {
+    ) -> anyhow::Result<StepOutcome> {
         let dm = self.engine.device_model_mut();
         let mut learner = DeviceLearner::new(dm, self.hyper, self.clip)?;
         train_step(&mut learner, part, loss, temperature, micro, lr, inject_nan)
@@ -853,13 +883,36 @@ impl Actor for DeviceActor {
     }
 }
 
-/// Step 3 of an RL iteration: old logprobs (and their gap to the rollout's), reference
-/// logprobs, the off-policy correction and the advantages of every sample.
+/// Where an iteration's old logprobs come from.
+#[derive(Clone, Copy, PartialEq)]
+enum OldLogprobs {
+    /// A forward of their own before the steps.
+    Separate,
+    /// The optimizer step's forward ([`old_logprobs_in_step`]).
+    InStep,
+}
+
+/// Whether the old logprobs can be the optimizer step's own forward's, detached, instead of a
+/// separate forward's: with one step per rollout the weights before it are the old policy, and
+/// nothing may read the old logprobs before the step (TIS/MIS weights, KL reward shaping), nor
+/// replace them (`--use-rollout-logprobs`). The bits are the same; one forward fewer.
+fn old_logprobs_in_step(cfg: &RunConfig, steps_per_rollout: usize) -> bool {
+    cfg.loss_type != LossType::SftLoss
+        && steps_per_rollout == 1
+        && !cfg.use_tis
+        && cfg.kl_coef == 0.0
+        && !cfg.use_rollout_logprobs
+}
+
+/// Step 3 of an RL iteration: old logprobs (and their gap to the rollout's, unless they come
+/// from the step), reference logprobs, the off-policy correction and the advantages of every
+/// sample.
 #[allow(clippy::too_many_arguments)]
 fn prepare<A: Actor>(
     cfg: &RunConfig,
     actor: &A,
     samples: &mut [TrainSample],
+    old: OldLogprobs,
     reference: Option<&Reference>,
     correction: Option<&dyn Correction>,
     advantage: &dyn Advantage,
@@ -867,10 +920,14 @@ fn prepare<A: Actor>(
 ) -> anyhow::Result<()> {
     let temperature = cfg.rollout_temperature;
     let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
-    let trainer = actor.logprobs(samples, temperature, micro)?;
-    for (s, t) in samples.iter_mut().zip(&trainer) {
-        let old = if cfg.use_rollout_logprobs { &s.rollout_logp } else { t };
-        s.old_logp = old.clone();
+    if old == OldLogprobs::Separate {
+        let trainer = actor.logprobs(samples, temperature, micro)?;
+        for (s, t) in samples.iter_mut().zip(&trainer) {
+            let old = if cfg.use_rollout_logprobs { &s.rollout_logp } else { t };
+            s.old_logp = old.clone();
+        }
+        let diff = batch::rollout_logprob_abs_diff(samples, &trainer, cfg.calculate_per_token_loss);
+        record.insert("train/train_rollout_logprob_abs_diff".into(), json!(diff));
     }
     if let Some(r) = reference {
         let refs = r.logprobs(samples, temperature, micro)?;
@@ -884,8 +941,6 @@ fn prepare<A: Actor>(
             record.insert(format!("train/{k}"), json!(v));
         }
     }
-    let diff = batch::rollout_logprob_abs_diff(samples, &trainer, per_token);
-    record.insert("train/train_rollout_logprob_abs_diff".into(), json!(diff));
     let shaping_kl = (cfg.kl_coef != 0.0).then_some(cfg.kl_loss_type);
     batch::compute_advantages(advantage, samples, shaping_kl, cfg.normalize_advantages)?;
     Ok(())
@@ -1123,6 +1178,14 @@ struct StepResult {
     grad_norm: f64,
 }
 
+/// What [`train_step`] did: the step's result, `None` when its loss or gradient was not finite
+/// and nothing was applied, and the response logprobs its forwards computed before the update,
+/// per sample of the part in order (up to where a non-finite loss stopped it).
+struct StepOutcome {
+    applied: Option<StepResult>,
+    logp: Vec<Vec<f32>>,
+}
+
 /// The model a training step updates and its optimizer: on the CPU the engine's own copy with
 /// the host AdamW; on a GPU the device model, whose weights, gradients and moments stay there.
 /// Only per-token logp and entropy and their gradients cross this seam.
@@ -1236,7 +1299,7 @@ impl Learner for DeviceLearner<'_> {
 
 /// One optimizer step over `part`, accumulated over micro-batches of `micro` sequences, each
 /// weighted by its share of the step's denominator so the sum is the loss of the whole part.
-/// `None`: the loss or the gradient was not finite and nothing was applied.
+/// A sample without old logprobs takes its own from this forward ([`OldLogprobs::InStep`]).
 #[allow(clippy::too_many_arguments)]
 fn train_step<L: Learner>(
     learner: &mut L,
@@ -1246,7 +1309,7 @@ fn train_step<L: Learner>(
     micro: usize,
     lr: f32,
     inject_nan: bool,
-) -> anyhow::Result<Option<StepResult>> {
+) -> anyhow::Result<StepOutcome> {
     let per_token = match &loss {
         StepLoss::Policy(c) => c.per_token_loss,
         StepLoss::Sft(c) => c.per_token_loss,
@@ -1260,11 +1323,19 @@ fn train_step<L: Learner>(
     };
     let whole = weight(part);
     let mut total = StepResult { loss: 0.0, metrics: LossMetrics::default(), grad_norm: 0.0 };
+    let mut seen = Vec::with_capacity(part.len());
     for mb in part.chunks(micro.max(1)) {
         let batch = batch::pack(mb)?;
         let fwd = learner.forward(&batch, temperature)?;
         let (logp, entropy) = L::outputs(&fwd);
-        let old = concat(mb, |s| &s.old_logp);
+        let mut at = 0;
+        for s in mb {
+            seen.push(logp[at..at + s.response_len()].to_vec());
+            at += s.response_len();
+        }
+        let in_step =
+            matches!(loss, StepLoss::Policy(_)) && mb.iter().all(|s| s.old_logp.is_empty());
+        let old = if in_step { logp.to_vec() } else { concat(mb, |s| &s.old_logp) };
         let adv = concat(mb, |s| &s.advantages);
         let mask = concat(mb, |s| &s.loss_mask);
         let lengths: Vec<usize> = mb.iter().map(TrainSample::response_len).collect();
@@ -1299,7 +1370,7 @@ fn train_step<L: Learner>(
             out.loss = f64::NAN;
         }
         if !out.loss.is_finite() {
-            return Ok(None);
+            return Ok(StepOutcome { applied: None, logp: seen });
         }
         let share = weight(mb) / whole;
         let scale = share as f32;
@@ -1310,10 +1381,10 @@ fn train_step<L: Learner>(
         total.metrics.add_scaled(&out.metrics, share);
     }
     if !learner.grad_norm()?.is_finite() {
-        return Ok(None);
+        return Ok(StepOutcome { applied: None, logp: seen });
     }
     total.grad_norm = learner.apply(lr)?;
-    Ok(Some(total))
+    Ok(StepOutcome { applied: Some(total), logp: seen })
 }
 
 /// Means of the applied steps' metrics.
@@ -1427,7 +1498,8 @@ fn sft_warmup(
             micro,
             lr,
             false,
-        )?;
+        )?
+        .applied;
         let mut record = Record::new();
         record.insert("phase".into(), json!("sft"));
         // Warm-up steps come before RL iteration 1 on the metrics' time axis: 1 − W, …, 0.
@@ -1485,4 +1557,25 @@ fn evaluate<P: Policy>(
     record.insert("rollout/eval_failed".into(), json!(failed));
     record.insert("perf/eval_time".into(), json!(started.elapsed().as_secs_f64()));
     Ok(mean)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn old_logprobs_come_from_the_step_only_where_nothing_reads_them_before_it() {
+        let base = || RunConfig { num_steps_per_rollout: 1, ..RunConfig::default() };
+        assert!(old_logprobs_in_step(&base(), 1));
+        assert!(!old_logprobs_in_step(&base(), 2), "a second step's old policy is not its own");
+        let not = [
+            RunConfig { use_tis: true, ..base() },
+            RunConfig { kl_coef: 0.1, ..base() },
+            RunConfig { use_rollout_logprobs: true, ..base() },
+            RunConfig { loss_type: LossType::SftLoss, ..base() },
+        ];
+        for cfg in not {
+            assert!(!old_logprobs_in_step(&cfg, 1), "{cfg:?}");
+        }
+    }
 }
