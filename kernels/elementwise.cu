@@ -1,5 +1,5 @@
-// Element-wise and gather ops of the decoder: SwiGLU, rotary embedding, the residual add, the
-// token embedding and its deterministic backward.
+// Element-wise and gather ops of the decoder: SwiGLU (also from a stacked gate/up product),
+// rotary embedding, the residual add, the token embedding and its deterministic backward.
 //
 // Same maths as miles-tensor's cpu::{swiglu_*, rope_*, embedding_*}; values are f32 or bf16 (T),
 // all arithmetic f32. Each output element is computed by one thread from its own inputs only, so
@@ -41,6 +41,18 @@ __device__ void swiglu_forward(T* h, const T* gate, const T* up, long long n) {
             out[j] = g[j] * sigmoid(g[j]) * u[j];
         }
         miles::store<VEC>(h + i, out);
+    }
+}
+
+// swiglu_forward from the stacked gate/up product gu [rows × 2·inter] (the gate's columns
+// first), reading both halves in place: h [rows × inter], the bits of a split, then swiglu.
+template <typename T>
+__device__ void swiglu_stacked(T* h, const T* gu, long long rows, int inter) {
+    GRID_STRIDE(i, static_cast<size_t>(rows) * inter) {
+        const size_t r = i / inter, j = i % inter;
+        const float g = get(gu, r * 2 * inter + j);
+        const float u = get(gu, r * 2 * inter + inter + j);
+        put(h, i, g * sigmoid(g) * u);
     }
 }
 
@@ -192,6 +204,15 @@ __device__ void scatter_rows(T* dst, const T* src, const int* rows, int hidden) 
 
 BOTH(float, f32)
 BOTH(__nv_bfloat16, bf16)
+
+#define SWIGLU_STACKED(T, SUFFIX)                                                              \
+    extern "C" __global__ void swiglu_stacked_##SUFFIX(T* h, const T* gu, long long rows,     \
+                                                       int inter) {                            \
+        swiglu_stacked(h, gu, rows, inter);                                                    \
+    }
+
+SWIGLU_STACKED(float, f32)
+SWIGLU_STACKED(__nv_bfloat16, bf16)
 
 // The columns of x [rows × (w0 + w1 + w2)] into o0 [rows × w0], o1 [rows × w1], o2 [rows × w2]
 // (w2 = 0: two parts), one block per row: a fused product's output split into its parts.

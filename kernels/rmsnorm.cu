@@ -5,8 +5,9 @@
 // block size depends on `hidden` alone, so a row's result does not depend on how many rows are
 // in the batch. VEC = 4 loads and stores 4 elements at a time (hidden % 4 == 0), VEC = 1 any
 // hidden. Names: rmsnorm_{forward,backward}_{f32,bf16}_v{1,4}, rmsnorm_dw_reduce, and the
-// fused add_rmsnorm_{f32,bf16}_v{1,4} (a residual add, then the norm) and qk_norm_rope_bf16
-// (the q/k norms and the rotary embedding).
+// fused add_rmsnorm_{f32,bf16}_v{1,4} (a residual add, then the norm), qk_norm_rope_bf16
+// (the q/k norms and the rotary embedding) and, for decode steps, qkv_[norm_]rope_kv_write_bf16
+// (the split of the q/k/v product, the norms, the rotation and the paged KV write).
 #include "common.cuh"
 
 namespace {
@@ -112,44 +113,96 @@ __device__ void add_forward(T* __restrict__ sum, T* __restrict__ y, float* __res
     forward<T, VEC>(y, rstd, sum, w, hidden, eps);
 }
 
-// Qwen3's per-head q and k norms, then the rotary embedding, in one launch: block (token, h)
-// normalizes head h of q (h < q_heads) or head h - q_heads of k, as rmsnorm's block for a row
-// of d (launched with the same block size), rounds it to bf16 as rmsnorm's output is, and
-// rotates it as rope does: the bits of the three separate kernels. rstd as rmsnorm writes it.
-__device__ void qk_norm_rope(__nv_bfloat16* q_out, float* q_rstd, __nv_bfloat16* k_out,
-                             float* k_rstd, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                             const float* q_w, const float* k_w, const float* cos,
-                             const float* sin, int q_heads, int kv_heads, int d, float eps) {
+// One head of one token (d values at x), normalized by w when NORM (Qwen3's q/k norms: as
+// rmsnorm's block for a row of d, launched with the same block size, rounded to bf16 as
+// rmsnorm's output is; rstd to *rstd when given), then rotated as rope does, to y: the bits of
+// the separate kernels. cos and sin are the token's rows of the tables.
+template <bool NORM>
+__device__ void norm_rope_head(__nv_bfloat16* y, float* rstd, const __nv_bfloat16* x,
+                               const float* w, const float* cos, const float* sin, int d,
+                               float eps) {
     __shared__ float scratch[32];
     extern __shared__ float normed[];  // [d]: the head after the norm, rounded to bf16
-    const size_t token = blockIdx.x;
-    const bool is_q = static_cast<int>(blockIdx.y) < q_heads;
-    const int heads = is_q ? q_heads : kv_heads;
-    const size_t row = token * heads + (is_q ? blockIdx.y : blockIdx.y - q_heads);
-    const __nv_bfloat16* x = (is_q ? q : k) + row * d;
-    const float* w = is_q ? q_w : k_w;
-    const float r = miles::rms_rstd<__nv_bfloat16, 4>(x, d, eps, scratch);
-    if (threadIdx.x == 0) {
-        (is_q ? q_rstd : k_rstd)[row] = r;
-    }
-    for (int i = threadIdx.x * 4; i < d; i += blockDim.x * 4) {
-        float v[4], g[4];
-        miles::load<4>(x + i, v);
-        miles::load<4>(w + i, g);
+    if (NORM) {
+        const float r = miles::rms_rstd<__nv_bfloat16, 4>(x, d, eps, scratch);
+        if (rstd != nullptr && threadIdx.x == 0) {
+            *rstd = r;
+        }
+        for (int i = threadIdx.x * 4; i < d; i += blockDim.x * 4) {
+            float v[4], g[4];
+            miles::load<4>(x + i, v);
+            miles::load<4>(w + i, g);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            normed[i + j] = __bfloat162float(__float2bfloat16_rn(miles::rms_apply(g[j], v[j], r)));
+            for (int j = 0; j < 4; ++j) {
+                normed[i + j] =
+                    __bfloat162float(__float2bfloat16_rn(miles::rms_apply(g[j], v[j], r)));
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            normed[i] = __bfloat162float(x[i]);
         }
     }
     __syncthreads();
     const int half = d / 2;
-    __nv_bfloat16* y = (is_q ? q_out : k_out) + row * d;
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
         float ya, yb;
-        miles::rope_pair(normed[j], normed[j + half], cos[token * half + j], sin[token * half + j],
-                         1.0f, &ya, &yb);
+        miles::rope_pair(normed[j], normed[j + half], cos[j], sin[j], 1.0f, &ya, &yb);
         y[j] = __float2bfloat16_rn(ya);
         y[j + half] = __float2bfloat16_rn(yb);
+    }
+}
+
+// Qwen3's q and k norms and the rotary embedding in one launch: block (token, h) takes head h
+// of q (h < q_heads) or head h - q_heads of k. rstd as rmsnorm writes it.
+__device__ void qk_norm_rope(__nv_bfloat16* q_out, float* q_rstd, __nv_bfloat16* k_out,
+                             float* k_rstd, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                             const float* q_w, const float* k_w, const float* cos,
+                             const float* sin, int q_heads, int kv_heads, int d, float eps) {
+    const size_t token = blockIdx.x;
+    const bool is_q = static_cast<int>(blockIdx.y) < q_heads;
+    const int heads = is_q ? q_heads : kv_heads;
+    const size_t row = token * heads + (is_q ? blockIdx.y : blockIdx.y - q_heads);
+    const size_t half = d / 2;
+    norm_rope_head<true>((is_q ? q_out : k_out) + row * d, (is_q ? q_rstd : k_rstd) + row,
+                         (is_q ? q : k) + row * d, is_q ? q_w : k_w, cos + token * half,
+                         sin + token * half, d, eps);
+}
+
+// A decode step's queries, keys and values from the stacked q/k/v product qkv [tokens ×
+// (q_heads + 2·kv_heads)·d]: block (token, h) takes head h of q (h < q_heads), normalized
+// (NORM, with q_w) and rotated, to q_out [tokens × q_heads·d]; or kv head g = h - q_heads:
+// its key normalized (k_w) and rotated, and its value, into the paged cache at the token's
+// (block, slot) of `slots` (layout as kernels/paged.cu's). The bits of split_columns,
+// qk_norm_rope (or rope) and paged_kv_write, in one launch.
+template <bool NORM>
+__device__ void qkv_rope_kv_write(__nv_bfloat16* q_out, __nv_bfloat16* cache,
+                                  const __nv_bfloat16* qkv, const float* q_w, const float* k_w,
+                                  const float* cos, const float* sin, const int* slots,
+                                  int layer, int layers, int q_heads, int kv_heads, int d,
+                                  float eps) {
+    constexpr int KB = 64;  // cpu::KEY_BLOCK
+    const size_t token = blockIdx.x;
+    const int h = blockIdx.y;
+    const __nv_bfloat16* row = qkv + token * (q_heads + 2 * kv_heads) * d;
+    const size_t half = d / 2;
+    const float* c = cos + token * half;
+    const float* s = sin + token * half;
+    if (h < q_heads) {
+        norm_rope_head<NORM>(q_out + (token * q_heads + h) * d, nullptr, row + h * d, q_w, c, s,
+                             d, eps);
+        return;
+    }
+    const int g = h - q_heads;
+    const size_t tile = static_cast<size_t>(KB) * d;
+    const size_t base =
+        (static_cast<size_t>(slots[2 * token]) * layers + layer) * 2 * kv_heads * tile;
+    __nv_bfloat16* key = cache + base + g * tile + static_cast<size_t>(slots[2 * token + 1]) * d;
+    __nv_bfloat16* value = key + kv_heads * tile;
+    norm_rope_head<NORM>(key, nullptr, row + (q_heads + g) * d, k_w, c, s, d, eps);
+    const __nv_bfloat16* v = row + (q_heads + kv_heads + g) * d;
+    for (int x = threadIdx.x; x < d; x += blockDim.x) {
+        value[x] = v[x];
     }
 }
 
@@ -162,6 +215,18 @@ extern "C" __global__ void __launch_bounds__(1024) qk_norm_rope_bf16(
     qk_norm_rope(q_out, q_rstd, k_out, k_rstd, q, k, q_w, k_w, cos, sin, q_heads, kv_heads, d,
                  eps);
 }
+
+#define QKV_ROPE_KV_WRITE(NAME, NORM)                                                           \
+    extern "C" __global__ void __launch_bounds__(1024) NAME(                                    \
+        __nv_bfloat16* q_out, __nv_bfloat16* cache, const __nv_bfloat16* qkv, const float* q_w, \
+        const float* k_w, const float* cos, const float* sin, const int* slots, int layer,      \
+        int layers, int q_heads, int kv_heads, int d, float eps) {                              \
+        qkv_rope_kv_write<NORM>(q_out, cache, qkv, q_w, k_w, cos, sin, slots, layer, layers,    \
+                                q_heads, kv_heads, d, eps);                                     \
+    }
+
+QKV_ROPE_KV_WRITE(qkv_rope_kv_write_bf16, false)
+QKV_ROPE_KV_WRITE(qkv_norm_rope_kv_write_bf16, true)
 
 #define MILES_RMSNORM(NAME, T, VEC)                                                              \
     extern "C" __global__ void __launch_bounds__(1024)                                          \

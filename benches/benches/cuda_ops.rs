@@ -239,5 +239,47 @@ fn optimizer(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, matmul, attention, rowwise, logprob, sample, optimizer);
+/// A decode step's fused kernels against the launches they replace, at the SmolLM2-135M shape
+/// (9 query and 3 kv heads of 64, inter 1536) for 64 sequences at position 192.
+fn decode(c: &mut Criterion) {
+    use miles_tensor::cpu::{PagedLayout, PagedRows};
+    let mut rng = Rng::new(8);
+    let (rows, q_heads, kv_heads, d, inter) = (64usize, 9usize, 3usize, 64usize, 1536usize);
+    let mut g = group(c, "decode_smollm2_64rows");
+    let gu = random(&mut rng, &[rows, 2 * inter], 1.0, DType::BF16);
+    on_device(&mut g, "swiglu_stacked", || {
+        ops::swiglu_stacked(&gu).expect("swiglu_stacked");
+    });
+    on_device(&mut g, "split_then_swiglu", || {
+        let p = ops::split_columns(&gu, &[inter, inter]).expect("split");
+        ops::swiglu_forward(&p[0], &p[1]).expect("swiglu");
+    });
+    let layout = PagedLayout { blocks: 4 * rows + 1, layers: 30, kv_heads, head_dim: d };
+    let tables: Vec<Vec<u32>> = (0..rows as u32).map(|s| (4 * s..4 * s + 4).collect()).collect();
+    let seqs: Vec<PagedRows> =
+        tables.iter().map(|t| PagedRows { n: 1, pos0: 192, table: t }).collect();
+    let plan = ops::PagedPlan::new(&seqs, layout, &DEVICE).expect("plan");
+    let mut cache = Tensor::zeros(&[layout.rows(), d], DType::BF16, &DEVICE).expect("cache");
+    let qkv = random(&mut rng, &[rows, (q_heads + 2 * kv_heads) * d], 1.0, DType::BF16);
+    let cos = random(&mut rng, &[rows, d / 2], 1.0, DType::F32);
+    let sin = random(&mut rng, &[rows, d / 2], 1.0, DType::F32);
+    on_device(&mut g, "qkv_rope_kv_write", || {
+        ops::qkv_rope_kv_write(&qkv, None, 1e-5, &cos, &sin, &mut cache, 7, &plan, q_heads)
+            .expect("qkv_rope_kv_write");
+    });
+    on_device(&mut g, "split_rope_rope_kv_write", || {
+        let widths = [q_heads * d, kv_heads * d, kv_heads * d];
+        let mut p = ops::split_columns(&qkv, &widths).expect("split").into_iter();
+        let mut turn = |heads: usize| {
+            let x = p.next().expect("a part").reshape(&[rows, heads, d]).expect("heads");
+            ops::rope(&x, &cos, &sin, false).expect("rope").reshape(&[rows, heads * d])
+        };
+        let (_q, k) = (turn(q_heads), turn(kv_heads).expect("k"));
+        let v = p.next().expect("v");
+        ops::paged_kv_write(&mut cache, &k, &v, 7, &plan).expect("kv write");
+    });
+    g.finish();
+}
+
+criterion_group!(benches, matmul, attention, rowwise, logprob, sample, optimizer, decode);
 criterion_main!(benches);

@@ -393,8 +393,76 @@ impl DeviceModel {
         ))
     }
 
-    /// The layers and the final norm of a step over the paged cache, from the embedded rows.
+    /// The layers and the final norm of a step over the paged cache, from the embedded rows:
+    /// [`Self::decode_layers`] where the stacked copies serve the step's rows, else
+    /// [`Self::layers_one_by_one`]; the same bits either way.
     pub(crate) fn step_layers(
+        &self,
+        x: Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        plan: &ops::PagedPlan,
+        kv: &mut DeviceKvCache,
+    ) -> Result<Tensor> {
+        if !self.stacked.is_empty() && x.shape()[0] <= STACK_MAX_ROWS {
+            self.decode_layers(x, cos, sin, plan, kv)
+        } else {
+            self.layers_one_by_one(x, cos, sin, plan, kv)
+        }
+    }
+
+    /// A decode-sized step in fewer launches than [`layer_forward`] makes (9 a layer instead of
+    /// 12 with q/k norms, 14 without): the stacked q/k/v product; the q/k norms, rotation and KV
+    /// write in one kernel reading it in place ([`ops::qkv_rope_kv_write`]); attention; the
+    /// output product; residual add + norm; the stacked gate/up product; SwiGLU reading it in
+    /// place ([`ops::swiglu_stacked`]); the down product; and the residual add fused with the
+    /// next layer's input norm (the last layer's with the final norm). Each fused op keeps the
+    /// separate ops' bits, so a row's bits are still the training forward's.
+    fn decode_layers(
+        &self,
+        mut x: Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        plan: &ops::PagedPlan,
+        kv: &mut DeviceKvCache,
+    ) -> Result<Tensor> {
+        let (c, l) = (&self.config, self.layout);
+        let eps = c.rms_norm_eps;
+        let product = |x: &Tensor, w: &Tensor| ops::matmul(x, Transpose::No, w, Transpose::Yes);
+        let (mut normed, _) = ops::rmsnorm_forward(&x, self.weight(l.norm(0, Norm::Input)), eps)?;
+        for (layer, [qkv_w, gate_up_w]) in self.stacked.iter().enumerate() {
+            let norms = l.qk_norm.then(|| {
+                (self.weight(l.norm(layer, Norm::Q)), self.weight(l.norm(layer, Norm::K)))
+            });
+            let qkv = product(&normed, qkv_w)?;
+            let heads = c.num_attention_heads;
+            let q = ops::qkv_rope_kv_write(
+                &qkv,
+                norms,
+                eps,
+                cos,
+                sin,
+                kv.data_mut(),
+                layer,
+                plan,
+                heads,
+            )?;
+            let (attn, _) = ops::paged_attention(&q, kv.data(), layer, plan, heads)?;
+            let o = product(&attn, self.weight(l.linear(layer, Linear::O)[0]))?;
+            let post = self.weight(l.norm(layer, Norm::Post));
+            let [x_mid, n2, _] = ops::add_rmsnorm(&x, &o, post, eps)?;
+            let act = ops::swiglu_stacked(&product(&n2, gate_up_w)?)?;
+            let m = product(&act, self.weight(l.linear(layer, Linear::Down)[0]))?;
+            let next =
+                if layer + 1 < l.layers { l.norm(layer + 1, Norm::Input) } else { l.final_norm() };
+            let [sum, y, _] = ops::add_rmsnorm(&x_mid, &m, self.weight(next), eps)?;
+            (x, normed) = (sum, y);
+        }
+        Ok(normed)
+    }
+
+    /// [`Self::step_layers`] through the shared [`layer_forward`], one op at a time.
+    pub(crate) fn layers_one_by_one(
         &self,
         mut x: Tensor,
         cos: &Tensor,
@@ -1026,5 +1094,58 @@ mod invariance {
         let (cpu, gpu) = (stats(&on(&Device::Cpu)), stats(&on(&device)));
         println!("|Δlogp| against f32 (mean, max): cpu bf16 {cpu:?}, cuda bf16 {gpu:?}");
         assert!(gpu.0 <= 1.3 * cpu.0 && gpu.1 <= 2.0 * cpu.1, "cuda {gpu:?} vs cpu {cpu:?}");
+    }
+
+    /// The fused decode layers give the bits of the one-by-one layers, hidden states and KV
+    /// cache alike, with and without q/k norms (Qwen3 and Llama shapes), over a prompt step
+    /// and decode steps of several sequences.
+    #[test]
+    fn fused_decode_layers_have_the_bits_of_the_layers_one_by_one_on_cuda() {
+        let device = Device::Cuda(0);
+        if let Err(e) = device.ensure_available() {
+            println!("skipping CUDA: {e}");
+            return;
+        }
+        for arch in [Architecture::Qwen3, Architecture::Llama] {
+            let mut c = tiny(arch, arch == Architecture::Llama);
+            (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers) =
+                (576, 1536, 1000, 3);
+            (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (9, 3, 64);
+            let dm = DeviceModel::new(&model(c, 6), &device, DType::BF16).unwrap();
+            assert!(!dm.stacked.is_empty(), "{arch:?}: the stacked copies failed their check");
+            let mut rng = Rng::new(21);
+            let layout = |kv: &DeviceKvCache| kv.layout();
+            let mut caches =
+                [0, 1].map(|_| DeviceKvCache::new(&dm.config, 8, &device, DType::BF16).unwrap());
+            let tables: [Vec<u32>; 3] = [vec![3, 0], vec![5], vec![1, 6, 2]];
+            // A prompt step (3 prompts of 40, 7 and 65 tokens), then 3 decode steps.
+            let mut steps: Vec<Vec<(usize, usize, usize)>> =
+                vec![vec![(0, 0, 40), (1, 0, 7), (2, 0, 65)]];
+            for t in 0..3 {
+                steps.push(vec![(0, 40 + t, 1), (1, 7 + t, 1), (2, 65 + t, 1)]);
+            }
+            for (i, step) in steps.iter().enumerate() {
+                let seqs: Vec<PagedRows> = step
+                    .iter()
+                    .map(|&(s, pos0, n)| PagedRows { n, pos0, table: &tables[s] })
+                    .collect();
+                let positions: Vec<u32> = step
+                    .iter()
+                    .flat_map(|&(_, pos0, n)| (pos0..pos0 + n).map(|p| p as u32))
+                    .collect();
+                let tokens: Vec<u32> = positions.iter().map(|_| rng.below(1000) as u32).collect();
+                let (cos, sin) = dm.rope_tensors(&positions).unwrap();
+                let plan = ops::PagedPlan::new(&seqs, layout(&caches[0]), &device).unwrap();
+                let x = || ops::embedding_forward(dm.weight(0), &tokens).unwrap();
+                let [a, b] = &mut caches;
+                let fused = dm.decode_layers(x(), &cos, &sin, &plan, a).unwrap();
+                let apart = dm.layers_one_by_one(x(), &cos, &sin, &plan, b).unwrap();
+                let bits = |t: &Tensor| -> Vec<u32> {
+                    t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
+                };
+                assert!(bits(&fused) == bits(&apart), "{arch:?} step {i}: hidden states differ");
+                assert!(bits(a.data()) == bits(b.data()), "{arch:?} step {i}: caches differ");
+            }
+        }
     }
 }

@@ -472,6 +472,13 @@ pub(crate) fn load_decode_plan(plan: &mut PagedPlanDevice, seqs: &[PagedRows]) -
     Ok(())
 }
 
+impl PagedPlanDevice {
+    /// [block, slot] per row, for kernels that write the cache.
+    pub(crate) fn slots(&self) -> &CudaSlice<i32> {
+        &self.slots
+    }
+}
+
 /// [`crate::ops::paged_kv_write`]: one block per (row, kv head).
 pub(crate) fn paged_kv_write(
     gpu: &Arc<Gpu>,

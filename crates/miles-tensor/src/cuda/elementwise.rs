@@ -63,6 +63,54 @@ pub(crate) fn swiglu_forward(
     Ok(wrap(gpu, data))
 }
 
+/// [`swiglu_forward`] of the halves of the stacked gate/up product `gu [rows × 2·inter]`.
+pub(crate) fn swiglu_stacked(
+    gpu: &Arc<Gpu>,
+    gu: &DeviceData,
+    rows: usize,
+    inter: usize,
+) -> Result<Buffer> {
+    let (rows_i, inter_i) = (rows as i64, inter as i32);
+    let n = rows * inter;
+    let cfg = elementwise_launch(n);
+    let data = match gu {
+        DeviceData::F32(x) => {
+            let mut h = gpu.alloc::<f32>(n)?;
+            if n > 0 {
+                launch!(
+                    gpu,
+                    "elementwise",
+                    "swiglu_stacked_f32",
+                    cfg,
+                    &mut h,
+                    x,
+                    &rows_i,
+                    &inter_i
+                )?;
+            }
+            DeviceData::F32(h)
+        }
+        DeviceData::BF16(x) => {
+            let mut h = gpu.alloc::<u16>(n)?;
+            if n > 0 {
+                launch!(
+                    gpu,
+                    "elementwise",
+                    "swiglu_stacked_bf16",
+                    cfg,
+                    &mut h,
+                    x,
+                    &rows_i,
+                    &inter_i
+                )?;
+            }
+            DeviceData::BF16(h)
+        }
+        DeviceData::I32(_) => return Err(mismatch("swiglu_stacked")),
+    };
+    Ok(wrap(gpu, data))
+}
+
 /// `(d_gate, d_up)` of [`swiglu_forward`] from `dh`.
 pub(crate) fn swiglu_backward(
     gpu: &Arc<Gpu>,

@@ -21,10 +21,12 @@ pub(crate) use attention::{
 pub(crate) use elementwise::{
     IdGroups, Ids, add, concat_rows, embedding_backward, embedding_backward_into,
     embedding_forward, rope, scatter_rows, split_columns, swiglu_backward, swiglu_forward,
+    swiglu_stacked,
 };
 pub(crate) use logprob::{logprob_rows, logprob_rows_backward};
 pub(crate) use ops::{
-    add_rmsnorm, matmul, matmul_into, qk_norm_rope, rmsnorm_backward, rmsnorm_forward,
+    add_rmsnorm, matmul, matmul_into, qk_norm_rope, qkv_rope_kv_write, rmsnorm_backward,
+    rmsnorm_forward,
 };
 pub(crate) use optim::{AdamWSlot, adamw, adamw_multi, sum_squares, sum_squares_multi};
 pub(crate) use sample::{sample_rows, sample_rows_on_device};

@@ -327,6 +327,47 @@ pub(crate) fn qk_norm_rope(
     ])
 }
 
+/// [`crate::ops::qkv_rope_kv_write`]: one block per (token, head); `norms` are the q and k
+/// norm weights of models that have them. Writes `cache` and returns the rotated queries.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qkv_rope_kv_write(
+    gpu: &Arc<Gpu>,
+    qkv: &CudaSlice<u16>,
+    norms: Option<(&DeviceData, &DeviceData)>,
+    (cos, sin): (&DeviceData, &DeviceData),
+    cache: &mut CudaSlice<u16>,
+    (slots, layer, layers): (&CudaSlice<i32>, usize, usize),
+    tokens: usize,
+    (q_heads, kv_heads, d): (usize, usize, usize),
+    eps: f32,
+) -> Result<Buffer> {
+    let (cos, sin) = (f32_of(cos, "cos")?, f32_of(sin, "sin")?);
+    let (qh, kvh, di) =
+        (to_i32(q_heads, "q heads")?, to_i32(kv_heads, "kv heads")?, to_i32(d, "d")?);
+    let (layer, layers) = (to_i32(layer, "layer")?, to_i32(layers, "layers")?);
+    let mut q_out = gpu.alloc::<u16>(tokens * q_heads * d)?;
+    if tokens > 0 {
+        // qk_norm_rope's block size: the norms' reduction, and so their bits, depend on it.
+        let cfg = LaunchConfig {
+            grid_dim: (to_i32(tokens, "tokens")? as u32, (q_heads + kv_heads) as u32, 1),
+            block_dim: (row_threads(d, 4), 1, 1),
+            shared_mem_bytes: (d * 4) as u32,
+        };
+        // Without norms the weight arguments are unused; cos stands in for them.
+        let (kernel, q_w, k_w) = match norms {
+            Some((q_w, k_w)) => {
+                ("qkv_norm_rope_kv_write_bf16", f32_of(q_w, "q_w")?, f32_of(k_w, "k_w")?)
+            }
+            None => ("qkv_rope_kv_write_bf16", cos, cos),
+        };
+        launch!(
+            gpu, "rmsnorm", kernel, cfg, &mut q_out, cache, qkv, q_w, k_w, cos, sin, slots, &layer,
+            &layers, &qh, &kvh, &di, &eps
+        )?;
+    }
+    Ok(Buffer { gpu: gpu.clone(), data: DeviceData::BF16(q_out) })
+}
+
 /// `(y, rstd)` of `x [rows × hidden]` (f32 or bf16) and `w [hidden]` (f32).
 pub(crate) fn rmsnorm_forward(
     gpu: &Arc<Gpu>,

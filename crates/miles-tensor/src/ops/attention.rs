@@ -360,6 +360,98 @@ pub fn paged_kv_write(
     }
 }
 
+/// A decode step's attention inputs from the stacked q/k/v product `qkv` `[rows × (q_heads +
+/// 2·kv_heads)·head_dim]` of the plan's rows: the keys and values written to `cache` as
+/// [`paged_kv_write`] writes them, and the queries returned, the keys and queries first
+/// normalized per head by `norms` (Qwen3's q and k norm weights, as
+/// [`super::qk_norm_rope`]) and rotated by `cos`/`sin` `[rows × head_dim/2]`. The bits of
+/// [`super::split_columns`], the norms, [`super::rope`] and [`paged_kv_write`]; on CUDA in
+/// bf16 one launch.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_kv_write(
+    qkv: &Tensor,
+    norms: Option<(&Tensor, &Tensor)>,
+    eps: f32,
+    cos: &Tensor,
+    sin: &Tensor,
+    cache: &mut Tensor,
+    layer: usize,
+    plan: &PagedPlan,
+    q_heads: usize,
+) -> Result<Tensor> {
+    const OP: &str = "qkv_rope_kv_write";
+    let device = same_device(OP, &[qkv, cos, sin, cache])?;
+    let layout = plan.layout;
+    let (rows, kvh, d) = (plan.rows, layout.kv_heads, layout.head_dim);
+    let widths = [q_heads * d, kvh * d, kvh * d];
+    ensure(qkv.shape == [rows, widths.iter().sum()], OP, || {
+        format!("qkv {:?} for {rows} rows of {q_heads} + 2·{kvh} heads of {d}", qkv.shape)
+    })?;
+    let fused = cfg!(feature = "cuda")
+        && device != Device::Cpu
+        && qkv.dtype() == DType::BF16
+        && cache.dtype() == DType::BF16
+        && d.is_multiple_of(4)
+        && d <= 1024
+        && layer < layout.layers;
+    if !fused {
+        let [q, k, v]: [Tensor; 3] = super::split_columns(qkv, &widths)?
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("three widths, three parts"));
+        let (q, k) = match norms {
+            Some((q_w, k_w)) => {
+                let [q, _, k, _] = super::qk_norm_rope(&q, &k, q_w, k_w, eps, cos, sin)?;
+                (q, k)
+            }
+            None => {
+                let turn = |x: Tensor, heads: usize| -> Result<Tensor> {
+                    let width = x.shape[1];
+                    let r = super::rope(&x.reshape(&[rows, heads, d])?, cos, sin, false)?;
+                    r.reshape(&[rows, width])
+                };
+                (turn(q, q_heads)?, turn(k, kvh)?)
+            }
+        };
+        paged_kv_write(cache, &k, &v, layer, plan)?;
+        return Ok(q);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let table = [rows, d / 2];
+        ensure(cos.shape == table && sin.shape == table, OP, || {
+            format!("cos {:?} and sin {:?} must be {table:?}", cos.shape, sin.shape)
+        })?;
+        if let Some((q_w, k_w)) = norms {
+            ensure(q_w.shape == [d] && k_w.shape == [d], OP, || {
+                format!("q_w {:?} and k_w {:?} must be [{d}]", q_w.shape, k_w.shape)
+            })?;
+        }
+        let dev_plan = plan
+            .device
+            .as_ref()
+            .ok_or_else(|| crate::Error::Device(format!("{OP}: the plan was made for the CPU")))?;
+        let Storage::Cuda(buffer) = &mut cache.storage else { unreachable!("on a device") };
+        let gpu = buffer.gpu.clone();
+        let crate::cuda::DeviceData::BF16(cache_data) = &mut buffer.data else {
+            unreachable!("the cache is bf16")
+        };
+        let q = crate::cuda::qkv_rope_kv_write(
+            &gpu,
+            super::bf16_data(qkv),
+            norms.map(|(q_w, k_w)| (device_data(q_w), device_data(k_w))),
+            (device_data(cos), device_data(sin)),
+            cache_data,
+            (dev_plan.slots(), layer, layout.layers),
+            rows,
+            (q_heads, kvh, d),
+            eps,
+        )?;
+        Ok(Tensor { shape: vec![rows, q_heads * d], storage: Storage::Cuda(q) })
+    }
+    #[cfg(not(feature = "cuda"))]
+    unreachable!("fused only with the cuda feature")
+}
+
 /// Attention of the plan's query rows (`q` `[rows × q_heads × head_dim]`) over the paged
 /// `cache` of `layer`, this step's keys and values already written: `(out, lse)` as
 /// [`attention_forward`] gives them, with the same bits per row. On CUDA it runs in bf16 at
@@ -712,6 +804,85 @@ mod tests {
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The decode step's fused q/k/v preparation writes the cache and returns the queries with
+    /// the bits of the split, the q/k norms (or none) with the rotation, and paged_kv_write: on
+    /// every device, for Qwen3-like (norms, d 128) and Llama-like (none, d 64) shapes, decode
+    /// rows and a prefill chunk in one plan, layer 1 of 2 (the cache's other bytes untouched).
+    #[test]
+    fn qkv_rope_kv_write_has_the_bits_of_the_separate_ops() {
+        let mut rng = Rng::new(78);
+        let eps = 1e-6;
+        for (q_heads, kv_heads, d, norms) in [(16usize, 8usize, 128usize, true), (9, 3, 64, false)]
+        {
+            let layout = PagedLayout { blocks: 6, layers: 2, kv_heads, head_dim: d };
+            let tables: [Vec<u32>; 3] = [vec![4, 1], vec![0], vec![5, 2, 3]];
+            // A decode row at position 70, a 5-row chunk at 10, a decode row at 130.
+            let seqs = [
+                PagedRows { n: 1, pos0: 70, table: &tables[0] },
+                PagedRows { n: 5, pos0: 10, table: &tables[1] },
+                PagedRows { n: 1, pos0: 130, table: &tables[2] },
+            ];
+            let rows = 7;
+            let positions: Vec<u32> = [70, 10, 11, 12, 13, 14, 130].to_vec();
+            let (cos, sin) = cpu::rope_tables(&positions, d, 1e4);
+            let width = (q_heads + 2 * kv_heads) * d;
+            let qkv = rng.vec(rows * width, 2.0);
+            let fill = rng.vec(layout.rows() * d, 1.0);
+            let w =
+                |rng: &mut Rng| -> Vec<f32> { rng.vec(d, 0.5).iter().map(|x| 1.0 + x).collect() };
+            let (q_w, k_w) = (w(&mut rng), w(&mut rng));
+            for device in devices() {
+                for dtype in [DType::F32, DType::BF16] {
+                    let what = format!("{device} {dtype} {q_heads}/{kv_heads}×{d}");
+                    let plan = PagedPlan::new(&seqs, layout, &device).unwrap();
+                    let table = |v: &[f32]| tensor(&[rows, d / 2], v, DType::F32, &device);
+                    let (cos, sin) = (table(&cos), table(&sin));
+                    let weights = (
+                        tensor(&[d], &q_w, DType::F32, &device),
+                        tensor(&[d], &k_w, DType::F32, &device),
+                    );
+                    let norm = norms.then_some((&weights.0, &weights.1));
+                    let qkv = tensor(&[rows, width], &qkv, dtype, &device);
+                    let mut cache = tensor(&[layout.rows(), d], &fill, dtype, &device);
+                    let q = qkv_rope_kv_write(
+                        &qkv, norm, eps, &cos, &sin, &mut cache, 1, &plan, q_heads,
+                    )
+                    .unwrap();
+                    // The separate ops.
+                    let mut want_cache = tensor(&[layout.rows(), d], &fill, dtype, &device);
+                    let parts =
+                        crate::ops::split_columns(&qkv, &[q_heads * d, kv_heads * d, kv_heads * d])
+                            .unwrap();
+                    let (want_q, k) = if norms {
+                        let [q, _, k, _] = crate::ops::qk_norm_rope(
+                            &parts[0], &parts[1], &weights.0, &weights.1, eps, &cos, &sin,
+                        )
+                        .unwrap();
+                        (q, k)
+                    } else {
+                        let turn = |x: &Tensor, heads: usize| {
+                            let x3 =
+                                tensor(&[rows, heads, d], &x.to_vec_f32().unwrap(), dtype, &device);
+                            let r = crate::ops::rope(&x3, &cos, &sin, false).unwrap();
+                            r.reshape(&[rows, heads * d]).unwrap()
+                        };
+                        (turn(&parts[0], q_heads), turn(&parts[1], kv_heads))
+                    };
+                    paged_kv_write(&mut want_cache, &k, &parts[2], 1, &plan).unwrap();
+                    let bits = |t: &Tensor| -> Vec<u32> {
+                        t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
+                    };
+                    assert_eq!((q.shape(), q.dtype()), (want_q.shape(), want_q.dtype()), "{what}");
+                    assert!(bits(&q) == bits(&want_q), "{what}: queries differ");
+                    assert!(bits(&cache) == bits(&want_cache), "{what}: caches differ");
+                    assert!(
+                        bits(&cache) != bits(&tensor(&[layout.rows(), d], &fill, dtype, &device))
+                    );
                 }
             }
         }

@@ -59,6 +59,32 @@ pub fn swiglu_forward(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// [`swiglu_forward`] of the two halves of the stacked gate/up product `gu` `[rows × 2·inter]`
+/// (the gate's columns first): `[rows × inter]`, the bits of [`split_columns`] then
+/// [`swiglu_forward`], without the split on CUDA.
+pub fn swiglu_stacked(gu: &Tensor) -> Result<Tensor> {
+    const OP: &str = "swiglu_stacked";
+    floats_only(OP, &[gu])?;
+    ensure(gu.shape.len() == 2 && gu.shape[1].is_multiple_of(2), OP, || {
+        format!("gu {:?} must be [rows × 2·inter]", gu.shape)
+    })?;
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    let (rows, inter) = (gu.shape[0], gu.shape[1] / 2);
+    match &gu.storage {
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(buffer) => {
+            let h = crate::cuda::swiglu_stacked(&buffer.gpu, &buffer.data, rows, inter)?;
+            Ok(on_device(vec![rows, inter], h))
+        }
+        _ => {
+            let [gate, up]: [Tensor; 2] = split_columns(gu, &[inter, inter])?
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("two widths, two parts"));
+            swiglu_forward(&gate, &up)
+        }
+    }
+}
+
 /// `(d_gate, d_up)` of [`swiglu_forward`] from `dh`; all share shape and dtype.
 pub fn swiglu_backward(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
     const OP: &str = "swiglu_backward";
@@ -664,6 +690,32 @@ mod tests {
         assert!(
             rope(&tensor(&[2, 1, 3], &[1.0; 6], DType::F32, &dev), &table, &table, false).is_err()
         );
+    }
+
+    /// SwiGLU of a stacked gate/up product gives the bits of the split, then swiglu_forward, on
+    /// every device and float dtype (on CUDA its own kernel); an odd width is an error.
+    #[test]
+    fn swiglu_stacked_has_the_bits_of_split_then_swiglu() {
+        let mut rng = crate::rng::Rng::new(62);
+        for device in devices() {
+            for dtype in [DType::F32, DType::BF16] {
+                for (rows, inter) in [(1usize, 1536usize), (64, 1536), (37, 7), (256, 3072)] {
+                    let gu = rng.vec(rows * 2 * inter, 3.0);
+                    let gu = tensor(&[rows, 2 * inter], &gu, dtype, &device);
+                    let got = swiglu_stacked(&gu).unwrap();
+                    let parts = split_columns(&gu, &[inter, inter]).unwrap();
+                    let want = swiglu_forward(&parts[0], &parts[1]).unwrap();
+                    let what = format!("{device} {dtype} {rows}×{inter}");
+                    assert_eq!((got.shape(), got.dtype()), (want.shape(), want.dtype()), "{what}");
+                    let bits = |t: &Tensor| -> Vec<u32> {
+                        t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
+                    };
+                    assert!(bits(&got) == bits(&want), "{what}: not the separate ops' bits");
+                }
+            }
+            let odd = tensor(&[2, 5], &[1.0; 10], DType::F32, &device);
+            assert!(swiglu_stacked(&odd).unwrap_err().to_string().contains("2·inter"));
+        }
     }
 
     /// A fused product's output split into its parts, and weights stacked into a fused one: exact

@@ -16,11 +16,12 @@ mod sample;
 
 pub use attention::{
     PagedPlan, attention_backward, attention_forward, paged_attention, paged_kv_write,
+    qkv_rope_kv_write,
 };
 pub use elementwise::{
     add, concat_rows, embedding_backward, embedding_backward_acc, embedding_forward,
     embedding_forward_ids, gather_rows, rope, scatter_rows, split_columns, swiglu_backward,
-    swiglu_forward,
+    swiglu_forward, swiglu_stacked,
 };
 pub use logprob::{logprob_rows, logprob_rows_backward, logprob_rows_ids};
 pub use optim::{AdamWTensors, adamw_multi, adamw_step, sum_squares, sum_squares_multi};
