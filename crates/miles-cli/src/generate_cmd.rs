@@ -142,7 +142,7 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         device.ensure_available().with_context(|| format!("--device {device}"))?;
     }
     let model = match device {
-        Device::Cpu => Loaded::Cpu(model),
+        Device::Cpu => Loaded::Cpu(Box::new(model)),
         _ => {
             Loaded::Device(Box::new(DeviceModel::new(&model, &device, args.engine.dtype.dtype())?))
         }
@@ -171,7 +171,7 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let t = params.temperature;
     let (groups, stats, seconds, check) = match model {
         Loaded::Cpu(m) => {
-            let mut engine = Engine::new(m, Some(tok), config)?;
+            let mut engine = Engine::new(*m, Some(tok), config)?;
             let groups = generate(&mut engine, groups, &params)?;
             let seconds = started.elapsed().as_secs_f64();
             let check = args.check_logprobs.then(|| {
@@ -215,7 +215,7 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
 }
 
 enum Loaded {
-    Cpu(miles_model::Model),
+    Cpu(Box<miles_model::Model>),
     Device(Box<DeviceModel>),
 }
 

@@ -12,6 +12,9 @@ pub enum Architecture {
     Qwen3,
     /// `LlamaForCausalLM` (SmolLM2 among others).
     Llama,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention, and in its sparse layers a router over
+    /// SwiGLU experts ([`MoeConfig`]).
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -19,6 +22,7 @@ impl Architecture {
         match self {
             Architecture::Qwen3 => "Qwen3ForCausalLM",
             Architecture::Llama => "LlamaForCausalLM",
+            Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
@@ -26,11 +30,38 @@ impl Architecture {
         match self {
             Architecture::Qwen3 => "qwen3",
             Architecture::Llama => "llama",
+            Architecture::Qwen3Moe => "qwen3_moe",
         }
     }
 
     pub fn has_qk_norm(self) -> bool {
-        self == Architecture::Qwen3
+        matches!(self, Architecture::Qwen3 | Architecture::Qwen3Moe)
+    }
+}
+
+/// The mixture of experts of a `Qwen3MoeForCausalLM` (its config.json's names).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Experts per token (top-k).
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    /// Renormalize the top-k probabilities to sum to one.
+    pub norm_topk_prob: bool,
+    /// Layer `l` is sparse when `(l + 1) % decoder_sparse_step == 0` and `l` is not in
+    /// `mlp_only_layers`.
+    pub decoder_sparse_step: usize,
+    pub mlp_only_layers: Vec<usize>,
+    /// The load-balancing loss's weight; 0 (off) unless config.json sets
+    /// `output_router_logits`, as transformers adds it only then.
+    pub router_aux_loss_coef: f32,
+}
+
+impl MoeConfig {
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        !self.mlp_only_layers.contains(&layer)
+            && self.num_experts > 0
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
     }
 }
 
@@ -50,6 +81,8 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// The experts of a Qwen3-MoE model; `None` for dense ones.
+    pub moe: Option<Box<MoeConfig>>,
 }
 
 struct Fields<'a> {
@@ -111,7 +144,45 @@ impl Fields<'_> {
     }
 }
 
+impl Fields<'_> {
+    fn moe(&self) -> Result<MoeConfig> {
+        let mlp_only_layers = match self.obj.get("mlp_only_layers") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                        self.err(format!("field 'mlp_only_layers' holds a non-integer {v}"))
+                    })
+                })
+                .collect::<Result<_>>()?,
+            Some(v) => {
+                return Err(self.err(format!("field 'mlp_only_layers' must be a list, found {v}")));
+            }
+        };
+        let aux = self.opt_bool("output_router_logits")?.unwrap_or(false);
+        Ok(MoeConfig {
+            num_experts: self.usize("num_experts")?,
+            num_experts_per_tok: self.usize("num_experts_per_tok")?,
+            moe_intermediate_size: self.usize("moe_intermediate_size")?,
+            norm_topk_prob: self.opt_bool("norm_topk_prob")?.unwrap_or(false),
+            decoder_sparse_step: self.opt_usize("decoder_sparse_step")?.unwrap_or(1),
+            mlp_only_layers,
+            router_aux_loss_coef: if aux {
+                self.opt_f32("router_aux_loss_coef")?.unwrap_or(0.001)
+            } else {
+                0.0
+            },
+        })
+    }
+}
+
 impl ModelConfig {
+    /// Whether decoder layer `layer` routes its tokens over experts.
+    pub fn is_sparse_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
+    }
+
     /// Reads `config.json`; a missing file, bad JSON, an unsupported architecture or a missing
     /// field names the file and the field.
     pub fn from_file(path: &Path) -> Result<Self> {
@@ -142,9 +213,11 @@ impl ModelConfig {
         let architecture = match class {
             "Qwen3ForCausalLM" | "qwen3" => Architecture::Qwen3,
             "LlamaForCausalLM" | "llama" => Architecture::Llama,
+            "Qwen3MoeForCausalLM" | "qwen3_moe" => Architecture::Qwen3Moe,
             other => {
                 return Err(f.err(format!(
-                    "architecture '{other}' is not supported; supported: Qwen3ForCausalLM, LlamaForCausalLM"
+                    "architecture '{other}' is not supported; supported: Qwen3ForCausalLM, \
+                     LlamaForCausalLM, Qwen3MoeForCausalLM"
                 )));
             }
         };
@@ -199,6 +272,10 @@ impl ModelConfig {
             max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,
+            moe: match architecture {
+                Architecture::Qwen3Moe => Some(Box::new(f.moe()?)),
+                _ => None,
+            },
         };
         config.validate().map_err(|message| f.err(message))?;
         Ok(config)
@@ -230,6 +307,22 @@ impl ModelConfig {
         if !(c.rms_norm_eps > 0.0 && c.rope_theta > 0.0) {
             return Err("rms_norm_eps and rope_theta must be positive".into());
         }
+        if let Some(m) = &c.moe {
+            if m.num_experts == 0 || m.moe_intermediate_size == 0 || m.decoder_sparse_step == 0 {
+                return Err("num_experts, moe_intermediate_size and decoder_sparse_step must be \
+                            at least 1"
+                    .into());
+            }
+            if !(1..=m.num_experts).contains(&m.num_experts_per_tok) {
+                return Err(format!(
+                    "num_experts_per_tok {} must be in 1..={} (num_experts)",
+                    m.num_experts_per_tok, m.num_experts
+                ));
+            }
+            if m.router_aux_loss_coef.is_nan() || m.router_aux_loss_coef < 0.0 {
+                return Err("router_aux_loss_coef must be a number ≥ 0".into());
+            }
+        }
         Ok(())
     }
 
@@ -260,6 +353,17 @@ impl ModelConfig {
         if c.architecture == Architecture::Llama {
             v["mlp_bias"] = json!(false);
         }
+        if let Some(m) = &c.moe {
+            v["num_experts"] = json!(m.num_experts);
+            v["num_experts_per_tok"] = json!(m.num_experts_per_tok);
+            v["moe_intermediate_size"] = json!(m.moe_intermediate_size);
+            v["norm_topk_prob"] = json!(m.norm_topk_prob);
+            v["decoder_sparse_step"] = json!(m.decoder_sparse_step);
+            v["mlp_only_layers"] = json!(m.mlp_only_layers);
+            v["output_router_logits"] = json!(m.router_aux_loss_coef > 0.0);
+            v["router_aux_loss_coef"] =
+                json!(if m.router_aux_loss_coef > 0.0 { m.router_aux_loss_coef } else { 0.001 });
+        }
         if let Some(bos) = c.bos_token_id {
             v["bos_token_id"] = json!(bos);
         }
@@ -271,15 +375,32 @@ impl ModelConfig {
         v
     }
 
-    /// Parameters in the model (the tied head counted once).
+    /// Parameters in the model (the tied head counted once), every expert included.
     pub fn num_parameters(&self) -> usize {
+        self.parameters(false)
+    }
+
+    /// Parameters a token runs through: [`Self::num_parameters`] with only its top-k experts
+    /// of each sparse layer (the router counted whole). The same for dense models.
+    pub fn active_parameters(&self) -> usize {
+        self.parameters(true)
+    }
+
+    fn parameters(&self, active: bool) -> usize {
         let c = self;
         let (h, d) = (c.hidden_size, c.head_dim);
         let attn = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads);
         let qk_norm = if c.architecture.has_qk_norm() { 2 * d } else { 0 };
-        let layer = attn + qk_norm + 3 * h * c.intermediate_size + 2 * h;
+        let mlp = |layer: usize| match &c.moe {
+            Some(m) if m.is_sparse(layer) => {
+                let experts = if active { m.num_experts_per_tok } else { m.num_experts };
+                m.num_experts * h + experts * 3 * h * m.moe_intermediate_size
+            }
+            _ => 3 * h * c.intermediate_size,
+        };
+        let layers: usize = (0..c.num_hidden_layers).map(|l| attn + qk_norm + mlp(l) + 2 * h).sum();
         let head = if c.tie_word_embeddings { 0 } else { c.vocab_size * h };
-        c.vocab_size * h + c.num_hidden_layers * layer + h + head
+        c.vocab_size * h + layers + h + head
     }
 }
 
@@ -311,6 +432,54 @@ mod tests {
         assert_eq!(c.num_parameters(), 596_049_920);
         let back = ModelConfig::from_json(&c.to_hf_json("bfloat16"), Path::new("x")).unwrap();
         assert_eq!(back, c);
+    }
+
+    /// Qwen3-30B-A3B's published config.json: 30.5 B parameters, 3.4 B active.
+    #[test]
+    fn reads_qwen3_moe_and_counts_its_total_and_active_parameters() {
+        let v = json!({
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+            "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+            "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+            "tie_word_embeddings": false, "hidden_act": "silu", "num_experts": 128,
+            "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": true,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": false,
+            "router_aux_loss_coef": 0.001
+        });
+        let c = ModelConfig::from_json(&v, Path::new("config.json")).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen3Moe);
+        let m = c.moe.clone().unwrap();
+        assert_eq!((m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size), (128, 8, 768));
+        assert!(m.norm_topk_prob && (0..48).all(|l| c.is_sparse_layer(l)));
+        assert_eq!(m.router_aux_loss_coef, 0.0, "off unless output_router_logits");
+        assert_eq!(c.num_parameters(), 30_532_122_624);
+        assert_eq!(c.active_parameters(), 3_353_032_704);
+        let back = ModelConfig::from_json(&c.to_hf_json("bfloat16"), Path::new("x")).unwrap();
+        assert_eq!(back, c);
+
+        let mut v2 = v.clone();
+        v2["decoder_sparse_step"] = json!(2);
+        v2["mlp_only_layers"] = json!([3]);
+        v2["output_router_logits"] = json!(true);
+        let c = ModelConfig::from_json(&v2, Path::new("c.json")).unwrap();
+        let sparse: Vec<usize> = (0..8).filter(|&l| c.is_sparse_layer(l)).collect();
+        assert_eq!(sparse, [1, 5, 7]);
+        assert_eq!(c.moe.as_ref().unwrap().router_aux_loss_coef, 0.001);
+        let back = ModelConfig::from_json(&c.to_hf_json("bfloat16"), Path::new("x")).unwrap();
+        assert_eq!(back, c);
+
+        let err = |key: &str, value: Value| {
+            let mut bad = v.clone();
+            bad[key] = value;
+            ModelConfig::from_json(&bad, Path::new("moe/config.json")).unwrap_err().to_string()
+        };
+        assert!(err("num_experts_per_tok", json!(129)).contains("must be in 1..=128"));
+        assert!(err("mlp_only_layers", json!("all")).contains("'mlp_only_layers' must be a list"));
+        let mut missing = v.clone();
+        missing.as_object_mut().unwrap().remove("moe_intermediate_size");
+        let e = ModelConfig::from_json(&missing, Path::new("m.json")).unwrap_err().to_string();
+        assert_eq!(e, "m.json: missing field 'moe_intermediate_size'");
     }
 
     #[test]

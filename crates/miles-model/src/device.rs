@@ -58,7 +58,7 @@ impl Layout {
             Norm::Post => post,
         }
     }
-    /// The linear's parts, in order.
+    /// The linear's parts, in order (dense models: [`DeviceModel::new`] refuses sparse ones).
     fn linear(self, layer: usize, linear: Linear) -> Vec<usize> {
         let base = self.layer(layer);
         let post = base + if self.qk_norm { 7 } else { 5 };
@@ -67,6 +67,7 @@ impl Layout {
             Linear::O => vec![base + 4],
             Linear::GateUp => vec![post + 1, post + 2],
             Linear::Down => vec![post + 3],
+            Linear::Router | Linear::ExpertGateUp(_) | Linear::ExpertDown(_) => Vec::new(),
         }
     }
     fn final_norm(self) -> usize {
@@ -126,6 +127,12 @@ impl DeviceModel {
             return Err(Error::Invalid("the compute dtype is bf16 or f32, not i32".into()));
         }
         let c = &model.config;
+        if c.moe.is_some() {
+            return Err(Error::Invalid(format!(
+                "{} models run on the CPU in this version: use --device cpu",
+                c.architecture.hf_class()
+            )));
+        }
         model.weights.check(c)?;
         let spec = tensor_spec(c);
         let mut masters = Vec::with_capacity(spec.len());
@@ -306,7 +313,7 @@ impl DeviceModel {
         };
         let mut layers = Vec::new();
         for layer in 0..c.num_hidden_layers {
-            let (x_out, a) = layer_forward(&dev, c, layer, x, &mut attention)?;
+            let (x_out, a) = layer_forward(&dev, c, layer, x, &mut attention, None)?;
             if keep {
                 layers.push(a);
             }
@@ -478,7 +485,7 @@ impl DeviceModel {
                 let q_heads = c.num_attention_heads;
                 Ok(ops::paged_attention(q, kv.data(), layer, plan, q_heads)?)
             };
-            x = layer_forward(&dev, c, layer, x, &mut attention)?.0;
+            x = layer_forward(&dev, c, layer, x, &mut attention, None)?.0;
         }
         let final_w = self.weight(self.layout.final_norm());
         Ok(ops::rmsnorm_forward(&x, final_w, c.rms_norm_eps)?.0)
@@ -608,7 +615,7 @@ impl DeviceModel {
             grads: Some(&mut self.grads),
         };
         for (layer, a) in fwd.layers.iter().enumerate().rev() {
-            dx = layer_backward(&mut dev, c, layer, a, dx)?;
+            dx = layer_backward(&mut dev, c, layer, a, dx, None)?;
         }
         ops::embedding_backward_acc(&mut self.grads[0], &dx, &batch.tokens)?;
         Ok(())
@@ -728,6 +735,10 @@ impl<'a> DeviceWeights<'a> {
     }
 }
 
+fn sparse_unsupported() -> Error {
+    Error::Invalid("internal: a sparse (MoE) layer on a DeviceModel".into())
+}
+
 /// The device's layer primitives over tensors `[tokens × width]`.
 struct Dev<'a> {
     w: DeviceWeights<'a>,
@@ -759,6 +770,9 @@ impl Backend for Dev<'_> {
             Linear::Qkv => self.w.stacked.get(layer).map(|s| &s[0]),
             Linear::GateUp => self.w.stacked.get(layer).map(|s| &s[1]),
             Linear::O | Linear::Down => None,
+            Linear::Router | Linear::ExpertGateUp(_) | Linear::ExpertDown(_) => {
+                return Err(sparse_unsupported());
+            }
         };
         // Decode-sized: one product and a split (checked to give the parts' bits).
         if let Some(w) = stack.filter(|_| x.shape()[0] <= STACK_MAX_ROWS) {
@@ -797,6 +811,44 @@ impl Backend for Dev<'_> {
         let w = self.w.weight(self.w.layout.norm(layer, norm));
         let [sum, y, rstd] = ops::add_rmsnorm(a, b, w, self.w.config.rms_norm_eps)?;
         Ok((sum, y, rstd))
+    }
+
+    fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
+        Ok(x.to_vec_f32()?)
+    }
+
+    fn upload(&self, values: Vec<f32>, width: usize) -> Result<Tensor> {
+        let rows = values.len() / width.max(1);
+        let t = Tensor::from_f32(&[rows, width], values, &self.cos.device())?;
+        Ok(t.to_dtype(self.w.weight(0).dtype())?)
+    }
+
+    // The sparse layers' primitives: DeviceModel::new refuses Qwen3-MoE models, so the layer
+    // code never reaches these on a device.
+    fn gather_rows(&self, _: &Tensor, _: usize, _: &[u32], _: Option<&[f32]>) -> Result<Tensor> {
+        Err(sparse_unsupported())
+    }
+
+    fn sum_rows(
+        &self,
+        _: &[&Tensor],
+        _: usize,
+        _: &[(u32, u32)],
+        _: &[f32],
+        _: usize,
+    ) -> Result<Tensor> {
+        Err(sparse_unsupported())
+    }
+
+    fn row_dots(
+        &self,
+        _: &Tensor,
+        _: &[&Tensor],
+        _: usize,
+        _: &[(u32, u32)],
+        _: usize,
+    ) -> Result<Vec<f32>> {
+        Err(sparse_unsupported())
     }
 
     /// One launch for both norms and both rotations (ops::qk_norm_rope keeps their bits).

@@ -2,16 +2,21 @@
 //! it on f32 slices with the batch-invariant packed linears, the device model on tensors. Only
 //! the primitives differ between devices, never the steps of the layer or their order.
 
+use crate::moe::{BalanceStats, MoeActivations, Routing, moe_backward, moe_forward};
 use crate::{ModelConfig, Result};
 
 /// A layer's linears. Forward outputs come split into their parts: `[q, k, v]`, `[o]`,
-/// `[gate, up]`, `[down]`.
+/// `[gate, up]`, `[down]`; a sparse layer's router gives `[logits]` and its experts
+/// `[gate, up]` and `[down]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Linear {
     Qkv,
     O,
     GateUp,
     Down,
+    Router,
+    ExpertGateUp(usize),
+    ExpertDown(usize),
 }
 
 /// A layer's RMSNorms; `Q` and `K` (Qwen3) normalize each head of the queries and keys.
@@ -34,6 +39,39 @@ pub(crate) trait Backend {
     fn rope(&self, x: Self::Act, heads: usize, inverse: bool) -> Result<Self::Act>;
     fn swiglu(&self, gate: &Self::Act, up: &Self::Act) -> Result<Self::Act>;
     fn add(&self, a: &Self::Act, b: &Self::Act) -> Result<Self::Act>;
+
+    /// The values of `x` on the host (a sparse layer's router logits).
+    fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>>;
+    /// `[values / width × width]` from host values.
+    fn upload(&self, values: Vec<f32>, width: usize) -> Result<Self::Act>;
+    /// Rows `rows` of `x` (rows of `width`), row `i` times `scales[i]` when given.
+    fn gather_rows(
+        &self,
+        x: &Self::Act,
+        width: usize,
+        rows: &[u32],
+        scales: Option<&[f32]>,
+    ) -> Result<Self::Act>;
+    /// `out[t] = Σ_k weights[t·k_n + k] · parts[p][r]` with `(p, r) = picks[t·k_n + k]`, summed
+    /// in rank order `k = 0, 1, …` (`k_n` picks per row, rows of `width`): each token's
+    /// experts combined.
+    fn sum_rows(
+        &self,
+        parts: &[&Self::Act],
+        width: usize,
+        picks: &[(u32, u32)],
+        weights: &[f32],
+        k_n: usize,
+    ) -> Result<Self::Act>;
+    /// Per pick `t·k_n + k`, the dot product of row `t` of `a` with the picked row of `parts`.
+    fn row_dots(
+        &self,
+        a: &Self::Act,
+        parts: &[&Self::Act],
+        width: usize,
+        picks: &[(u32, u32)],
+        k_n: usize,
+    ) -> Result<Vec<f32>>;
 
     /// `(a + b, y, rstd)` with `(y, rstd)` the layer's `norm` of `a + b`: a residual add and the
     /// norm after it. A backend may fuse them, keeping their bits.
@@ -115,6 +153,12 @@ pub(crate) trait BackwardBackend: Backend {
 /// incremental step differ.
 pub(crate) type AttentionFn<'a, A> = dyn FnMut(&A, &A, &A) -> Result<(A, A)> + 'a;
 
+/// What a layer's MLP keeps for its backward.
+pub(crate) enum MlpActivations<A> {
+    Dense { gate: A, up: A, act: A },
+    Sparse(Box<MoeActivations<A>>),
+}
+
 /// What one layer's forward keeps for its backward. `q_pre`, `k_pre` and their `rstd` exist
 /// with q/k norms only.
 pub(crate) struct LayerActivations<A> {
@@ -130,22 +174,32 @@ pub(crate) struct LayerActivations<A> {
     pub x_mid: A,
     pub n2: A,
     pub rstd2: A,
-    pub gate: A,
-    pub up: A,
-    pub act: A,
+    pub mlp: MlpActivations<A>,
 }
 
-fn take<const N: usize, A>(parts: Vec<A>) -> [A; N] {
+impl<A> LayerActivations<A> {
+    /// The routing of a sparse layer.
+    pub fn routing(&self) -> Option<&Routing> {
+        match &self.mlp {
+            MlpActivations::Sparse(m) => Some(&m.routing),
+            MlpActivations::Dense { .. } => None,
+        }
+    }
+}
+
+pub(crate) fn take<const N: usize, A>(parts: Vec<A>) -> [A; N] {
     parts.try_into().unwrap_or_else(|_| unreachable!("a backend returned the wrong part count"))
 }
 
-/// One decoder layer on `x`: `x + attn(norm(x))`, then `+ mlp(norm(·))`.
+/// One decoder layer on `x`: `x + attn(norm(x))`, then `+ mlp(norm(·))`, the MLP a sparse
+/// one in the sparse layers of a Qwen3-MoE model (`replay`: its experts per token, given).
 pub(crate) fn layer_forward<B: Backend>(
     b: &B,
     c: &ModelConfig,
     layer: usize,
     x: B::Act,
     attention: &mut AttentionFn<B::Act>,
+    replay: Option<&[u32]>,
 ) -> Result<(B::Act, LayerActivations<B::Act>)> {
     let (n1, rstd1) = b.rmsnorm(layer, Norm::Input, &x)?;
     let [q, k, v] = take(b.linear(layer, Linear::Qkv, &n1)?);
@@ -153,45 +207,51 @@ pub(crate) fn layer_forward<B: Backend>(
     let (attn, lse) = attention(&q, &k, &v)?;
     let [o] = take(b.linear(layer, Linear::O, &attn)?);
     let (x_mid, n2, rstd2) = b.add_rmsnorm(layer, Norm::Post, &x, &o)?;
-    let [gate, up] = take(b.linear(layer, Linear::GateUp, &n2)?);
-    let act = b.swiglu(&gate, &up)?;
-    let [m] = take(b.linear(layer, Linear::Down, &act)?);
-    let x_out = b.add(&x_mid, &m)?;
-    let a = LayerActivations {
-        x_in: x,
-        n1,
-        rstd1,
-        qk_norm,
-        q,
-        k,
-        v,
-        attn,
-        lse,
-        x_mid,
-        n2,
-        rstd2,
-        gate,
-        up,
-        act,
+    let (m, mlp) = match &c.moe {
+        Some(moe) if moe.is_sparse(layer) => {
+            let (m, a) = moe_forward(b, moe, layer, &n2, c.hidden_size, replay)?;
+            (m, MlpActivations::Sparse(Box::new(a)))
+        }
+        _ => {
+            let [gate, up] = take(b.linear(layer, Linear::GateUp, &n2)?);
+            let act = b.swiglu(&gate, &up)?;
+            let [m] = take(b.linear(layer, Linear::Down, &act)?);
+            (m, MlpActivations::Dense { gate, up, act })
+        }
     };
+    let x_out = b.add(&x_mid, &m)?;
+    let a =
+        LayerActivations { x_in: x, n1, rstd1, qk_norm, q, k, v, attn, lse, x_mid, n2, rstd2, mlp };
     Ok((x_out, a))
 }
 
 /// The layer's backward: from d(loss)/d(output) to d(loss)/d(input), adding every weight's
-/// gradient into the backend's.
+/// gradient into the backend's; `balance` is the load-balancing loss's weight and statistics
+/// (sparse layers).
 pub(crate) fn layer_backward<B: BackwardBackend>(
     b: &mut B,
     c: &ModelConfig,
     layer: usize,
     a: &LayerActivations<B::Act>,
     dx: B::Act,
+    balance: Option<(f32, &BalanceStats)>,
 ) -> Result<B::Act> {
     let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-    // MLP: x_out = x_mid + down(swiglu(gate(n2), up(n2))).
-    let d_act = b.linear_backward(layer, Linear::Down, &[&dx], &a.act)?;
-    let (d_gate, d_up) = b.swiglu_backward(&d_act, &a.gate, &a.up)?;
-    drop(d_act);
-    let d_n2 = b.linear_backward(layer, Linear::GateUp, &[&d_gate, &d_up], &a.n2)?;
+    // MLP: x_out = x_mid + down(swiglu(gate(n2), up(n2))), or the experts' sum.
+    let d_n2 = match (&a.mlp, &c.moe) {
+        (MlpActivations::Dense { gate, up, act }, _) => {
+            let d_act = b.linear_backward(layer, Linear::Down, &[&dx], act)?;
+            let (d_gate, d_up) = b.swiglu_backward(&d_act, gate, up)?;
+            drop(d_act);
+            b.linear_backward(layer, Linear::GateUp, &[&d_gate, &d_up], &a.n2)?
+        }
+        (MlpActivations::Sparse(m), Some(moe)) => {
+            moe_backward(b, moe, layer, m, &a.n2, c.hidden_size, &dx, balance)?
+        }
+        (MlpActivations::Sparse(_), None) => {
+            return Err(crate::Error::Invalid("internal: experts without a MoE config".into()));
+        }
+    };
     let d = b.rmsnorm_backward(layer, Norm::Post, &d_n2, &a.x_mid, &a.rstd2)?;
     let dx = b.add(&dx, &d)?;
 

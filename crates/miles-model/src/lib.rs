@@ -1,5 +1,6 @@
-//! Decoder-only transformers with an explicit forward and backward: Qwen3 (q/k RMSNorm) and
-//! Llama, over packed variable-length batches, with HF checkpoints in and out.
+//! Decoder-only transformers with an explicit forward and backward: Qwen3 (q/k RMSNorm),
+//! Llama and Qwen3-MoE (routed SwiGLU experts, on the CPU so far), over packed variable-length
+//! batches, with HF checkpoints in and out.
 //!
 //! The model returns, for the response tokens of each sequence, `logp` and the entropy of the
 //! tempered next-token distribution; its backward takes d(loss)/d(logp) and d(loss)/d(entropy)
@@ -12,16 +13,17 @@ mod error;
 pub mod kv;
 mod layer;
 pub mod model;
+pub mod moe;
 pub mod presets;
 pub mod testing;
 pub mod tokenizer;
 pub mod weights;
 
-pub use config::{Architecture, ModelConfig};
+pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use decode::DecodeGraphs;
 pub use device::{DeviceForward, DeviceModel, SampleParams};
 pub use error::{Error, Result};
 pub use kv::{BlockId, DeviceKvCache, KvCache};
 pub use model::{Forward, Model, PackedBatch, PackedLinears, StepRow};
 pub use tokenizer::Tokenizer;
-pub use weights::Weights;
+pub use weights::{ExpertWeights, LayerWeights, Weights};

@@ -12,6 +12,7 @@ use crate::kv::{BlockId, KvCache};
 use crate::layer::{
     Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
 };
+use crate::moe::BalanceStats;
 use crate::{Error, ModelConfig, Result, Weights};
 
 /// Sequences packed back to back without padding. Sequence `s` is
@@ -130,6 +131,10 @@ pub struct Model {
 pub struct Forward {
     pub logp: Vec<f32>,
     pub entropy: Vec<f32>,
+    /// The load-balancing loss of a Qwen3-MoE model's sparse layers (transformers'
+    /// `load_balancing_loss_func`: top-k when balanced), whatever its weight in the loss.
+    pub router_aux_loss: Option<f64>,
+    balance: BalanceStats,
     temperature: f32,
     cos: Vec<f32>,
     sin: Vec<f32>,
@@ -169,8 +174,20 @@ pub struct PackedLinears {
 struct PackedLayer {
     qkv: PackedLinear,
     o: PackedLinear,
-    gate_up: PackedLinear,
-    down: PackedLinear,
+    mlp: PackedMlp,
+}
+
+#[derive(Debug, Clone)]
+enum PackedMlp {
+    Dense {
+        gate_up: PackedLinear,
+        down: PackedLinear,
+    },
+    /// The router, and each expert's gate/up and down.
+    Sparse {
+        router: PackedLinear,
+        experts: Vec<(PackedLinear, PackedLinear)>,
+    },
 }
 
 impl PackedLinears {
@@ -185,11 +202,32 @@ impl PackedLinears {
             .layers
             .iter()
             .map(|lw| {
+                let mlp = match &c.moe {
+                    Some(m) if !lw.experts.is_empty() => {
+                        let im = m.moe_intermediate_size;
+                        PackedMlp::Sparse {
+                            router: pack(&[&lw.router], m.num_experts, h)?,
+                            experts: lw
+                                .experts
+                                .iter()
+                                .map(|e| {
+                                    Ok((
+                                        pack(&[&e.gate_proj, &e.up_proj], 2 * im, h)?,
+                                        pack(&[&e.down_proj], h, im)?,
+                                    ))
+                                })
+                                .collect::<Result<_>>()?,
+                        }
+                    }
+                    _ => PackedMlp::Dense {
+                        gate_up: pack(&[&lw.gate_proj, &lw.up_proj], 2 * inter, h)?,
+                        down: pack(&[&lw.down_proj], h, inter)?,
+                    },
+                };
                 Ok(PackedLayer {
                     qkv: pack(&[&lw.q_proj, &lw.k_proj, &lw.v_proj], qd + 2 * kvd, h)?,
                     o: pack(&[&lw.o_proj], h, qd)?,
-                    gate_up: pack(&[&lw.gate_proj, &lw.up_proj], 2 * inter, h)?,
-                    down: pack(&[&lw.down_proj], h, inter)?,
+                    mlp,
                 })
             })
             .collect::<Result<_>>()?;
@@ -361,8 +399,12 @@ impl Model {
         };
         let cpu = Cpu::new(self, Some(packed), &cos, &sin, &batch.cu_seqlens);
         let mut layers = Vec::new();
+        let mut balance = BalanceStats::default();
         for layer in 0..c.num_hidden_layers {
-            let (x_out, a) = layer_forward(&cpu, c, layer, x, &mut attention)?;
+            let (x_out, a) = layer_forward(&cpu, c, layer, x, &mut attention, None)?;
+            if let Some(r) = a.routing() {
+                balance.add(r);
+            }
             if keep {
                 layers.push(a);
             }
@@ -387,6 +429,8 @@ impl Model {
         Ok(Forward {
             logp,
             entropy,
+            router_aux_loss: c.moe.as_ref().map(|_| balance.loss()),
+            balance,
             temperature,
             cos,
             sin,
@@ -462,7 +506,7 @@ impl Model {
                 debug_assert_eq!(attn.len(), rows.len() * qd);
                 Ok((attn, lse))
             };
-            x = layer_forward(&cpu, c, layer, x, &mut attention)?.0;
+            x = layer_forward(&cpu, c, layer, x, &mut attention, None)?.0;
         }
         Ok(rmsnorm(&x, &self.weights.final_norm, c.rms_norm_eps)?.0)
     }
@@ -536,8 +580,10 @@ impl Model {
 
         let mut cpu = Cpu::new(self, None, &fwd.cos, &fwd.sin, &batch.cu_seqlens);
         cpu.grads = Some(grads);
+        let coef = c.moe.as_ref().map_or(0.0, |m| m.router_aux_loss_coef);
+        let balance = (coef > 0.0).then_some((coef, &fwd.balance));
         for (layer, a) in fwd.layers.iter().enumerate().rev() {
-            dx = layer_backward(&mut cpu, c, layer, a, dx)?;
+            dx = layer_backward(&mut cpu, c, layer, a, dx, balance)?;
         }
         let grads = cpu.grads.take().expect("set above");
         embedding_backward(&mut grads.embed, &dx, &batch.tokens, h)?;
@@ -581,11 +627,23 @@ impl<'a> Cpu<'a> {
     fn parts(&self, layer: usize, linear: Linear) -> (Vec<(&'a [f32], usize)>, usize) {
         let lw = &self.model.weights.layers[layer];
         let Dims { h, inter, qd, kvd, .. } = self.model.dims(0);
+        let (experts, im) = self
+            .model
+            .config
+            .moe
+            .as_ref()
+            .map_or((0, 0), |m| (m.num_experts, m.moe_intermediate_size));
         match linear {
             Linear::Qkv => (vec![(&lw.q_proj, qd), (&lw.k_proj, kvd), (&lw.v_proj, kvd)], h),
             Linear::O => (vec![(&lw.o_proj, h)], qd),
             Linear::GateUp => (vec![(&lw.gate_proj, inter), (&lw.up_proj, inter)], h),
             Linear::Down => (vec![(&lw.down_proj, h)], inter),
+            Linear::Router => (vec![(&lw.router, experts)], h),
+            Linear::ExpertGateUp(e) => {
+                let ew = &lw.experts[e];
+                (vec![(&ew.gate_proj, im), (&ew.up_proj, im)], h)
+            }
+            Linear::ExpertDown(e) => (vec![(&lw.experts[e].down_proj, h)], im),
         }
     }
 }
@@ -603,11 +661,15 @@ impl Backend for Cpu<'_> {
 
     fn linear(&self, layer: usize, linear: Linear, x: &Vec<f32>) -> Result<Vec<Vec<f32>>> {
         let pl = &self.packed.ok_or_else(|| missing("packed linears"))?.layers[layer];
-        let w = match linear {
-            Linear::Qkv => &pl.qkv,
-            Linear::O => &pl.o,
-            Linear::GateUp => &pl.gate_up,
-            Linear::Down => &pl.down,
+        let w = match (linear, &pl.mlp) {
+            (Linear::Qkv, _) => &pl.qkv,
+            (Linear::O, _) => &pl.o,
+            (Linear::GateUp, PackedMlp::Dense { gate_up, .. }) => gate_up,
+            (Linear::Down, PackedMlp::Dense { down, .. }) => down,
+            (Linear::Router, PackedMlp::Sparse { router, .. }) => router,
+            (Linear::ExpertGateUp(e), PackedMlp::Sparse { experts, .. }) => &experts[e].0,
+            (Linear::ExpertDown(e), PackedMlp::Sparse { experts, .. }) => &experts[e].1,
+            (linear, _) => return Err(missing(&format!("{linear:?} in layer {layer}"))),
         };
         let widths: Vec<usize> = self.parts(layer, linear).0.iter().map(|p| p.1).collect();
         let y = self::linear(x, w)?;
@@ -632,6 +694,72 @@ impl Backend for Cpu<'_> {
 
     fn add(&self, a: &Vec<f32>, b: &Vec<f32>) -> Result<Vec<f32>> {
         Ok(add(a, b))
+    }
+
+    fn to_host(&self, x: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(x.clone())
+    }
+
+    fn upload(&self, values: Vec<f32>, _width: usize) -> Result<Vec<f32>> {
+        Ok(values)
+    }
+
+    fn gather_rows(
+        &self,
+        x: &Vec<f32>,
+        width: usize,
+        rows: &[u32],
+        scales: Option<&[f32]>,
+    ) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(rows.len() * width);
+        for (i, &r) in rows.iter().enumerate() {
+            let row = &x[r as usize * width..][..width];
+            match scales {
+                Some(s) => out.extend(row.iter().map(|v| v * s[i])),
+                None => out.extend_from_slice(row),
+            }
+        }
+        Ok(out)
+    }
+
+    fn sum_rows(
+        &self,
+        parts: &[&Vec<f32>],
+        width: usize,
+        picks: &[(u32, u32)],
+        weights: &[f32],
+        k_n: usize,
+    ) -> Result<Vec<f32>> {
+        let mut out = vec![0.0; picks.len() / k_n * width];
+        for (t, row) in out.chunks_mut(width).enumerate() {
+            for k in 0..k_n {
+                let (p, r) = picks[t * k_n + k];
+                let w = weights[t * k_n + k];
+                let src = &parts[p as usize][r as usize * width..][..width];
+                row.iter_mut().zip(src).for_each(|(o, v)| *o += w * v);
+            }
+        }
+        Ok(out)
+    }
+
+    fn row_dots(
+        &self,
+        a: &Vec<f32>,
+        parts: &[&Vec<f32>],
+        width: usize,
+        picks: &[(u32, u32)],
+        k_n: usize,
+    ) -> Result<Vec<f32>> {
+        Ok(picks
+            .iter()
+            .enumerate()
+            .map(|(i, &(p, r))| {
+                let t = i / k_n;
+                let (x, y) =
+                    (&a[t * width..][..width], &parts[p as usize][r as usize * width..][..width]);
+                x.iter().zip(y).map(|(u, v)| u * v).sum()
+            })
+            .collect())
     }
 }
 
@@ -672,6 +800,12 @@ impl BackwardBackend for Cpu<'_> {
             Linear::O => vec![&mut g.o_proj],
             Linear::GateUp => vec![&mut g.gate_proj, &mut g.up_proj],
             Linear::Down => vec![&mut g.down_proj],
+            Linear::Router => vec![&mut g.router],
+            Linear::ExpertGateUp(e) => {
+                let ge = &mut g.experts[e];
+                vec![&mut ge.gate_proj, &mut ge.up_proj]
+            }
+            Linear::ExpertDown(e) => vec![&mut g.experts[e].down_proj],
         };
         let mut dx = vec![0.0; rows * d_in];
         for (p, ((w, d_out), dy)) in parts.into_iter().zip(dys).enumerate() {
@@ -741,6 +875,7 @@ pub(crate) mod tests {
             max_position_embeddings: 64,
             bos_token_id: None,
             eos_token_ids: vec![],
+            moe: None,
         }
     }
 
@@ -785,6 +920,58 @@ pub(crate) mod tests {
                     *probe.weights.tensors_mut(arch)[k] = x.to_vec();
                     let (lp, ent) = probe.logprobs(&b, t).unwrap();
                     dot(&ga, &lp) + dot(&gb, &ent)
+                });
+            }
+        }
+    }
+
+    /// A tiny Qwen3-MoE: layer 0 routes over 4 experts (top 2), layer 1 is dense
+    /// (`mlp_only_layers`).
+    pub(crate) fn tiny_moe(norm_topk_prob: bool, router_aux_loss_coef: f32) -> ModelConfig {
+        ModelConfig {
+            moe: Some(Box::new(crate::MoeConfig {
+                num_experts: 4,
+                num_experts_per_tok: 2,
+                moe_intermediate_size: 6,
+                norm_topk_prob,
+                decoder_sparse_step: 1,
+                mlp_only_layers: vec![1],
+                router_aux_loss_coef,
+            })),
+            ..tiny(Architecture::Qwen3Moe, false)
+        }
+    }
+
+    /// Every tensor of a Qwen3-MoE model (router and experts included) against finite
+    /// differences, with and without renormalized top-k weights, and with the load-balancing
+    /// loss added to the probed scalar when its weight is set. The probes are small enough
+    /// that no token changes experts.
+    #[test]
+    fn moe_gradients_of_every_tensor_match_finite_differences() {
+        for (norm, coef) in [(true, 0.0), (false, 0.7)] {
+            let m = model(tiny_moe(norm, coef), 23);
+            let arch = m.config.architecture;
+            let b = batch();
+            let t = 0.9;
+            let fwd = m.forward(&b, t).unwrap();
+            let aux = fwd.router_aux_loss.unwrap();
+            assert!((1.0..4.0).contains(&aux), "{aux}");
+            let mut rng = Rng::new(4);
+            let (ga, gb) = (rng.vec(fwd.logp.len(), 1.0), rng.vec(fwd.logp.len(), 1.0));
+            let mut grads = Weights::zeros(&m.config);
+            m.backward(&fwd, &b, &ga, &gb, &mut grads).unwrap();
+            let spec = crate::weights::tensor_spec(&m.config);
+            assert!(spec.iter().any(|(n, _)| n == "model.layers.0.mlp.experts.3.down_proj.weight"));
+            assert!(spec.iter().any(|(n, _)| n == "model.layers.1.mlp.gate_proj.weight"));
+            for (k, (name, _)) in spec.iter().enumerate() {
+                let analytic = grads.tensors(arch)[k].clone();
+                let mut probe = m.clone();
+                let mut x = probe.weights.tensors(arch)[k].clone();
+                check_gradient(name, &mut x, &analytic, 12, |x| {
+                    *probe.weights.tensors_mut(arch)[k] = x.to_vec();
+                    let f = probe.forward(&b, t).unwrap();
+                    let aux = f64::from(coef) * f.router_aux_loss.unwrap();
+                    dot(&ga, &f.logp) + dot(&gb, &f.entropy) + aux
                 });
             }
         }

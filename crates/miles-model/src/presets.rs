@@ -33,6 +33,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             max_position_embeddings: 2048,
             bos_token_id: None,
             eos_token_ids: vec![258],
+            moe: None,
         },
         // Qwen3-0.6B's published config.json.
         "qwen3-0.6b" => ModelConfig {
@@ -50,6 +51,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             max_position_embeddings: 40_960,
             bos_token_id: None,
             eos_token_ids: vec![151_645],
+            moe: None,
         },
         // SmolLM2-135M's published config.json (Llama architecture).
         "smollm2-135m" => ModelConfig {
@@ -67,6 +69,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             max_position_embeddings: 8192,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
+            moe: None,
         },
         other => {
             return Err(Error::Invalid(format!(

@@ -10,8 +10,10 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 use crate::{Architecture, Error, ModelConfig, Result};
 
-/// The weights of one decoder layer. `q_norm`/`k_norm` are empty for Llama.
-#[derive(Debug, Clone, PartialEq)]
+/// The weights of one decoder layer. `q_norm`/`k_norm` are empty for Llama; a sparse layer
+/// of a Qwen3-MoE model has `router` and `experts` instead of `gate_proj`/`up_proj`/`down_proj`
+/// (empty there, and `router`/`experts` empty in a dense layer).
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct LayerWeights {
     pub input_norm: Vec<f32>,
     pub q_proj: Vec<f32>,
@@ -21,6 +23,17 @@ pub struct LayerWeights {
     pub q_norm: Vec<f32>,
     pub k_norm: Vec<f32>,
     pub post_norm: Vec<f32>,
+    pub gate_proj: Vec<f32>,
+    pub up_proj: Vec<f32>,
+    pub down_proj: Vec<f32>,
+    /// `mlp.gate.weight` `[num_experts × hidden]`.
+    pub router: Vec<f32>,
+    pub experts: Vec<ExpertWeights>,
+}
+
+/// One expert of a sparse layer: a SwiGLU MLP of `moe_intermediate_size`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ExpertWeights {
     pub gate_proj: Vec<f32>,
     pub up_proj: Vec<f32>,
     pub down_proj: Vec<f32>,
@@ -53,9 +66,23 @@ pub fn tensor_spec(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             spec.push((format!("{p}self_attn.k_norm.weight"), vec![d]));
         }
         spec.push((format!("{p}post_attention_layernorm.weight"), vec![h]));
-        spec.push((format!("{p}mlp.gate_proj.weight"), vec![i, h]));
-        spec.push((format!("{p}mlp.up_proj.weight"), vec![i, h]));
-        spec.push((format!("{p}mlp.down_proj.weight"), vec![h, i]));
+        match &c.moe {
+            Some(m) if m.is_sparse(l) => {
+                let i = m.moe_intermediate_size;
+                spec.push((format!("{p}mlp.gate.weight"), vec![m.num_experts, h]));
+                for e in 0..m.num_experts {
+                    let p = format!("{p}mlp.experts.{e}.");
+                    spec.push((format!("{p}gate_proj.weight"), vec![i, h]));
+                    spec.push((format!("{p}up_proj.weight"), vec![i, h]));
+                    spec.push((format!("{p}down_proj.weight"), vec![h, i]));
+                }
+            }
+            _ => {
+                spec.push((format!("{p}mlp.gate_proj.weight"), vec![i, h]));
+                spec.push((format!("{p}mlp.up_proj.weight"), vec![i, h]));
+                spec.push((format!("{p}mlp.down_proj.weight"), vec![h, i]));
+            }
+        }
     }
     spec.push(("model.norm.weight".to_string(), vec![h]));
     if !c.tie_word_embeddings {
@@ -81,18 +108,12 @@ impl Weights {
         let mut w = Weights {
             embed: Vec::new(),
             layers: (0..c.num_hidden_layers)
-                .map(|_| LayerWeights {
-                    input_norm: Vec::new(),
-                    q_proj: Vec::new(),
-                    k_proj: Vec::new(),
-                    v_proj: Vec::new(),
-                    o_proj: Vec::new(),
-                    q_norm: Vec::new(),
-                    k_norm: Vec::new(),
-                    post_norm: Vec::new(),
-                    gate_proj: Vec::new(),
-                    up_proj: Vec::new(),
-                    down_proj: Vec::new(),
+                .map(|l| LayerWeights {
+                    experts: match &c.moe {
+                        Some(m) if m.is_sparse(l) => vec![ExpertWeights::default(); m.num_experts],
+                        _ => Vec::new(),
+                    },
+                    ..LayerWeights::default()
                 })
                 .collect(),
             final_norm: Vec::new(),
@@ -154,7 +175,15 @@ impl Weights {
             if arch.has_qk_norm() {
                 out.extend([&l.q_norm, &l.k_norm]);
             }
-            out.extend([&l.post_norm, &l.gate_proj, &l.up_proj, &l.down_proj]);
+            out.push(&l.post_norm);
+            if l.experts.is_empty() {
+                out.extend([&l.gate_proj, &l.up_proj, &l.down_proj]);
+            } else {
+                out.push(&l.router);
+                for e in &l.experts {
+                    out.extend([&e.gate_proj, &e.up_proj, &e.down_proj]);
+                }
+            }
         }
         out.push(&self.final_norm);
         out.extend(self.lm_head.as_ref());
@@ -175,7 +204,15 @@ impl Weights {
             if arch.has_qk_norm() {
                 out.extend([&mut l.q_norm, &mut l.k_norm]);
             }
-            out.extend([&mut l.post_norm, &mut l.gate_proj, &mut l.up_proj, &mut l.down_proj]);
+            out.push(&mut l.post_norm);
+            if l.experts.is_empty() {
+                out.extend([&mut l.gate_proj, &mut l.up_proj, &mut l.down_proj]);
+            } else {
+                out.push(&mut l.router);
+                for e in &mut l.experts {
+                    out.extend([&mut e.gate_proj, &mut e.up_proj, &mut e.down_proj]);
+                }
+            }
         }
         out.push(&mut self.final_norm);
         out.extend(self.lm_head.as_mut());

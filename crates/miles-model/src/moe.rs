@@ -1,0 +1,354 @@
+//! The sparse MLP of a Qwen3-MoE layer, over any [`Backend`]: the router's softmax and top-k
+//! on the host (a few numbers per token), each expert's SwiGLU over the rows routed to it, and
+//! each token's experts summed in rank order, so a token's output depends only on its own row.
+//!
+//! As transformers computes it: `p = softmax(x·W_routerᵀ)` in f32, the top-k experts by
+//! probability (ties to the lower index), gate weights `p[e_k]`, divided by their sum with
+//! `norm_topk_prob`; `out = Σ_k w_k · expert_{e_k}(x)`. With replay (Rollout Routing Replay) the
+//! experts are given and the gate weights are the current probabilities at them, renormalized
+//! the same way, so the router still gets gradients. The load-balancing loss is transformers'
+//! `load_balancing_loss_func` over the sparse layers' tokens taken together:
+//! `E/N² · Σ_e c_e · Σ_n p_ne`, with `c_e` the number of top-k picks of expert `e` (by each
+//! token's own top-k) and `N` the rows of all sparse layers.
+
+use crate::config::MoeConfig;
+use crate::layer::{Backend, BackwardBackend, Linear};
+use crate::{Error, Result};
+
+/// One sparse layer's routing of `tokens` rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    pub top_k: usize,
+    pub num_experts: usize,
+    /// Each token's experts in rank order, `[tokens × top_k]`.
+    pub experts: Vec<u32>,
+    /// Their gate weights, `[tokens × top_k]`.
+    pub weights: Vec<f32>,
+    /// The router's softmax, `[tokens × num_experts]`.
+    pub probs: Vec<f32>,
+    /// Each token's own top-k (the experts when nothing is replayed), for the balance loss.
+    pub own: Vec<u32>,
+}
+
+impl Routing {
+    pub fn tokens(&self) -> usize {
+        self.experts.len() / self.top_k.max(1)
+    }
+}
+
+/// The softmax of one row of logits in f32, summed in index order.
+fn softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    exps.iter().map(|&e| e / sum).collect()
+}
+
+/// The `k` largest of `p` by value, ties to the lower index, in rank order.
+fn top_k(p: &[f32], k: usize) -> Vec<u32> {
+    let mut idx: Vec<u32> = (0..p.len() as u32).collect();
+    idx.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// Routes `logits` `[tokens × num_experts]`; `replay` gives the experts (`[tokens × top_k]`)
+/// instead of the top-k.
+pub fn route(logits: &[f32], m: &MoeConfig, replay: Option<&[u32]>) -> Result<Routing> {
+    let (e, k) = (m.num_experts, m.num_experts_per_tok);
+    let tokens = logits.len() / e;
+    if let Some(r) = replay {
+        if r.len() != tokens * k {
+            return Err(Error::Invalid(format!(
+                "routing replay: {} experts for {tokens} tokens × top-{k}",
+                r.len()
+            )));
+        }
+        if let Some(bad) = r.iter().find(|&&x| x as usize >= e) {
+            return Err(Error::Invalid(format!(
+                "routing replay: expert {bad} of a layer with {e} experts"
+            )));
+        }
+    }
+    let mut routing = Routing {
+        top_k: k,
+        num_experts: e,
+        experts: Vec::with_capacity(tokens * k),
+        weights: Vec::with_capacity(tokens * k),
+        probs: Vec::with_capacity(tokens * e),
+        own: Vec::with_capacity(tokens * k),
+    };
+    for (t, row) in logits.chunks(e).enumerate() {
+        let p = softmax(row);
+        let own = top_k(&p, k);
+        let chosen = replay.map_or(own.clone(), |r| r[t * k..(t + 1) * k].to_vec());
+        let mut w: Vec<f32> = chosen.iter().map(|&x| p[x as usize]).collect();
+        if m.norm_topk_prob {
+            let sum: f32 = w.iter().sum();
+            w.iter_mut().for_each(|v| *v /= sum);
+        }
+        routing.experts.extend(&chosen);
+        routing.weights.extend(&w);
+        routing.probs.extend(&p);
+        routing.own.extend(&own);
+    }
+    Ok(routing)
+}
+
+/// The rows one expert ran: which picks (`token · top_k + rank`) they are, and the
+/// activations its backward needs.
+pub(crate) struct ExpertRun<A> {
+    expert: usize,
+    picks: Vec<u32>,
+    x: A,
+    gate: A,
+    up: A,
+    act: A,
+    y: A,
+}
+
+/// What a sparse layer's forward keeps for its backward.
+pub(crate) struct MoeActivations<A> {
+    pub routing: Routing,
+    runs: Vec<ExpertRun<A>>,
+    /// Per pick, (run, row in that run).
+    slots: Vec<(u32, u32)>,
+}
+
+/// The sparse MLP on `x` `[tokens × hidden]` of `layer`.
+pub(crate) fn moe_forward<B: Backend>(
+    b: &B,
+    m: &MoeConfig,
+    layer: usize,
+    x: &B::Act,
+    hidden: usize,
+    replay: Option<&[u32]>,
+) -> Result<(B::Act, MoeActivations<B::Act>)> {
+    let [logits] = crate::layer::take(b.linear(layer, Linear::Router, x)?);
+    let routing = route(&b.to_host(&logits)?, m, replay)?;
+    let k = m.num_experts_per_tok;
+    let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); m.num_experts];
+    for (pick, &e) in routing.experts.iter().enumerate() {
+        by_expert[e as usize].push(pick as u32);
+    }
+    let mut runs = Vec::new();
+    let mut slots = vec![(0, 0); routing.experts.len()];
+    for (expert, picks) in by_expert.into_iter().enumerate().filter(|(_, p)| !p.is_empty()) {
+        let rows: Vec<u32> = picks.iter().map(|&p| p / k as u32).collect();
+        let xe = b.gather_rows(x, hidden, &rows, None)?;
+        let [gate, up] = crate::layer::take(b.linear(layer, Linear::ExpertGateUp(expert), &xe)?);
+        let act = b.swiglu(&gate, &up)?;
+        let [y] = crate::layer::take(b.linear(layer, Linear::ExpertDown(expert), &act)?);
+        for (r, &p) in picks.iter().enumerate() {
+            slots[p as usize] = (runs.len() as u32, r as u32);
+        }
+        runs.push(ExpertRun { expert, picks, x: xe, gate, up, act, y });
+    }
+    let ys: Vec<&B::Act> = runs.iter().map(|r| &r.y).collect();
+    let out = b.sum_rows(&ys, hidden, &slots, &routing.weights, k)?;
+    Ok((out, MoeActivations { routing, runs, slots }))
+}
+
+/// The balance loss's statistics over the sparse layers seen so far.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BalanceStats {
+    /// Top-k picks per expert (`c_e`).
+    pub counts: Vec<f64>,
+    /// Σ over rows of each expert's probability.
+    pub prob_sums: Vec<f64>,
+    /// Rows of all sparse layers (`N`).
+    pub rows: usize,
+}
+
+impl BalanceStats {
+    pub fn add(&mut self, r: &Routing) {
+        if self.counts.is_empty() {
+            self.counts = vec![0.0; r.num_experts];
+            self.prob_sums = vec![0.0; r.num_experts];
+        }
+        for &e in &r.own {
+            self.counts[e as usize] += 1.0;
+        }
+        for row in r.probs.chunks(r.num_experts) {
+            for (s, &p) in self.prob_sums.iter_mut().zip(row) {
+                *s += f64::from(p);
+            }
+        }
+        self.rows += r.tokens();
+    }
+
+    /// transformers' `load_balancing_loss_func` (top-k when perfectly balanced).
+    pub fn loss(&self) -> f64 {
+        let n = self.rows.max(1) as f64;
+        let e = self.counts.len() as f64;
+        e / (n * n) * self.counts.iter().zip(&self.prob_sums).map(|(c, s)| c * s).sum::<f64>()
+    }
+
+    /// `coef · d loss / d p_ne` for every row's expert `e`.
+    fn prob_grads(&self, coef: f32) -> Vec<f32> {
+        let n = self.rows.max(1) as f64;
+        let scale = f64::from(coef) * self.counts.len() as f64 / (n * n);
+        self.counts.iter().map(|c| (scale * c) as f32).collect()
+    }
+}
+
+/// The sparse MLP's backward: `d_out` to d(loss)/d`x`, adding the experts' and the router's
+/// weight gradients into the backend's; with `balance` `(coef, stats)` the balance loss's
+/// gradient too.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_backward<B: BackwardBackend>(
+    b: &mut B,
+    m: &MoeConfig,
+    layer: usize,
+    a: &MoeActivations<B::Act>,
+    x: &B::Act,
+    hidden: usize,
+    d_out: &B::Act,
+    balance: Option<(f32, &BalanceStats)>,
+) -> Result<B::Act> {
+    let r = &a.routing;
+    let k = r.top_k;
+    let ys: Vec<&B::Act> = a.runs.iter().map(|run| &run.y).collect();
+    let d_weights = b.row_dots(d_out, &ys, hidden, &a.slots, k)?;
+    let mut d_xs = Vec::with_capacity(a.runs.len());
+    for run in &a.runs {
+        let rows: Vec<u32> = run.picks.iter().map(|&p| p / k as u32).collect();
+        let scales: Vec<f32> = run.picks.iter().map(|&p| r.weights[p as usize]).collect();
+        let d_y = b.gather_rows(d_out, hidden, &rows, Some(&scales))?;
+        let down = Linear::ExpertDown(run.expert);
+        let d_act = b.linear_backward(layer, down, &[&d_y], &run.act)?;
+        let (d_gate, d_up) = b.swiglu_backward(&d_act, &run.gate, &run.up)?;
+        let gate_up = Linear::ExpertGateUp(run.expert);
+        d_xs.push(b.linear_backward(layer, gate_up, &[&d_gate, &d_up], &run.x)?);
+    }
+    let d_refs: Vec<&B::Act> = d_xs.iter().collect();
+    let ones = vec![1.0; r.experts.len()];
+    let d_x = b.sum_rows(&d_refs, hidden, &a.slots, &ones, k)?;
+    let d_logits = router_backward(r, &d_weights, m.norm_topk_prob, balance);
+    let d_logits = b.upload(d_logits, r.num_experts)?;
+    let d_x_router = b.linear_backward(layer, Linear::Router, &[&d_logits], x)?;
+    b.add(&d_x, &d_x_router)
+}
+
+/// d(loss)/d(router logits) `[tokens × num_experts]` from the gate weights' gradients, through
+/// the renormalization and the softmax, plus the balance loss's.
+fn router_backward(
+    r: &Routing,
+    d_weights: &[f32],
+    norm: bool,
+    balance: Option<(f32, &BalanceStats)>,
+) -> Vec<f32> {
+    let (e, k) = (r.num_experts, r.top_k);
+    let extra = balance.map(|(coef, stats)| stats.prob_grads(coef));
+    let mut d_logits = Vec::with_capacity(r.probs.len());
+    for t in 0..r.tokens() {
+        let p = &r.probs[t * e..(t + 1) * e];
+        let chosen = &r.experts[t * k..(t + 1) * k];
+        let w = &r.weights[t * k..(t + 1) * k];
+        let dw = &d_weights[t * k..(t + 1) * k];
+        let mut dp = extra.clone().unwrap_or_else(|| vec![0.0; e]);
+        if norm {
+            // w = q / Σq: dq_k = (dw_k − Σ_j dw_j·w_j) / Σq.
+            let sum: f32 = chosen.iter().map(|&x| p[x as usize]).sum();
+            let dot: f32 = dw.iter().zip(w).map(|(a, b)| a * b).sum();
+            for (&x, &g) in chosen.iter().zip(dw) {
+                dp[x as usize] += (g - dot) / sum;
+            }
+        } else {
+            for (&x, &g) in chosen.iter().zip(dw) {
+                dp[x as usize] += g;
+            }
+        }
+        let dot: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+        d_logits.extend(p.iter().zip(&dp).map(|(&pi, &gi)| pi * (gi - dot)));
+    }
+    d_logits
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(norm: bool) -> MoeConfig {
+        MoeConfig {
+            num_experts: 4,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 8,
+            norm_topk_prob: norm,
+            decoder_sparse_step: 1,
+            mlp_only_layers: Vec::new(),
+            router_aux_loss_coef: 0.0,
+        }
+    }
+
+    #[test]
+    fn routing_takes_the_top_k_with_ties_to_the_lower_index_and_renormalizes() {
+        let logits = [0.0, 2.0, 2.0, 1.0, /* */ 3.0, -1.0, 0.5, 0.5];
+        let r = route(&logits, &config(true), None).unwrap();
+        assert_eq!(r.experts, [1, 2, 0, 2]);
+        assert!((r.weights[0] - 0.5).abs() < 1e-7 && (r.weights[1] - 0.5).abs() < 1e-7);
+        let p = softmax(&logits[4..]);
+        assert!((r.weights[2] - p[0] / (p[0] + p[2])).abs() < 1e-7);
+        let raw = route(&logits, &config(false), None).unwrap();
+        assert_eq!(raw.weights[2], p[0]);
+        // Replay keeps the given experts and weighs them by the current probabilities.
+        let replay = route(&logits, &config(true), Some(&[3, 0, 1, 3])).unwrap();
+        assert_eq!((replay.experts.clone(), replay.own.clone()), (vec![3, 0, 1, 3], r.experts));
+        let q = softmax(&logits[..4]);
+        assert!((replay.weights[0] - q[3] / (q[3] + q[0])).abs() < 1e-7);
+        assert!(route(&logits, &config(true), Some(&[0, 1])).is_err());
+        assert!(route(&logits, &config(true), Some(&[0, 1, 2, 4])).is_err());
+    }
+
+    #[test]
+    fn the_balance_loss_is_top_k_when_balanced() {
+        // Uniform probabilities, every expert picked equally often.
+        let r = route(&[0.0; 8], &config(false), Some(&[0, 1, 2, 3])).unwrap();
+        let mut stats = BalanceStats::default();
+        let mut even = r.clone();
+        even.own = vec![0, 1, 2, 3];
+        stats.add(&even);
+        assert!((stats.loss() - 2.0).abs() < 1e-12, "{}", stats.loss());
+        assert_eq!(stats.rows, 2);
+    }
+
+    /// The router's backward against finite differences of a scalar of the gate weights and
+    /// the balance loss, with and without renormalization.
+    #[test]
+    fn router_backward_matches_finite_differences() {
+        let mut rng = miles_tensor::rng::Rng::new(3);
+        for norm in [false, true] {
+            let m = config(norm);
+            let logits = rng.vec(3 * 4, 1.5);
+            let probe = rng.vec(3 * 2, 1.0);
+            let coef = 0.3;
+            let base = route(&logits, &m, None).unwrap();
+            // Experts fixed at the base routing (replay), so the function is smooth.
+            let f = |l: &[f32]| -> f64 {
+                let r = route(l, &m, Some(&base.experts)).unwrap();
+                let mut stats = BalanceStats::default();
+                stats.add(&r);
+                // The counts are constants of the routing: use the base's.
+                stats.counts = {
+                    let mut s = BalanceStats::default();
+                    s.add(&base);
+                    s.counts
+                };
+                let gate: f64 = r.weights.iter().zip(&probe).map(|(w, p)| f64::from(w * p)).sum();
+                gate + f64::from(coef) * stats.loss()
+            };
+            let mut stats = BalanceStats::default();
+            stats.add(&base);
+            let got = router_backward(&base, &probe, norm, Some((coef, &stats)));
+            for i in 0..logits.len() {
+                let h = 1e-2;
+                let (mut a, mut b) = (logits.clone(), logits.clone());
+                a[i] += h;
+                b[i] -= h;
+                let want = (f(&a) - f(&b)) / (2.0 * f64::from(h));
+                let err = (f64::from(got[i]) - want).abs();
+                assert!(err < 2e-3, "norm {norm} logit {i}: {} vs {want}", got[i]);
+            }
+        }
+    }
+}
