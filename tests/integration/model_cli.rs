@@ -10,8 +10,8 @@ fn score_lines(report: &str) -> Vec<serde_json::Value> {
 }
 
 #[test]
-fn init_model_then_score_for_both_architectures() {
-    for arch in ["qwen3", "llama"] {
+fn init_model_then_score_for_every_architecture() {
+    for arch in ["qwen3", "llama", "qwen3-moe"] {
         let dir = scratch(&format!("init_model_{arch}"));
         let ckpt = dir.join("ckpt");
         let report = miles(&[
@@ -26,7 +26,7 @@ fn init_model_then_score_for_both_architectures() {
             "3",
         ])
         .unwrap();
-        assert!(report.contains(&format!("tiny {arch}")), "{report}");
+        assert!(report.contains(&format!("tiny {}", arch.replace('-', "_"))), "{report}");
         for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
             assert!(ckpt.join(f).exists(), "{f}");
         }
@@ -56,6 +56,17 @@ fn init_model_then_score_for_both_architectures() {
             assert!(lp.iter().all(|v| v.as_f64().unwrap() < 0.0), "{row}");
             // A random tiny model is near uniform over 259 tokens: entropy close to ln 259.
             assert!(row["entropy"][0].as_f64().unwrap() > 5.0, "{row}");
+        }
+        if arch == "qwen3-moe" {
+            let config = std::fs::read_to_string(ckpt.join("config.json")).unwrap();
+            assert!(
+                config.contains("Qwen3MoeForCausalLM") && config.contains("\"num_experts\": 8")
+            );
+            let weights = std::fs::read(ckpt.join("model.safetensors")).unwrap();
+            let header = u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+            let names = String::from_utf8_lossy(&weights[8..8 + header]).to_string();
+            assert!(names.contains("model.layers.1.mlp.experts.7.down_proj.weight"), "{names}");
+            assert!(names.contains("model.layers.0.mlp.gate.weight"), "{names}");
         }
         // The same seed writes the same weights.
         let again = dir.join("again");

@@ -19,13 +19,18 @@ pub const DEFAULTS: &str = include_str!("demo.toml");
 /// Operands run over 0..OPERANDS: the task is the whole table of single-digit sums.
 const OPERANDS: u32 = 10;
 
-/// The policy at `seed`: the `tiny` preset (Qwen3-shaped, 2 layers, hidden 64) over the
-/// byte-level tokenizer.
-pub fn model(seed: u64) -> Model {
-    let config =
-        presets::preset("tiny", Some(Architecture::Qwen3)).expect("the tiny preset exists");
+/// The policy at `seed`: the `tiny` preset (2 layers, hidden 64) over the byte-level
+/// tokenizer, Qwen3-shaped unless `--arch` says otherwise.
+pub fn model(seed: u64, arch: Option<&str>) -> anyhow::Result<Model> {
+    let arch = match arch {
+        None | Some("qwen3") => Architecture::Qwen3,
+        Some("llama") => Architecture::Llama,
+        Some("qwen3-moe") => Architecture::Qwen3Moe,
+        Some(other) => anyhow::bail!("--arch {other}: the demo takes qwen3, llama or qwen3-moe"),
+    };
+    let config = presets::preset("tiny", Some(arch))?;
     let weights = Weights::random(&config, seed);
-    Model::new(config, weights)
+    Ok(Model::new(config, weights))
 }
 
 /// Writes the byte-level tokenizer into `dir` and loads it.

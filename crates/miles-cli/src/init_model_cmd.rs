@@ -9,6 +9,8 @@ use miles_model::{Architecture, Weights, presets, tokenizer};
 pub enum ArchArg {
     Qwen3,
     Llama,
+    /// Qwen3-MoE (Qwen3MoeForCausalLM): routed SwiGLU experts.
+    Qwen3Moe,
 }
 
 impl From<ArchArg> for Architecture {
@@ -16,6 +18,7 @@ impl From<ArchArg> for Architecture {
         match a {
             ArchArg::Qwen3 => Architecture::Qwen3,
             ArchArg::Llama => Architecture::Llama,
+            ArchArg::Qwen3Moe => Architecture::Qwen3Moe,
         }
     }
 }
@@ -31,7 +34,8 @@ pub struct InitModelArgs {
     /// Architecture; the published presets have their own.
     #[arg(long, value_enum)]
     pub arch: Option<ArchArg>,
-    /// Shape: tiny, qwen3-0.6b or smollm2-135m.
+    /// Shape: tiny, qwen3-0.6b, smollm2-135m or qwen3-30b-a3b-4l (Qwen3-30B-A3B's layers, 4 of
+    /// its 48).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Checkpoint directory to write (created if missing).

@@ -102,6 +102,13 @@ pub const FLAGS: &[Flag] = &[
         "Where the trainer's model runs: cpu, cuda (device 0) or cuda:N; a GPU keeps weights, \
          gradients and AdamW state there and computes in bf16 (miles-rs).",
     ),
+    optional(
+        MODEL,
+        "arch",
+        Ty::Enum(&["qwen3", "llama", "qwen3-moe"]),
+        "Architecture of the built-in demo's policy (default qwen3; qwen3-moe: 8 experts, 2 per \
+         token); a --hf-checkpoint's config.json names its own (miles-rs).",
+    ),
     // Data and evaluation.
     optional(
         DATA,
@@ -335,6 +342,14 @@ pub const FLAGS: &[Flag] = &[
     ),
     value(LOSS, "kl-coef", Ty::Float, "Weight of the KL penalty taken off the reward."),
     value(LOSS, "entropy-coef", Ty::Float, "Weight of the entropy bonus in the loss."),
+    optional(
+        LOSS,
+        "router-aux-loss-coef",
+        Ty::Float,
+        "Weight of a Qwen3-MoE policy's load-balancing loss (transformers' \
+         router_aux_loss_coef); unset: config.json's when it sets output_router_logits, else off \
+         (miles-rs).",
+    ),
     switch(
         LOSS,
         "calculate-per-token-loss",

@@ -166,7 +166,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
         let tok_dir = run_dir.join("tokenizer");
         let tokenizer = demo::tokenizer(&tok_dir)?;
         return Ok(Setup {
-            model: demo::model(cfg.seed),
+            model: demo::model(cfg.seed, cfg.arch.as_deref())?,
             tokenizer,
             tokenizer_dir: Some(tok_dir),
             train_data: demo::train_data(),
@@ -181,6 +181,13 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
     let Some(dir) = cfg.hf_checkpoint.clone() else {
         bail!("--hf-checkpoint: --prompt-data was given, so a model is needed too");
     };
+    if let Some(arch) = &cfg.arch {
+        bail!(
+            "--arch {arch}: the built-in demo's architecture; {}/config.json names the \
+             checkpoint's",
+            dir.display()
+        );
+    }
     let Some(prompts) = cfg.prompt_data.clone() else {
         bail!(
             "--prompt-data: the JSONL prompts to train on (--input-key says where the prompt is)"

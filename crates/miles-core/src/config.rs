@@ -89,6 +89,9 @@ pub struct RunConfig {
     pub seed: u64,
     /// Where the trainer's model runs: `cpu`, `cuda` (device 0) or `cuda:N` (miles-rs).
     pub device: String,
+    /// The built-in demo policy's architecture: `qwen3` (when unset), `llama` or `qwen3-moe`
+    /// (miles-rs; a checkpoint's config.json names its own).
+    pub arch: Option<String>,
 
     // Data.
     pub prompt_data: Option<String>,
@@ -170,6 +173,8 @@ pub struct RunConfig {
     pub use_unbiased_kl: bool,
     pub kl_coef: f32,
     pub entropy_coef: f32,
+    /// A Qwen3-MoE policy's load-balancing loss weight, over its config.json's (miles-rs).
+    pub router_aux_loss_coef: Option<f32>,
     pub calculate_per_token_loss: bool,
     pub use_rollout_logprobs: bool,
     /// Off-policy sequence masking: drop the negative-advantage tokens of sequences whose mean
@@ -227,6 +232,7 @@ impl Default for RunConfig {
             save_hf: None,
             seed: 1234,
             device: "cpu".into(),
+            arch: None,
             prompt_data: None,
             input_key: "input".into(),
             label_key: None,
@@ -283,6 +289,7 @@ impl Default for RunConfig {
             use_unbiased_kl: false,
             kl_coef: 0.0,
             entropy_coef: 0.0,
+            router_aux_loss_coef: None,
             calculate_per_token_loss: false,
             use_rollout_logprobs: false,
             use_opsm: false,

@@ -1,12 +1,13 @@
 //! Model shapes by name, for `miles init-model` and benchmarks.
 
 use crate::tokenizer::BYTE_TOKENIZER_SPECIALS;
-use crate::{Architecture, Error, ModelConfig, Result};
+use crate::{Architecture, Error, ModelConfig, MoeConfig, Result};
 
-pub const PRESETS: [&str; 3] = ["tiny", "qwen3-0.6b", "smollm2-135m"];
+pub const PRESETS: [&str; 4] = ["tiny", "qwen3-0.6b", "smollm2-135m", "qwen3-30b-a3b-4l"];
 
-/// The configuration of preset `name`. `tiny` takes either architecture (default Qwen3); the
-/// published shapes have theirs, and asking for another is an error.
+/// The configuration of preset `name`. `tiny` takes any architecture (default Qwen3; with
+/// Qwen3-MoE, 8 experts of which 2 per token); the published shapes have theirs, and asking
+/// for another is an error.
 pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
     let fixed = |own: Architecture| match arch {
         Some(a) if a != own => Err(Error::Invalid(format!(
@@ -33,7 +34,17 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             max_position_embeddings: 2048,
             bos_token_id: None,
             eos_token_ids: vec![258],
-            moe: None,
+            moe: (arch == Some(Architecture::Qwen3Moe)).then(|| {
+                Box::new(MoeConfig {
+                    num_experts: 8,
+                    num_experts_per_tok: 2,
+                    moe_intermediate_size: 64,
+                    norm_topk_prob: true,
+                    decoder_sparse_step: 1,
+                    mlp_only_layers: Vec::new(),
+                    router_aux_loss_coef: 0.0,
+                })
+            }),
         },
         // Qwen3-0.6B's published config.json.
         "qwen3-0.6b" => ModelConfig {
@@ -71,6 +82,33 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             eos_token_ids: vec![2],
             moe: None,
         },
+        // Qwen3-30B-A3B's published config.json with 4 of its 48 layers: the layers' shapes
+        // for benchmarks (3.1 B parameters, 0.85 B active, 0.6 B of them the embedding and head).
+        "qwen3-30b-a3b-4l" => ModelConfig {
+            architecture: fixed(Architecture::Qwen3Moe)?,
+            vocab_size: 151_936,
+            hidden_size: 2048,
+            intermediate_size: 6144,
+            num_hidden_layers: 4,
+            num_attention_heads: 32,
+            num_key_value_heads: 4,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            tie_word_embeddings: false,
+            max_position_embeddings: 40_960,
+            bos_token_id: None,
+            eos_token_ids: vec![151_645],
+            moe: Some(Box::new(MoeConfig {
+                num_experts: 128,
+                num_experts_per_tok: 8,
+                moe_intermediate_size: 768,
+                norm_topk_prob: true,
+                decoder_sparse_step: 1,
+                mlp_only_layers: Vec::new(),
+                router_aux_loss_coef: 0.0,
+            })),
+        },
         other => {
             return Err(Error::Invalid(format!(
                 "unknown preset '{other}'; presets: {}",
@@ -97,5 +135,11 @@ mod tests {
         let err = preset("smollm2-135m", Some(Architecture::Qwen3)).unwrap_err().to_string();
         assert!(err.contains("is a llama model"), "{err}");
         assert!(preset("gpt2", None).unwrap_err().to_string().contains("presets: tiny"));
+        let moe = preset("qwen3-30b-a3b-4l", None).unwrap();
+        assert_eq!((moe.num_parameters(), moe.active_parameters()), (3_114_814_464, 849_890_304));
+        let tiny = preset("tiny", Some(Architecture::Qwen3Moe)).unwrap();
+        assert!(tiny.moe.is_some() && preset("tiny", None).unwrap().moe.is_none());
+        let err = preset("qwen3-30b-a3b-4l", Some(Architecture::Qwen3)).unwrap_err().to_string();
+        assert!(err.contains("is a qwen3_moe model"), "{err}");
     }
 }

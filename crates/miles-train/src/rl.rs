@@ -203,7 +203,7 @@ struct LoopState {
 pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<Summary> {
     let Setup {
         config: cfg,
-        model,
+        mut model,
         tokenizer,
         tokenizer_dir,
         train_data,
@@ -240,7 +240,20 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         );
     }
     if cfg.use_rollout_routing_replay {
-        bail!("--use-rollout-routing-replay: needs an MoE model, which miles-rs does not load yet");
+        bail!(
+            "--use-rollout-routing-replay: the rollout engine does not record the experts it \
+             routes to yet; train Qwen3-MoE without it"
+        );
+    }
+    if let Some(coef) = cfg.router_aux_loss_coef {
+        let arch = model.config.architecture.hf_class();
+        let Some(moe) = model.config.moe.as_mut() else {
+            bail!("--router-aux-loss-coef: the policy ({arch}) has no experts");
+        };
+        if coef.is_nan() || coef < 0.0 {
+            bail!("--router-aux-loss-coef: {coef} must be a number ≥ 0");
+        }
+        moe.router_aux_loss_coef = coef;
     }
     let hyper = adamw(&cfg, cfg.lr);
     let schedule = LrSchedule::from_run_config(&cfg, total * steps_per_rollout);
@@ -1176,6 +1189,8 @@ struct StepResult {
     loss: f64,
     metrics: LossMetrics,
     grad_norm: f64,
+    /// The load-balancing loss of a mixture of experts (unweighted).
+    router_aux_loss: Option<f64>,
 }
 
 /// What [`train_step`] did: the step's result, `None` when its loss or gradient was not finite
@@ -1194,6 +1209,11 @@ trait Learner {
     fn forward(&mut self, batch: &PackedBatch, temperature: f32) -> anyhow::Result<Self::Forward>;
     /// `(logp, entropy)` of the response tokens.
     fn outputs(f: &Self::Forward) -> (&[f32], &[f32]);
+    /// A mixture-of-experts model's load-balancing loss, and its weight in the loss (the
+    /// backward adds its gradient).
+    fn router_aux_loss(&self, _: &Self::Forward) -> Option<(f64, f64)> {
+        None
+    }
     /// Adds the gradient of the loss whose derivatives these are.
     fn backward(
         &mut self,
@@ -1231,6 +1251,11 @@ impl Learner for CpuLearner<'_> {
 
     fn outputs(f: &Forward) -> (&[f32], &[f32]) {
         (&f.logp, &f.entropy)
+    }
+
+    fn router_aux_loss(&self, f: &Forward) -> Option<(f64, f64)> {
+        let coef = self.policy.config.moe.as_ref()?.router_aux_loss_coef;
+        Some((f.router_aux_loss?, f64::from(coef)))
     }
 
     fn backward(
@@ -1322,7 +1347,12 @@ fn train_step<L: Learner>(
         }
     };
     let whole = weight(part);
-    let mut total = StepResult { loss: 0.0, metrics: LossMetrics::default(), grad_norm: 0.0 };
+    let mut total = StepResult {
+        loss: 0.0,
+        metrics: LossMetrics::default(),
+        grad_norm: 0.0,
+        router_aux_loss: None,
+    };
     let mut seen = Vec::with_capacity(part.len());
     for mb in part.chunks(micro.max(1)) {
         let batch = batch::pack(mb)?;
@@ -1373,6 +1403,10 @@ fn train_step<L: Learner>(
             return Ok(StepOutcome { applied: None, logp: seen });
         }
         let share = weight(mb) / whole;
+        if let Some((aux, coef)) = learner.router_aux_loss(&fwd) {
+            out.loss += coef * aux;
+            *total.router_aux_loss.get_or_insert(0.0) += share * aux;
+        }
         let scale = share as f32;
         out.d_logp.iter_mut().for_each(|g| *g *= scale);
         out.d_entropy.iter_mut().for_each(|g| *g *= scale);
@@ -1395,6 +1429,7 @@ struct StepSums {
     metrics: LossMetrics,
     grad_norm: f64,
     lr: f32,
+    router_aux_loss: Option<f64>,
 }
 
 impl StepSums {
@@ -1404,6 +1439,9 @@ impl StepSums {
         self.grad_norm += s.grad_norm;
         self.metrics.add_scaled(&s.metrics, 1.0);
         self.lr = lr;
+        if let Some(aux) = s.router_aux_loss {
+            *self.router_aux_loss.get_or_insert(0.0) += aux;
+        }
     }
 
     /// `corrected` and `opsm` add the metrics slime reports with TIS and OPSM.
@@ -1419,6 +1457,9 @@ impl StepSums {
         }
         record.insert("train/grad_norm".into(), json!(self.grad_norm / k));
         record.insert("train/lr".into(), json!(self.lr));
+        if let Some(aux) = self.router_aux_loss {
+            record.insert("train/router_aux_loss".into(), json!(aux / k));
+        }
     }
 }
 
