@@ -4,7 +4,7 @@
 # bf16 against HF, the benchmarks beside HF transformers, the real SmolLM2 on the GPU engine,
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
-#                                  trl|addition|gsm8k|resume|all]
+#                                  trl|addition|gsm8k|resume|moe-fixture|all]
 # Prepare here: cargo xtask device-bundle && cargo build --release -p miles-cli --features cuda &&
 #   mkdir -p target/gpu && cp target/release/miles ../shared/bench/hf_baseline.py target/gpu/
 # and carry target/device-bundle and target/gpu, or, when they pass 64 MiB together, the archive
@@ -175,4 +175,10 @@ if [ "$what" = resume ]; then
     done
     grep -h "resumed from" /tmp/resume-$model-resumed.log | head -1
   done | tee "$OUT/resume.txt"
+fi
+if [ "$what" = moe-fixture ]; then
+  # The Qwen3-MoE parity fixture, written by this machine's transformers (issue 16); it comes
+  # back under $OUT/qwen3_moe for tests/fixtures/hf/qwen3_moe.
+  python3 tests/fixtures/make_hf_moe_parity.py 2>&1 | grep -v -i warn | tail -4
+  cp -r tests/fixtures/hf/qwen3_moe "$OUT/"
 fi
