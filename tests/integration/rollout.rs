@@ -6,6 +6,7 @@ use miles_model::tokenizer::write_byte_level_tokenizer;
 use miles_model::{Architecture, KvCache, Model, PackedBatch, Tokenizer, Weights, presets};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::rng::Rng;
+use miles_train::batch::{self, TrainSample};
 
 /// A tiny random model whose distributions are far from uniform, so sampling paths differ.
 fn model(arch: Architecture, seed: u64) -> Model {
@@ -514,4 +515,154 @@ fn engine_limits_and_refusals() {
     let huge = EngineConfig { kv_cache_bytes: 1 << 60, ..EngineConfig::default() };
     let err = Engine::new(m.clone(), None, huge).err().unwrap().to_string();
     assert!(err.contains("--rollout-kv-cache-mb"), "{err}");
+}
+
+/// The samples as the trainer packs them (routing records included), with `replay`.
+fn packed(samples: &[Sample], replay: bool) -> PackedBatch {
+    let train: Vec<TrainSample> = samples
+        .iter()
+        .map(|s| {
+            let mut t = TrainSample::from_sample(s, 0, 0.0).unwrap();
+            t.replay_routes = replay;
+            t
+        })
+        .collect();
+    batch::pack(&train).unwrap()
+}
+
+/// A Qwen3-MoE rollout records each position's experts (every position but the last, every
+/// sparse layer, top-k each), the same under preemption and chunked prefill; the trainer's
+/// forward picks the same experts and gives the rollout's logprobs bit for bit, and replaying
+/// the record (R3) changes no bit where they already agree.
+#[test]
+fn moe_rollouts_record_their_experts_and_equal_the_trainer() {
+    let m = model(Architecture::Qwen3Moe, 17);
+    let p = params(70);
+    let input = groups(3, 18);
+    let mut e = engine(&m, EngineConfig { max_running: 5, ..EngineConfig::default() });
+    let samples = e.generate(input.clone(), &p).unwrap().concat();
+    let config = EngineConfig {
+        chunked_prefill_size: Some(20),
+        kv_cache_bytes: blocks_mb(&m, 7),
+        ..EngineConfig::default()
+    };
+    let mut tight = engine(&m, config);
+    let again = tight.generate(input, &p).unwrap().concat();
+    assert!(tight.stats().preemptions > 0, "{:?}", tight.stats());
+    for (s, t) in samples.iter().zip(&again) {
+        let r = s.rollout_routed_experts.as_ref().expect("a routing record");
+        assert_eq!((r.num_layers, r.top_k), (2, 2));
+        assert_eq!(r.num_tokens().unwrap(), s.tokens.len() - 1);
+        assert!(r.ids.iter().all(|&x| x < 8));
+        assert_eq!(s.rollout_routed_experts, t.rollout_routed_experts, "preempted, chunked");
+        assert_eq!(s.tokens, t.tokens);
+    }
+    let want: Vec<u32> =
+        samples.iter().flat_map(|s| s.rollout_log_probs.iter().map(|v| v.to_bits())).collect();
+    let recorded: usize = samples.iter().map(|s| (s.tokens.len() - 1) * 2).sum();
+    for replay in [false, true] {
+        let f = m.forward(&packed(&samples, replay), p.temperature).unwrap();
+        let bits: Vec<u32> = f.logp.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(bits, want, "replay {replay}");
+        let mismatch = f.routing_mismatch.unwrap();
+        assert_eq!(
+            (mismatch.compared, mismatch.own_differs, mismatch.used_differs),
+            (recorded, 0, 0)
+        );
+    }
+}
+
+/// R3 does its job: with the training copy's router moved a little, the trainer's own top-k
+/// differs from the rollout's record for some tokens; replaying the record makes every expert
+/// set identical again and brings the trainer's logprobs closer to the rollout's.
+#[test]
+fn routing_replay_restores_the_rollouts_experts_under_a_perturbed_router() {
+    let rollout = model(Architecture::Qwen3Moe, 21);
+    let samples = engine(&rollout, EngineConfig::default())
+        .generate(groups(2, 22), &params(30))
+        .unwrap()
+        .concat();
+    let mut training = rollout.clone();
+    let mut rng = Rng::new(23);
+    for layer in &mut training.weights.layers {
+        layer.router.iter_mut().for_each(|w| *w += 0.01 * rng.normal());
+    }
+    let temperature = params(30).temperature;
+    let gap = |f: &miles_model::Forward| -> f32 {
+        let rollout_lp = samples.iter().flat_map(|s| s.rollout_log_probs.iter());
+        f.logp.iter().zip(rollout_lp).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
+    };
+    let free = training.forward(&packed(&samples, false), temperature).unwrap();
+    let replayed = training.forward(&packed(&samples, true), temperature).unwrap();
+    let (a, b) = (free.routing_mismatch.unwrap(), replayed.routing_mismatch.unwrap());
+    assert!(a.own_differs > 0, "the perturbation changed no choice: {a:?}");
+    assert_eq!(a.used_differs, a.own_differs, "without replay the trainer uses its own");
+    // Replayed, every expert set is the rollout's (the trainer's own choices, downstream of
+    // the replayed layers, still differ).
+    assert!(b.used_differs == 0 && b.own_differs > 0, "{b:?}");
+    assert!(gap(&replayed) < gap(&free), "replayed {} vs free {}", gap(&replayed), gap(&free));
+}
+
+/// `miles generate` on a Qwen3-MoE checkpoint writes each sample's routing record, and
+/// `miles score --routed-experts` reports the same experts and the same logprobs.
+#[test]
+fn generate_records_experts_that_score_reports() {
+    let dir = miles_tests::scratch("generate_moe_cli");
+    let ckpt = dir.join("ckpt");
+    let ckpt_s = ckpt.to_str().unwrap();
+    let init = ["init-model", "--arch", "qwen3-moe", "--out", ckpt_s, "--seed", "6"];
+    miles_tests::miles(&init).unwrap();
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(&prompts, "{\"input\": \"7+8=\"}\n{\"input\": \"a longer prompt, 3+4=\"}\n")
+        .unwrap();
+    let out = dir.join("samples.jsonl");
+    let prompt_data = prompts.to_str().unwrap();
+    let out_s = out.to_str().unwrap();
+    miles_tests::miles(&[
+        "generate",
+        "--hf-checkpoint",
+        ckpt_s,
+        "--prompt-data",
+        prompt_data,
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "9",
+        "--output",
+        out_s,
+    ])
+    .unwrap();
+    let text = std::fs::read_to_string(&out).unwrap();
+    let samples: Vec<Sample> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let scored = miles_tests::miles(&[
+        "score",
+        "--hf-checkpoint",
+        ckpt_s,
+        "--input",
+        out_s,
+        "--routed-experts",
+    ])
+    .unwrap();
+    assert_eq!(scored.lines().count(), 4);
+    for (row, s) in scored.lines().zip(&samples) {
+        let row: serde_json::Value = serde_json::from_str(row).unwrap();
+        let record = s.rollout_routed_experts.as_ref().expect("a routing record");
+        assert_eq!(record.num_tokens().unwrap(), s.tokens.len() - 1);
+        assert_eq!(row["routed_experts"], serde_json::to_value(record).unwrap(), "{}", s.index);
+        let lp: Vec<f32> = serde_json::from_value(row["log_probs"].clone()).unwrap();
+        assert_eq!(lp, s.rollout_log_probs);
+    }
+    // A dense checkpoint has no experts to report.
+    let dense = dir.join("dense");
+    miles_tests::miles(&["init-model", "--out", dense.to_str().unwrap()]).unwrap();
+    let err = miles_tests::miles(&[
+        "score",
+        "--hf-checkpoint",
+        dense.to_str().unwrap(),
+        "--input",
+        out_s,
+        "--routed-experts",
+    ])
+    .unwrap_err();
+    assert!(format!("{err:#}").contains("has no experts to report"), "{err:#}");
 }

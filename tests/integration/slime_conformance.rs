@@ -52,6 +52,8 @@ fn train_sample(
         advantages: Vec::new(),
         correction_weights: None,
         correction_mask: None,
+        routed_experts: None,
+        replay_routes: false,
     }
 }
 

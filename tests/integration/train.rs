@@ -76,33 +76,47 @@ fn grpo_lifts_the_demo_past_0_8_and_zeroed_advantages_do_not() {
     assert!(best < 0.8, "zeroed advantages reached {best}: {control:?}");
 }
 
-/// A tiny Qwen3-MoE policy (8 experts, 2 per token) learns the demo as the dense one does:
-/// from under 0.4 after the warm-up past 0.8, its rollout logprobs equal to the trainer's bit
-/// for bit on every iteration (the sparse layers are batch-invariant too), the load-balancing
-/// loss logged.
+/// A tiny Qwen3-MoE policy (8 experts, 2 per token) learns the demo as the dense one does,
+/// with and without Rollout Routing Replay: from under 0.4 after the warm-up past 0.8, its
+/// rollout logprobs equal to the trainer's bit for bit on every iteration (the sparse layers
+/// are batch-invariant too), the load-balancing loss and the routing mismatch logged (with
+/// replay the experts used in training are always the rollout's).
 #[test]
-fn a_tiny_moe_learns_the_demo_past_0_8() {
-    let dir = scratch("train_moe_demo");
-    let args = demo_args(&[
-        ("run-dir", Value::from(dir.to_str().unwrap())),
-        ("arch", Value::from("qwen3-moe")),
-    ]);
-    let setup = train_cmd::setup(train_cmd::run_config(&args).unwrap()).unwrap();
-    assert_eq!(setup.model.config.architecture, miles_model::Architecture::Qwen3Moe);
-    let mut records = Vec::new();
-    rl::train(setup, &mut |r| records.push(r.clone())).unwrap();
-    let evals = eval_rewards(&records);
-    let start = evals[0].1;
-    assert!(start < 0.4, "after the SFT warm-up the eval reward is {start}: {evals:?}");
-    let best = evals.iter().map(|e| e.1).fold(0.0, f64::max);
-    assert!(best >= 0.8, "GRPO reached only {best}: {evals:?}");
-    let rl: Vec<&Record> =
-        records.iter().filter(|r| r.get("rollout/raw_reward").is_some()).collect();
-    assert_eq!(rl.len(), 200);
-    for r in rl {
-        assert_eq!(r["train/train_rollout_logprob_abs_diff"], 0.0, "{r:?}");
-        let aux = r["train/router_aux_loss"].as_f64().unwrap();
-        assert!((1.0..8.0).contains(&aux), "{aux}");
+fn a_tiny_moe_learns_the_demo_past_0_8_with_and_without_replay() {
+    for replay in [false, true] {
+        let dir = scratch(&format!("train_moe_demo_{replay}"));
+        let args = demo_args(&[
+            ("run-dir", Value::from(dir.to_str().unwrap())),
+            ("arch", Value::from("qwen3-moe")),
+            ("use-rollout-routing-replay", Value::from(replay)),
+        ]);
+        let setup = train_cmd::setup(train_cmd::run_config(&args).unwrap()).unwrap();
+        assert_eq!(setup.model.config.architecture, miles_model::Architecture::Qwen3Moe);
+        let mut records = Vec::new();
+        rl::train(setup, &mut |r| records.push(r.clone())).unwrap();
+        let evals = eval_rewards(&records);
+        let start = evals[0].1;
+        assert!(start < 0.4, "replay {replay}: after the warm-up the eval is {start}: {evals:?}");
+        let best = evals.iter().map(|e| e.1).fold(0.0, f64::max);
+        assert!(best >= 0.8, "replay {replay}: GRPO reached only {best}: {evals:?}");
+        let rl: Vec<&Record> =
+            records.iter().filter(|r| r.get("rollout/raw_reward").is_some()).collect();
+        assert_eq!(rl.len(), 200);
+        let mut drift = 0.0;
+        for r in rl {
+            assert_eq!(r["train/train_rollout_logprob_abs_diff"], 0.0, "{r:?}");
+            let aux = r["train/router_aux_loss"].as_f64().unwrap();
+            assert!((1.0..8.0).contains(&aux), "{aux}");
+            // Four optimizer steps per rollout: later steps' own choices drift from the record.
+            drift += r["train/routed_experts_mismatch"].as_f64().unwrap();
+            let used = r["train/replayed_experts_mismatch"].as_f64().unwrap();
+            if replay {
+                assert_eq!(used, 0.0, "{r:?}");
+            } else {
+                assert_eq!(used, r["train/routed_experts_mismatch"].as_f64().unwrap());
+            }
+        }
+        assert!(drift > 0.0, "replay {replay}: the weights moved and no choice did");
     }
 }
 

@@ -43,6 +43,11 @@ pub struct ScoreArgs {
     /// Compute dtype on a GPU (the CPU computes in f32).
     #[arg(long, value_enum, default_value = "bf16")]
     pub dtype: DTypeArg,
+    /// Also write the experts each token was routed to (Qwen3-MoE), as `routed_experts` in
+    /// `rollout_routed_experts`' layout: every position but the last, so it compares with
+    /// what `miles generate` recorded.
+    #[arg(long)]
+    pub routed_experts: bool,
 }
 
 /// The model where `--device` puts it.
@@ -62,14 +67,36 @@ impl Scorer {
         Ok(Scorer::Device(Box::new(DeviceModel::new(&model, &device, args.dtype.dtype())?)))
     }
 
+    /// Logprobs and entropies, and with `routed` the experts of every token.
+    #[allow(clippy::type_complexity)]
     fn logprobs(
         &self,
         batch: &PackedBatch,
         temperature: f32,
-    ) -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
+        routed: bool,
+    ) -> anyhow::Result<(Vec<f32>, Vec<f32>, Option<Vec<u16>>)> {
         Ok(match self {
-            Scorer::Cpu(cpu) => cpu.0.logprobs_with(&cpu.1, batch, temperature)?,
-            Scorer::Device(dm) => dm.logprobs(batch, temperature)?,
+            Scorer::Cpu(cpu) if routed => {
+                let f = cpu.0.forward_with(&cpu.1, batch, temperature)?;
+                let experts = f.routed_experts().ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--routed-experts: {} has no experts to report",
+                        cpu.0.config.architecture.hf_class()
+                    )
+                })?;
+                (f.logp, f.entropy, Some(experts))
+            }
+            Scorer::Cpu(cpu) => {
+                let (lp, ent) = cpu.0.logprobs_with(&cpu.1, batch, temperature)?;
+                (lp, ent, None)
+            }
+            Scorer::Device(_) if routed => {
+                anyhow::bail!("--routed-experts: mixture-of-experts models score on the CPU")
+            }
+            Scorer::Device(dm) => {
+                let (lp, ent) = dm.logprobs(batch, temperature)?;
+                (lp, ent, None)
+            }
         })
     }
 }
@@ -87,6 +114,8 @@ struct ScoredRow<'a> {
     log_probs: &'a [f32],
     entropy: &'a [f32],
     sum_log_prob: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    routed_experts: Option<miles_core::RoutedExperts>,
 }
 
 /// One line to score: its number, the tokens and where the response starts.
@@ -154,6 +183,11 @@ pub fn run(args: &ScoreArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let lines = jsonl::read_objects(&args.input)?;
     let dir = &args.hf_checkpoint;
     let model = load_model(dir)?;
+    // (sparse layers, top-k) of a mixture-of-experts model, for --routed-experts.
+    let model_moe = model.config.moe.as_ref().map(|m| {
+        let c = &model.config;
+        ((0..c.num_hidden_layers).filter(|&l| m.is_sparse(l)).count(), m.num_experts_per_tok)
+    });
     let scorer = Scorer::new(model, args)?;
     let tokenizer =
         if dir.join("tokenizer.json").exists() { Some(Tokenizer::load(dir)?) } else { None };
@@ -178,8 +212,12 @@ pub fn run(args: &ScoreArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         let pairs: Vec<(Vec<u32>, usize)> =
             group.iter().map(|i| (i.tokens.clone(), i.prompt_len)).collect();
         let batch = PackedBatch::new(&pairs)?;
-        let (logp, entropy) = scorer.logprobs(&batch, args.temperature)?;
+        let (logp, entropy, experts) =
+            scorer.logprobs(&batch, args.temperature, args.routed_experts)?;
+        let moe = model_moe.as_ref();
+        let row_width = moe.map_or(0, |(layers, k)| layers * k);
         let mut offset = 0;
+        let mut token_at = 0;
         for item in group {
             let n = item.tokens.len() - item.prompt_len;
             let (lp, ent) = (&logp[offset..offset + n], &entropy[offset..offset + n]);
@@ -192,7 +230,14 @@ pub fn run(args: &ScoreArgs, out: &mut dyn Write) -> anyhow::Result<()> {
                 log_probs: lp,
                 entropy: ent,
                 sum_log_prob: lp.iter().map(|v| f64::from(*v)).sum::<f64>(),
+                routed_experts: experts.as_ref().zip(moe).map(|(ids, &(num_layers, top_k))| {
+                    let positions = item.tokens.len() - 1;
+                    let ids =
+                        ids[token_at * row_width..(token_at + positions) * row_width].to_vec();
+                    miles_core::RoutedExperts { num_layers, top_k, ids }
+                }),
             };
+            token_at += item.tokens.len();
             rendered.push_str(&serde_json::to_string(&row)?);
             rendered.push('\n');
         }

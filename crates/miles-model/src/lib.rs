@@ -24,6 +24,6 @@ pub use decode::DecodeGraphs;
 pub use device::{DeviceForward, DeviceModel, SampleParams};
 pub use error::{Error, Result};
 pub use kv::{BlockId, DeviceKvCache, KvCache};
-pub use model::{Forward, Model, PackedBatch, PackedLinears, StepRow};
+pub use model::{Forward, Model, PackedBatch, PackedLinears, RoutedBatch, StepRow};
 pub use tokenizer::Tokenizer;
 pub use weights::{ExpertWeights, LayerWeights, Weights};

@@ -12,7 +12,7 @@ use crate::kv::{BlockId, KvCache};
 use crate::layer::{
     Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
 };
-use crate::moe::BalanceStats;
+use crate::moe::{BalanceStats, RoutingMismatch};
 use crate::{Error, ModelConfig, Result, Weights};
 
 /// Sequences packed back to back without padding. Sequence `s` is
@@ -23,13 +23,43 @@ pub struct PackedBatch {
     pub tokens: Vec<u32>,
     pub cu_seqlens: Vec<usize>,
     pub prompt_lens: Vec<usize>,
+    /// The experts the rollout engine routed the tokens to (Qwen3-MoE).
+    pub routed: Option<RoutedBatch>,
+}
+
+/// The experts a rollout routed each token of a packed batch to, in the sparse layers in
+/// order: `ids[(token · layers + layer) · top_k + k]`, [`crate::moe::OWN_CHOICE`] for a token
+/// without a record (each sequence's last, never run by the engine). The forward compares its
+/// own choices with them (`Forward::routing_mismatch`), and uses them with `replay` (Rollout
+/// Routing Replay).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoutedBatch {
+    pub layers: usize,
+    pub top_k: usize,
+    pub ids: Vec<u32>,
+    pub replay: bool,
+}
+
+impl RoutedBatch {
+    /// Sparse layer `layer`'s experts, `[tokens × top_k]`.
+    fn layer(&self, layer: usize) -> Vec<u32> {
+        self.ids
+            .chunks(self.layers * self.top_k)
+            .flat_map(|row| &row[layer * self.top_k..(layer + 1) * self.top_k])
+            .copied()
+            .collect()
+    }
 }
 
 impl PackedBatch {
     /// Packs `(tokens, prompt_len)` pairs; each needs a prompt of at least one token.
     pub fn new(sequences: &[(Vec<u32>, usize)]) -> Result<Self> {
-        let mut batch =
-            PackedBatch { tokens: Vec::new(), cu_seqlens: vec![0], prompt_lens: Vec::new() };
+        let mut batch = PackedBatch {
+            tokens: Vec::new(),
+            cu_seqlens: vec![0],
+            prompt_lens: Vec::new(),
+            routed: None,
+        };
         for (s, (tokens, prompt_len)) in sequences.iter().enumerate() {
             if *prompt_len == 0 || *prompt_len > tokens.len() {
                 return Err(Error::Invalid(format!(
@@ -96,6 +126,17 @@ impl PackedBatch {
                 "token id {bad} is outside the vocabulary of {vocab}"
             )));
         }
+        if let Some(r) = &self.routed
+            && r.ids.len() != self.tokens.len() * r.layers * r.top_k
+        {
+            return Err(Error::Invalid(format!(
+                "packed batch: {} routed experts for {} tokens × {} sparse layers × top-{}",
+                r.ids.len(),
+                self.tokens.len(),
+                r.layers,
+                r.top_k
+            )));
+        }
         Ok(())
     }
 }
@@ -134,6 +175,8 @@ pub struct Forward {
     /// The load-balancing loss of a Qwen3-MoE model's sparse layers (transformers'
     /// `load_balancing_loss_func`: top-k when balanced), whatever its weight in the loss.
     pub router_aux_loss: Option<f64>,
+    /// Against the batch's routed experts, when it has them.
+    pub routing_mismatch: Option<RoutingMismatch>,
     balance: BalanceStats,
     temperature: f32,
     cos: Vec<f32>,
@@ -144,6 +187,24 @@ pub struct Forward {
     rows: Vec<usize>,
     targets: Vec<u32>,
     hidden_rows: Vec<f32>,
+}
+
+impl Forward {
+    /// The experts each token was routed to in the sparse layers, `[tokens × sparse layers ×
+    /// top_k]` (the layout of `Sample::rollout_routed_experts`); `None` for a dense model.
+    pub fn routed_experts(&self) -> Option<Vec<u16>> {
+        let per_layer: Vec<&crate::moe::Routing> =
+            self.layers.iter().filter_map(|a| a.routing()).collect();
+        let k = per_layer.first()?.top_k;
+        let tokens = per_layer[0].tokens();
+        let mut ids = Vec::with_capacity(tokens * per_layer.len() * k);
+        for t in 0..tokens {
+            for r in &per_layer {
+                ids.extend(r.experts[t * k..(t + 1) * k].iter().map(|&e| e as u16));
+            }
+        }
+        Some(ids)
+    }
 }
 
 /// The sizes one forward or backward works with.
@@ -400,10 +461,29 @@ impl Model {
         let cpu = Cpu::new(self, Some(packed), &cos, &sin, &batch.cu_seqlens);
         let mut layers = Vec::new();
         let mut balance = BalanceStats::default();
+        let mut mismatch = batch.routed.as_ref().map(|_| RoutingMismatch::default());
+        let mut sparse = 0;
         for layer in 0..c.num_hidden_layers {
-            let (x_out, a) = layer_forward(&cpu, c, layer, x, &mut attention, None)?;
+            let record = match &batch.routed {
+                Some(r) if c.is_sparse_layer(layer) => {
+                    if sparse >= r.layers {
+                        return Err(Error::Invalid(format!(
+                            "packed batch: routed experts for {} sparse layers, the model has more",
+                            r.layers
+                        )));
+                    }
+                    Some((r.layer(sparse), r.replay))
+                }
+                _ => None,
+            };
+            let replay = record.as_ref().filter(|(_, replay)| *replay).map(|(ids, _)| &ids[..]);
+            let (x_out, a) = layer_forward(&cpu, c, layer, x, &mut attention, replay)?;
             if let Some(r) = a.routing() {
                 balance.add(r);
+                sparse += 1;
+                if let (Some(m), Some((ids, _))) = (mismatch.as_mut(), &record) {
+                    m.add(r, ids);
+                }
             }
             if keep {
                 layers.push(a);
@@ -430,6 +510,7 @@ impl Model {
             logp,
             entropy,
             router_aux_loss: c.moe.as_ref().map(|_| balance.loss()),
+            routing_mismatch: mismatch,
             balance,
             temperature,
             cos,
@@ -454,6 +535,18 @@ impl Model {
         rows: &[StepRow],
         kv: &mut KvCache,
     ) -> Result<Vec<f32>> {
+        Ok(self.step_routed(packed, rows, kv)?.0)
+    }
+
+    /// [`Model::step`], and the experts each row was routed to in the sparse layers:
+    /// `[rows × sparse layers × top_k]` (empty for a dense model), the layout of
+    /// `Sample::rollout_routed_experts`.
+    pub fn step_routed(
+        &self,
+        packed: &PackedLinears,
+        rows: &[StepRow],
+        kv: &mut KvCache,
+    ) -> Result<(Vec<f32>, Vec<u16>)> {
         let c = &self.config;
         self.check_packed(packed)?;
         for (r, row) in rows.iter().enumerate() {
@@ -482,6 +575,7 @@ impl Model {
         embedding_forward(&mut x, &self.weights.embed, &tokens, h)?;
         let group = nq / nkv;
         let cpu = Cpu::new(self, Some(packed), &cos, &sin, &[]);
+        let mut per_layer: Vec<Vec<u32>> = Vec::new();
         for layer in 0..c.num_hidden_layers {
             let mut attention = |q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>| {
                 for (r, row) in rows.iter().enumerate() {
@@ -506,9 +600,21 @@ impl Model {
                 debug_assert_eq!(attn.len(), rows.len() * qd);
                 Ok((attn, lse))
             };
-            x = layer_forward(&cpu, c, layer, x, &mut attention, None)?.0;
+            let (out, a) = layer_forward(&cpu, c, layer, x, &mut attention, None)?;
+            x = out;
+            if let Some(r) = a.routing() {
+                per_layer.push(r.experts.clone());
+            }
         }
-        Ok(rmsnorm(&x, &self.weights.final_norm, c.rms_norm_eps)?.0)
+        let hidden = rmsnorm(&x, &self.weights.final_norm, c.rms_norm_eps)?.0;
+        let k = c.moe.as_ref().map_or(0, |m| m.num_experts_per_tok);
+        let mut routes = Vec::with_capacity(rows.len() * per_layer.len() * k);
+        for r in 0..rows.len() {
+            for ids in &per_layer {
+                routes.extend(ids[r * k..(r + 1) * k].iter().map(|&e| e as u16));
+            }
+        }
+        Ok((hidden, routes))
     }
 
     /// Logits `[rows × vocab]` of final-normed hidden states, as the scorer computes them.
@@ -943,15 +1049,30 @@ pub(crate) mod tests {
     }
 
     /// Every tensor of a Qwen3-MoE model (router and experts included) against finite
-    /// differences, with and without renormalized top-k weights, and with the load-balancing
-    /// loss added to the probed scalar when its weight is set. The probes are small enough
-    /// that no token changes experts.
+    /// differences, with and without renormalized top-k weights, with the load-balancing loss
+    /// added to the probed scalar when its weight is set, and with replayed experts (R3). The
+    /// probes are small enough that no token changes experts.
     #[test]
     fn moe_gradients_of_every_tensor_match_finite_differences() {
-        for (norm, coef) in [(true, 0.0), (false, 0.7)] {
+        for (norm, coef, replay) in [(true, 0.0, false), (false, 0.7, false), (true, 0.2, true)] {
             let m = model(tiny_moe(norm, coef), 23);
             let arch = m.config.architecture;
-            let b = batch();
+            let mut b = batch();
+            if replay {
+                // Replayed experts unrelated to the router's own choice (the last token of
+                // each sequence routes itself): the router still gets the gate weights'
+                // gradient at them.
+                let mut rng = Rng::new(9);
+                let mut ids = Vec::new();
+                for _ in 0..b.tokens.len() {
+                    let first = rng.below(4) as u32;
+                    ids.extend([first, (first + 1 + rng.below(3) as u32) % 4]);
+                }
+                for &end in &b.cu_seqlens[1..] {
+                    ids[(end - 1) * 2..end * 2].fill(crate::moe::OWN_CHOICE);
+                }
+                b.routed = Some(RoutedBatch { layers: 1, top_k: 2, ids, replay: true });
+            }
             let t = 0.9;
             let fwd = m.forward(&b, t).unwrap();
             let aux = fwd.router_aux_loss.unwrap();

@@ -52,8 +52,11 @@ fn top_k(p: &[f32], k: usize) -> Vec<u32> {
     idx
 }
 
+/// The replay entry of a token without a record: it takes its own top-k.
+pub const OWN_CHOICE: u32 = u32::MAX;
+
 /// Routes `logits` `[tokens × num_experts]`; `replay` gives the experts (`[tokens × top_k]`)
-/// instead of the top-k.
+/// instead of the top-k, a token whose entries are [`OWN_CHOICE`] routing itself.
 pub fn route(logits: &[f32], m: &MoeConfig, replay: Option<&[u32]>) -> Result<Routing> {
     let (e, k) = (m.num_experts, m.num_experts_per_tok);
     let tokens = logits.len() / e;
@@ -64,7 +67,7 @@ pub fn route(logits: &[f32], m: &MoeConfig, replay: Option<&[u32]>) -> Result<Ro
                 r.len()
             )));
         }
-        if let Some(bad) = r.iter().find(|&&x| x as usize >= e) {
+        if let Some(bad) = r.iter().find(|&&x| x as usize >= e && x != OWN_CHOICE) {
             return Err(Error::Invalid(format!(
                 "routing replay: expert {bad} of a layer with {e} experts"
             )));
@@ -81,7 +84,10 @@ pub fn route(logits: &[f32], m: &MoeConfig, replay: Option<&[u32]>) -> Result<Ro
     for (t, row) in logits.chunks(e).enumerate() {
         let p = softmax(row);
         let own = top_k(&p, k);
-        let chosen = replay.map_or(own.clone(), |r| r[t * k..(t + 1) * k].to_vec());
+        let chosen = match replay.map(|r| &r[t * k..(t + 1) * k]) {
+            Some(given) if given[0] != OWN_CHOICE => given.to_vec(),
+            _ => own.clone(),
+        };
         let mut w: Vec<f32> = chosen.iter().map(|&x| p[x as usize]).collect();
         if m.norm_topk_prob {
             let sum: f32 = w.iter().sum();
@@ -93,6 +99,44 @@ pub fn route(logits: &[f32], m: &MoeConfig, replay: Option<&[u32]>) -> Result<Ro
         routing.own.extend(&own);
     }
     Ok(routing)
+}
+
+/// How a layer's expert choices compare with the rollout's record, over the tokens that have
+/// one: tokens whose own top-k set differs from the record (what R3 guards against), and
+/// whose experts used (replayed or own) differ.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RoutingMismatch {
+    pub compared: usize,
+    pub own_differs: usize,
+    pub used_differs: usize,
+}
+
+impl RoutingMismatch {
+    /// Adds `r`'s tokens against `record` (`[tokens × top_k]`, [`OWN_CHOICE`] where missing).
+    pub fn add(&mut self, r: &Routing, record: &[u32]) {
+        let k = r.top_k;
+        let set = |x: &[u32]| {
+            let mut v = x.to_vec();
+            v.sort_unstable();
+            v
+        };
+        for t in 0..r.tokens() {
+            let rec = &record[t * k..(t + 1) * k];
+            if rec[0] == OWN_CHOICE {
+                continue;
+            }
+            let rec = set(rec);
+            self.compared += 1;
+            self.own_differs += usize::from(set(&r.own[t * k..(t + 1) * k]) != rec);
+            self.used_differs += usize::from(set(&r.experts[t * k..(t + 1) * k]) != rec);
+        }
+    }
+
+    pub fn merge(&mut self, o: &RoutingMismatch) {
+        self.compared += o.compared;
+        self.own_differs += o.own_differs;
+        self.used_differs += o.used_differs;
+    }
 }
 
 /// The rows one expert ran: which picks (`token · top_k + rank`) they are, and the

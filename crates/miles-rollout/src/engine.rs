@@ -12,7 +12,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use miles_core::{Prompt, Rollout, Sample, SamplingParams, Status};
+use miles_core::{Prompt, Rollout, RoutedExperts, Sample, SamplingParams, Status};
 use miles_model::{BlockId, DeviceModel, Model, PackedLinears, StepRow, Tokenizer, Weights};
 use miles_tensor::cpu::KEY_BLOCK;
 
@@ -101,6 +101,8 @@ struct Seq {
     tokens: Vec<u32>,
     prompt_len: usize,
     logprobs: Vec<f32>,
+    /// The experts each position run so far was routed to (mixture of experts; empty else).
+    routes: Vec<u16>,
     blocks: Vec<BlockId>,
     admitted: u64,
 }
@@ -305,7 +307,12 @@ impl<P: Policy> Engine<P> {
             let step_start = Instant::now();
             let prefilling = run.prefilling.as_ref().map(|(unit, _)| unit);
             let in_chunk = prefilling.zip(chunk.clone());
-            let mut draws = self.step(&run.running, &admitted, in_chunk, params)?;
+            let chunked = in_chunk.as_ref().map(|(_, c)| c.clone());
+            let (mut draws, routes) = self.step(&run.running, &admitted, in_chunk, params)?;
+            let mut admitted = admitted;
+            if !routes.is_empty() {
+                record_routes(&routes, &mut run, &mut admitted, chunked);
+            }
             let seconds = step_start.elapsed().as_secs_f64();
             let prefilled: usize = admitted.iter().map(|u| u[0].tokens.len()).sum::<usize>()
                 + chunk.as_ref().map_or(0, ExactSizeIterator::len);
@@ -461,9 +468,14 @@ impl<P: Policy> Engine<P> {
         (end > *done).then_some(*done..end)
     }
 
-    /// After a unit's prefill: the other members copy the prefilled partial last block.
-    fn fork(&mut self, unit: Unit) -> crate::Result<Vec<Seq>> {
+    /// After a unit's prefill: the other members copy the prefilled partial last block (and
+    /// the prompt's routed experts).
+    fn fork(&mut self, mut unit: Unit) -> crate::Result<Vec<Seq>> {
         let len = unit[0].tokens.len();
+        let routes = unit[0].routes.clone();
+        for seq in &mut unit[1..] {
+            seq.routes.clone_from(&routes);
+        }
         if unit.len() > 1 && !len.is_multiple_of(KEY_BLOCK) {
             let src = *unit[0].blocks.last().expect("a prefilled sequence has blocks");
             for seq in &unit[1..] {
@@ -475,14 +487,16 @@ impl<P: Policy> Engine<P> {
     }
 
     /// One forward over the running sequences' next positions and the admitted prompts;
-    /// returns the draws, one list per running sequence (of one) then per admitted unit.
+    /// returns the draws, one list per running sequence (of one) then per admitted unit, and
+    /// the rows' routed experts ([`Policy::step`]).
+    #[allow(clippy::type_complexity)]
     fn step(
         &mut self,
         running: &[Seq],
         admitted: &[Unit],
         chunk: Option<(&Unit, std::ops::Range<usize>)>,
         params: &SamplingParams,
-    ) -> crate::Result<Vec<Vec<Option<Draw>>>> {
+    ) -> crate::Result<(Vec<Vec<Option<Draw>>>, Vec<u16>)> {
         let mut rows: Vec<StepRow> = Vec::new();
         let mut draws: Vec<DrawRequest> = Vec::new();
         let mut sizes: Vec<usize> = Vec::new();
@@ -513,8 +527,45 @@ impl<P: Policy> Engine<P> {
             }
             sizes.push(if last { unit.len() } else { 0 });
         }
-        let mut drawn = self.policy.step(&rows, &draws, params)?.into_iter();
-        Ok(sizes.iter().map(|&n| drawn.by_ref().take(n).collect()).collect())
+        let (drawn, routes) = self.policy.step(&rows, &draws, params)?;
+        let mut drawn = drawn.into_iter();
+        Ok((sizes.iter().map(|&n| drawn.by_ref().take(n).collect()).collect(), routes))
+    }
+}
+
+/// Hands a step's routed experts (`[rows × width]`, rows in [`Engine::step`]'s order) to the
+/// sequences whose positions they are: a running sequence's next position, an admitted
+/// prompt's positions (for its lead; [`Engine::fork`] copies them to the unit), the chunk's
+/// (a prefill restarted after preemption starts over).
+fn record_routes(
+    routes: &[u16],
+    run: &mut Run,
+    admitted: &mut [Unit],
+    chunk: Option<std::ops::Range<usize>>,
+) {
+    let rows = run.running.len()
+        + admitted.iter().map(|u| u[0].tokens.len()).sum::<usize>()
+        + chunk.as_ref().map_or(0, ExactSizeIterator::len);
+    let width = routes.len() / rows.max(1);
+    let mut at = routes.chunks(width.max(1));
+    for seq in &mut run.running {
+        seq.routes.extend(at.next().expect("a row per running sequence"));
+    }
+    for unit in admitted.iter_mut() {
+        let lead = &mut unit[0];
+        lead.routes.clear();
+        for _ in 0..lead.tokens.len() {
+            lead.routes.extend(at.next().expect("a row per prompt position"));
+        }
+    }
+    if let (Some((unit, _)), Some(c)) = (run.prefilling.as_mut(), chunk) {
+        let lead = &mut unit[0];
+        if c.start == 0 {
+            lead.routes.clear();
+        }
+        for row in at {
+            lead.routes.extend(row);
+        }
     }
 }
 
@@ -577,6 +628,7 @@ impl Run {
                             tokens: s.tokens.clone(),
                             prompt_len,
                             logprobs: s.rollout_log_probs.clone(),
+                            routes: Vec::new(),
                             blocks: Vec::new(),
                             admitted: 0,
                         };
@@ -746,11 +798,25 @@ impl<P: Policy> Engine<P> {
         let earlier = s.response_length.min(s.loss_mask.len());
         s.loss_mask.truncate(earlier);
         s.loss_mask.resize(response.len(), 1);
+        s.rollout_routed_experts = self.routed_experts(&seq);
         s.tokens = seq.tokens;
         s.rollout_log_probs = seq.logprobs;
         s.status = status;
         s.weight_version = self.weight_version;
         s
+    }
+}
+
+impl<P: Policy> Engine<P> {
+    /// A finished sequence's routing record: every position but the last (the engine never
+    /// runs its newest token), `None` for a dense model.
+    fn routed_experts(&self, seq: &Seq) -> Option<RoutedExperts> {
+        let c = self.policy.config();
+        let moe = c.moe.as_ref()?;
+        let layers = (0..c.num_hidden_layers).filter(|&l| moe.is_sparse(l)).count();
+        let ids = seq.routes.clone();
+        debug_assert_eq!(ids.len(), (seq.tokens.len() - 1) * layers * moe.num_experts_per_tok);
+        Some(RoutedExperts { num_layers: layers, top_k: moe.num_experts_per_tok, ids })
     }
 }
 

@@ -23,13 +23,15 @@ pub trait Policy: Send {
     /// Blocks of [`KEY_BLOCK`] tokens the KV cache holds.
     fn num_blocks(&self) -> usize;
     /// One forward over `rows` (writing their keys and values into the cache), then one draw
-    /// per request, in order. Requests of one row come together.
+    /// per request, in order (requests of one row come together); with them, the experts each
+    /// row was routed to in a mixture-of-experts model (`[rows × sparse layers × top_k]`, empty
+    /// for a dense one).
     fn step(
         &mut self,
         rows: &[StepRow],
         draws: &[DrawRequest],
         params: &SamplingParams,
-    ) -> crate::Result<Vec<Option<Draw>>>;
+    ) -> crate::Result<(Vec<Option<Draw>>, Vec<u16>)>;
     /// Copies every layer of block `src` into `dst`.
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()>;
 }
@@ -115,8 +117,9 @@ impl Policy for CpuPolicy {
         rows: &[StepRow],
         draws: &[DrawRequest],
         params: &SamplingParams,
-    ) -> crate::Result<Vec<Option<Draw>>> {
-        let hidden = self.model.step(&self.packed, rows, &mut self.kv).map_err(model_error)?;
+    ) -> crate::Result<(Vec<Option<Draw>>, Vec<u16>)> {
+        let (hidden, routes) =
+            self.model.step_routed(&self.packed, rows, &mut self.kv).map_err(model_error)?;
         let h = self.model.config.hidden_size;
         // The distinct rows drawn from, and which of them each draw reads.
         let mut picked: Vec<usize> = Vec::new();
@@ -136,7 +139,7 @@ impl Policy for CpuPolicy {
             .par_chunks_mut(vocab)
             .map(|z| tempered_log_softmax(z, params.temperature))
             .collect();
-        Ok(draws
+        let drawn = draws
             .par_iter()
             .zip(&of_draw)
             .map(|(&(_, u), &i)| {
@@ -147,7 +150,8 @@ impl Policy for CpuPolicy {
                 let token = sample_row(z, 1.0, params.top_k, params.top_p, u)?;
                 Some(Draw { token, logprob: z[token as usize] - lse[i] })
             })
-            .collect())
+            .collect();
+        Ok((drawn, routes))
     }
 
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()> {
@@ -198,7 +202,7 @@ impl Policy for DevicePolicy {
         rows: &[StepRow],
         draws: &[DrawRequest],
         params: &SamplingParams,
-    ) -> crate::Result<Vec<Option<Draw>>> {
+    ) -> crate::Result<(Vec<Option<Draw>>, Vec<u16>)> {
         let how = SampleParams {
             temperature: params.temperature,
             top_k: params.top_k,
@@ -220,7 +224,9 @@ impl Policy for DevicePolicy {
             let picks: Vec<u32> = draws.iter().map(|&(r, _)| r as u32).collect();
             self.model.sample(&hidden, &picks, how, &uniforms).map_err(model_error)?
         };
-        Ok(drawn.into_iter().map(|d| d.map(|(token, logprob)| Draw { token, logprob })).collect())
+        // DeviceModel refuses mixture-of-experts models: no routes to report.
+        let drawn = drawn.into_iter().map(|d| d.map(|(token, logprob)| Draw { token, logprob }));
+        Ok((drawn.collect(), Vec::new()))
     }
 
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()> {

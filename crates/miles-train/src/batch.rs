@@ -4,8 +4,11 @@
 use std::collections::BTreeMap;
 
 use miles_core::config::KlLossType;
-use miles_core::{Advantage, Correction, CorrectionInput, Sample, SequenceScore, Status};
-use miles_model::{Model, PackedBatch, PackedLinears};
+use miles_core::{
+    Advantage, Correction, CorrectionInput, RoutedExperts, Sample, SequenceScore, Status,
+};
+use miles_model::moe::OWN_CHOICE;
+use miles_model::{Model, PackedBatch, PackedLinears, RoutedBatch};
 
 use crate::advantage::normalize_advantages;
 use crate::loss::{Aggregation, approx_kl};
@@ -24,6 +27,10 @@ pub struct TrainSample {
     pub advantages: Vec<f32>,
     pub correction_weights: Option<Vec<f32>>,
     pub correction_mask: Option<Vec<u8>>,
+    /// The experts the rollout routed each position to (mixture of experts), and whether the
+    /// trainer's forwards replay them (`--use-rollout-routing-replay`).
+    pub routed_experts: Option<RoutedExperts>,
+    pub replay_routes: bool,
 }
 
 impl TrainSample {
@@ -58,15 +65,39 @@ impl TrainSample {
             advantages: Vec::new(),
             correction_weights: None,
             correction_mask: None,
+            routed_experts: s.rollout_routed_experts.clone(),
+            replay_routes: false,
         })
     }
 }
 
-/// Packs samples for one forward.
+/// Packs samples for one forward, with their routed experts when every sample has a record
+/// (a position past a record routes itself).
 pub fn pack(samples: &[TrainSample]) -> miles_model::Result<PackedBatch> {
     let seqs: Vec<(Vec<u32>, usize)> =
         samples.iter().map(|s| (s.tokens.clone(), s.prompt_len)).collect();
-    PackedBatch::new(&seqs)
+    let mut batch = PackedBatch::new(&seqs)?;
+    let records: Option<Vec<&RoutedExperts>> =
+        samples.iter().map(|s| s.routed_experts.as_ref()).collect();
+    if let Some(records) = records.filter(|r| !r.is_empty()) {
+        let (layers, top_k) = (records[0].num_layers, records[0].top_k);
+        let row = layers * top_k;
+        let mut ids = Vec::with_capacity(batch.tokens.len() * row);
+        for (s, r) in samples.iter().zip(&records) {
+            if (r.num_layers, r.top_k) != (layers, top_k) || row == 0 {
+                return Err(miles_model::Error::Invalid(format!(
+                    "routed experts of {} layers × top-{} beside {layers} × top-{top_k}",
+                    r.num_layers, r.top_k
+                )));
+            }
+            let recorded = (r.ids.len() / row).min(s.tokens.len());
+            ids.extend(r.ids[..recorded * row].iter().map(|&e| u32::from(e)));
+            ids.resize(ids.len() + (s.tokens.len() - recorded) * row, OWN_CHOICE);
+        }
+        let replay = samples.iter().any(|s| s.replay_routes);
+        batch.routed = Some(RoutedBatch { layers, top_k, ids, replay });
+    }
+    Ok(batch)
 }
 
 /// Per response token logprobs of every sample under `model`, `chunk` sequences per forward.
@@ -287,6 +318,8 @@ mod tests {
             advantages: Vec::new(),
             correction_weights: None,
             correction_mask: None,
+            routed_experts: None,
+            replay_routes: false,
         };
         for kind in [KlLossType::K1, KlLossType::K2, KlLossType::K3, KlLossType::LowVarKl] {
             let estimator = RecordKl::default();

@@ -36,6 +36,7 @@ use anyhow::{Context, anyhow, bail};
 use miles_core::config::{LossType, RunConfig};
 use miles_core::{Advantage, Correction, Reward, Rollout, Sample, SamplingParams, Status};
 use miles_data::{Cursor, DataSource, Dataset, PromptRow};
+use miles_model::moe::RoutingMismatch;
 use miles_model::{
     DeviceForward, DeviceModel, Forward, Model, PackedBatch, PackedLinears, Tokenizer, Weights,
 };
@@ -239,10 +240,11 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
             "--partial-rollout: not supported by the loop yet (the engine resumes aborted samples)"
         );
     }
-    if cfg.use_rollout_routing_replay {
+    if cfg.use_rollout_routing_replay && model.config.moe.is_none() {
         bail!(
-            "--use-rollout-routing-replay: the rollout engine does not record the experts it \
-             routes to yet; train Qwen3-MoE without it"
+            "--use-rollout-routing-replay: replays a mixture-of-experts policy's routing; {} \
+             has no experts",
+            model.config.architecture.hf_class()
         );
     }
     if let Some(coef) = cfg.router_aux_loss_coef {
@@ -1151,8 +1153,9 @@ fn rollout<P: Policy>(
             groups_kept += 1;
             for (s, r) in group.iter().zip(rewards) {
                 if let Some(r) = r
-                    && let Some(t) = TrainSample::from_sample(s, g, *r)
+                    && let Some(mut t) = TrainSample::from_sample(s, g, *r)
                 {
+                    t.replay_routes = cfg.use_rollout_routing_replay;
                     kept.push(t);
                 }
             }
@@ -1191,6 +1194,7 @@ struct StepResult {
     grad_norm: f64,
     /// The load-balancing loss of a mixture of experts (unweighted).
     router_aux_loss: Option<f64>,
+    routing: Option<RoutingMismatch>,
 }
 
 /// What [`train_step`] did: the step's result, `None` when its loss or gradient was not finite
@@ -1212,6 +1216,10 @@ trait Learner {
     /// A mixture-of-experts model's load-balancing loss, and its weight in the loss (the
     /// backward adds its gradient).
     fn router_aux_loss(&self, _: &Self::Forward) -> Option<(f64, f64)> {
+        None
+    }
+    /// How the forward's experts compare with the rollout's record (mixture of experts).
+    fn routing_mismatch(_: &Self::Forward) -> Option<RoutingMismatch> {
         None
     }
     /// Adds the gradient of the loss whose derivatives these are.
@@ -1256,6 +1264,10 @@ impl Learner for CpuLearner<'_> {
     fn router_aux_loss(&self, f: &Forward) -> Option<(f64, f64)> {
         let coef = self.policy.config.moe.as_ref()?.router_aux_loss_coef;
         Some((f.router_aux_loss?, f64::from(coef)))
+    }
+
+    fn routing_mismatch(f: &Forward) -> Option<RoutingMismatch> {
+        f.routing_mismatch
     }
 
     fn backward(
@@ -1352,6 +1364,7 @@ fn train_step<L: Learner>(
         metrics: LossMetrics::default(),
         grad_norm: 0.0,
         router_aux_loss: None,
+        routing: None,
     };
     let mut seen = Vec::with_capacity(part.len());
     for mb in part.chunks(micro.max(1)) {
@@ -1407,6 +1420,9 @@ fn train_step<L: Learner>(
             out.loss += coef * aux;
             *total.router_aux_loss.get_or_insert(0.0) += share * aux;
         }
+        if let Some(m) = L::routing_mismatch(&fwd) {
+            total.routing.get_or_insert_default().merge(&m);
+        }
         let scale = share as f32;
         out.d_logp.iter_mut().for_each(|g| *g *= scale);
         out.d_entropy.iter_mut().for_each(|g| *g *= scale);
@@ -1430,6 +1446,7 @@ struct StepSums {
     grad_norm: f64,
     lr: f32,
     router_aux_loss: Option<f64>,
+    routing: Option<RoutingMismatch>,
 }
 
 impl StepSums {
@@ -1441,6 +1458,9 @@ impl StepSums {
         self.lr = lr;
         if let Some(aux) = s.router_aux_loss {
             *self.router_aux_loss.get_or_insert(0.0) += aux;
+        }
+        if let Some(m) = &s.routing {
+            self.routing.get_or_insert_default().merge(m);
         }
     }
 
@@ -1459,6 +1479,15 @@ impl StepSums {
         record.insert("train/lr".into(), json!(self.lr));
         if let Some(aux) = self.router_aux_loss {
             record.insert("train/router_aux_loss".into(), json!(aux / k));
+        }
+        // Of the (token, sparse layer) pairs with a rollout record: how often training's own
+        // top-k differs from the rollout's experts, and how often the experts it used do
+        // (0 with --use-rollout-routing-replay).
+        if let Some(m) = self.routing.filter(|m| m.compared > 0) {
+            let n = m.compared as f64;
+            record.insert("train/routed_experts_mismatch".into(), json!(m.own_differs as f64 / n));
+            record
+                .insert("train/replayed_experts_mismatch".into(), json!(m.used_differs as f64 / n));
         }
     }
 }
@@ -1504,6 +1533,8 @@ fn sft_samples(
             advantages: vec![0.0; n],
             correction_weights: None,
             correction_mask: None,
+            routed_experts: None,
+            replay_routes: false,
         });
     }
     Ok(samples)
