@@ -39,3 +39,24 @@ fn tis_is_absent_when_its_feature_is_off() {
     let err = find(PluginKind::Correction, "tis").unwrap_err().to_string();
     assert!(err.contains("cargo xtask build --features"), "{err}");
 }
+
+#[cfg(feature = "r3")]
+#[test]
+fn r3_is_registered_when_its_feature_is_on() {
+    miles_cli::linked::plugins();
+    assert!(miles_cli::linked::FEATURES.contains(&"r3"));
+    assert_eq!(find(PluginKind::Replay, "r3").unwrap().kind().as_str(), "replay");
+    let r3 = registry::create_replay("r3", &serde_json::json!({})).unwrap();
+    let record = miles_core::RoutedExperts { num_layers: 1, top_k: 2, ids: vec![3, 1] };
+    assert_eq!(r3.replay(&record, 2).unwrap(), vec![3, 1, miles_core::ROUTER_CHOOSES, u32::MAX]);
+    let err = registry::create_replay("r3", &serde_json::json!({"level": 2})).err().unwrap();
+    assert!(err.to_string().contains("r3 takes no settings"), "{err}");
+}
+
+#[cfg(not(feature = "r3"))]
+#[test]
+fn r3_is_absent_when_its_feature_is_off() {
+    miles_cli::linked::plugins();
+    let err = find(PluginKind::Replay, "r3").unwrap_err().to_string();
+    assert!(err.contains("cargo xtask build --features"), "{err}");
+}

@@ -6,6 +6,7 @@ use miles_model::tokenizer::write_byte_level_tokenizer;
 use miles_model::{Architecture, KvCache, Model, PackedBatch, Tokenizer, Weights, presets};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::rng::Rng;
+#[cfg(feature = "r3")]
 use miles_train::batch::{self, TrainSample};
 
 /// A tiny random model whose distributions are far from uniform, so sampling paths differ.
@@ -517,13 +518,20 @@ fn engine_limits_and_refusals() {
     assert!(err.contains("--rollout-kv-cache-mb"), "{err}");
 }
 
-/// The samples as the trainer packs them (routing records included), with `replay`.
+/// The samples as the trainer packs them (routing records included), with `replay` through
+/// the `r3` plugin.
+#[cfg(feature = "r3")]
 fn packed(samples: &[Sample], replay: bool) -> PackedBatch {
+    miles_cli::linked::plugins();
+    let r3 = miles_core::registry::create_replay("r3", &serde_json::json!({})).unwrap();
     let train: Vec<TrainSample> = samples
         .iter()
         .map(|s| {
             let mut t = TrainSample::from_sample(s, 0, 0.0).unwrap();
-            t.replay_routes = replay;
+            if replay {
+                let record = t.routed_experts.as_ref().unwrap();
+                t.replay_experts = Some(r3.replay(record, t.tokens.len()).unwrap());
+            }
             t
         })
         .collect();
@@ -534,6 +542,7 @@ fn packed(samples: &[Sample], replay: bool) -> PackedBatch {
 /// sparse layer, top-k each), the same under preemption and chunked prefill; the trainer's
 /// forward picks the same experts and gives the rollout's logprobs bit for bit, and replaying
 /// the record (R3) changes no bit where they already agree.
+#[cfg(feature = "r3")]
 #[test]
 fn moe_rollouts_record_their_experts_and_equal_the_trainer() {
     let m = model(Architecture::Qwen3Moe, 17);
@@ -575,6 +584,7 @@ fn moe_rollouts_record_their_experts_and_equal_the_trainer() {
 /// R3 does its job: with the training copy's router moved a little, the trainer's own top-k
 /// differs from the rollout's record for some tokens; replaying the record makes every expert
 /// set identical again and brings the trainer's logprobs closer to the rollout's.
+#[cfg(feature = "r3")]
 #[test]
 fn routing_replay_restores_the_rollouts_experts_under_a_perturbed_router() {
     let rollout = model(Architecture::Qwen3Moe, 21);

@@ -53,7 +53,7 @@ fn train_sample(
         correction_weights: None,
         correction_mask: None,
         routed_experts: None,
-        replay_routes: false,
+        replay_experts: None,
     }
 }
 

@@ -8,6 +8,8 @@ use miles_core::Plugin;
 pub const FEATURES: &[&str] = &[
     #[cfg(feature = "tis")]
     "tis",
+    #[cfg(feature = "r3")]
+    "r3",
     #[cfg(feature = "cuda")]
     "cuda",
 ];
@@ -17,6 +19,8 @@ pub fn plugins() -> Vec<&'static Plugin> {
     let features: &[&'static Plugin] = &[
         #[cfg(feature = "tis")]
         &miles_plugin_tis::PLUGIN,
+        #[cfg(feature = "r3")]
+        &miles_plugin_r3::PLUGIN,
     ];
     let builtin = miles_rewards::BUILTIN.iter().chain(miles_train::advantage::BUILTIN);
     let all: Vec<&'static Plugin> = builtin.chain(features).copied().collect();

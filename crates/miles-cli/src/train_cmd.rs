@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use miles_core::config::{AdvantageEstimator, RunConfig};
-use miles_core::{Correction, Reward, registry};
+use miles_core::{Correction, Reward, RoutingReplay, registry};
 use miles_data::{Dataset, Keys};
 use miles_model::Tokenizer;
 use miles_plugin_abi::host::DynamicReward;
@@ -132,6 +132,17 @@ fn make_correction(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Correction>
     Ok(Some(c))
 }
 
+/// The `r3` plugin with `--use-rollout-routing-replay`.
+fn make_replay(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn RoutingReplay>>> {
+    if !cfg.use_rollout_routing_replay {
+        return Ok(None);
+    }
+    linked::plugins();
+    let r = registry::create_replay("r3", &serde_json::json!({}))
+        .context("--use-rollout-routing-replay")?;
+    Ok(Some(r))
+}
+
 /// `runs/<kind>-<unix seconds>` unless `--run-dir` (or `--save`, where metrics sit beside the
 /// checkpoints so a resumed run appends to them) says otherwise.
 fn run_dir(cfg: &RunConfig, kind: &str) -> PathBuf {
@@ -161,6 +172,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
     let reward = make_reward(&cfg)?;
     let advantage = make_advantage(&cfg)?;
     let correction = make_correction(&cfg)?;
+    let replay = make_replay(&cfg)?;
     if demo::is_demo(&cfg) {
         let run_dir = run_dir(&cfg, "demo");
         let tok_dir = run_dir.join("tokenizer");
@@ -174,6 +186,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
             reward,
             advantage,
             correction,
+            replay,
             run_dir,
             config: cfg,
         });
@@ -212,6 +225,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
         reward,
         advantage,
         correction,
+        replay,
         run_dir: run_dir(&cfg, "train"),
         config: cfg,
     })

@@ -1,10 +1,11 @@
-//! The vocabulary every other crate of miles-rs shares: what a sample is, the five plugin traits
-//! that one RL step runs through, the registry that plugin crates add themselves to, and the run
+//! The vocabulary every other crate of miles-rs shares: what a sample is, the plugin traits that
+//! one RL step runs through, the registry that plugin crates add themselves to, and the run
 //! configuration. Nothing here computes: tensors and kernels live in `miles-tensor`.
 //!
 //! One RL step, as data flows (see `docs/ARCHITECTURE.md`):
 //! prompts → [`Rollout`] → [`Reward`] → filters → [`Advantage`] → trainer (loss, [`Correction`],
-//! optimizer) → weight sync ([`Quantizer`] for low-precision rollout) → back to [`Rollout`].
+//! [`RoutingReplay`] for MoE, optimizer) → weight sync ([`Quantizer`] for low-precision rollout)
+//! → back to [`Rollout`].
 
 mod advantage;
 pub mod config;
@@ -12,6 +13,7 @@ mod correction;
 mod error;
 mod quantizer;
 pub mod registry;
+mod replay;
 mod reward;
 mod rollout;
 mod sample;
@@ -21,6 +23,7 @@ pub use correction::{Correction, CorrectionInput, CorrectionOutput};
 pub use error::{Error, Result};
 pub use quantizer::{QuantFormat, Quantized, Quantizer, WeightView};
 pub use registry::{Factory, Plugin, PluginConfig, PluginKind, Registration};
+pub use replay::{ROUTER_CHOOSES, RoutingReplay};
 pub use reward::{Reward, RewardError, RewardValue};
 pub use rollout::{Rollout, SamplingParams};
 pub use sample::{Message, Prompt, RoutedExperts, Sample, Status};

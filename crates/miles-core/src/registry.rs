@@ -29,12 +29,12 @@ use std::fmt;
 
 use serde::Serialize;
 
-use crate::{Advantage, Correction, Error, Quantizer, Result, Reward, Rollout};
+use crate::{Advantage, Correction, Error, Quantizer, Result, Reward, Rollout, RoutingReplay};
 
 /// A plugin's configuration: the JSON object the driver builds from flags or the config file.
 pub type PluginConfig = serde_json::Value;
 
-/// The five things a plugin can provide.
+/// The things a plugin can provide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PluginKind {
@@ -43,15 +43,17 @@ pub enum PluginKind {
     Advantage,
     Quantizer,
     Correction,
+    Replay,
 }
 
 impl PluginKind {
-    pub const ALL: [PluginKind; 5] = [
+    pub const ALL: [PluginKind; 6] = [
         PluginKind::Rollout,
         PluginKind::Reward,
         PluginKind::Advantage,
         PluginKind::Quantizer,
         PluginKind::Correction,
+        PluginKind::Replay,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -61,6 +63,7 @@ impl PluginKind {
             PluginKind::Advantage => "advantage",
             PluginKind::Quantizer => "quantizer",
             PluginKind::Correction => "correction",
+            PluginKind::Replay => "replay",
         }
     }
 }
@@ -79,6 +82,7 @@ pub enum Factory {
     Advantage(fn(&PluginConfig) -> Result<Box<dyn Advantage>>),
     Quantizer(fn(&PluginConfig) -> Result<Box<dyn Quantizer>>),
     Correction(fn(&PluginConfig) -> Result<Box<dyn Correction>>),
+    Replay(fn(&PluginConfig) -> Result<Box<dyn RoutingReplay>>),
 }
 
 /// A statically linked plugin.
@@ -98,6 +102,7 @@ impl Plugin {
             Factory::Advantage(_) => PluginKind::Advantage,
             Factory::Quantizer(_) => PluginKind::Quantizer,
             Factory::Correction(_) => PluginKind::Correction,
+            Factory::Replay(_) => PluginKind::Replay,
         }
     }
 }
@@ -171,6 +176,14 @@ pub fn create_reward(name: &str, config: &PluginConfig) -> Result<Box<dyn Reward
 pub fn create_correction(name: &str, config: &PluginConfig) -> Result<Box<dyn Correction>> {
     create(PluginKind::Correction, name, config, |f| match f {
         Factory::Correction(make) => Some(make),
+        _ => None,
+    })
+}
+
+/// Instantiates the routing replay `name` (`r3`).
+pub fn create_replay(name: &str, config: &PluginConfig) -> Result<Box<dyn RoutingReplay>> {
+    create(PluginKind::Replay, name, config, |f| match f {
+        Factory::Replay(make) => Some(make),
         _ => None,
     })
 }

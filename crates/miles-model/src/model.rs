@@ -30,20 +30,21 @@ pub struct PackedBatch {
 /// The experts a rollout routed each token of a packed batch to, in the sparse layers in
 /// order: `ids[(token · layers + layer) · top_k + k]`, [`crate::moe::OWN_CHOICE`] for a token
 /// without a record (each sequence's last, never run by the engine). The forward compares its
-/// own choices with them (`Forward::routing_mismatch`), and uses them with `replay` (Rollout
-/// Routing Replay).
+/// own choices with them (`Forward::routing_mismatch`) and uses `replay`, in the same layout,
+/// when given (Rollout Routing Replay).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutedBatch {
     pub layers: usize,
     pub top_k: usize,
     pub ids: Vec<u32>,
-    pub replay: bool,
+    pub replay: Option<Vec<u32>>,
 }
 
 impl RoutedBatch {
-    /// Sparse layer `layer`'s experts, `[tokens × top_k]`.
-    fn layer(&self, layer: usize) -> Vec<u32> {
-        self.ids
+    /// Sparse layer `layer`'s experts of `table` (`[tokens × layers × top_k]`), `[tokens ×
+    /// top_k]`.
+    fn layer(&self, table: &[u32], layer: usize) -> Vec<u32> {
+        table
             .chunks(self.layers * self.top_k)
             .flat_map(|row| &row[layer * self.top_k..(layer + 1) * self.top_k])
             .copied()
@@ -127,7 +128,8 @@ impl PackedBatch {
             )));
         }
         if let Some(r) = &self.routed
-            && r.ids.len() != self.tokens.len() * r.layers * r.top_k
+            && (r.ids.len() != self.tokens.len() * r.layers * r.top_k
+                || r.replay.as_ref().is_some_and(|p| p.len() != r.ids.len()))
         {
             return Err(Error::Invalid(format!(
                 "packed batch: {} routed experts for {} tokens × {} sparse layers × top-{}",
@@ -472,11 +474,11 @@ impl Model {
                             r.layers
                         )));
                     }
-                    Some((r.layer(sparse), r.replay))
+                    Some((r.layer(&r.ids, sparse), r.replay.as_ref().map(|p| r.layer(p, sparse))))
                 }
                 _ => None,
             };
-            let replay = record.as_ref().filter(|(_, replay)| *replay).map(|(ids, _)| &ids[..]);
+            let replay = record.as_ref().and_then(|(_, p)| p.as_deref());
             let (x_out, a) = layer_forward(&cpu, c, layer, x, &mut attention, replay)?;
             if let Some(r) = a.routing() {
                 balance.add(r);
@@ -1071,7 +1073,8 @@ pub(crate) mod tests {
                 for &end in &b.cu_seqlens[1..] {
                     ids[(end - 1) * 2..end * 2].fill(crate::moe::OWN_CHOICE);
                 }
-                b.routed = Some(RoutedBatch { layers: 1, top_k: 2, ids, replay: true });
+                b.routed =
+                    Some(RoutedBatch { layers: 1, top_k: 2, ids: ids.clone(), replay: Some(ids) });
             }
             let t = 0.9;
             let fwd = m.forward(&b, t).unwrap();

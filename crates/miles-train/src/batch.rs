@@ -27,10 +27,11 @@ pub struct TrainSample {
     pub advantages: Vec<f32>,
     pub correction_weights: Option<Vec<f32>>,
     pub correction_mask: Option<Vec<u8>>,
-    /// The experts the rollout routed each position to (mixture of experts), and whether the
-    /// trainer's forwards replay them (`--use-rollout-routing-replay`).
+    /// The experts the rollout routed each position to (mixture of experts), and those the
+    /// trainer's forwards use (`[tokens × layers × top_k]`, from the `r3` plugin with
+    /// `--use-rollout-routing-replay`).
     pub routed_experts: Option<RoutedExperts>,
-    pub replay_routes: bool,
+    pub replay_experts: Option<Vec<u32>>,
 }
 
 impl TrainSample {
@@ -66,13 +67,14 @@ impl TrainSample {
             correction_weights: None,
             correction_mask: None,
             routed_experts: s.rollout_routed_experts.clone(),
-            replay_routes: false,
+            replay_experts: None,
         })
     }
 }
 
 /// Packs samples for one forward, with their routed experts when every sample has a record
-/// (a position past a record routes itself).
+/// (a position past a record routes itself), and the experts to replay when every sample has
+/// them.
 pub fn pack(samples: &[TrainSample]) -> miles_model::Result<PackedBatch> {
     let seqs: Vec<(Vec<u32>, usize)> =
         samples.iter().map(|s| (s.tokens.clone(), s.prompt_len)).collect();
@@ -94,7 +96,16 @@ pub fn pack(samples: &[TrainSample]) -> miles_model::Result<PackedBatch> {
             ids.extend(r.ids[..recorded * row].iter().map(|&e| u32::from(e)));
             ids.resize(ids.len() + (s.tokens.len() - recorded) * row, OWN_CHOICE);
         }
-        let replay = samples.iter().any(|s| s.replay_routes);
+        let replay: Option<Vec<u32>> = samples
+            .iter()
+            .map(|s| s.replay_experts.as_deref())
+            .collect::<Option<Vec<&[u32]>>>()
+            .map(|parts| parts.concat());
+        if replay.as_ref().is_some_and(|r| r.len() != ids.len()) {
+            return Err(miles_model::Error::Invalid(
+                "the experts to replay do not cover the packed tokens".into(),
+            ));
+        }
         batch.routed = Some(RoutedBatch { layers, top_k, ids, replay });
     }
     Ok(batch)
@@ -319,7 +330,7 @@ mod tests {
             correction_weights: None,
             correction_mask: None,
             routed_experts: None,
-            replay_routes: false,
+            replay_experts: None,
         };
         for kind in [KlLossType::K1, KlLossType::K2, KlLossType::K3, KlLossType::LowVarKl] {
             let estimator = RecordKl::default();

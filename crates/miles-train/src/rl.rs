@@ -34,7 +34,9 @@ use std::time::Instant;
 
 use anyhow::{Context, anyhow, bail};
 use miles_core::config::{LossType, RunConfig};
-use miles_core::{Advantage, Correction, Reward, Rollout, Sample, SamplingParams, Status};
+use miles_core::{
+    Advantage, Correction, Reward, Rollout, RoutingReplay, Sample, SamplingParams, Status,
+};
 use miles_data::{Cursor, DataSource, Dataset, PromptRow};
 use miles_model::moe::RoutingMismatch;
 use miles_model::{
@@ -68,6 +70,8 @@ pub struct Setup {
     pub reward: Option<Box<dyn Reward>>,
     pub advantage: Box<dyn Advantage>,
     pub correction: Option<Box<dyn Correction>>,
+    /// The `r3` plugin, with `--use-rollout-routing-replay`.
+    pub replay: Option<Box<dyn RoutingReplay>>,
     pub run_dir: PathBuf,
 }
 
@@ -212,6 +216,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         reward,
         advantage,
         correction,
+        replay,
         run_dir,
     } = setup;
     cfg.validate()?;
@@ -238,6 +243,12 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     if cfg.partial_rollout {
         bail!(
             "--partial-rollout: not supported by the loop yet (the engine resumes aborted samples)"
+        );
+    }
+    if cfg.use_rollout_routing_replay && replay.is_none() {
+        bail!(
+            "--use-rollout-routing-replay: this binary has no `r3` plugin (build with --features \
+             r3)"
         );
     }
     if cfg.use_rollout_routing_replay && model.config.moe.is_none() {
@@ -331,6 +342,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         reward: reward.as_ref(),
         advantage: advantage.as_ref(),
         correction: correction.as_deref(),
+        replay: replay.as_deref(),
         reference: reference.as_ref(),
         saved_ref,
         config: &config,
@@ -451,6 +463,7 @@ struct Run<'a> {
     reward: &'a dyn Reward,
     advantage: &'a dyn Advantage,
     correction: Option<&'a dyn Correction>,
+    replay: Option<&'a dyn RoutingReplay>,
     reference: Option<&'a Reference>,
     saved_ref: &'a [&'a str],
     config: &'a miles_model::ModelConfig,
@@ -531,6 +544,14 @@ impl Run<'_> {
                     &mut record,
                 )?
             };
+            if let Some(r) = self.replay {
+                // R3: the trainer's forwards use the experts the rollout recorded.
+                for s in &mut samples {
+                    if let Some(record) = &s.routed_experts {
+                        s.replay_experts = Some(r.replay(record, s.tokens.len())?);
+                    }
+                }
+            }
             let rollout_time = started.elapsed().as_secs_f64();
             let train_started = Instant::now();
             if !self.sft_run {
@@ -1153,9 +1174,8 @@ fn rollout<P: Policy>(
             groups_kept += 1;
             for (s, r) in group.iter().zip(rewards) {
                 if let Some(r) = r
-                    && let Some(mut t) = TrainSample::from_sample(s, g, *r)
+                    && let Some(t) = TrainSample::from_sample(s, g, *r)
                 {
-                    t.replay_routes = cfg.use_rollout_routing_replay;
                     kept.push(t);
                 }
             }
@@ -1534,7 +1554,7 @@ fn sft_samples(
             correction_weights: None,
             correction_mask: None,
             routed_experts: None,
-            replay_routes: false,
+            replay_experts: None,
         });
     }
     Ok(samples)
