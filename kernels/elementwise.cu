@@ -56,6 +56,40 @@ __device__ void swiglu_stacked(T* h, const T* gu, long long rows, int inter) {
     }
 }
 
+// A mixture of experts' combine: out[t, :] = Σ_j w[t·k + j] · y[picks[t·k + j], :], one block
+// per row t, each element summed in f32 in rank order j with separately rounded products and
+// sums (no contraction into FMAs), as the CPU twin computes it. k = 1 is a scaled gather.
+template <typename T>
+__device__ void pick_rows_sum(T* out, const T* y, const int* picks, const float* w, int k,
+                              int width) {
+    const size_t t = blockIdx.x;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < k; ++j) {
+            const size_t p = t * k + j;
+            acc = __fadd_rn(acc, __fmul_rn(w[p], get(y, static_cast<size_t>(picks[p]) * width + i)));
+        }
+        put(out, t * width + i, acc);
+    }
+}
+
+// out[p] = a[p / k, :] · y[picks[p], :], one block per pick (the gate weights' gradient).
+template <typename T>
+__device__ void pick_row_dots(float* out, const T* a, const T* y, const int* picks, int k,
+                              int width) {
+    __shared__ float scratch[32];
+    const size_t p = blockIdx.x;
+    const size_t t = p / k;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        s += get(a, t * width + i) * get(y, static_cast<size_t>(picks[p]) * width + i);
+    }
+    s = miles::block_sum(s, scratch);
+    if (threadIdx.x == 0) {
+        out[p] = s;
+    }
+}
+
 template <typename T, int VEC>
 __device__ void swiglu_backward(T* d_gate, T* d_up, const T* dh, const T* gate, const T* up,
                                 long long n) {
@@ -213,6 +247,19 @@ BOTH(__nv_bfloat16, bf16)
 
 SWIGLU_STACKED(float, f32)
 SWIGLU_STACKED(__nv_bfloat16, bf16)
+
+#define PICK_ROWS(T, SUFFIX)                                                                   \
+    extern "C" __global__ void pick_rows_sum_##SUFFIX(T* out, const T* y, const int* picks,   \
+                                                      const float* w, int k, int width) {      \
+        pick_rows_sum(out, y, picks, w, k, width);                                             \
+    }                                                                                          \
+    extern "C" __global__ void pick_row_dots_##SUFFIX(float* out, const T* a, const T* y,     \
+                                                      const int* picks, int k, int width) {    \
+        pick_row_dots(out, a, y, picks, k, width);                                             \
+    }
+
+PICK_ROWS(float, f32)
+PICK_ROWS(__nv_bfloat16, bf16)
 
 // The columns of x [rows × (w0 + w1 + w2)] into o0 [rows × w0], o1 [rows × w1], o2 [rows × w2]
 // (w2 = 0: two parts), one block per row: a fused product's output split into its parts.

@@ -9,7 +9,8 @@
 
 use std::path::Path;
 
-use miles_core::{Prompt, config::RunConfig};
+use miles_core::Prompt;
+use miles_core::config::{DemoArch, RunConfig};
 use miles_data::{Dataset, PromptRow};
 use miles_model::{Architecture, Model, Tokenizer, Weights, presets, tokenizer};
 
@@ -21,12 +22,11 @@ const OPERANDS: u32 = 10;
 
 /// The policy at `seed`: the `tiny` preset (2 layers, hidden 64) over the byte-level
 /// tokenizer, Qwen3-shaped unless `--arch` says otherwise.
-pub fn model(seed: u64, arch: Option<&str>) -> anyhow::Result<Model> {
+pub fn model(seed: u64, arch: Option<DemoArch>) -> anyhow::Result<Model> {
     let arch = match arch {
-        None | Some("qwen3") => Architecture::Qwen3,
-        Some("llama") => Architecture::Llama,
-        Some("qwen3-moe") => Architecture::Qwen3Moe,
-        Some(other) => anyhow::bail!("--arch {other}: the demo takes qwen3, llama or qwen3-moe"),
+        None | Some(DemoArch::Qwen3) => Architecture::Qwen3,
+        Some(DemoArch::Llama) => Architecture::Llama,
+        Some(DemoArch::Qwen3Moe) => Architecture::Qwen3Moe,
     };
     let config = presets::preset("tiny", Some(arch))?;
     let weights = Weights::random(&config, seed);

@@ -178,7 +178,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
         let tok_dir = run_dir.join("tokenizer");
         let tokenizer = demo::tokenizer(&tok_dir)?;
         return Ok(Setup {
-            model: demo::model(cfg.seed, cfg.arch.as_deref())?,
+            model: demo::model(cfg.seed, cfg.arch)?,
             tokenizer,
             tokenizer_dir: Some(tok_dir),
             train_data: demo::train_data(),
@@ -194,10 +194,11 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
     let Some(dir) = cfg.hf_checkpoint.clone() else {
         bail!("--hf-checkpoint: --prompt-data was given, so a model is needed too");
     };
-    if let Some(arch) = &cfg.arch {
+    if let Some(arch) = cfg.arch {
         bail!(
-            "--arch {arch}: the built-in demo's architecture; {}/config.json names the \
+            "--arch {}: the built-in demo's architecture; {}/config.json names the \
              checkpoint's",
+            arch.as_str(),
             dir.display()
         );
     }

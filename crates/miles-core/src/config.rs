@@ -76,6 +76,25 @@ pub enum LrDecayStyle {
     Cosine,
 }
 
+/// The built-in demo policy's architecture (`--arch`, miles-rs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DemoArch {
+    Qwen3,
+    Llama,
+    Qwen3Moe,
+}
+
+impl DemoArch {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DemoArch::Qwen3 => "qwen3",
+            DemoArch::Llama => "llama",
+            DemoArch::Qwen3Moe => "qwen3-moe",
+        }
+    }
+}
+
 /// One run's settings, flat like slime's argument namespace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
@@ -91,7 +110,7 @@ pub struct RunConfig {
     pub device: String,
     /// The built-in demo policy's architecture: `qwen3` (when unset), `llama` or `qwen3-moe`
     /// (miles-rs; a checkpoint's config.json names its own).
-    pub arch: Option<String>,
+    pub arch: Option<DemoArch>,
 
     // Data.
     pub prompt_data: Option<String>,

@@ -111,6 +111,108 @@ pub(crate) fn swiglu_stacked(
     Ok(wrap(gpu, data))
 }
 
+/// [`crate::ops::pick_rows_sum`]: one block per output row.
+pub(crate) fn pick_rows_sum(
+    gpu: &Arc<Gpu>,
+    y: &DeviceData,
+    picks: &[i32],
+    weights: &[f32],
+    k: usize,
+    width: usize,
+) -> Result<Buffer> {
+    let rows = picks.len() / k.max(1);
+    let (k_i, width_i) = (k as i32, width as i32);
+    let cfg = row_block(rows, width);
+    let p = upload(gpu, picks)?;
+    let w = gpu.stream().clone_htod(weights).map_err(|e| driver_error("copy to device", e))?;
+    let data = match y {
+        DeviceData::F32(y) => {
+            let mut out = gpu.alloc::<f32>((rows * width).max(1))?;
+            if rows > 0 {
+                launch!(
+                    gpu,
+                    "elementwise",
+                    "pick_rows_sum_f32",
+                    cfg,
+                    &mut out,
+                    y,
+                    &p,
+                    &w,
+                    &k_i,
+                    &width_i
+                )?;
+            }
+            DeviceData::F32(out)
+        }
+        DeviceData::BF16(y) => {
+            let mut out = gpu.alloc::<u16>((rows * width).max(1))?;
+            if rows > 0 {
+                launch!(
+                    gpu,
+                    "elementwise",
+                    "pick_rows_sum_bf16",
+                    cfg,
+                    &mut out,
+                    y,
+                    &p,
+                    &w,
+                    &k_i,
+                    &width_i
+                )?;
+            }
+            DeviceData::BF16(out)
+        }
+        DeviceData::I32(_) => return Err(mismatch("pick_rows_sum")),
+    };
+    Ok(wrap(gpu, data))
+}
+
+/// [`crate::ops::pick_row_dots`]: one block per pick; the dots come back to the host.
+pub(crate) fn pick_row_dots(
+    gpu: &Arc<Gpu>,
+    a: &DeviceData,
+    y: &DeviceData,
+    picks: &[i32],
+    k: usize,
+    width: usize,
+) -> Result<Vec<f32>> {
+    let (k_i, width_i) = (k as i32, width as i32);
+    let cfg = row_block(picks.len(), width);
+    let p = upload(gpu, picks)?;
+    let mut out = gpu.alloc::<f32>(picks.len().max(1))?;
+    if !picks.is_empty() {
+        match (a, y) {
+            (DeviceData::F32(a), DeviceData::F32(y)) => launch!(
+                gpu,
+                "elementwise",
+                "pick_row_dots_f32",
+                cfg,
+                &mut out,
+                a,
+                y,
+                &p,
+                &k_i,
+                &width_i
+            )?,
+            (DeviceData::BF16(a), DeviceData::BF16(y)) => launch!(
+                gpu,
+                "elementwise",
+                "pick_row_dots_bf16",
+                cfg,
+                &mut out,
+                a,
+                y,
+                &p,
+                &k_i,
+                &width_i
+            )?,
+            _ => return Err(mismatch("pick_row_dots")),
+        }
+    }
+    let host = gpu.stream().clone_dtoh(&out).map_err(|e| driver_error("copy to host", e))?;
+    Ok(host[..picks.len()].to_vec())
+}
+
 /// `(d_gate, d_up)` of [`swiglu_forward`] from `dh`.
 pub(crate) fn swiglu_backward(
     gpu: &Arc<Gpu>,

@@ -20,8 +20,8 @@ pub use attention::{
 };
 pub use elementwise::{
     add, concat_rows, embedding_backward, embedding_backward_acc, embedding_forward,
-    embedding_forward_ids, gather_rows, rope, scatter_rows, split_columns, swiglu_backward,
-    swiglu_forward, swiglu_stacked,
+    embedding_forward_ids, gather_rows, pick_row_dots, pick_rows_sum, rope, scatter_rows,
+    split_columns, swiglu_backward, swiglu_forward, swiglu_stacked,
 };
 pub use logprob::{logprob_rows, logprob_rows_backward, logprob_rows_ids};
 pub use optim::{AdamWTensors, adamw_multi, adamw_step, sum_squares, sum_squares_multi};
