@@ -13,6 +13,7 @@ use miles_tensor::{DType, Device, Tensor, ops};
 use crate::layer::{
     Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
 };
+use crate::moe::{BalanceStats, RoutingMismatch, SparseLayers};
 use crate::weights::tensor_spec;
 use crate::{DeviceKvCache, Error, Model, ModelConfig, PackedBatch, Result, StepRow, Weights};
 
@@ -34,22 +35,31 @@ const STACK_CHECK_ROWS: [usize; 7] = [1, 7, 16, 33, 64, 129, 256];
 pub const HEAD_CHUNK_ROWS: usize = 1024;
 
 /// Indices of a layer's tensors in [`tensor_spec`] order.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Layout {
     layers: usize,
     qk_norm: bool,
     tied: bool,
+    /// Where each layer's tensors start; the last entry is the final norm's index.
+    bases: Vec<usize>,
 }
 
 impl Layout {
-    fn per_layer(self) -> usize {
-        if self.qk_norm { 11 } else { 9 }
+    fn new(c: &ModelConfig) -> Layout {
+        let qk_norm = c.architecture.has_qk_norm();
+        let attention = if qk_norm { 8 } else { 6 };
+        let mut bases = vec![1];
+        for layer in 0..c.num_hidden_layers {
+            let mlp = match &c.moe {
+                Some(m) if m.is_sparse(layer) => 1 + 3 * m.num_experts,
+                _ => 3,
+            };
+            bases.push(bases[layer] + attention + mlp);
+        }
+        Layout { layers: c.num_hidden_layers, qk_norm, tied: c.tie_word_embeddings, bases }
     }
-    fn layer(self, layer: usize) -> usize {
-        1 + layer * self.per_layer()
-    }
-    fn norm(self, layer: usize, norm: Norm) -> usize {
-        let base = self.layer(layer);
+    fn norm(&self, layer: usize, norm: Norm) -> usize {
+        let base = self.bases[layer];
         let post = if self.qk_norm { 7 } else { 5 };
         base + match norm {
             Norm::Input => 0,
@@ -58,22 +68,24 @@ impl Layout {
             Norm::Post => post,
         }
     }
-    /// The linear's parts, in order (dense models: [`DeviceModel::new`] refuses sparse ones).
-    fn linear(self, layer: usize, linear: Linear) -> Vec<usize> {
-        let base = self.layer(layer);
+    /// The linear's parts, in order.
+    fn linear(&self, layer: usize, linear: Linear) -> Vec<usize> {
+        let base = self.bases[layer];
         let post = base + if self.qk_norm { 7 } else { 5 };
         match linear {
             Linear::Qkv => vec![base + 1, base + 2, base + 3],
             Linear::O => vec![base + 4],
             Linear::GateUp => vec![post + 1, post + 2],
             Linear::Down => vec![post + 3],
-            Linear::Router | Linear::ExpertGateUp(_) | Linear::ExpertDown(_) => Vec::new(),
+            Linear::Router => vec![post + 1],
+            Linear::ExpertGateUp(e) => vec![post + 2 + 3 * e, post + 3 + 3 * e],
+            Linear::ExpertDown(e) => vec![post + 4 + 3 * e],
         }
     }
-    fn final_norm(self) -> usize {
-        1 + self.layers * self.per_layer()
+    fn final_norm(&self) -> usize {
+        self.bases[self.layers]
     }
-    fn head(self) -> usize {
+    fn head(&self) -> usize {
         if self.tied { 0 } else { self.final_norm() + 1 }
     }
 }
@@ -109,6 +121,11 @@ pub struct DeviceModel {
 pub struct DeviceForward {
     pub logp: Vec<f32>,
     pub entropy: Vec<f32>,
+    /// As [`crate::Forward::router_aux_loss`].
+    pub router_aux_loss: Option<f64>,
+    /// As [`crate::Forward::routing_mismatch`].
+    pub routing_mismatch: Option<RoutingMismatch>,
+    balance: BalanceStats,
     temperature: f32,
     cos: Tensor,
     sin: Tensor,
@@ -127,12 +144,6 @@ impl DeviceModel {
             return Err(Error::Invalid("the compute dtype is bf16 or f32, not i32".into()));
         }
         let c = &model.config;
-        if c.moe.is_some() {
-            return Err(Error::Invalid(format!(
-                "{} models run on the CPU in this version: use --device cpu",
-                c.architecture.hf_class()
-            )));
-        }
         model.weights.check(c)?;
         let spec = tensor_spec(c);
         let mut masters = Vec::with_capacity(spec.len());
@@ -143,11 +154,7 @@ impl DeviceModel {
             .iter()
             .map(|(_, shape)| Tensor::zeros(shape, DType::F32, device))
             .collect::<std::result::Result<_, _>>()?;
-        let layout = Layout {
-            layers: c.num_hidden_layers,
-            qk_norm: c.architecture.has_qk_norm(),
-            tied: c.tie_word_embeddings,
-        };
+        let layout = Layout::new(c);
         let mut m = DeviceModel {
             config: c.clone(),
             device: *device,
@@ -196,7 +203,8 @@ impl DeviceModel {
     /// else leaves it empty. Costs the stacks' memory (a third of the layers' matrices).
     fn stack_linears(&mut self) -> Result<()> {
         self.stacked.clear();
-        if self.dtype == DType::F32 || self.device == Device::Cpu {
+        // (Mixture-of-experts layers have no dense gate/up to stack.)
+        if self.dtype == DType::F32 || self.device == Device::Cpu || self.config.moe.is_some() {
             return Ok(());
         }
         let mut stacked = Vec::with_capacity(self.layout.layers);
@@ -262,7 +270,7 @@ impl DeviceModel {
     fn weights(&self) -> DeviceWeights<'_> {
         DeviceWeights {
             config: &self.config,
-            layout: self.layout,
+            layout: &self.layout,
             masters: &self.masters,
             compute: &self.compute,
             stacked: &self.stacked,
@@ -312,8 +320,11 @@ impl DeviceModel {
             Ok(ops::attention_forward(q, k, v, &batch.cu_seqlens, shape)?)
         };
         let mut layers = Vec::new();
+        let mut sparse = SparseLayers::new(batch);
         for layer in 0..c.num_hidden_layers {
-            let (x_out, a) = layer_forward(&dev, c, layer, x, &mut attention, None)?;
+            let replay = sparse.replay(c, layer)?;
+            let (x_out, a) = layer_forward(&dev, c, layer, x, &mut attention, replay.as_deref())?;
+            sparse.after(&a);
             if keep {
                 layers.push(a);
             }
@@ -339,6 +350,9 @@ impl DeviceModel {
         Ok(DeviceForward {
             logp,
             entropy,
+            router_aux_loss: c.moe.as_ref().map(|_| sparse.balance.loss()),
+            routing_mismatch: sparse.mismatch,
+            balance: sparse.balance,
             temperature,
             cos,
             sin,
@@ -433,7 +447,7 @@ impl DeviceModel {
         plan: &ops::PagedPlan,
         kv: &mut DeviceKvCache,
     ) -> Result<Tensor> {
-        let (c, l) = (&self.config, self.layout);
+        let (c, l) = (&self.config, &self.layout);
         let eps = c.rms_norm_eps;
         let product = |x: &Tensor, w: &Tensor| ops::matmul(x, Transpose::No, w, Transpose::Yes);
         let (mut normed, _) = ops::rmsnorm_forward(&x, self.weight(l.norm(0, Norm::Input)), eps)?;
@@ -602,7 +616,7 @@ impl DeviceModel {
 
         let w = DeviceWeights {
             config: &self.config,
-            layout: self.layout,
+            layout: &self.layout,
             masters: &self.masters,
             compute: &self.compute,
             stacked: &self.stacked,
@@ -614,8 +628,10 @@ impl DeviceModel {
             cu_seqlens: &batch.cu_seqlens,
             grads: Some(&mut self.grads),
         };
+        let coef = c.moe.as_ref().map_or(0.0, |m| m.router_aux_loss_coef);
+        let balance = (coef > 0.0).then_some((coef, &fwd.balance));
         for (layer, a) in fwd.layers.iter().enumerate().rev() {
-            dx = layer_backward(&mut dev, c, layer, a, dx, None)?;
+            dx = layer_backward(&mut dev, c, layer, a, dx, balance)?;
         }
         ops::embedding_backward_acc(&mut self.grads[0], &dx, &batch.tokens)?;
         Ok(())
@@ -723,7 +739,7 @@ fn add_into(acc: &mut Tensor, x: &Tensor) -> Result<()> {
 #[derive(Clone, Copy)]
 struct DeviceWeights<'a> {
     config: &'a ModelConfig,
-    layout: Layout,
+    layout: &'a Layout,
     masters: &'a [Tensor],
     compute: &'a [Option<Tensor>],
     stacked: &'a [[Tensor; 2]],
@@ -735,8 +751,16 @@ impl<'a> DeviceWeights<'a> {
     }
 }
 
-fn sparse_unsupported() -> Error {
-    Error::Invalid("internal: a sparse (MoE) layer on a DeviceModel".into())
+/// The experts' outputs as one tensor, and each pick's row in it.
+fn stack_parts(parts: &[&Tensor], picks: &[(u32, u32)]) -> Result<(Tensor, Vec<u32>)> {
+    let mut starts = Vec::with_capacity(parts.len());
+    let mut at = 0u32;
+    for p in parts {
+        starts.push(at);
+        at += p.shape()[0] as u32;
+    }
+    let rows = picks.iter().map(|&(p, r)| starts[p as usize] + r).collect();
+    Ok((ops::concat_rows(parts)?, rows))
 }
 
 /// The device's layer primitives over tensors `[tokens × width]`.
@@ -769,10 +793,7 @@ impl Backend for Dev<'_> {
         let stack = match linear {
             Linear::Qkv => self.w.stacked.get(layer).map(|s| &s[0]),
             Linear::GateUp => self.w.stacked.get(layer).map(|s| &s[1]),
-            Linear::O | Linear::Down => None,
-            Linear::Router | Linear::ExpertGateUp(_) | Linear::ExpertDown(_) => {
-                return Err(sparse_unsupported());
-            }
+            _ => None,
         };
         // Decode-sized: one product and a split (checked to give the parts' bits).
         if let Some(w) = stack.filter(|_| x.shape()[0] <= STACK_MAX_ROWS) {
@@ -823,32 +844,41 @@ impl Backend for Dev<'_> {
         Ok(t.to_dtype(self.w.weight(0).dtype())?)
     }
 
-    // The sparse layers' primitives: DeviceModel::new refuses Qwen3-MoE models, so the layer
-    // code never reaches these on a device.
-    fn gather_rows(&self, _: &Tensor, _: usize, _: &[u32], _: Option<&[f32]>) -> Result<Tensor> {
-        Err(sparse_unsupported())
+    fn gather_rows(
+        &self,
+        x: &Tensor,
+        _width: usize,
+        rows: &[u32],
+        scales: Option<&[f32]>,
+    ) -> Result<Tensor> {
+        Ok(match scales {
+            Some(s) => ops::pick_rows_sum(x, rows, s, 1)?,
+            None => ops::gather_rows(x, rows)?,
+        })
     }
 
     fn sum_rows(
         &self,
-        _: &[&Tensor],
-        _: usize,
-        _: &[(u32, u32)],
-        _: &[f32],
-        _: usize,
+        parts: &[&Tensor],
+        _width: usize,
+        picks: &[(u32, u32)],
+        weights: &[f32],
+        k_n: usize,
     ) -> Result<Tensor> {
-        Err(sparse_unsupported())
+        let (all, rows) = stack_parts(parts, picks)?;
+        Ok(ops::pick_rows_sum(&all, &rows, weights, k_n)?)
     }
 
     fn row_dots(
         &self,
-        _: &Tensor,
-        _: &[&Tensor],
-        _: usize,
-        _: &[(u32, u32)],
-        _: usize,
+        a: &Tensor,
+        parts: &[&Tensor],
+        _width: usize,
+        picks: &[(u32, u32)],
+        k_n: usize,
     ) -> Result<Vec<f32>> {
-        Err(sparse_unsupported())
+        let (all, rows) = stack_parts(parts, picks)?;
+        Ok(ops::pick_row_dots(a, &all, &rows, k_n)?)
     }
 
     /// One launch for both norms and both rotations (ops::qk_norm_rope keeps their bits).
@@ -936,7 +966,7 @@ impl BackwardBackend for Dev<'_> {
 mod tests {
     use super::*;
     use crate::Architecture;
-    use crate::model::tests::{batch, model, tiny};
+    use crate::model::tests::{batch, model, tiny, tiny_moe};
     use miles_tensor::rng::Rng;
 
     fn devices() -> Vec<Device> {
@@ -957,13 +987,25 @@ mod tests {
     }
 
     /// Logp, entropy and every gradient of the device model against the CPU model: f32 to
-    /// float32 rounding, bf16 to bf16's.
+    /// float32 rounding, bf16 to bf16's; Qwen3, Llama and Qwen3-MoE (with its load-balancing
+    /// loss, the experts replayed from the CPU's choices so rounding cannot move a token).
     #[test]
     fn matches_the_cpu_model_on_every_device() {
+        let configs = [
+            tiny(Architecture::Qwen3, true),
+            tiny(Architecture::Llama, false),
+            tiny_moe(true, 0.3),
+        ];
         for device in devices() {
-            for (arch, tie) in [(Architecture::Qwen3, true), (Architecture::Llama, false)] {
-                let m = model(tiny(arch, tie), 21);
-                let b = batch();
+            for config in configs.clone() {
+                let arch = config.architecture;
+                let m = model(config, 21);
+                let mut b = batch();
+                if let Some(experts) = m.forward(&b, 0.8).unwrap().routed_experts() {
+                    let ids: Vec<u32> = experts.iter().map(|&e| u32::from(e)).collect();
+                    let replay = Some(ids.clone());
+                    b.routed = Some(crate::RoutedBatch { layers: 1, top_k: 2, ids, replay });
+                }
                 let t = 0.8;
                 let fwd = m.forward(&b, t).unwrap();
                 let mut rng = Rng::new(3);

@@ -12,7 +12,7 @@ use crate::kv::{BlockId, KvCache};
 use crate::layer::{
     Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
 };
-use crate::moe::{BalanceStats, RoutingMismatch};
+use crate::moe::{BalanceStats, RoutingMismatch, SparseLayers};
 use crate::{Error, ModelConfig, Result, Weights};
 
 /// Sequences packed back to back without padding. Sequence `s` is
@@ -43,7 +43,7 @@ pub struct RoutedBatch {
 impl RoutedBatch {
     /// Sparse layer `layer`'s experts of `table` (`[tokens × layers × top_k]`), `[tokens ×
     /// top_k]`.
-    fn layer(&self, table: &[u32], layer: usize) -> Vec<u32> {
+    pub(crate) fn layer(&self, table: &[u32], layer: usize) -> Vec<u32> {
         table
             .chunks(self.layers * self.top_k)
             .flat_map(|row| &row[layer * self.top_k..(layer + 1) * self.top_k])
@@ -462,31 +462,11 @@ impl Model {
         };
         let cpu = Cpu::new(self, Some(packed), &cos, &sin, &batch.cu_seqlens);
         let mut layers = Vec::new();
-        let mut balance = BalanceStats::default();
-        let mut mismatch = batch.routed.as_ref().map(|_| RoutingMismatch::default());
-        let mut sparse = 0;
+        let mut sparse = SparseLayers::new(batch);
         for layer in 0..c.num_hidden_layers {
-            let record = match &batch.routed {
-                Some(r) if c.is_sparse_layer(layer) => {
-                    if sparse >= r.layers {
-                        return Err(Error::Invalid(format!(
-                            "packed batch: routed experts for {} sparse layers, the model has more",
-                            r.layers
-                        )));
-                    }
-                    Some((r.layer(&r.ids, sparse), r.replay.as_ref().map(|p| r.layer(p, sparse))))
-                }
-                _ => None,
-            };
-            let replay = record.as_ref().and_then(|(_, p)| p.as_deref());
-            let (x_out, a) = layer_forward(&cpu, c, layer, x, &mut attention, replay)?;
-            if let Some(r) = a.routing() {
-                balance.add(r);
-                sparse += 1;
-                if let (Some(m), Some((ids, _))) = (mismatch.as_mut(), &record) {
-                    m.add(r, ids);
-                }
-            }
+            let replay = sparse.replay(c, layer)?;
+            let (x_out, a) = layer_forward(&cpu, c, layer, x, &mut attention, replay.as_deref())?;
+            sparse.after(&a);
             if keep {
                 layers.push(a);
             }
@@ -511,9 +491,9 @@ impl Model {
         Ok(Forward {
             logp,
             entropy,
-            router_aux_loss: c.moe.as_ref().map(|_| balance.loss()),
-            routing_mismatch: mismatch,
-            balance,
+            router_aux_loss: c.moe.as_ref().map(|_| sparse.balance.loss()),
+            routing_mismatch: sparse.mismatch,
+            balance: sparse.balance,
             temperature,
             cos,
             sin,

@@ -12,8 +12,8 @@
 //! token's own top-k) and `N` the rows of all sparse layers.
 
 use crate::config::MoeConfig;
-use crate::layer::{Backend, BackwardBackend, Linear};
-use crate::{Error, Result};
+use crate::layer::{Backend, BackwardBackend, LayerActivations, Linear};
+use crate::{Error, ModelConfig, PackedBatch, Result};
 
 /// One sparse layer's routing of `tokens` rows.
 #[derive(Debug, Clone, PartialEq)]
@@ -136,6 +136,50 @@ impl RoutingMismatch {
         self.compared += o.compared;
         self.own_differs += o.own_differs;
         self.used_differs += o.used_differs;
+    }
+}
+
+/// A training forward's bookkeeping of its sparse layers: the replay and the record of each
+/// from the batch ([`crate::RoutedBatch`]), and the balance statistics and mismatch counts.
+pub(crate) struct SparseLayers<'a> {
+    batch: &'a PackedBatch,
+    seen: usize,
+    record: Option<Vec<u32>>,
+    pub balance: BalanceStats,
+    pub mismatch: Option<RoutingMismatch>,
+}
+
+impl<'a> SparseLayers<'a> {
+    pub fn new(batch: &'a PackedBatch) -> Self {
+        let mismatch = batch.routed.as_ref().map(|_| RoutingMismatch::default());
+        SparseLayers { batch, seen: 0, record: None, balance: BalanceStats::default(), mismatch }
+    }
+
+    /// Before decoder layer `layer`: the experts to replay there, if any.
+    pub fn replay(&mut self, c: &ModelConfig, layer: usize) -> Result<Option<Vec<u32>>> {
+        self.record = None;
+        let Some(r) = self.batch.routed.as_ref().filter(|_| c.is_sparse_layer(layer)) else {
+            return Ok(None);
+        };
+        if self.seen >= r.layers {
+            return Err(Error::Invalid(format!(
+                "packed batch: routed experts for {} sparse layers, the model has more",
+                r.layers
+            )));
+        }
+        self.record = Some(r.layer(&r.ids, self.seen));
+        Ok(r.replay.as_ref().map(|p| r.layer(p, self.seen)))
+    }
+
+    /// After the layer: its routing into the statistics.
+    pub fn after<A>(&mut self, a: &LayerActivations<A>) {
+        if let Some(r) = a.routing() {
+            self.balance.add(r);
+            self.seen += 1;
+            if let (Some(m), Some(ids)) = (self.mismatch.as_mut(), &self.record) {
+                m.add(r, ids);
+            }
+        }
     }
 }
 
