@@ -296,6 +296,30 @@ fn the_device_loop_runs_on_host_tensors_and_resumes_exactly() {
     }
 }
 
+/// A Qwen3-MoE run with Rollout Routing Replay resumes to the same bytes (per-expert
+/// weights, their AdamW moments), on the CPU actor and on the device actor's code over host
+/// tensors; on the latter the experts used in training are the rollout's too.
+#[cfg(feature = "r3")]
+#[test]
+fn a_moe_run_with_replay_resumes_exactly_on_both_actors() {
+    let flags = format!("{SHORT} --arch qwen3-moe --use-rollout-routing-replay");
+    check_exact_resume("train_moe_resume", &flags, &["ref.safetensors"]);
+    let env = [("MILES_DEVICE_ACTOR_ON_HOST", "1")];
+    let dir =
+        check_exact_resume_with("train_moe_device_resume", &flags, &["ref.safetensors"], &env);
+    let records: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|r: &Value| r.get("rollout/raw_reward").is_some())
+        .collect();
+    for r in &records {
+        assert_eq!(r["train/replayed_experts_mismatch"], 0.0, "{r}");
+        assert!(r["train/routed_experts_mismatch"].is_number(), "{r}");
+        assert!(r["train/router_aux_loss"].is_number(), "{r}");
+    }
+}
+
 /// With one optimizer step per rollout the old logprobs are the step's own forward's: the run
 /// ends with the same bytes and metrics as one that computes them in a forward of their own,
 /// on both actors, over several micro-batches, and when a step is skipped (NaN loss at step 2,

@@ -371,6 +371,16 @@ impl DeviceModel {
     /// sequence come together in position order (its prompt, or a chunk of it, or one decode
     /// row). Each row's bits equal the training forward's for that token.
     pub fn step(&self, rows: &[StepRow], kv: &mut DeviceKvCache) -> Result<Tensor> {
+        Ok(self.step_routed(rows, kv)?.0)
+    }
+
+    /// [`DeviceModel::step`], and the experts each row was routed to in the sparse layers
+    /// (as [`crate::Model::step_routed`]; empty for a dense model).
+    pub fn step_routed(
+        &self,
+        rows: &[StepRow],
+        kv: &mut DeviceKvCache,
+    ) -> Result<(Tensor, Vec<u16>)> {
         let layout = kv.layout();
         self.check_step_tokens(rows)?;
         // Runs of rows of one sequence at consecutive positions.
@@ -388,7 +398,16 @@ impl DeviceModel {
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let x = ops::embedding_forward(self.weight(0), &tokens)?;
         let plan = ops::PagedPlan::new(&seqs, layout, &self.device)?;
-        self.step_layers(x, &cos, &sin, &plan, kv)
+        match &self.config.moe {
+            Some(m) => {
+                let mut per_layer = Vec::new();
+                let hidden =
+                    self.layers_one_by_one(x, &cos, &sin, &plan, kv, Some(&mut per_layer))?;
+                let experts: Vec<&[u32]> = per_layer.iter().map(Vec::as_slice).collect();
+                Ok((hidden, crate::moe::interleave(&experts, m.num_experts_per_tok)))
+            }
+            None => Ok((self.step_layers(x, &cos, &sin, &plan, kv)?, Vec::new())),
+        }
     }
 
     /// Every row's token is in the vocabulary (the kernels index the embedding with it).
@@ -428,7 +447,7 @@ impl DeviceModel {
         if !self.stacked.is_empty() && x.shape()[0] <= STACK_MAX_ROWS {
             self.decode_layers(x, cos, sin, plan, kv)
         } else {
-            self.layers_one_by_one(x, cos, sin, plan, kv)
+            self.layers_one_by_one(x, cos, sin, plan, kv, None)
         }
     }
 
@@ -482,7 +501,8 @@ impl DeviceModel {
         Ok(normed)
     }
 
-    /// [`Self::step_layers`] through the shared [`layer_forward`], one op at a time.
+    /// [`Self::step_layers`] through the shared [`layer_forward`], one op at a time; each
+    /// sparse layer's experts into `routes` when given.
     pub(crate) fn layers_one_by_one(
         &self,
         mut x: Tensor,
@@ -490,6 +510,7 @@ impl DeviceModel {
         sin: &Tensor,
         plan: &ops::PagedPlan,
         kv: &mut DeviceKvCache,
+        mut routes: Option<&mut Vec<Vec<u32>>>,
     ) -> Result<Tensor> {
         let c = &self.config;
         let dev = Dev { w: self.weights(), cos, sin, cu_seqlens: &[], grads: None };
@@ -499,7 +520,11 @@ impl DeviceModel {
                 let q_heads = c.num_attention_heads;
                 Ok(ops::paged_attention(q, kv.data(), layer, plan, q_heads)?)
             };
-            x = layer_forward(&dev, c, layer, x, &mut attention, None)?.0;
+            let (out, a) = layer_forward(&dev, c, layer, x, &mut attention, None)?;
+            x = out;
+            if let (Some(routes), Some(r)) = (routes.as_deref_mut(), a.routing()) {
+                routes.push(r.experts.clone());
+            }
         }
         let final_w = self.weight(self.layout.final_norm());
         Ok(ops::rmsnorm_forward(&x, final_w, c.rms_norm_eps)?.0)
@@ -1233,7 +1258,7 @@ mod invariance {
                 let x = || ops::embedding_forward(dm.weight(0), &tokens).unwrap();
                 let [a, b] = &mut caches;
                 let fused = dm.decode_layers(x(), &cos, &sin, &plan, a).unwrap();
-                let apart = dm.layers_one_by_one(x(), &cos, &sin, &plan, b).unwrap();
+                let apart = dm.layers_one_by_one(x(), &cos, &sin, &plan, b, None).unwrap();
                 let bits = |t: &Tensor| -> Vec<u32> {
                     t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
                 };

@@ -198,14 +198,8 @@ impl Forward {
         let per_layer: Vec<&crate::moe::Routing> =
             self.layers.iter().filter_map(|a| a.routing()).collect();
         let k = per_layer.first()?.top_k;
-        let tokens = per_layer[0].tokens();
-        let mut ids = Vec::with_capacity(tokens * per_layer.len() * k);
-        for t in 0..tokens {
-            for r in &per_layer {
-                ids.extend(r.experts[t * k..(t + 1) * k].iter().map(|&e| e as u16));
-            }
-        }
-        Some(ids)
+        let experts: Vec<&[u32]> = per_layer.iter().map(|r| &r.experts[..]).collect();
+        Some(crate::moe::interleave(&experts, k))
     }
 }
 
@@ -590,12 +584,8 @@ impl Model {
         }
         let hidden = rmsnorm(&x, &self.weights.final_norm, c.rms_norm_eps)?.0;
         let k = c.moe.as_ref().map_or(0, |m| m.num_experts_per_tok);
-        let mut routes = Vec::with_capacity(rows.len() * per_layer.len() * k);
-        for r in 0..rows.len() {
-            for ids in &per_layer {
-                routes.extend(ids[r * k..(r + 1) * k].iter().map(|&e| e as u16));
-            }
-        }
+        let experts: Vec<&[u32]> = per_layer.iter().map(Vec::as_slice).collect();
+        let routes = crate::moe::interleave(&experts, k);
         Ok((hidden, routes))
     }
 

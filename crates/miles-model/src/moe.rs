@@ -139,6 +139,19 @@ impl RoutingMismatch {
     }
 }
 
+/// Each sparse layer's experts (`[rows × top_k]` each) as `[rows × layers × top_k]`, the
+/// layout of `Sample::rollout_routed_experts`.
+pub(crate) fn interleave(per_layer: &[&[u32]], top_k: usize) -> Vec<u16> {
+    let rows = per_layer.first().map_or(0, |l| l.len() / top_k.max(1));
+    let mut ids = Vec::with_capacity(rows * per_layer.len() * top_k);
+    for r in 0..rows {
+        for layer in per_layer {
+            ids.extend(layer[r * top_k..(r + 1) * top_k].iter().map(|&e| e as u16));
+        }
+    }
+    ids
+}
+
 /// A training forward's bookkeeping of its sparse layers: the replay and the record of each
 /// from the batch ([`crate::RoutedBatch`]), and the balance statistics and mismatch counts.
 pub(crate) struct SparseLayers<'a> {

@@ -184,7 +184,9 @@ impl DevicePolicy {
         let blocks = blocks_in(kv_bytes, per_block)?;
         let kv = DeviceKvCache::new(&model.config, blocks, &model.device(), model.dtype())
             .map_err(model_error)?;
-        Ok(DevicePolicy { model, kv, graphs: None, use_graphs: graphs })
+        // A mixture of experts routes on the host between layers: no graph can hold a step.
+        let use_graphs = graphs && model.config.moe.is_none();
+        Ok(DevicePolicy { model, kv, graphs: None, use_graphs })
     }
 }
 
@@ -213,20 +215,22 @@ impl Policy for DevicePolicy {
         let decode = self.use_graphs
             && rows.len() == draws.len()
             && draws.iter().enumerate().all(|(i, d)| d.0 == i);
-        let drawn = if decode {
+        let (drawn, routes) = if decode {
             let graphs = match &mut self.graphs {
                 Some(g) if g.params() == how => g,
                 slot => slot.insert(DecodeGraphs::new(how)),
             };
-            self.model.decode(graphs, rows, &uniforms, &mut self.kv).map_err(model_error)?
+            let drawn =
+                self.model.decode(graphs, rows, &uniforms, &mut self.kv).map_err(model_error)?;
+            (drawn, Vec::new())
         } else {
-            let hidden = self.model.step(rows, &mut self.kv).map_err(model_error)?;
+            let (hidden, routes) =
+                self.model.step_routed(rows, &mut self.kv).map_err(model_error)?;
             let picks: Vec<u32> = draws.iter().map(|&(r, _)| r as u32).collect();
-            self.model.sample(&hidden, &picks, how, &uniforms).map_err(model_error)?
+            (self.model.sample(&hidden, &picks, how, &uniforms).map_err(model_error)?, routes)
         };
-        // DeviceModel refuses mixture-of-experts models: no routes to report.
         let drawn = drawn.into_iter().map(|d| d.map(|(token, logprob)| Draw { token, logprob }));
-        Ok((drawn.collect(), Vec::new()))
+        Ok((drawn.collect(), routes))
     }
 
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()> {

@@ -1335,6 +1335,15 @@ impl Learner for DeviceLearner<'_> {
         (&f.logp, &f.entropy)
     }
 
+    fn router_aux_loss(&self, f: &DeviceForward) -> Option<(f64, f64)> {
+        let coef = self.model.config.moe.as_ref()?.router_aux_loss_coef;
+        Some((f.router_aux_loss?, f64::from(coef)))
+    }
+
+    fn routing_mismatch(f: &DeviceForward) -> Option<RoutingMismatch> {
+        f.routing_mismatch
+    }
+
     fn backward(
         &mut self,
         f: DeviceForward,
