@@ -4,7 +4,7 @@
 # bf16 against HF, the benchmarks beside HF transformers, the real SmolLM2 on the GPU engine,
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
-#                                  trl|addition|gsm8k|resume|moe-fixture|all]
+#                                  trl|addition|gsm8k|resume|moe-fixture|moe-bench|all]
 # Prepare here: cargo xtask device-bundle && cargo build --release -p miles-cli --features cuda &&
 #   mkdir -p target/gpu && cp target/release/miles ../shared/bench/hf_baseline.py target/gpu/
 # and carry target/device-bundle and target/gpu, or, when they pass 64 MiB together, the archive
@@ -181,4 +181,16 @@ if [ "$what" = moe-fixture ]; then
   # back under $OUT/qwen3_moe for tests/fixtures/hf/qwen3_moe.
   python3 tests/fixtures/make_hf_moe_parity.py 2>&1 | grep -v -i warn | tail -4
   cp -r tests/fixtures/hf/qwen3_moe "$OUT/"
+fi
+if [ "$what" = moe-bench ]; then
+  # The Qwen3-30B-A3B-shaped layers (4 of 48) on the device beside HF transformers' Qwen3-MoE
+  # (issue 16): the train step, the logprob forward and decode, in one call.
+  for what in train logprob; do
+    timeout 200 $miles bench $what --device cuda --preset qwen3-30b-a3b-4l --batch 8 --seq-len 512 \
+      2>&1 | tail -1 | tee -a "$OUT/moe-bench.jsonl"
+  done
+  timeout 200 $miles bench rollout --device cuda --preset qwen3-30b-a3b-4l --batch 64 --prompt-len 64 \
+    --new-tokens 64 2>&1 | tail -1 | tee -a "$OUT/moe-bench.jsonl"
+  timeout 300 python3 tests/device/hf_moe_baseline.py --batch 8 --seq-len 512 --gen-batch 64 \
+    2>/dev/null | tee -a "$OUT/moe-bench.jsonl"
 fi

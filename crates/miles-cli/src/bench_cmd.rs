@@ -25,7 +25,7 @@ pub enum BenchCommand {
 
 #[derive(Debug, Args)]
 pub struct RolloutBenchArgs {
-    /// Model shape (random weights): tiny, qwen3-0.6b, smollm2-135m.
+    /// Model shape (random weights): tiny, qwen3-0.6b, smollm2-135m, qwen3-30b-a3b-4l.
     #[arg(long, default_value = "tiny", conflicts_with = "hf_checkpoint")]
     pub preset: String,
     #[arg(long, value_name = "DIR")]
@@ -101,7 +101,7 @@ const H200_BF16_TFLOPS: f64 = 790.0;
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Model shape (random weights): tiny, qwen3-0.6b, smollm2-135m.
+    /// Model shape (random weights): tiny, qwen3-0.6b, smollm2-135m, qwen3-30b-a3b-4l.
     #[arg(long, default_value = "tiny", conflicts_with = "hf_checkpoint")]
     pub preset: String,
     /// Benchmark a checkpoint's weights instead of a preset.
@@ -195,7 +195,8 @@ pub fn run(command: &BenchCommand, out: &mut dyn Write) -> anyhow::Result<()> {
     times.sort_by(f64::total_cmp);
     let seconds = times[times.len() / 2];
     let tokens = (args.batch * args.seq_len) as f64;
-    let params = config.num_parameters() as f64;
+    // A token runs through the active parameters (all of them in a dense model).
+    let params = config.active_parameters() as f64;
     let flops_per_token = if what == "train_step" { 6.0 } else { 2.0 };
     let line = json!({
         "what": what,
@@ -203,6 +204,7 @@ pub fn run(command: &BenchCommand, out: &mut dyn Write) -> anyhow::Result<()> {
         "device": "cpu",
         "threads": rayon::current_num_threads(),
         "params": config.num_parameters(),
+        "active_params": config.active_parameters(),
         "batch": args.batch,
         "seq_len": args.seq_len,
         "seconds": seconds,
@@ -349,7 +351,7 @@ fn device_bench(
     let seconds = times[times.len() / 2];
     let tokens = (args.batch * args.seq_len) as f64;
     let config = &model.config;
-    let params = config.num_parameters() as f64;
+    let params = config.active_parameters() as f64;
     let flops_per_token = if step.train { 6.0 } else { 2.0 };
     let tflops = flops_per_token * params * tokens / seconds / 1e12;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
@@ -360,6 +362,7 @@ fn device_bench(
         "dtype": dtype.to_string(),
         "gemm": format!("{:?}", args.gemm).to_lowercase(),
         "params": config.num_parameters(),
+        "active_params": config.active_parameters(),
         "batch": args.batch,
         "seq_len": args.seq_len,
         "seconds": seconds,

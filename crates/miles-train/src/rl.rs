@@ -632,9 +632,9 @@ impl Run<'_> {
                 json!(tokens as f64 / step_seconds.max(1e-9)),
             );
             if let Some(device) = actor.device() {
-                // Forward and backward: 6 FLOPs per parameter and token, over the peak.
+                // Forward and backward: 6 FLOPs per active parameter and token, over the peak.
                 if let Some(peak) = peak_bf16_flops(&device) {
-                    let flops = 6.0 * self.config.num_parameters() as f64 * tokens as f64;
+                    let flops = 6.0 * self.config.active_parameters() as f64 * tokens as f64;
                     record.insert(
                         "perf/actor_train_mfu".into(),
                         json!(flops / train_time.max(1e-9) / peak),
