@@ -162,7 +162,14 @@ impl Fields<'_> {
         };
         let aux = self.opt_bool("output_router_logits")?.unwrap_or(false);
         Ok(MoeConfig {
-            num_experts: self.usize("num_experts")?,
+            // The hub's Qwen3-MoE configs say num_experts; transformers 5 writes
+            // num_local_experts (Mixtral's name).
+            num_experts: match self.opt_usize("num_experts")? {
+                Some(n) => n,
+                None => self.opt_usize("num_local_experts")?.ok_or_else(|| {
+                    self.err("missing field 'num_experts' (or 'num_local_experts')".into())
+                })?,
+            },
             num_experts_per_tok: self.usize("num_experts_per_tok")?,
             moe_intermediate_size: self.usize("moe_intermediate_size")?,
             norm_topk_prob: self.opt_bool("norm_topk_prob")?.unwrap_or(false),
@@ -476,6 +483,15 @@ mod tests {
         };
         assert!(err("num_experts_per_tok", json!(129)).contains("must be in 1..=128"));
         assert!(err("mlp_only_layers", json!("all")).contains("'mlp_only_layers' must be a list"));
+        // transformers 5 writes num_local_experts.
+        let mut local = v.clone();
+        let n = local.as_object_mut().unwrap().remove("num_experts").unwrap();
+        local["num_local_experts"] = n;
+        let c = ModelConfig::from_json(&local, Path::new("c.json")).unwrap();
+        assert_eq!(c.moe.as_ref().unwrap().num_experts, 128);
+        local.as_object_mut().unwrap().remove("num_local_experts");
+        let e = ModelConfig::from_json(&local, Path::new("c.json")).unwrap_err().to_string();
+        assert!(e.contains("missing field 'num_experts' (or 'num_local_experts')"), "{e}");
         let mut missing = v.clone();
         missing.as_object_mut().unwrap().remove("moe_intermediate_size");
         let e = ModelConfig::from_json(&missing, Path::new("m.json")).unwrap_err().to_string();
