@@ -112,6 +112,9 @@ pub struct DeviceModel {
     /// linear is then one product and a split. Empty when they would not give the separate
     /// products' bits (see [`DeviceModel::stack_linears`]) or in f32.
     stacked: Vec<[Tensor; 2]>,
+    /// Decode-sized steps run [`DeviceModel::decode_layers`]: set when the device shows its
+    /// fused kernels to give the one-by-one layers' bits ([`DeviceModel::check_fused_decode`]).
+    fused_decode: bool,
     /// f32 gradients, summed over backward calls until [`DeviceModel::zero_grads`].
     grads: Vec<Tensor>,
     moments: Option<Moments>,
@@ -163,11 +166,13 @@ impl DeviceModel {
             masters,
             compute: Vec::new(),
             stacked: Vec::new(),
+            fused_decode: false,
             grads,
             moments: None,
         };
         m.refresh_compute()?;
         m.stack_linears()?;
+        m.fused_decode = !m.stacked.is_empty() && m.check_fused_decode()?;
         Ok(m)
     }
 
@@ -241,6 +246,43 @@ impl DeviceModel {
         }
         self.stacked = stacked;
         Ok(())
+    }
+
+    /// Whether [`DeviceModel::decode_layers`] gives [`DeviceModel::layers_one_by_one`]'s bits
+    /// here, hidden states and KV cache alike, over a prompt step and decode steps of two
+    /// sequences on scratch caches (the fused kernels' bits depend on how the compiler built
+    /// them; this sees what this device runs).
+    fn check_fused_decode(&self) -> Result<bool> {
+        let mut rng = miles_tensor::rng::Rng::new(0xdec0de);
+        let vocab = self.config.vocab_size;
+        let mut caches =
+            [0, 1].map(|_| DeviceKvCache::new(&self.config, 2, &self.device, self.dtype));
+        let [Ok(a), Ok(b)] = &mut caches else { return Ok(false) };
+        let tables: [Vec<u32>; 2] = [vec![0], vec![1]];
+        let steps: [&[(usize, usize, usize)]; 3] =
+            [&[(0, 0, 5), (1, 0, 3)], &[(0, 5, 1), (1, 3, 1)], &[(0, 6, 1), (1, 4, 1)]];
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            Ok(t.to_vec_f32()?.iter().map(|v| v.to_bits()).collect())
+        };
+        for step in steps {
+            let seqs: Vec<PagedRows> =
+                step.iter().map(|&(s, pos0, n)| PagedRows { n, pos0, table: &tables[s] }).collect();
+            let positions: Vec<u32> =
+                step.iter().flat_map(|&(_, p, n)| (p..p + n).map(|q| q as u32)).collect();
+            let tokens: Vec<u32> = positions.iter().map(|_| rng.below(vocab) as u32).collect();
+            let (cos, sin) = self.rope_tensors(&positions)?;
+            let plan = ops::PagedPlan::new(&seqs, a.layout(), &self.device)?;
+            let x = || ops::embedding_forward(self.weight(0), &tokens);
+            let fused = self.decode_layers(x()?, &cos, &sin, &plan, a)?;
+            let apart = self.layers_one_by_one(x()?, &cos, &sin, &plan, b, None)?;
+            if bits(&fused)? != bits(&apart)? || bits(a.data())? != bits(b.data())? {
+                if std::env::var_os("MILES_GEMM_LOG").is_some() {
+                    eprintln!("fused decode layers differ from the layers one by one: not used");
+                }
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Copies the compute copies into the stacks, in place (their addresses stay, for the
@@ -444,7 +486,7 @@ impl DeviceModel {
         plan: &ops::PagedPlan,
         kv: &mut DeviceKvCache,
     ) -> Result<Tensor> {
-        if !self.stacked.is_empty() && x.shape()[0] <= STACK_MAX_ROWS {
+        if self.fused_decode && x.shape()[0] <= STACK_MAX_ROWS {
             self.decode_layers(x, cos, sin, plan, kv)
         } else {
             self.layers_one_by_one(x, cos, sin, plan, kv, None)
@@ -1232,6 +1274,7 @@ mod invariance {
             (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (9, 3, 64);
             let dm = DeviceModel::new(&model(c, 6), &device, DType::BF16).unwrap();
             assert!(!dm.stacked.is_empty(), "{arch:?}: the stacked copies failed their check");
+            assert!(dm.fused_decode, "{arch:?}: the fused decode layers failed their check");
             let mut rng = Rng::new(21);
             let layout = |kv: &DeviceKvCache| kv.layout();
             let mut caches =
