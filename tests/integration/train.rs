@@ -320,6 +320,94 @@ fn a_moe_run_with_replay_resumes_exactly_on_both_actors() {
     }
 }
 
+/// The records of a run's iterations.
+fn iteration_records(dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|r: &Value| r.get("rollout/raw_reward").is_some())
+        .collect()
+}
+
+/// `--nproc-per-node 2`: each process rolls out its part of every optimizer step's prompt
+/// groups and the gradients are summed over them, so the run is the one-process run: the same
+/// samples (rewards and counts exactly), the same losses up to the order of the sums; rank 0
+/// writes the metrics. A run killed and resumed over two processes ends with the bytes of an
+/// uninterrupted one.
+#[test]
+fn two_processes_train_as_one_and_resume_exactly() {
+    let flags = "--sft-warmup-steps 20 --rollout-batch-size 8 --n-samples-per-prompt 4 \
+                 --eval-interval 100";
+    let root = scratch("train_two_processes");
+    let run = |sub: &str, extra: &str| {
+        let dir = root.join(sub);
+        let args = format!("{flags} {extra} --run-dir {} --num-rollout 4", dir.display());
+        let out =
+            run_binary(&strs(&args.split_whitespace().map(String::from).collect::<Vec<_>>()), None);
+        assert!(out.status.success(), "{sub}: {}", text(&out));
+        (iteration_records(&dir), text(&out))
+    };
+    let (one, _) = run("one", "");
+    let (two, report) = run("two", "--nproc-per-node 2");
+    assert!(
+        report.contains("2 worker processes") && report.contains("trained 4 iterations"),
+        "{report}"
+    );
+    assert_eq!(one.len(), 4);
+    assert_eq!(two.len(), 4, "rank 0 alone writes the metrics");
+    for (a, b) in one.iter().zip(&two) {
+        for key in
+            ["rollout/raw_reward", "rollout/samples", "rollout/generated_tokens", "train/steps"]
+        {
+            assert_eq!(a[key], b[key], "{key}: {a} vs {b}");
+        }
+        assert_eq!(b["train/train_rollout_logprob_abs_diff"], 0.0);
+        for key in ["train/loss", "train/grad_norm", "train/pg_clipfrac"] {
+            let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
+            assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "{key}: {x} vs {y}");
+        }
+    }
+    check_exact_resume(
+        "train_two_processes_resume",
+        &format!("{SHORT} --nproc-per-node 2"),
+        &["ref.safetensors"],
+    );
+}
+
+/// A worker that dies stops the run: the launcher names it and stops the other, which would
+/// otherwise wait for it; and what several processes do not support yet is refused by flag.
+#[test]
+fn a_dead_worker_stops_the_run_and_unsupported_flags_are_named() {
+    let dir = scratch("train_dead_worker");
+    let args = format!("{SHORT} --nproc-per-node 2 --num-rollout 6 --run-dir {}", dir.display());
+    let argv: Vec<String> = args.split_whitespace().map(String::from).collect();
+    let started = std::time::Instant::now();
+    let out =
+        run_binary_with(&strs(&argv), Some("abort-after-rollout:2"), &[("MILES_FAULT_RANK", "1")]);
+    assert!(!out.status.success());
+    // Rank 1 aborted; rank 0 saw its connection close and stopped too.
+    let report = text(&out);
+    assert!(
+        report.contains("worker 1 (signal: 6") || report.contains(", worker 1 (signal"),
+        "{report}"
+    );
+    assert!(report.contains("rank 1 closed its connection"), "{report}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(120));
+    let out = run_binary(&strs(&[argv.clone(), vec!["--use-tis".into()]].concat()), None);
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("--use-tis: not supported with several processes yet"),
+        "{}",
+        text(&out)
+    );
+    let out = run_binary(
+        &["--nproc-per-node", "3", "--rollout-batch-size", "8", "--num-rollout", "1"],
+        None,
+    );
+    assert!(text(&out).contains("multiple of"), "{}", text(&out));
+}
+
 /// With one optimizer step per rollout the old logprobs are the step's own forward's: the run
 /// ends with the same bytes and metrics as one that computes them in a forward of their own,
 /// on both actors, over several micro-batches, and when a step is skipped (NaN loss at step 2,

@@ -102,6 +102,14 @@ pub const FLAGS: &[Flag] = &[
         "Where the trainer's model runs: cpu, cuda (device 0) or cuda:N; a GPU keeps weights, \
          gradients and AdamW state there and computes in bf16 (miles-rs).",
     ),
+    value(
+        MODEL,
+        "nproc-per-node",
+        Ty::UInt,
+        "Worker processes to start on this host as one run: each rolls out its share of the \
+         prompt groups, gradients and metrics are summed over them (torchrun's flag; the CPU so \
+         far; a run started by torchrun or Slurm joins through their variables) (miles-rs).",
+    ),
     optional(
         MODEL,
         "arch",

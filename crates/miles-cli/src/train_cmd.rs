@@ -132,6 +132,23 @@ fn make_correction(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Correction>
     Ok(Some(c))
 }
 
+/// `--nproc-per-node N`: this command again as ranks 0..N of one run on this host; returns
+/// when all have finished, or with the error of the first that failed (the others stopped).
+fn launch(n: usize, out: &mut dyn Write) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("--nproc-per-node: where is this binary")?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let port = match std::env::var("MASTER_PORT").ok().and_then(|p| p.parse().ok()) {
+        Some(p) => p,
+        None => std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .context("--nproc-per-node: no free port for the rendezvous")?,
+    };
+    writeln!(out, "miles train: {n} worker processes, rendezvous on port {port}")?;
+    miles_dist::launch_local(n, port, &exe, &args).context("--nproc-per-node")?;
+    Ok(())
+}
+
 /// The `r3` plugin with `--use-rollout-routing-replay`.
 fn make_replay(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn RoutingReplay>>> {
     if !cfg.use_rollout_routing_replay {
@@ -273,6 +290,17 @@ fn progress_bar(done: usize, total: usize) -> String {
 
 pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let cfg = run_config(args)?;
+    let world = miles_dist::World::from_env(|k| std::env::var(k).ok())?;
+    if cfg.nproc_per_node > 1 && world.is_none() {
+        return launch(cfg.nproc_per_node, out);
+    }
+    // Rank 0 of a run over several processes reports; the others work quietly.
+    let rank = world.as_ref().map_or(0, |w| w.rank);
+    if rank != 0 {
+        let setup = setup(cfg)?;
+        rl::train(setup, &mut |_| {})?;
+        return Ok(());
+    }
     let demo = demo::is_demo(&cfg);
     let setup = setup(cfg)?;
     let total = rl::total_iterations(&setup.config, setup.train_data.len())?;

@@ -111,6 +111,8 @@ pub struct RunConfig {
     /// The built-in demo policy's architecture: `qwen3` (when unset), `llama` or `qwen3-moe`
     /// (miles-rs; a checkpoint's config.json names its own).
     pub arch: Option<DemoArch>,
+    /// Worker processes to start on this host, one run over them (torchrun's flag; miles-rs).
+    pub nproc_per_node: usize,
 
     // Data.
     pub prompt_data: Option<String>,
@@ -252,6 +254,7 @@ impl Default for RunConfig {
             seed: 1234,
             device: "cpu".into(),
             arch: None,
+            nproc_per_node: 1,
             prompt_data: None,
             input_key: "input".into(),
             label_key: None,
@@ -353,6 +356,7 @@ impl RunConfig {
 
     /// Checks ranges and combinations; the error names the offending flag.
     pub fn validate(&self) -> Result<()> {
+        check(self.nproc_per_node >= 1, "nproc-per-node", || "must be at least 1".into())?;
         check(self.rollout_batch_size >= 1, "rollout-batch-size", || "must be at least 1".into())?;
         check(self.n_samples_per_prompt >= 1, "n-samples-per-prompt", || {
             "must be at least 1".into()

@@ -7,8 +7,8 @@ use crate::{Error, Result, World};
 
 /// Runs `n` copies of `program args` as ranks 0..n of one run on this host (torchrun's
 /// variables from [`World::env`], rank 0 listening on `port`, `LOCAL_RANK` naming each one's
-/// GPU) and waits for them. When one fails, the others are stopped and the error names it: a
-/// dead worker stops the run instead of leaving the rest waiting.
+/// GPU) and waits for them. When one fails, the others are stopped and the error names the
+/// failed ones: a dead worker stops the run instead of leaving the rest waiting.
 pub fn launch_local(n: usize, port: u16, program: &std::path::Path, args: &[String]) -> Result<()> {
     if n == 0 {
         return Err(Error::Peer("--nproc-per-node: at least 1".into()));
@@ -37,23 +37,39 @@ pub fn launch_local(n: usize, port: u16, program: &std::path::Path, args: &[Stri
     }
     loop {
         let mut running = 0;
-        for rank in 0..n {
-            let Some(child) = children[rank].as_mut() else { continue };
+        let mut failed = Vec::new();
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot.as_mut() else { continue };
             match child.try_wait() {
                 Ok(None) => running += 1,
-                Ok(Some(status)) if status.success() => children[rank] = None,
+                Ok(Some(status)) if status.success() => *slot = None,
                 Ok(Some(status)) => {
-                    children[rank] = None;
-                    stop(&mut children);
-                    return Err(Error::Peer(format!(
-                        "worker {rank} of {n} failed ({status}); stopped the others"
-                    )));
+                    *slot = None;
+                    failed.push(format!("{rank} ({status})"));
                 }
                 Err(e) => {
                     stop(&mut children);
                     return Err(Error::Io { what: format!("wait for worker {rank}"), source: e });
                 }
             }
+        }
+        if !failed.is_empty() {
+            // The others usually follow within moments (their peer is gone): name them too.
+            std::thread::sleep(Duration::from_millis(200));
+            for (rank, slot) in children.iter_mut().enumerate() {
+                if let Some(Ok(Some(status))) = slot.as_mut().map(Child::try_wait)
+                    && !status.success()
+                {
+                    *slot = None;
+                    failed.push(format!("{rank} ({status})"));
+                }
+            }
+            stop(&mut children);
+            failed.sort();
+            return Err(Error::Peer(format!(
+                "worker {} of {n} failed; stopped the others",
+                failed.join(", worker ")
+            )));
         }
         if running == 0 {
             return Ok(());
@@ -90,7 +106,7 @@ mod tests {
         let started = Instant::now();
         let script = "if [ \"$RANK\" = 1 ]; then exit 3; else exec sleep 60; fi";
         let err = launch_local(2, 29556, sh_path, &sh(script)).unwrap_err().to_string();
-        assert!(err.starts_with("worker 1 of 2 failed"), "{err}");
+        assert!(err.starts_with("worker 1 (exit status: 3) of 2 failed"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
         let missing = launch_local(1, 29557, std::path::Path::new("/no/such/miles"), &[]);
         assert!(missing.unwrap_err().to_string().contains("start worker 0"));

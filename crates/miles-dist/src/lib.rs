@@ -27,21 +27,29 @@ pub enum Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// Rank `rank`'s share of `groups` prompt groups: a contiguous range, the same size on every
-/// rank, so a group never splits across ranks and the global batch is the same as one
-/// process's.
-pub fn shard(groups: usize, world_size: usize, rank: usize) -> Result<std::ops::Range<usize>> {
-    if world_size == 0 || rank >= world_size {
-        return Err(Error::Peer(format!("rank {rank} of a world of {world_size}")));
+/// Rank `rank`'s prompt groups of a rollout of `groups` trained in `steps` optimizer steps:
+/// step `k` trains on groups `[k·groups/steps, (k+1)·groups/steps)`, as in one process, and
+/// each rank takes its equal, contiguous part of every step's groups (a group never splits
+/// across ranks). In step order, so splitting a rank's samples into `steps` equal slices gives
+/// each step's share.
+pub fn shard(groups: usize, steps: usize, world_size: usize, rank: usize) -> Result<Vec<usize>> {
+    if world_size == 0 || rank >= world_size || steps == 0 {
+        return Err(Error::Peer(format!("rank {rank} of a world of {world_size}, {steps} steps")));
     }
-    if !groups.is_multiple_of(world_size) {
+    if !groups.is_multiple_of(steps * world_size) {
         return Err(Error::Peer(format!(
-            "{groups} prompt groups do not split evenly over {world_size} processes: make \
-             --rollout-batch-size a multiple of the process count"
+            "{groups} prompt groups in {steps} optimizer steps do not split evenly over \
+             {world_size} processes: make --rollout-batch-size a multiple of {}",
+            steps * world_size
         )));
     }
-    let per = groups / world_size;
-    Ok(rank * per..(rank + 1) * per)
+    let (per_step, per_rank) = (groups / steps, groups / steps / world_size);
+    Ok((0..steps)
+        .flat_map(|k| {
+            let start = k * per_step + rank * per_rank;
+            start..start + per_rank
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -49,17 +57,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shards_cover_the_groups_without_splitting_any() {
-        for world in [1, 2, 4, 8] {
-            let ranges: Vec<_> = (0..world).map(|r| shard(32, world, r).unwrap()).collect();
-            assert_eq!(ranges[0].start, 0);
-            assert_eq!(ranges[world - 1].end, 32);
-            for w in ranges.windows(2) {
-                assert_eq!(w[0].end, w[1].start);
-                assert_eq!(w[0].len(), w[1].len());
+    fn shards_give_every_rank_its_part_of_every_step() {
+        for (world, steps) in [(1, 1), (2, 1), (2, 4), (4, 2), (8, 4)] {
+            let mut all: Vec<usize> =
+                (0..world).flat_map(|r| shard(32, steps, world, r).unwrap()).collect();
+            all.sort_unstable();
+            assert_eq!(all, (0..32).collect::<Vec<_>>(), "{world} ranks, {steps} steps");
+            // Each rank's k-th slice lies inside step k.
+            for r in 0..world {
+                let mine = shard(32, steps, world, r).unwrap();
+                for (k, part) in mine.chunks(mine.len() / steps).enumerate() {
+                    assert!(part.iter().all(|&g| g / (32 / steps) == k), "{mine:?}");
+                }
             }
         }
-        assert!(shard(6, 4, 0).unwrap_err().to_string().contains("--rollout-batch-size"));
-        assert!(shard(8, 2, 2).is_err());
+        assert_eq!(shard(8, 2, 2, 1).unwrap(), vec![2, 3, 6, 7]);
+        assert!(shard(6, 1, 4, 0).unwrap_err().to_string().contains("multiple of 4"));
+        assert!(shard(8, 4, 4, 0).unwrap_err().to_string().contains("multiple of 16"));
+        assert!(shard(8, 1, 2, 2).is_err());
     }
 }

@@ -128,6 +128,9 @@ pub struct DeviceForward {
     pub router_aux_loss: Option<f64>,
     /// As [`crate::Forward::routing_mismatch`].
     pub routing_mismatch: Option<RoutingMismatch>,
+    /// Scales the load-balancing loss's gradient in the backward (a micro-batch's share of
+    /// its step: the loss it reports is weighted alike); 1 unless set.
+    pub aux_weight: f32,
     balance: BalanceStats,
     temperature: f32,
     cos: Tensor,
@@ -394,6 +397,7 @@ impl DeviceModel {
             entropy,
             router_aux_loss: c.moe.as_ref().map(|_| sparse.balance.loss()),
             routing_mismatch: sparse.mismatch,
+            aux_weight: 1.0,
             balance: sparse.balance,
             temperature,
             cos,
@@ -695,7 +699,7 @@ impl DeviceModel {
             cu_seqlens: &batch.cu_seqlens,
             grads: Some(&mut self.grads),
         };
-        let coef = c.moe.as_ref().map_or(0.0, |m| m.router_aux_loss_coef);
+        let coef = c.moe.as_ref().map_or(0.0, |m| m.router_aux_loss_coef) * fwd.aux_weight;
         let balance = (coef > 0.0).then_some((coef, &fwd.balance));
         for (layer, a) in fwd.layers.iter().enumerate().rev() {
             dx = layer_backward(&mut dev, c, layer, a, dx, balance)?;

@@ -179,6 +179,9 @@ pub struct Forward {
     pub router_aux_loss: Option<f64>,
     /// Against the batch's routed experts, when it has them.
     pub routing_mismatch: Option<RoutingMismatch>,
+    /// Scales the load-balancing loss's gradient in the backward (a micro-batch's share of
+    /// its step: the loss it reports is weighted alike); 1 unless set.
+    pub aux_weight: f32,
     balance: BalanceStats,
     temperature: f32,
     cos: Vec<f32>,
@@ -487,6 +490,7 @@ impl Model {
             entropy,
             router_aux_loss: c.moe.as_ref().map(|_| sparse.balance.loss()),
             routing_mismatch: sparse.mismatch,
+            aux_weight: 1.0,
             balance: sparse.balance,
             temperature,
             cos,
@@ -658,7 +662,7 @@ impl Model {
 
         let mut cpu = Cpu::new(self, None, &fwd.cos, &fwd.sin, &batch.cu_seqlens);
         cpu.grads = Some(grads);
-        let coef = c.moe.as_ref().map_or(0.0, |m| m.router_aux_loss_coef);
+        let coef = c.moe.as_ref().map_or(0.0, |m| m.router_aux_loss_coef) * fwd.aux_weight;
         let balance = (coef > 0.0).then_some((coef, &fwd.balance));
         for (layer, a) in fwd.layers.iter().enumerate().rev() {
             dx = layer_backward(&mut cpu, c, layer, a, dx, balance)?;

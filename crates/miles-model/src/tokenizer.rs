@@ -234,8 +234,12 @@ pub fn write_byte_level_tokenizer(dir: &Path) -> Result<usize> {
     });
     std::fs::create_dir_all(dir).map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
     for (name, value) in [("tokenizer.json", tokenizer), ("tokenizer_config.json", config)] {
+        // Written aside and renamed into place: processes of one run writing the same
+        // directory never read a half-written file.
         let path = dir.join(name);
-        std::fs::write(&path, serde_json::to_string_pretty(&value).expect("json"))
+        let aside = dir.join(format!(".{name}.{}", std::process::id()));
+        std::fs::write(&aside, serde_json::to_string_pretty(&value).expect("json"))
+            .and_then(|()| std::fs::rename(&aside, &path))
             .map_err(|source| Error::Io { path, source })?;
     }
     Ok(256 + BYTE_TOKENIZER_SPECIALS.len())

@@ -213,6 +213,16 @@ pub fn aggregation(samples: &[TrainSample], per_token: bool) -> Aggregation {
     Aggregation::new(&mask, &lengths, per_token)
 }
 
+/// What [`aggregation`]'s mean is over: kept tokens (at least one a sequence) per token, else
+/// sequences; the weight of these samples' mean in a mean over several processes' samples.
+pub fn aggregation_weight(samples: &[TrainSample], per_token: bool) -> f64 {
+    if per_token {
+        samples.iter().map(TrainSample::denominator).sum::<usize>() as f64
+    } else {
+        samples.len() as f64
+    }
+}
+
 /// TIS/MIS: stores each sample's correction weights and numerator mask, from its old
 /// (trainer) against its rollout logprobs, and returns the correction's metrics aggregated
 /// like the loss.

@@ -4,6 +4,7 @@
 pub mod advantage;
 pub mod batch;
 pub mod checkpoint;
+mod dist;
 pub mod loss;
 mod optimizer;
 pub mod rl;

@@ -22,8 +22,8 @@
 //! resumed from a checkpoint (weights, AdamW moments, data cursor, iteration) computes the
 //! same bits as one that never stopped.
 //!
-//! Fault injection for the tests (`MILES_FAULT`): `abort-after-rollout:K` aborts the process
-//! after iteration K (and its checkpoint) completes; `nan-loss-at-step:K` replaces the loss of
+//! Fault injection for the tests (`MILES_FAULT`, on rank `MILES_FAULT_RANK` only when set):
+//! `abort-after-rollout:K` aborts the process after iteration K (and its checkpoint) completes; `nan-loss-at-step:K` replaces the loss of
 //! optimizer step K (1-based, counting attempted steps) with NaN; `abort-during-save` is the
 //! checkpoint writer's.
 
@@ -50,6 +50,7 @@ use serde_json::{Map, Value, json};
 use crate::Optimizer;
 use crate::batch::{self, TrainSample, concat, split_ranges};
 use crate::checkpoint::{self, CheckpointRef};
+use crate::dist::{Dist, check_supported};
 use crate::loss::{LossInput, LossMetrics, PolicyLossConfig, SftLossConfig, policy_loss, sft_loss};
 use crate::schedule::LrSchedule;
 
@@ -108,6 +109,11 @@ struct Faults {
 
 impl Faults {
     fn from_env() -> Faults {
+        // `MILES_FAULT_RANK=r`: only rank r of a run over several processes has the fault.
+        let rank = std::env::var("RANK").unwrap_or_else(|_| "0".into());
+        if std::env::var("MILES_FAULT_RANK").is_ok_and(|r| r != rank) {
+            return Faults::default();
+        }
         let spec = std::env::var("MILES_FAULT").unwrap_or_default();
         let at = |prefix: &str| spec.strip_prefix(prefix).and_then(|n| n.parse().ok());
         Faults {
@@ -128,7 +134,8 @@ fn mix(a: u64, b: u64) -> u64 {
 /// Appends records to `metrics.jsonl`, flushing each line, and with `--use-tensorboard` the
 /// same numbers as TensorBoard scalars under `<run dir>/tensorboard/`.
 struct MetricsLog {
-    file: std::fs::File,
+    /// `None` on ranks other than 0 of a run over several processes: rank 0 logs.
+    file: Option<std::fs::File>,
     path: PathBuf,
     tensorboard: Option<miles_tensorboard::EventWriter>,
 }
@@ -170,12 +177,18 @@ impl MetricsLog {
             true => Some(miles_tensorboard::EventWriter::create(&run_dir.join(TENSORBOARD_DIR))?),
             false => None,
         };
-        Ok(MetricsLog { file, path, tensorboard })
+        Ok(MetricsLog { file: Some(file), path, tensorboard })
+    }
+
+    /// A log that writes nothing (a rank other than 0).
+    fn silent(run_dir: &Path) -> MetricsLog {
+        MetricsLog { file: None, path: run_dir.join(METRICS_FILE), tensorboard: None }
     }
 
     fn write(&mut self, record: &Record) -> anyhow::Result<()> {
+        let Some(file) = self.file.as_mut() else { return Ok(()) };
         let line = serde_json::to_string(record)?;
-        writeln!(self.file, "{line}")
+        writeln!(file, "{line}")
             .with_context(|| format!("cannot write {}", self.path.display()))?;
         if let Some(tb) = &mut self.tensorboard {
             // Every number but the step itself, at the record's step (SFT warm-up records
@@ -240,6 +253,12 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     let faults = Faults::from_env();
     let total = total_iterations(&cfg, train_data.len())?;
     let steps_per_rollout = steps_per_rollout(&cfg)?;
+    let dist = Dist::join()?;
+    if let Some(d) = &dist {
+        let on_device =
+            device != Device::Cpu || std::env::var_os("MILES_DEVICE_ACTOR_ON_HOST").is_some();
+        check_supported(&cfg, on_device, d.size, steps_per_rollout)?;
+    }
     if cfg.partial_rollout {
         bail!(
             "--partial-rollout: not supported by the loop yet (the engine resumes aborted samples)"
@@ -286,7 +305,12 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         _ => None,
     };
     let resumed_from = loaded.as_ref().map(|l| l.iteration);
-    let mut log = MetricsLog::open(&run_dir, resumed_from, cfg.use_tensorboard)?;
+    let root = dist.as_ref().is_none_or(Dist::root);
+    let mut log = if root {
+        MetricsLog::open(&run_dir, resumed_from, cfg.use_tensorboard)?
+    } else {
+        MetricsLog::silent(&run_dir)
+    };
     let mut data = DataSource::new(train_data, cfg.rollout_shuffle, cfg.rollout_seed)?;
     // The frozen reference is the policy RL starts from: the initial model, or the warmed-up
     // one (then saved with each checkpoint).
@@ -353,6 +377,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         faults,
         sft_run,
         eos,
+        dist: dist.as_ref(),
     };
     let progress = Progress { state, data, log, resumed_from };
     if !on_device {
@@ -475,6 +500,8 @@ struct Run<'a> {
     faults: Faults,
     sft_run: bool,
     eos: u32,
+    /// The other processes of a run over several (rank 0 logs, evaluates and saves).
+    dist: Option<&'a Dist>,
 }
 
 /// Where the loop stands: its state, the data cursor, the metrics log.
@@ -508,7 +535,9 @@ impl Run<'_> {
         let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
         let mut final_eval = None;
 
+        let root = self.dist.is_none_or(Dist::root);
         if state.iteration == 0
+            && root
             && let Some((_, eval)) = self.eval
         {
             let mut record = Record::new();
@@ -542,6 +571,8 @@ impl Run<'_> {
                     self.reward,
                     state.iteration,
                     &mut record,
+                    self.dist,
+                    self.steps_per_rollout,
                 )?
             };
             if let Some(r) = self.replay {
@@ -569,6 +600,7 @@ impl Run<'_> {
                     self.correction,
                     self.advantage,
                     &mut record,
+                    self.dist,
                 )?;
             }
 
@@ -588,7 +620,15 @@ impl Run<'_> {
                 } else {
                     StepLoss::Policy(&loss_cfg)
                 };
-                let step = actor.train_step(part, kind, cfg.rollout_temperature, micro, lr, nan)?;
+                let step = actor.train_step(
+                    part,
+                    kind,
+                    cfg.rollout_temperature,
+                    micro,
+                    lr,
+                    nan,
+                    self.dist,
+                )?;
                 match step.applied {
                     Some(result) => sums.add(&result, lr),
                     None => state.skipped_steps += 1,
@@ -604,6 +644,10 @@ impl Run<'_> {
                 }
                 let per_token = cfg.calculate_per_token_loss;
                 let diff = batch::rollout_logprob_abs_diff(&samples, &forward_logp, per_token);
+                let diff = match self.dist {
+                    Some(d) => d.mean(diff, batch::aggregation_weight(&samples, per_token))?,
+                    None => diff,
+                };
                 record.insert("train/train_rollout_logprob_abs_diff".into(), json!(diff));
             }
             sums.write(&mut record, cfg.use_tis, cfg.use_opsm);
@@ -644,6 +688,7 @@ impl Run<'_> {
                 record.insert("perf/peak_gpu_memory_gib".into(), json!(peak));
             }
             if let Some((every, eval)) = self.eval
+                && root
                 && (state.iteration % every == 0 || state.iteration == self.total)
             {
                 let score =
@@ -654,7 +699,8 @@ impl Run<'_> {
             emit(&mut log, record)?;
 
             let due = cfg.save_interval.is_some_and(|k| state.iteration.is_multiple_of(k));
-            if let Some(root) = &cfg.save
+            if let Some(save_dir) = &cfg.save
+                && root
                 && (due || state.iteration == self.total)
             {
                 let extra_ref;
@@ -668,7 +714,7 @@ impl Run<'_> {
                 let state_json = serde_json::to_value(&state)?;
                 let (weights, optimizer) = actor.checkpoint_parts()?;
                 checkpoint::save(
-                    root,
+                    save_dir,
                     state.iteration as u64,
                     &CheckpointRef {
                         config: self.config,
@@ -679,14 +725,18 @@ impl Run<'_> {
                         extra,
                     },
                 )
-                .with_context(|| format!("--save {}", root.display()))?;
+                .with_context(|| format!("--save {}", save_dir.display()))?;
+            }
+            if let Some(d) = self.dist {
+                // The others wait for rank 0's checkpoint before the next iteration.
+                d.barrier()?;
             }
             if self.faults.abort_after_rollout == Some(state.iteration) {
                 std::process::abort();
             }
         }
         let weights = actor.into_weights()?;
-        if let Some(dir) = &cfg.save_hf {
+        if let Some(dir) = cfg.save_hf.as_ref().filter(|_| root) {
             checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir)
                 .with_context(|| format!("--save-hf {}", dir.display()))?;
         }
@@ -719,6 +769,7 @@ trait Actor {
         micro: usize,
     ) -> anyhow::Result<Vec<Vec<f32>>>;
     /// One optimizer step over `part` ([`train_step`]).
+    #[allow(clippy::too_many_arguments)]
     fn train_step(
         &mut self,
         part: &[TrainSample],
@@ -727,6 +778,7 @@ trait Actor {
         micro: usize,
         lr: f32,
         inject_nan: bool,
+        dist: Option<&Dist>,
     ) -> anyhow::Result<StepOutcome>;
     /// Optimizer steps taken (the learning-rate schedule's position).
     fn steps(&self) -> u64;
@@ -770,9 +822,10 @@ impl Actor for CpuActor {
         micro: usize,
         lr: f32,
         inject_nan: bool,
+        dist: Option<&Dist>,
     ) -> anyhow::Result<StepOutcome> {
         let mut learner = CpuLearner::new(self.engine.policy_mut(), &mut self.optimizer)?;
-        train_step(&mut learner, part, loss, temperature, micro, lr, inject_nan)
+        train_step(&mut learner, part, loss, temperature, micro, lr, inject_nan, dist)
     }
 
     fn steps(&self) -> u64 {
@@ -882,10 +935,11 @@ impl Actor for DeviceActor {
         micro: usize,
         lr: f32,
         inject_nan: bool,
+        dist: Option<&Dist>,
     ) -> anyhow::Result<StepOutcome> {
         let dm = self.engine.device_model_mut();
         let mut learner = DeviceLearner::new(dm, self.hyper, self.clip)?;
-        train_step(&mut learner, part, loss, temperature, micro, lr, inject_nan)
+        train_step(&mut learner, part, loss, temperature, micro, lr, inject_nan, dist)
     }
 
     fn steps(&self) -> u64 {
@@ -953,6 +1007,7 @@ fn prepare<A: Actor>(
     correction: Option<&dyn Correction>,
     advantage: &dyn Advantage,
     record: &mut Record,
+    dist: Option<&Dist>,
 ) -> anyhow::Result<()> {
     let temperature = cfg.rollout_temperature;
     let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
@@ -962,7 +1017,12 @@ fn prepare<A: Actor>(
             let old = if cfg.use_rollout_logprobs { &s.rollout_logp } else { t };
             s.old_logp = old.clone();
         }
-        let diff = batch::rollout_logprob_abs_diff(samples, &trainer, cfg.calculate_per_token_loss);
+        let per_token = cfg.calculate_per_token_loss;
+        let diff = batch::rollout_logprob_abs_diff(samples, &trainer, per_token);
+        let diff = match dist {
+            Some(d) => d.mean(diff, batch::aggregation_weight(samples, per_token))?,
+            None => diff,
+        };
         record.insert("train/train_rollout_logprob_abs_diff".into(), json!(diff));
     }
     if let Some(r) = reference {
@@ -1019,6 +1079,7 @@ fn eos_id(model: &Model, tok: &Tokenizer) -> anyhow::Result<u32> {
 /// Prompt rows as pending samples, `n` per prompt, tokenized.
 fn make_groups(
     rows: &[(usize, PromptRow)],
+    indices: &[usize],
     n: usize,
     cfg: &RunConfig,
     tok: &Tokenizer,
@@ -1041,6 +1102,8 @@ fn make_groups(
                 metadata: row.metadata.clone(),
                 ..Sample::default()
             };
+            // Indices as in a one-process run (they key the rollout's draws).
+            let g = indices[g];
             Ok((0..n)
                 .map(|i| Sample { group_index: g, index: g * n + i, ..sample.clone() })
                 .collect())
@@ -1127,6 +1190,8 @@ fn rollout<P: Policy>(
     reward: &dyn Reward,
     iteration: usize,
     record: &mut Record,
+    dist: Option<&Dist>,
+    steps: usize,
 ) -> anyhow::Result<Vec<TrainSample>> {
     let n = cfg.n_samples_per_prompt;
     let want = cfg.rollout_batch_size;
@@ -1136,7 +1201,7 @@ fn rollout<P: Policy>(
     // always solves (or never does) still trains on what it has.
     let max_rounds = if filter { 8 } else { 1 };
     let source = data.dataset().source.clone();
-    let (mut kept, mut all_rewards) = (Vec::new(), Vec::new());
+    let (mut kept, mut all_rewards): (Vec<TrainSample>, Vec<f32>) = (Vec::new(), Vec::new());
     let (mut zero_std, mut failed, mut truncated, mut samples_total, mut resp_tokens) =
         (0usize, 0usize, 0usize, 0usize, 0usize);
     let mut groups_kept = 0;
@@ -1146,7 +1211,14 @@ fn rollout<P: Policy>(
             break;
         }
         let rows = data.next_batch(draw);
-        let groups = make_groups(&rows, n, cfg, tok, &source)?;
+        // Over several processes, this rank's part of every optimizer step's groups (every
+        // rank drew the same rows).
+        let share: Vec<usize> = match dist {
+            Some(d) => miles_dist::shard(rows.len(), steps, d.size, d.rank)?,
+            None => (0..rows.len()).collect(),
+        };
+        let mine: Vec<(usize, PromptRow)> = share.iter().map(|&g| rows[g].clone()).collect();
+        let groups = make_groups(&mine, &share, n, cfg, tok, &source)?;
         let params = SamplingParams {
             seed: mix(cfg.rollout_seed, ((iteration as u64) << 8) | round as u64),
             ..cfg.sampling_params()
@@ -1181,23 +1253,32 @@ fn rollout<P: Policy>(
             }
         }
     }
-    let mean = |v: &[f32]| v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len().max(1) as f64;
-    record.insert("rollout/raw_reward".into(), json!(mean(&all_rewards)));
-    record.insert(
-        "rollout/response_len/mean".into(),
-        json!(resp_tokens as f64 / samples_total.max(1) as f64),
-    );
-    record.insert(
-        "rollout/truncated_ratio".into(),
-        json!(truncated as f64 / samples_total.max(1) as f64),
-    );
-    record.insert("rollout/zero_std/count".into(), json!(zero_std));
-    record.insert("rollout/failed".into(), json!(failed));
+    // Sums over the ranks of a run over several processes.
+    let mut sums = [
+        all_rewards.iter().map(|&x| f64::from(x)).sum::<f64>(),
+        all_rewards.len() as f64,
+        resp_tokens as f64,
+        samples_total as f64,
+        truncated as f64,
+        zero_std as f64,
+        failed as f64,
+        kept.len() as f64,
+    ];
+    if let Some(d) = dist {
+        d.sum(&mut sums)?;
+    }
+    let [reward_sum, rewards, resp_tokens, samples_total, truncated, zero_std, failed, kept_all] =
+        sums;
+    record.insert("rollout/raw_reward".into(), json!(reward_sum / rewards.max(1.0)));
+    record.insert("rollout/response_len/mean".into(), json!(resp_tokens / samples_total.max(1.0)));
+    record.insert("rollout/truncated_ratio".into(), json!(truncated / samples_total.max(1.0)));
+    record.insert("rollout/zero_std/count".into(), json!(zero_std as usize));
+    record.insert("rollout/failed".into(), json!(failed as usize));
     if let Some(e) = first_error {
         record.insert("rollout/first_error".into(), json!(e));
     }
-    record.insert("rollout/samples".into(), json!(kept.len()));
-    record.insert("rollout/generated_tokens".into(), json!(resp_tokens));
+    record.insert("rollout/samples".into(), json!(kept_all as usize));
+    record.insert("rollout/generated_tokens".into(), json!(resp_tokens as usize));
     Ok(kept)
 }
 
@@ -1215,6 +1296,45 @@ struct StepResult {
     /// The load-balancing loss of a mixture of experts (unweighted).
     router_aux_loss: Option<f64>,
     routing: Option<RoutingMismatch>,
+}
+
+impl StepResult {
+    /// The loss and metrics summed over the ranks: each rank's are its samples' shares of the
+    /// whole batch's.
+    fn sum_over(&mut self, d: &Dist) -> anyhow::Result<()> {
+        let m = &mut self.metrics;
+        let mut v = [
+            self.loss,
+            m.pg_loss,
+            m.pg_clipfrac,
+            m.ppo_kl,
+            m.kl_loss,
+            m.entropy_loss,
+            m.ois,
+            m.opsm_clipfrac,
+            self.router_aux_loss.unwrap_or(0.0),
+        ];
+        d.sum(&mut v)?;
+        [
+            self.loss,
+            m.pg_loss,
+            m.pg_clipfrac,
+            m.ppo_kl,
+            m.kl_loss,
+            m.entropy_loss,
+            m.ois,
+            m.opsm_clipfrac,
+        ] = v[..8].try_into().expect("eight sums");
+        if let Some(aux) = self.router_aux_loss.as_mut() {
+            *aux = v[8];
+        }
+        if let Some(r) = self.routing.as_mut() {
+            let mut c = [r.compared as f64, r.own_differs as f64, r.used_differs as f64];
+            d.sum(&mut c)?;
+            [r.compared, r.own_differs, r.used_differs] = c.map(|x| x as usize);
+        }
+        Ok(())
+    }
 }
 
 /// What [`train_step`] did: the step's result, `None` when its loss or gradient was not finite
@@ -1242,6 +1362,8 @@ trait Learner {
     fn routing_mismatch(_: &Self::Forward) -> Option<RoutingMismatch> {
         None
     }
+    /// Weights the load-balancing loss's gradient by the micro-batch's share of the step.
+    fn weigh_aux(_: &mut Self::Forward, _: f32) {}
     /// Adds the gradient of the loss whose derivatives these are.
     fn backward(
         &mut self,
@@ -1251,6 +1373,10 @@ trait Learner {
         d_entropy: &[f32],
     ) -> anyhow::Result<()>;
     fn grad_norm(&mut self) -> anyhow::Result<f64>;
+    /// Sums the gradients over the ranks of a run over several processes.
+    fn reduce_grads(&mut self, _: &Dist) -> anyhow::Result<()> {
+        bail!("several processes train on the CPU so far")
+    }
     /// Clips and applies the summed gradients at `lr`; the norm before clipping.
     fn apply(&mut self, lr: f32) -> anyhow::Result<f64>;
 }
@@ -1290,6 +1416,10 @@ impl Learner for CpuLearner<'_> {
         f.routing_mismatch
     }
 
+    fn weigh_aux(f: &mut Forward, share: f32) {
+        f.aux_weight = share;
+    }
+
     fn backward(
         &mut self,
         f: Forward,
@@ -1298,6 +1428,14 @@ impl Learner for CpuLearner<'_> {
         d_entropy: &[f32],
     ) -> anyhow::Result<()> {
         Ok(self.policy.backward(&f, batch, d_logp, d_entropy, &mut self.grads)?)
+    }
+
+    fn reduce_grads(&mut self, dist: &Dist) -> anyhow::Result<()> {
+        let arch = self.policy.config.architecture;
+        for t in self.grads.tensors_mut(arch) {
+            dist.sum_f32(t)?;
+        }
+        Ok(())
     }
 
     fn grad_norm(&mut self) -> anyhow::Result<f64> {
@@ -1344,6 +1482,10 @@ impl Learner for DeviceLearner<'_> {
         f.routing_mismatch
     }
 
+    fn weigh_aux(f: &mut DeviceForward, share: f32) {
+        f.aux_weight = share;
+    }
+
     fn backward(
         &mut self,
         f: DeviceForward,
@@ -1375,6 +1517,7 @@ fn train_step<L: Learner>(
     micro: usize,
     lr: f32,
     inject_nan: bool,
+    dist: Option<&Dist>,
 ) -> anyhow::Result<StepOutcome> {
     let per_token = match &loss {
         StepLoss::Policy(c) => c.per_token_loss,
@@ -1387,7 +1530,16 @@ fn train_step<L: Learner>(
             s.len() as f64
         }
     };
-    let whole = weight(part);
+    // Over several processes, the denominator is the whole batch's.
+    let whole = match dist {
+        Some(d) => {
+            let mut w = [weight(part)];
+            d.sum(&mut w)?;
+            w[0]
+        }
+        None => weight(part),
+    };
+    let mut finite = true;
     let mut total = StepResult {
         loss: 0.0,
         metrics: LossMetrics::default(),
@@ -1442,7 +1594,12 @@ fn train_step<L: Learner>(
             out.loss = f64::NAN;
         }
         if !out.loss.is_finite() {
-            return Ok(StepOutcome { applied: None, logp: seen });
+            finite = false;
+            // Alone, stop here; with other ranks, take part in their collectives first.
+            if dist.is_none() {
+                return Ok(StepOutcome { applied: None, logp: seen });
+            }
+            break;
         }
         let share = weight(mb) / whole;
         if let Some((aux, coef)) = learner.router_aux_loss(&fwd) {
@@ -1455,9 +1612,21 @@ fn train_step<L: Learner>(
         let scale = share as f32;
         out.d_logp.iter_mut().for_each(|g| *g *= scale);
         out.d_entropy.iter_mut().for_each(|g| *g *= scale);
+        let mut fwd = fwd;
+        L::weigh_aux(&mut fwd, scale);
         learner.backward(fwd, &batch, &out.d_logp, &out.d_entropy)?;
         total.loss += share * out.loss;
         total.metrics.add_scaled(&out.metrics, share);
+    }
+    if let Some(d) = dist {
+        // Skipped everywhere if any rank's loss was not finite; else one summed gradient.
+        let mut bad = [f64::from(u8::from(!finite))];
+        d.sum(&mut bad)?;
+        if bad[0] > 0.0 {
+            return Ok(StepOutcome { applied: None, logp: seen });
+        }
+        learner.reduce_grads(d)?;
+        total.sum_over(d)?;
     }
     if !learner.grad_norm()?.is_finite() {
         return Ok(StepOutcome { applied: None, logp: seen });
@@ -1599,6 +1768,7 @@ fn sft_warmup(
             micro,
             lr,
             false,
+            None,
         )?
         .applied;
         let mut record = Record::new();
@@ -1630,7 +1800,8 @@ fn evaluate<P: Policy>(
     let started = Instant::now();
     let n = cfg.n_samples_per_eval_prompt;
     let rows: Vec<(usize, PromptRow)> = eval.rows.iter().cloned().enumerate().collect();
-    let groups = make_groups(&rows, n, cfg, tok, &eval.source)?;
+    let all: Vec<usize> = (0..rows.len()).collect();
+    let groups = make_groups(&rows, &all, n, cfg, tok, &eval.source)?;
     let params = SamplingParams {
         temperature: cfg.eval_temperature.unwrap_or(cfg.rollout_temperature),
         top_k: usize::try_from(cfg.eval_top_k.unwrap_or(cfg.rollout_top_k)).unwrap_or(0),
