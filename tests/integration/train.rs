@@ -401,10 +401,10 @@ fn a_dead_worker_stops_the_run_and_unsupported_flags_are_named() {
         "{}",
         text(&out)
     );
-    let out = run_binary(
-        &["--nproc-per-node", "3", "--rollout-batch-size", "8", "--num-rollout", "1"],
-        None,
-    );
+    let run_dir = dir.join("indivisible");
+    let indivisible = ["--nproc-per-node", "3", "--rollout-batch-size", "8", "--num-rollout", "1"];
+    let out =
+        run_binary(&[&indivisible[..], &["--run-dir", run_dir.to_str().unwrap()]].concat(), None);
     assert!(text(&out).contains("multiple of"), "{}", text(&out));
 }
 
