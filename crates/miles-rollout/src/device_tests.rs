@@ -112,11 +112,13 @@ fn score(
 }
 
 /// Test 1 on CUDA: rollout logprobs equal the scorer's bit for bit under several packings,
-/// with prefix sharing, continuous batching and top-k/top-p sampling.
+/// with prefix sharing, continuous batching and top-k/top-p sampling; Qwen3-MoE too (8
+/// experts, top-2: the expert products through the same invariant GEMMs), its samples carrying
+/// their routing records.
 #[test]
 fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
     let Some(device) = cuda() else { return };
-    for arch in [Architecture::Qwen3, Architecture::Llama] {
+    for arch in [Architecture::Qwen3, Architecture::Llama, Architecture::Qwen3Moe] {
         let m = model(arch, 3);
         let p = params(40);
         let mut e = engine(
@@ -127,6 +129,13 @@ fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
         );
         let samples: Vec<Sample> =
             e.generate(groups(3, 4, m.config.vocab_size), &p).unwrap().concat();
+        for s in &samples {
+            let record = s.rollout_routed_experts.as_ref();
+            assert_eq!(record.is_some(), arch == Architecture::Qwen3Moe, "{arch:?}");
+            if let Some(r) = record {
+                assert_eq!(r.num_tokens().unwrap(), s.tokens.len() - 1);
+            }
+        }
         let want: Vec<Vec<f32>> = samples.iter().map(|s| s.rollout_log_probs.clone()).collect();
         let dm = e.device_model();
         let forward: Vec<usize> = (0..samples.len()).collect();
