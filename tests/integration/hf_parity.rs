@@ -70,7 +70,7 @@ fn qwen3_moe_matches_transformers() {
     let moe = r.model.config.moe.as_ref().unwrap();
     assert_eq!((moe.num_experts, moe.num_experts_per_tok, moe.router_aux_loss_coef), (8, 2, 0.02));
     let fwd = r.model.forward(&r.batch, r.temperature).unwrap();
-    let aux = fwd.router_aux_loss.unwrap();
+    let aux = fwd.sparse.router_aux_loss.unwrap();
     let theirs = json["router_aux_loss"].as_f64().unwrap();
     assert!((aux - theirs).abs() < 1e-5, "aux {aux} vs transformers {theirs}");
     // The experts: transformers' per token (sequence by sequence) against ours, packed.

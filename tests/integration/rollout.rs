@@ -573,7 +573,7 @@ fn moe_rollouts_record_their_experts_and_equal_the_trainer() {
         let f = m.forward(&packed(&samples, replay), p.temperature).unwrap();
         let bits: Vec<u32> = f.logp.iter().map(|v| v.to_bits()).collect();
         assert_eq!(bits, want, "replay {replay}");
-        let mismatch = f.routing_mismatch.unwrap();
+        let mismatch = f.sparse.routing_mismatch.unwrap();
         assert_eq!(
             (mismatch.compared, mismatch.own_differs, mismatch.used_differs),
             (recorded, 0, 0)
@@ -604,7 +604,7 @@ fn routing_replay_restores_the_rollouts_experts_under_a_perturbed_router() {
     };
     let free = training.forward(&packed(&samples, false), temperature).unwrap();
     let replayed = training.forward(&packed(&samples, true), temperature).unwrap();
-    let (a, b) = (free.routing_mismatch.unwrap(), replayed.routing_mismatch.unwrap());
+    let (a, b) = (free.sparse.routing_mismatch.unwrap(), replayed.sparse.routing_mismatch.unwrap());
     assert!(a.own_differs > 0, "the perturbation changed no choice: {a:?}");
     assert_eq!(a.used_differs, a.own_differs, "without replay the trainer uses its own");
     // Replayed, every expert set is the rollout's (the trainer's own choices, downstream of

@@ -13,7 +13,7 @@ use miles_tensor::{DType, Device, Tensor, ops};
 use crate::layer::{
     Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
 };
-use crate::moe::{BalanceStats, RoutingMismatch, SparseLayers};
+use crate::moe::{SparseLayers, SparseOutputs};
 use crate::weights::tensor_spec;
 use crate::{DeviceKvCache, Error, Model, ModelConfig, PackedBatch, Result, StepRow, Weights};
 
@@ -124,14 +124,8 @@ pub struct DeviceModel {
 pub struct DeviceForward {
     pub logp: Vec<f32>,
     pub entropy: Vec<f32>,
-    /// As [`crate::Forward::router_aux_loss`].
-    pub router_aux_loss: Option<f64>,
-    /// As [`crate::Forward::routing_mismatch`].
-    pub routing_mismatch: Option<RoutingMismatch>,
-    /// Scales the load-balancing loss's gradient in the backward (a micro-batch's share of
-    /// its step: the loss it reports is weighted alike); 1 unless set.
-    pub aux_weight: f32,
-    balance: BalanceStats,
+    /// The sparse layers' load-balancing loss and routing mismatch (Qwen3-MoE).
+    pub sparse: SparseOutputs,
     temperature: f32,
     cos: Tensor,
     sin: Tensor,
@@ -395,10 +389,7 @@ impl DeviceModel {
         Ok(DeviceForward {
             logp,
             entropy,
-            router_aux_loss: c.moe.as_ref().map(|_| sparse.balance.loss()),
-            routing_mismatch: sparse.mismatch,
-            aux_weight: 1.0,
-            balance: sparse.balance,
+            sparse: sparse.finish(c),
             temperature,
             cos,
             sin,
@@ -699,8 +690,7 @@ impl DeviceModel {
             cu_seqlens: &batch.cu_seqlens,
             grads: Some(&mut self.grads),
         };
-        let coef = c.moe.as_ref().map_or(0.0, |m| m.router_aux_loss_coef) * fwd.aux_weight;
-        let balance = (coef > 0.0).then_some((coef, &fwd.balance));
+        let balance = fwd.sparse.balance(c);
         for (layer, a) in fwd.layers.iter().enumerate().rev() {
             dx = layer_backward(&mut dev, c, layer, a, dx, balance)?;
         }

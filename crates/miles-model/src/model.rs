@@ -12,7 +12,7 @@ use crate::kv::{BlockId, KvCache};
 use crate::layer::{
     Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
 };
-use crate::moe::{BalanceStats, RoutingMismatch, SparseLayers};
+use crate::moe::{SparseLayers, SparseOutputs};
 use crate::{Error, ModelConfig, Result, Weights};
 
 /// Sequences packed back to back without padding. Sequence `s` is
@@ -174,15 +174,8 @@ pub struct Model {
 pub struct Forward {
     pub logp: Vec<f32>,
     pub entropy: Vec<f32>,
-    /// The load-balancing loss of a Qwen3-MoE model's sparse layers (transformers'
-    /// `load_balancing_loss_func`: top-k when balanced), whatever its weight in the loss.
-    pub router_aux_loss: Option<f64>,
-    /// Against the batch's routed experts, when it has them.
-    pub routing_mismatch: Option<RoutingMismatch>,
-    /// Scales the load-balancing loss's gradient in the backward (a micro-batch's share of
-    /// its step: the loss it reports is weighted alike); 1 unless set.
-    pub aux_weight: f32,
-    balance: BalanceStats,
+    /// The sparse layers' load-balancing loss and routing mismatch (Qwen3-MoE).
+    pub sparse: SparseOutputs,
     temperature: f32,
     cos: Vec<f32>,
     sin: Vec<f32>,
@@ -488,10 +481,7 @@ impl Model {
         Ok(Forward {
             logp,
             entropy,
-            router_aux_loss: c.moe.as_ref().map(|_| sparse.balance.loss()),
-            routing_mismatch: sparse.mismatch,
-            aux_weight: 1.0,
-            balance: sparse.balance,
+            sparse: sparse.finish(c),
             temperature,
             cos,
             sin,
@@ -662,8 +652,7 @@ impl Model {
 
         let mut cpu = Cpu::new(self, None, &fwd.cos, &fwd.sin, &batch.cu_seqlens);
         cpu.grads = Some(grads);
-        let coef = c.moe.as_ref().map_or(0.0, |m| m.router_aux_loss_coef) * fwd.aux_weight;
-        let balance = (coef > 0.0).then_some((coef, &fwd.balance));
+        let balance = fwd.sparse.balance(c);
         for (layer, a) in fwd.layers.iter().enumerate().rev() {
             dx = layer_backward(&mut cpu, c, layer, a, dx, balance)?;
         }
@@ -1052,7 +1041,7 @@ pub(crate) mod tests {
             }
             let t = 0.9;
             let fwd = m.forward(&b, t).unwrap();
-            let aux = fwd.router_aux_loss.unwrap();
+            let aux = fwd.sparse.router_aux_loss.unwrap();
             assert!((1.0..4.0).contains(&aux), "{aux}");
             let mut rng = Rng::new(4);
             let (ga, gb) = (rng.vec(fwd.logp.len(), 1.0), rng.vec(fwd.logp.len(), 1.0));
@@ -1068,7 +1057,7 @@ pub(crate) mod tests {
                 check_gradient(name, &mut x, &analytic, 12, |x| {
                     *probe.weights.tensors_mut(arch)[k] = x.to_vec();
                     let f = probe.forward(&b, t).unwrap();
-                    let aux = f64::from(coef) * f.router_aux_loss.unwrap();
+                    let aux = f64::from(coef) * f.sparse.router_aux_loss.unwrap();
                     dot(&ga, &f.logp) + dot(&gb, &f.entropy) + aux
                 });
             }

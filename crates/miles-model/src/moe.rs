@@ -152,6 +152,28 @@ pub(crate) fn interleave(per_layer: &[&[u32]], top_k: usize) -> Vec<u16> {
     ids
 }
 
+/// What a forward reports of its sparse layers, and what its backward needs of them.
+#[derive(Debug, Clone, Default)]
+pub struct SparseOutputs {
+    /// The load-balancing loss (transformers' `load_balancing_loss_func`: top-k when
+    /// balanced), whatever its weight in the loss; `None` for a dense model.
+    pub router_aux_loss: Option<f64>,
+    /// Against the batch's routed experts, when it has them.
+    pub routing_mismatch: Option<RoutingMismatch>,
+    /// Scales the load-balancing loss's gradient in the backward (a micro-batch's share of its
+    /// step, as the loss it reports is weighted); 1 unless set.
+    pub aux_weight: f32,
+    balance: BalanceStats,
+}
+
+impl SparseOutputs {
+    /// The backward's balance-loss term for `c`: its weight and statistics, when it has one.
+    pub(crate) fn balance(&self, c: &ModelConfig) -> Option<(f32, &BalanceStats)> {
+        let coef = c.moe.as_ref().map_or(0.0, |m| m.router_aux_loss_coef) * self.aux_weight;
+        (coef > 0.0).then_some((coef, &self.balance))
+    }
+}
+
 /// A training forward's bookkeeping of its sparse layers: the replay and the record of each
 /// from the batch ([`crate::RoutedBatch`]), and the balance statistics and mismatch counts.
 pub(crate) struct SparseLayers<'a> {
@@ -182,6 +204,16 @@ impl<'a> SparseLayers<'a> {
         }
         self.record = Some(r.layer(&r.ids, self.seen));
         Ok(r.replay.as_ref().map(|p| r.layer(p, self.seen)))
+    }
+
+    /// What the forward reports, after its layers.
+    pub fn finish(self, c: &ModelConfig) -> SparseOutputs {
+        SparseOutputs {
+            router_aux_loss: c.moe.as_ref().map(|_| self.balance.loss()),
+            routing_mismatch: self.mismatch,
+            aux_weight: 1.0,
+            balance: self.balance,
+        }
     }
 
     /// After the layer: its routing into the statistics.

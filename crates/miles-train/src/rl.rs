@@ -38,7 +38,7 @@ use miles_core::{
     Advantage, Correction, Reward, Rollout, RoutingReplay, Sample, SamplingParams, Status,
 };
 use miles_data::{Cursor, DataSource, Dataset, PromptRow};
-use miles_model::moe::RoutingMismatch;
+use miles_model::moe::{RoutingMismatch, SparseOutputs};
 use miles_model::{
     DeviceForward, DeviceModel, Forward, Model, PackedBatch, PackedLinears, Tokenizer, Weights,
 };
@@ -750,6 +750,11 @@ impl Run<'_> {
     }
 }
 
+/// A mixture of experts' load-balancing loss weight (0 for a dense model).
+fn aux_coef(c: &miles_model::ModelConfig) -> f64 {
+    c.moe.as_ref().map_or(0.0, |m| f64::from(m.router_aux_loss_coef))
+}
+
 /// Dense bf16 tensor-core FLOP/s of the device's chip, where known (for the MFU metric).
 fn peak_bf16_flops(device: &Device) -> Option<f64> {
     let name = device.name().ok()?;
@@ -1353,17 +1358,10 @@ trait Learner {
     fn forward(&mut self, batch: &PackedBatch, temperature: f32) -> anyhow::Result<Self::Forward>;
     /// `(logp, entropy)` of the response tokens.
     fn outputs(f: &Self::Forward) -> (&[f32], &[f32]);
-    /// A mixture-of-experts model's load-balancing loss, and its weight in the loss (the
-    /// backward adds its gradient).
-    fn router_aux_loss(&self, _: &Self::Forward) -> Option<(f64, f64)> {
-        None
-    }
-    /// How the forward's experts compare with the rollout's record (mixture of experts).
-    fn routing_mismatch(_: &Self::Forward) -> Option<RoutingMismatch> {
-        None
-    }
-    /// Weights the load-balancing loss's gradient by the micro-batch's share of the step.
-    fn weigh_aux(_: &mut Self::Forward, _: f32) {}
+    /// What the forward reports of a mixture of experts' sparse layers.
+    fn sparse(f: &mut Self::Forward) -> &mut SparseOutputs;
+    /// The load-balancing loss's weight in the loss (the backward adds its gradient).
+    fn aux_coef(&self) -> f64;
     /// Adds the gradient of the loss whose derivatives these are.
     fn backward(
         &mut self,
@@ -1407,17 +1405,12 @@ impl Learner for CpuLearner<'_> {
         (&f.logp, &f.entropy)
     }
 
-    fn router_aux_loss(&self, f: &Forward) -> Option<(f64, f64)> {
-        let coef = self.policy.config.moe.as_ref()?.router_aux_loss_coef;
-        Some((f.router_aux_loss?, f64::from(coef)))
+    fn sparse(f: &mut Forward) -> &mut SparseOutputs {
+        &mut f.sparse
     }
 
-    fn routing_mismatch(f: &Forward) -> Option<RoutingMismatch> {
-        f.routing_mismatch
-    }
-
-    fn weigh_aux(f: &mut Forward, share: f32) {
-        f.aux_weight = share;
+    fn aux_coef(&self) -> f64 {
+        aux_coef(&self.policy.config)
     }
 
     fn backward(
@@ -1473,17 +1466,12 @@ impl Learner for DeviceLearner<'_> {
         (&f.logp, &f.entropy)
     }
 
-    fn router_aux_loss(&self, f: &DeviceForward) -> Option<(f64, f64)> {
-        let coef = self.model.config.moe.as_ref()?.router_aux_loss_coef;
-        Some((f.router_aux_loss?, f64::from(coef)))
+    fn sparse(f: &mut DeviceForward) -> &mut SparseOutputs {
+        &mut f.sparse
     }
 
-    fn routing_mismatch(f: &DeviceForward) -> Option<RoutingMismatch> {
-        f.routing_mismatch
-    }
-
-    fn weigh_aux(f: &mut DeviceForward, share: f32) {
-        f.aux_weight = share;
+    fn aux_coef(&self) -> f64 {
+        aux_coef(&self.model.config)
     }
 
     fn backward(
@@ -1602,18 +1590,20 @@ fn train_step<L: Learner>(
             break;
         }
         let share = weight(mb) / whole;
-        if let Some((aux, coef)) = learner.router_aux_loss(&fwd) {
+        let coef = learner.aux_coef();
+        let mut fwd = fwd;
+        let sparse = L::sparse(&mut fwd);
+        if let Some(aux) = sparse.router_aux_loss {
             out.loss += coef * aux;
             *total.router_aux_loss.get_or_insert(0.0) += share * aux;
         }
-        if let Some(m) = L::routing_mismatch(&fwd) {
-            total.routing.get_or_insert_default().merge(&m);
+        if let Some(m) = &sparse.routing_mismatch {
+            total.routing.get_or_insert_default().merge(m);
         }
         let scale = share as f32;
         out.d_logp.iter_mut().for_each(|g| *g *= scale);
         out.d_entropy.iter_mut().for_each(|g| *g *= scale);
-        let mut fwd = fwd;
-        L::weigh_aux(&mut fwd, scale);
+        L::sparse(&mut fwd).aux_weight = scale;
         learner.backward(fwd, &batch, &out.d_logp, &out.d_entropy)?;
         total.loss += share * out.loss;
         total.metrics.add_scaled(&out.metrics, share);
