@@ -307,13 +307,7 @@ fn a_moe_run_with_replay_resumes_exactly_on_both_actors() {
     let env = [("MILES_DEVICE_ACTOR_ON_HOST", "1")];
     let dir =
         check_exact_resume_with("train_moe_device_resume", &flags, &["ref.safetensors"], &env);
-    let records: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|r: &Value| r.get("rollout/raw_reward").is_some())
-        .collect();
-    for r in &records {
+    for r in &iteration_records(&dir) {
         assert_eq!(r["train/replayed_experts_mismatch"], 0.0, "{r}");
         assert!(r["train/routed_experts_mismatch"].is_number(), "{r}");
         assert!(r["train/router_aux_loss"].is_number(), "{r}");
