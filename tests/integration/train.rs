@@ -395,6 +395,10 @@ fn a_dead_worker_stops_the_run_and_unsupported_flags_are_named() {
         "{}",
         text(&out)
     );
+    let rpp = ["--advantage-estimator".to_string(), "reinforce_plus_plus".to_string()];
+    let out = run_binary(&strs(&[argv.clone(), rpp.to_vec()].concat()), None);
+    let report = text(&out);
+    assert!(report.contains("reinforce_plus_plus(_baseline): not supported"), "{report}");
     let run_dir = dir.join("indivisible");
     let indivisible = ["--nproc-per-node", "3", "--rollout-batch-size", "8", "--num-rollout", "1"];
     let out =

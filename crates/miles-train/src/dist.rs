@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use miles_core::config::RunConfig;
+use miles_core::config::{AdvantageEstimator, RunConfig};
 use miles_dist::{Group, World};
 
 /// How long a rank waits for the others at a collective before calling them dead.
@@ -71,9 +71,15 @@ pub(crate) fn check_supported(
             cfg.device
         );
     }
+    // Each of these normalizes over the whole batch, which no rank holds alone.
+    let whitened = matches!(
+        cfg.advantage_estimator,
+        AdvantageEstimator::ReinforcePlusPlus | AdvantageEstimator::ReinforcePlusPlusBaseline
+    );
     let refuse = [
         (cfg.over_sampling_batch_size.is_some(), "--over-sampling-batch-size"),
         (cfg.normalize_advantages, "--normalize-advantages"),
+        (whitened, "--advantage-estimator reinforce_plus_plus(_baseline)"),
         (cfg.use_tis, "--use-tis"),
     ];
     if let Some((_, flag)) = refuse.iter().find(|(on, _)| *on) {
