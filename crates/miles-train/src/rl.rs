@@ -607,9 +607,21 @@ impl Run<'_> {
             // 4. Optimizer steps over consecutive slices of the batch.
             let mut sums = StepSums::default();
             let mut forward_logp = Vec::with_capacity(samples.len());
-            for range in split_ranges(samples.len(), self.steps_per_rollout) {
+            // Over several processes every rank takes every step (its part may be empty), so the
+            // collectives line up.
+            let ranges = match self.dist {
+                Some(_) => (0..self.steps_per_rollout)
+                    .map(|i| {
+                        let n = samples.len();
+                        i * n / self.steps_per_rollout..(i + 1) * n / self.steps_per_rollout
+                    })
+                    .collect(),
+                None => split_ranges(samples.len(), self.steps_per_rollout),
+            };
+            for range in ranges {
                 let part = &samples[range];
-                if part.is_empty() {
+                // A rank left without samples for a step still takes part in its collectives.
+                if part.is_empty() && self.dist.is_none() {
                     continue;
                 }
                 state.attempted_steps += 1;
