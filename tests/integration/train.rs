@@ -247,15 +247,7 @@ fn check_exact_resume_with(
     );
     // The resumed run's metrics dropped the killed run's iteration 5 and appended 5 and 6:
     // one line per iteration, equal to the straight run's.
-    let metrics = |dir: &PathBuf| -> Vec<Value> {
-        std::fs::read_to_string(dir.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .filter(|r: &Value| r.get("rollout/raw_reward").is_some())
-            .collect()
-    };
-    let (a, b) = (metrics(&straight), metrics(&resumed));
+    let (a, b) = (iteration_records(&straight), iteration_records(&resumed));
     assert_eq!(b.len(), 6);
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(x["step"], y["step"]);
@@ -426,12 +418,7 @@ fn old_logprobs_from_the_training_step_give_the_bits_of_a_separate_forward() {
             let out =
                 run_binary_with(&strs(&run_args(flags, &dir, 3)), Some("nan-loss-at-step:2"), &env);
             assert!(out.status.success(), "{name} {sub}: {}", text(&out));
-            let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))
-                .unwrap()
-                .lines()
-                .map(|l| serde_json::from_str(l).unwrap())
-                .filter(|r: &Value| r.get("rollout/raw_reward").is_some())
-                .collect();
+            let metrics = iteration_records(&dir);
             let file = |f| checkpoint_file(&dir, 3, f);
             (file("model.safetensors"), file("optimizer.safetensors"), metrics)
         };
@@ -725,12 +712,7 @@ fn every_estimator_and_option_runs_end_to_end() {
         let report = train(&format!("{base} {variant}"), &paths)
             .unwrap_or_else(|e| panic!("{variant}: {e}"));
         assert!(report.contains("trained 2 iterations (0 steps skipped)"), "{variant}: {report}");
-        let records: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .filter(|r: &Value| r.get("rollout/raw_reward").is_some())
-            .collect();
+        let records = iteration_records(&dir);
         assert_eq!(records.len(), 2, "{variant}");
         for r in &records {
             assert_eq!(r["train/train_rollout_logprob_abs_diff"], 0.0, "{variant}: {r}");

@@ -143,6 +143,17 @@ fn synthetic_run() -> String {
     lines.join("\n") + "\n"
 }
 
+/// Every chart's file but truncated.png, in [`CHARTS`] order.
+const ALL_BUT_TRUNCATED: [&str; 7] = [
+    "reward.png",
+    "eval_time.png",
+    "kl.png",
+    "clipfrac.png",
+    "response_len.png",
+    "step_time.png",
+    "loss.png",
+];
+
 fn decode(path: &Path) -> (u32, u32, Vec<u8>) {
     let file = std::io::BufReader::new(fs::File::open(path).unwrap());
     let mut reader = png::Decoder::new(file).read_info().unwrap();
@@ -172,18 +183,7 @@ fn end_to_end_run_draws_every_chart_with_data_and_skips_the_rest() {
     let written = plot_run(run.path(), &out).unwrap();
     let names: Vec<_> =
         written.iter().map(|p| p.file_name().unwrap().to_str().unwrap().to_string()).collect();
-    assert_eq!(
-        names,
-        [
-            "reward.png",
-            "eval_time.png",
-            "kl.png",
-            "clipfrac.png",
-            "response_len.png",
-            "step_time.png",
-            "loss.png"
-        ]
-    );
+    assert_eq!(names, ALL_BUT_TRUNCATED);
     assert!(!out.join("truncated.png").exists());
 
     let records = read_metrics(&run.path().join(METRICS_FILE)).unwrap();
@@ -241,18 +241,7 @@ fn charts_without_data_are_skipped_and_reported() {
     let report = plot_records(&records, &out).unwrap();
     assert_eq!(report.written, [out.join("truncated.png")]);
     let skipped: Vec<_> = report.skipped.iter().map(|s| s.file).collect();
-    assert_eq!(
-        skipped,
-        [
-            "reward.png",
-            "eval_time.png",
-            "kl.png",
-            "clipfrac.png",
-            "response_len.png",
-            "step_time.png",
-            "loss.png"
-        ]
-    );
+    assert_eq!(skipped, ALL_BUT_TRUNCATED);
     assert_eq!(report.skipped[0].describe(), "rollout/raw_reward, eval/*");
     assert_eq!(fs::read_dir(&out).unwrap().count(), 1);
 
