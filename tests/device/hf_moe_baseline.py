@@ -36,7 +36,8 @@ def main():
     nparam = sum(p.numel() for p in model.parameters())
     active = nparam - 4 * (128 - 8) * 3 * 2048 * 768
     base = dict(peer="hf-transformers", model="qwen3-30b-a3b-4l", params=nparam, active_params=active,
-                torch=torch.__version__, device=torch.cuda.get_device_name())
+                torch=torch.__version__, device=torch.cuda.get_device_name(),
+                experts=str(getattr(model.config, "_experts_implementation", None)))
     B, L, V = a.batch, a.seq_len, cfg.vocab_size
     x = torch.randint(0, V, (B, L), device="cuda")
     model.eval()

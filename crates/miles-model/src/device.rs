@@ -169,7 +169,9 @@ impl DeviceModel {
         };
         m.refresh_compute()?;
         m.stack_linears()?;
-        m.fused_decode = !m.stacked.is_empty() && m.check_fused_decode()?;
+        // (Where the paged attention cannot run, neither can the decode path the check is for.)
+        let decodes = ops::paged_attention_runs(device, dtype, c.head_dim);
+        m.fused_decode = !m.stacked.is_empty() && decodes && m.check_fused_decode()?;
         Ok(m)
     }
 

@@ -452,6 +452,15 @@ pub fn qkv_rope_kv_write(
     unreachable!("fused only with the cuda feature")
 }
 
+/// Whether [`paged_attention`] runs on `device` in `dtype` at `head_dim` (any on the CPU; bf16
+/// at head_dim 64 or 128 on CUDA), so a caller can skip the decode path where it cannot.
+pub fn paged_attention_runs(device: &Device, dtype: DType, head_dim: usize) -> bool {
+    match device {
+        Device::Cpu => true,
+        _ => dtype == DType::BF16 && matches!(head_dim, 64 | 128),
+    }
+}
+
 /// Attention of the plan's query rows (`q` `[rows × q_heads × head_dim]`) over the paged
 /// `cache` of `layer`, this step's keys and values already written: `(out, lse)` as
 /// [`attention_forward`] gives them, with the same bits per row. On CUDA it runs in bf16 at

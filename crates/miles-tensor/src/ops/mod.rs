@@ -15,8 +15,8 @@ mod optim;
 mod sample;
 
 pub use attention::{
-    PagedPlan, attention_backward, attention_forward, paged_attention, paged_kv_write,
-    qkv_rope_kv_write,
+    PagedPlan, attention_backward, attention_forward, paged_attention, paged_attention_runs,
+    paged_kv_write, qkv_rope_kv_write,
 };
 pub use elementwise::{
     add, concat_rows, embedding_backward, embedding_backward_acc, embedding_forward,
