@@ -17,8 +17,7 @@
 // keys of a key block and walks the queries that see them in chunks of QC. Each kernel loads
 // the next key block (or query chunk) with cp.async into the other of two shared buffers while
 // it computes the current one.
-#include <cuda_bf16.h>
-#include <stdint.h>
+#include "mma.cuh"
 
 namespace {
 
@@ -30,32 +29,7 @@ constexpr int THREADS = WARPS * 32;
 constexpr int SKEW = 8;      // bf16 of padding per shared-memory row: ldmatrix without conflicts
 constexpr float LOG2E = 1.4426950408889634f;
 
-typedef __nv_bfloat16 bf16;
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t* r, const bf16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
-__device__ __forceinline__ void ldsm_x4_t(uint32_t* r, const bf16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
-// c += a·b for one m16n8k16 fragment.
-__device__ __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+using namespace miles;
 
 __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -76,18 +50,8 @@ __device__ __forceinline__ void load_rows_async(bf16* dst, const bf16* src, size
         // A zero-filled row reads nothing; its address only has to be valid: row 0's.
         const bf16* from = src + (r < n ? r : 0) * stride + c;
         const int bytes = r < n ? 16 : 0;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                         smem_addr(dst + r * (D + SKEW) + c)),
-                     "l"(from), "r"(bytes));
+        cp_async16(dst + r * (D + SKEW) + c, from, bytes);
     }
-}
-
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Waits until at most `pending` of this thread's committed groups are still in flight.
-template <int pending>
-__device__ __forceinline__ void wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
 }
 
 // The A fragment (16 rows × 16 columns at column k0) of a row-major shared tile.

@@ -23,6 +23,7 @@ pub(crate) use elementwise::{
     embedding_forward, pick_row_dots, pick_rows_sum, rope, scatter_rows, split_columns,
     swiglu_backward, swiglu_forward, swiglu_stacked,
 };
+pub(crate) use grouped::{grouped_rows, grouped_wgrad};
 pub(crate) use logprob::{logprob_rows, logprob_rows_backward};
 pub(crate) use ops::{
     add_rmsnorm, matmul, matmul_into, qk_norm_rope, qkv_rope_kv_write, rmsnorm_backward,
@@ -59,6 +60,7 @@ macro_rules! launch {
 mod attention;
 mod elementwise;
 mod gemm_lt;
+mod grouped;
 mod logprob;
 mod ops;
 mod optim;

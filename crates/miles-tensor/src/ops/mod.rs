@@ -10,6 +10,7 @@ use crate::{DType, Device, Error, Result, Tensor, ensure};
 
 mod attention;
 mod elementwise;
+mod grouped;
 mod logprob;
 mod optim;
 mod sample;
@@ -23,6 +24,7 @@ pub use elementwise::{
     embedding_forward_ids, gather_rows, pick_row_dots, pick_rows_sum, rope, scatter_rows,
     split_columns, swiglu_backward, swiglu_forward, swiglu_stacked,
 };
+pub use grouped::{grouped_matmul, grouped_matmul_wgrad};
 pub use logprob::{logprob_rows, logprob_rows_backward, logprob_rows_ids};
 pub use optim::{AdamWTensors, adamw_multi, adamw_step, sum_squares, sum_squares_multi};
 pub use sample::{sample_rows, sample_rows_ids};
