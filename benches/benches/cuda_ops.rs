@@ -79,6 +79,54 @@ fn matmul(c: &mut Criterion) {
     set_gemm_route(GemmRoute::Invariant);
 }
 
+/// A Qwen3-30B-A3B sparse layer's expert products (8 × 512 tokens, top-8 of 128 experts,
+/// hidden 2048, expert width 768): each matrix over every expert in one grouped launch, beside
+/// one pinned product per expert (the rows already gathered), as the f32 route still runs.
+fn grouped(c: &mut Criterion) {
+    const EXPERTS: usize = 128;
+    const PICKS: usize = 4096 * 8;
+    const H: usize = 2048;
+    const I: usize = 768;
+    let mut rng = Rng::new(6);
+    let mut counts = vec![0u32; EXPERTS];
+    for _ in 0..PICKS {
+        counts[rng.below(EXPERTS)] += 1;
+    }
+    let mut offsets = vec![0u32];
+    for n in &counts {
+        offsets.push(offsets.last().unwrap() + n);
+    }
+    let tokens: Vec<u32> = (0..PICKS).map(|_| rng.below(4096) as u32).collect();
+    let x = random(&mut rng, &[4096, H], 1.0, DType::BF16);
+    let dy = random(&mut rng, &[PICKS, I], 1.0, DType::BF16);
+    let gates: Vec<Tensor> =
+        (0..EXPERTS).map(|_| random(&mut rng, &[I, H], 0.02, DType::BF16)).collect();
+    let gates: Vec<&Tensor> = gates.iter().collect();
+    let mut dws: Vec<Tensor> = (0..EXPERTS)
+        .map(|_| Tensor::zeros(&[I, H], DType::F32, &DEVICE).expect("on the GPU"))
+        .collect();
+    let per_expert: Vec<Tensor> =
+        counts.iter().map(|&n| random(&mut rng, &[n as usize, H], 1.0, DType::BF16)).collect();
+    let mut g = group(c, "grouped_experts_bf16");
+    g.throughput(Throughput::Elements((2 * PICKS * H * I) as u64));
+    on_device(&mut g, "x_wT_gathered_32768x2048x768", || {
+        ops::grouped_matmul(&x, Some(&tokens), &offsets, &gates, Transpose::Yes).expect("grouped");
+    });
+    on_device(&mut g, "dy_w_32768x768x2048", || {
+        ops::grouped_matmul(&dy, None, &offsets, &gates, Transpose::No).expect("grouped");
+    });
+    on_device(&mut g, "dw_acc_768x32768x2048", || {
+        let mut refs: Vec<&mut Tensor> = dws.iter_mut().collect();
+        ops::grouped_matmul_wgrad(&mut refs, &dy, &x, Some(&tokens), &offsets).expect("grouped");
+    });
+    on_device(&mut g, "per_expert_x_wT_128_products", || {
+        for (xe, w) in per_expert.iter().zip(&gates) {
+            ops::matmul(xe, Transpose::No, w, Transpose::Yes).expect("matmul");
+        }
+    });
+    g.finish();
+}
+
 fn attention(c: &mut Criterion) {
     let mut rng = Rng::new(2);
     let AttentionShape { q_heads, kv_heads, head_dim: d } = SHAPE;
@@ -281,5 +329,5 @@ fn decode(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, matmul, attention, rowwise, logprob, sample, optimizer, decode);
+criterion_group!(benches, matmul, grouped, attention, rowwise, logprob, sample, optimizer, decode);
 criterion_main!(benches);

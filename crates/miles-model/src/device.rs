@@ -13,7 +13,7 @@ use miles_tensor::{DType, Device, Tensor, ops};
 use crate::layer::{
     Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
 };
-use crate::moe::{SparseLayers, SparseOutputs};
+use crate::moe::{ExpertMatrix, SparseLayers, SparseOutputs};
 use crate::weights::tensor_spec;
 use crate::{DeviceKvCache, Error, Model, ModelConfig, PackedBatch, Result, StepRow, Weights};
 
@@ -835,6 +835,20 @@ struct Dev<'a> {
     grads: Option<&'a mut Vec<Tensor>>,
 }
 
+impl DeviceWeights<'_> {
+    /// The index of each expert's `matrix` in `layer`, in expert order.
+    fn experts(&self, layer: usize, matrix: ExpertMatrix) -> Vec<usize> {
+        let experts = self.config.moe.as_ref().map_or(0, |m| m.num_experts);
+        (0..experts)
+            .map(|e| match matrix {
+                ExpertMatrix::Gate => self.layout.linear(layer, Linear::ExpertGateUp(e))[0],
+                ExpertMatrix::Up => self.layout.linear(layer, Linear::ExpertGateUp(e))[1],
+                ExpertMatrix::Down => self.layout.linear(layer, Linear::ExpertDown(e))[0],
+            })
+            .collect()
+    }
+}
+
 impl Dev<'_> {
     fn grads(&mut self) -> Result<&mut Vec<Tensor>> {
         self.grads
@@ -895,6 +909,49 @@ impl Backend for Dev<'_> {
         let w = self.w.weight(self.w.layout.norm(layer, norm));
         let [sum, y, rstd] = ops::add_rmsnorm(a, b, w, self.w.config.rms_norm_eps)?;
         Ok((sum, y, rstd))
+    }
+
+    /// bf16 runs every expert at once (one launch per matrix on CUDA); f32, the parity mode,
+    /// one expert at a time through the pinned products.
+    fn grouped_experts(&self) -> bool {
+        self.w.weight(0).dtype() == DType::BF16
+    }
+
+    fn experts_product(
+        &self,
+        layer: usize,
+        matrix: ExpertMatrix,
+        x: &Tensor,
+        rows: Option<&[u32]>,
+        offsets: &[u32],
+        input_grad: bool,
+    ) -> Result<Tensor> {
+        let ws: Vec<&Tensor> =
+            self.w.experts(layer, matrix).into_iter().map(|i| self.w.weight(i)).collect();
+        let tw = if input_grad { Transpose::No } else { Transpose::Yes };
+        Ok(ops::grouped_matmul(x, rows, offsets, &ws, tw)?)
+    }
+
+    fn pick_rows(
+        &self,
+        y: &Tensor,
+        _width: usize,
+        picks: &[u32],
+        weights: &[f32],
+        k: usize,
+    ) -> Result<Tensor> {
+        Ok(ops::pick_rows_sum(y, picks, weights, k)?)
+    }
+
+    fn pick_dots(
+        &self,
+        a: &Tensor,
+        y: &Tensor,
+        _width: usize,
+        picks: &[u32],
+        k: usize,
+    ) -> Result<Vec<f32>> {
+        Ok(ops::pick_row_dots(a, y, picks, k)?)
     }
 
     fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
@@ -980,6 +1037,27 @@ impl BackwardBackend for Dev<'_> {
         let (dx, dw) = ops::rmsnorm_backward(dy, x, self.w.weight(i), rstd)?;
         add_into(&mut self.grads()?[i], &dw)?;
         Ok(dx)
+    }
+
+    fn experts_wgrad(
+        &mut self,
+        layer: usize,
+        matrix: ExpertMatrix,
+        dy: &Tensor,
+        x: &Tensor,
+        rows: Option<&[u32]>,
+        offsets: &[u32],
+    ) -> Result<()> {
+        let wanted = self.w.experts(layer, matrix);
+        // The indices increase with the expert: one pass picks their gradients in order.
+        let mut want = wanted.iter().peekable();
+        let mut grads: Vec<&mut Tensor> = Vec::with_capacity(wanted.len());
+        for (i, g) in self.grads()?.iter_mut().enumerate() {
+            if want.next_if_eq(&&i).is_some() {
+                grads.push(g);
+            }
+        }
+        Ok(ops::grouped_matmul_wgrad(&mut grads, dy, x, rows, offsets)?)
     }
 
     fn linear_backward(

@@ -2,7 +2,7 @@
 //! it on f32 slices with the batch-invariant packed linears, the device model on tensors. Only
 //! the primitives differ between devices, never the steps of the layer or their order.
 
-use crate::moe::{BalanceStats, MoeActivations, Routing, moe_backward, moe_forward};
+use crate::moe::{BalanceStats, ExpertMatrix, MoeActivations, Routing, moe_backward, moe_forward};
 use crate::{ModelConfig, Result};
 
 /// A layer's linears. Forward outputs come split into their parts: `[q, k, v]`, `[o]`,
@@ -73,6 +73,49 @@ pub(crate) trait Backend {
         k_n: usize,
     ) -> Result<Vec<f32>>;
 
+    /// Whether the sparse layers run every expert at once ([`Backend::experts_product`] over
+    /// the picks sorted by expert) rather than one expert at a time.
+    fn grouped_experts(&self) -> bool {
+        false
+    }
+    /// Each expert's `matrix` over its sorted rows (`offsets[e]..offsets[e + 1]`): `x[row]·Wᵀ`,
+    /// or `x[row]·W` with `input_grad`, the rows of `x` through `rows` when given.
+    fn experts_product(
+        &self,
+        _layer: usize,
+        _matrix: ExpertMatrix,
+        _x: &Self::Act,
+        _rows: Option<&[u32]>,
+        _offsets: &[u32],
+        _input_grad: bool,
+    ) -> Result<Self::Act> {
+        Err(crate::Error::Invalid("internal: this backend has no grouped expert products".into()))
+    }
+    /// `out[t] = Σ_j weights[t·k + j] · y[picks[t·k + j]]` in rank order (rows of `width`).
+    fn pick_rows(
+        &self,
+        y: &Self::Act,
+        width: usize,
+        picks: &[u32],
+        weights: &[f32],
+        k: usize,
+    ) -> Result<Self::Act> {
+        let parts: Vec<(u32, u32)> = picks.iter().map(|&r| (0, r)).collect();
+        self.sum_rows(&[y], width, &parts, weights, k)
+    }
+    /// Per pick `t·k + j`, the dot product of row `t` of `a` with row `picks[t·k + j]` of `y`.
+    fn pick_dots(
+        &self,
+        a: &Self::Act,
+        y: &Self::Act,
+        width: usize,
+        picks: &[u32],
+        k: usize,
+    ) -> Result<Vec<f32>> {
+        let parts: Vec<(u32, u32)> = picks.iter().map(|&r| (0, r)).collect();
+        self.row_dots(a, &[y], width, &parts, k)
+    }
+
     /// `(a + b, y, rstd)` with `(y, rstd)` the layer's `norm` of `a + b`: a residual add and the
     /// norm after it. A backend may fuse them, keeping their bits.
     fn add_rmsnorm(
@@ -130,6 +173,18 @@ pub(crate) trait BackwardBackend: Backend {
         dys: &[&Self::Act],
         x: &Self::Act,
     ) -> Result<Self::Act>;
+    /// Adds each expert's `matrix` gradient: `dy[seg]ᵀ · x[rows[seg]]` over its sorted rows.
+    fn experts_wgrad(
+        &mut self,
+        _layer: usize,
+        _matrix: ExpertMatrix,
+        _dy: &Self::Act,
+        _x: &Self::Act,
+        _rows: Option<&[u32]>,
+        _offsets: &[u32],
+    ) -> Result<()> {
+        Err(crate::Error::Invalid("internal: this backend has no grouped expert products".into()))
+    }
     fn swiglu_backward(
         &self,
         dh: &Self::Act,

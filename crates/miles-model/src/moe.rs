@@ -11,6 +11,8 @@
 //! `E/N² · Σ_e c_e · Σ_n p_ne`, with `c_e` the number of top-k picks of expert `e` (by each
 //! token's own top-k) and `N` the rows of all sparse layers.
 
+use rayon::prelude::*;
+
 use crate::config::MoeConfig;
 use crate::layer::{Backend, BackwardBackend, LayerActivations, Linear};
 use crate::{Error, ModelConfig, PackedBatch, Result};
@@ -44,10 +46,16 @@ fn softmax(logits: &[f32]) -> Vec<f32> {
     exps.iter().map(|&e| e / sum).collect()
 }
 
-/// The `k` largest of `p` by value, ties to the lower index, in rank order.
+/// The `k` largest of `p` by value, ties to the lower index, in rank order (a selection, then
+/// a sort of the `k`: the order is total, so the first `k` of a full sort).
 fn top_k(p: &[f32], k: usize) -> Vec<u32> {
     let mut idx: Vec<u32> = (0..p.len() as u32).collect();
-    idx.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
+    let order = |a: &u32, b: &u32| p[*b as usize].total_cmp(&p[*a as usize]).then(a.cmp(b));
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, order);
+        idx.truncate(k);
+    }
+    idx.sort_by(order);
     idx.truncate(k);
     idx
 }
@@ -76,28 +84,42 @@ pub fn route(logits: &[f32], m: &MoeConfig, replay: Option<&[u32]>) -> Result<Ro
     let mut routing = Routing {
         top_k: k,
         num_experts: e,
-        experts: Vec::with_capacity(tokens * k),
-        weights: Vec::with_capacity(tokens * k),
-        probs: Vec::with_capacity(tokens * e),
-        own: Vec::with_capacity(tokens * k),
+        experts: vec![0; tokens * k],
+        weights: vec![0.0; tokens * k],
+        probs: vec![0.0; tokens * e],
+        own: vec![0; tokens * k],
     };
-    for (t, row) in logits.chunks(e).enumerate() {
-        let p = softmax(row);
-        let own = top_k(&p, k);
-        let chosen = match replay.map(|r| &r[t * k..(t + 1) * k]) {
-            Some(given) if given[0] != OWN_CHOICE => given.to_vec(),
-            _ => own.clone(),
-        };
-        let mut w: Vec<f32> = chosen.iter().map(|&x| p[x as usize]).collect();
-        if m.norm_topk_prob {
-            let sum: f32 = w.iter().sum();
-            w.iter_mut().for_each(|v| *v /= sum);
-        }
-        routing.experts.extend(&chosen);
-        routing.weights.extend(&w);
-        routing.probs.extend(&p);
-        routing.own.extend(&own);
-    }
+    // Each token on its own (a training batch has thousands): in parallel, the same bits.
+    const TOKENS_PER_TASK: usize = 64;
+    routing
+        .probs
+        .par_chunks_mut(TOKENS_PER_TASK * e)
+        .zip(routing.experts.par_chunks_mut(TOKENS_PER_TASK * k))
+        .zip(routing.weights.par_chunks_mut(TOKENS_PER_TASK * k))
+        .zip(routing.own.par_chunks_mut(TOKENS_PER_TASK * k))
+        .enumerate()
+        .for_each(|(task, (((probs, experts), weights), own))| {
+            for (i, p_out) in probs.chunks_mut(e).enumerate() {
+                let t = task * TOKENS_PER_TASK + i;
+                let p = softmax(&logits[t * e..(t + 1) * e]);
+                let mine = top_k(&p, k);
+                let chosen = match replay.map(|r| &r[t * k..(t + 1) * k]) {
+                    Some(given) if given[0] != OWN_CHOICE => given,
+                    _ => &mine[..],
+                };
+                let w = &mut weights[i * k..(i + 1) * k];
+                for (w, &x) in w.iter_mut().zip(chosen) {
+                    *w = p[x as usize];
+                }
+                if m.norm_topk_prob {
+                    let sum: f32 = w.iter().sum();
+                    w.iter_mut().for_each(|v| *v /= sum);
+                }
+                experts[i * k..(i + 1) * k].copy_from_slice(chosen);
+                own[i * k..(i + 1) * k].copy_from_slice(&mine);
+                p_out.copy_from_slice(&p);
+            }
+        });
     Ok(routing)
 }
 
@@ -243,9 +265,65 @@ pub(crate) struct ExpertRun<A> {
 /// What a sparse layer's forward keeps for its backward.
 pub(crate) struct MoeActivations<A> {
     pub routing: Routing,
-    runs: Vec<ExpertRun<A>>,
-    /// Per pick, (run, row in that run).
-    slots: Vec<(u32, u32)>,
+    experts: ExpertActs<A>,
+}
+
+/// The experts' activations, as the backend ran them.
+enum ExpertActs<A> {
+    /// One expert at a time (the CPU model, and f32 on the device).
+    PerExpert {
+        runs: Vec<ExpertRun<A>>,
+        /// Per pick, (run, row in that run).
+        slots: Vec<(u32, u32)>,
+    },
+    /// Every expert at once over the picks sorted by expert ([`Backend::grouped_experts`]).
+    Grouped { order: ExpertOrder, gate: A, up: A, act: A, y: A },
+}
+
+/// One of an expert's three matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ExpertMatrix {
+    Gate,
+    Up,
+    Down,
+}
+
+/// A layer's picks sorted by expert (stable: in pick order within an expert), as the grouped
+/// products take them.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ExpertOrder {
+    /// Expert `e` owns sorted rows `offsets[e]..offsets[e + 1]`.
+    pub offsets: Vec<u32>,
+    /// Per sorted row, its pick (`token · top_k + rank`).
+    pub picks: Vec<u32>,
+    /// Per sorted row, its token.
+    pub tokens: Vec<u32>,
+    /// Per pick, its sorted row.
+    pub rows_of_picks: Vec<u32>,
+}
+
+impl ExpertOrder {
+    pub fn new(r: &Routing) -> ExpertOrder {
+        let mut offsets = vec![0u32; r.num_experts + 1];
+        for &e in &r.experts {
+            offsets[e as usize + 1] += 1;
+        }
+        for e in 0..r.num_experts {
+            offsets[e + 1] += offsets[e];
+        }
+        let mut next = offsets.clone();
+        let mut picks = vec![0u32; r.experts.len()];
+        let mut rows_of_picks = vec![0u32; r.experts.len()];
+        for (pick, &e) in r.experts.iter().enumerate() {
+            let row = &mut next[e as usize];
+            picks[*row as usize] = pick as u32;
+            rows_of_picks[pick] = *row;
+            *row += 1;
+        }
+        let k = r.top_k.max(1) as u32;
+        let tokens = picks.iter().map(|&p| p / k).collect();
+        ExpertOrder { offsets, picks, tokens, rows_of_picks }
+    }
 }
 
 /// The sparse MLP on `x` `[tokens × hidden]` of `layer`.
@@ -260,6 +338,18 @@ pub(crate) fn moe_forward<B: Backend>(
     let [logits] = crate::layer::take(b.linear(layer, Linear::Router, x)?);
     let routing = route(&b.to_host(&logits)?, m, replay)?;
     let k = m.num_experts_per_tok;
+    if b.grouped_experts() {
+        let order = ExpertOrder::new(&routing);
+        let offsets = &order.offsets;
+        let product = |which, x, rows| b.experts_product(layer, which, x, rows, offsets, false);
+        let gate = product(ExpertMatrix::Gate, x, Some(&order.tokens))?;
+        let up = product(ExpertMatrix::Up, x, Some(&order.tokens))?;
+        let act = b.swiglu(&gate, &up)?;
+        let y = product(ExpertMatrix::Down, &act, None)?;
+        let out = b.pick_rows(&y, hidden, &order.rows_of_picks, &routing.weights, k)?;
+        let experts = ExpertActs::Grouped { order, gate, up, act, y };
+        return Ok((out, MoeActivations { routing, experts }));
+    }
     let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); m.num_experts];
     for (pick, &e) in routing.experts.iter().enumerate() {
         by_expert[e as usize].push(pick as u32);
@@ -279,7 +369,7 @@ pub(crate) fn moe_forward<B: Backend>(
     }
     let ys: Vec<&B::Act> = runs.iter().map(|r| &r.y).collect();
     let out = b.sum_rows(&ys, hidden, &slots, &routing.weights, k)?;
-    Ok((out, MoeActivations { routing, runs, slots }))
+    Ok((out, MoeActivations { routing, experts: ExpertActs::PerExpert { runs, slots } }))
 }
 
 /// The balance loss's statistics over the sparse layers seen so far.
@@ -340,11 +430,53 @@ pub(crate) fn moe_backward<B: BackwardBackend>(
     balance: Option<(f32, &BalanceStats)>,
 ) -> Result<B::Act> {
     let r = &a.routing;
+    let (d_weights, d_x) = match &a.experts {
+        ExpertActs::PerExpert { runs, slots } => {
+            per_expert_backward(b, layer, r, runs, slots, hidden, d_out)?
+        }
+        ExpertActs::Grouped { order, gate, up, act, y } => {
+            let k = r.top_k;
+            let offsets = &order.offsets;
+            let d_weights = b.pick_dots(d_out, y, hidden, &order.rows_of_picks, k)?;
+            let scales: Vec<f32> = order.picks.iter().map(|&p| r.weights[p as usize]).collect();
+            let d_y = b.pick_rows(d_out, hidden, &order.tokens, &scales, 1)?;
+            let d_act = b.experts_product(layer, ExpertMatrix::Down, &d_y, None, offsets, true)?;
+            b.experts_wgrad(layer, ExpertMatrix::Down, &d_y, act, None, offsets)?;
+            drop(d_y);
+            let (d_gate, d_up) = b.swiglu_backward(&d_act, gate, up)?;
+            drop(d_act);
+            let tokens = Some(order.tokens.as_slice());
+            b.experts_wgrad(layer, ExpertMatrix::Gate, &d_gate, x, tokens, offsets)?;
+            b.experts_wgrad(layer, ExpertMatrix::Up, &d_up, x, tokens, offsets)?;
+            let d_xg =
+                b.experts_product(layer, ExpertMatrix::Gate, &d_gate, None, offsets, true)?;
+            let d_xu = b.experts_product(layer, ExpertMatrix::Up, &d_up, None, offsets, true)?;
+            let d_xp = b.add(&d_xg, &d_xu)?;
+            let ones = vec![1.0; r.experts.len()];
+            (d_weights, b.pick_rows(&d_xp, hidden, &order.rows_of_picks, &ones, k)?)
+        }
+    };
+    let d_logits = router_backward(r, &d_weights, m.norm_topk_prob, balance);
+    let d_logits = b.upload(d_logits, r.num_experts)?;
+    let d_x_router = b.linear_backward(layer, Linear::Router, &[&d_logits], x)?;
+    b.add(&d_x, &d_x_router)
+}
+
+/// The experts' backward one expert at a time: the gate weights' gradients and d`x`.
+fn per_expert_backward<B: BackwardBackend>(
+    b: &mut B,
+    layer: usize,
+    r: &Routing,
+    runs: &[ExpertRun<B::Act>],
+    slots: &[(u32, u32)],
+    hidden: usize,
+    d_out: &B::Act,
+) -> Result<(Vec<f32>, B::Act)> {
     let k = r.top_k;
-    let ys: Vec<&B::Act> = a.runs.iter().map(|run| &run.y).collect();
-    let d_weights = b.row_dots(d_out, &ys, hidden, &a.slots, k)?;
-    let mut d_xs = Vec::with_capacity(a.runs.len());
-    for run in &a.runs {
+    let ys: Vec<&B::Act> = runs.iter().map(|run| &run.y).collect();
+    let d_weights = b.row_dots(d_out, &ys, hidden, slots, k)?;
+    let mut d_xs = Vec::with_capacity(runs.len());
+    for run in runs {
         let rows: Vec<u32> = run.picks.iter().map(|&p| p / k as u32).collect();
         let scales: Vec<f32> = run.picks.iter().map(|&p| r.weights[p as usize]).collect();
         let d_y = b.gather_rows(d_out, hidden, &rows, Some(&scales))?;
@@ -356,11 +488,7 @@ pub(crate) fn moe_backward<B: BackwardBackend>(
     }
     let d_refs: Vec<&B::Act> = d_xs.iter().collect();
     let ones = vec![1.0; r.experts.len()];
-    let d_x = b.sum_rows(&d_refs, hidden, &a.slots, &ones, k)?;
-    let d_logits = router_backward(r, &d_weights, m.norm_topk_prob, balance);
-    let d_logits = b.upload(d_logits, r.num_experts)?;
-    let d_x_router = b.linear_backward(layer, Linear::Router, &[&d_logits], x)?;
-    b.add(&d_x, &d_x_router)
+    Ok((d_weights, b.sum_rows(&d_refs, hidden, slots, &ones, k)?))
 }
 
 /// d(loss)/d(router logits) `[tokens × num_experts]` from the gate weights' gradients, through
@@ -431,6 +559,23 @@ mod tests {
         assert!((replay.weights[0] - q[3] / (q[3] + q[0])).abs() < 1e-7);
         assert!(route(&logits, &config(true), Some(&[0, 1])).is_err());
         assert!(route(&logits, &config(true), Some(&[0, 1, 2, 4])).is_err());
+    }
+
+    /// The picks sorted by expert, stably, with each pick's row and each row's token.
+    #[test]
+    fn expert_order_sorts_the_picks_stably() {
+        let r = route(&[0.0; 12], &config(false), Some(&[2, 0, 0, 3, 2, 1])).unwrap();
+        let o = ExpertOrder::new(&r);
+        assert_eq!(o.offsets, [0, 2, 3, 5, 6]);
+        assert_eq!(o.picks, [1, 2, 5, 0, 4, 3]);
+        assert_eq!(o.tokens, [0, 1, 2, 0, 2, 1]);
+        for (row, &pick) in o.picks.iter().enumerate() {
+            assert_eq!(o.rows_of_picks[pick as usize] as usize, row);
+        }
+        // The selection gives the full sort's top-k, ties to the lower index.
+        let p = [0.1, 0.3, 0.3, 0.05, 0.25];
+        assert_eq!(top_k(&p, 3), [1, 2, 4]);
+        assert_eq!(top_k(&p, 5), [1, 2, 4, 0, 3]);
     }
 
     #[test]

@@ -113,7 +113,7 @@ fn score(
 
 /// Test 1 on CUDA: rollout logprobs equal the scorer's bit for bit under several packings,
 /// with prefix sharing, continuous batching and top-k/top-p sampling; Qwen3-MoE too (8
-/// experts, top-2: the expert products through the same invariant GEMMs), its samples carrying
+/// experts, top-2: every expert in one grouped product per matrix), its samples carrying
 /// their routing records.
 #[test]
 fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
