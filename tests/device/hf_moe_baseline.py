@@ -6,6 +6,9 @@ the style of ../shared/bench/hf_baseline.py: the logprob forward and the train s
 --batch x --seq-len, and sampled decode at --gen-batch. Runs on the GPU machine:
 
     python3 tests/device/hf_moe_baseline.py --batch 8 --seq-len 512 --gen-batch 64
+
+--experts picks transformers' experts backend (its default in 5.x is grouped_mm, one
+torch grouped GEMM per matrix; "eager" loops over the experts in Python).
 """
 import argparse, json, time
 import torch
@@ -29,10 +32,14 @@ def main():
     ap.add_argument("--gen-batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--experts", default=None, help="eager, batched_mm or grouped_mm")
+    ap.add_argument("--skip-generate", action="store_true")
     a = ap.parse_args()
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(**SHAPE)
     model = Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="eager").to("cuda", torch.bfloat16)
+    if a.experts:
+        model.set_experts_implementation(a.experts)
     nparam = sum(p.numel() for p in model.parameters())
     active = nparam - 4 * (128 - 8) * 3 * 2048 * 768
     base = dict(peer="hf-transformers", model="qwen3-30b-a3b-4l", params=nparam, active_params=active,
@@ -66,6 +73,8 @@ def main():
     print(json.dumps(dict(base, what="train_step", batch=B, seq_len=L, tokens_per_s=B * L / dt,
                           tflops_6nd=6 * active * B * L / dt / 1e12,
                           peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30)), flush=True)
+    if a.skip_generate:
+        return
     model.eval()
     G, P, N = a.gen_batch, a.prompt_len, a.new_tokens
     prompts = torch.randint(0, V, (G, P), device="cuda")
