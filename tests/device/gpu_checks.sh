@@ -4,7 +4,7 @@
 # bf16 against HF, the benchmarks beside HF transformers, the real SmolLM2 on the GPU engine,
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
-#                                  trl|addition|gsm8k|resume|moe-fixture|moe-bench|all]
+#                                  trl|addition|gsm8k|resume|moe-fixture|moe-bench|dp|all]
 # Prepare here: cargo xtask device-bundle && cargo build --release -p miles-cli --features cuda &&
 #   mkdir -p target/gpu && cp target/release/miles ../shared/bench/hf_baseline.py target/gpu/
 # and carry target/device-bundle and target/gpu, or, when they pass 64 MiB together, the archive
@@ -193,4 +193,17 @@ if [ "$what" = moe-bench ]; then
     --new-tokens 64 2>&1 | tail -1 | tee -a "$OUT/moe-bench.jsonl"
   timeout 300 python3 tests/device/hf_moe_baseline.py --batch 8 --seq-len 512 --gen-batch 64 \
     2>/dev/null | tee -a "$OUT/moe-bench.jsonl"
+fi
+if [ "$what" = dp ]; then
+  # Several GPUs (issue 14, on a multi-GPU kind): the addition example on NPROC GPUs beside one
+  # GPU, same config, the held-out curves side by side; gradients through NCCL.
+  [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
+    $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
+  for n in 1 ${NPROC:-2}; do
+    timeout ${LIMIT:-240} $miles train --config examples/addition-smollm2.toml --hf-checkpoint \
+      /tmp/smollm2 --num-rollout ${ROLLOUTS:-200} --nproc-per-node $n --run-dir /tmp/dp-$n \
+      --save /tmp/dp-$n/checkpoints 2>&1 | tail -2
+    cp /tmp/dp-$n/metrics.jsonl "$OUT/dp-$n-metrics.jsonl"
+    python3 tests/device/curve.py /tmp/dp-$n/metrics.jsonl | tail -12 | tee "$OUT/dp-$n.txt"
+  done
 fi

@@ -700,6 +700,24 @@ impl DeviceModel {
         Ok(())
     }
 
+    /// The f32 gradients, for a collective that sums them over the ranks of a run in place.
+    pub fn grads_mut(&mut self) -> Vec<&mut Tensor> {
+        self.grads.iter_mut().collect()
+    }
+
+    /// Sets the f32 master weights through `set` (another rank's, broadcast in place), then
+    /// rebuilds the compute copies and the stacks from them. Before the engine captures its
+    /// CUDA graphs: the compute copies are new tensors.
+    pub fn set_masters_with(
+        &mut self,
+        set: impl FnOnce(&mut [&mut Tensor]) -> Result<()>,
+    ) -> Result<()> {
+        let mut masters: Vec<&mut Tensor> = self.masters.iter_mut().collect();
+        set(&mut masters)?;
+        self.refresh_compute()?;
+        self.refresh_stacked()
+    }
+
     /// The global L2 norm of the gradients (f64 sums of squares per tensor, in order).
     pub fn grad_norm(&self) -> Result<f64> {
         let grads: Vec<&Tensor> = self.grads.iter().collect();

@@ -11,6 +11,7 @@
 //! through cudarc. A build without the feature, or a machine without a GPU, answers a request
 //! for `Device::Cuda(_)` with [`Error::Device`], never a panic.
 
+mod collective;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -19,6 +20,7 @@ pub mod rng;
 mod tensor;
 pub mod testing;
 
+pub use collective::Collective;
 pub use cpu::Transpose;
 #[cfg(feature = "cuda")]
 pub use cuda::Graph;

@@ -4,22 +4,29 @@
 //! have in a one-process run), and trains on them; a step's loss is normalized by the whole batch's
 //! denominator, the gradients are summed over the ranks in rank order before the one AdamW
 //! step every rank takes, and the metrics are summed the same way. Rank 0 logs, evaluates and
-//! writes checkpoints. Over TCP on the CPU (the GPUs' NCCL is still to come).
+//! writes checkpoints. On GPUs (`--device cuda`: each rank on the GPU of its local rank) the
+//! gradients and the starting weights go through NCCL; on the CPU, and for a device model on
+//! host tensors, through the TCP group.
 
-use std::cell::RefCell;
+use std::cell::{OnceCell, RefCell};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use miles_core::config::{AdvantageEstimator, RunConfig};
 use miles_dist::{Group, World};
+use miles_model::DeviceModel;
+use miles_tensor::{Collective, Device, Tensor};
 
 /// How long a rank waits for the others at a collective before calling them dead.
 const TIMEOUT: Duration = Duration::from_secs(600);
 
 pub(crate) struct Dist {
     group: RefCell<Group>,
+    /// NCCL between the ranks' GPUs, joined on first use.
+    collective: OnceCell<Collective>,
     pub rank: usize,
     pub size: usize,
+    local_rank: usize,
 }
 
 impl Dist {
@@ -29,7 +36,13 @@ impl Dist {
         let Some(world) = world.filter(|w| w.world_size > 1) else { return Ok(None) };
         let group = Group::join(&world, TIMEOUT)
             .with_context(|| format!("rank {} of {}", world.rank, world.world_size))?;
-        Ok(Some(Dist { group: RefCell::new(group), rank: world.rank, size: world.world_size }))
+        Ok(Some(Dist {
+            group: RefCell::new(group),
+            collective: OnceCell::new(),
+            rank: world.rank,
+            size: world.world_size,
+            local_rank: world.local_rank,
+        }))
     }
 
     pub fn root(&self) -> bool {
@@ -50,6 +63,76 @@ impl Dist {
         Ok(self.group.borrow_mut().barrier()?)
     }
 
+    /// The device this rank trains on: `--device cuda` (no ordinal) is its local rank's GPU.
+    pub fn device(&self, device: Device, spelled: &str) -> Device {
+        match device {
+            Device::Cuda(_) if spelled == "cuda" => Device::Cuda(self.local_rank),
+            other => other,
+        }
+    }
+
+    /// NCCL on `device`, joined on first use (rank 0 makes the id and hands it over the TCP
+    /// group); `None` for host tensors.
+    fn collective(&self, device: Device) -> anyhow::Result<Option<&Collective>> {
+        if device == Device::Cpu {
+            return Ok(None);
+        }
+        if let Some(c) = self.collective.get() {
+            return Ok(Some(c));
+        }
+        let mut id = if self.root() { Collective::new_id()? } else { Vec::new() };
+        self.group.borrow_mut().broadcast(&mut id)?;
+        let c = Collective::join(&device, &id, self.rank, self.size)
+            .with_context(|| format!("rank {} joining NCCL on {device}", self.rank))?;
+        Ok(Some(self.collective.get_or_init(|| c)))
+    }
+
+    /// Sums the device model's gradients over the ranks, in place.
+    pub fn sum_grads(&self, model: &mut DeviceModel) -> anyhow::Result<()> {
+        let device = model.device();
+        let collective = self.collective(device)?;
+        let mut grads = model.grads_mut();
+        match collective {
+            Some(c) => c.all_reduce_sum(&mut grads)?,
+            None => {
+                for g in grads.iter_mut() {
+                    let mut v = g.to_vec_f32()?;
+                    self.sum_f32(&mut v)?;
+                    **g = Tensor::from_f32(g.shape(), v, &device)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every rank takes rank 0's master weights (they load the same ones; this makes sure).
+    pub fn broadcast_weights(&self, model: &mut DeviceModel) -> anyhow::Result<()> {
+        let device = model.device();
+        match self.collective(device)? {
+            Some(c) => model.set_masters_with(|masters| Ok(c.broadcast(masters, 0)?))?,
+            None => {
+                let mut values = Vec::new();
+                for w in model.to_weights()?.tensors(model.config.architecture) {
+                    let mut bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    self.group.borrow_mut().broadcast(&mut bytes)?;
+                    values.push(
+                        bytes
+                            .chunks_exact(4)
+                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                            .collect::<Vec<f32>>(),
+                    );
+                }
+                model.set_masters_with(|masters| {
+                    for (m, v) in masters.iter_mut().zip(values) {
+                        **m = Tensor::from_f32(m.shape(), v, &device)?;
+                    }
+                    Ok(())
+                })?;
+            }
+        }
+        Ok(())
+    }
+
     /// The mean over all ranks of per-rank means `value` of `weight` items each.
     pub fn mean(&self, value: f64, weight: f64) -> anyhow::Result<f64> {
         let mut v = [value * weight, weight];
@@ -59,18 +142,7 @@ impl Dist {
 }
 
 /// What a run over several processes does not take yet, with the flag to change.
-pub(crate) fn check_supported(
-    cfg: &RunConfig,
-    on_device: bool,
-    size: usize,
-    steps: usize,
-) -> anyhow::Result<()> {
-    if on_device {
-        bail!(
-            "--device {}: several processes train on the CPU so far (NCCL on GPUs is next)",
-            cfg.device
-        );
-    }
+pub(crate) fn check_supported(cfg: &RunConfig, size: usize, steps: usize) -> anyhow::Result<()> {
     // Each of these normalizes over the whole batch, which no rank holds alone.
     let whitened = matches!(
         cfg.advantage_estimator,

@@ -247,17 +247,16 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         ),
     };
     let device: Device = cfg.device.parse().map_err(|e| anyhow!("--device: {e}"))?;
-    if device != Device::Cpu {
-        device.ensure_available().with_context(|| format!("--device {}", cfg.device))?;
-    }
     let faults = Faults::from_env();
     let total = total_iterations(&cfg, train_data.len())?;
     let steps_per_rollout = steps_per_rollout(&cfg)?;
     let dist = Dist::join()?;
     if let Some(d) = &dist {
-        let on_device =
-            device != Device::Cpu || std::env::var_os("MILES_DEVICE_ACTOR_ON_HOST").is_some();
-        check_supported(&cfg, on_device, d.size, steps_per_rollout)?;
+        check_supported(&cfg, d.size, steps_per_rollout)?;
+    }
+    let device = dist.as_ref().map_or(device, |d| d.device(device, &cfg.device));
+    if device != Device::Cpu {
+        device.ensure_available().with_context(|| format!("--device {}", cfg.device))?;
     }
     if cfg.partial_rollout {
         bail!(
@@ -385,7 +384,14 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         let engine = Engine::new(policy, Some(tokenizer.clone()), engine_config)?;
         run.iterate(CpuActor { engine, optimizer }, progress, observe)
     } else {
-        let actor = DeviceActor::new(&policy, &optimizer, device, &cfg, engine_config, &tokenizer)?;
+        let actor = DeviceActor::new(
+            &policy,
+            &optimizer,
+            device,
+            &cfg,
+            (engine_config, &tokenizer),
+            dist.as_ref(),
+        )?;
         drop(policy);
         run.iterate(actor, progress, observe)
     }
@@ -885,12 +891,15 @@ impl DeviceActor {
         optimizer: &Optimizer,
         device: Device,
         cfg: &RunConfig,
-        engine_config: EngineConfig,
-        tokenizer: &Tokenizer,
+        (engine_config, tokenizer): (EngineConfig, &Tokenizer),
+        dist: Option<&Dist>,
     ) -> anyhow::Result<Self> {
         // bf16 on a GPU; f32 where the device loop runs on host tensors (a test).
         let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
         let mut dm = DeviceModel::new(policy, &device, dtype)?;
+        if let Some(d) = dist {
+            d.broadcast_weights(&mut dm)?;
+        }
         if optimizer.steps() > 0 {
             let (m, v) = optimizer.moments();
             dm.set_moments(m, v, optimizer.steps())?;
@@ -1384,9 +1393,7 @@ trait Learner {
     ) -> anyhow::Result<()>;
     fn grad_norm(&mut self) -> anyhow::Result<f64>;
     /// Sums the gradients over the ranks of a run over several processes.
-    fn reduce_grads(&mut self, _: &Dist) -> anyhow::Result<()> {
-        bail!("several processes train on the CPU so far")
-    }
+    fn reduce_grads(&mut self, dist: &Dist) -> anyhow::Result<()>;
     /// Clips and applies the summed gradients at `lr`; the norm before clipping.
     fn apply(&mut self, lr: f32) -> anyhow::Result<f64>;
 }
@@ -1494,6 +1501,10 @@ impl Learner for DeviceLearner<'_> {
         d_entropy: &[f32],
     ) -> anyhow::Result<()> {
         Ok(self.model.backward(&f, batch, d_logp, d_entropy)?)
+    }
+
+    fn reduce_grads(&mut self, dist: &Dist) -> anyhow::Result<()> {
+        dist.sum_grads(self.model)
     }
 
     fn grad_norm(&mut self) -> anyhow::Result<f64> {

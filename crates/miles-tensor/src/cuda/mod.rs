@@ -25,6 +25,7 @@ pub(crate) use elementwise::{
 };
 pub(crate) use grouped::{grouped_rows, grouped_wgrad};
 pub(crate) use logprob::{logprob_rows, logprob_rows_backward};
+pub(crate) use nccl::{Nccl, join as nccl_join, unique_id as nccl_unique_id};
 pub(crate) use ops::{
     add_rmsnorm, matmul, matmul_into, qk_norm_rope, qkv_rope_kv_write, rmsnorm_backward,
     rmsnorm_forward,
@@ -62,6 +63,7 @@ mod elementwise;
 mod gemm_lt;
 mod grouped;
 mod logprob;
+mod nccl;
 mod ops;
 mod optim;
 mod sample;

@@ -1,0 +1,89 @@
+//! NCCL between the ranks of a run, one GPU each. Each communicator runs on its device's op
+//! stream, so a collective is ordered with the ops before and after it; libnccl is loaded at
+//! run time, and a machine without it gets an error, not a crash.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+use cudarc::nccl::{Comm, Id, ReduceOp, group_end, group_start};
+
+use super::{Gpu, gpu};
+use crate::{Error, Result};
+
+fn nccl_error(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Device(format!("NCCL {what}: {e:?}"))
+}
+
+/// Runs `f` where libnccl is present (cudarc panics on a missing library or symbol).
+fn with_nccl<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    // SAFETY: only tries to dlopen the library.
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Err(Error::Device(format!(
+            "NCCL {what}: libnccl.so is not on this machine (install NCCL or put it on \
+             LD_LIBRARY_PATH)"
+        )));
+    }
+    catch_unwind(AssertUnwindSafe(f))
+        .unwrap_or_else(|_| Err(Error::Device(format!("NCCL {what}: the library failed to load"))))
+}
+
+/// A new communicator's unique id, 128 bytes: one rank makes it, every rank joins with it.
+pub(crate) fn unique_id() -> Result<Vec<u8>> {
+    with_nccl("unique id", || {
+        let id = Id::new().map_err(|e| nccl_error("unique id", e))?;
+        Ok(id.internal().iter().map(|&c| c as u8).collect())
+    })
+}
+
+/// One rank's communicator on CUDA device `ordinal`.
+pub(crate) struct Nccl {
+    comm: Comm,
+    _gpu: Arc<Gpu>,
+}
+
+/// Joins the communicator `id` as `rank` of `size` (blocks until every rank has joined).
+pub(crate) fn join(ordinal: usize, id: &[u8], rank: usize, size: usize) -> Result<Nccl> {
+    let gpu = gpu(ordinal)?;
+    let internal: [std::ffi::c_char; 128] = id
+        .iter()
+        .map(|&b| b as std::ffi::c_char)
+        .collect::<Vec<_>>()
+        .try_into()
+        .map_err(|_| Error::Device(format!("NCCL id of {} bytes, not 128", id.len())))?;
+    with_nccl("init", || {
+        let comm = Comm::from_rank(gpu.stream().clone(), rank, size, Id::uninit(internal))
+            .map_err(|e| nccl_error(&format!("init of rank {rank} of {size}"), e))?;
+        Ok(Nccl { comm, _gpu: gpu.clone() })
+    })
+}
+
+impl Nccl {
+    /// Sums each buffer over the ranks in place, all in one NCCL group.
+    pub(crate) fn all_reduce_sum(&self, bufs: &mut [&mut CudaSlice<f32>]) -> Result<()> {
+        group_start().map_err(|e| nccl_error("group start", e))?;
+        let mut result = Ok(());
+        for b in bufs.iter_mut() {
+            if let Err(e) = self.comm.all_reduce_in_place(&mut **b, &ReduceOp::Sum) {
+                result = Err(nccl_error("all-reduce", e));
+                break;
+            }
+        }
+        group_end().map_err(|e| nccl_error("group end", e))?;
+        result
+    }
+
+    /// Rank `root`'s buffers to every rank, in place, all in one NCCL group.
+    pub(crate) fn broadcast(&self, bufs: &mut [&mut CudaSlice<f32>], root: usize) -> Result<()> {
+        group_start().map_err(|e| nccl_error("group start", e))?;
+        let mut result = Ok(());
+        for b in bufs.iter_mut() {
+            if let Err(e) = self.comm.broadcast_in_place(&mut **b, root as i32) {
+                result = Err(nccl_error("broadcast", e));
+                break;
+            }
+        }
+        group_end().map_err(|e| nccl_error("group end", e))?;
+        result
+    }
+}
