@@ -53,10 +53,9 @@ fn top_k(p: &[f32], k: usize) -> Vec<u32> {
     let order = |a: &u32, b: &u32| p[*b as usize].total_cmp(&p[*a as usize]).then(a.cmp(b));
     if k > 0 && k < idx.len() {
         idx.select_nth_unstable_by(k - 1, order);
-        idx.truncate(k);
     }
-    idx.sort_by(order);
     idx.truncate(k);
+    idx.sort_by(order);
     idx
 }
 

@@ -63,12 +63,9 @@ impl Dist {
         Ok(self.group.borrow_mut().barrier()?)
     }
 
-    /// The device this rank trains on: `--device cuda` (no ordinal) is its local rank's GPU.
+    /// The device this rank trains on (see [`rank_device`]).
     pub fn device(&self, device: Device, spelled: &str) -> Device {
-        match device {
-            Device::Cuda(_) if spelled == "cuda" => Device::Cuda(self.local_rank),
-            other => other,
-        }
+        rank_device(device, spelled, self.local_rank)
     }
 
     /// NCCL on `device`, joined on first use (rank 0 makes the id and hands it over the TCP
@@ -141,6 +138,15 @@ impl Dist {
     }
 }
 
+/// `--device cuda` (no ordinal) is the GPU of the rank's local rank, as torchrun's workers
+/// pick theirs; `cuda:N` and `cpu` stay as given.
+fn rank_device(device: Device, spelled: &str, local_rank: usize) -> Device {
+    match device {
+        Device::Cuda(_) if spelled == "cuda" => Device::Cuda(local_rank),
+        other => other,
+    }
+}
+
 /// What a run over several processes does not take yet, with the flag to change.
 pub(crate) fn check_supported(cfg: &RunConfig, size: usize, steps: usize) -> anyhow::Result<()> {
     // Each of these normalizes over the whole batch, which no rank holds alone.
@@ -159,4 +165,16 @@ pub(crate) fn check_supported(cfg: &RunConfig, size: usize, steps: usize) -> any
     }
     miles_dist::shard(cfg.rollout_batch_size, steps, size, 0).context("--rollout-batch-size")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_rank_takes_the_gpu_of_its_local_rank() {
+        assert_eq!(rank_device(Device::Cuda(0), "cuda", 3), Device::Cuda(3));
+        assert_eq!(rank_device(Device::Cuda(1), "cuda:1", 3), Device::Cuda(1));
+        assert_eq!(rank_device(Device::Cpu, "cpu", 3), Device::Cpu);
+    }
 }
