@@ -500,8 +500,9 @@ fn router_backward(
 ) -> Vec<f32> {
     let (e, k) = (r.num_experts, r.top_k);
     let extra = balance.map(|(coef, stats)| stats.prob_grads(coef));
-    let mut d_logits = Vec::with_capacity(r.probs.len());
-    for t in 0..r.tokens() {
+    let mut d_logits = vec![0.0f32; r.probs.len()];
+    // Token by token, each on its own: in parallel, the same bits.
+    d_logits.par_chunks_mut(e).enumerate().for_each(|(t, out)| {
         let p = &r.probs[t * e..(t + 1) * e];
         let chosen = &r.experts[t * k..(t + 1) * k];
         let w = &r.weights[t * k..(t + 1) * k];
@@ -520,8 +521,10 @@ fn router_backward(
             }
         }
         let dot: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-        d_logits.extend(p.iter().zip(&dp).map(|(&pi, &gi)| pi * (gi - dot)));
-    }
+        for ((o, &pi), &gi) in out.iter_mut().zip(p).zip(&dp) {
+            *o = pi * (gi - dot);
+        }
+    });
     d_logits
 }
 
