@@ -155,7 +155,7 @@ if [ "$what" = gsm8k ]; then
   [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
     $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
   timeout ${LIMIT:-500} $miles train --config examples/gsm8k-smollm2.toml --hf-checkpoint /tmp/smollm2 \
-    --prompt-data target/gpu/gsm8k/train.jsonl --eval-prompt-data 'target/gpu/gsm8k/test.jsonl@[0:256]' \
+    --prompt-data target/gpu/gsm8k/train.jsonl --eval-prompt-data target/gpu/gsm8k/test.jsonl \
     --load runs/gsm8k-smollm2/checkpoints ${GSM8K_FLAGS:-} 2>&1 | tail -4
   cp runs/gsm8k-smollm2/metrics.jsonl "$OUT/gsm8k-metrics.jsonl"
   python3 tests/device/curve.py runs/gsm8k-smollm2/metrics.jsonl | tail -25 | tee "$OUT/gsm8k.txt"
