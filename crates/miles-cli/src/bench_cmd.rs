@@ -247,6 +247,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         ..SamplingParams::default()
     };
     let device = args.engine.device;
+    let mut replay = Vec::new();
     let (seconds, s, dtype) = if device == Device::Cpu {
         let per_block = miles_model::KvCache::bytes_per_block(&model.config);
         let mut engine = Engine::new(model, None, config(per_block))?;
@@ -262,8 +263,12 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         engine.generate(groups.clone(), &warm)?;
         engine.reset_stats();
         let seconds = timed_generate(&mut engine, groups, &params)?;
+        replay = engine.decode_replay_seconds(50)?;
         (seconds, engine.stats().clone(), if dtype == DType::BF16 { "bf16" } else { "f32" })
     };
+    // The widest captured step's device time: the decode step's wall time less this is host
+    // time (scheduling, copies, the launch) during which the GPU waits.
+    let replay_ms = replay.iter().max_by_key(|r| r.0).map(|r| 1e3 * r.1);
     let line = json!({
         "what": "rollout",
         "model": label,
@@ -281,6 +286,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "decode_tokens_per_s": s.decode_tokens as f64 / s.decode_seconds,
         "time_to_first_token_s": s.first_token_seconds,
         "decode_step_ms": 1e3 * s.decode_seconds / (s.steps - 1).max(1) as f64,
+        "decode_graph_ms": replay_ms,
         "peak_memory_gib": device.peak_memory()? as f64 / (1u64 << 30) as f64,
     });
     writeln!(out, "{line}")?;

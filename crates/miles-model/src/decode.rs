@@ -59,6 +59,30 @@ impl DecodeGraphs {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Device time of one replay of each captured step, `(rows, seconds)`, over `iters`
+    /// back-to-back replays (the last step's inputs; the KV entries it writes are rewritten
+    /// with the same values). Against the decode step's wall time, the rest is the host's:
+    /// scheduling, the input and output copies, the launch. For benchmarks.
+    pub fn replay_seconds(&self, iters: u64) -> Result<Vec<(usize, f64)>> {
+        #[cfg(feature = "cuda")]
+        return self
+            .graphs
+            .iter()
+            .filter_map(|g| g.graph.as_ref().map(|graph| (g, graph)))
+            .map(|(g, graph)| {
+                let (rows, device) = (g.rows, g.ids.device());
+                device.time(1, || graph.launch())?; // warm
+                let t = device.time(iters, || graph.launch())?;
+                Ok((rows, t.as_secs_f64() / iters.max(1) as f64))
+            })
+            .collect();
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = iters;
+            Ok(Vec::new())
+        }
+    }
 }
 
 /// One bucket's graph and the buffers it reads and writes.

@@ -236,6 +236,13 @@ pub const CHARTS: &[ChartSpec] = &[
         x: XAxis::Step,
     },
     ChartSpec {
+        file: "entropy.png",
+        title: "Entropy of the policy (nats per token)",
+        keys: &["train/entropy_loss"],
+        prefix: None,
+        x: XAxis::Step,
+    },
+    ChartSpec {
         file: "truncated.png",
         title: "Truncated responses (ratio)",
         keys: &["rollout/truncated_ratio"],

@@ -119,7 +119,7 @@ fn synthetic_run() -> String {
                 r#""rollout/response_len/mean": {len}, "#,
                 r#""train/loss": {loss}, "train/pg_loss": {pg}, "train/pg_clipfrac": {clip}, "#,
                 r#""train/ppo_kl": {kl}, "train/kl_loss": 0.0, "train/grad_norm": 0.8, "#,
-                r#""train/tis_clipfrac": {tis}, "#,
+                r#""train/tis_clipfrac": {tis}, "train/entropy_loss": {ent}, "#,
                 r#""perf/step_time": {st}, "perf/rollout_time": {rt}, "perf/train_time": 0.5"#
             ),
             step = step,
@@ -130,6 +130,7 @@ fn synthetic_run() -> String {
             clip = 0.02 + 0.01 * wiggle,
             kl = 1e-4 * (1.0 + t + 0.3 * wiggle),
             tis = 0.01 + 0.004 * wiggle,
+            ent = 2.5 - 0.5 * t + 0.05 * wiggle,
             st = 1.3 + 0.1 * wiggle,
             rt = 0.8 + 0.1 * wiggle,
         );
@@ -144,12 +145,13 @@ fn synthetic_run() -> String {
 }
 
 /// Every chart's file but truncated.png, in [`CHARTS`] order.
-const ALL_BUT_TRUNCATED: [&str; 7] = [
+const ALL_BUT_TRUNCATED: [&str; 8] = [
     "reward.png",
     "eval_time.png",
     "kl.png",
     "clipfrac.png",
     "response_len.png",
+    "entropy.png",
     "step_time.png",
     "loss.png",
 ];

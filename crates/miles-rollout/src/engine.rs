@@ -223,6 +223,15 @@ impl Engine<DevicePolicy> {
         self.weight_version += 1;
     }
 
+    /// Device seconds of one replay of each captured decode step, `(rows, seconds)`
+    /// ([`miles_model::DecodeGraphs::replay_seconds`]); empty without graphs. For benchmarks.
+    pub fn decode_replay_seconds(&self, iters: u64) -> crate::Result<Vec<(usize, f64)>> {
+        match &self.policy.graphs {
+            Some(g) => g.replay_seconds(iters).map_err(model_error),
+            None => Ok(Vec::new()),
+        }
+    }
+
     /// The policy, taken out of the engine.
     pub fn into_device_model(self) -> DeviceModel {
         self.policy.model

@@ -165,7 +165,7 @@ pub struct DevicePolicy {
     pub(crate) model: DeviceModel,
     kv: DeviceKvCache,
     /// Captured decode steps of the current sampling parameters.
-    graphs: Option<DecodeGraphs>,
+    pub(crate) graphs: Option<DecodeGraphs>,
     use_graphs: bool,
 }
 

@@ -1232,6 +1232,8 @@ fn rollout<P: Policy>(
         (0usize, 0usize, 0usize, 0usize, 0usize);
     let mut groups_kept = 0;
     let mut first_error = None;
+    // The engine's share of the rollout time (the rest: prompts, rewards, batching).
+    let mut generate_time = 0.0;
     for round in 0..max_rounds {
         if groups_kept >= want {
             break;
@@ -1249,7 +1251,9 @@ fn rollout<P: Policy>(
             seed: mix(cfg.rollout_seed, ((iteration as u64) << 8) | round as u64),
             ..cfg.sampling_params()
         };
+        let generate_started = Instant::now();
         let groups = engine.generate(groups, &params)?;
+        generate_time += generate_started.elapsed().as_secs_f64();
         let (flat, rewards, fails) = score_groups(reward, groups, cfg)?;
         failed += fails;
         if first_error.is_none() {
@@ -1304,6 +1308,7 @@ fn rollout<P: Policy>(
         record.insert("rollout/first_error".into(), json!(e));
     }
     record.insert("rollout/samples".into(), json!(kept_all as usize));
+    record.insert("perf/rollout_generate_time".into(), json!(generate_time));
     record.insert("rollout/generated_tokens".into(), json!(resp_tokens as usize));
     Ok(kept)
 }

@@ -10,8 +10,9 @@
 //! computes every output element, so a row's bits are the same in any batch. Decode-sized
 //! products (tiers of up to 16, 64 and 256 rows) take the fastest candidate, timed on the
 //! device, that reproduces those bits; a large kernel's tiles leave most of the GPU idle at
-//! few rows. The cost against cuBLAS's own per-call choice is measured by
-//! `miles bench … --gemm cublas`.
+//! few rows. Besides cuBLASLt's candidates, bf16 products with Wᵀ of up to 64 rows may take
+//! `kernels/rows_gemm.cu` (the same k order, with smaller blocks), under the same check. The
+//! cost against cuBLAS's own per-call choice is measured by `miles bench … --gemm cublas`.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -24,6 +25,7 @@ use cudarc::cublaslt::sys::{
     cublasLtMatmulPreferenceAttributes_t, cublasLtReductionScheme_t, cudaDataType,
 };
 
+use super::Gpu;
 use crate::cpu::Transpose;
 use crate::{Error, Result};
 
@@ -62,15 +64,27 @@ const TIERS: [Tier; 3] = [
     Tier { max_rows: 64, timed: 64, checked: &[1, 7, 33, 64] },
     Tier { max_rows: 256, timed: 256, checked: &[1, 7, 64, 129, 256] },
 ];
-/// Launches timed per candidate (after two untimed ones).
+/// Products per timed graph of a candidate.
 const TIMED_LAUNCHES: usize = 10;
 
 /// A class's algorithms: `large` for every row count, or a tier's own up to its rows.
 #[derive(Clone, Copy)]
 struct Pinned {
     large: cublasLtMatmulAlgo_t,
-    tiers: [Option<cublasLtMatmulAlgo_t>; TIERS.len()],
+    tiers: [Option<Algo>; TIERS.len()],
 }
+
+/// One way to compute a class's product: a cuBLASLt algorithm, or `kernels/rows_gemm.cu` with
+/// `bn` columns per block (bf16 `x·Wᵀ` of at most [`ROWS_KERNEL_MAX`] rows).
+#[derive(Clone, Copy)]
+enum Algo {
+    Lt(cublasLtMatmulAlgo_t),
+    Rows { bn: u32 },
+}
+
+/// The most rows `kernels/rows_gemm.cu` takes, and its columns per block.
+const ROWS_KERNEL_MAX: u64 = 64;
+const ROWS_KERNEL_BN: [u32; 2] = [16, 64];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Class {
@@ -185,7 +199,13 @@ impl Lt {
     }
 
     /// The class's algorithm, chosen on first use: no workspace and no split-K reduction.
-    fn algo(&self, class: Class, dtype: cudaDataType, c_dtype: cudaDataType) -> Result<Pinned> {
+    fn algo(
+        &self,
+        gpu: &Gpu,
+        class: Class,
+        dtype: cudaDataType,
+        c_dtype: cudaDataType,
+    ) -> Result<Pinned> {
         let mut algos = self.algos.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(a) = algos.get(&class) {
             return Ok(*a);
@@ -208,8 +228,9 @@ impl Lt {
                 let why = match self.why_not(class, &candidate, dtype, c_dtype, &PROBED_ROWS)? {
                     Some(why) => why,
                     None => {
-                        let full = check.run(self, &candidate, CHECK_ROWS, 0)?;
-                        match check.differs(self, &candidate, &full, &CHECKED_ROWS)? {
+                        let algo = Algo::Lt(candidate);
+                        let full = check.run(self, gpu, &algo, CHECK_ROWS, 0)?;
+                        match check.differs(self, gpu, &algo, &full, &CHECKED_ROWS)? {
                             None => {
                                 chosen = Some((candidate, full));
                                 break 'search;
@@ -240,16 +261,20 @@ impl Lt {
                 }
             }
         }
+        let mut pool: Vec<Algo> = pool.into_iter().map(Algo::Lt).collect();
+        if rows_kernel_fits(class) {
+            pool.extend(ROWS_KERNEL_BN.map(|bn| Algo::Rows { bn }));
+        }
         let mut tiers = [None; TIERS.len()];
         let mut picks = Vec::new();
         for (slot, tier) in tiers.iter_mut().zip(&TIERS) {
-            let pick = self.fastest_same_bits(class, tier, &check, &large, &full, &pool)?;
+            let pick = self.fastest_same_bits(gpu, class, tier, &check, &large, &full, &pool)?;
             picks.push(pick.as_ref().map_or("large".to_string(), |(algo, ms, large_ms)| {
-                format!(
-                    "≤{} rows {} ({ms:.4} ms, large {large_ms:.4} ms)",
-                    tier.max_rows,
-                    describe(algo)
-                )
+                let name = match algo {
+                    Algo::Lt(a) => describe(a),
+                    Algo::Rows { bn } => format!("rows_gemm.cu, {bn} columns a block"),
+                };
+                format!("≤{} rows {name} ({ms:.4} ms, large {large_ms:.4} ms)", tier.max_rows)
             }));
             *slot = pick.map(|(algo, _, _)| algo);
         }
@@ -267,24 +292,30 @@ impl Lt {
 
     /// The fastest algorithm of `pool` at `tier.timed` rows that computes `large`'s bits at the
     /// tier's checked row counts, with its time and the large one's; `None` when that is `large`.
+    #[allow(clippy::too_many_arguments)]
     fn fastest_same_bits(
         &self,
+        gpu: &Gpu,
         class: Class,
         tier: &Tier,
         check: &Check,
         large: &cublasLtMatmulAlgo_t,
         full: &[u8],
-        pool: &[cublasLtMatmulAlgo_t],
-    ) -> Result<Option<(cublasLtMatmulAlgo_t, f32, f32)>> {
+        pool: &[Algo],
+    ) -> Result<Option<(Algo, f32, f32)>> {
         let (dtype, c_dtype) = (check.dtype, check.c_dtype);
-        let large_ms = check.time(self, large, tier.timed)?;
+        let large_ms = check.time(self, gpu, &Algo::Lt(*large), tier.timed)?;
         let mut timed = Vec::new();
         for &candidate in pool {
-            if self.why_not(class, &candidate, dtype, c_dtype, tier.checked)?.is_some() {
+            let runs = match &candidate {
+                Algo::Lt(a) => self.why_not(class, a, dtype, c_dtype, tier.checked)?.is_none(),
+                Algo::Rows { .. } => tier.max_rows <= ROWS_KERNEL_MAX,
+            };
+            if !runs {
                 continue;
             }
             // A candidate that fails to launch is only not taken.
-            if let Ok(ms) = check.time(self, &candidate, tier.timed)
+            if let Ok(ms) = check.time(self, gpu, &candidate, tier.timed)
                 && ms < large_ms
             {
                 timed.push((ms, candidate));
@@ -292,7 +323,7 @@ impl Lt {
         }
         timed.sort_by(|a, b| a.0.total_cmp(&b.0));
         for (ms, candidate) in timed {
-            if check.differs(self, &candidate, full, tier.checked)?.is_none() {
+            if check.differs(self, gpu, &candidate, full, tier.checked)?.is_none() {
                 return Ok(Some((candidate, ms, large_ms)));
             }
         }
@@ -408,6 +439,7 @@ impl Lt {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn matmul(
         &self,
+        gpu: &Gpu,
         stream: lt_sys::cudaStream_t,
         (a, ta): (*const c_void, Transpose),
         (b, tb): (*const c_void, Transpose),
@@ -428,10 +460,31 @@ impl Lt {
             c: c_dtype as u32,
             accumulate,
         };
-        let pinned = self.algo(class, dtype, c_dtype)?;
+        let pinned = self.algo(gpu, class, dtype, c_dtype)?;
         let tier = TIERS.iter().position(|t| m as u64 <= t.max_rows);
-        let algo = tier.and_then(|t| pinned.tiers[t]).unwrap_or(pinned.large);
-        self.launch(&algo, class, m, (a, b, c), (dtype, c_dtype), accumulate, stream)
+        let algo = tier.and_then(|t| pinned.tiers[t]).unwrap_or(Algo::Lt(pinned.large));
+        self.run(gpu, &algo, class, m, (a, b, c), (dtype, c_dtype), accumulate, stream)
+    }
+
+    /// One product with `algo`.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        gpu: &Gpu,
+        algo: &Algo,
+        class: Class,
+        m: i32,
+        (a, b, c): (*const c_void, *const c_void, *mut c_void),
+        dtypes: (cudaDataType, cudaDataType),
+        accumulate: bool,
+        stream: lt_sys::cudaStream_t,
+    ) -> Result<()> {
+        match *algo {
+            Algo::Lt(ref algo) => {
+                self.launch(algo, class, m, (a, b, c), dtypes, accumulate, stream)
+            }
+            Algo::Rows { bn } => rows_kernel(gpu, bn, (m, class.n, class.k), (a, b, c)),
+        }
     }
 
     /// One product with `algo`.
@@ -541,7 +594,7 @@ impl Check {
 
     /// The product's `rows × n` result bytes with `algo` (onto zeros when accumulating), of
     /// the operand rows from `skip` on.
-    fn run(&self, lt: &Lt, algo: &cublasLtMatmulAlgo_t, rows: u64, skip: u64) -> Result<Vec<u8>> {
+    fn run(&self, lt: &Lt, gpu: &Gpu, algo: &Algo, rows: u64, skip: u64) -> Result<Vec<u8>> {
         let stream = lt.workspace.stream().clone();
         let err = |e| crate::cuda::driver_error("self-check", e);
         let size = if self.c_dtype == cudaDataType::CUDA_R_32F { 4 } else { 2 };
@@ -553,7 +606,8 @@ impl Check {
             let a = a + skip * self.class.k as u64 * in_size;
             let (b, _b) = cudarc::driver::DevicePtr::device_ptr(&self.b, &stream);
             let (cp, _c) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut c, &stream);
-            lt.launch(
+            lt.run(
+                gpu,
                 algo,
                 self.class,
                 rows as i32,
@@ -566,9 +620,11 @@ impl Check {
         stream.clone_dtoh(&c).map_err(err)
     }
 
-    /// Milliseconds per product of `rows` rows with `algo` (CUDA events around
-    /// [`TIMED_LAUNCHES`] launches, after two).
-    fn time(&self, lt: &Lt, algo: &cublasLtMatmulAlgo_t, rows: u64) -> Result<f32> {
+    /// Device milliseconds per product of `rows` rows with `algo`: CUDA events around replays
+    /// of a graph of [`TIMED_LAUNCHES`] products, as decode steps replay them. Timed eagerly,
+    /// the host's cost per launch (several µs for cuBLASLt) would hide the kernels'
+    /// differences at decode sizes; where capture fails, eagerly after all.
+    fn time(&self, lt: &Lt, gpu: &Gpu, algo: &Algo, rows: u64) -> Result<f32> {
         let stream = lt.workspace.stream().clone();
         let err = |e| crate::cuda::driver_error("gemm timing", e);
         let size = if self.c_dtype == cudaDataType::CUDA_R_32F { 4 } else { 2 };
@@ -579,16 +635,14 @@ impl Check {
             stream.context().new_event(flags).map_err(err)?,
             stream.context().new_event(flags).map_err(err)?,
         );
-        {
-            let (a, _a) = cudarc::driver::DevicePtr::device_ptr(&self.a, &stream);
-            let (b, _b) = cudarc::driver::DevicePtr::device_ptr(&self.b, &stream);
-            let (cp, _c) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut c, &stream);
-            let cu_stream = stream.cu_stream() as lt_sys::cudaStream_t;
-            for i in 0..TIMED_LAUNCHES + 2 {
-                if i == 2 {
-                    start.record(&stream).map_err(err)?;
-                }
-                lt.launch(
+        let (a, _a) = cudarc::driver::DevicePtr::device_ptr(&self.a, &stream);
+        let (b, _b) = cudarc::driver::DevicePtr::device_ptr(&self.b, &stream);
+        let (cp, _c) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut c, &stream);
+        let cu_stream = stream.cu_stream() as lt_sys::cudaStream_t;
+        let products = || -> Result<()> {
+            for _ in 0..TIMED_LAUNCHES {
+                lt.run(
+                    gpu,
                     algo,
                     self.class,
                     rows as i32,
@@ -598,9 +652,27 @@ impl Check {
                     cu_stream,
                 )?;
             }
-            end.record(&stream).map_err(err)?;
-        }
-        Ok(start.elapsed_ms(&end).map_err(err)? / TIMED_LAUNCHES as f32)
+            Ok(())
+        };
+        products()?; // loads the kernel, warms the caches
+        const REPLAYS: usize = 3;
+        let launches = match gpu.capture(products) {
+            Ok(graph) => {
+                graph.launch()?;
+                start.record(&stream).map_err(err)?;
+                for _ in 0..REPLAYS {
+                    graph.launch()?;
+                }
+                REPLAYS * TIMED_LAUNCHES
+            }
+            Err(_) => {
+                start.record(&stream).map_err(err)?;
+                products()?;
+                TIMED_LAUNCHES
+            }
+        };
+        end.record(&stream).map_err(err)?;
+        Ok(start.elapsed_ms(&end).map_err(err)? / launches as f32)
     }
 
     /// The first of `rows` whose product with `algo` is not the matching part of `full`: the
@@ -609,14 +681,15 @@ impl Check {
     fn differs(
         &self,
         lt: &Lt,
-        algo: &cublasLtMatmulAlgo_t,
+        gpu: &Gpu,
+        algo: &Algo,
         full: &[u8],
         rows: &[u64],
     ) -> Result<Option<u64>> {
         let row_bytes = full.len() / CHECK_ROWS as usize;
         for &r in rows {
             for skip in std::iter::once(0).chain(SHIFTS) {
-                let got = self.run(lt, algo, r, skip)?;
+                let got = self.run(lt, gpu, algo, r, skip)?;
                 let at = skip as usize * row_bytes;
                 if got[..] != full[at..at + got.len()] {
                     return Ok(Some(r));
@@ -651,4 +724,127 @@ fn describe(algo: &cublasLtMatmulAlgo_t) -> String {
         get(A::CUBLASLT_ALGO_CONFIG_STAGES_ID),
         get(A::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID)
     )
+}
+
+/// Whether `kernels/rows_gemm.cu` computes the class: bf16 `x·Wᵀ` into bf16, no accumulation,
+/// 16-byte rows (whether it gives the large algorithm's bits is checked when pinning).
+fn rows_kernel_fits(class: Class) -> bool {
+    let bf16 = cudaDataType::CUDA_R_16BF as u32;
+    !class.ta
+        && class.tb
+        && class.ab == bf16
+        && class.c == bf16
+        && !class.accumulate
+        && class.k % 8 == 0
+}
+
+/// `c[m×n] = a[m×k]·bᵀ` (b `[n×k]`) with `kernels/rows_gemm.cu`, `m` ≤ [`ROWS_KERNEL_MAX`].
+fn rows_kernel(
+    gpu: &Gpu,
+    bn: u32,
+    (m, n, k): (i32, i32, i32),
+    (a, b, c): (*const c_void, *const c_void, *mut c_void),
+) -> Result<()> {
+    // (kernel, warps, stages) of rows_gemm.cu's instances.
+    let (kernel, warps, stages) = match (m <= 16, bn) {
+        (true, 16) => ("rows_gemm_m16_n16", 1u32, 32u32),
+        (true, _) => ("rows_gemm_m16_n64", 1, 16),
+        (false, 16) => ("rows_gemm_m64_n16", 4, 16),
+        (false, _) => ("rows_gemm_m64_n64", 4, 12),
+    };
+    if m as u64 > ROWS_KERNEL_MAX {
+        return Err(Error::Device(format!("rows_gemm.cu takes at most 64 rows, not {m}")));
+    }
+    const BK: u32 = 32;
+    const SKEW: u32 = 8;
+    let bytes = stages * (16 * warps + bn) * (BK + SKEW) * 2;
+    // Over 48 KiB of shared memory is asked for explicitly (once per capture in a graph).
+    gpu.function("rows_gemm", kernel)?
+        .set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| crate::cuda::driver_error(kernel, e))?;
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(bn), 1, 1),
+        block_dim: (32 * warps, 1, 1),
+        shared_mem_bytes: bytes,
+    };
+    let (c, a, b) = (c as u64, a as u64, b as u64);
+    launch!(gpu, "rows_gemm", kernel, cfg, &c, &a, &b, &m, &n, &k)
+}
+
+#[cfg(test)]
+mod tests {
+    use cudarc::driver::DevicePtr;
+
+    use super::*;
+    use crate::cuda::DeviceData;
+    use crate::rng::Rng;
+    use crate::tensor::Storage;
+    use crate::{DType, Device, Tensor, ops};
+
+    fn bf16_tensor(shape: &[usize], data: Vec<f32>, device: &Device) -> Tensor {
+        Tensor::from_f32(shape, data, &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .and_then(|t| t.to_device(device))
+            .unwrap()
+    }
+
+    /// The device address of a bf16 tensor's element `at`.
+    fn address(t: &Tensor, at: usize) -> *mut c_void {
+        let Storage::Cuda(b) = &t.storage else { panic!("a CUDA tensor") };
+        let DeviceData::BF16(s) = &b.data else { panic!("a bf16 tensor") };
+        let (p, _sync) = s.device_ptr(b.gpu.stream());
+        (p + 2 * at as u64) as *mut c_void
+    }
+
+    /// `kernels/rows_gemm.cu` against the CPU's products on fresh random operands, at every
+    /// instance (1 and 4 warps, 16 and 64 columns a block) and ragged edges (n not a multiple
+    /// of the block, k not of 32); where k is a multiple of 16 also against the large cuBLASLt
+    /// algorithm's bits, the property that lets the pinning pick it for decode steps.
+    #[test]
+    fn the_rows_kernel_matches_the_cpu_and_the_large_algorithms_bits() {
+        let device = Device::Cuda(0);
+        if let Err(e) = device.ensure_available() {
+            println!("skipping CUDA: {e}");
+            return;
+        }
+        let gpu = crate::cuda::gpu(0).unwrap();
+        let mut rng = Rng::new(91);
+        for (k, n) in [(576, 960), (1536, 576), (64, 200), (40, 24)] {
+            let big = 300;
+            let x = bf16_tensor(&[big, k], rng.vec(big * k, 1.0), &device);
+            let w = bf16_tensor(&[n, k], rng.vec(n * k, 0.1), &device);
+            let large = ops::matmul(&x, Transpose::No, &w, Transpose::Yes).unwrap();
+            let large = large.to_vec_bf16().unwrap();
+            let (xh, wh) = (x.to_vec_f32().unwrap(), w.to_vec_f32().unwrap());
+            for m in [1usize, 5, 16, 17, 64] {
+                let skip = 3;
+                for bn in ROWS_KERNEL_BN {
+                    let out = Tensor::zeros(&[m, n], DType::BF16, &device).unwrap();
+                    let (a, b) = (address(&x, skip * k), address(&w, 0));
+                    rows_kernel(&gpu, bn, (m as i32, n as i32, k as i32), (a, b, address(&out, 0)))
+                        .unwrap();
+                    let got = out.to_vec_bf16().unwrap();
+                    let what = format!("m {m} k {k} n {n} bn {bn}");
+                    let want: Vec<f32> = (0..m * n)
+                        .map(|i| {
+                            let (r, c) = (skip + i / n, i % n);
+                            (0..k).map(|j| xh[r * k + j] * wh[c * k + j]).sum()
+                        })
+                        .collect();
+                    let scale = want.iter().fold(0f32, |s, v| s.max(v.abs()));
+                    let err =
+                        got.iter().zip(&want).fold(0f32, |e, (g, w)| e.max((g.to_f32() - w).abs()));
+                    assert!(err <= 1e-2 * scale, "{what}: error {err} at scale {scale}");
+                    if k % 16 == 0 {
+                        let rows = &large[skip * n..(skip + m) * n];
+                        let same = got.iter().zip(rows).all(|(g, l)| g.to_bits() == l.to_bits());
+                        assert!(same, "{what}: not the large algorithm's bits");
+                    }
+                }
+            }
+        }
+    }
 }

@@ -124,6 +124,7 @@ fn gemm<T: DeviceRepr, C: DeviceRepr>(
         let (b_ptr, _b_sync) = b.device_ptr(stream);
         let (c_ptr, _c_sync) = c.device_ptr_mut(stream);
         return lt.matmul(
+            gpu,
             stream.cu_stream() as _,
             (a_ptr as *const c_void, ta),
             (b_ptr as *const c_void, tb),
