@@ -3,6 +3,13 @@
 //!
 //! Sums are NCCL's: for a given world size and machine the same algorithm reduces the same
 //! chunks in the same order on every step, and every rank receives the same bits.
+//!
+//! Nothing waits forever: joining and every collective are bounded by the communicator's
+//! timeout. A rank that died or is stuck makes the others stop with an error naming the
+//! collective; dropping the communicator then aborts it (`ncclCommAbort`), which frees the
+//! kernels waiting on the dead rank.
+
+use std::time::{Duration, Instant};
 
 #[cfg(feature = "cuda")]
 use crate::tensor::Storage;
@@ -15,6 +22,7 @@ pub struct Collective {
     device: Device,
     rank: usize,
     size: usize,
+    timeout: Duration,
 }
 
 impl Collective {
@@ -26,9 +34,15 @@ impl Collective {
         Err(crate::tensor::not_built())
     }
 
-    /// Joins the communicator `id` as `rank` of `size` on `device` (a CUDA device; blocks until
-    /// every rank has joined).
-    pub fn join(device: &Device, id: &[u8], rank: usize, size: usize) -> Result<Collective> {
+    /// Joins the communicator `id` as `rank` of `size` on `device` (a CUDA device), waiting
+    /// until every rank has joined, and each collective until it finishes, at most `timeout`.
+    pub fn join(
+        device: &Device,
+        id: &[u8],
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<Collective> {
         let Device::Cuda(_ordinal) = *device else {
             return Err(Error::Device("NCCL collectives run on CUDA devices, not the CPU".into()));
         };
@@ -37,10 +51,11 @@ impl Collective {
         }
         #[cfg(feature = "cuda")]
         return Ok(Collective {
-            nccl: crate::cuda::nccl_join(_ordinal, id, rank, size)?,
+            nccl: crate::cuda::nccl_join(_ordinal, id, rank, size, timeout)?,
             device: *device,
             rank,
             size,
+            timeout,
         });
         #[cfg(not(feature = "cuda"))]
         {
@@ -61,7 +76,7 @@ impl Collective {
     pub fn all_reduce_sum(&self, tensors: &mut [&mut Tensor]) -> Result<()> {
         self.check("all_reduce_sum", tensors)?;
         #[cfg(feature = "cuda")]
-        self.nccl.all_reduce_sum(&mut slices(tensors))?;
+        self.nccl.all_reduce_sum(&mut slices(tensors), self.timeout)?;
         Ok(())
     }
 
@@ -72,7 +87,7 @@ impl Collective {
             return Err(Error::Device(format!("NCCL broadcast from rank {root} of {}", self.size)));
         }
         #[cfg(feature = "cuda")]
-        self.nccl.broadcast(&mut slices(tensors), root)?;
+        self.nccl.broadcast(&mut slices(tensors), root, self.timeout)?;
         Ok(())
     }
 
@@ -90,6 +105,54 @@ impl Collective {
             None => Ok(()),
         }
     }
+}
+
+/// Waits until `done()` says so; an error naming `what` once `timeout` has passed. Checks
+/// often at first (a collective usually takes milliseconds), then every 5 ms.
+pub(crate) fn wait_for(
+    what: &str,
+    timeout: Duration,
+    mut done: impl FnMut() -> Result<bool>,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_micros(10);
+    loop {
+        if done()? {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(stuck(what, timeout));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(5));
+    }
+}
+
+/// `f` on a thread of its own, its result if it comes within `timeout`, else an error naming
+/// `what` (the thread stays blocked; the caller is expected to stop).
+pub(crate) fn within<T: Send + 'static>(
+    what: &str,
+    timeout: Duration,
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(timeout) {
+        Ok(result) => result,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(stuck(what, timeout)),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            Err(Error::Device(format!("{what}: the thread running it panicked")))
+        }
+    }
+}
+
+fn stuck(what: &str, timeout: Duration) -> Error {
+    Error::Device(format!(
+        "{what} did not finish within {timeout:?}: another rank stopped or is stuck (its own log \
+         says why), so this rank stops too"
+    ))
 }
 
 #[cfg(feature = "cuda")]
@@ -113,8 +176,45 @@ mod tests {
     #[test]
     fn collectives_refuse_the_cpu_and_bad_ranks() {
         let err = |r: Result<Collective>| r.err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(err(Collective::join(&Device::Cpu, &[0; 128], 0, 1)).contains("CUDA devices"));
-        assert!(err(Collective::join(&Device::Cuda(0), &[0; 128], 2, 2)).contains("rank 2"));
+        let t = Duration::from_secs(5);
+        assert!(err(Collective::join(&Device::Cpu, &[0; 128], 0, 1, t)).contains("CUDA devices"));
+        assert!(err(Collective::join(&Device::Cuda(0), &[0; 128], 2, 2, t)).contains("rank 2"));
+    }
+
+    /// A collective that never finishes (a dead peer) is an error naming it after the timeout,
+    /// not a hang; one that finishes returns as soon as it does.
+    #[test]
+    fn waits_end_at_the_timeout_with_the_collectives_name() {
+        let t = Duration::from_millis(150);
+        let started = Instant::now();
+        let err = wait_for("NCCL all-reduce", t, || Ok(false)).unwrap_err().to_string();
+        assert!(started.elapsed() >= t, "{:?}", started.elapsed());
+        assert!(err.contains("NCCL all-reduce did not finish within 150ms"), "{err}");
+        assert!(err.contains("another rank stopped"), "{err}");
+        let mut polls = 0;
+        wait_for("x", Duration::from_secs(60), || {
+            polls += 1;
+            Ok(polls == 3)
+        })
+        .unwrap();
+        assert_eq!(polls, 3);
+        let failing = wait_for("x", Duration::from_secs(60), || Err(Error::Device("bad".into())));
+        assert!(failing.unwrap_err().to_string().contains("bad"));
+    }
+
+    /// Joining a communicator whose other ranks never come stops at the timeout; a join that
+    /// completes hands its result over, and a panicking one is an error.
+    #[test]
+    fn blocking_joins_are_bounded() {
+        let t = Duration::from_millis(100);
+        let hang = within("NCCL init of rank 1 of 2", t, || {
+            std::thread::sleep(Duration::from_secs(3600));
+            Ok(())
+        });
+        assert!(hang.unwrap_err().to_string().contains("NCCL init of rank 1 of 2 did not finish"));
+        assert_eq!(within("x", Duration::from_secs(60), || Ok(7)).unwrap(), 7);
+        let panicked = within::<()>("x", Duration::from_secs(60), || panic!("boom"));
+        assert!(panicked.unwrap_err().to_string().contains("panicked"));
     }
 
     /// On one GPU a world of one rank: the sum and the broadcast leave every bit in place.
@@ -126,7 +226,7 @@ mod tests {
             return;
         }
         let id = Collective::new_id().unwrap();
-        let c = Collective::join(&device, &id, 0, 1).unwrap();
+        let c = Collective::join(&device, &id, 0, 1, Duration::from_secs(60)).unwrap();
         let mut rng = crate::rng::Rng::new(81);
         let (a, b) = (rng.vec(1000, 1.0), rng.vec(37, 1.0));
         let mut ta = Tensor::from_f32(&[1000], a.clone(), &device).unwrap();

@@ -79,7 +79,7 @@ impl Dist {
         }
         let mut id = if self.root() { Collective::new_id()? } else { Vec::new() };
         self.group.borrow_mut().broadcast(&mut id)?;
-        let c = Collective::join(&device, &id, self.rank, self.size)
+        let c = Collective::join(&device, &id, self.rank, self.size, TIMEOUT)
             .with_context(|| format!("rank {} joining NCCL on {device}", self.rank))?;
         Ok(Some(self.collective.get_or_init(|| c)))
     }

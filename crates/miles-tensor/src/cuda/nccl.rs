@@ -4,11 +4,13 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::CudaSlice;
 use cudarc::nccl::{Comm, Id, ReduceOp, group_end, group_start};
 
-use super::{Gpu, gpu};
+use super::{Gpu, driver_error, gpu};
+use crate::collective::{wait_for, within};
 use crate::{Error, Result};
 
 fn nccl_error(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -36,14 +38,26 @@ pub(crate) fn unique_id() -> Result<Vec<u8>> {
     })
 }
 
-/// One rank's communicator on CUDA device `ordinal`.
+/// One rank's communicator on CUDA device `ordinal`. Dropping it aborts it (cudarc's `Comm`
+/// calls `ncclCommAbort`), which also ends collectives stuck on a dead rank.
 pub(crate) struct Nccl {
     comm: Comm,
-    _gpu: Arc<Gpu>,
+    gpu: Arc<Gpu>,
 }
 
-/// Joins the communicator `id` as `rank` of `size` (blocks until every rank has joined).
-pub(crate) fn join(ordinal: usize, id: &[u8], rank: usize, size: usize) -> Result<Nccl> {
+/// A communicator on its way from the thread that made it.
+struct Joined(Comm);
+// SAFETY: an NCCL communicator may be used from any thread, one at a time; it moves once.
+unsafe impl Send for Joined {}
+
+/// Joins the communicator `id` as `rank` of `size`, waiting at most `timeout` for every rank.
+pub(crate) fn join(
+    ordinal: usize,
+    id: &[u8],
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+) -> Result<Nccl> {
     let gpu = gpu(ordinal)?;
     let internal: [std::ffi::c_char; 128] = id
         .iter()
@@ -51,16 +65,32 @@ pub(crate) fn join(ordinal: usize, id: &[u8], rank: usize, size: usize) -> Resul
         .collect::<Vec<_>>()
         .try_into()
         .map_err(|_| Error::Device(format!("NCCL id of {} bytes, not 128", id.len())))?;
-    with_nccl("init", || {
-        let comm = Comm::from_rank(gpu.stream().clone(), rank, size, Id::uninit(internal))
-            .map_err(|e| nccl_error(&format!("init of rank {rank} of {size}"), e))?;
-        Ok(Nccl { comm, _gpu: gpu.clone() })
-    })
+    let what = format!("NCCL init of rank {rank} of {size}");
+    let stream = gpu.stream().clone();
+    let joined = within(&what.clone(), timeout, move || {
+        with_nccl("init", || {
+            Comm::from_rank(stream, rank, size, Id::uninit(internal))
+                .map(Joined)
+                .map_err(|e| nccl_error(&format!("init of rank {rank} of {size}"), e))
+        })
+    })?;
+    Ok(Nccl { comm: joined.0, gpu })
 }
 
 impl Nccl {
+    /// Waits, at most `timeout`, until what the stream holds so far (the collective just
+    /// queued) has run.
+    fn finish(&self, what: &str, timeout: Duration) -> Result<()> {
+        let done = self.gpu.stream().record_event(None).map_err(|e| driver_error(what, e))?;
+        wait_for(what, timeout, || done.try_is_complete().map_err(|e| driver_error(what, e)))
+    }
+
     /// Sums each buffer over the ranks in place, all in one NCCL group.
-    pub(crate) fn all_reduce_sum(&self, bufs: &mut [&mut CudaSlice<f32>]) -> Result<()> {
+    pub(crate) fn all_reduce_sum(
+        &self,
+        bufs: &mut [&mut CudaSlice<f32>],
+        timeout: Duration,
+    ) -> Result<()> {
         group_start().map_err(|e| nccl_error("group start", e))?;
         let mut result = Ok(());
         for b in bufs.iter_mut() {
@@ -70,11 +100,17 @@ impl Nccl {
             }
         }
         group_end().map_err(|e| nccl_error("group end", e))?;
-        result
+        result?;
+        self.finish("NCCL all-reduce of the gradients", timeout)
     }
 
     /// Rank `root`'s buffers to every rank, in place, all in one NCCL group.
-    pub(crate) fn broadcast(&self, bufs: &mut [&mut CudaSlice<f32>], root: usize) -> Result<()> {
+    pub(crate) fn broadcast(
+        &self,
+        bufs: &mut [&mut CudaSlice<f32>],
+        root: usize,
+        timeout: Duration,
+    ) -> Result<()> {
         group_start().map_err(|e| nccl_error("group start", e))?;
         let mut result = Ok(());
         for b in bufs.iter_mut() {
@@ -84,6 +120,7 @@ impl Nccl {
             }
         }
         group_end().map_err(|e| nccl_error("group end", e))?;
-        result
+        result?;
+        self.finish(&format!("NCCL broadcast from rank {root}"), timeout)
     }
 }
