@@ -371,6 +371,40 @@ fn two_processes_train_as_one_and_resume_exactly() {
     );
 }
 
+/// `--load` with another number of processes (any that divides the batch): a run saved by one
+/// process and resumed by two goes on as the one-process run (the same samples, the losses up
+/// to the order of the sums), and one saved by two resumes on one.
+#[test]
+fn a_checkpoint_resumes_with_another_number_of_processes() {
+    let root = scratch("train_resume_other_world");
+    let straight = root.join("straight");
+    let out = run_binary(&strs(&run_args(SHORT, &straight, 6)), None);
+    assert!(out.status.success(), "{}", text(&out));
+    let two = format!("{SHORT} --nproc-per-node 2");
+    for (name, first, then) in
+        [("one-then-two", SHORT, two.as_str()), ("two-then-one", &two, SHORT)]
+    {
+        let resumed = root.join(name);
+        let out = run_binary(&strs(&run_args(first, &resumed, 6)), Some("abort-after-rollout:5"));
+        assert!(!out.status.success(), "{name}: the fault must kill the run: {}", text(&out));
+        assert_eq!(latest(&resumed), "4", "{name}");
+        let out = run_binary(&strs(&run_args(then, &resumed, 6)), None);
+        assert!(out.status.success(), "{name}: {}", text(&out));
+        assert!(text(&out).contains("resumed from iteration 4"), "{name}: {}", text(&out));
+        let (a, b) = (iteration_records(&straight), iteration_records(&resumed));
+        assert_eq!(b.len(), 6, "{name}");
+        for (x, y) in a.iter().zip(&b) {
+            for key in ["step", "rollout/raw_reward", "rollout/samples", "train/steps"] {
+                assert_eq!(x[key], y[key], "{name} {key}: {x} vs {y}");
+            }
+            for key in ["train/loss", "train/grad_norm"] {
+                let (p, q) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
+                assert!((p - q).abs() <= 1e-6 * (1.0 + p.abs()), "{name} {key}: {p} vs {q}");
+            }
+        }
+    }
+}
+
 /// The GPU loop's actor over two processes trains as one (on host tensors: CI's stand-in for
 /// NCCL, which sums the same gradients on GPUs).
 #[test]

@@ -9,7 +9,9 @@
 //! collective; dropping the communicator then aborts it (`ncclCommAbort`), which frees the
 //! kernels waiting on the dead rank.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(any(feature = "cuda", test))]
+use std::time::Instant;
 
 #[cfg(feature = "cuda")]
 use crate::tensor::Storage;
@@ -22,6 +24,7 @@ pub struct Collective {
     device: Device,
     rank: usize,
     size: usize,
+    #[cfg(feature = "cuda")]
     timeout: Duration,
 }
 
@@ -59,7 +62,7 @@ impl Collective {
         });
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = id;
+            let _ = (id, timeout);
             Err(crate::tensor::not_built())
         }
     }
@@ -109,6 +112,7 @@ impl Collective {
 
 /// Waits until `done()` says so; an error naming `what` once `timeout` has passed. Checks
 /// often at first (a collective usually takes milliseconds), then every 5 ms.
+#[cfg(any(feature = "cuda", test))]
 pub(crate) fn wait_for(
     what: &str,
     timeout: Duration,
@@ -130,6 +134,7 @@ pub(crate) fn wait_for(
 
 /// `f` on a thread of its own, its result if it comes within `timeout`, else an error naming
 /// `what` (the thread stays blocked; the caller is expected to stop).
+#[cfg(any(feature = "cuda", test))]
 pub(crate) fn within<T: Send + 'static>(
     what: &str,
     timeout: Duration,
@@ -148,6 +153,7 @@ pub(crate) fn within<T: Send + 'static>(
     }
 }
 
+#[cfg(any(feature = "cuda", test))]
 fn stuck(what: &str, timeout: Duration) -> Error {
     Error::Device(format!(
         "{what} did not finish within {timeout:?}: another rank stopped or is stuck (its own log \
