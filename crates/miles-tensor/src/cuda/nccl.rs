@@ -67,7 +67,9 @@ pub(crate) fn join(
         .map_err(|_| Error::Device(format!("NCCL id of {} bytes, not 128", id.len())))?;
     let what = format!("NCCL init of rank {rank} of {size}");
     let stream = gpu.stream().clone();
-    let joined = within(&what.clone(), timeout, move || {
+    let joined = within(&what, timeout, move || {
+        // NCCL takes the thread's current device as the rank's GPU.
+        stream.context().bind_to_thread().map_err(|e| driver_error("bind context", e))?;
         with_nccl("init", || {
             Comm::from_rank(stream, rank, size, Id::uninit(internal))
                 .map(Joined)
