@@ -406,12 +406,13 @@ fn a_checkpoint_resumes_with_another_number_of_processes() {
 }
 
 /// The GPU loop's actor over two processes trains as one (on host tensors: CI's stand-in for
-/// NCCL, which sums the same gradients on GPUs).
+/// NCCL, which sums the same gradients on GPUs), with its gradient sums in buckets of 4 KiB
+/// started during the backward as its layers finish.
 #[test]
 fn two_processes_of_the_device_actor_train_as_one() {
     two_processes_train_as_one(
         "train_two_device_processes",
-        &[("MILES_DEVICE_ACTOR_ON_HOST", "1")],
+        &[("MILES_DEVICE_ACTOR_ON_HOST", "1"), ("MILES_GRAD_BUCKET_BYTES", "4096")],
     );
 }
 

@@ -637,6 +637,33 @@ impl DeviceModel {
         d_logp: &[f32],
         d_entropy: &[f32],
     ) -> Result<()> {
+        self.backward_with(fwd, batch, d_logp, d_entropy, &mut |_, _| Ok(()))
+    }
+
+    /// The gradients' indices in the order [`DeviceModel::backward_with`] finishes them, a
+    /// group per stage: the final norm (with an untied head), each layer from the last, the
+    /// embedding (with a tied head).
+    pub fn grad_groups(&self) -> Vec<Vec<usize>> {
+        let l = &self.layout;
+        let mut first = vec![l.final_norm()];
+        if !l.tied {
+            first.push(l.head());
+        }
+        let layers = (0..l.layers).rev().map(|i| (l.bases[i]..l.bases[i + 1]).collect());
+        std::iter::once(first).chain(layers).chain([vec![0]]).collect()
+    }
+
+    /// [`DeviceModel::backward`], calling `ready(g, grads)` as soon as the ops that finish group
+    /// `g` of [`DeviceModel::grad_groups`] are queued: a data-parallel run starts summing those
+    /// gradients over the ranks while the backward goes on.
+    pub fn backward_with(
+        &mut self,
+        fwd: &DeviceForward,
+        batch: &PackedBatch,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+        ready: &mut dyn FnMut(usize, &mut [Tensor]) -> Result<()>,
+    ) -> Result<()> {
         let c = &self.config;
         let t = batch.tokens.len();
         if fwd.layers.len() != c.num_hidden_layers || fwd.tokens != t {
@@ -677,6 +704,7 @@ impl DeviceModel {
             ops::rmsnorm_backward(&d_nf, &fwd.x_final, self.weight(final_i), &fwd.rstd_final)?;
         drop(d_nf);
         add_into(&mut self.grads[final_i], &dw)?;
+        ready(0, &mut self.grads)?;
 
         let w = DeviceWeights {
             config: &self.config,
@@ -695,14 +723,21 @@ impl DeviceModel {
         let balance = fwd.sparse.balance(c);
         for (layer, a) in fwd.layers.iter().enumerate().rev() {
             dx = layer_backward(&mut dev, c, layer, a, dx, balance)?;
+            let grads = dev.grads.as_deref_mut().expect("the backward's gradients");
+            ready(c.num_hidden_layers - layer, grads)?;
         }
         ops::embedding_backward_acc(&mut self.grads[0], &dx, &batch.tokens)?;
-        Ok(())
+        ready(c.num_hidden_layers + 1, &mut self.grads)
     }
 
     /// The f32 gradients, for a collective that sums them over the ranks of a run in place.
-    pub fn grads_mut(&mut self) -> Vec<&mut Tensor> {
-        self.grads.iter_mut().collect()
+    pub fn grads_mut(&mut self) -> &mut [Tensor] {
+        &mut self.grads
+    }
+
+    /// The f32 gradients, in [`tensor_spec`] order.
+    pub fn grads(&self) -> &[Tensor] {
+        &self.grads
     }
 
     /// Sets the f32 master weights through `set` (another rank's, broadcast in place), then

@@ -83,6 +83,24 @@ impl Collective {
         Ok(())
     }
 
+    /// Starts [`Collective::all_reduce_sum`] after the device's ops queued so far, on the
+    /// communicator's own stream: the ops queued next run beside it until [`Collective::wait`].
+    /// The tensors must stay alive and untouched until then.
+    pub fn start_all_reduce_sum(&self, tensors: &mut [&mut Tensor]) -> Result<()> {
+        self.check("start_all_reduce_sum", tensors)?;
+        #[cfg(feature = "cuda")]
+        self.nccl.start_all_reduce_sum(&mut slices(tensors))?;
+        Ok(())
+    }
+
+    /// Orders the device's next ops after the collectives started so far and waits until they
+    /// have run (at most the communicator's timeout).
+    pub fn wait(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        self.nccl.finish("NCCL all-reduce of the gradients", self.timeout)?;
+        Ok(())
+    }
+
     /// Rank `root`'s tensors to every rank, in place.
     pub fn broadcast(&self, tensors: &mut [&mut Tensor], root: usize) -> Result<()> {
         self.check("broadcast", tensors)?;
@@ -239,7 +257,15 @@ mod tests {
         let mut tb = Tensor::from_f32(&[37], b.clone(), &device).unwrap();
         c.all_reduce_sum(&mut [&mut ta, &mut tb]).unwrap();
         c.broadcast(&mut [&mut ta, &mut tb], 0).unwrap();
-        assert_eq!((ta.to_vec_f32().unwrap(), tb.to_vec_f32().unwrap()), (a, b));
+        assert_eq!((ta.to_vec_f32().unwrap(), tb.to_vec_f32().unwrap()), (a.clone(), b.clone()));
+        // Started on the communicator's stream, with an op queued beside it before the wait:
+        // both keep their values.
+        c.start_all_reduce_sum(&mut [&mut ta]).unwrap();
+        let doubled = crate::ops::add(&tb, &tb).unwrap();
+        c.wait().unwrap();
+        assert_eq!(ta.to_vec_f32().unwrap(), a);
+        let twice: Vec<f32> = b.iter().map(|x| x + x).collect();
+        assert_eq!(doubled.to_vec_f32().unwrap(), twice);
         let mut bf =
             Tensor::from_f32(&[4], vec![1.0; 4], &device).unwrap().to_dtype(DType::BF16).unwrap();
         assert!(c.all_reduce_sum(&mut [&mut bf]).is_err());

@@ -6,7 +6,9 @@
 //! step every rank takes, and the metrics are summed the same way. Rank 0 logs, evaluates and
 //! writes checkpoints. On GPUs (`--device cuda`: each rank on the GPU of its local rank) the
 //! gradients and the starting weights go through NCCL; on the CPU, and for a device model on
-//! host tensors, through the TCP group.
+//! host tensors, through the TCP group. A device model's gradients are summed in buckets
+//! ([`GradBuckets`]) started during the last backward of a step, as its layers finish, so on
+//! GPUs the sums run beside the rest of the backward.
 
 use std::cell::{OnceCell, RefCell};
 use std::time::Duration;
@@ -19,6 +21,54 @@ use miles_tensor::{Collective, Device, Tensor};
 
 /// How long a rank waits for the others at a collective before calling them dead.
 const TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Gradient bytes a bucket gathers before its sum starts (PyTorch DDP's default size);
+/// `MILES_GRAD_BUCKET_BYTES` overrides it (tests make many small buckets with it).
+const BUCKET_BYTES: usize = 25 << 20;
+
+fn bucket_bytes() -> usize {
+    std::env::var("MILES_GRAD_BUCKET_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&b| b > 0)
+        .unwrap_or(BUCKET_BYTES)
+}
+
+/// A step's gradient sums: consecutive groups of [`DeviceModel::grad_groups`] (in the order the
+/// backward finishes them) gathered into buckets of about [`BUCKET_BYTES`]. Every rank makes
+/// the same buckets and starts them in the same order, whether during its backward or after
+/// (a rank without samples for a step, or one whose loss was not finite), so the collectives
+/// line up and every step sums the same chunks the same way.
+pub(crate) struct GradBuckets {
+    /// Each bucket's gradient indices and the last group it holds.
+    buckets: Vec<(Vec<usize>, usize)>,
+    started: usize,
+}
+
+impl GradBuckets {
+    fn new(groups: &[Vec<usize>], bytes: impl Fn(usize) -> usize, cap: usize) -> GradBuckets {
+        let mut buckets = Vec::new();
+        let (mut open, mut size) = (Vec::new(), 0);
+        for (g, group) in groups.iter().enumerate() {
+            open.extend(group);
+            size += group.iter().map(|&i| bytes(i)).sum::<usize>();
+            if size >= cap || g + 1 == groups.len() {
+                buckets.push((std::mem::take(&mut open), g));
+                size = 0;
+            }
+        }
+        GradBuckets { buckets, started: 0 }
+    }
+
+    /// The buckets whose groups are all finished once group `done` is, not started yet.
+    fn ready(&mut self, done: usize) -> std::ops::Range<usize> {
+        let from = self.started;
+        while self.started < self.buckets.len() && self.buckets[self.started].1 <= done {
+            self.started += 1;
+        }
+        from..self.started
+    }
+}
 
 pub(crate) struct Dist {
     group: RefCell<Group>,
@@ -84,20 +134,60 @@ impl Dist {
         Ok(Some(self.collective.get_or_init(|| c)))
     }
 
-    /// Sums the device model's gradients over the ranks, in place.
-    pub fn sum_grads(&self, model: &mut DeviceModel) -> anyhow::Result<()> {
-        let device = model.device();
-        let collective = self.collective(device)?;
-        let mut grads = model.grads_mut();
-        match collective {
-            Some(c) => c.all_reduce_sum(&mut grads)?,
-            None => {
-                for g in grads.iter_mut() {
-                    let mut v = g.to_vec_f32()?;
-                    self.sum_f32(&mut v)?;
-                    **g = Tensor::from_f32(g.shape(), v, &device)?;
+    /// A step's gradient buckets for `model`.
+    pub fn grad_buckets(&self, model: &DeviceModel) -> GradBuckets {
+        let sizes: Vec<usize> = model.grads().iter().map(|g| 4 * g.len()).collect();
+        GradBuckets::new(&model.grad_groups(), |i| sizes[i], bucket_bytes())
+    }
+
+    /// Starts the sums of the buckets that group `done` of the backward completes (NCCL on
+    /// its own stream; over TCP, for host tensors, they run now).
+    pub fn start_ready(
+        &self,
+        buckets: &mut GradBuckets,
+        done: usize,
+        grads: &mut [Tensor],
+    ) -> anyhow::Result<()> {
+        for b in buckets.ready(done) {
+            let indices = &buckets.buckets[b].0;
+            let device = grads[indices[0]].device();
+            let mut picked: Vec<&mut Tensor> = grads
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| indices.contains(i))
+                .map(|(_, g)| g)
+                .collect();
+            match self.collective(device)? {
+                Some(c) => c.start_all_reduce_sum(&mut picked)?,
+                None => {
+                    // One message per bucket; each element is still summed in rank order.
+                    let mut all = Vec::new();
+                    for g in &picked {
+                        all.extend(g.to_vec_f32()?);
+                    }
+                    self.sum_f32(&mut all)?;
+                    let mut at = 0;
+                    for g in picked {
+                        let n = g.len();
+                        *g = Tensor::from_f32(g.shape(), all[at..at + n].to_vec(), &device)?;
+                        at += n;
+                    }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Finishes a step's sums: starts the buckets not started yet, then waits for them all.
+    pub fn finish_grads(
+        &self,
+        mut buckets: GradBuckets,
+        model: &mut DeviceModel,
+    ) -> anyhow::Result<()> {
+        let last = model.grad_groups().len() - 1;
+        self.start_ready(&mut buckets, last, model.grads_mut())?;
+        if let Some(c) = self.collective(model.device())? {
+            c.wait()?;
         }
         Ok(())
     }
@@ -170,6 +260,36 @@ pub(crate) fn check_supported(cfg: &RunConfig, size: usize, steps: usize) -> any
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Buckets gather whole groups in the backward's order until 25 MiB, the last one takes
+    /// the rest; a finished group starts exactly the buckets it completes, once each.
+    #[test]
+    fn gradient_buckets_follow_the_backward() {
+        // Groups: the final norm, three "layers" of 10 MiB, the embedding of 30 MiB.
+        let mib = 1 << 20;
+        let groups = vec![vec![4], vec![3], vec![2], vec![1], vec![0]];
+        let bytes = |i: usize| match i {
+            0 => 30 * mib,
+            4 => 1024,
+            _ => 10 * mib,
+        };
+        let mut b = GradBuckets::new(&groups, bytes, BUCKET_BYTES);
+        let plan: Vec<(Vec<usize>, usize)> = b.buckets.clone();
+        assert_eq!(plan, [(vec![4, 3, 2, 1], 3), (vec![0], 4)]);
+        assert_eq!(b.ready(0), 0..0);
+        assert_eq!(b.ready(2), 0..0);
+        assert_eq!(b.ready(3), 0..1);
+        assert_eq!(b.ready(3), 1..1);
+        assert_eq!(b.ready(4), 1..2);
+        assert_eq!(b.ready(4), 2..2);
+        // Finishing after the backward (a rank without samples) starts them all at once.
+        let mut late = GradBuckets::new(&groups, bytes, BUCKET_BYTES);
+        assert_eq!(late.ready(4), 0..2);
+        // Every index is summed exactly once.
+        let mut all: Vec<usize> = plan.iter().flat_map(|(i, _)| i.clone()).collect();
+        all.sort_unstable();
+        assert_eq!(all, [0, 1, 2, 3, 4]);
+    }
 
     #[test]
     fn each_rank_takes_the_gpu_of_its_local_rank() {

@@ -50,7 +50,7 @@ use serde_json::{Map, Value, json};
 use crate::Optimizer;
 use crate::batch::{self, TrainSample, concat, split_ranges};
 use crate::checkpoint::{self, CheckpointRef};
-use crate::dist::{Dist, check_supported};
+use crate::dist::{Dist, GradBuckets, check_supported};
 use crate::loss::{LossInput, LossMetrics, PolicyLossConfig, SftLossConfig, policy_loss, sft_loss};
 use crate::schedule::LrSchedule;
 
@@ -1388,16 +1388,20 @@ trait Learner {
     fn sparse(f: &mut Self::Forward) -> &mut SparseOutputs;
     /// The load-balancing loss's weight in the loss (the backward adds its gradient).
     fn aux_coef(&self) -> f64;
-    /// Adds the gradient of the loss whose derivatives these are.
+    /// Adds the gradient of the loss whose derivatives these are. `last` (a run over several
+    /// processes, the step's last micro-batch) may start summing the gradients over the ranks
+    /// as the backward finishes them; [`Learner::reduce_grads`] completes the sums.
     fn backward(
         &mut self,
         f: Self::Forward,
         batch: &PackedBatch,
         d_logp: &[f32],
         d_entropy: &[f32],
+        last: Option<&Dist>,
     ) -> anyhow::Result<()>;
     fn grad_norm(&mut self) -> anyhow::Result<f64>;
-    /// Sums the gradients over the ranks of a run over several processes.
+    /// Sums the gradients over the ranks of a run over several processes (or finishes the sums
+    /// the last backward started).
     fn reduce_grads(&mut self, dist: &Dist) -> anyhow::Result<()>;
     /// Clips and applies the summed gradients at `lr`; the norm before clipping.
     fn apply(&mut self, lr: f32) -> anyhow::Result<f64>;
@@ -1443,6 +1447,7 @@ impl Learner for CpuLearner<'_> {
         batch: &PackedBatch,
         d_logp: &[f32],
         d_entropy: &[f32],
+        _last: Option<&Dist>,
     ) -> anyhow::Result<()> {
         Ok(self.policy.backward(&f, batch, d_logp, d_entropy, &mut self.grads)?)
     }
@@ -1470,12 +1475,14 @@ struct DeviceLearner<'a> {
     model: &'a mut DeviceModel,
     hyper: AdamW,
     clip_grad: f64,
+    /// The gradient sums the step's last backward started.
+    sums: Option<GradBuckets>,
 }
 
 impl<'a> DeviceLearner<'a> {
     fn new(model: &'a mut DeviceModel, hyper: AdamW, clip_grad: f64) -> anyhow::Result<Self> {
         model.zero_grads()?;
-        Ok(DeviceLearner { model, hyper, clip_grad })
+        Ok(DeviceLearner { model, hyper, clip_grad, sums: None })
     }
 }
 
@@ -1504,12 +1511,29 @@ impl Learner for DeviceLearner<'_> {
         batch: &PackedBatch,
         d_logp: &[f32],
         d_entropy: &[f32],
+        last: Option<&Dist>,
     ) -> anyhow::Result<()> {
-        Ok(self.model.backward(&f, batch, d_logp, d_entropy)?)
+        let Some(dist) = last else {
+            return Ok(self.model.backward(&f, batch, d_logp, d_entropy)?);
+        };
+        let mut sums = dist.grad_buckets(self.model);
+        let mut failed = None;
+        self.model.backward_with(&f, batch, d_logp, d_entropy, &mut |done, grads| {
+            // The model's error type carries no anyhow context: keep the first failure aside.
+            if failed.is_none()
+                && let Err(e) = dist.start_ready(&mut sums, done, grads)
+            {
+                failed = Some(e);
+            }
+            Ok(())
+        })?;
+        self.sums = Some(sums);
+        failed.map_or(Ok(()), Err)
     }
 
     fn reduce_grads(&mut self, dist: &Dist) -> anyhow::Result<()> {
-        dist.sum_grads(self.model)
+        let sums = self.sums.take().unwrap_or_else(|| dist.grad_buckets(self.model));
+        dist.finish_grads(sums, self.model)
     }
 
     fn grad_norm(&mut self) -> anyhow::Result<f64> {
@@ -1564,7 +1588,8 @@ fn train_step<L: Learner>(
         routing: None,
     };
     let mut seen = Vec::with_capacity(part.len());
-    for mb in part.chunks(micro.max(1)) {
+    let micro_batches = part.len().div_ceil(micro.max(1));
+    for (i, mb) in part.chunks(micro.max(1)).enumerate() {
         let batch = batch::pack(mb)?;
         let fwd = learner.forward(&batch, temperature)?;
         let (logp, entropy) = L::outputs(&fwd);
@@ -1632,18 +1657,21 @@ fn train_step<L: Learner>(
         out.d_logp.iter_mut().for_each(|g| *g *= scale);
         out.d_entropy.iter_mut().for_each(|g| *g *= scale);
         L::sparse(&mut fwd).aux_weight = scale;
-        learner.backward(fwd, &batch, &out.d_logp, &out.d_entropy)?;
+        let last = dist.filter(|_| i + 1 == micro_batches);
+        learner.backward(fwd, &batch, &out.d_logp, &out.d_entropy, last)?;
         total.loss += share * out.loss;
         total.metrics.add_scaled(&out.metrics, share);
     }
     if let Some(d) = dist {
-        // Skipped everywhere if any rank's loss was not finite; else one summed gradient.
+        // One summed gradient (the last backward started its sums; a rank that stopped at a
+        // non-finite loss, or had no samples, makes the same ones now), then skipped everywhere
+        // if any rank's loss was not finite.
+        learner.reduce_grads(d)?;
         let mut bad = [f64::from(u8::from(!finite))];
         d.sum(&mut bad)?;
         if bad[0] > 0.0 {
             return Ok(StepOutcome { applied: None, logp: seen });
         }
-        learner.reduce_grads(d)?;
         total.sum_over(d)?;
     }
     if !learner.grad_norm()?.is_finite() {

@@ -1,12 +1,14 @@
-//! NCCL between the ranks of a run, one GPU each. Each communicator runs on its device's op
-//! stream, so a collective is ordered with the ops before and after it; libnccl is loaded at
-//! run time, and a machine without it gets an error, not a crash.
+//! NCCL between the ranks of a run, one GPU each. Each communicator runs on a stream of its
+//! own: a collective starts after what the device's op stream queued before it, runs beside
+//! what is queued after (the rest of a backward), and the op stream waits for it at
+//! [`Nccl::finish`]. libnccl is loaded at run time; a machine without it gets an error, not a
+//! crash.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, Id, ReduceOp, group_end, group_start};
 
 use super::{Gpu, driver_error, gpu};
@@ -43,6 +45,8 @@ pub(crate) fn unique_id() -> Result<Vec<u8>> {
 pub(crate) struct Nccl {
     comm: Comm,
     gpu: Arc<Gpu>,
+    /// The communicator's stream.
+    stream: Arc<CudaStream>,
 }
 
 /// A communicator on its way from the thread that made it.
@@ -66,7 +70,8 @@ pub(crate) fn join(
         .try_into()
         .map_err(|_| Error::Device(format!("NCCL id of {} bytes, not 128", id.len())))?;
     let what = format!("NCCL init of rank {rank} of {size}");
-    let stream = gpu.stream().clone();
+    let stream = gpu.stream().context().new_stream().map_err(|e| driver_error("stream", e))?;
+    let comm_stream = stream.clone();
     let joined = within(&what, timeout, move || {
         // NCCL takes the thread's current device as the rank's GPU.
         stream.context().bind_to_thread().map_err(|e| driver_error("bind context", e))?;
@@ -76,23 +81,38 @@ pub(crate) fn join(
                 .map_err(|e| nccl_error(&format!("init of rank {rank} of {size}"), e))
         })
     })?;
-    Ok(Nccl { comm: joined.0, gpu })
+    Ok(Nccl { comm: joined.0, gpu, stream: comm_stream })
 }
 
 impl Nccl {
-    /// Waits, at most `timeout`, until what the stream holds so far (the collective just
-    /// queued) has run.
-    fn finish(&self, what: &str, timeout: Duration) -> Result<()> {
-        let done = self.gpu.stream().record_event(None).map_err(|e| driver_error(what, e))?;
+    /// Makes the communicator's stream wait for what the op stream queued so far.
+    fn after_ops(&self) -> Result<()> {
+        let queued = self.gpu.stream().record_event(None).map_err(|e| driver_error("event", e))?;
+        self.stream.wait(&queued).map_err(|e| driver_error("stream wait", e))
+    }
+
+    /// Makes the op stream wait for the collectives started so far, and waits on the host, at
+    /// most `timeout`, until they have run.
+    pub(crate) fn finish(&self, what: &str, timeout: Duration) -> Result<()> {
+        let done = self.stream.record_event(None).map_err(|e| driver_error(what, e))?;
+        self.gpu.stream().wait(&done).map_err(|e| driver_error(what, e))?;
         wait_for(what, timeout, || done.try_is_complete().map_err(|e| driver_error(what, e)))
     }
 
-    /// Sums each buffer over the ranks in place, all in one NCCL group.
+    /// Sums each buffer over the ranks in place, all in one NCCL group, and waits for it.
     pub(crate) fn all_reduce_sum(
         &self,
         bufs: &mut [&mut CudaSlice<f32>],
         timeout: Duration,
     ) -> Result<()> {
+        self.start_all_reduce_sum(bufs)?;
+        self.finish("NCCL all-reduce of the gradients", timeout)
+    }
+
+    /// Starts summing each buffer over the ranks in place, all in one NCCL group, after the
+    /// ops queued so far; [`Nccl::finish`] waits for it.
+    pub(crate) fn start_all_reduce_sum(&self, bufs: &mut [&mut CudaSlice<f32>]) -> Result<()> {
+        self.after_ops()?;
         group_start().map_err(|e| nccl_error("group start", e))?;
         let mut result = Ok(());
         for b in bufs.iter_mut() {
@@ -102,8 +122,7 @@ impl Nccl {
             }
         }
         group_end().map_err(|e| nccl_error("group end", e))?;
-        result?;
-        self.finish("NCCL all-reduce of the gradients", timeout)
+        result
     }
 
     /// Rank `root`'s buffers to every rank, in place, all in one NCCL group.
@@ -113,6 +132,7 @@ impl Nccl {
         root: usize,
         timeout: Duration,
     ) -> Result<()> {
+        self.after_ops()?;
         group_start().map_err(|e| nccl_error("group start", e))?;
         let mut result = Ok(());
         for b in bufs.iter_mut() {
