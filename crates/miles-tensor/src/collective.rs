@@ -129,7 +129,8 @@ impl Collective {
 }
 
 /// Waits until `done()` says so; an error naming `what` once `timeout` has passed. Checks
-/// often at first (a collective usually takes milliseconds), then every 5 ms.
+/// every 10 µs at first, then every 200 µs: a step waits here for the end of its backward and
+/// its last sums, and a coarser poll would add its period to every step.
 #[cfg(any(feature = "cuda", test))]
 pub(crate) fn wait_for(
     what: &str,
@@ -146,7 +147,7 @@ pub(crate) fn wait_for(
             return Err(stuck(what, timeout));
         }
         std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_millis(5));
+        pause = (pause * 2).min(Duration::from_micros(200));
     }
 }
 

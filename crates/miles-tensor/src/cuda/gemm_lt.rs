@@ -315,7 +315,18 @@ impl Lt {
                 continue;
             }
             // A candidate that fails to launch is only not taken.
-            if let Ok(ms) = check.time(self, gpu, &candidate, tier.timed)
+            let time = check.time(self, gpu, &candidate, tier.timed);
+            if let Algo::Rows { bn } = candidate
+                && std::env::var_os("MILES_GEMM_LOG").is_some()
+            {
+                let ms = time.as_ref().map(|ms| format!("{ms:.4} ms")).map_err(|e| e.to_string());
+                eprintln!(
+                    "gemm {class:?}: ≤{} rows rows_gemm.cu, {bn} columns a block: {ms:?} (large \
+                     {large_ms:.4} ms)",
+                    tier.max_rows
+                );
+            }
+            if let Ok(ms) = time
                 && ms < large_ms
             {
                 timed.push((ms, candidate));
