@@ -206,4 +206,8 @@ if [ "$what" = dp ]; then
     cp /tmp/dp-$n/metrics.jsonl "$OUT/dp-$n-metrics.jsonl"
     python3 tests/device/curve.py /tmp/dp-$n/metrics.jsonl | tail -12 | tee "$OUT/dp-$n.txt"
   done
+  # The gradient sum's bandwidth through our NCCL path beside NCCL's own (PyTorch, torchrun).
+  timeout 200 $miles bench allreduce --device cuda --nproc-per-node ${NPROC:-2} | tee "$OUT/allreduce.jsonl"
+  timeout 200 torchrun --nproc_per_node ${NPROC:-2} tests/device/nccl_allreduce_peer.py 2>/dev/null \
+    | tee -a "$OUT/allreduce.jsonl"
 fi

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use miles_tests::{miles, scratch, workspace_root};
+use miles_tests::{miles, miles_binary, scratch, workspace_root};
 
 fn score_lines(report: &str) -> Vec<serde_json::Value> {
     report.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
@@ -196,6 +196,33 @@ fn broken_checkpoints_name_the_file_and_the_field_or_tensor() {
     std::fs::write(ckpt.join("config.json"), c.to_string()).unwrap();
     let err = score(&ckpt);
     assert!(err.contains("wrong_shape/model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight': shape [128, 64], expected [96, 64]"), "{err}");
+}
+
+/// `miles bench allreduce` over three host processes (the TCP group): each size's sum is
+/// checked, then timed, and rank 0 prints one line per size.
+#[test]
+fn bench_allreduce_sums_across_processes() {
+    let out = std::process::Command::new(miles_binary())
+        .args(["bench", "allreduce", "--device", "cpu", "--nproc-per-node", "3"])
+        .args(["--sizes-mb", "0.01,0.5", "--iters", "2"])
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> =
+        text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    assert_eq!(lines[1]["bytes"], 4 * 131_072);
+    for v in &lines {
+        assert_eq!(
+            (v["what"].as_str(), v["via"].as_str(), v["ranks"].as_u64()),
+            (Some("allreduce"), Some("tcp"), Some(3))
+        );
+        assert!(v["busbw_gb_s"].as_f64().unwrap() > 0.0, "{v}");
+    }
+    let err = miles(&["bench", "allreduce", "--device", "cpu", "--nproc-per-node", "1"]);
+    assert!(err.unwrap_err().contains("at least 2"));
 }
 
 #[test]

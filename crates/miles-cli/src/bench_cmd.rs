@@ -21,6 +21,9 @@ pub enum BenchCommand {
     Logprob(BenchArgs),
     /// The rollout engine: prefill tokens/s, decode tokens/s and time to first token.
     Rollout(RolloutBenchArgs),
+    /// The gradient sum between ranks (NCCL between GPUs, TCP between host processes): bus
+    /// bandwidth per buffer size, one process per rank (`--nproc-per-node`, or torchrun).
+    Allreduce(crate::allreduce_bench::AllReduceBenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -148,6 +151,7 @@ pub fn run(command: &BenchCommand, out: &mut dyn Write) -> anyhow::Result<()> {
         BenchCommand::Train(a) => (a, "train_step"),
         BenchCommand::Logprob(a) => (a, "logprob_forward"),
         BenchCommand::Rollout(a) => return rollout(a, out),
+        BenchCommand::Allreduce(a) => return crate::allreduce_bench::run(a, out),
     };
     if args.batch == 0 || args.seq_len < 2 || args.steps == 0 {
         bail!("--batch must be >= 1, --seq-len >= 2 and --steps >= 1");

@@ -5,6 +5,7 @@ use std::io::Write;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
+mod allreduce_bench;
 mod bench_cmd;
 mod convert_cmd;
 pub mod demo;

@@ -134,7 +134,7 @@ fn make_correction(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Correction>
 
 /// `--nproc-per-node N`: this command again as ranks 0..N of one run on this host; returns
 /// when all have finished, or with the error of the first that failed (the others stopped).
-fn launch(n: usize, out: &mut dyn Write) -> anyhow::Result<()> {
+pub(crate) fn launch(n: usize, command: &str, out: &mut dyn Write) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("--nproc-per-node: where is this binary")?;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let port = match std::env::var("MASTER_PORT").ok().and_then(|p| p.parse().ok()) {
@@ -144,7 +144,7 @@ fn launch(n: usize, out: &mut dyn Write) -> anyhow::Result<()> {
             .map(|a| a.port())
             .context("--nproc-per-node: no free port for the rendezvous")?,
     };
-    writeln!(out, "miles train: {n} worker processes, rendezvous on port {port}")?;
+    writeln!(out, "miles {command}: {n} worker processes, rendezvous on port {port}")?;
     miles_dist::launch_local(n, port, &exe, &args).context("--nproc-per-node")?;
     Ok(())
 }
@@ -292,7 +292,7 @@ pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let cfg = run_config(args)?;
     let world = miles_dist::World::from_env(|k| std::env::var(k).ok())?;
     if cfg.nproc_per_node > 1 && world.is_none() {
-        return launch(cfg.nproc_per_node, out);
+        return launch(cfg.nproc_per_node, "train", out);
     }
     // Rank 0 of a run over several processes reports; the others work quietly.
     let rank = world.as_ref().map_or(0, |w| w.rank);
