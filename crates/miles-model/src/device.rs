@@ -1228,6 +1228,52 @@ mod tests {
         }
     }
 
+    /// The backward calls `ready` once per gradient group, in order, and a group's gradients
+    /// are final by then: nothing after writes them (what lets a data-parallel run start their
+    /// sums early). The groups hold every gradient once. Tied and untied heads, and MoE.
+    #[test]
+    fn gradient_groups_are_final_when_ready_on_every_device() {
+        let configs = [
+            tiny(Architecture::Qwen3, true),
+            tiny(Architecture::Llama, false),
+            tiny_moe(true, 0.3),
+        ];
+        for device in devices() {
+            for config in configs.clone() {
+                let what = format!(
+                    "{device} {:?} tied {}",
+                    config.architecture, config.tie_word_embeddings
+                );
+                let m = model(config, 5);
+                let b = batch();
+                let mut dm = DeviceModel::new(&m, &device, DType::F32).unwrap();
+                let groups = dm.grad_groups();
+                let mut all: Vec<usize> = groups.iter().flatten().copied().collect();
+                all.sort_unstable();
+                assert_eq!(all, (0..dm.grads().len()).collect::<Vec<_>>(), "{what}");
+                let fwd = dm.forward(&b, 1.0).unwrap();
+                let mut rng = Rng::new(4);
+                let (ga, gb) = (rng.vec(fwd.logp.len(), 1.0), rng.vec(fwd.logp.len(), 1.0));
+                let mut seen = Vec::new();
+                let mut snapshots: Vec<(usize, Vec<f32>)> = Vec::new();
+                dm.backward_with(&fwd, &b, &ga, &gb, &mut |g, grads| {
+                    seen.push(g);
+                    for &i in &groups[g] {
+                        snapshots.push((i, grads[i].to_vec_f32()?));
+                    }
+                    Ok(())
+                })
+                .unwrap();
+                assert_eq!(seen, (0..groups.len()).collect::<Vec<_>>(), "{what}");
+                for (i, snap) in snapshots {
+                    let last = dm.grads()[i].to_vec_f32().unwrap();
+                    let same = snap.iter().zip(&last).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{what}: gradient {i} changed after its group was ready");
+                }
+            }
+        }
+    }
+
     /// Two identical training steps give identical bits; a sequence's logprobs have the same
     /// bits alone and packed (on CUDA, whose products are batch-invariant by construction
     /// only where the GEMM route is; the CPU's tensor path is a reference, not that route).
