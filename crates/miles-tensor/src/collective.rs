@@ -1,5 +1,8 @@
 //! Collectives between the ranks of a run, one GPU each (NCCL): gradient sums and the weights'
-//! broadcast, in place on f32 device tensors, ordered with the device's ops.
+//! broadcast, in place on f32 device tensors. They run on the communicator's own stream after
+//! the device's ops queued before them; a sum can be started and waited for later
+//! ([`Collective::start_all_reduce_sum`], [`Collective::wait`]) so that it overlaps the ops
+//! queued between.
 //!
 //! Sums are NCCL's: for a given world size and machine the same algorithm reduces the same
 //! chunks in the same order on every step, and every rank receives the same bits.
