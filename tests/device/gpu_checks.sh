@@ -5,10 +5,9 @@
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
 #                                  trl|addition|gsm8k|resume|moe-fixture|moe-bench|dp|all]
-# Prepare here: cargo xtask device-bundle && cargo build --release -p miles-cli --features cuda &&
-#   mkdir -p target/gpu && cp target/release/miles ../shared/bench/hf_baseline.py target/gpu/
-# and carry target/device-bundle and target/gpu, or, when they pass 64 MiB together, the archive
-# target/pack/all.tar.xz of both (docs/ARCHITECTURE.md), which is unpacked here first.
+# Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
+# packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
+# is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
 set -u
 [ -f target/pack/all.tar.xz ] && { tar xJf target/pack/all.tar.xz || exit 1; }
 what=${1:-all}
