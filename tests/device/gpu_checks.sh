@@ -162,9 +162,10 @@ fi
 if [ "$what" = resume ]; then
   # Exact resume on the GPU (issue 13): 6 iterations straight, against killed after iteration 5
   # (checkpoint at 4) and resumed; the iteration-6 checkpoints must be byte for byte the same.
+  # RESUME_FLAGS adds flags (the dp section passes --nproc-per-node).
   # The real SmolLM2 on the addition example (after `addition`, which converts it).
   for model in smollm2; do
-    flags="--device cuda --num-rollout 6 --save-interval 2 --rollout-batch-size 8 --n-samples-per-prompt 4 --num-steps-per-rollout 2 --eval-interval 100"
+    flags="--device cuda --num-rollout 6 --save-interval 2 --rollout-batch-size 8 --n-samples-per-prompt 4 --num-steps-per-rollout 2 --eval-interval 100 ${RESUME_FLAGS:-}"
     [ $model = smollm2 ] && flags="--config examples/addition-smollm2.toml --hf-checkpoint /tmp/smollm2 $flags --save-hf /tmp/resume-hf"
     run() { $miles train $flags --save /tmp/resume-$model/$1 --load /tmp/resume-$model/$1 --run-dir /tmp/resume-$model/$1 > /tmp/resume-$model-$1.log 2>&1; }
     rm -rf /tmp/resume-$model; run straight; MILES_FAULT=abort-after-rollout:5 run resumed; run resumed
@@ -194,19 +195,35 @@ if [ "$what" = moe-bench ]; then
     2>/dev/null | tee -a "$OUT/moe-bench.jsonl"
 fi
 if [ "$what" = dp ]; then
-  # Several GPUs (issue 14, on a multi-GPU kind): the addition example on NPROC GPUs beside one
-  # GPU, same config, the held-out curves side by side; gradients through NCCL.
+  # Several processes (issue 14): the addition example on NPROC processes beside one, same
+  # config, the held-out curves side by side; then a rank killed mid-run (every rank must stop
+  # with an error, not hang) and exact resume over NPROC processes; then the gradient sum's
+  # bandwidth through our NCCL path beside NCCL's own (PyTorch, torchrun). On a multi-GPU kind
+  # the ranks take a GPU each and sum through NCCL; on one GPU, DP_FLAGS="--device cuda:0
+  # --distributed-backend tcp" puts every rank on GPU 0 and sums through host memory (no
+  # bandwidth figures then: SKIP_ALLREDUCE=1).
   [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
     $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
-  for n in 1 ${NPROC:-2}; do
+  n=${NPROC:-2}
+  dp_flags=${DP_FLAGS:-}
+  for k in 1 $n; do
     timeout ${LIMIT:-240} $miles train --config examples/addition-smollm2.toml --hf-checkpoint \
-      /tmp/smollm2 --num-rollout ${ROLLOUTS:-200} --nproc-per-node $n --run-dir /tmp/dp-$n \
-      --save /tmp/dp-$n/checkpoints 2>&1 | tail -2
-    cp /tmp/dp-$n/metrics.jsonl "$OUT/dp-$n-metrics.jsonl"
-    python3 tests/device/curve.py /tmp/dp-$n/metrics.jsonl | tail -12 | tee "$OUT/dp-$n.txt"
+      /tmp/smollm2 --num-rollout ${ROLLOUTS:-200} --nproc-per-node $k $dp_flags --run-dir /tmp/dp-$k \
+      --save /tmp/dp-$k/checkpoints 2>&1 | tail -2
+    cp /tmp/dp-$k/metrics.jsonl "$OUT/dp-$k-metrics.jsonl"
+    python3 tests/device/curve.py /tmp/dp-$k/metrics.jsonl | tail -12 | tee "$OUT/dp-$k.txt"
   done
-  # The gradient sum's bandwidth through our NCCL path beside NCCL's own (PyTorch, torchrun).
-  timeout 200 $miles bench allreduce --device cuda --nproc-per-node ${NPROC:-2} | tee "$OUT/allreduce.jsonl"
-  timeout 200 torchrun --nproc_per_node ${NPROC:-2} tests/device/nccl_allreduce_peer.py 2>/dev/null \
-    | tee -a "$OUT/allreduce.jsonl"
+  start=$(date +%s)
+  MILES_FAULT=abort-after-rollout:2 MILES_FAULT_RANK=1 timeout 300 $miles train --config \
+    examples/addition-smollm2.toml --hf-checkpoint /tmp/smollm2 --num-rollout 6 --nproc-per-node $n \
+    $dp_flags --run-dir /tmp/dp-kill --save /tmp/dp-kill/checkpoints > /tmp/dp-kill.log 2>&1
+  echo "rank 1 killed after iteration 2: exit $?, every rank stopped after $(( $(date +%s) - start )) s" \
+    | tee "$OUT/dp-kill.txt"
+  grep -E "error|worker" /tmp/dp-kill.log | tail -4 | tee -a "$OUT/dp-kill.txt"
+  RESUME_FLAGS="--nproc-per-node $n $dp_flags" sh tests/device/gpu_checks.sh resume
+  if [ -z "${SKIP_ALLREDUCE:-}" ]; then
+    timeout 200 $miles bench allreduce --device cuda --nproc-per-node $n | tee "$OUT/allreduce.jsonl"
+    timeout 200 torchrun --nproc_per_node $n tests/device/nccl_allreduce_peer.py 2>/dev/null \
+      | tee -a "$OUT/allreduce.jsonl"
+  fi
 fi

@@ -106,9 +106,18 @@ pub const FLAGS: &[Flag] = &[
         MODEL,
         "nproc-per-node",
         Ty::UInt,
-        "Worker processes to start on this host as one run: each rolls out its share of the \
-         prompt groups, gradients and metrics are summed over them (torchrun's flag; the CPU so \
-         far; a run started by torchrun or Slurm joins through their variables) (miles-rs).",
+        "Worker processes to start on this host as one run, one GPU each with --device cuda: \
+         each rolls out its share of the prompt groups, gradients and metrics are summed over \
+         them (torchrun's flag; a run started by torchrun or Slurm joins through their \
+         variables) (miles-rs).",
+    ),
+    optional(
+        MODEL,
+        "distributed-backend",
+        Ty::Enum(&["nccl", "tcp"]),
+        "What sums the gradients over the ranks: nccl (GPUs, one each; the default there) or \
+         tcp (the ranks' own group through host memory; the CPU's default, and ranks sharing a \
+         GPU) (Megatron's flag).",
     ),
     optional(
         MODEL,
@@ -918,7 +927,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use clap::{Args, FromArgMatches};
-    use miles_core::config::{AdvantageEstimator, KlLossType, TisMode};
+    use miles_core::config::{AdvantageEstimator, DistBackend, KlLossType, TisMode};
     use serde_json::json;
 
     use super::*;
@@ -1212,6 +1221,10 @@ mod tests {
         let file = toml_file("num-rollout = 3\n");
         let e = error(config(&["--config", file.to_str().unwrap(), "--num-epoch", "2"]));
         assert!(e.starts_with("--num-epoch: give --num-rollout or --num-epoch"), "{e}");
+        let e = error(config(&["--distributed-backend", "nccl"]));
+        assert!(e.starts_with("--distributed-backend: nccl sums GPU tensors"), "{e}");
+        let c = config(&["--distributed-backend", "tcp", "--device", "cuda:0"]).unwrap();
+        assert_eq!(c.distributed_backend, Some(DistBackend::Tcp));
         let base = json!({"rollout-batch-size": 0}).as_object().unwrap().clone();
         let e = error(build_run_config(&base, &TrainArgs::default()));
         assert!(e.starts_with("--rollout-batch-size: must be at least 1"), "{e}");

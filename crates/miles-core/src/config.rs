@@ -95,6 +95,17 @@ impl DemoArch {
     }
 }
 
+/// What sums the ranks' gradients and hands out the starting weights (`--distributed-backend`,
+/// Megatron's flag; miles-rs' choices). Unset: NCCL for GPU tensors, the TCP group for host ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DistBackend {
+    /// NCCL between the ranks' GPUs, one GPU a rank.
+    Nccl,
+    /// The ranks' TCP group, through host memory: any device, ranks may share a GPU.
+    Tcp,
+}
+
 /// One run's settings, flat like slime's argument namespace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
@@ -113,6 +124,8 @@ pub struct RunConfig {
     pub arch: Option<DemoArch>,
     /// Worker processes to start on this host, one run over them (torchrun's flag; miles-rs).
     pub nproc_per_node: usize,
+    /// What sums the gradients over the ranks (unset: NCCL on GPUs, TCP on the CPU).
+    pub distributed_backend: Option<DistBackend>,
 
     // Data.
     pub prompt_data: Option<String>,
@@ -255,6 +268,7 @@ impl Default for RunConfig {
             device: "cpu".into(),
             arch: None,
             nproc_per_node: 1,
+            distributed_backend: None,
             prompt_data: None,
             input_key: "input".into(),
             label_key: None,
@@ -357,6 +371,11 @@ impl RunConfig {
     /// Checks ranges and combinations; the error names the offending flag.
     pub fn validate(&self) -> Result<()> {
         check(self.nproc_per_node >= 1, "nproc-per-node", || "must be at least 1".into())?;
+        let nccl_on_cpu =
+            self.distributed_backend == Some(DistBackend::Nccl) && self.device == "cpu";
+        check(!nccl_on_cpu, "distributed-backend", || {
+            "nccl sums GPU tensors; with --device cpu the ranks use tcp".into()
+        })?;
         check(self.rollout_batch_size >= 1, "rollout-batch-size", || "must be at least 1".into())?;
         check(self.n_samples_per_prompt >= 1, "n-samples-per-prompt", || {
             "must be at least 1".into()

@@ -14,7 +14,7 @@ use std::cell::{OnceCell, RefCell};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use miles_core::config::{AdvantageEstimator, RunConfig};
+use miles_core::config::{AdvantageEstimator, DistBackend, RunConfig};
 use miles_dist::{Group, World};
 use miles_model::DeviceModel;
 use miles_tensor::{Collective, Device, Tensor};
@@ -74,6 +74,8 @@ pub(crate) struct Dist {
     group: RefCell<Group>,
     /// NCCL between the ranks' GPUs, joined on first use.
     collective: OnceCell<Collective>,
+    /// `--distributed-backend tcp`: GPU tensors go through the TCP group too.
+    tcp_only: bool,
     pub rank: usize,
     pub size: usize,
     local_rank: usize,
@@ -81,7 +83,7 @@ pub(crate) struct Dist {
 
 impl Dist {
     /// This process's group when the environment names several ranks; `None` for one process.
-    pub fn join() -> anyhow::Result<Option<Dist>> {
+    pub fn join(backend: Option<DistBackend>) -> anyhow::Result<Option<Dist>> {
         let world = World::from_env(|k| std::env::var(k).ok())?;
         let Some(world) = world.filter(|w| w.world_size > 1) else { return Ok(None) };
         let group = Group::join(&world, TIMEOUT)
@@ -89,6 +91,7 @@ impl Dist {
         Ok(Some(Dist {
             group: RefCell::new(group),
             collective: OnceCell::new(),
+            tcp_only: backend == Some(DistBackend::Tcp),
             rank: world.rank,
             size: world.world_size,
             local_rank: world.local_rank,
@@ -119,9 +122,9 @@ impl Dist {
     }
 
     /// NCCL on `device`, joined on first use (rank 0 makes the id and hands it over the TCP
-    /// group); `None` for host tensors.
+    /// group); `None` for host tensors and `--distributed-backend tcp`.
     fn collective(&self, device: Device) -> anyhow::Result<Option<&Collective>> {
-        if device == Device::Cpu {
+        if device == Device::Cpu || self.tcp_only {
             return Ok(None);
         }
         if let Some(c) = self.collective.get() {

@@ -250,7 +250,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     let faults = Faults::from_env();
     let total = total_iterations(&cfg, train_data.len())?;
     let steps_per_rollout = steps_per_rollout(&cfg)?;
-    let dist = Dist::join()?;
+    let dist = Dist::join(cfg.distributed_backend)?;
     if let Some(d) = &dist {
         check_supported(&cfg, d.size, steps_per_rollout)?;
     }

@@ -9,14 +9,35 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::nccl::result::NcclError;
 use cudarc::nccl::{Comm, Id, ReduceOp, group_end, group_start};
 
 use super::{Gpu, driver_error, gpu};
 use crate::collective::{wait_for, within};
 use crate::{Error, Result};
 
-fn nccl_error(what: &str, e: impl std::fmt::Debug) -> Error {
-    Error::Device(format!("NCCL {what}: {e:?}"))
+/// NCCL's result code with its own words on the last error (e.g. "Duplicate GPU detected").
+fn nccl_error(what: &str, e: NcclError) -> Error {
+    // SAFETY: both return static or library-owned strings (or null); the comm argument of
+    // ncclGetLastError is unused by NCCL, and null is allowed.
+    let said = |p: *const std::ffi::c_char| {
+        (!p.is_null())
+            .then(|| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    };
+    let code = said(unsafe { cudarc::nccl::sys::ncclGetErrorString(e.0) }).unwrap_or_default();
+    let last = said(unsafe { cudarc::nccl::sys::ncclGetLastError(std::ptr::null_mut()) })
+        .filter(|l| !l.is_empty())
+        .map(|l| format!(" ({l})"))
+        .unwrap_or_default();
+    let hint = if e.0 == cudarc::nccl::sys::ncclResult_t::ncclInvalidUsage
+        && what.starts_with("init")
+    {
+        "; NCCL needs one GPU a rank: with several processes pass --device cuda (rank i takes GPU \
+         i of its host), or --distributed-backend tcp for ranks that share a GPU"
+    } else {
+        ""
+    };
+    Error::Device(format!("NCCL {what}: {:?}: {code}{last}{hint}", e.0))
 }
 
 /// Runs `f` where libnccl is present (cudarc panics on a missing library or symbol).
