@@ -120,96 +120,118 @@ impl Group {
     /// Elementwise sums of every rank's `values` into each rank's, added in f32 in rank order
     /// (((r0 + r1) + r2) + …): the same bits on every run of the same processes.
     pub fn all_reduce_sum(&mut self, values: &mut [f32]) -> Result<()> {
-        let bytes = self.reduce(to_bytes(values), |acc, other| {
-            for (a, b) in acc.chunks_exact_mut(4).zip(other.chunks_exact(4)) {
-                let sum = f32::from_le_bytes(word(a)) + f32::from_le_bytes(word(b));
-                a.copy_from_slice(&sum.to_le_bytes());
-            }
-        })?;
-        from_bytes(&bytes, values, f32::from_le_bytes);
-        Ok(())
+        self.reduce(values)
     }
 
     /// [`Group::all_reduce_sum`] in f64 (metrics and counts).
     pub fn all_reduce_sum_f64(&mut self, values: &mut [f64]) -> Result<()> {
-        let bytes = self.reduce(to_bytes(values), |acc, other| {
-            for (a, b) in acc.chunks_exact_mut(8).zip(other.chunks_exact(8)) {
-                let sum = f64::from_le_bytes(word(a)) + f64::from_le_bytes(word(b));
-                a.copy_from_slice(&sum.to_le_bytes());
-            }
-        })?;
-        from_bytes(&bytes, values, f64::from_le_bytes);
-        Ok(())
+        self.reduce(values)
     }
 
     /// Waits until every rank has arrived.
     pub fn barrier(&mut self) -> Result<()> {
-        self.all_reduce_sum(&mut [])
+        self.reduce::<f32>(&mut [])
     }
 
-    /// Sends `mine` to rank 0, which folds the ranks' buffers in rank order with `add` and
-    /// sends the result back; every rank returns it.
-    fn reduce(&mut self, mine: Vec<u8>, add: impl Fn(&mut [u8], &[u8])) -> Result<Vec<u8>> {
+    /// Rank 0 adds every rank's `values` to its own in rank order and sends the sums back. The
+    /// ranks first agree on the length (a round trip, which is also the barrier); then the
+    /// values go in chunks of [`CHUNK_BYTES`] through one reused buffer, so no rank copies a
+    /// whole gradient into fresh memory and rank 0 adds each chunk while it is in cache.
+    fn reduce<T: Num>(&mut self, values: &mut [T]) -> Result<()> {
         if self.world_size == 1 {
-            return Ok(mine);
+            return Ok(());
         }
+        let timeout = self.timeout;
+        let len = values.len() as u64;
+        let mut buf = Vec::new();
         if self.rank != 0 {
             let link = &mut self.links[0];
-            write_frame(link, &mine, "rank 0")?;
-            return read_frame(link, "rank 0", self.timeout);
+            write_frame(link, &len.to_le_bytes(), "rank 0")?;
+            read_frame_into(link, &mut buf, "rank 0", timeout)?;
+            for chunk in values.chunks_mut(CHUNK_BYTES / T::BYTES) {
+                encode(chunk, &mut buf);
+                write_frame(link, &buf, "rank 0")?;
+                read_frame_into(link, &mut buf, "rank 0", timeout)?;
+                if buf.len() != chunk.len() * T::BYTES {
+                    return Err(Error::Peer("rank 0 sent a sum of another size".into()));
+                }
+                for (v, b) in chunk.iter_mut().zip(buf.chunks_exact(T::BYTES)) {
+                    *v = T::get(b);
+                }
+            }
+            return Ok(());
         }
-        let mut acc = mine;
         for (i, link) in self.links.iter_mut().enumerate() {
-            let theirs = read_frame(link, &format!("rank {}", i + 1), self.timeout)?;
-            if theirs.len() != acc.len() {
+            read_frame_into(link, &mut buf, &format!("rank {}", i + 1), timeout)?;
+            let theirs = u64::from_le_bytes(buf.as_slice().try_into().unwrap_or_default());
+            if buf.len() != 8 || theirs != len {
                 return Err(Error::Peer(format!(
-                    "rank {} sent {} bytes to a reduction of {}: the ranks disagree on its size",
-                    i + 1,
-                    theirs.len(),
-                    acc.len()
+                    "rank {} came to a reduction of {theirs} values with {len} here: the ranks \
+                     disagree on its size",
+                    i + 1
                 )));
             }
-            add(&mut acc, &theirs);
         }
         for (i, link) in self.links.iter_mut().enumerate() {
-            write_frame(link, &acc, &format!("rank {}", i + 1))?;
+            write_frame(link, &len.to_le_bytes(), &format!("rank {}", i + 1))?;
         }
-        Ok(acc)
+        for chunk in values.chunks_mut(CHUNK_BYTES / T::BYTES) {
+            for (i, link) in self.links.iter_mut().enumerate() {
+                read_frame_into(link, &mut buf, &format!("rank {}", i + 1), timeout)?;
+                if buf.len() != chunk.len() * T::BYTES {
+                    return Err(Error::Peer(format!(
+                        "rank {} sent a chunk of another size",
+                        i + 1
+                    )));
+                }
+                for (v, b) in chunk.iter_mut().zip(buf.chunks_exact(T::BYTES)) {
+                    *v = *v + T::get(b);
+                }
+            }
+            encode(chunk, &mut buf);
+            for (i, link) in self.links.iter_mut().enumerate() {
+                write_frame(link, &buf, &format!("rank {}", i + 1))?;
+            }
+        }
+        Ok(())
     }
 }
 
-/// Little-endian bytes of numbers (a loop the compiler turns into a copy on x86).
-fn to_bytes<T: Copy + ToLe<N>, const N: usize>(values: &[T]) -> Vec<u8> {
-    let mut out = vec![0u8; values.len() * N];
-    for (o, v) in out.chunks_exact_mut(N).zip(values) {
-        o.copy_from_slice(&v.to_le());
+/// The bytes of a reduction's chunk: 1 MiB stays in cache and makes a round trip a small
+/// part of its time.
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// A number the group sums, sent as its little-endian bytes.
+trait Num: Copy + std::ops::Add<Output = Self> {
+    const BYTES: usize;
+    fn put(self, out: &mut [u8]);
+    fn get(bytes: &[u8]) -> Self;
+}
+
+impl Num for f32 {
+    const BYTES: usize = 4;
+    fn put(self, out: &mut [u8]) {
+        out.copy_from_slice(&self.to_le_bytes());
     }
-    out
-}
-
-fn from_bytes<T, const N: usize>(bytes: &[u8], values: &mut [T], from: fn([u8; N]) -> T) {
-    for (v, b) in values.iter_mut().zip(bytes.chunks_exact(N)) {
-        *v = from(word(b));
-    }
-}
-
-fn word<const N: usize>(b: &[u8]) -> [u8; N] {
-    b.try_into().expect("chunks of N bytes")
-}
-
-trait ToLe<const N: usize> {
-    fn to_le(self) -> [u8; N];
-}
-
-impl ToLe<4> for f32 {
-    fn to_le(self) -> [u8; 4] {
-        self.to_le_bytes()
+    fn get(bytes: &[u8]) -> Self {
+        f32::from_le_bytes(bytes.try_into().expect("4 bytes"))
     }
 }
 
-impl ToLe<8> for f64 {
-    fn to_le(self) -> [u8; 8] {
-        self.to_le_bytes()
+impl Num for f64 {
+    const BYTES: usize = 8;
+    fn put(self, out: &mut [u8]) {
+        out.copy_from_slice(&self.to_le_bytes());
+    }
+    fn get(bytes: &[u8]) -> Self {
+        f64::from_le_bytes(bytes.try_into().expect("8 bytes"))
+    }
+}
+
+fn encode<T: Num>(values: &[T], buf: &mut Vec<u8>) {
+    buf.resize(values.len() * T::BYTES, 0);
+    for (b, v) in buf.chunks_exact_mut(T::BYTES).zip(values) {
+        v.put(b);
     }
 }
 
@@ -249,11 +271,21 @@ fn write_frame(stream: &mut TcpStream, data: &[u8], peer: &str) -> Result<()> {
 }
 
 fn read_frame(stream: &mut TcpStream, peer: &str, timeout: Duration) -> Result<Vec<u8>> {
+    let mut data = Vec::new();
+    read_frame_into(stream, &mut data, peer, timeout)?;
+    Ok(data)
+}
+
+fn read_frame_into(
+    stream: &mut TcpStream,
+    data: &mut Vec<u8>,
+    peer: &str,
+    timeout: Duration,
+) -> Result<()> {
     let mut len = [0u8; 8];
     stream.read_exact(&mut len).map_err(|e| peer_error(peer, timeout, e))?;
-    let mut data = vec![0u8; u64::from_le_bytes(len) as usize];
-    stream.read_exact(&mut data).map_err(|e| peer_error(peer, timeout, e))?;
-    Ok(data)
+    data.resize(u64::from_le_bytes(len) as usize, 0);
+    stream.read_exact(data).map_err(|e| peer_error(peer, timeout, e))
 }
 
 #[cfg(test)]
@@ -321,6 +353,29 @@ mod tests {
             assert_eq!(msg, b"unique id");
             assert_eq!(m, &[6.0, 4.0]);
         }
+    }
+
+    /// Sums longer than a chunk (and not a whole number of them) keep rank order in every
+    /// chunk; ranks that disagree on a sum's length all get an error, not a desynchronized run.
+    #[test]
+    fn long_sums_go_in_chunks_and_mismatched_lengths_are_errors() {
+        let n = CHUNK_BYTES / 4 * 2 + 37;
+        let value = |r: usize, i: usize| ((i * 7 + r * 13) % 1000) as f32 * 0.001 + r as f32 * 1e-7;
+        let results = on_ranks(3, move |mut g| {
+            let r = g.rank();
+            let mut v: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+            g.all_reduce_sum(&mut v).unwrap();
+            let mut uneven = vec![1.0f32; 10 + r];
+            let err = g.all_reduce_sum(&mut uneven).unwrap_err().to_string();
+            (v, err)
+        });
+        let want: Vec<u32> =
+            (0..n).map(|i| ((value(0, i) + value(1, i)) + value(2, i)).to_bits()).collect();
+        for (v, _) in &results {
+            assert!(v.iter().map(|x| x.to_bits()).eq(want.iter().copied()));
+        }
+        assert!(results[0].1.contains("rank 1 came to a reduction of 11 values with 10 here"));
+        assert!(results[1].1.contains("closed its connection"), "{}", results[1].1);
     }
 
     #[test]
