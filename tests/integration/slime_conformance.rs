@@ -108,6 +108,7 @@ fn advantages_match_slime() {
             &mut samples,
             shaping_kl,
             run.normalize_advantages,
+            &mut |_| Ok(()),
         )
         .unwrap();
         let expected = case["expected"]["advantages"].as_array().unwrap();

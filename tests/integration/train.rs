@@ -323,8 +323,20 @@ fn iteration_records(dir: &Path) -> Vec<Value> {
 /// MILES_DEVICE_ACTOR_ON_HOST: rank 0's weights broadcast at the start, its gradients summed
 /// through the device model).
 fn two_processes_train_as_one(name: &str, env: &[(&str, &str)]) {
-    let flags = "--sft-warmup-steps 20 --rollout-batch-size 8 --n-samples-per-prompt 4 \
-                 --eval-interval 100";
+    two_processes_train_as_one_with(name, "", env, &[]);
+}
+
+/// [`two_processes_train_as_one`] with `flags` added to both runs, and `metrics` compared too.
+fn two_processes_train_as_one_with(
+    name: &str,
+    flags: &str,
+    env: &[(&str, &str)],
+    metrics: &[&str],
+) {
+    let flags = format!(
+        "--sft-warmup-steps 20 --rollout-batch-size 8 --n-samples-per-prompt 4 \
+         --eval-interval 100 {flags}"
+    );
     let root = scratch(name);
     let run = |sub: &str, extra: &str| {
         let dir = root.join(sub);
@@ -352,11 +364,25 @@ fn two_processes_train_as_one(name: &str, env: &[(&str, &str)]) {
         // gap is rounding, as in one process.)
         let gap = b["train/train_rollout_logprob_abs_diff"].as_f64().unwrap();
         assert!(if env.is_empty() { gap == 0.0 } else { gap < 1e-6 }, "logprob gap {gap}");
-        for key in ["train/loss", "train/grad_norm", "train/pg_clipfrac"] {
+        for &key in ["train/loss", "train/grad_norm", "train/pg_clipfrac"].iter().chain(metrics) {
             let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
             assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "{key}: {x} vs {y}");
         }
     }
+}
+
+/// What needs the whole batch works over two processes as in one: advantages whitened over
+/// every rank's samples (REINFORCE++'s own whitening, then `--normalize-advantages`), and the
+/// TIS/MIS weights with their metrics averaged over the ranks.
+#[test]
+fn two_processes_whiten_and_correct_over_the_whole_batch() {
+    two_processes_train_as_one_with(
+        "train_two_processes_whiten",
+        "--advantage-estimator reinforce_plus_plus_baseline --normalize-advantages --use-tis \
+         --num-steps-per-rollout 2",
+        &[],
+        &["train/mis_is_ratio_mean_final", "train/mis_training_log_ppl"],
+    );
 }
 
 /// Two processes train as one (above); a run killed and resumed over two processes ends with
@@ -435,17 +461,14 @@ fn a_dead_worker_stops_the_run_and_unsupported_flags_are_named() {
     );
     assert!(report.contains("rank 1 closed its connection"), "{report}");
     assert!(started.elapsed() < std::time::Duration::from_secs(120));
-    let out = run_binary(&strs(&[argv.clone(), vec!["--use-tis".into()]].concat()), None);
+    let tis = ["--use-tis", "--tis-batch-normalize"].map(String::from);
+    let out = run_binary(&strs(&[argv.clone(), tis.to_vec()].concat()), None);
     assert!(!out.status.success());
-    assert!(
-        text(&out).contains("--use-tis: not supported with several processes yet"),
-        "{}",
-        text(&out)
-    );
-    let rpp = ["--advantage-estimator".to_string(), "reinforce_plus_plus".to_string()];
-    let out = run_binary(&strs(&[argv.clone(), rpp.to_vec()].concat()), None);
     let report = text(&out);
-    assert!(report.contains("reinforce_plus_plus(_baseline): not supported"), "{report}");
+    assert!(
+        report.contains("--tis-batch-normalize: not supported with several processes yet"),
+        "{report}"
+    );
     let run_dir = dir.join("indivisible");
     let indivisible = ["--nproc-per-node", "3", "--rollout-batch-size", "8", "--num-rollout", "1"];
     let out =

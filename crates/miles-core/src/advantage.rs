@@ -25,4 +25,16 @@ pub struct AdvantageOutput {
 /// PPO/GAE… Group-relative estimators use the group structure; the others may ignore it.
 pub trait Advantage: Send + Sync {
     fn compute(&self, groups: &[Vec<SequenceScore<'_>>]) -> Result<AdvantageOutput>;
+
+    /// Whether [`Advantage::compute`] ends by whitening the advantages over every sample it is
+    /// given (REINFORCE++). A trainer whose batch is spread over several processes then calls
+    /// [`Advantage::compute_unwhitened`] on its part and whitens over the whole batch itself.
+    fn whitens_batch(&self) -> bool {
+        false
+    }
+
+    /// [`Advantage::compute`] without its last batch whitening (the same for the others).
+    fn compute_unwhitened(&self, groups: &[Vec<SequenceScore<'_>>]) -> Result<AdvantageOutput> {
+        self.compute(groups)
+    }
 }

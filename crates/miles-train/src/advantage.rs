@@ -177,6 +177,16 @@ impl Advantage for Rloo {
 
 impl Advantage for ReinforcePlusPlus {
     fn compute(&self, groups: &[Vec<SequenceScore<'_>>]) -> Result<AdvantageOutput> {
+        let mut out = self.compute_unwhitened(groups)?;
+        whiten_batch(&mut out.advantages, groups);
+        Ok(out)
+    }
+
+    fn whitens_batch(&self) -> bool {
+        true
+    }
+
+    fn compute_unwhitened(&self, groups: &[Vec<SequenceScore<'_>>]) -> Result<AdvantageOutput> {
         validate(groups)?;
         let (gamma, kl_coef) = (f64::from(self.gamma), f64::from(self.kl_coef));
         let mut advantages = Vec::with_capacity(groups.len());
@@ -206,13 +216,22 @@ impl Advantage for ReinforcePlusPlus {
             }
             advantages.push(out);
         }
-        whiten_batch(&mut advantages, groups);
         Ok(AdvantageOutput { advantages, returns: None })
     }
 }
 
 impl Advantage for ReinforcePlusPlusBaseline {
     fn compute(&self, groups: &[Vec<SequenceScore<'_>>]) -> Result<AdvantageOutput> {
+        let mut out = self.compute_unwhitened(groups)?;
+        whiten_batch(&mut out.advantages, groups);
+        Ok(out)
+    }
+
+    fn whitens_batch(&self) -> bool {
+        true
+    }
+
+    fn compute_unwhitened(&self, groups: &[Vec<SequenceScore<'_>>]) -> Result<AdvantageOutput> {
         validate(groups)?;
         let kl_coef = f64::from(self.kl_coef);
         let mut advantages = Vec::with_capacity(groups.len());
@@ -233,7 +252,6 @@ impl Advantage for ReinforcePlusPlusBaseline {
             }
             advantages.push(out);
         }
-        whiten_batch(&mut advantages, groups);
         Ok(AdvantageOutput { advantages, returns: None })
     }
 }
@@ -255,31 +273,47 @@ pub fn normalize_advantages(advantages: &mut [f32], mask: &[u8]) -> Result<()> {
 }
 
 /// Mean and whitening scale of the kept tokens of a batch.
-struct MaskedStats {
+pub(crate) struct MaskedStats {
     mean: f64,
     /// 1 / sqrt(var + ε).
     scale: f64,
 }
 
 impl MaskedStats {
-    /// Two passes in f64 (slime uses E[x²] − E[x]² in f32; the same quantity, less rounding).
-    fn of<'a>(rows: impl Iterator<Item = (&'a [f32], &'a [u8])>) -> Self {
-        let values: Vec<f64> = rows
-            .flat_map(|(x, m)| x.iter().zip(m).filter(|(_, m)| **m != 0).map(|(x, _)| *x))
-            .map(f64::from)
-            .collect();
-        let n = values.len() as f64;
-        if values.is_empty() {
-            return MaskedStats { mean: 0.0, scale: 0.0 };
-        }
-        let mean = values.iter().sum::<f64>() / n;
-        let squares: f64 = values.iter().map(|x| (x - mean) * (x - mean)).sum();
-        // Bessel's correction from two tokens on; one token has variance 0.
-        let var = if values.len() >= 2 { squares / (n - 1.0) } else { 0.0 };
-        MaskedStats { mean, scale: 1.0 / (var + WHITEN_EPSILON).sqrt() }
+    fn of<'a>(rows: impl Iterator<Item = (&'a [f32], &'a [u8])> + Clone) -> Self {
+        let local: Result<Self, std::convert::Infallible> = Self::over(rows, &mut |_| Ok(()));
+        local.unwrap_or_else(|never| match never {})
     }
 
-    fn apply(&self, values: &mut [f32], mask: &[u8]) {
+    /// Two passes in f64 (slime uses E[x²] − E[x]² in f32; the same quantity, less rounding).
+    /// `sum` turns this part's sums into the whole batch's (several processes: a sum over the
+    /// ranks; one process: nothing to add).
+    pub(crate) fn over<'a, E>(
+        rows: impl Iterator<Item = (&'a [f32], &'a [u8])> + Clone,
+        sum: &mut dyn FnMut(&mut [f64]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Self, E> {
+        let kept = |rows: &mut dyn Iterator<Item = (&'a [f32], &'a [u8])>,
+                    f: &dyn Fn(f64) -> f64| {
+            rows.flat_map(|(x, m)| x.iter().zip(m).filter(|(_, m)| **m != 0))
+                .map(|(x, _)| f(f64::from(*x)))
+                .fold((0.0, 0.0), |(s, n), x| (s + x, n + 1.0))
+        };
+        let (total, n) = kept(&mut rows.clone(), &|x| x);
+        let mut first = [total, n];
+        sum(&mut first)?;
+        let [total, n] = first;
+        if n == 0.0 {
+            return Ok(MaskedStats { mean: 0.0, scale: 0.0 });
+        }
+        let mean = total / n;
+        let mut squares = [kept(&mut rows.clone(), &|x| (x - mean) * (x - mean)).0];
+        sum(&mut squares)?;
+        // Bessel's correction from two tokens on; one token has variance 0.
+        let var = if n >= 2.0 { squares[0] / (n - 1.0) } else { 0.0 };
+        Ok(MaskedStats { mean, scale: 1.0 / (var + WHITEN_EPSILON).sqrt() })
+    }
+
+    pub(crate) fn apply(&self, values: &mut [f32], mask: &[u8]) {
         for (x, &m) in values.iter_mut().zip(mask) {
             *x = if m != 0 { ((f64::from(*x) - self.mean) * self.scale) as f32 } else { 0.0 };
         }

@@ -10,7 +10,7 @@ use miles_core::{
 use miles_model::moe::OWN_CHOICE;
 use miles_model::{Model, PackedBatch, PackedLinears, RoutedBatch};
 
-use crate::advantage::normalize_advantages;
+use crate::advantage::MaskedStats;
 use crate::loss::{Aggregation, approx_kl};
 
 /// A trainable sample: tokens, where the response starts, and its per-token slices.
@@ -145,13 +145,15 @@ pub fn logprobs_by(
 /// each sample's per-token advantages, whitened over the batch with `normalize`
 /// (`--normalize-advantages`). `shaping_kl` (with `--kl-coef` > 0) hands it the KL between the
 /// old and the reference logprobs per token, by `--kl-loss-type`'s estimator, as slime shapes
-/// REINFORCE++ rewards.
+/// REINFORCE++ rewards. Whitening (the estimator's own, and `normalize`'s) is over the whole
+/// batch: `batch_sum` adds the other processes' parts to this one's sums (one process: none).
 pub fn compute_advantages(
     estimator: &dyn Advantage,
     samples: &mut [TrainSample],
     shaping_kl: Option<KlLossType>,
     normalize: bool,
-) -> miles_core::Result<()> {
+    batch_sum: &mut dyn FnMut(&mut [f64]) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     let kl: Vec<Option<Vec<f32>>> = samples
         .iter()
         .map(|s| {
@@ -172,10 +174,11 @@ pub fn compute_advantages(
             _ => groups.push(vec![score]),
         }
     }
-    let out = estimator.compute(&groups)?;
+    let whitens = estimator.whitens_batch();
+    let out = estimator.compute_unwhitened(&groups)?;
     let flat: Vec<Vec<f32>> = out.advantages.into_iter().flatten().collect();
     if flat.len() != samples.len() {
-        return Err(miles_core::Error::Invalid(format!(
+        anyhow::bail!(miles_core::Error::Invalid(format!(
             "the advantage estimator returned {} sequences for {} samples",
             flat.len(),
             samples.len()
@@ -183,7 +186,7 @@ pub fn compute_advantages(
     }
     for (s, a) in samples.iter_mut().zip(flat) {
         if a.len() != s.response_len() {
-            return Err(miles_core::Error::Invalid(format!(
+            anyhow::bail!(miles_core::Error::Invalid(format!(
                 "the advantage estimator returned {} advantages for a response of {} tokens",
                 a.len(),
                 s.response_len()
@@ -191,15 +194,12 @@ pub fn compute_advantages(
         }
         s.advantages = a;
     }
-    if normalize {
-        let mask = concat(samples, |s| &s.loss_mask);
-        let mut flat = concat(samples, |s| &s.advantages);
-        normalize_advantages(&mut flat, &mask)?;
-        let mut at = 0;
+    // The estimator's whitening, then `normalize`'s (both, as one process would run them).
+    for _ in 0..usize::from(whitens) + usize::from(normalize) {
+        let rows = samples.iter().map(|s| (s.advantages.as_slice(), s.loss_mask.as_slice()));
+        let stats = MaskedStats::over(rows, batch_sum)?;
         for s in samples.iter_mut() {
-            let n = s.response_len();
-            s.advantages.copy_from_slice(&flat[at..at + n]);
-            at += n;
+            stats.apply(&mut s.advantages, &s.loss_mask);
         }
     }
     Ok(())
@@ -323,6 +323,95 @@ mod tests {
         }
     }
 
+    /// `len` samples in groups of 4 with varied rewards and loss masks.
+    fn scored(len: usize) -> Vec<TrainSample> {
+        (0..len)
+            .map(|i| {
+                let n = 3 + i % 5;
+                TrainSample {
+                    group: i / 4,
+                    tokens: vec![1; 2 + n],
+                    prompt_len: 2,
+                    reward: ((i * 37) % 11) as f32 * 0.1,
+                    loss_mask: (0..n).map(|t| u8::from((t + i) % 4 != 0)).collect(),
+                    rollout_logp: vec![-1.0; n],
+                    old_logp: vec![-1.0; n],
+                    ref_logp: None,
+                    advantages: Vec::new(),
+                    correction_weights: None,
+                    correction_mask: None,
+                    routed_experts: None,
+                    replay_experts: None,
+                }
+            })
+            .collect()
+    }
+
+    /// Whitening over the batch (REINFORCE++'s own, then `--normalize-advantages`): in one
+    /// process the bits of the estimator's `compute` and of whitening the whole batch; over two
+    /// processes, whose sums go through the hook, the same figures up to the order of the sums.
+    #[test]
+    fn batch_whitening_spans_every_process() {
+        let rpp = crate::advantage::ReinforcePlusPlusBaseline {
+            kl_coef: 0.0,
+            rewards_normalization: true,
+        };
+        let whole = |normalize: bool| {
+            let mut samples = scored(16);
+            compute_advantages(&rpp, &mut samples, None, normalize, &mut |_| Ok(())).unwrap();
+            samples.into_iter().map(|s| s.advantages).collect::<Vec<_>>()
+        };
+        // One process, no normalize: exactly the estimator's own output.
+        let samples = scored(16);
+        let scores: Vec<Vec<SequenceScore>> = samples
+            .chunks(4)
+            .map(|g| {
+                g.iter()
+                    .map(|s| SequenceScore {
+                        reward: s.reward,
+                        loss_mask: &s.loss_mask,
+                        kl: None,
+                        values: None,
+                    })
+                    .collect()
+            })
+            .collect();
+        let own: Vec<Vec<f32>> = rpp.compute(&scores).unwrap().advantages.concat();
+        assert_eq!(whole(false), own);
+        // Two processes of 8 samples (2 groups) each; the hook sums rank 0's part then rank 1's.
+        for normalize in [false, true] {
+            let (to_0, from_1) = std::sync::mpsc::channel::<Vec<f64>>();
+            let (to_1, from_0) = std::sync::mpsc::channel::<Vec<f64>>();
+            let rank = |r: usize,
+                        send: std::sync::mpsc::Sender<Vec<f64>>,
+                        recv: std::sync::mpsc::Receiver<Vec<f64>>| {
+                move || {
+                    let mut part = scored(16).split_off(8 * r);
+                    part.truncate(8);
+                    let mut hook = |sums: &mut [f64]| {
+                        send.send(sums.to_vec())?;
+                        let theirs = recv.recv()?;
+                        // (Two terms: either order is rank order.)
+                        for (s, t) in sums.iter_mut().zip(theirs) {
+                            *s += t;
+                        }
+                        Ok(())
+                    };
+                    compute_advantages(&rpp, &mut part, None, normalize, &mut hook).unwrap();
+                    part.into_iter().map(|s| s.advantages).collect::<Vec<_>>()
+                }
+            };
+            let a = std::thread::spawn(rank(0, to_1, from_1));
+            let b = std::thread::spawn(rank(1, to_0, from_0));
+            let two = [a.join().unwrap(), b.join().unwrap()].concat();
+            let one = whole(normalize);
+            for (x, y) in two.iter().flatten().zip(one.iter().flatten()) {
+                assert!((x - y).abs() <= 1e-6 * (1.0 + y.abs()), "{x} vs {y}");
+            }
+            assert!(one.iter().flatten().any(|&x| x.abs() > 0.5), "whitened, not all zeros");
+        }
+    }
+
     /// Regression: the reward-shaping KL was old − ref (k1) whatever `--kl-loss-type` said;
     /// slime shapes with the chosen estimator.
     #[test]
@@ -345,7 +434,8 @@ mod tests {
         for kind in [KlLossType::K1, KlLossType::K2, KlLossType::K3, KlLossType::LowVarKl] {
             let estimator = RecordKl::default();
             let mut samples = vec![sample.clone()];
-            compute_advantages(&estimator, &mut samples, Some(kind), false).unwrap();
+            compute_advantages(&estimator, &mut samples, Some(kind), false, &mut |_| Ok(()))
+                .unwrap();
             let expected: Vec<f32> = [(-1.0, -1.5), (-2.0, -1.0)]
                 .iter()
                 .map(|&(o, r)| approx_kl(kind, o, r).0)
@@ -354,12 +444,19 @@ mod tests {
         }
         // k3 of old − ref = 0.5: e^−0.5 − 1 + 0.5, not 0.5.
         let estimator = RecordKl::default();
-        compute_advantages(&estimator, &mut [sample.clone()], Some(KlLossType::K3), false).unwrap();
+        compute_advantages(
+            &estimator,
+            &mut [sample.clone()],
+            Some(KlLossType::K3),
+            false,
+            &mut |_| Ok(()),
+        )
+        .unwrap();
         let k3 = estimator.0.lock().unwrap()[0].clone().unwrap()[0];
         assert!((f64::from(k3) - ((-0.5f64).exp() - 0.5)).abs() < 1e-6, "{k3}");
         // Without --kl-coef the estimator gets no KL.
         let estimator = RecordKl::default();
-        compute_advantages(&estimator, &mut [sample], None, false).unwrap();
+        compute_advantages(&estimator, &mut [sample], None, false, &mut |_| Ok(())).unwrap();
         assert_eq!(estimator.0.lock().unwrap()[0], None);
     }
 

@@ -14,7 +14,7 @@ use std::cell::{OnceCell, RefCell};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use miles_core::config::{AdvantageEstimator, DistBackend, RunConfig};
+use miles_core::config::{DistBackend, RunConfig};
 use miles_dist::{Group, World};
 use miles_model::DeviceModel;
 use miles_tensor::{Collective, Device, Tensor};
@@ -242,16 +242,11 @@ fn rank_device(device: Device, spelled: &str, local_rank: usize) -> Device {
 
 /// What a run over several processes does not take yet, with the flag to change.
 pub(crate) fn check_supported(cfg: &RunConfig, size: usize, steps: usize) -> anyhow::Result<()> {
-    // Each of these normalizes over the whole batch, which no rank holds alone.
-    let whitened = matches!(
-        cfg.advantage_estimator,
-        AdvantageEstimator::ReinforcePlusPlus | AdvantageEstimator::ReinforcePlusPlusBaseline
-    );
+    // Dynamic sampling fills the batch from groups that every rank would have to see, and the
+    // tis plugin's batch normalization takes its mean inside the plugin, over one rank's part.
     let refuse = [
         (cfg.over_sampling_batch_size.is_some(), "--over-sampling-batch-size"),
-        (cfg.normalize_advantages, "--normalize-advantages"),
-        (whitened, "--advantage-estimator reinforce_plus_plus(_baseline)"),
-        (cfg.use_tis, "--use-tis"),
+        (cfg.use_tis && cfg.tis_batch_normalize, "--tis-batch-normalize"),
     ];
     if let Some((_, flag)) = refuse.iter().find(|(on, _)| *on) {
         bail!("{flag}: not supported with several processes yet; run it in one");

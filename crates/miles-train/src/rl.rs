@@ -1059,12 +1059,27 @@ fn prepare<A: Actor>(
     }
     let per_token = cfg.calculate_per_token_loss;
     if let Some(corr) = correction.filter(|_| cfg.use_tis) {
+        let weight = batch::aggregation_weight(samples, per_token);
         for (k, v) in batch::apply_correction(corr, samples, per_token)? {
+            let v = match dist {
+                Some(d) => d.mean(v, weight)?,
+                None => v,
+            };
             record.insert(format!("train/{k}"), json!(v));
         }
     }
     let shaping_kl = (cfg.kl_coef != 0.0).then_some(cfg.kl_loss_type);
-    batch::compute_advantages(advantage, samples, shaping_kl, cfg.normalize_advantages)?;
+    let mut batch_sum = |sums: &mut [f64]| match dist {
+        Some(d) => d.sum(sums),
+        None => Ok(()),
+    };
+    batch::compute_advantages(
+        advantage,
+        samples,
+        shaping_kl,
+        cfg.normalize_advantages,
+        &mut batch_sum,
+    )?;
     Ok(())
 }
 
