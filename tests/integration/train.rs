@@ -385,6 +385,19 @@ fn two_processes_whiten_and_correct_over_the_whole_batch() {
     );
 }
 
+/// Dynamic sampling over two processes keeps the groups one process keeps: each rank rolls out
+/// half of every draw, the groups with a reward spread are taken in drawn order over both, and
+/// each optimizer step takes the samples it would take in one process.
+#[test]
+fn two_processes_sample_dynamically_as_one() {
+    two_processes_train_as_one_with(
+        "train_two_processes_dynamic",
+        "--over-sampling-batch-size 12 --num-steps-per-rollout 2",
+        &[],
+        &["rollout/zero_std/count", "rollout/response_len/mean"],
+    );
+}
+
 /// Two processes train as one (above); a run killed and resumed over two processes ends with
 /// the bytes of an uninterrupted one.
 #[test]
@@ -474,6 +487,10 @@ fn a_dead_worker_stops_the_run_and_unsupported_flags_are_named() {
     let out =
         run_binary(&[&indivisible[..], &["--run-dir", run_dir.to_str().unwrap()]].concat(), None);
     assert!(text(&out).contains("multiple of"), "{}", text(&out));
+    let uneven = ["--over-sampling-batch-size", "9"].map(String::from);
+    let out = run_binary(&strs(&[argv.clone(), uneven.to_vec()].concat()), None);
+    let report = text(&out);
+    assert!(report.contains("--over-sampling-batch-size: 9 prompt groups a draw"), "{report}");
 }
 
 /// With one optimizer step per rollout the old logprobs are the step's own forward's: the run

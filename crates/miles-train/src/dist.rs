@@ -242,14 +242,20 @@ fn rank_device(device: Device, spelled: &str, local_rank: usize) -> Device {
 
 /// What a run over several processes does not take yet, with the flag to change.
 pub(crate) fn check_supported(cfg: &RunConfig, size: usize, steps: usize) -> anyhow::Result<()> {
-    // Dynamic sampling fills the batch from groups that every rank would have to see, and the
-    // tis plugin's batch normalization takes its mean inside the plugin, over one rank's part.
-    let refuse = [
-        (cfg.over_sampling_batch_size.is_some(), "--over-sampling-batch-size"),
-        (cfg.use_tis && cfg.tis_batch_normalize, "--tis-batch-normalize"),
-    ];
-    if let Some((_, flag)) = refuse.iter().find(|(on, _)| *on) {
-        bail!("{flag}: not supported with several processes yet; run it in one");
+    // The tis plugin's batch normalization takes its mean inside the plugin, over one rank's
+    // part.
+    if cfg.use_tis && cfg.tis_batch_normalize {
+        bail!("--tis-batch-normalize: not supported with several processes yet; run it in one");
+    }
+    // Dynamic sampling splits each draw evenly over the ranks and keeps groups from any of them.
+    if let Some(over) = cfg.over_sampling_batch_size {
+        if !over.is_multiple_of(size) {
+            bail!(
+                "--over-sampling-batch-size: {over} prompt groups a draw do not split evenly \
+                 over {size} processes: make it a multiple of {size}"
+            );
+        }
+        return Ok(());
     }
     miles_dist::shard(cfg.rollout_batch_size, steps, size, 0).context("--rollout-batch-size")?;
     Ok(())

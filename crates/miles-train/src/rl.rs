@@ -564,10 +564,18 @@ impl Run<'_> {
 
             // 1–2. Rollout and reward, with dynamic sampling when over-sampling; an SFT run
             // (`--loss-type sft_loss`) trains on the labels instead, as slime's SFT rollout does.
-            let mut samples = if self.sft_run {
+            let (mut samples, parts) = if self.sft_run {
                 let rows = data.next_batch(cfg.rollout_batch_size);
                 let source = &data.dataset().source;
-                sft_samples(&rows, cfg, self.tokenizer, self.eos, source, "--loss-type sft_loss")?
+                let samples = sft_samples(
+                    &rows,
+                    cfg,
+                    self.tokenizer,
+                    self.eos,
+                    source,
+                    "--loss-type sft_loss",
+                )?;
+                (samples, None)
             } else {
                 rollout(
                     cfg,
@@ -616,6 +624,7 @@ impl Run<'_> {
             // Over several processes every rank takes every step (its part may be empty), so the
             // collectives line up.
             let ranges = match self.dist {
+                Some(_) if parts.is_some() => parts.expect("checked"),
                 Some(_) => (0..self.steps_per_rollout)
                     .map(|i| {
                         let n = samples.len();
@@ -1221,7 +1230,11 @@ fn score_groups(
     Ok((flat, rewards, failed))
 }
 
-/// Generates and scores one iteration's batch; records slime's `rollout/*` metrics.
+/// Which of a rank's samples each optimizer step of an iteration takes.
+type StepParts = Vec<std::ops::Range<usize>>;
+
+/// Generates and scores one iteration's batch; records slime's `rollout/*` metrics. With
+/// dynamic sampling over several processes, also this rank's part of each optimizer step.
 #[allow(clippy::too_many_arguments)]
 fn rollout<P: Policy>(
     cfg: &RunConfig,
@@ -1233,7 +1246,7 @@ fn rollout<P: Policy>(
     record: &mut Record,
     dist: Option<&Dist>,
     steps: usize,
-) -> anyhow::Result<Vec<TrainSample>> {
+) -> anyhow::Result<(Vec<TrainSample>, Option<StepParts>)> {
     let n = cfg.n_samples_per_prompt;
     let want = cfg.rollout_batch_size;
     let draw = cfg.over_sampling_batch_size.unwrap_or(want);
@@ -1255,8 +1268,10 @@ fn rollout<P: Policy>(
         }
         let rows = data.next_batch(draw);
         // Over several processes, this rank's part of every optimizer step's groups (every
-        // rank drew the same rows).
+        // rank drew the same rows); under dynamic sampling an even part of the drawn groups,
+        // which are kept is decided below over all of them.
         let share: Vec<usize> = match dist {
+            Some(d) if filter => miles_dist::shard(rows.len(), 1, d.size, d.rank)?,
             Some(d) => miles_dist::shard(rows.len(), steps, d.size, d.rank)?,
             None => (0..rows.len()).collect(),
         };
@@ -1274,6 +1289,7 @@ fn rollout<P: Policy>(
         if first_error.is_none() {
             first_error = flat.iter().find_map(failure_reason);
         }
+        let mut keepable = Vec::with_capacity(share.len());
         for (group, rewards) in flat.chunks(n).zip(rewards.chunks(n)) {
             samples_total += group.len();
             truncated += group.iter().filter(|s| s.status == Status::Truncated).count();
@@ -1284,11 +1300,37 @@ fn rollout<P: Policy>(
             if !spread && !live.is_empty() {
                 zero_std += 1;
             }
-            if (filter && !spread) || live.is_empty() || groups_kept >= want {
-                continue;
+            keepable.push(!live.is_empty() && (spread || !filter));
+        }
+        // Each group's index in the batch, in drawn order until the batch is full; under
+        // dynamic sampling over several processes, over every rank's groups.
+        let index: Vec<Option<usize>> = match dist.filter(|_| filter) {
+            Some(d) => {
+                let mut all = vec![0.0; rows.len()];
+                for (&g, &k) in share.iter().zip(&keepable) {
+                    all[g] = f64::from(u8::from(k));
+                }
+                d.sum(&mut all)?;
+                let mut index = vec![None; rows.len()];
+                for (g, &k) in all.iter().enumerate() {
+                    if k > 0.0 && groups_kept < want {
+                        index[g] = Some(groups_kept);
+                        groups_kept += 1;
+                    }
+                }
+                share.iter().map(|&g| index[g]).collect()
             }
-            let g = groups_kept;
-            groups_kept += 1;
+            None => keepable
+                .iter()
+                .map(|&k| {
+                    let g = (k && groups_kept < want).then_some(groups_kept);
+                    groups_kept += usize::from(g.is_some());
+                    g
+                })
+                .collect(),
+        };
+        for ((group, rewards), g) in flat.chunks(n).zip(rewards.chunks(n)).zip(index) {
+            let Some(g) = g else { continue };
             for (s, r) in group.iter().zip(rewards) {
                 if let Some(r) = r
                     && let Some(t) = TrainSample::from_sample(s, g, *r)
@@ -1325,7 +1367,52 @@ fn rollout<P: Policy>(
     record.insert("rollout/samples".into(), json!(kept_all as usize));
     record.insert("perf/rollout_generate_time".into(), json!(generate_time));
     record.insert("rollout/generated_tokens".into(), json!(resp_tokens as usize));
-    Ok(kept)
+    let parts = match dist.filter(|_| filter) {
+        Some(d) => Some(step_parts(d, &kept, groups_kept, steps)?),
+        None => None,
+    };
+    Ok((kept, parts))
+}
+
+/// This rank's part of each optimizer step when its groups fall anywhere in the batch (dynamic
+/// sampling over several processes; `samples` in the order of their groups' indices in the
+/// batch of `groups`): step k takes positions [k·N/steps, (k+1)·N/steps) of the whole batch's
+/// N samples, as [`batch::split_ranges`] cuts one process's batch.
+fn step_parts(
+    d: &Dist,
+    samples: &[TrainSample],
+    groups: usize,
+    steps: usize,
+) -> anyhow::Result<StepParts> {
+    let mut counts = vec![0.0; groups];
+    for s in samples {
+        counts[s.group] += 1.0;
+    }
+    d.sum(&mut counts)?;
+    let mut starts = Vec::with_capacity(groups);
+    let mut total = 0;
+    for &c in &counts {
+        starts.push(total);
+        total += c as usize;
+    }
+    let mut next = 0;
+    let positions: Vec<usize> = samples
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            if i == 0 || samples[i - 1].group != s.group {
+                next = starts[s.group];
+            }
+            next += 1;
+            next - 1
+        })
+        .collect();
+    Ok(batch::split_ranges(total, steps)
+        .into_iter()
+        .map(|r| {
+            positions.partition_point(|&p| p < r.start)..positions.partition_point(|&p| p < r.end)
+        })
+        .collect())
 }
 
 /// Which loss a step minimizes.
