@@ -385,6 +385,37 @@ fn two_processes_whiten_and_correct_over_the_whole_batch() {
     );
 }
 
+/// Supervised iterations (`--loss-type sft_loss`) over two processes: each rank takes its part
+/// of every step's rows, and the steps are one process's.
+#[test]
+fn two_processes_run_supervised_steps_as_one() {
+    let root = scratch("train_two_processes_sft");
+    let losses = |sub: &str, extra: &str| {
+        let dir = root.join(sub);
+        let args = format!(
+            "--loss-type sft_loss --sft-warmup-steps 0 --lr 3e-3 --num-rollout 3 \
+             --rollout-batch-size 8 --num-steps-per-rollout 2 --eval-interval 100 {extra} \
+             --run-dir {}",
+            dir.display()
+        );
+        let argv: Vec<String> = args.split_whitespace().map(String::from).collect();
+        let out = run_binary(&strs(&argv), None);
+        assert!(out.status.success(), "{sub}: {}", text(&out));
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter_map(|r| Some([r.get("train/loss")?.as_f64()?, r["train/grad_norm"].as_f64()?]))
+            .collect::<Vec<_>>()
+    };
+    let (one, two) = (losses("one", ""), losses("two", "--nproc-per-node 2"));
+    assert_eq!(one.len(), 3);
+    assert_eq!(two.len(), 3);
+    for (a, b) in one.iter().flatten().zip(two.iter().flatten()) {
+        assert!((a - b).abs() <= 1e-6 * (1.0 + a.abs()), "{a} vs {b}");
+    }
+}
+
 /// Dynamic sampling over two processes keeps the groups one process keeps: each rank rolls out
 /// half of every draw, the groups with a reward spread are taken in drawn order over both, and
 /// each optimizer step takes the samples it would take in one process.

@@ -566,6 +566,15 @@ impl Run<'_> {
             // (`--loss-type sft_loss`) trains on the labels instead, as slime's SFT rollout does.
             let (mut samples, parts) = if self.sft_run {
                 let rows = data.next_batch(cfg.rollout_batch_size);
+                // Over several processes, this rank's part of every step's rows.
+                let rows = match self.dist {
+                    Some(d) => {
+                        let share =
+                            miles_dist::shard(rows.len(), self.steps_per_rollout, d.size, d.rank)?;
+                        share.into_iter().map(|i| rows[i].clone()).collect()
+                    }
+                    None => rows,
+                };
                 let source = &data.dataset().source;
                 let samples = sft_samples(
                     &rows,
