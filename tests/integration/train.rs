@@ -364,6 +364,14 @@ fn two_processes_train_as_one_with(
         // gap is rounding, as in one process.)
         let gap = b["train/train_rollout_logprob_abs_diff"].as_f64().unwrap();
         assert!(if env.is_empty() { gap == 0.0 } else { gap < 1e-6 }, "logprob gap {gap}");
+        // The last iteration's eval, each rank over its part of the prompts.
+        for key in ["eval/reward", "eval/pass@1", "eval/pass@4"] {
+            assert_eq!(a.get(key).is_some(), b.get(key).is_some(), "{key}");
+            if let (Some(x), Some(y)) = (a.get(key), b.get(key)) {
+                let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+                assert!((x - y).abs() <= 1e-12, "{key}: {x} vs {y}");
+            }
+        }
         for &key in ["train/loss", "train/grad_norm", "train/pg_clipfrac"].iter().chain(metrics) {
             let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
             assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "{key}: {x} vs {y}");

@@ -3,8 +3,8 @@
 //! prompt groups ([`miles_dist::shard`]; the samples keep the indices, and so the draws, they
 //! have in a one-process run), and trains on them; a step's loss is normalized by the whole batch's
 //! denominator, the gradients are summed over the ranks in rank order before the one AdamW
-//! step every rank takes, and the metrics are summed the same way. Rank 0 logs, evaluates and
-//! writes checkpoints. On GPUs (`--device cuda`: each rank on the GPU of its local rank) the
+//! step every rank takes, and the metrics are summed the same way. Each rank evaluates its part
+//! of the eval prompts; rank 0 logs and writes checkpoints. On GPUs (`--device cuda`: each rank on the GPU of its local rank) the
 //! gradients and the starting weights go through NCCL; on the CPU, and for a device model on
 //! host tensors, through the TCP group. A device model's gradients are summed in buckets
 //! ([`GradBuckets`]) started during the last backward of a step, as its layers finish, so on

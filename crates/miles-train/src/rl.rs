@@ -543,13 +543,12 @@ impl Run<'_> {
 
         let root = self.dist.is_none_or(Dist::root);
         if state.iteration == 0
-            && root
             && let Some((_, eval)) = self.eval
         {
             let mut record = Record::new();
             record.insert("step".into(), json!(0));
-            let score =
-                evaluate(cfg, actor.engine(), self.tokenizer, eval, self.reward, &mut record)?;
+            let (tok, reward) = (self.tokenizer, self.reward);
+            let score = evaluate(cfg, actor.engine(), tok, eval, reward, &mut record, self.dist)?;
             final_eval = Some(score);
             emit(&mut log, record)?;
         }
@@ -724,11 +723,11 @@ impl Run<'_> {
                 record.insert("perf/peak_gpu_memory_gib".into(), json!(peak));
             }
             if let Some((every, eval)) = self.eval
-                && root
                 && (state.iteration % every == 0 || state.iteration == self.total)
             {
+                let (tok, reward) = (self.tokenizer, self.reward);
                 let score =
-                    evaluate(cfg, actor.engine(), self.tokenizer, eval, self.reward, &mut record)?;
+                    evaluate(cfg, actor.engine(), tok, eval, reward, &mut record, self.dist)?;
                 final_eval = Some(score);
             }
             record.insert("perf/step_time".into(), json!(started.elapsed().as_secs_f64()));
@@ -1945,7 +1944,9 @@ fn sft_warmup(
 
 /// Eval on every prompt of `eval`: mean reward, pass@1 (the fraction of samples with a
 /// positive reward) and, with several samples per prompt, pass@n. Its draws use a fixed seed,
-/// so successive evals differ only by the policy.
+/// so successive evals differ only by the policy. Over several processes each rank evaluates
+/// a contiguous part of the prompts (their draws keyed by their one-process indices) and the
+/// counts are summed: the figures of one process, in a fraction of its time.
 fn evaluate<P: Policy>(
     cfg: &RunConfig,
     engine: &mut Engine<P>,
@@ -1953,12 +1954,18 @@ fn evaluate<P: Policy>(
     eval: &Dataset,
     reward: &dyn Reward,
     record: &mut Record,
+    dist: Option<&Dist>,
 ) -> anyhow::Result<f64> {
     let started = Instant::now();
     let n = cfg.n_samples_per_eval_prompt;
-    let rows: Vec<(usize, PromptRow)> = eval.rows.iter().cloned().enumerate().collect();
-    let all: Vec<usize> = (0..rows.len()).collect();
-    let groups = make_groups(&rows, &all, n, cfg, tok, &eval.source)?;
+    let total = eval.rows.len();
+    let share = match dist {
+        Some(d) => d.rank * total / d.size..(d.rank + 1) * total / d.size,
+        None => 0..total,
+    };
+    let rows: Vec<(usize, PromptRow)> = share.clone().map(|i| (i, eval.rows[i].clone())).collect();
+    let indices: Vec<usize> = share.collect();
+    let groups = make_groups(&rows, &indices, n, cfg, tok, &eval.source)?;
     let params = SamplingParams {
         temperature: cfg.eval_temperature.unwrap_or(cfg.rollout_temperature),
         top_k: usize::try_from(cfg.eval_top_k.unwrap_or(cfg.rollout_top_k)).unwrap_or(0),
@@ -1966,24 +1973,28 @@ fn evaluate<P: Policy>(
         seed: mix(cfg.rollout_seed, 0xE7A1),
         ..cfg.sampling_params()
     };
-    let groups = engine.generate(groups, &params)?;
+    let groups = if groups.is_empty() { groups } else { engine.generate(groups, &params)? };
     let (_, rewards, failed) = score_groups(reward, groups, cfg)?;
-    let (mut sum, mut solved, mut count, mut any) = (0.0, 0usize, 0usize, 0usize);
+    // Reward sum, solved samples, scored samples, prompts solved at least once, failures.
+    let mut sums = [0.0, 0.0, 0.0, 0.0, failed as f64];
     for rewards in rewards.chunks(n) {
         let live: Vec<f32> = rewards.iter().flatten().copied().collect();
-        sum += live.iter().map(|&r| f64::from(r)).sum::<f64>();
-        solved += live.iter().filter(|&&r| r > 0.0).count();
-        count += live.len();
-        any += usize::from(live.iter().any(|&r| r > 0.0));
+        sums[0] += live.iter().map(|&r| f64::from(r)).sum::<f64>();
+        sums[1] += live.iter().filter(|&&r| r > 0.0).count() as f64;
+        sums[2] += live.len() as f64;
+        sums[3] += f64::from(u8::from(live.iter().any(|&r| r > 0.0)));
     }
-    let mean = sum / count.max(1) as f64;
+    if let Some(d) = dist {
+        d.sum(&mut sums)?;
+    }
+    let [sum, solved, count, any, failed] = sums;
+    let mean = sum / count.max(1.0);
     record.insert("eval/reward".into(), json!(mean));
-    record.insert("eval/pass@1".into(), json!(solved as f64 / count.max(1) as f64));
+    record.insert("eval/pass@1".into(), json!(solved / count.max(1.0)));
     if n > 1 {
-        let prompts = rewards.len() / n;
-        record.insert(format!("eval/pass@{n}"), json!(any as f64 / prompts.max(1) as f64));
+        record.insert(format!("eval/pass@{n}"), json!(any / total.max(1) as f64));
     }
-    record.insert("rollout/eval_failed".into(), json!(failed));
+    record.insert("rollout/eval_failed".into(), json!(failed as usize));
     record.insert("perf/eval_time".into(), json!(started.elapsed().as_secs_f64()));
     Ok(mean)
 }
