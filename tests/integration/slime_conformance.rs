@@ -220,7 +220,9 @@ fn policy_losses_match_slime() {
         let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
         if run.use_tis {
             let tis = registry::create_correction("tis", &run.tis_config()).unwrap();
-            metrics = batch::apply_correction(tis.as_ref(), &mut samples, per_token).unwrap();
+            metrics =
+                batch::apply_correction(tis.as_ref(), &mut samples, per_token, &mut |_| Ok(()))
+                    .unwrap();
         }
         // slime compares its old logprobs with the rollout's, or the current ones when the
         // rollout's are the old policy; the trainer's first step has current = old.

@@ -380,16 +380,21 @@ fn two_processes_train_as_one_with(
 }
 
 /// What needs the whole batch works over two processes as in one: advantages whitened over
-/// every rank's samples (REINFORCE++'s own whitening, then `--normalize-advantages`), and the
-/// TIS/MIS weights with their metrics averaged over the ranks.
+/// every rank's samples (REINFORCE++'s own whitening, then `--normalize-advantages`), TIS's
+/// batch normalization by the whole batch's mean weight, and the TIS/MIS metrics averaged over
+/// the ranks.
 #[test]
 fn two_processes_whiten_and_correct_over_the_whole_batch() {
     two_processes_train_as_one_with(
         "train_two_processes_whiten",
         "--advantage-estimator reinforce_plus_plus_baseline --normalize-advantages --use-tis \
-         --num-steps-per-rollout 2",
+         --tis-batch-normalize --num-steps-per-rollout 2",
         &[],
-        &["train/mis_is_ratio_mean_final", "train/mis_training_log_ppl"],
+        &[
+            "train/mis_is_ratio_mean_final",
+            "train/mis_training_log_ppl",
+            "train/mis_batch_norm_factor",
+        ],
     );
 }
 
@@ -513,14 +518,6 @@ fn a_dead_worker_stops_the_run_and_unsupported_flags_are_named() {
     );
     assert!(report.contains("rank 1 closed its connection"), "{report}");
     assert!(started.elapsed() < std::time::Duration::from_secs(120));
-    let tis = ["--use-tis", "--tis-batch-normalize"].map(String::from);
-    let out = run_binary(&strs(&[argv.clone(), tis.to_vec()].concat()), None);
-    assert!(!out.status.success());
-    let report = text(&out);
-    assert!(
-        report.contains("--tis-batch-normalize: not supported with several processes yet"),
-        "{report}"
-    );
     let run_dir = dir.join("indivisible");
     let indivisible = ["--nproc-per-node", "3", "--rollout-batch-size", "8", "--num-rollout", "1"];
     let out =

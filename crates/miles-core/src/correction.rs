@@ -50,4 +50,17 @@ pub struct CorrectionOutput {
 /// the trainer's: truncated and masked importance sampling (TIS/MIS) and their relatives.
 pub trait Correction: Send + Sync {
     fn correct(&self, input: &CorrectionInput<'_>) -> Result<CorrectionOutput>;
+
+    /// [`Correction::correct`] on one process's part of a batch spread over several:
+    /// `batch_sum` turns sums over this part into sums over the whole batch (in place), for
+    /// what a correction takes over the whole batch (TIS's batch normalization). The default,
+    /// for corrections that look at each sequence alone, is `correct`.
+    fn correct_part(
+        &self,
+        input: &CorrectionInput<'_>,
+        batch_sum: &mut dyn FnMut(&mut [f64]) -> Result<()>,
+    ) -> Result<CorrectionOutput> {
+        let _ = batch_sum;
+        self.correct(input)
+    }
 }

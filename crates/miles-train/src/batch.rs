@@ -230,17 +230,19 @@ pub fn apply_correction(
     corr: &dyn Correction,
     samples: &mut [TrainSample],
     per_token: bool,
+    batch_sum: &mut dyn FnMut(&mut [f64]) -> miles_core::Result<()>,
 ) -> miles_core::Result<BTreeMap<String, f64>> {
     let train = concat(samples, |s| &s.old_logp);
     let rollout = concat(samples, |s| &s.rollout_logp);
     let mask = concat(samples, |s| &s.loss_mask);
     let lengths: Vec<usize> = samples.iter().map(TrainSample::response_len).collect();
-    let out = corr.correct(&CorrectionInput {
+    let input = CorrectionInput {
         train_log_probs: &train,
         rollout_log_probs: &rollout,
         loss_mask: &mask,
         response_lengths: &lengths,
-    })?;
+    };
+    let out = corr.correct_part(&input, batch_sum)?;
     let mut at = 0;
     for s in samples.iter_mut() {
         let n = s.response_len();

@@ -240,13 +240,8 @@ fn rank_device(device: Device, spelled: &str, local_rank: usize) -> Device {
     }
 }
 
-/// What a run over several processes does not take yet, with the flag to change.
-pub(crate) fn check_supported(cfg: &RunConfig, size: usize, steps: usize) -> anyhow::Result<()> {
-    // The tis plugin's batch normalization takes its mean inside the plugin, over one rank's
-    // part.
-    if cfg.use_tis && cfg.tis_batch_normalize {
-        bail!("--tis-batch-normalize: not supported with several processes yet; run it in one");
-    }
+/// Whether the batch splits evenly over `size` processes; the error names the flag to change.
+pub(crate) fn check_split(cfg: &RunConfig, size: usize, steps: usize) -> anyhow::Result<()> {
     // Dynamic sampling splits each draw evenly over the ranks and keeps groups from any of them.
     if let Some(over) = cfg.over_sampling_batch_size {
         if !over.is_multiple_of(size) {

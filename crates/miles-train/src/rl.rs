@@ -50,7 +50,7 @@ use serde_json::{Map, Value, json};
 use crate::Optimizer;
 use crate::batch::{self, TrainSample, concat, split_ranges};
 use crate::checkpoint::{self, CheckpointRef};
-use crate::dist::{Dist, GradBuckets, check_supported};
+use crate::dist::{Dist, GradBuckets, check_split};
 use crate::loss::{LossInput, LossMetrics, PolicyLossConfig, SftLossConfig, policy_loss, sft_loss};
 use crate::schedule::LrSchedule;
 
@@ -252,7 +252,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     let steps_per_rollout = steps_per_rollout(&cfg)?;
     let dist = Dist::join(cfg.distributed_backend)?;
     if let Some(d) = &dist {
-        check_supported(&cfg, d.size, steps_per_rollout)?;
+        check_split(&cfg, d.size, steps_per_rollout)?;
     }
     let device = dist.as_ref().map_or(device, |d| d.device(device, &cfg.device));
     if device != Device::Cpu {
@@ -1077,7 +1077,12 @@ fn prepare<A: Actor>(
     let per_token = cfg.calculate_per_token_loss;
     if let Some(corr) = correction.filter(|_| cfg.use_tis) {
         let weight = batch::aggregation_weight(samples, per_token);
-        for (k, v) in batch::apply_correction(corr, samples, per_token)? {
+        let mut batch_sum = |sums: &mut [f64]| match dist {
+            // (The plugin's error type; the message is the group's.)
+            Some(d) => d.sum(sums).map_err(|e| miles_core::Error::Plugin(format!("{e:#}"))),
+            None => Ok(()),
+        };
+        for (k, v) in batch::apply_correction(corr, samples, per_token, &mut batch_sum)? {
             let v = match dist {
                 Some(d) => d.mean(v, weight)?,
                 None => v,

@@ -291,6 +291,16 @@ fn masked_mean(x: &[f64], mask: &[u8]) -> f64 {
 
 impl Correction for Tis {
     fn correct(&self, input: &CorrectionInput<'_>) -> Result<CorrectionOutput> {
+        self.correct_part(input, &mut |_| Ok(()))
+    }
+
+    /// Batch normalization's mean is over the whole batch: its sum and count go through
+    /// `batch_sum`; everything else is per sequence.
+    fn correct_part(
+        &self,
+        input: &CorrectionInput<'_>,
+        batch_sum: &mut dyn FnMut(&mut [f64]) -> Result<()>,
+    ) -> Result<CorrectionOutput> {
         input.validate()?;
         let sequences = Sequence::all(input);
         let mut metrics = Metrics::default();
@@ -315,7 +325,9 @@ impl Correction for Tis {
             loss_mask.extend(mask);
         }
         if self.config.batch_normalize {
-            let mean = batch_mean(self.config.level, &weights, &sequences);
+            let mut sums = batch_sums(self.config.level, &weights, &sequences);
+            batch_sum(&mut sums)?;
+            let mean = sums[0] / sums[1].max(1.0);
             let factor = if mean > BATCH_NORM_MIN_MEAN { mean } else { 1.0 };
             weights.iter_mut().flatten().for_each(|w| *w /= factor);
             for seq in &sequences {
@@ -422,22 +434,23 @@ impl Tis {
     }
 }
 
-/// The mean weight that batch normalization divides by, over the input loss mask: the token
-/// mean at the token level, the mean of per-sequence means at the sequence level.
-fn batch_mean(level: TisLevel, weights: &[Vec<f64>], sequences: &[Sequence<'_>]) -> f64 {
+/// The sum and count whose ratio is the mean weight batch normalization divides by, over the
+/// input loss mask: the token mean at the token level, the mean of per-sequence means at the
+/// sequence level.
+fn batch_sums(level: TisLevel, weights: &[Vec<f64>], sequences: &[Sequence<'_>]) -> [f64; 2] {
     match level {
         TisLevel::Token => {
             let kept = |(w, s): (&Vec<f64>, &Sequence<'_>)| masked_sum(w.iter().copied(), s.mask);
             let sum: f64 = weights.iter().zip(sequences).map(kept).sum();
             let count: usize =
                 sequences.iter().map(|s| s.mask.iter().filter(|&&m| m != 0).count()).sum();
-            sum / count.max(1) as f64
+            [sum, count as f64]
         }
         // `Tis::new` refuses the geometric level.
         TisLevel::Sequence | TisLevel::Geometric => {
             let means: f64 =
                 weights.iter().zip(sequences).map(|(w, s)| masked_mean(w, s.mask)).sum();
-            means / sequences.len().max(1) as f64
+            [means, sequences.len() as f64]
         }
     }
 }

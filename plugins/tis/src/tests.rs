@@ -173,6 +173,57 @@ fn batch_normalization_averages_over_the_input_loss_mask() {
     close(&out.weights, &[0.5, 0.5, 0.5, 1.5]);
 }
 
+/// A batch spread over two processes normalizes by the whole batch's mean: each part, whose
+/// sum and count go through the hook (here: the other part's added), gets the weights and the
+/// factor of the whole batch at both levels.
+#[test]
+fn batch_normalization_over_parts_is_the_whole_batchs() {
+    let ratios: [f64; 8] = [1.0, 2.0, 5.0, 0.5, 3.0, 1.5, 4.0, 0.25];
+    let mask = [1, 1, 0, 1, 1, 1, 1, 1];
+    let lens = [3, 2, 3];
+    let split = 5; // the first two sequences | the third
+    for level in [TisLevel::Token, TisLevel::Sequence] {
+        let cfg = TisConfig { batch_normalize: true, upper: 10.0, level, ..TisConfig::default() };
+        let tis = Tis::new(cfg.clone()).unwrap();
+        let train: Vec<f32> = ratios.iter().map(|r| r.ln() as f32).collect();
+        let rollout = vec![0f32; ratios.len()];
+        let input = |r: std::ops::Range<usize>, lens: &'static [usize]| CorrectionInput {
+            train_log_probs: &train[r.clone()],
+            rollout_log_probs: &rollout[r.clone()],
+            loss_mask: &mask[r],
+            response_lengths: lens,
+        };
+        let (a, b) = (input(0..split, &[3, 2]), input(split..8, &[3]));
+        // Each part's own sums (the hook sees them once), then each part with the other's.
+        let own = |part: &CorrectionInput<'_>| {
+            let mut seen = Vec::new();
+            tis.correct_part(part, &mut |s| {
+                seen = s.to_vec();
+                Ok(())
+            })
+            .unwrap();
+            seen
+        };
+        let (sums_a, sums_b) = (own(&a), own(&b));
+        let with = |part: &CorrectionInput<'_>, other: &[f64]| {
+            tis.correct_part(part, &mut |s| {
+                s.iter_mut().zip(other).for_each(|(x, y)| *x += y);
+                Ok(())
+            })
+            .unwrap()
+        };
+        let (out_a, out_b) = (with(&a, &sums_b), with(&b, &sums_a));
+        let whole = run(cfg, &ratios, &mask, &lens);
+        let parts: Vec<f32> = [out_a.weights.clone(), out_b.weights.clone()].concat();
+        assert_eq!(parts, whole.weights, "{level:?}");
+        let factor = metric(&whole, "mis_batch_norm_factor");
+        let factors =
+            [metric(&out_a, "mis_batch_norm_factor"), metric(&out_b, "mis_batch_norm_factor")];
+        assert_eq!(factors.concat(), factor, "{level:?}");
+        assert!(factor[0] > 1.2, "the factor is not 1 here: {factor:?}");
+    }
+}
+
 #[test]
 fn mismatch_metrics_describe_the_two_engines() {
     // One sequence, ln r = [ln 2, 0]; each metric is its sum over the two tokens, a
