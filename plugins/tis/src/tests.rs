@@ -184,7 +184,7 @@ fn batch_normalization_over_parts_is_the_whole_batchs() {
     let split = 5; // the first two sequences | the third
     for level in [TisLevel::Token, TisLevel::Sequence] {
         let cfg = TisConfig { batch_normalize: true, upper: 10.0, level, ..TisConfig::default() };
-        let tis = Tis::new(cfg.clone()).unwrap();
+        let tis = Tis::new(cfg).unwrap();
         let train: Vec<f32> = ratios.iter().map(|r| r.ln() as f32).collect();
         let rollout = vec![0f32; ratios.len()];
         let input = |r: std::ops::Range<usize>, lens: &'static [usize]| CorrectionInput {
