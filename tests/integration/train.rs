@@ -323,12 +323,14 @@ fn iteration_records(dir: &Path) -> Vec<Value> {
 /// MILES_DEVICE_ACTOR_ON_HOST: rank 0's weights broadcast at the start, its gradients summed
 /// through the device model).
 fn two_processes_train_as_one(name: &str, env: &[(&str, &str)]) {
-    two_processes_train_as_one_with(name, "", env, &[]);
+    processes_train_as_one(name, 2, "", env, &[]);
 }
 
-/// [`two_processes_train_as_one`] with `flags` added to both runs, and `metrics` compared too.
-fn two_processes_train_as_one_with(
+/// [`two_processes_train_as_one`] over `procs` processes, with `flags` added to both runs, and
+/// `metrics` compared too.
+fn processes_train_as_one(
     name: &str,
+    procs: usize,
     flags: &str,
     env: &[(&str, &str)],
     metrics: &[&str],
@@ -347,9 +349,10 @@ fn two_processes_train_as_one_with(
         (iteration_records(&dir), text(&out))
     };
     let (one, _) = run("one", "");
-    let (two, report) = run("two", "--nproc-per-node 2");
+    let (two, report) = run("two", &format!("--nproc-per-node {procs}"));
     assert!(
-        report.contains("2 worker processes") && report.contains("trained 4 iterations"),
+        report.contains(&format!("{procs} worker processes"))
+            && report.contains("trained 4 iterations"),
         "{report}"
     );
     assert_eq!(one.len(), 4);
@@ -385,8 +388,9 @@ fn two_processes_train_as_one_with(
 /// the ranks.
 #[test]
 fn two_processes_whiten_and_correct_over_the_whole_batch() {
-    two_processes_train_as_one_with(
+    processes_train_as_one(
         "train_two_processes_whiten",
+        2,
         "--advantage-estimator reinforce_plus_plus_baseline --normalize-advantages --use-tis \
          --tis-batch-normalize --num-steps-per-rollout 2",
         &[],
@@ -396,6 +400,42 @@ fn two_processes_whiten_and_correct_over_the_whole_batch() {
             "train/mis_batch_norm_factor",
         ],
     );
+}
+
+/// Ranks left without samples keep in step with the others: one group a batch over four
+/// processes under dynamic sampling, so three ranks hold nothing, with whitening, TIS (its
+/// metrics reach rank 0 from whichever rank has them) and steps no rank has samples for.
+#[test]
+fn ranks_without_samples_keep_in_step() {
+    processes_train_as_one(
+        "train_ranks_without_samples",
+        4,
+        "--rollout-batch-size 1 --over-sampling-batch-size 8 --num-steps-per-rollout 2 \
+         --advantage-estimator reinforce_plus_plus_baseline --normalize-advantages --use-tis \
+         --tis-batch-normalize",
+        &[],
+        &["train/mis_is_ratio_mean_final", "train/mis_batch_norm_factor"],
+    );
+    // No group kept at all (every group solved or failed alike): no rank takes a step, as one
+    // process takes none.
+    let root = scratch("train_no_group_kept");
+    let steps = |procs: usize| {
+        let dir = root.join(procs.to_string());
+        let args = format!(
+            "--sft-warmup-steps 20 --rollout-batch-size 1 --over-sampling-batch-size 4 \
+             --n-samples-per-prompt 4 --num-rollout 3 --eval-interval 100 --nproc-per-node \
+             {procs} --run-dir {}",
+            dir.display()
+        );
+        let argv: Vec<String> = args.split_whitespace().map(String::from).collect();
+        let out = run_binary(&strs(&argv), None);
+        assert!(out.status.success(), "{procs}: {}", text(&out));
+        let records = iteration_records(&dir);
+        records.iter().map(|r| [r["rollout/samples"].clone(), r["train/steps"].clone()]).collect()
+    };
+    let one: Vec<[Value; 2]> = steps(1);
+    assert!(one.iter().any(|[samples, _]| samples == 0), "{one:?}: a batch with no group");
+    assert_eq!(steps(4), one);
 }
 
 /// Supervised iterations (`--loss-type sft_loss`) over two processes: each rank takes its part
@@ -434,8 +474,9 @@ fn two_processes_run_supervised_steps_as_one() {
 /// each optimizer step takes the samples it would take in one process.
 #[test]
 fn two_processes_sample_dynamically_as_one() {
-    two_processes_train_as_one_with(
+    processes_train_as_one(
         "train_two_processes_dynamic",
+        2,
         "--over-sampling-batch-size 12 --num-steps-per-rollout 2",
         &[],
         &["rollout/zero_std/count", "rollout/response_len/mean"],

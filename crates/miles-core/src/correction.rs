@@ -47,7 +47,9 @@ pub struct CorrectionOutput {
 }
 
 /// Off-policy correction of the loss for the gap between the rollout engine's distribution and
-/// the trainer's: truncated and masked importance sampling (TIS/MIS) and their relatives.
+/// the trainer's: truncated and masked importance sampling (TIS/MIS) and their relatives. The
+/// metric names it reports depend on its configuration only, not on the batch (a process
+/// without samples in a run over several learns them from a one-token sequence).
 pub trait Correction: Send + Sync {
     fn correct(&self, input: &CorrectionInput<'_>) -> Result<CorrectionOutput>;
 

@@ -142,11 +142,13 @@ impl Group {
             return Ok(());
         }
         let timeout = self.timeout;
-        let len = values.len() as u64;
+        // What the ranks agree on first: the number of values and their width.
+        let shape = [values.len() as u64, T::BYTES as u64];
+        let header: Vec<u8> = shape.iter().flat_map(|x| x.to_le_bytes()).collect();
         let mut buf = Vec::new();
         if self.rank != 0 {
             let link = &mut self.links[0];
-            write_frame(link, &len.to_le_bytes(), "rank 0")?;
+            write_frame(link, &header, "rank 0")?;
             read_frame_into(link, &mut buf, "rank 0", timeout)?;
             for chunk in values.chunks_mut(CHUNK_BYTES / T::BYTES) {
                 encode(chunk, &mut buf);
@@ -163,17 +165,25 @@ impl Group {
         }
         for (i, link) in self.links.iter_mut().enumerate() {
             read_frame_into(link, &mut buf, &format!("rank {}", i + 1), timeout)?;
-            let theirs = u64::from_le_bytes(buf.as_slice().try_into().unwrap_or_default());
-            if buf.len() != 8 || theirs != len {
+            if buf != header {
+                let theirs = if buf.len() == 16 {
+                    let n = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
+                    let w = u64::from_le_bytes(buf[8..].try_into().expect("8 bytes"));
+                    format!("{n} values of {w} bytes")
+                } else {
+                    format!("a header of {} bytes", buf.len())
+                };
                 return Err(Error::Peer(format!(
-                    "rank {} came to a reduction of {theirs} values with {len} here: the ranks \
-                     disagree on its size",
-                    i + 1
+                    "rank {} came to a reduction of {theirs} with {} values of {} bytes here: the \
+                     ranks disagree on what they sum",
+                    i + 1,
+                    values.len(),
+                    T::BYTES
                 )));
             }
         }
         for (i, link) in self.links.iter_mut().enumerate() {
-            write_frame(link, &len.to_le_bytes(), &format!("rank {}", i + 1))?;
+            write_frame(link, &header, &format!("rank {}", i + 1))?;
         }
         for chunk in values.chunks_mut(CHUNK_BYTES / T::BYTES) {
             for (i, link) in self.links.iter_mut().enumerate() {
@@ -374,7 +384,11 @@ mod tests {
         for (v, _) in &results {
             assert!(v.iter().map(|x| x.to_bits()).eq(want.iter().copied()));
         }
-        assert!(results[0].1.contains("rank 1 came to a reduction of 11 values with 10 here"));
+        let e = &results[0].1;
+        assert!(
+            e.contains("rank 1 came to a reduction of 11 values of 4 bytes with 10 values"),
+            "{e}"
+        );
         assert!(results[1].1.contains("closed its connection"), "{}", results[1].1);
     }
 

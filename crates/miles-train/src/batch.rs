@@ -261,6 +261,20 @@ pub fn apply_correction(
     Ok(out.metrics.into_iter().map(|(k, sums)| (k, agg.of_sequence_sums(&sums))).collect())
 }
 
+/// The names of the metrics `corr` reports, from a one-token sequence of ratio 1 (a
+/// correction's names depend on its configuration, not on the batch).
+pub fn correction_metric_names(
+    corr: &dyn Correction,
+) -> miles_core::Result<impl Iterator<Item = String>> {
+    let out = corr.correct(&CorrectionInput {
+        train_log_probs: &[0.0],
+        rollout_log_probs: &[0.0],
+        loss_mask: &[1],
+        response_lengths: &[1],
+    })?;
+    Ok(out.metrics.into_keys())
+}
+
 /// slime's `train_rollout_logprob_abs_diff`: |trainer − rollout| per token, aggregated like the
 /// loss over the tokens the correction kept (as slime's reducer does after TIS).
 pub fn rollout_logprob_abs_diff(

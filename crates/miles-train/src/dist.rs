@@ -14,7 +14,7 @@ use std::cell::{OnceCell, RefCell};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use miles_core::config::{DistBackend, RunConfig};
+use miles_core::config::{DistBackend, LossType, RunConfig};
 use miles_dist::{Group, World};
 use miles_model::DeviceModel;
 use miles_tensor::{Collective, Device, Tensor};
@@ -242,8 +242,10 @@ fn rank_device(device: Device, spelled: &str, local_rank: usize) -> Device {
 
 /// Whether the batch splits evenly over `size` processes; the error names the flag to change.
 pub(crate) fn check_split(cfg: &RunConfig, size: usize, steps: usize) -> anyhow::Result<()> {
-    // Dynamic sampling splits each draw evenly over the ranks and keeps groups from any of them.
-    if let Some(over) = cfg.over_sampling_batch_size {
+    // Dynamic sampling splits each draw evenly over the ranks and keeps groups from any of them
+    // (supervised iterations draw no more than the batch).
+    if let Some(over) = cfg.over_sampling_batch_size.filter(|_| cfg.loss_type != LossType::SftLoss)
+    {
         if !over.is_multiple_of(size) {
             bail!(
                 "--over-sampling-batch-size: {over} prompt groups a draw do not split evenly \

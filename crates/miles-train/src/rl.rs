@@ -641,10 +641,16 @@ impl Run<'_> {
                     .collect(),
                 None => split_ranges(samples.len(), self.steps_per_rollout),
             };
-            for range in ranges {
+            // A step without samples is skipped; over several processes, only one that no rank
+            // has samples for (all of them skip it), and a rank left without samples for a
+            // step still takes part in its collectives.
+            let mut counts: Vec<f64> = ranges.iter().map(|r| r.len() as f64).collect();
+            if let Some(d) = self.dist {
+                d.sum(&mut counts)?;
+            }
+            for (range, count) in ranges.into_iter().zip(counts) {
                 let part = &samples[range];
-                // A rank left without samples for a step still takes part in its collectives.
-                if part.is_empty() && self.dist.is_none() {
+                if count == 0.0 {
                     continue;
                 }
                 state.attempted_steps += 1;
@@ -1076,17 +1082,27 @@ fn prepare<A: Actor>(
     }
     let per_token = cfg.calculate_per_token_loss;
     if let Some(corr) = correction.filter(|_| cfg.use_tis) {
-        let weight = batch::aggregation_weight(samples, per_token);
         let mut batch_sum = |sums: &mut [f64]| match dist {
             // (The plugin's error type; the message is the group's.)
             Some(d) => d.sum(sums).map_err(|e| miles_core::Error::Plugin(format!("{e:#}"))),
             None => Ok(()),
         };
-        for (k, v) in batch::apply_correction(corr, samples, per_token, &mut batch_sum)? {
-            let v = match dist {
-                Some(d) => d.mean(v, weight)?,
-                None => v,
-            };
+        let mut metrics = batch::apply_correction(corr, samples, per_token, &mut batch_sum)?;
+        if let Some(d) = dist {
+            // The weighted means over the ranks, in one sum. A rank without samples has no
+            // metric values; it takes the names from a one-token sequence (they depend on the
+            // configuration only) with weight 0.
+            if samples.is_empty() {
+                metrics = batch::correction_metric_names(corr)?.map(|k| (k, 0.0)).collect();
+            }
+            let weight = batch::aggregation_weight(samples, per_token);
+            let mut sums: Vec<f64> = metrics.values().flat_map(|&v| [v * weight, weight]).collect();
+            d.sum(&mut sums)?;
+            for (v, s) in metrics.values_mut().zip(sums.chunks_exact(2)) {
+                *v = s[0] / s[1].max(1e-300);
+            }
+        }
+        for (k, v) in metrics {
             record.insert(format!("train/{k}"), json!(v));
         }
     }
@@ -1446,9 +1462,11 @@ struct StepResult {
 
 impl StepResult {
     /// The loss and metrics summed over the ranks: each rank's are its samples' shares of the
-    /// whole batch's.
+    /// whole batch's. One sum of a fixed length, whatever this rank's part held (a rank without
+    /// samples has no mixture-of-experts figures; the others' still come through).
     fn sum_over(&mut self, d: &Dist) -> anyhow::Result<()> {
         let m = &mut self.metrics;
+        let r = self.routing.unwrap_or_default();
         let mut v = [
             self.loss,
             m.pg_loss,
@@ -1459,26 +1477,38 @@ impl StepResult {
             m.ois,
             m.opsm_clipfrac,
             self.router_aux_loss.unwrap_or(0.0),
+            f64::from(u8::from(self.router_aux_loss.is_some())),
+            f64::from(u8::from(self.routing.is_some())),
+            r.compared as f64,
+            r.own_differs as f64,
+            r.used_differs as f64,
         ];
         d.sum(&mut v)?;
-        [
-            self.loss,
-            m.pg_loss,
-            m.pg_clipfrac,
-            m.ppo_kl,
-            m.kl_loss,
-            m.entropy_loss,
-            m.ois,
-            m.opsm_clipfrac,
-        ] = v[..8].try_into().expect("eight sums");
-        if let Some(aux) = self.router_aux_loss.as_mut() {
-            *aux = v[8];
-        }
-        if let Some(r) = self.routing.as_mut() {
-            let mut c = [r.compared as f64, r.own_differs as f64, r.used_differs as f64];
-            d.sum(&mut c)?;
-            [r.compared, r.own_differs, r.used_differs] = c.map(|x| x as usize);
-        }
+        let [
+            loss,
+            pg_loss,
+            pg_clipfrac,
+            ppo_kl,
+            kl_loss,
+            entropy_loss,
+            ois,
+            opsm_clipfrac,
+            aux,
+            has_aux,
+            has_routing,
+            compared,
+            own_differs,
+            used_differs,
+        ] = v;
+        self.loss = loss;
+        [m.pg_loss, m.pg_clipfrac, m.ppo_kl, m.kl_loss, m.entropy_loss, m.ois, m.opsm_clipfrac] =
+            [pg_loss, pg_clipfrac, ppo_kl, kl_loss, entropy_loss, ois, opsm_clipfrac];
+        self.router_aux_loss = (has_aux > 0.0).then_some(aux);
+        self.routing = (has_routing > 0.0).then(|| RoutingMismatch {
+            compared: compared as usize,
+            own_differs: own_differs as usize,
+            used_differs: used_differs as usize,
+        });
         Ok(())
     }
 }

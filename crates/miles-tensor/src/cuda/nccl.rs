@@ -25,10 +25,15 @@ fn nccl_error(what: &str, e: NcclError) -> Error {
             .then(|| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
     };
     let code = said(unsafe { cudarc::nccl::sys::ncclGetErrorString(e.0) }).unwrap_or_default();
-    let last = said(unsafe { cudarc::nccl::sys::ncclGetLastError(std::ptr::null_mut()) })
-        .filter(|l| !l.is_empty())
-        .map(|l| format!(" ({l})"))
-        .unwrap_or_default();
+    // NCCL before 2.13 has no ncclGetLastError (cudarc panics on a missing symbol); its text is
+    // the last error NCCL saw, most likely this one.
+    let last =
+        catch_unwind(|| unsafe { cudarc::nccl::sys::ncclGetLastError(std::ptr::null_mut()) })
+            .ok()
+            .and_then(said)
+            .filter(|l| !l.is_empty())
+            .map(|l| format!(" (NCCL's last error: {l})"))
+            .unwrap_or_default();
     let hint = if e.0 == cudarc::nccl::sys::ncclResult_t::ncclInvalidUsage
         && what.starts_with("init")
     {
