@@ -1504,7 +1504,7 @@ impl StepResult {
         [m.pg_loss, m.pg_clipfrac, m.ppo_kl, m.kl_loss, m.entropy_loss, m.ois, m.opsm_clipfrac] =
             [pg_loss, pg_clipfrac, ppo_kl, kl_loss, entropy_loss, ois, opsm_clipfrac];
         self.router_aux_loss = (has_aux > 0.0).then_some(aux);
-        self.routing = (has_routing > 0.0).then(|| RoutingMismatch {
+        self.routing = (has_routing > 0.0).then_some(RoutingMismatch {
             compared: compared as usize,
             own_differs: own_differs as usize,
             used_differs: used_differs as usize,
