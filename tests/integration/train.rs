@@ -402,6 +402,21 @@ fn two_processes_whiten_and_correct_over_the_whole_batch() {
     );
 }
 
+/// A mixture of experts with Rollout Routing Replay over two processes: the routing figures
+/// are summed over the ranks like the loss. (Without the load-balancing loss: it is a product
+/// of two means over a micro-batch's tokens, so it depends on how the batch is cut, as it does
+/// per rank and micro-batch in Megatron.)
+#[test]
+fn two_processes_train_a_mixture_of_experts_as_one() {
+    processes_train_as_one(
+        "train_two_processes_moe",
+        2,
+        "--arch qwen3-moe --use-rollout-routing-replay --router-aux-loss-coef 0",
+        &[],
+        &["train/replayed_experts_mismatch", "train/routed_experts_mismatch"],
+    );
+}
+
 /// Ranks left without samples keep in step with the others: one group a batch over four
 /// processes under dynamic sampling, so three ranks hold nothing, with whitening, TIS (its
 /// metrics reach rank 0 from whichever rank has them) and steps no rank has samples for.
