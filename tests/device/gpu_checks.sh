@@ -213,6 +213,18 @@ if [ "$what" = dp ]; then
     cp /tmp/dp-$k/metrics.jsonl "$OUT/dp-$k-metrics.jsonl"
     python3 tests/device/curve.py /tmp/dp-$k/metrics.jsonl | tail -12 | tee "$OUT/dp-$k.txt"
   done
+  # Throughput per GPU (rank 0's trained tokens over its iteration time, eval excluded):
+  # medians over the iterations after the first 5, N processes against one.
+  python3 - "$OUT" $n <<'PY' | tee "$OUT/dp-throughput.txt"
+import json, statistics, sys
+out, n = sys.argv[1], int(sys.argv[2])
+def median(k, key):
+    rows = [json.loads(l) for l in open(f"{out}/dp-{k}-metrics.jsonl")]
+    return statistics.median(r[key] for r in rows if key in r and r["step"] > 5)
+one, many = (median(k, "perf/tokens_per_gpu_per_sec") for k in (1, n))
+print(f"tokens/s per GPU: 1 process {one:.0f}, {n} processes {many:.0f} ({100 * many / one:.0f}%); "
+      f"step {median(1, 'perf/step_time'):.3f} s vs {median(n, 'perf/step_time'):.3f} s")
+PY
   start=$(date +%s)
   MILES_FAULT=abort-after-rollout:2 MILES_FAULT_RANK=1 timeout 300 $miles train --config \
     examples/addition-smollm2.toml --hf-checkpoint /tmp/smollm2 --num-rollout 6 --nproc-per-node $n \
