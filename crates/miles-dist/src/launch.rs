@@ -23,7 +23,8 @@ pub fn launch_local(n: usize, port: u16, program: &std::path::Path, args: &[Stri
             master_port: port,
         };
         let mut cmd = Command::new(program);
-        cmd.args(args).envs(world.env());
+        // (A torchrun agent's store, if this launcher runs under one, is not the workers'.)
+        cmd.args(args).envs(world.env()).env_remove("TORCHELASTIC_USE_AGENT_STORE");
         match cmd.spawn() {
             Ok(c) => children.push(Some(c)),
             Err(e) => {

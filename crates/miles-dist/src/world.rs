@@ -15,9 +15,11 @@ pub struct World {
 }
 
 impl World {
-    /// torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`),
-    /// else Slurm's (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, with `MASTER_ADDR` and
-    /// `MASTER_PORT` set by the job script); `None` when neither names a rank (one process).
+    /// torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`;
+    /// where torchrun's agent serves its store on `MASTER_PORT`, the rendezvous takes the next
+    /// port), else Slurm's (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, with `MASTER_ADDR`
+    /// and `MASTER_PORT` set by the job script); `None` when neither names a rank (one
+    /// process).
     /// `get` reads a variable (`std::env::var(..).ok()` in the binary).
     pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Option<World>> {
         let (rank_var, size_var, local_var) = if get("RANK").is_some() {
@@ -59,7 +61,7 @@ impl World {
                 });
             }
         };
-        let master_port = match get("MASTER_PORT") {
+        let master_port: u16 = match get("MASTER_PORT") {
             Some(p) => p.trim().parse().map_err(|_| Error::Env {
                 var: "MASTER_PORT",
                 message: format!("'{p}' is not a port number"),
@@ -71,6 +73,16 @@ impl World {
                     message: "not set: the port rank 0 listens on".into(),
                 });
             }
+        };
+        // torchrun's agent (TORCHELASTIC_USE_AGENT_STORE=True, c10d rendezvous) already serves
+        // its own store on MASTER_PORT: rank 0 listens on the next port.
+        let master_port = if get("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Some("True") {
+            master_port.checked_add(1).ok_or_else(|| Error::Env {
+                var: "MASTER_PORT",
+                message: "65535 is torchrun's store; the rendezvous needs the next port".into(),
+            })?
+        } else {
+            master_port
         };
         Ok(Some(World { rank, world_size, local_rank, master_addr, master_port }))
     }
@@ -113,6 +125,13 @@ mod tests {
         ];
         let w = from(&torchrun).unwrap().unwrap();
         assert_eq!((w.rank, w.world_size, w.local_rank, w.master_port), (3, 8, 1, 29501));
+        // Where torchrun's agent serves its store on MASTER_PORT, the rendezvous takes the next.
+        let agent = [&torchrun[..], &[("TORCHELASTIC_USE_AGENT_STORE", "True")]].concat();
+        assert_eq!(from(&agent).unwrap().unwrap().master_port, 29502);
+        let last =
+            [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "65535")];
+        let at_end = [&last[..], &[("TORCHELASTIC_USE_AGENT_STORE", "True")]].concat();
+        assert!(from(&at_end).unwrap_err().to_string().contains("the next port"));
         assert_eq!(
             from(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap().unwrap().master_port,
             29500
