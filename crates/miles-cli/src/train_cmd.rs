@@ -5,12 +5,13 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use miles_core::config::{AdvantageEstimator, RunConfig};
+use miles_core::config::{AdvantageEstimator, DistBackend, RunConfig};
 use miles_core::{Correction, Reward, RoutingReplay, registry};
 use miles_data::{Dataset, Keys};
 use miles_model::Tokenizer;
 use miles_plugin_abi::host::DynamicReward;
 use miles_rewards::{PythonReward, PythonRewardConfig, python_spec};
+use miles_tensor::Device;
 use miles_train::advantage::AdvantageConfig;
 use miles_train::rl::{self, Record, Setup};
 use serde_json::Value;
@@ -130,6 +131,21 @@ fn make_correction(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Correction>
     linked::plugins();
     let c = registry::create_correction("tis", &cfg.tis_config()).context("--use-tis")?;
     Ok(Some(c))
+}
+
+/// `--nproc-per-node N` with `--device cuda` puts rank i on GPU i: the host needs N of them
+/// (unless the ranks share one through the TCP group). `gpus`: how many the host has.
+fn check_gpus(cfg: &RunConfig, gpus: usize) -> anyhow::Result<()> {
+    let n = cfg.nproc_per_node;
+    let shared = cfg.distributed_backend == Some(DistBackend::Tcp);
+    if cfg.device == "cuda" && !shared && gpus > 0 && gpus < n {
+        bail!(
+            "--nproc-per-node {n}: with --device cuda rank i takes GPU i, and this host has \
+             {gpus}; start at most {gpus} processes (or let them share GPU 0 with --device \
+             cuda:0 --distributed-backend tcp)"
+        );
+    }
+    Ok(())
 }
 
 /// `--nproc-per-node N`: this command again as ranks 0..N of one run on this host; returns
@@ -292,6 +308,7 @@ pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let cfg = run_config(args)?;
     let world = miles_dist::World::from_env(|k| std::env::var(k).ok())?;
     if cfg.nproc_per_node > 1 && world.is_none() {
+        check_gpus(&cfg, Device::cuda_count())?;
         return launch(cfg.nproc_per_node, "train", out);
     }
     // Rank 0 of a run over several processes reports; the others work quietly.
@@ -358,4 +375,29 @@ pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         run_dir.join("plots").display()
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// More processes than GPUs under `--device cuda` is an error before any starts, naming
+    /// both ways out; ranks sharing a GPU, an explicit ordinal or a machine without GPUs pass.
+    #[test]
+    fn more_ranks_than_gpus_is_an_error_at_launch() {
+        let cfg = |device: &str, backend| RunConfig {
+            device: device.into(),
+            nproc_per_node: 4,
+            distributed_backend: backend,
+            ..RunConfig::default()
+        };
+        let e = check_gpus(&cfg("cuda", None), 2).unwrap_err().to_string();
+        assert!(e.starts_with("--nproc-per-node 4: with --device cuda rank i takes GPU i"), "{e}");
+        assert!(e.contains("--distributed-backend tcp"), "{e}");
+        assert!(check_gpus(&cfg("cuda", None), 4).is_ok());
+        assert!(check_gpus(&cfg("cuda", Some(DistBackend::Tcp)), 1).is_ok());
+        assert!(check_gpus(&cfg("cuda:0", None), 1).is_ok(), "NCCL names the duplicate GPU");
+        assert!(check_gpus(&cfg("cuda", None), 0).is_ok(), "the ranks say why there is none");
+        assert!(check_gpus(&cfg("cpu", None), 1).is_ok());
+    }
 }

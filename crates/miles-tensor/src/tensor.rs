@@ -36,6 +36,15 @@ impl Device {
         }
     }
 
+    /// How many CUDA devices this machine has (0 without the driver, or built without CUDA).
+    /// Opens none of them.
+    pub fn cuda_count() -> usize {
+        #[cfg(feature = "cuda")]
+        return crate::cuda::device_count();
+        #[cfg(not(feature = "cuda"))]
+        0
+    }
+
     /// Waits until the ops queued on this device are done (ops run asynchronously on a GPU;
     /// copies to the host wait by themselves). For timings.
     pub fn synchronize(&self) -> Result<()> {

@@ -99,6 +99,18 @@ pub(crate) fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
     Ok(gpu)
 }
 
+/// The CUDA devices present (0 without the driver library); creates no context.
+pub(crate) fn device_count() -> usize {
+    // SAFETY: only tries to dlopen the driver library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    catch_unwind(CudaContext::device_count)
+        .ok()
+        .and_then(Result::ok)
+        .map_or(0, |n| n.max(0) as usize)
+}
+
 fn no_device(why: impl std::fmt::Display) -> Error {
     Error::Device(format!("no CUDA device: {why}"))
 }
@@ -120,7 +132,8 @@ fn open(ordinal: usize) -> Result<Gpu> {
         }
         let ctx = CudaContext::new(ordinal).map_err(no_device)?;
         // SAFETY: every op of this crate runs on the one stream below, so the cross-stream
-        // events that tracking records are never needed.
+        // events that tracking records are never needed; the collectives' stream
+        // (`cuda/nccl.rs`) orders itself against it with events of its own.
         unsafe { ctx.disable_event_tracking() };
         // A stream of our own, not the legacy default one: CUDA graphs are captured from it.
         let stream = ctx.new_stream().map_err(|e| driver_error("stream", e))?;
