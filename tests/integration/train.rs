@@ -402,6 +402,32 @@ fn two_processes_whiten_and_correct_over_the_whole_batch() {
     );
 }
 
+/// Samples dropped on one rank (a reward that fails three samples of the third group, rank 1's)
+/// move every step's boundaries over two processes as they move one process's: the first step
+/// takes a sample of rank 0's second-step groups too, and the steps train on the same samples.
+#[test]
+fn two_processes_cut_steps_as_one_when_samples_drop() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        println!("skipping: no python3");
+        return;
+    }
+    let dir = scratch("train_two_processes_dropped_reward");
+    let file = dir.join("flaky.py");
+    std::fs::write(
+        &file,
+        "def score(sample):\n    if sample[\"index\"] in (8, 9, 10):\n        raise ValueError(\"unscorable\")\n    \
+         return 1.0 if sample[\"label\"] in sample[\"response\"] else 0.0\n",
+    )
+    .unwrap();
+    processes_train_as_one(
+        "train_two_processes_dropped",
+        2,
+        &format!("--custom-rm-path {}:score --num-steps-per-rollout 2", file.display()),
+        &[],
+        &["rollout/failed"],
+    );
+}
+
 /// A mixture of experts with Rollout Routing Replay over two processes: the routing figures
 /// are summed over the ranks like the loss. (Without the load-balancing loss: it is a product
 /// of two means over a micro-batch's tokens, so it depends on how the batch is cut, as it does
@@ -438,18 +464,28 @@ fn ranks_without_samples_keep_in_step() {
         let dir = root.join(procs.to_string());
         let args = format!(
             "--sft-warmup-steps 20 --rollout-batch-size 1 --over-sampling-batch-size 4 \
-             --n-samples-per-prompt 4 --num-rollout 3 --eval-interval 100 --nproc-per-node \
-             {procs} --run-dir {}",
+             --n-samples-per-prompt 4 --num-rollout 3 --eval-interval 100 --use-tis \
+             --tis-batch-normalize --nproc-per-node {procs} --run-dir {}",
             dir.display()
         );
         let argv: Vec<String> = args.split_whitespace().map(String::from).collect();
         let out = run_binary(&strs(&argv), None);
         assert!(out.status.success(), "{procs}: {}", text(&out));
         let records = iteration_records(&dir);
-        records.iter().map(|r| [r["rollout/samples"].clone(), r["train/steps"].clone()]).collect()
+        // The counts, and which train/ figures there are (none of TIS's without samples).
+        let figures = |r: &Value| -> Vec<Value> {
+            let keys = r.as_object().unwrap().keys().filter(|k| k.starts_with("train/mis_"));
+            keys.map(|k| Value::from(k.as_str())).collect()
+        };
+        records
+            .iter()
+            .map(|r| {
+                [vec![r["rollout/samples"].clone(), r["train/steps"].clone()], figures(r)].concat()
+            })
+            .collect()
     };
-    let one: Vec<[Value; 2]> = steps(1);
-    assert!(one.iter().any(|[samples, _]| samples == 0), "{one:?}: a batch with no group");
+    let one: Vec<Vec<Value>> = steps(1);
+    assert!(one.iter().any(|r| r[0] == 0), "{one:?}: a batch with no group");
     assert_eq!(steps(4), one);
 }
 

@@ -308,7 +308,9 @@ pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let cfg = run_config(args)?;
     let world = miles_dist::World::from_env(|k| std::env::var(k).ok())?;
     if cfg.nproc_per_node > 1 && world.is_none() {
-        check_gpus(&cfg, Device::cuda_count())?;
+        if cfg.device == "cuda" {
+            check_gpus(&cfg, Device::cuda_count())?;
+        }
         return launch(cfg.nproc_per_node, "train", out);
     }
     // Rank 0 of a run over several processes reports; the others work quietly.

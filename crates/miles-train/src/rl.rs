@@ -631,15 +631,17 @@ impl Run<'_> {
             let mut forward_logp = Vec::with_capacity(samples.len());
             // Over several processes every rank takes every step (its part may be empty), so the
             // collectives line up.
-            let ranges = match self.dist {
-                Some(_) if parts.is_some() => parts.expect("checked"),
-                Some(_) => (0..self.steps_per_rollout)
+            let ranges = match (parts, self.dist) {
+                (Some(parts), _) => parts,
+                // Supervised iterations over several processes: every row is a sample, and each
+                // rank holds its equal part of every step's rows.
+                (None, Some(_)) => (0..self.steps_per_rollout)
                     .map(|i| {
                         let n = samples.len();
                         i * n / self.steps_per_rollout..(i + 1) * n / self.steps_per_rollout
                     })
                     .collect(),
-                None => split_ranges(samples.len(), self.steps_per_rollout),
+                (None, None) => split_ranges(samples.len(), self.steps_per_rollout),
             };
             // A step without samples is skipped; over several processes, only one that no rank
             // has samples for (all of them skip it), and a rank left without samples for a
@@ -1101,6 +1103,10 @@ fn prepare<A: Actor>(
             for (v, s) in metrics.values_mut().zip(sums.chunks_exact(2)) {
                 *v = s[0] / s[1].max(1e-300);
             }
+            // No samples anywhere: no figures, as one process reports none.
+            if sums.get(1).is_some_and(|&w| w == 0.0) {
+                metrics.clear();
+            }
         }
         for (k, v) in metrics {
             record.insert(format!("train/{k}"), json!(v));
@@ -1333,8 +1339,8 @@ fn rollout<P: Policy>(
         }
         // Each group's index in the batch, in drawn order until the batch is full; under
         // dynamic sampling over several processes, over every rank's groups.
-        let index: Vec<Option<usize>> = match dist.filter(|_| filter) {
-            Some(d) => {
+        let index: Vec<Option<usize>> = match dist {
+            Some(d) if filter => {
                 let mut all = vec![0.0; rows.len()];
                 for (&g, &k) in share.iter().zip(&keepable) {
                     all[g] = f64::from(u8::from(k));
@@ -1349,6 +1355,9 @@ fn rollout<P: Policy>(
                 }
                 share.iter().map(|&g| index[g]).collect()
             }
+            // Over several processes without dynamic sampling, a group's index among the
+            // drawn ones (every drawn group is wanted).
+            Some(_) => share.iter().zip(&keepable).map(|(&g, &k)| k.then_some(g)).collect(),
             None => keepable
                 .iter()
                 .map(|&k| {
@@ -1396,17 +1405,20 @@ fn rollout<P: Policy>(
     record.insert("rollout/samples".into(), json!(kept_all as usize));
     record.insert("perf/rollout_generate_time".into(), json!(generate_time));
     record.insert("rollout/generated_tokens".into(), json!(resp_tokens as usize));
-    let parts = match dist.filter(|_| filter) {
-        Some(d) => Some(step_parts(d, &kept, groups_kept, steps)?),
+    // Over several processes each step takes the samples one process's step would, whichever
+    // samples or groups were dropped (failed rewards, empty responses) on any rank.
+    let parts = match dist {
+        Some(d) => Some(step_parts(d, &kept, if filter { groups_kept } else { draw }, steps)?),
         None => None,
     };
     Ok((kept, parts))
 }
 
-/// This rank's part of each optimizer step when its groups fall anywhere in the batch (dynamic
-/// sampling over several processes; `samples` in the order of their groups' indices in the
-/// batch of `groups`): step k takes positions [k·N/steps, (k+1)·N/steps) of the whole batch's
-/// N samples, as [`batch::split_ranges`] cuts one process's batch.
+/// This rank's part of each optimizer step over several processes (`samples` in the order of
+/// their groups' indices in the batch of `groups`, which may be anywhere in it under dynamic
+/// sampling): step k takes positions [k·N/steps, (k+1)·N/steps) of the whole batch's N samples,
+/// as [`batch::split_ranges`] cuts one process's batch, so dropped samples on any rank move
+/// every rank's boundaries as they move one process's.
 fn step_parts(
     d: &Dist,
     samples: &[TrainSample],
