@@ -334,7 +334,7 @@ fn processes_train_as_one(
     flags: &str,
     env: &[(&str, &str)],
     metrics: &[&str],
-) {
+) -> Vec<Value> {
     let flags = format!(
         "--sft-warmup-steps 20 --rollout-batch-size 8 --n-samples-per-prompt 4 \
          --eval-interval 100 {flags}"
@@ -380,6 +380,7 @@ fn processes_train_as_one(
             assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "{key}: {x} vs {y}");
         }
     }
+    two
 }
 
 /// What needs the whole batch works over two processes as in one: advantages whitened over
@@ -419,13 +420,18 @@ fn two_processes_cut_steps_as_one_when_samples_drop() {
          return 1.0 if sample[\"label\"] in sample[\"response\"] else 0.0\n",
     )
     .unwrap();
-    processes_train_as_one(
+    let two = processes_train_as_one(
         "train_two_processes_dropped",
         2,
         &format!("--custom-rm-path {}:score --num-steps-per-rollout 2", file.display()),
         &[],
         &["rollout/failed"],
     );
+    // Rank 0 logs the first failure whichever rank saw it.
+    for r in &two {
+        let e = r["rollout/first_error"].as_str().unwrap_or_default();
+        assert!(e.starts_with("rank 1: ") && e.contains("unscorable"), "{r}");
+    }
 }
 
 /// A mixture of experts with Rollout Routing Replay over two processes: the routing figures

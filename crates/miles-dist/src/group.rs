@@ -117,6 +117,21 @@ impl Group {
         Ok(())
     }
 
+    /// Every rank's `mine` on rank 0, in rank order (`None` on the others).
+    pub fn gather(&mut self, mine: &[u8]) -> Result<Option<Vec<Vec<u8>>>> {
+        if self.rank != 0 {
+            if let Some(link) = self.links.first_mut() {
+                write_frame(link, mine, "rank 0")?;
+            }
+            return Ok(None);
+        }
+        let mut all = vec![mine.to_vec()];
+        for (i, link) in self.links.iter_mut().enumerate() {
+            all.push(read_frame(link, &format!("rank {}", i + 1), self.timeout)?);
+        }
+        Ok(Some(all))
+    }
+
     /// Elementwise sums of every rank's `values` into each rank's, added in f32 in rank order
     /// (((r0 + r1) + r2) + …): the same bits on every run of the same processes.
     pub fn all_reduce_sum(&mut self, values: &mut [f32]) -> Result<()> {
@@ -342,6 +357,11 @@ mod tests {
             g.all_reduce_sum(&mut v).unwrap();
             let mut msg = if g.rank() == 0 { b"unique id".to_vec() } else { Vec::new() };
             g.broadcast(&mut msg).unwrap();
+            let gathered = g.gather(&[g.rank() as u8; 3][..g.rank()]).unwrap();
+            assert_eq!(gathered.is_some(), g.rank() == 0);
+            if let Some(all) = gathered {
+                assert_eq!(all, [vec![], vec![1], vec![2, 2], vec![3, 3, 3]]);
+            }
             let mut m = [g.rank() as f64, 1.0];
             g.all_reduce_sum_f64(&mut m).unwrap();
             g.barrier().unwrap();

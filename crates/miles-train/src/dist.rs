@@ -112,6 +112,17 @@ impl Dist {
         Ok(self.group.borrow_mut().all_reduce_sum(values)?)
     }
 
+    /// The first of the ranks' `mine` in rank order, on rank 0 (`None` on the others); a later
+    /// rank's is named by its rank.
+    pub fn first_on_root(&self, mine: Option<&str>) -> anyhow::Result<Option<String>> {
+        let all = self.group.borrow_mut().gather(mine.unwrap_or_default().as_bytes())?;
+        Ok(all.and_then(|all| {
+            let (rank, text) = all.into_iter().enumerate().find(|(_, t)| !t.is_empty())?;
+            let text = String::from_utf8_lossy(&text).into_owned();
+            Some(if rank == 0 { text } else { format!("rank {rank}: {text}") })
+        }))
+    }
+
     pub fn barrier(&self) -> anyhow::Result<()> {
         Ok(self.group.borrow_mut().barrier()?)
     }

@@ -1399,6 +1399,11 @@ fn rollout<P: Policy>(
     record.insert("rollout/truncated_ratio".into(), json!(truncated / samples_total.max(1.0)));
     record.insert("rollout/zero_std/count".into(), json!(zero_std as usize));
     record.insert("rollout/failed".into(), json!(failed as usize));
+    // Over several processes, whichever rank saw one (rank 0 logs it).
+    let first_error = match dist {
+        Some(d) => d.first_on_root(first_error.as_deref())?,
+        None => first_error,
+    };
     if let Some(e) = first_error {
         record.insert("rollout/first_error".into(), json!(e));
     }
