@@ -196,8 +196,9 @@ if [ "$what" = moe-bench ]; then
 fi
 if [ "$what" = dp ]; then
   # Several processes (issue 14): the addition example on NPROC processes beside one, same
-  # config, the held-out curves side by side; then a rank killed mid-run (every rank must stop
-  # with an error, not hang) and exact resume over NPROC processes; then the gradient sum's
+  # config, the held-out curves side by side and the throughput per GPU; the overlap of the
+  # bucketed sums; then a rank killed mid-run (every rank must stop with an error, not hang)
+  # and exact resume over NPROC processes; then the gradient sum's
   # bandwidth through our NCCL path beside NCCL's own (PyTorch, torchrun). On a multi-GPU kind
   # the ranks take a GPU each and sum through NCCL; on one GPU, DP_FLAGS="--device cuda:0
   # --distributed-backend tcp" puts every rank on GPU 0 and sums through host memory (no
@@ -225,6 +226,17 @@ one, many = (median(k, "perf/tokens_per_gpu_per_sec") for k in (1, n))
 print(f"tokens/s per GPU: 1 process {one:.0f}, {n} processes {many:.0f} ({100 * many / one:.0f}%); "
       f"step {median(1, 'perf/step_time'):.3f} s vs {median(n, 'perf/step_time'):.3f} s")
 PY
+  # The overlap: the same N-process run with one bucket (the sum after the whole backward)
+  # against 25 MiB buckets started during it; the medians of perf/train_time.
+  for b in 26214400 1000000000000; do
+    MILES_GRAD_BUCKET_BYTES=$b timeout ${LIMIT:-240} $miles train --config examples/addition-smollm2.toml \
+      --hf-checkpoint /tmp/smollm2 --num-rollout 30 --eval-interval 1000 --nproc-per-node $n $dp_flags \
+      --run-dir /tmp/dp-bucket-$b > /dev/null 2>&1
+    python3 -c "import json, statistics, sys; r = [json.loads(l) for l in open(sys.argv[1])]; \
+print(sys.argv[2], 'byte buckets: train', round(statistics.median(x['perf/train_time'] for x in r \
+if 'perf/train_time' in x and x['step'] > 5), 4), 's')" /tmp/dp-bucket-$b/metrics.jsonl $b \
+      | tee -a "$OUT/dp-overlap.txt"
+  done
   start=$(date +%s)
   MILES_FAULT=abort-after-rollout:2 MILES_FAULT_RANK=1 timeout 300 $miles train --config \
     examples/addition-smollm2.toml --hf-checkpoint /tmp/smollm2 --num-rollout 6 --nproc-per-node $n \
