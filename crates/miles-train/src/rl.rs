@@ -1268,8 +1268,8 @@ fn score_groups(
 /// Which of a rank's samples each optimizer step of an iteration takes.
 type StepParts = Vec<std::ops::Range<usize>>;
 
-/// Generates and scores one iteration's batch; records slime's `rollout/*` metrics. With
-/// dynamic sampling over several processes, also this rank's part of each optimizer step.
+/// Generates and scores one iteration's batch; records slime's `rollout/*` metrics. Over
+/// several processes, also this rank's part of each optimizer step ([`step_parts`]).
 #[allow(clippy::too_many_arguments)]
 fn rollout<P: Policy>(
     cfg: &RunConfig,
