@@ -495,6 +495,24 @@ fn ranks_without_samples_keep_in_step() {
     assert_eq!(steps(4), one);
 }
 
+/// A single Slurm task (`srun -n1 miles train --nproc-per-node 2`) is one process: it starts
+/// its workers as a plain run does, instead of training alone.
+#[test]
+fn a_single_slurm_task_starts_its_workers() {
+    let dir = scratch("train_single_slurm_task");
+    let args = format!(
+        "--sft-warmup-steps 5 --rollout-batch-size 4 --n-samples-per-prompt 2 --num-rollout 1 \
+         --num-steps-per-rollout 1 --eval-interval 100 --nproc-per-node 2 --run-dir {}",
+        dir.display()
+    );
+    let argv: Vec<String> = args.split_whitespace().map(String::from).collect();
+    let slurm = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1"), ("SLURM_LOCALID", "0")];
+    let out = run_binary_with(&strs(&argv), None, &slurm);
+    let report = text(&out);
+    assert!(out.status.success(), "{report}");
+    assert!(report.contains("2 worker processes"), "{report}");
+}
+
 /// Supervised iterations (`--loss-type sft_loss`) over two processes: each rank takes its part
 /// of every step's rows, and the steps are one process's.
 #[test]

@@ -19,7 +19,7 @@ impl World {
     /// where torchrun's agent serves its store on `MASTER_PORT`, the rendezvous takes the next
     /// port), else Slurm's (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, with `MASTER_ADDR`
     /// and `MASTER_PORT` set by the job script); `None` when neither names a rank (one
-    /// process).
+    /// process, or a world of one).
     /// `get` reads a variable (`std::env::var(..).ok()` in the binary).
     pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Option<World>> {
         let (rank_var, size_var, local_var) = if get("RANK").is_some() {
@@ -51,9 +51,13 @@ impl World {
                 message: format!("{rank} is not below {size_var} {world_size}"),
             });
         }
+        // A world of one (a single Slurm task, say) is one process: `--nproc-per-node` may
+        // still start workers from it.
+        if world_size == 1 {
+            return Ok(None);
+        }
         let master_addr = match get("MASTER_ADDR") {
             Some(a) if !a.trim().is_empty() => a.trim().to_string(),
-            _ if world_size == 1 => "127.0.0.1".to_string(),
             _ => {
                 return Err(Error::Env {
                     var: "MASTER_ADDR",
@@ -66,7 +70,6 @@ impl World {
                 var: "MASTER_PORT",
                 message: format!("'{p}' is not a port number"),
             })?,
-            None if world_size == 1 => 29500,
             None => {
                 return Err(Error::Env {
                     var: "MASTER_PORT",
@@ -132,10 +135,9 @@ mod tests {
             [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "65535")];
         let at_end = [&last[..], &[("TORCHELASTIC_USE_AGENT_STORE", "True")]].concat();
         assert!(from(&at_end).unwrap_err().to_string().contains("the next port"));
-        assert_eq!(
-            from(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap().unwrap().master_port,
-            29500
-        );
+        // A single task is one process (its --nproc-per-node may start workers).
+        assert_eq!(from(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap(), None);
+        assert_eq!(from(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")]).unwrap(), None);
         let slurm = [
             ("SLURM_PROCID", "5"),
             ("SLURM_NTASKS", "16"),

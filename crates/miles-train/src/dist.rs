@@ -84,8 +84,7 @@ pub(crate) struct Dist {
 impl Dist {
     /// This process's group when the environment names several ranks; `None` for one process.
     pub fn join(backend: Option<DistBackend>) -> anyhow::Result<Option<Dist>> {
-        let world = World::from_env(|k| std::env::var(k).ok())?;
-        let Some(world) = world.filter(|w| w.world_size > 1) else { return Ok(None) };
+        let Some(world) = World::from_env(|k| std::env::var(k).ok())? else { return Ok(None) };
         let group = Group::join(&world, TIMEOUT)
             .with_context(|| format!("rank {} of {}", world.rank, world.world_size))?;
         Ok(Some(Dist {
