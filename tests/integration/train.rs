@@ -1056,3 +1056,29 @@ fn a_python_reward_that_keeps_crashing_stops_the_run() {
     .unwrap_err();
     assert!(err.contains("the reward stopped working") && err.contains("crash.py"), "{err}");
 }
+
+/// `miles plot A B --out DIR` draws both runs in each chart; several runs need `--out`.
+#[test]
+fn plot_draws_runs_side_by_side() {
+    let root = scratch("plot_side_by_side");
+    let mut dirs = Vec::new();
+    for (name, reward) in [("one", 0.25), ("two", 0.5)] {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let lines: Vec<String> = (1..=5)
+            .map(|s| {
+                format!(r#"{{"step": {s}, "rollout/raw_reward": {}}}"#, reward + 0.1 * s as f64)
+            })
+            .collect();
+        std::fs::write(dir.join("metrics.jsonl"), lines.join("\n")).unwrap();
+        dirs.push(dir.to_str().unwrap().to_string());
+    }
+    let out = root.join("compare");
+    let report = miles(&["plot", &dirs[0], &dirs[1], "--out", out.to_str().unwrap()]).unwrap();
+    assert!(report.contains("plotted 1 of") && report.contains("from 10 records"), "{report}");
+    assert!(out.join("reward.png").is_file());
+    let err = miles(&["plot", &dirs[0], &dirs[1]]).unwrap_err();
+    assert!(err.contains("--out: say where"), "{err}");
+    let one = miles(&["plot", &dirs[0]]).unwrap();
+    assert!(root.join("one/plots/reward.png").is_file(), "{one}");
+}

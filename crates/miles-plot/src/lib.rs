@@ -276,11 +276,29 @@ pub struct PlotReport {
 
 /// Draws every chart of [`CHARTS`] that has data into `out_dir` (created if missing).
 pub fn plot_records(records: &[Record], out_dir: &Path) -> Result<PlotReport, PlotError> {
+    plot_runs(&[("", records)], out_dir)
+}
+
+/// [`plot_records`] for several runs side by side: each chart draws every run's series, named
+/// `label: metric` (a run with an empty label keeps the metric's name).
+pub fn plot_runs(runs: &[(&str, &[Record])], out_dir: &Path) -> Result<PlotReport, PlotError> {
     std::fs::create_dir_all(out_dir)
         .map_err(|error| PlotError::Write { path: out_dir.to_path_buf(), error })?;
     let mut report = PlotReport::default();
     for spec in CHARTS {
-        let chart = spec.chart(records);
+        let mut chart = Chart {
+            title: spec.title.to_string(),
+            x_label: spec.x.label().to_string(),
+            series: Vec::new(),
+        };
+        for (label, records) in runs {
+            for mut s in spec.chart(records).series {
+                if !label.is_empty() {
+                    s.name = format!("{label}: {}", s.name);
+                }
+                chart.series.push(s);
+            }
+        }
         if !chart.has_data() {
             report.skipped.push(*spec);
             continue;

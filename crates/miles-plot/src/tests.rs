@@ -252,3 +252,31 @@ fn charts_without_data_are_skipped_and_reported() {
     assert!(report.written.is_empty());
     assert_eq!(report.skipped.len(), CHARTS.len());
 }
+
+/// Two runs side by side: each chart draws both runs' series under their labels, in run order,
+/// and a chart only one run has data for is still drawn.
+#[test]
+fn runs_side_by_side_name_their_series_by_run() {
+    let run = TempDir::new("compare");
+    run.write(METRICS_FILE, &synthetic_run());
+    let records = read_metrics(&run.path().join(METRICS_FILE)).unwrap();
+    let truncated =
+        [serde_json::from_str::<Record>(r#"{"step": 1, "rollout/truncated_ratio": 0.5}"#).unwrap()];
+    let out = run.path().join("compare");
+    let report = plot_runs(&[("one", &records[..]), ("two", &truncated[..])], &out).unwrap();
+    assert_eq!(report.written.len(), CHARTS.len(), "every chart has a run with data");
+    let both = [("one", &records[..]), ("two", &records[..])];
+    let reward = &CHARTS[0];
+    let mut names = Vec::new();
+    for (label, r) in both {
+        names.extend(reward.chart(r).series.into_iter().map(|s| format!("{label}: {}", s.name)));
+    }
+    assert_eq!(names[0], "one: rollout/raw_reward");
+    assert_eq!(names[3], "two: rollout/raw_reward");
+    let report = plot_runs(&both, &out.join("same")).unwrap();
+    let (_, _, pixels) = decode(&report.written[0]);
+    let chart = reward.chart(&records);
+    let area = chart.plot_area(Size::default());
+    // The second run's raw reward is the chart's fourth series: drawn in the fourth colour.
+    assert!(count_color(&pixels, 800, area, series_color(3)) >= 300);
+}
