@@ -233,25 +233,22 @@ trait Num: Copy + std::ops::Add<Output = Self> {
     fn get(bytes: &[u8]) -> Self;
 }
 
-impl Num for f32 {
-    const BYTES: usize = 4;
-    fn put(self, out: &mut [u8]) {
-        out.copy_from_slice(&self.to_le_bytes());
-    }
-    fn get(bytes: &[u8]) -> Self {
-        f32::from_le_bytes(bytes.try_into().expect("4 bytes"))
-    }
+macro_rules! num {
+    ($t:ty, $bytes:literal) => {
+        impl Num for $t {
+            const BYTES: usize = $bytes;
+            fn put(self, out: &mut [u8]) {
+                out.copy_from_slice(&self.to_le_bytes());
+            }
+            fn get(bytes: &[u8]) -> Self {
+                <$t>::from_le_bytes(bytes.try_into().expect("BYTES bytes"))
+            }
+        }
+    };
 }
 
-impl Num for f64 {
-    const BYTES: usize = 8;
-    fn put(self, out: &mut [u8]) {
-        out.copy_from_slice(&self.to_le_bytes());
-    }
-    fn get(bytes: &[u8]) -> Self {
-        f64::from_le_bytes(bytes.try_into().expect("8 bytes"))
-    }
-}
+num!(f32, 4);
+num!(f64, 8);
 
 fn encode<T: Num>(values: &[T], buf: &mut Vec<u8>) {
     buf.resize(values.len() * T::BYTES, 0);

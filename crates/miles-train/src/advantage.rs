@@ -177,9 +177,7 @@ impl Advantage for Rloo {
 
 impl Advantage for ReinforcePlusPlus {
     fn compute(&self, groups: &[Vec<SequenceScore<'_>>]) -> Result<AdvantageOutput> {
-        let mut out = self.compute_unwhitened(groups)?;
-        whiten_batch(&mut out.advantages, groups);
-        Ok(out)
+        whitened(self, groups)
     }
 
     fn whitens_batch(&self) -> bool {
@@ -222,9 +220,7 @@ impl Advantage for ReinforcePlusPlus {
 
 impl Advantage for ReinforcePlusPlusBaseline {
     fn compute(&self, groups: &[Vec<SequenceScore<'_>>]) -> Result<AdvantageOutput> {
-        let mut out = self.compute_unwhitened(groups)?;
-        whiten_batch(&mut out.advantages, groups);
-        Ok(out)
+        whitened(self, groups)
     }
 
     fn whitens_batch(&self) -> bool {
@@ -318,6 +314,17 @@ impl MaskedStats {
             *x = if m != 0 { ((f64::from(*x) - self.mean) * self.scale) as f32 } else { 0.0 };
         }
     }
+}
+
+/// An estimator that whitens last ([`Advantage::whitens_batch`]): its unwhitened advantages,
+/// whitened over `groups`.
+fn whitened(
+    estimator: &dyn Advantage,
+    groups: &[Vec<SequenceScore<'_>>],
+) -> Result<AdvantageOutput> {
+    let mut out = estimator.compute_unwhitened(groups)?;
+    whiten_batch(&mut out.advantages, groups);
+    Ok(out)
 }
 
 /// Whitens every sample's advantages with the statistics of the whole batch.
