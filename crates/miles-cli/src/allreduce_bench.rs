@@ -12,7 +12,7 @@ use miles_dist::{Group, World};
 use miles_tensor::{Collective, Device, Tensor};
 use serde_json::json;
 
-use crate::bench_cmd::parse_device;
+use crate::common::{launch, parse_device};
 
 #[derive(Debug, Args)]
 pub struct AllReduceBenchArgs {
@@ -39,7 +39,7 @@ pub fn run(args: &AllReduceBenchArgs, out: &mut dyn Write) -> anyhow::Result<()>
         if args.nproc_per_node < 2 {
             bail!("--nproc-per-node: a sum over the ranks needs at least 2");
         }
-        return crate::train_cmd::launch(args.nproc_per_node, "bench allreduce", out);
+        return launch(args.nproc_per_node, "bench allreduce", out);
     };
     let timeout = Duration::from_secs(120);
     let mut group = Group::join(&world, timeout)

@@ -13,6 +13,8 @@ use miles_tensor::{DType, Device};
 use miles_train::Optimizer;
 use serde_json::json;
 
+use crate::common::{DTypeArg, EngineArgs, load_model, parse_device};
+
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// Tokens/s of one training step: forward, backward and AdamW over a packed batch.
@@ -50,47 +52,6 @@ pub struct RolloutBenchArgs {
     pub new_tokens: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-}
-
-/// Where the rollout engine runs and how (`miles generate`, `miles bench rollout`).
-#[derive(Debug, Args)]
-pub struct EngineArgs {
-    /// Where the engine runs: cpu, cuda (device 0) or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = parse_device)]
-    pub device: Device,
-    /// Compute dtype on a GPU (the CPU computes in f32).
-    #[arg(long, value_enum, default_value = "bf16")]
-    pub dtype: DTypeArg,
-    /// Run every decode step eagerly instead of replaying captured CUDA graphs.
-    #[arg(long)]
-    pub disable_cuda_graph: bool,
-    /// Prefill at most this many prompt tokens per step: longer prompts are prefilled in
-    /// chunks beside the others' decode steps (SGLang's --chunked-prefill-size).
-    #[arg(long, value_name = "TOKENS")]
-    pub chunked_prefill_size: Option<usize>,
-}
-
-/// `--device`: cpu, cuda or cuda:N.
-pub fn parse_device(s: &str) -> Result<Device, String> {
-    s.parse().map_err(|e: miles_tensor::Error| e.to_string())
-}
-
-/// The compute dtype of a device run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DTypeArg {
-    /// bf16 weights and activations, f32 accumulation, f32 masters and moments.
-    Bf16,
-    /// f32 throughout (parity runs).
-    F32,
-}
-
-impl DTypeArg {
-    pub fn dtype(self) -> DType {
-        match self {
-            DTypeArg::Bf16 => DType::BF16,
-            DTypeArg::F32 => DType::F32,
-        }
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -137,7 +98,7 @@ pub struct BenchArgs {
 
 fn bench_model(preset: &str, dir: &Option<PathBuf>, seed: u64) -> anyhow::Result<(Model, String)> {
     Ok(match dir {
-        Some(dir) => (crate::score_cmd::load_model(dir)?, dir.display().to_string()),
+        Some(dir) => (load_model(dir)?, dir.display().to_string()),
         None => {
             let config = presets::preset(preset, None).context("--preset")?;
             let weights = Weights::random(&config, seed);

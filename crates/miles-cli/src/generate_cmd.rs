@@ -12,8 +12,7 @@ use miles_model::{DeviceModel, PackedBatch, Tokenizer};
 use miles_rollout::{Engine, EngineConfig, Policy, Progress, kv_cache_budget};
 use miles_tensor::Device;
 
-use crate::bench_cmd::EngineArgs;
-use crate::score_cmd::load_model;
+use crate::common::{EngineArgs, load_model};
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {

@@ -7,6 +7,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod allreduce_bench;
 mod bench_cmd;
+mod common;
 mod convert_cmd;
 pub mod demo;
 mod generate_cmd;

@@ -1,14 +1,12 @@
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use miles_model::{
-    DeviceModel, Model, ModelConfig, PackedBatch, PackedLinears, Tokenizer, Weights,
-};
+use miles_model::{DeviceModel, Model, PackedBatch, PackedLinears, Tokenizer};
 use miles_tensor::Device;
 
-use crate::bench_cmd::DTypeArg;
+use crate::common::{DTypeArg, load_model, parse_device};
 use serde_json::Value;
 
 use crate::jsonl;
@@ -38,7 +36,7 @@ pub struct ScoreArgs {
     #[arg(long, default_value_t = 8192)]
     pub max_tokens_per_batch: usize,
     /// Where the model runs: cpu, cuda (device 0) or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = crate::bench_cmd::parse_device)]
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: Device,
     /// Compute dtype on a GPU (the CPU computes in f32).
     #[arg(long, value_enum, default_value = "bf16")]
@@ -123,12 +121,6 @@ struct Item {
     line: usize,
     tokens: Vec<u32>,
     prompt_len: usize,
-}
-
-pub fn load_model(dir: &Path) -> anyhow::Result<Model> {
-    let config = ModelConfig::from_file(&dir.join("config.json"))?;
-    let weights = Weights::load(dir, &config)?;
-    Ok(Model::new(config, weights))
 }
 
 fn tokenize(

@@ -5,7 +5,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use miles_core::config::{AdvantageEstimator, DistBackend, RunConfig};
+use miles_core::config::{AdvantageEstimator, DeviceSpec, DistBackend, RunConfig};
 use miles_core::{Correction, Reward, RoutingReplay, registry};
 use miles_data::{Dataset, Keys};
 use miles_model::Tokenizer;
@@ -16,8 +16,8 @@ use miles_train::advantage::AdvantageConfig;
 use miles_train::rl::{self, Record, Setup};
 use serde_json::Value;
 
+use crate::common::{launch, load_model};
 use crate::run_flags::{TrainArgs, build_run_config};
-use crate::score_cmd::load_model;
 use crate::{demo, linked};
 
 /// The keys `args` sets, from its flags and its `--config` file (an unreadable file sets none
@@ -138,30 +138,13 @@ fn make_correction(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Correction>
 fn check_gpus(cfg: &RunConfig, gpus: usize) -> anyhow::Result<()> {
     let n = cfg.nproc_per_node;
     let shared = cfg.distributed_backend == Some(DistBackend::Tcp);
-    if cfg.device == "cuda" && !shared && gpus > 0 && gpus < n {
+    if cfg.device == DeviceSpec::Cuda && !shared && gpus > 0 && gpus < n {
         bail!(
             "--nproc-per-node {n}: with --device cuda rank i takes GPU i, and this host has \
              {gpus}; start at most {gpus} processes (or let them share GPU 0 with --device \
              cuda:0 --distributed-backend tcp)"
         );
     }
-    Ok(())
-}
-
-/// `--nproc-per-node N`: this command again as ranks 0..N of one run on this host; returns
-/// when all have finished, or with the error of the first that failed (the others stopped).
-pub(crate) fn launch(n: usize, command: &str, out: &mut dyn Write) -> anyhow::Result<()> {
-    let exe = std::env::current_exe().context("--nproc-per-node: where is this binary")?;
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let port = match std::env::var("MASTER_PORT").ok().and_then(|p| p.parse().ok()) {
-        Some(p) => p,
-        None => std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .context("--nproc-per-node: no free port for the rendezvous")?,
-    };
-    writeln!(out, "miles {command}: {n} worker processes, rendezvous on port {port}")?;
-    miles_dist::launch_local(n, port, &exe, &args).context("--nproc-per-node")?;
     Ok(())
 }
 
@@ -308,7 +291,7 @@ pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let cfg = run_config(args)?;
     let world = miles_dist::World::from_env(|k| std::env::var(k).ok())?;
     if cfg.nproc_per_node > 1 && world.is_none() {
-        if cfg.device == "cuda" {
+        if cfg.device == DeviceSpec::Cuda {
             check_gpus(&cfg, Device::cuda_count())?;
         }
         return launch(cfg.nproc_per_node, "train", out);
@@ -388,7 +371,7 @@ mod tests {
     #[test]
     fn more_ranks_than_gpus_is_an_error_at_launch() {
         let cfg = |device: &str, backend| RunConfig {
-            device: device.into(),
+            device: device.parse().unwrap(),
             nproc_per_node: 4,
             distributed_backend: backend,
             ..RunConfig::default()

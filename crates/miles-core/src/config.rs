@@ -106,6 +106,63 @@ pub enum DistBackend {
     Tcp,
 }
 
+/// `--device`, parsed once: `cpu`, `cuda` (the rank's GPU: device 0 in one process, the local
+/// rank's under torchrun) or `cuda:N` (that GPU whatever the rank).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    Cuda,
+    CudaOrdinal(usize),
+}
+
+impl DeviceSpec {
+    pub fn is_cuda(self) -> bool {
+        self != DeviceSpec::Cpu
+    }
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceSpec::CudaOrdinal)
+                .ok_or_else(|| format!("device `{s}`: use cpu, cuda (device 0) or cuda:N")),
+        }
+    }
+}
+
+impl TryFrom<String> for DeviceSpec {
+    type Error = String;
+
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<DeviceSpec> for String {
+    fn from(d: DeviceSpec) -> String {
+        d.to_string()
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceSpec::Cpu => f.write_str("cpu"),
+            DeviceSpec::Cuda => f.write_str("cuda"),
+            DeviceSpec::CudaOrdinal(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
 /// One run's settings, flat like slime's argument namespace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
@@ -117,8 +174,8 @@ pub struct RunConfig {
     pub save_interval: Option<usize>,
     pub save_hf: Option<PathBuf>,
     pub seed: u64,
-    /// Where the trainer's model runs: `cpu`, `cuda` (device 0) or `cuda:N` (miles-rs).
-    pub device: String,
+    /// Where the trainer's model runs (miles-rs).
+    pub device: DeviceSpec,
     /// The built-in demo policy's architecture: `qwen3` (when unset), `llama` or `qwen3-moe`
     /// (miles-rs; a checkpoint's config.json names its own).
     pub arch: Option<DemoArch>,
@@ -265,7 +322,7 @@ impl Default for RunConfig {
             save_interval: None,
             save_hf: None,
             seed: 1234,
-            device: "cpu".into(),
+            device: DeviceSpec::Cpu,
             arch: None,
             nproc_per_node: 1,
             distributed_backend: None,
@@ -372,7 +429,7 @@ impl RunConfig {
     pub fn validate(&self) -> Result<()> {
         check(self.nproc_per_node >= 1, "nproc-per-node", || "must be at least 1".into())?;
         let nccl_on_cpu =
-            self.distributed_backend == Some(DistBackend::Nccl) && self.device == "cpu";
+            self.distributed_backend == Some(DistBackend::Nccl) && !self.device.is_cuda();
         check(!nccl_on_cpu, "distributed-backend", || {
             "nccl sums GPU tensors; with --device cpu the ranks use tcp".into()
         })?;

@@ -55,4 +55,8 @@ pub trait Rollout: Send {
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
     ) -> Result<Vec<Vec<Sample>>>;
+
+    /// The policy version that samples generated from now on carry in `weight_version` (the
+    /// loop's count of weight syncs).
+    fn set_weight_version(&mut self, version: u64);
 }

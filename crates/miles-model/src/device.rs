@@ -10,9 +10,8 @@
 use miles_tensor::cpu::{self, AdamW, AttentionShape, PagedRows, Transpose};
 use miles_tensor::{DType, Device, Tensor, ops};
 
-use crate::layer::{
-    Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
-};
+use crate::backend::{Backend, BackwardBackend, Linear, Norm};
+use crate::layer::{LayerActivations, layer_backward, layer_forward};
 use crate::moe::{ExpertMatrix, SparseLayers, SparseOutputs};
 use crate::weights::tensor_spec;
 use crate::{DeviceKvCache, Error, Model, ModelConfig, PackedBatch, Result, StepRow, Weights};
@@ -365,7 +364,7 @@ impl DeviceModel {
         for layer in 0..c.num_hidden_layers {
             let replay = sparse.replay(c, layer)?;
             let (x_out, a) = layer_forward(&dev, c, layer, x, &mut attention, replay.as_deref())?;
-            sparse.after(&a);
+            sparse.after(a.routing());
             if keep {
                 layers.push(a);
             }

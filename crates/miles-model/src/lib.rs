@@ -6,6 +6,7 @@
 //! tempered next-token distribution; its backward takes d(loss)/d(logp) and d(loss)/d(entropy)
 //! and yields the gradient of every weight. Losses live in host math elsewhere.
 
+mod backend;
 pub mod config;
 mod decode;
 pub mod device;

@@ -8,10 +8,9 @@ use miles_tensor::cpu::{
 };
 use rayon::prelude::*;
 
+use crate::backend::{Backend, BackwardBackend, Linear, Norm};
 use crate::kv::{BlockId, KvCache};
-use crate::layer::{
-    Backend, BackwardBackend, LayerActivations, Linear, Norm, layer_backward, layer_forward,
-};
+use crate::layer::{LayerActivations, layer_backward, layer_forward};
 use crate::moe::{SparseLayers, SparseOutputs};
 use crate::{Error, ModelConfig, Result, Weights};
 
@@ -456,7 +455,7 @@ impl Model {
         for layer in 0..c.num_hidden_layers {
             let replay = sparse.replay(c, layer)?;
             let (x_out, a) = layer_forward(&cpu, c, layer, x, &mut attention, replay.as_deref())?;
-            sparse.after(&a);
+            sparse.after(a.routing());
             if keep {
                 layers.push(a);
             }

@@ -13,8 +13,8 @@
 
 use rayon::prelude::*;
 
+use crate::backend::{Backend, BackwardBackend, Linear, take};
 use crate::config::MoeConfig;
-use crate::layer::{Backend, BackwardBackend, LayerActivations, Linear};
 use crate::{Error, ModelConfig, PackedBatch, Result};
 
 /// One sparse layer's routing of `tokens` rows.
@@ -238,8 +238,8 @@ impl<'a> SparseLayers<'a> {
     }
 
     /// After the layer: its routing into the statistics.
-    pub fn after<A>(&mut self, a: &LayerActivations<A>) {
-        if let Some(r) = a.routing() {
+    pub fn after(&mut self, routing: Option<&Routing>) {
+        if let Some(r) = routing {
             self.balance.add(r);
             self.seen += 1;
             if let (Some(m), Some(ids)) = (self.mismatch.as_mut(), &self.record) {
@@ -334,7 +334,7 @@ pub(crate) fn moe_forward<B: Backend>(
     hidden: usize,
     replay: Option<&[u32]>,
 ) -> Result<(B::Act, MoeActivations<B::Act>)> {
-    let [logits] = crate::layer::take(b.linear(layer, Linear::Router, x)?);
+    let [logits] = take(b.linear(layer, Linear::Router, x)?);
     let routing = route(&b.to_host(&logits)?, m, replay)?;
     let k = m.num_experts_per_tok;
     if b.grouped_experts() {
@@ -358,9 +358,9 @@ pub(crate) fn moe_forward<B: Backend>(
     for (expert, picks) in by_expert.into_iter().enumerate().filter(|(_, p)| !p.is_empty()) {
         let rows: Vec<u32> = picks.iter().map(|&p| p / k as u32).collect();
         let xe = b.gather_rows(x, hidden, &rows, None)?;
-        let [gate, up] = crate::layer::take(b.linear(layer, Linear::ExpertGateUp(expert), &xe)?);
+        let [gate, up] = take(b.linear(layer, Linear::ExpertGateUp(expert), &xe)?);
         let act = b.swiglu(&gate, &up)?;
-        let [y] = crate::layer::take(b.linear(layer, Linear::ExpertDown(expert), &act)?);
+        let [y] = take(b.linear(layer, Linear::ExpertDown(expert), &act)?);
         for (r, &p) in picks.iter().enumerate() {
             slots[p as usize] = (runs.len() as u32, r as u32);
         }

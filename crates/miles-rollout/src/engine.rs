@@ -263,11 +263,6 @@ impl<P: Policy> Engine<P> {
         self.weight_version
     }
 
-    /// Sets the policy version, e.g. to where a resumed run had got to.
-    pub fn set_weight_version(&mut self, version: u64) {
-        self.weight_version = version;
-    }
-
     /// Token ids that end a sequence: the config's EOS ids, else the tokenizer's EOS token.
     fn eos_ids(&self) -> Vec<u32> {
         let ids = &self.policy.config().eos_token_ids;
@@ -861,5 +856,9 @@ impl<P: Policy> Rollout for Engine<P> {
         params: &SamplingParams,
     ) -> crate::Result<Vec<Vec<Sample>>> {
         self.generate_with_progress(groups, params, &mut |_| {})
+    }
+
+    fn set_weight_version(&mut self, version: u64) {
+        self.weight_version = version;
     }
 }

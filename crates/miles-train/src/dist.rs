@@ -14,7 +14,7 @@ use std::cell::{OnceCell, RefCell};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use miles_core::config::{DistBackend, LossType, RunConfig};
+use miles_core::config::{DeviceSpec, DistBackend, LossType, RunConfig};
 use miles_dist::{Group, World};
 use miles_model::DeviceModel;
 use miles_tensor::{Collective, Device, Tensor};
@@ -127,8 +127,8 @@ impl Dist {
     }
 
     /// The device this rank trains on (see [`rank_device`]).
-    pub fn device(&self, device: Device, spelled: &str) -> Device {
-        rank_device(device, spelled, self.local_rank)
+    pub fn device(&self, spec: DeviceSpec) -> Device {
+        rank_device(spec, self.local_rank)
     }
 
     /// NCCL on `device`, joined on first use (rank 0 makes the id and hands it over the TCP
@@ -242,11 +242,12 @@ impl Dist {
 }
 
 /// `--device cuda` (no ordinal) is the GPU of the rank's local rank, as torchrun's workers
-/// pick theirs; `cuda:N` and `cpu` stay as given.
-fn rank_device(device: Device, spelled: &str, local_rank: usize) -> Device {
-    match device {
-        Device::Cuda(_) if spelled == "cuda" => Device::Cuda(local_rank),
-        other => other,
+/// pick theirs (device 0 in a single process); `cuda:N` and `cpu` stay as given.
+pub fn rank_device(spec: DeviceSpec, local_rank: usize) -> Device {
+    match spec {
+        DeviceSpec::Cpu => Device::Cpu,
+        DeviceSpec::Cuda => Device::Cuda(local_rank),
+        DeviceSpec::CudaOrdinal(n) => Device::Cuda(n),
     }
 }
 
@@ -304,8 +305,8 @@ mod tests {
 
     #[test]
     fn each_rank_takes_the_gpu_of_its_local_rank() {
-        assert_eq!(rank_device(Device::Cuda(0), "cuda", 3), Device::Cuda(3));
-        assert_eq!(rank_device(Device::Cuda(1), "cuda:1", 3), Device::Cuda(1));
-        assert_eq!(rank_device(Device::Cpu, "cpu", 3), Device::Cpu);
+        assert_eq!(rank_device(DeviceSpec::Cuda, 3), Device::Cuda(3));
+        assert_eq!(rank_device(DeviceSpec::CudaOrdinal(1), 3), Device::Cuda(1));
+        assert_eq!(rank_device(DeviceSpec::Cpu, 3), Device::Cpu);
     }
 }

@@ -1,0 +1,75 @@
+//! What several commands share: loading a checkpoint, the `--device` and `--dtype` values, the
+//! rollout engine's flags, and starting worker processes (`--nproc-per-node`).
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use miles_model::{Model, ModelConfig, Weights};
+use miles_tensor::{DType, Device};
+
+/// An HF checkpoint directory: config.json and the safetensors weights.
+pub fn load_model(dir: &Path) -> anyhow::Result<Model> {
+    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let weights = Weights::load(dir, &config)?;
+    Ok(Model::new(config, weights))
+}
+
+/// `--device`: cpu, cuda or cuda:N.
+pub fn parse_device(s: &str) -> Result<Device, String> {
+    s.parse().map_err(|e: miles_tensor::Error| e.to_string())
+}
+
+/// The compute dtype of a device run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DTypeArg {
+    /// bf16 weights and activations, f32 accumulation, f32 masters and moments.
+    Bf16,
+    /// f32 throughout (parity runs).
+    F32,
+}
+
+impl DTypeArg {
+    pub fn dtype(self) -> DType {
+        match self {
+            DTypeArg::Bf16 => DType::BF16,
+            DTypeArg::F32 => DType::F32,
+        }
+    }
+}
+
+/// Where the rollout engine runs and how (`miles generate`, `miles bench rollout`).
+#[derive(Debug, Args)]
+pub struct EngineArgs {
+    /// Where the engine runs: cpu, cuda (device 0) or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+    /// Compute dtype on a GPU (the CPU computes in f32).
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: DTypeArg,
+    /// Run every decode step eagerly instead of replaying captured CUDA graphs.
+    #[arg(long)]
+    pub disable_cuda_graph: bool,
+    /// Prefill at most this many prompt tokens per step: longer prompts are prefilled in
+    /// chunks beside the others' decode steps (SGLang's --chunked-prefill-size).
+    #[arg(long, value_name = "TOKENS")]
+    pub chunked_prefill_size: Option<usize>,
+}
+
+/// `--nproc-per-node N`: this command again as ranks 0..N of one run on this host; returns
+/// when all have finished, or with the error of the first that failed (the others stopped).
+pub(crate) fn launch(n: usize, command: &str, out: &mut dyn Write) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("--nproc-per-node: where is this binary")?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let port = match std::env::var("MASTER_PORT").ok().and_then(|p| p.parse().ok()) {
+        Some(p) => p,
+        None => std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .context("--nproc-per-node: no free port for the rendezvous")?,
+    };
+    writeln!(out, "miles {command}: {n} worker processes, rendezvous on port {port}")?;
+    miles_dist::launch_local(n, port, &exe, &args).context("--nproc-per-node")?;
+    Ok(())
+}

@@ -1,0 +1,214 @@
+//! The primitives a decoder layer is written over: one [`Backend`] per device (the CPU model
+//! on f32 slices, the device model on tensors), so [`crate::layer`] and [`crate::moe`] hold the
+//! steps of a layer once and depend only on this file, not on each other's backends.
+
+use crate::moe::ExpertMatrix;
+use crate::{ModelConfig, Result};
+
+/// A layer's linears. Forward outputs come split into their parts: `[q, k, v]`, `[o]`,
+/// `[gate, up]`, `[down]`; a sparse layer's router gives `[logits]` and its experts
+/// `[gate, up]` and `[down]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Linear {
+    Qkv,
+    O,
+    GateUp,
+    Down,
+    Router,
+    ExpertGateUp(usize),
+    ExpertDown(usize),
+}
+
+/// A layer's RMSNorms; `Q` and `K` (Qwen3) normalize each head of the queries and keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Norm {
+    Input,
+    Post,
+    Q,
+    K,
+}
+
+/// The forward primitives of one device. `Act` is an activation `[tokens × width]`.
+pub(crate) trait Backend {
+    type Act;
+    /// `(y, rstd)` of the layer's norm over `x`.
+    fn rmsnorm(&self, layer: usize, norm: Norm, x: &Self::Act) -> Result<(Self::Act, Self::Act)>;
+    /// `x·Wᵀ` for each part of the linear.
+    fn linear(&self, layer: usize, linear: Linear, x: &Self::Act) -> Result<Vec<Self::Act>>;
+    /// Rotates `heads` heads of every token by its position (`inverse`: the backward).
+    fn rope(&self, x: Self::Act, heads: usize, inverse: bool) -> Result<Self::Act>;
+    fn swiglu(&self, gate: &Self::Act, up: &Self::Act) -> Result<Self::Act>;
+    fn add(&self, a: &Self::Act, b: &Self::Act) -> Result<Self::Act>;
+
+    /// The values of `x` on the host (a sparse layer's router logits).
+    fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>>;
+    /// `[values / width × width]` from host values.
+    fn upload(&self, values: Vec<f32>, width: usize) -> Result<Self::Act>;
+    /// Rows `rows` of `x` (rows of `width`), row `i` times `scales[i]` when given.
+    fn gather_rows(
+        &self,
+        x: &Self::Act,
+        width: usize,
+        rows: &[u32],
+        scales: Option<&[f32]>,
+    ) -> Result<Self::Act>;
+    /// `out[t] = Σ_k weights[t·k_n + k] · parts[p][r]` with `(p, r) = picks[t·k_n + k]`, summed
+    /// in rank order `k = 0, 1, …` (`k_n` picks per row, rows of `width`): each token's
+    /// experts combined.
+    fn sum_rows(
+        &self,
+        parts: &[&Self::Act],
+        width: usize,
+        picks: &[(u32, u32)],
+        weights: &[f32],
+        k_n: usize,
+    ) -> Result<Self::Act>;
+    /// Per pick `t·k_n + k`, the dot product of row `t` of `a` with the picked row of `parts`.
+    fn row_dots(
+        &self,
+        a: &Self::Act,
+        parts: &[&Self::Act],
+        width: usize,
+        picks: &[(u32, u32)],
+        k_n: usize,
+    ) -> Result<Vec<f32>>;
+
+    /// Whether the sparse layers run every expert at once ([`Backend::experts_product`] over
+    /// the picks sorted by expert) rather than one expert at a time.
+    fn grouped_experts(&self) -> bool {
+        false
+    }
+    /// Each expert's `matrix` over its sorted rows (`offsets[e]..offsets[e + 1]`): `x[row]·Wᵀ`,
+    /// or `x[row]·W` with `input_grad`, the rows of `x` through `rows` when given.
+    fn experts_product(
+        &self,
+        _layer: usize,
+        _matrix: ExpertMatrix,
+        _x: &Self::Act,
+        _rows: Option<&[u32]>,
+        _offsets: &[u32],
+        _input_grad: bool,
+    ) -> Result<Self::Act> {
+        Err(crate::Error::Invalid("internal: this backend has no grouped expert products".into()))
+    }
+    /// `out[t] = Σ_j weights[t·k + j] · y[picks[t·k + j]]` in rank order (rows of `width`).
+    fn pick_rows(
+        &self,
+        y: &Self::Act,
+        width: usize,
+        picks: &[u32],
+        weights: &[f32],
+        k: usize,
+    ) -> Result<Self::Act> {
+        let parts: Vec<(u32, u32)> = picks.iter().map(|&r| (0, r)).collect();
+        self.sum_rows(&[y], width, &parts, weights, k)
+    }
+    /// Per pick `t·k + j`, the dot product of row `t` of `a` with row `picks[t·k + j]` of `y`.
+    fn pick_dots(
+        &self,
+        a: &Self::Act,
+        y: &Self::Act,
+        width: usize,
+        picks: &[u32],
+        k: usize,
+    ) -> Result<Vec<f32>> {
+        let parts: Vec<(u32, u32)> = picks.iter().map(|&r| (0, r)).collect();
+        self.row_dots(a, &[y], width, &parts, k)
+    }
+
+    /// `(a + b, y, rstd)` with `(y, rstd)` the layer's `norm` of `a + b`: a residual add and the
+    /// norm after it. A backend may fuse them, keeping their bits.
+    fn add_rmsnorm(
+        &self,
+        layer: usize,
+        norm: Norm,
+        a: &Self::Act,
+        b: &Self::Act,
+    ) -> Result<(Self::Act, Self::Act, Self::Act)> {
+        let sum = self.add(a, b)?;
+        let (y, rstd) = self.rmsnorm(layer, norm, &sum)?;
+        Ok((sum, y, rstd))
+    }
+
+    /// The queries and keys as attention takes them: each head normalized (models with q/k
+    /// norms), then rotated; with the norms also what their backward needs, `[q, q_rstd, k,
+    /// k_rstd]`. A backend may fuse these steps, keeping their bits.
+    #[allow(clippy::type_complexity)]
+    fn qk_norm_rope(
+        &self,
+        c: &ModelConfig,
+        layer: usize,
+        q: Self::Act,
+        k: Self::Act,
+    ) -> Result<(Self::Act, Self::Act, Option<[Self::Act; 4]>)> {
+        let (q, k, qk_norm) = if c.architecture.has_qk_norm() {
+            let (qn, q_rstd) = self.rmsnorm(layer, Norm::Q, &q)?;
+            let (kn, k_rstd) = self.rmsnorm(layer, Norm::K, &k)?;
+            (qn, kn, Some([q, q_rstd, k, k_rstd]))
+        } else {
+            (q, k, None)
+        };
+        let q = self.rope(q, c.num_attention_heads, false)?;
+        let k = self.rope(k, c.num_key_value_heads, false)?;
+        Ok((q, k, qk_norm))
+    }
+}
+
+/// The backward primitives: the weight gradients accumulate inside the backend.
+pub(crate) trait BackwardBackend: Backend {
+    /// `dx` of the layer's norm; adds `dw` into the norm's gradient.
+    fn rmsnorm_backward(
+        &mut self,
+        layer: usize,
+        norm: Norm,
+        dy: &Self::Act,
+        x: &Self::Act,
+        rstd: &Self::Act,
+    ) -> Result<Self::Act>;
+    /// `dx = Σ_p dy_p·W_p` over the linear's parts, adding `dy_pᵀ·x` into each part's gradient.
+    fn linear_backward(
+        &mut self,
+        layer: usize,
+        linear: Linear,
+        dys: &[&Self::Act],
+        x: &Self::Act,
+    ) -> Result<Self::Act>;
+    /// Adds each expert's `matrix` gradient: `dy[seg]ᵀ · x[rows[seg]]` over its sorted rows.
+    fn experts_wgrad(
+        &mut self,
+        _layer: usize,
+        _matrix: ExpertMatrix,
+        _dy: &Self::Act,
+        _x: &Self::Act,
+        _rows: Option<&[u32]>,
+        _offsets: &[u32],
+    ) -> Result<()> {
+        Err(crate::Error::Invalid("internal: this backend has no grouped expert products".into()))
+    }
+    fn swiglu_backward(
+        &self,
+        dh: &Self::Act,
+        gate: &Self::Act,
+        up: &Self::Act,
+    ) -> Result<(Self::Act, Self::Act)>;
+    /// `(dq, dk, dv)` of the causal attention whose forward gave `out` and `lse`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        d_out: &Self::Act,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        out: &Self::Act,
+        lse: &Self::Act,
+    ) -> Result<(Self::Act, Self::Act, Self::Act)>;
+}
+
+/// `(q, k, v) → (attention output, log-sum-exp)`: where the training forward and the
+/// incremental step differ.
+pub(crate) type AttentionFn<'a, A> = dyn FnMut(&A, &A, &A) -> Result<(A, A)> + 'a;
+
+/// A linear's `N` parts, as [`Backend::linear`] returns them.
+pub(crate) fn take<const N: usize, A>(parts: Vec<A>) -> [A; N] {
+    parts.try_into().unwrap_or_else(|_| unreachable!("a backend returned the wrong part count"))
+}

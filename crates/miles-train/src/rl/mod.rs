@@ -1,0 +1,425 @@
+//! The RL loop: rollout → reward → filter → advantages → optimizer steps → weight sync, with
+//! eval, metrics, checkpoints and exact resume.
+//!
+//! One iteration ("step" in the metrics, slime's rollout id + 1):
+//! 1. draw `rollout-batch-size` prompts (`over-sampling-batch-size` with dynamic sampling,
+//!    which drops groups whose rewards have zero spread and draws again until the batch is
+//!    full), `n-samples-per-prompt` responses each from the embedded engine;
+//! 2. score them; a failed reward marks the sample failed: it is counted and left out;
+//! 3. old logprobs (the trainer's, or the rollout's with `use-rollout-logprobs`), reference
+//!    logprobs for the KL terms, the off-policy correction, the advantages. With one
+//!    optimizer step per rollout and nothing that reads the old logprobs before it (no TIS/MIS,
+//!    no KL reward shaping), they are the step's own forward's, detached: the policy before
+//!    the step is the old policy, so a separate forward would compute the same bits;
+//! 4. `num-steps-per-rollout` optimizer steps over consecutive slices of the batch, each
+//!    accumulated over micro-batches; a step whose loss or gradient is not finite is skipped
+//!    and counted (`train/skipped_steps`);
+//! 5. weight sync: the engine repacks the policy it shares with the trainer (one copy of the
+//!    weights, updated in place).
+//!
+//! Every random choice is a function of the seeds and the iteration number (shuffles of
+//! `(rollout-seed, epoch)`, rollout draws of `(rollout-seed, iteration, round)`), so a run
+//! resumed from a checkpoint (weights, AdamW moments, data cursor, iteration) computes the
+//! same bits as one that never stopped.
+//!
+//! Fault injection for the tests (`MILES_FAULT`, on rank `MILES_FAULT_RANK` only when set):
+//! `abort-after-rollout:K` aborts the process after iteration K (and its checkpoint) completes; `nan-loss-at-step:K` replaces the loss of
+//! optimizer step K (1-based, counting attempted steps) with NaN; `abort-during-save` is the
+//! checkpoint writer's.
+
+mod actor;
+mod collect;
+mod eval;
+mod metrics;
+mod prepare;
+mod run;
+mod score;
+mod sft;
+mod step;
+
+use std::path::PathBuf;
+
+use anyhow::{Context, anyhow, bail};
+use miles_core::config::{LossType, RunConfig};
+use miles_core::{Advantage, Correction, Reward, RoutingReplay};
+use miles_data::{Cursor, DataSource, Dataset};
+use miles_model::{Model, Tokenizer, Weights};
+use miles_rollout::{Engine, EngineConfig};
+use miles_tensor::Device;
+use miles_tensor::cpu::AdamW;
+
+use crate::Optimizer;
+use crate::checkpoint;
+use crate::dist::{Dist, check_split};
+use crate::schedule::LrSchedule;
+use actor::{CpuActor, DeviceActor, Reference};
+use metrics::MetricsLog;
+use prepare::old_logprobs_in_step;
+use run::{Progress, Run};
+use score::Unscored;
+use sft::sft_warmup;
+
+pub use metrics::{Record, TENSORBOARD_DIR};
+
+/// Everything a run needs, assembled by the driver.
+pub struct Setup {
+    pub config: RunConfig,
+    /// The initial policy (from `--hf-checkpoint`, or the demo's).
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    /// Copied into checkpoints so each is a loadable HF model.
+    pub tokenizer_dir: Option<PathBuf>,
+    pub train_data: Dataset,
+    pub eval_data: Option<Dataset>,
+    /// Needed unless the run is SFT only (`--loss-type sft_loss` without eval).
+    pub reward: Option<Box<dyn Reward>>,
+    pub advantage: Box<dyn Advantage>,
+    pub correction: Option<Box<dyn Correction>>,
+    /// The `r3` plugin, with `--use-rollout-routing-replay`.
+    pub replay: Option<Box<dyn RoutingReplay>>,
+    pub run_dir: PathBuf,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub iterations: usize,
+    pub resumed_from: Option<u64>,
+    pub final_eval: Option<f64>,
+    pub skipped_steps: u64,
+    pub weights: Weights,
+}
+
+/// Name of the metrics file in the run directory.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+/// Extra weight set saved with a checkpoint when the reference is not `--hf-checkpoint`.
+const REF_WEIGHTS: &str = "ref";
+
+/// Test-only faults, from `MILES_FAULT`.
+#[derive(Debug, Default)]
+struct Faults {
+    abort_after_rollout: Option<usize>,
+    nan_loss_at_step: Option<u64>,
+}
+
+impl Faults {
+    fn from_env() -> Faults {
+        // `MILES_FAULT_RANK=r`: only rank r of a run over several processes has the fault.
+        let rank = std::env::var("RANK").unwrap_or_else(|_| "0".into());
+        if std::env::var("MILES_FAULT_RANK").is_ok_and(|r| r != rank) {
+            return Faults::default();
+        }
+        let spec = std::env::var("MILES_FAULT").unwrap_or_default();
+        let at = |prefix: &str| spec.strip_prefix(prefix).and_then(|n| n.parse().ok());
+        Faults {
+            abort_after_rollout: at("abort-after-rollout:"),
+            nan_loss_at_step: at("nan-loss-at-step:").map(|n: usize| n as u64),
+        }
+    }
+}
+
+/// Mixes seeds and counters into one draw seed (splitmix64 finalizer).
+fn mix(a: u64, b: u64) -> u64 {
+    let mut z = a ^ b.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The loop's state that a checkpoint carries besides weights and optimizer.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+struct LoopState {
+    /// Iterations done.
+    iteration: usize,
+    data: Cursor,
+    skipped_steps: u64,
+    attempted_steps: u64,
+    rollout_seed: u64,
+    rollout_shuffle: bool,
+}
+
+/// Trains per `setup.config`; `observe` sees every record as it is written.
+pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<Summary> {
+    let Setup {
+        config: cfg,
+        mut model,
+        tokenizer,
+        tokenizer_dir,
+        train_data,
+        eval_data,
+        reward,
+        advantage,
+        correction,
+        replay,
+        run_dir,
+    } = setup;
+    cfg.validate()?;
+    check_run(&cfg, &mut model, correction.is_some(), replay.is_some())?;
+    let eval_every = cfg.eval_interval.filter(|_| eval_data.is_some());
+    let sft_run = cfg.loss_type == LossType::SftLoss;
+    let reward: Box<dyn Reward> = match reward {
+        Some(r) => r,
+        None if sft_run && eval_every.is_none() => Box::new(Unscored),
+        None => bail!(
+            "--rm-type: say how to score responses (e.g. --rm-type math, --rm-url URL for a \
+             reward server, or --custom-rm-path LIB); `miles plugins` lists the rewards"
+        ),
+    };
+    let faults = Faults::from_env();
+    let total = total_iterations(&cfg, train_data.len())?;
+    let steps_per_rollout = steps_per_rollout(&cfg)?;
+    let dist = Dist::join(cfg.distributed_backend)?;
+    if let Some(d) = &dist {
+        check_split(&cfg, d.size, steps_per_rollout)?;
+    }
+    let device =
+        dist.as_ref().map_or(crate::dist::rank_device(cfg.device, 0), |d| d.device(cfg.device));
+    if device != Device::Cpu {
+        device.ensure_available().with_context(|| format!("--device {}", cfg.device))?;
+    }
+    let hyper = adamw(&cfg, cfg.lr);
+    let schedule = LrSchedule::from_run_config(&cfg, total * steps_per_rollout);
+    let config = model.config.clone();
+    let eos = eos_id(&model, &tokenizer)?;
+
+    let needs_ref = cfg.use_kl_loss || cfg.kl_coef != 0.0;
+    // With a warm-up the reference is the warmed-up policy, saved beside each checkpoint.
+    let saved_ref: &[&str] =
+        if needs_ref && cfg.sft_warmup_steps > 0 { &[REF_WEIGHTS] } else { &[] };
+
+    let resumed = match &cfg.load {
+        Some(root) if checkpoint::latest_iteration(root)?.is_some() => {
+            Some(checkpoint::load(root, hyper, f64::from(cfg.clip_grad), saved_ref)?)
+        }
+        _ => None,
+    };
+    let resumed_from = resumed.as_ref().map(|l| l.iteration);
+    let mut log = match dist.as_ref().is_none_or(Dist::root) {
+        true => MetricsLog::open(&run_dir, resumed_from, cfg.use_tensorboard)?,
+        false => MetricsLog::silent(&run_dir),
+    };
+    let mut data = DataSource::new(train_data, cfg.rollout_shuffle, cfg.rollout_seed)?;
+    let mut emit = |r: Record| -> anyhow::Result<()> {
+        log.write(&r)?;
+        observe(&r);
+        Ok(())
+    };
+    let start = Start { cfg: &cfg, tokenizer: &tokenizer, eos, needs_ref, hyper };
+    let (policy, optimizer, state, reference) = start.run(model, resumed, &mut data, &mut emit)?;
+    // A test hook: the GPU loop's actor on host tensors, so CI runs its code.
+    let device_on_host = std::env::var_os("MILES_DEVICE_ACTOR_ON_HOST").is_some();
+    let on_device = device != Device::Cpu || device_on_host;
+    let reference = match reference {
+        Some(weights) => Some(Reference::new(&config, weights, on_device.then_some(device))?),
+        None => None,
+    };
+    // A test hook: the separate old-logprob forward even where the step's own would do, to
+    // show both give the same bits.
+    let separate_old = std::env::var_os("MILES_SEPARATE_OLD_LOGPROBS").is_some();
+    let old_logprobs_in_step = !separate_old && old_logprobs_in_step(&cfg, steps_per_rollout);
+    let run = Run {
+        cfg: &cfg,
+        tokenizer: &tokenizer,
+        tokenizer_dir: tokenizer_dir.as_deref(),
+        eval: eval_every.zip(eval_data.as_ref()),
+        reward: reward.as_ref(),
+        advantage: advantage.as_ref(),
+        correction: correction.as_deref(),
+        replay: replay.as_deref(),
+        reference: reference.as_ref(),
+        saved_ref,
+        config: &config,
+        total,
+        steps_per_rollout,
+        old_logprobs_in_step,
+        schedule,
+        faults,
+        sft_run,
+        eos,
+        dist: dist.as_ref(),
+    };
+    let progress = Progress { state, data, log, resumed_from };
+    if !on_device {
+        // The engine holds the one copy of the policy; the trainer updates it in place.
+        let engine = Engine::new(policy, Some(tokenizer.clone()), engine_config(&cfg))?;
+        run.iterate(CpuActor { engine, optimizer }, progress, observe)
+    } else {
+        let actor = DeviceActor::new(
+            &policy,
+            &optimizer,
+            device,
+            &cfg,
+            (engine_config(&cfg), &tokenizer),
+            dist.as_ref(),
+        )?;
+        drop(policy);
+        run.iterate(actor, progress, observe)
+    }
+}
+
+/// What `train` checks of the plugins and the policy before anything runs; sets a mixture of
+/// experts' `--router-aux-loss-coef`.
+fn check_run(
+    cfg: &RunConfig,
+    model: &mut Model,
+    has_correction: bool,
+    has_replay: bool,
+) -> anyhow::Result<()> {
+    if cfg.use_tis && !has_correction {
+        bail!("--use-tis: this binary has no `tis` correction plugin (build with --features tis)");
+    }
+    if cfg.partial_rollout {
+        bail!(
+            "--partial-rollout: not supported by the loop yet (the engine resumes aborted samples)"
+        );
+    }
+    if cfg.use_rollout_routing_replay && !has_replay {
+        bail!(
+            "--use-rollout-routing-replay: this binary has no `r3` plugin (build with --features \
+             r3)"
+        );
+    }
+    if cfg.use_rollout_routing_replay && model.config.moe.is_none() {
+        bail!(
+            "--use-rollout-routing-replay: replays a mixture-of-experts policy's routing; {} \
+             has no experts",
+            model.config.architecture.hf_class()
+        );
+    }
+    if let Some(coef) = cfg.router_aux_loss_coef {
+        let arch = model.config.architecture.hf_class();
+        let Some(moe) = model.config.moe.as_mut() else {
+            bail!("--router-aux-loss-coef: the policy ({arch}) has no experts");
+        };
+        if coef.is_nan() || coef < 0.0 {
+            bail!("--router-aux-loss-coef: {coef} must be a number ≥ 0");
+        }
+        moe.router_aux_loss_coef = coef;
+    }
+    Ok(())
+}
+
+/// How a run starts: from its checkpoint, or fresh (with the SFT warm-up).
+struct Start<'a> {
+    cfg: &'a RunConfig,
+    tokenizer: &'a Tokenizer,
+    eos: u32,
+    /// A KL term needs the frozen reference.
+    needs_ref: bool,
+    hyper: AdamW,
+}
+
+impl Start<'_> {
+    /// The policy, its optimizer, the loop state and the frozen reference's weights: the
+    /// checkpoint's, or `model` after the warm-up (the reference is the policy RL starts from,
+    /// the warmed-up one then, saved beside each checkpoint).
+    fn run(
+        &self,
+        model: Model,
+        resumed: Option<checkpoint::Loaded>,
+        data: &mut DataSource,
+        emit: &mut dyn FnMut(Record) -> anyhow::Result<()>,
+    ) -> anyhow::Result<(Model, Optimizer, LoopState, Option<Weights>)> {
+        let (cfg, config) = (self.cfg, model.config.clone());
+        if let Some(l) = resumed {
+            let state = resume_state(&l, &config, cfg, data)?;
+            let saved = l.extra.into_iter().find(|(n, _)| n == REF_WEIGHTS).map(|(_, w)| w);
+            let reference = self.needs_ref.then(|| saved.unwrap_or(model.weights));
+            return Ok((Model::new(config, l.weights), l.optimizer, state, reference));
+        }
+        let mut policy = model;
+        if cfg.sft_warmup_steps > 0 {
+            // On the host, before the policy moves to its device.
+            sft_warmup(cfg, &mut policy, self.tokenizer, self.eos, data, emit)?;
+        }
+        let optimizer = Optimizer::new(&config, self.hyper, f64::from(cfg.clip_grad));
+        let state = LoopState {
+            rollout_seed: cfg.rollout_seed,
+            rollout_shuffle: cfg.rollout_shuffle,
+            ..LoopState::default()
+        };
+        let reference = self.needs_ref.then(|| policy.weights.clone());
+        Ok((policy, optimizer, state, reference))
+    }
+}
+
+/// The rollout engine's settings of the run.
+fn engine_config(cfg: &RunConfig) -> EngineConfig {
+    EngineConfig {
+        kv_cache_bytes: cfg.rollout_kv_cache_mb.saturating_mul(1 << 20),
+        max_running: cfg.rollout_max_running,
+        max_prompt_len: cfg.rollout_max_prompt_len,
+        ..EngineConfig::default()
+    }
+}
+
+/// AdamW's settings of the run at learning rate `lr`.
+fn adamw(cfg: &RunConfig, lr: f32) -> AdamW {
+    AdamW {
+        lr,
+        beta1: cfg.adam_beta1,
+        beta2: cfg.adam_beta2,
+        eps: cfg.adam_eps,
+        weight_decay: cfg.weight_decay,
+    }
+}
+
+/// The loop state of checkpoint `l`, checked against this run (same model, same data order),
+/// with the data source moved to where the checkpoint left it.
+fn resume_state(
+    l: &checkpoint::Loaded,
+    config: &miles_model::ModelConfig,
+    cfg: &RunConfig,
+    data: &mut DataSource,
+) -> anyhow::Result<LoopState> {
+    let at = l.dir.display();
+    let state: LoopState = serde_json::from_value(l.state.clone())
+        .with_context(|| format!("{at}: trainer_state.json is not this version's loop state"))?;
+    if &l.config != config {
+        bail!("--load {at}: the checkpoint's config.json is another model than this run's");
+    }
+    if (state.rollout_seed, state.rollout_shuffle) != (cfg.rollout_seed, cfg.rollout_shuffle) {
+        bail!(
+            "--load {at}: the run was started with --rollout-seed {} and rollout-shuffle {}; \
+             resume with the same (or start a new run from its weights)",
+            state.rollout_seed,
+            state.rollout_shuffle
+        );
+    }
+    data.restore(state.data).with_context(|| format!("{at}: data cursor"))?;
+    Ok(state)
+}
+
+/// `--num-rollout`, or enough iterations for `--num-epoch` passes over the data.
+pub fn total_iterations(cfg: &RunConfig, rows: usize) -> anyhow::Result<usize> {
+    match (cfg.num_rollout, cfg.num_epoch) {
+        (Some(n), _) => Ok(n),
+        (None, Some(e)) => Ok(miles_data::num_rollouts_for_epochs(rows, e, cfg.rollout_batch_size)),
+        (None, None) => bail!("--num-rollout: say how long to train (or give --num-epoch)"),
+    }
+}
+
+/// Optimizer steps per rollout: `rollout-batch-size × n-samples-per-prompt / global-batch-size`
+/// when a global batch is given, else `num-steps-per-rollout`.
+fn steps_per_rollout(cfg: &RunConfig) -> anyhow::Result<usize> {
+    let Some(g) = cfg.global_batch_size else { return Ok(cfg.num_steps_per_rollout) };
+    let per_prompt = if cfg.loss_type == LossType::SftLoss { 1 } else { cfg.n_samples_per_prompt };
+    let steps = (cfg.rollout_batch_size * per_prompt / g).max(1);
+    if cfg.num_steps_per_rollout != 1 && cfg.num_steps_per_rollout != steps {
+        bail!(
+            "--num-steps-per-rollout: {} disagrees with --global-batch-size {g}, which means {steps} \
+             steps per rollout; give one of the two",
+            cfg.num_steps_per_rollout
+        );
+    }
+    Ok(steps)
+}
+
+fn eos_id(model: &Model, tok: &Tokenizer) -> anyhow::Result<u32> {
+    if let Some(&id) = model.config.eos_token_ids.first() {
+        return Ok(id);
+    }
+    tok.eos_token().and_then(|e| tok.token_to_id(e)).ok_or_else(|| {
+        anyhow!("the model has no eos_token_id in config.json and the tokenizer no eos_token")
+    })
+}

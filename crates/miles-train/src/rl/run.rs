@@ -1,0 +1,362 @@
+//! The loop itself: the iterations from where a run stands to `--num-rollout`.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Context;
+use miles_core::config::RunConfig;
+use miles_core::{Advantage, Correction, Reward, RoutingReplay};
+use miles_data::{DataSource, Dataset};
+use miles_model::{Tokenizer, Weights};
+use serde_json::{Value, json};
+
+use super::actor::{Actor, Reference};
+use super::collect::{StepParts, rollout};
+use super::eval::evaluate;
+use super::metrics::{MetricsLog, Record, StepSums, peak_bf16_flops};
+use super::prepare::{OldLogprobs, prepare};
+use super::sft::sft_samples;
+use super::step::StepLoss;
+use super::{Faults, LoopState, REF_WEIGHTS, Summary};
+use crate::batch::{self, TrainSample, split_ranges};
+use crate::checkpoint::{self, CheckpointRef};
+use crate::dist::Dist;
+use crate::loss::{PolicyLossConfig, SftLossConfig};
+use crate::schedule::LrSchedule;
+
+/// What an RL (or supervised) run needs besides the policy: settings, data, rewards.
+pub(super) struct Run<'a> {
+    pub(super) cfg: &'a RunConfig,
+    pub(super) tokenizer: &'a Tokenizer,
+    pub(super) tokenizer_dir: Option<&'a Path>,
+    /// Every how many iterations, on what.
+    pub(super) eval: Option<(usize, &'a Dataset)>,
+    pub(super) reward: &'a dyn Reward,
+    pub(super) advantage: &'a dyn Advantage,
+    pub(super) correction: Option<&'a dyn Correction>,
+    pub(super) replay: Option<&'a dyn RoutingReplay>,
+    pub(super) reference: Option<&'a Reference>,
+    pub(super) saved_ref: &'a [&'a str],
+    pub(super) config: &'a miles_model::ModelConfig,
+    pub(super) total: usize,
+    pub(super) steps_per_rollout: usize,
+    /// The old logprobs are the optimizer step's own forward's ([`old_logprobs_in_step`]).
+    pub(super) old_logprobs_in_step: bool,
+    pub(super) schedule: LrSchedule,
+    pub(super) faults: Faults,
+    pub(super) sft_run: bool,
+    pub(super) eos: u32,
+    /// The other processes of a run over several (rank 0 logs, evaluates and saves).
+    pub(super) dist: Option<&'a Dist>,
+}
+
+/// Where the loop stands: its state, the data cursor, the metrics log.
+pub(super) struct Progress {
+    pub(super) state: LoopState,
+    pub(super) data: DataSource,
+    pub(super) log: MetricsLog,
+    pub(super) resumed_from: Option<u64>,
+}
+
+impl Run<'_> {
+    /// The iterations, from `progress` to `--num-rollout`: collect (rollout and reward),
+    /// prepare (old and reference logprobs, correction, advantages), optimizer steps, weight
+    /// sync, eval, checkpoint.
+    pub(super) fn iterate<A: Actor>(
+        &self,
+        mut actor: A,
+        progress: Progress,
+        observe: &mut dyn FnMut(&Record),
+    ) -> anyhow::Result<Summary> {
+        let Progress { mut state, mut data, mut log, resumed_from } = progress;
+        let mut emit = |log: &mut MetricsLog, record: Record| -> anyhow::Result<()> {
+            log.write(&record)?;
+            observe(&record);
+            Ok(())
+        };
+        // The policy version is the number of weight syncs so far, one per iteration.
+        actor.rollout().set_weight_version(state.iteration as u64);
+        let mut final_eval = None;
+        if state.iteration == 0
+            && let Some((_, eval)) = self.eval
+        {
+            let mut record = Record::new();
+            record.insert("step".into(), json!(0));
+            final_eval = Some(self.evaluate(&mut actor, eval, &mut record)?);
+            emit(&mut log, record)?;
+        }
+        while state.iteration < self.total {
+            let started = Instant::now();
+            if let Some(device) = actor.device() {
+                device.reset_peak_memory()?;
+            }
+            let mut record = Record::new();
+            record.insert("step".into(), json!(state.iteration + 1));
+            let (samples, parts) =
+                self.collect(&mut actor, &mut data, state.iteration, &mut record)?;
+            let rollout_time = started.elapsed().as_secs_f64();
+            let train_started = Instant::now();
+            self.train(&mut actor, samples.as_slice(), parts, &mut state, &mut record)?;
+            let train_time = train_started.elapsed().as_secs_f64();
+            let sync_started = Instant::now();
+            actor.weights_updated()?;
+            let sync_time = sync_started.elapsed().as_secs_f64();
+            state.iteration += 1;
+            state.data = data.cursor();
+            let tokens: usize = samples.iter().map(|s| s.tokens.len()).sum();
+            let times = [rollout_time, train_time, sync_time];
+            self.perf(&actor, &mut record, started, times, tokens)?;
+            if let Some((every, eval)) = self.eval
+                && (state.iteration % every == 0 || state.iteration == self.total)
+            {
+                final_eval = Some(self.evaluate(&mut actor, eval, &mut record)?);
+            }
+            record.insert("perf/step_time".into(), json!(started.elapsed().as_secs_f64()));
+            emit(&mut log, record)?;
+            self.save(&actor, &state)?;
+            if self.faults.abort_after_rollout == Some(state.iteration) {
+                std::process::abort();
+            }
+        }
+        let weights = actor.into_weights()?;
+        if let Some(dir) = self.cfg.save_hf.as_ref().filter(|_| self.root()) {
+            checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir)
+                .with_context(|| format!("--save-hf {}", dir.display()))?;
+        }
+        Ok(Summary {
+            iterations: state.iteration,
+            resumed_from,
+            final_eval,
+            skipped_steps: state.skipped_steps,
+            weights,
+        })
+    }
+
+    /// Rank 0 of a run over several processes, or the one process: it logs and saves.
+    fn root(&self) -> bool {
+        self.dist.is_none_or(Dist::root)
+    }
+
+    fn evaluate<A: Actor>(
+        &self,
+        actor: &mut A,
+        eval: &Dataset,
+        record: &mut Record,
+    ) -> anyhow::Result<f64> {
+        let (cfg, tok, reward) = (self.cfg, self.tokenizer, self.reward);
+        evaluate(cfg, actor.rollout(), tok, eval, reward, record, self.dist)
+    }
+
+    /// Steps 1–3: the iteration's samples (rollout and reward, with dynamic sampling when
+    /// over-sampling; an SFT run, `--loss-type sft_loss`, trains on the labels instead, as
+    /// slime's SFT rollout does), their replayed experts, old and reference logprobs,
+    /// correction and advantages; over several processes, also this rank's part of each step.
+    fn collect<A: Actor>(
+        &self,
+        actor: &mut A,
+        data: &mut DataSource,
+        iteration: usize,
+        record: &mut Record,
+    ) -> anyhow::Result<(Vec<TrainSample>, Option<StepParts>)> {
+        let cfg = self.cfg;
+        let (mut samples, parts) = if self.sft_run {
+            let rows = data.next_batch(cfg.rollout_batch_size);
+            // Over several processes, this rank's part of every step's rows.
+            let rows = match self.dist {
+                Some(d) => {
+                    let share =
+                        miles_dist::shard(rows.len(), self.steps_per_rollout, d.size, d.rank)?;
+                    share.into_iter().map(|i| rows[i].clone()).collect()
+                }
+                None => rows,
+            };
+            let source = &data.dataset().source;
+            let why = "--loss-type sft_loss";
+            (sft_samples(&rows, cfg, self.tokenizer, self.eos, source, why)?, None)
+        } else {
+            let steps = self.steps_per_rollout;
+            let (tok, reward, dist) = (self.tokenizer, self.reward, self.dist);
+            rollout(cfg, actor.rollout(), tok, data, reward, iteration, record, dist, steps)?
+        };
+        if let Some(r) = self.replay {
+            // R3: the trainer's forwards use the experts the rollout recorded.
+            for s in &mut samples {
+                if let Some(record) = &s.routed_experts {
+                    s.replay_experts = Some(r.replay(record, s.tokens.len())?);
+                }
+            }
+        }
+        if !self.sft_run {
+            let old =
+                if self.old_logprobs_in_step { OldLogprobs::InStep } else { OldLogprobs::Separate };
+            let (reference, correction, advantage) =
+                (self.reference, self.correction, self.advantage);
+            let dist = self.dist;
+            prepare(
+                cfg,
+                &*actor,
+                &mut samples,
+                old,
+                reference,
+                correction,
+                advantage,
+                record,
+                dist,
+            )?;
+        }
+        Ok((samples, parts))
+    }
+
+    /// Step 4: the optimizer steps over consecutive slices of the batch, and their metrics.
+    fn train<A: Actor>(
+        &self,
+        actor: &mut A,
+        samples: &[TrainSample],
+        parts: Option<StepParts>,
+        state: &mut LoopState,
+        record: &mut Record,
+    ) -> anyhow::Result<()> {
+        let cfg = self.cfg;
+        let loss_cfg = PolicyLossConfig::from_run_config(cfg);
+        loss_cfg.validate()?;
+        let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
+        let mut sums = StepSums::default();
+        let mut forward_logp = Vec::with_capacity(samples.len());
+        // Over several processes every rank takes every step (its part may be empty), so the
+        // collectives line up.
+        let ranges = match (parts, self.dist) {
+            (Some(parts), _) => parts,
+            // Supervised iterations over several processes: every row is a sample, and each
+            // rank holds its equal part of every step's rows.
+            (None, Some(_)) => (0..self.steps_per_rollout)
+                .map(|i| {
+                    let n = samples.len();
+                    i * n / self.steps_per_rollout..(i + 1) * n / self.steps_per_rollout
+                })
+                .collect(),
+            (None, None) => split_ranges(samples.len(), self.steps_per_rollout),
+        };
+        // A step without samples is skipped; over several processes, only one that no rank
+        // has samples for (all of them skip it), and a rank left without samples for a
+        // step still takes part in its collectives.
+        let mut counts: Vec<f64> = ranges.iter().map(|r| r.len() as f64).collect();
+        if let Some(d) = self.dist {
+            d.sum(&mut counts)?;
+        }
+        for (range, count) in ranges.into_iter().zip(counts) {
+            if count == 0.0 {
+                continue;
+            }
+            state.attempted_steps += 1;
+            let nan = self.faults.nan_loss_at_step == Some(state.attempted_steps);
+            let lr = self.schedule.at(actor.steps() as usize);
+            let kind = if self.sft_run {
+                StepLoss::Sft(SftLossConfig::from_run_config(cfg))
+            } else {
+                StepLoss::Policy(&loss_cfg)
+            };
+            let t = cfg.rollout_temperature;
+            let step = actor.train_step(&samples[range], kind, t, micro, lr, nan, self.dist)?;
+            match step.applied {
+                Some(result) => sums.add(&result, lr),
+                None => state.skipped_steps += 1,
+            }
+            forward_logp.extend(step.logp);
+        }
+        if self.old_logprobs_in_step && !self.sft_run {
+            // A skipped step stops at the non-finite loss; the rest of the batch, under the
+            // same (unchanged) weights, gets a forward of its own.
+            let rest = &samples[forward_logp.len()..];
+            if !rest.is_empty() {
+                forward_logp.extend(actor.logprobs(rest, cfg.rollout_temperature, micro)?);
+            }
+            let per_token = cfg.calculate_per_token_loss;
+            let diff = batch::rollout_logprob_abs_diff(samples, &forward_logp, per_token);
+            let diff = match self.dist {
+                Some(d) => d.mean(diff, batch::aggregation_weight(samples, per_token))?,
+                None => diff,
+            };
+            record.insert("train/train_rollout_logprob_abs_diff".into(), json!(diff));
+        }
+        sums.write(record, cfg.use_tis, cfg.use_opsm);
+        record.insert("train/skipped_steps".into(), json!(state.skipped_steps));
+        Ok(())
+    }
+
+    /// The iteration's `perf/*` figures: phase times, throughput, and on a device its peak
+    /// memory and model FLOPs utilization.
+    fn perf<A: Actor>(
+        &self,
+        actor: &A,
+        record: &mut Record,
+        started: Instant,
+        [rollout_time, train_time, sync_time]: [f64; 3],
+        tokens: usize,
+    ) -> anyhow::Result<()> {
+        record.insert("perf/rollout_time".into(), json!(rollout_time));
+        record.insert("perf/train_time".into(), json!(train_time));
+        record.insert("perf/update_weights_time".into(), json!(sync_time));
+        let generated = record.get("rollout/generated_tokens").and_then(Value::as_f64);
+        record.insert(
+            "perf/tokens_per_s".into(),
+            json!(generated.unwrap_or(0.0) / rollout_time.max(1e-9)),
+        );
+        let step_seconds = started.elapsed().as_secs_f64();
+        record.insert(
+            "perf/tokens_per_gpu_per_sec".into(),
+            json!(tokens as f64 / step_seconds.max(1e-9)),
+        );
+        if let Some(device) = actor.device() {
+            // Forward and backward: 6 FLOPs per active parameter and token, over the peak.
+            if let Some(peak) = peak_bf16_flops(&device) {
+                let flops = 6.0 * self.config.active_parameters() as f64 * tokens as f64;
+                record.insert(
+                    "perf/actor_train_mfu".into(),
+                    json!(flops / train_time.max(1e-9) / peak),
+                );
+            }
+            let peak = device.peak_memory()? as f64 / (1u64 << 30) as f64;
+            record.insert("perf/peak_gpu_memory_gib".into(), json!(peak));
+        }
+        Ok(())
+    }
+
+    /// A checkpoint when one is due (every `--save-interval` iterations, and the last); over
+    /// several processes rank 0 writes it and the others wait for it.
+    fn save<A: Actor>(&self, actor: &A, state: &LoopState) -> anyhow::Result<()> {
+        let due = self.cfg.save_interval.is_some_and(|k| state.iteration.is_multiple_of(k));
+        if let Some(save_dir) = &self.cfg.save
+            && self.root()
+            && (due || state.iteration == self.total)
+        {
+            let extra_ref;
+            let extra: &[(&str, &Weights)] = match self.reference {
+                Some(r) if !self.saved_ref.is_empty() => {
+                    extra_ref = [(REF_WEIGHTS, r.weights())];
+                    &extra_ref
+                }
+                _ => &[],
+            };
+            let state_json = serde_json::to_value(state)?;
+            let (weights, optimizer) = actor.checkpoint_parts()?;
+            checkpoint::save(
+                save_dir,
+                state.iteration as u64,
+                &CheckpointRef {
+                    config: self.config,
+                    weights: &weights,
+                    optimizer: &optimizer,
+                    state: &state_json,
+                    tokenizer_dir: self.tokenizer_dir,
+                    extra,
+                },
+            )
+            .with_context(|| format!("--save {}", save_dir.display()))?;
+        }
+        if let Some(d) = self.dist {
+            // The others wait for rank 0's checkpoint before the next iteration.
+            d.barrier()?;
+        }
+        Ok(())
+    }
+}

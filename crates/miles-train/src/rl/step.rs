@@ -1,0 +1,408 @@
+//! Step 4: one optimizer step over a part of the batch, through a [`Learner`].
+
+use miles_model::moe::{RoutingMismatch, SparseOutputs};
+use miles_model::{
+    DeviceForward, DeviceModel, Forward, Model, PackedBatch, PackedLinears, Weights,
+};
+use miles_tensor::cpu::{self, AdamW};
+
+use super::actor::aux_coef;
+use crate::Optimizer;
+use crate::batch::{self, TrainSample, concat};
+use crate::dist::{Dist, GradBuckets};
+use crate::loss::{
+    LossInput, LossMetrics, LossOutput, PolicyLossConfig, SftLossConfig, policy_loss, sft_loss,
+};
+
+/// Which loss a step minimizes.
+pub(super) enum StepLoss<'a> {
+    Policy(&'a PolicyLossConfig),
+    Sft(SftLossConfig),
+}
+
+impl StepLoss<'_> {
+    /// The loss over micro-batch `mb` whose response tokens' logp and entropy are given. A
+    /// sample without old logprobs takes these ([`super::prepare::OldLogprobs::InStep`]).
+    fn on(&self, mb: &[TrainSample], logp: &[f32], entropy: &[f32]) -> anyhow::Result<LossOutput> {
+        let in_step =
+            matches!(self, StepLoss::Policy(_)) && mb.iter().all(|s| s.old_logp.is_empty());
+        let old = if in_step { logp.to_vec() } else { concat(mb, |s| &s.old_logp) };
+        let adv = concat(mb, |s| &s.advantages);
+        let mask = concat(mb, |s| &s.loss_mask);
+        let lengths: Vec<usize> = mb.iter().map(TrainSample::response_len).collect();
+        let refs = concat_all(mb, |s| s.ref_logp.as_deref());
+        let cw = concat_all(mb, |s| s.correction_weights.as_deref());
+        let cm = concat_all(mb, |s| s.correction_mask.as_deref());
+        let input = LossInput {
+            logp,
+            old_logp: &old,
+            ref_logp: refs.as_deref(),
+            entropy,
+            advantages: &adv,
+            loss_mask: &mask,
+            response_lengths: &lengths,
+            correction_weights: cw.as_deref(),
+            correction_mask: cm.as_deref(),
+        };
+        Ok(match self {
+            StepLoss::Policy(c) => policy_loss(c, &input)?,
+            StepLoss::Sft(c) => sft_loss(c, &input)?,
+        })
+    }
+}
+
+/// A per-sample optional field over `mb`, when every sample has it.
+fn concat_all<T: Copy>(
+    mb: &[TrainSample],
+    field: impl Fn(&TrainSample) -> Option<&[T]>,
+) -> Option<Vec<T>> {
+    mb.iter().all(|s| field(s).is_some()).then(|| concat(mb, |s| field(s).unwrap_or_default()))
+}
+
+/// What one optimizer step measured.
+pub(super) struct StepResult {
+    pub(super) loss: f64,
+    pub(super) metrics: LossMetrics,
+    pub(super) grad_norm: f64,
+    /// The load-balancing loss of a mixture of experts (unweighted).
+    pub(super) router_aux_loss: Option<f64>,
+    pub(super) routing: Option<RoutingMismatch>,
+}
+
+impl StepResult {
+    /// The loss and metrics summed over the ranks: each rank's are its samples' shares of the
+    /// whole batch's. One sum of a fixed length, whatever this rank's part held (a rank without
+    /// samples has no mixture-of-experts figures; the others' still come through).
+    pub(super) fn sum_over(&mut self, d: &Dist) -> anyhow::Result<()> {
+        let m = &mut self.metrics;
+        let r = self.routing.unwrap_or_default();
+        let mut v = [
+            self.loss,
+            m.pg_loss,
+            m.pg_clipfrac,
+            m.ppo_kl,
+            m.kl_loss,
+            m.entropy_loss,
+            m.ois,
+            m.opsm_clipfrac,
+            self.router_aux_loss.unwrap_or(0.0),
+            f64::from(u8::from(self.router_aux_loss.is_some())),
+            f64::from(u8::from(self.routing.is_some())),
+            r.compared as f64,
+            r.own_differs as f64,
+            r.used_differs as f64,
+        ];
+        d.sum(&mut v)?;
+        let [
+            loss,
+            pg_loss,
+            pg_clipfrac,
+            ppo_kl,
+            kl_loss,
+            entropy_loss,
+            ois,
+            opsm_clipfrac,
+            aux,
+            has_aux,
+            has_routing,
+            compared,
+            own_differs,
+            used_differs,
+        ] = v;
+        self.loss = loss;
+        [m.pg_loss, m.pg_clipfrac, m.ppo_kl, m.kl_loss, m.entropy_loss, m.ois, m.opsm_clipfrac] =
+            [pg_loss, pg_clipfrac, ppo_kl, kl_loss, entropy_loss, ois, opsm_clipfrac];
+        self.router_aux_loss = (has_aux > 0.0).then_some(aux);
+        self.routing = (has_routing > 0.0).then_some(RoutingMismatch {
+            compared: compared as usize,
+            own_differs: own_differs as usize,
+            used_differs: used_differs as usize,
+        });
+        Ok(())
+    }
+}
+
+/// What [`train_step`] did: the step's result, `None` when its loss or gradient was not finite
+/// and nothing was applied, and the response logprobs its forwards computed before the update,
+/// per sample of the part in order (up to where a non-finite loss stopped it).
+pub(super) struct StepOutcome {
+    pub(super) applied: Option<StepResult>,
+    pub(super) logp: Vec<Vec<f32>>,
+}
+
+/// The model a training step updates and its optimizer: on the CPU the engine's own copy with
+/// the host AdamW; on a GPU the device model, whose weights, gradients and moments stay there.
+/// Only per-token logp and entropy and their gradients cross this seam.
+pub(super) trait Learner {
+    type Forward;
+    fn forward(&mut self, batch: &PackedBatch, temperature: f32) -> anyhow::Result<Self::Forward>;
+    /// `(logp, entropy)` of the response tokens.
+    fn outputs(f: &Self::Forward) -> (&[f32], &[f32]);
+    /// What the forward reports of a mixture of experts' sparse layers.
+    fn sparse(f: &mut Self::Forward) -> &mut SparseOutputs;
+    /// The load-balancing loss's weight in the loss (the backward adds its gradient).
+    fn aux_coef(&self) -> f64;
+    /// Adds the gradient of the loss whose derivatives these are. `last` (a run over several
+    /// processes, the step's last micro-batch) may start summing the gradients over the ranks
+    /// as the backward finishes them; [`Learner::reduce_grads`] completes the sums.
+    fn backward(
+        &mut self,
+        f: Self::Forward,
+        batch: &PackedBatch,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+        last: Option<&Dist>,
+    ) -> anyhow::Result<()>;
+    fn grad_norm(&mut self) -> anyhow::Result<f64>;
+    /// Sums the gradients over the ranks of a run over several processes (or finishes the sums
+    /// the last backward started).
+    fn reduce_grads(&mut self, dist: &Dist) -> anyhow::Result<()>;
+    /// Clips and applies the summed gradients at `lr`; the norm before clipping.
+    fn apply(&mut self, lr: f32) -> anyhow::Result<f64>;
+}
+
+pub(super) struct CpuLearner<'a> {
+    pub(super) policy: &'a mut Model,
+    pub(super) optimizer: &'a mut Optimizer,
+    pub(super) packed: PackedLinears,
+    pub(super) grads: Weights,
+}
+
+impl<'a> CpuLearner<'a> {
+    pub(super) fn new(policy: &'a mut Model, optimizer: &'a mut Optimizer) -> anyhow::Result<Self> {
+        let packed = PackedLinears::new(policy)?;
+        let grads = Weights::zeros(&policy.config);
+        Ok(CpuLearner { policy, optimizer, packed, grads })
+    }
+}
+
+impl Learner for CpuLearner<'_> {
+    type Forward = Forward;
+
+    fn forward(&mut self, batch: &PackedBatch, temperature: f32) -> anyhow::Result<Forward> {
+        Ok(self.policy.forward_with(&self.packed, batch, temperature)?)
+    }
+
+    fn outputs(f: &Forward) -> (&[f32], &[f32]) {
+        (&f.logp, &f.entropy)
+    }
+
+    fn sparse(f: &mut Forward) -> &mut SparseOutputs {
+        &mut f.sparse
+    }
+
+    fn aux_coef(&self) -> f64 {
+        aux_coef(&self.policy.config)
+    }
+
+    fn backward(
+        &mut self,
+        f: Forward,
+        batch: &PackedBatch,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+        _last: Option<&Dist>,
+    ) -> anyhow::Result<()> {
+        Ok(self.policy.backward(&f, batch, d_logp, d_entropy, &mut self.grads)?)
+    }
+
+    fn reduce_grads(&mut self, dist: &Dist) -> anyhow::Result<()> {
+        let arch = self.policy.config.architecture;
+        for t in self.grads.tensors_mut(arch) {
+            dist.sum_f32(t)?;
+        }
+        Ok(())
+    }
+
+    fn grad_norm(&mut self) -> anyhow::Result<f64> {
+        let arch = self.policy.config.architecture;
+        let views: Vec<&[f32]> = self.grads.tensors(arch).into_iter().map(Vec::as_slice).collect();
+        Ok(cpu::global_norm(&views))
+    }
+
+    fn apply(&mut self, lr: f32) -> anyhow::Result<f64> {
+        Ok(self.optimizer.step(&mut self.policy.weights, &mut self.grads, lr)?.grad_norm)
+    }
+}
+
+pub(super) struct DeviceLearner<'a> {
+    pub(super) model: &'a mut DeviceModel,
+    pub(super) hyper: AdamW,
+    pub(super) clip_grad: f64,
+    /// The gradient sums the step's last backward started.
+    pub(super) sums: Option<GradBuckets>,
+}
+
+impl<'a> DeviceLearner<'a> {
+    pub(super) fn new(
+        model: &'a mut DeviceModel,
+        hyper: AdamW,
+        clip_grad: f64,
+    ) -> anyhow::Result<Self> {
+        model.zero_grads()?;
+        Ok(DeviceLearner { model, hyper, clip_grad, sums: None })
+    }
+}
+
+impl Learner for DeviceLearner<'_> {
+    type Forward = DeviceForward;
+
+    fn forward(&mut self, batch: &PackedBatch, temperature: f32) -> anyhow::Result<DeviceForward> {
+        Ok(self.model.forward(batch, temperature)?)
+    }
+
+    fn outputs(f: &DeviceForward) -> (&[f32], &[f32]) {
+        (&f.logp, &f.entropy)
+    }
+
+    fn sparse(f: &mut DeviceForward) -> &mut SparseOutputs {
+        &mut f.sparse
+    }
+
+    fn aux_coef(&self) -> f64 {
+        aux_coef(&self.model.config)
+    }
+
+    fn backward(
+        &mut self,
+        f: DeviceForward,
+        batch: &PackedBatch,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+        last: Option<&Dist>,
+    ) -> anyhow::Result<()> {
+        let Some(dist) = last else {
+            return Ok(self.model.backward(&f, batch, d_logp, d_entropy)?);
+        };
+        let mut sums = dist.grad_buckets(self.model);
+        let mut failed = None;
+        self.model.backward_with(&f, batch, d_logp, d_entropy, &mut |done, grads| {
+            // The model's error type carries no anyhow context: keep the first failure aside.
+            if failed.is_none()
+                && let Err(e) = dist.start_ready(&mut sums, done, grads)
+            {
+                failed = Some(e);
+            }
+            Ok(())
+        })?;
+        self.sums = Some(sums);
+        failed.map_or(Ok(()), Err)
+    }
+
+    fn reduce_grads(&mut self, dist: &Dist) -> anyhow::Result<()> {
+        let sums = self.sums.take().unwrap_or_else(|| dist.grad_buckets(self.model));
+        dist.finish_grads(sums, self.model)
+    }
+
+    fn grad_norm(&mut self) -> anyhow::Result<f64> {
+        Ok(self.model.grad_norm()?)
+    }
+
+    fn apply(&mut self, lr: f32) -> anyhow::Result<f64> {
+        Ok(self.model.adamw_step(&AdamW { lr, ..self.hyper }, self.clip_grad)?.0)
+    }
+}
+
+/// One optimizer step over `part`, accumulated over micro-batches of `micro` sequences, each
+/// weighted by its share of the step's denominator so the sum is the loss of the whole part.
+/// A sample without old logprobs takes its own from this forward ([`OldLogprobs::InStep`]).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn train_step<L: Learner>(
+    learner: &mut L,
+    part: &[TrainSample],
+    loss: StepLoss,
+    temperature: f32,
+    micro: usize,
+    lr: f32,
+    inject_nan: bool,
+    dist: Option<&Dist>,
+) -> anyhow::Result<StepOutcome> {
+    let per_token = match &loss {
+        StepLoss::Policy(c) => c.per_token_loss,
+        StepLoss::Sft(c) => c.per_token_loss,
+    };
+    let weight = |s: &[TrainSample]| -> f64 {
+        if per_token {
+            s.iter().map(TrainSample::denominator).sum::<usize>() as f64
+        } else {
+            s.len() as f64
+        }
+    };
+    // Over several processes, the denominator is the whole batch's.
+    let whole = match dist {
+        Some(d) => {
+            let mut w = [weight(part)];
+            d.sum(&mut w)?;
+            w[0]
+        }
+        None => weight(part),
+    };
+    let mut finite = true;
+    let mut total = StepResult {
+        loss: 0.0,
+        metrics: LossMetrics::default(),
+        grad_norm: 0.0,
+        router_aux_loss: None,
+        routing: None,
+    };
+    let mut seen = Vec::with_capacity(part.len());
+    let micro_batches = part.len().div_ceil(micro.max(1));
+    for (i, mb) in part.chunks(micro.max(1)).enumerate() {
+        let batch = batch::pack(mb)?;
+        let fwd = learner.forward(&batch, temperature)?;
+        let (logp, entropy) = L::outputs(&fwd);
+        let mut at = 0;
+        for s in mb {
+            seen.push(logp[at..at + s.response_len()].to_vec());
+            at += s.response_len();
+        }
+        let mut out = loss.on(mb, logp, entropy)?;
+        if inject_nan {
+            out.loss = f64::NAN;
+        }
+        if !out.loss.is_finite() {
+            finite = false;
+            // Alone, stop here; with other ranks, take part in their collectives first.
+            if dist.is_none() {
+                return Ok(StepOutcome { applied: None, logp: seen });
+            }
+            break;
+        }
+        let share = weight(mb) / whole;
+        let coef = learner.aux_coef();
+        let mut fwd = fwd;
+        let sparse = L::sparse(&mut fwd);
+        if let Some(aux) = sparse.router_aux_loss {
+            out.loss += coef * aux;
+            *total.router_aux_loss.get_or_insert(0.0) += share * aux;
+        }
+        if let Some(m) = &sparse.routing_mismatch {
+            total.routing.get_or_insert_default().merge(m);
+        }
+        let scale = share as f32;
+        out.d_logp.iter_mut().for_each(|g| *g *= scale);
+        out.d_entropy.iter_mut().for_each(|g| *g *= scale);
+        L::sparse(&mut fwd).aux_weight = scale;
+        let last = dist.filter(|_| i + 1 == micro_batches);
+        learner.backward(fwd, &batch, &out.d_logp, &out.d_entropy, last)?;
+        total.loss += share * out.loss;
+        total.metrics.add_scaled(&out.metrics, share);
+    }
+    if let Some(d) = dist {
+        // One summed gradient (the last backward started its sums; a rank that stopped at a
+        // non-finite loss, or had no samples, makes the same ones now), then skipped everywhere
+        // if any rank's loss was not finite.
+        learner.reduce_grads(d)?;
+        let mut bad = [f64::from(u8::from(!finite))];
+        d.sum(&mut bad)?;
+        if bad[0] > 0.0 {
+            return Ok(StepOutcome { applied: None, logp: seen });
+        }
+        total.sum_over(d)?;
+    }
+    if !learner.grad_norm()?.is_finite() {
+        return Ok(StepOutcome { applied: None, logp: seen });
+    }
+    total.grad_norm = learner.apply(lr)?;
+    Ok(StepOutcome { applied: Some(total), logp: seen })
+}
