@@ -7,7 +7,7 @@
 //! On [`Device::Cpu`] the same code runs on the CPU's reference ops: the tests check this path
 //! against [`Model`] on any machine, and the device bundle checks the CUDA kernels beneath it.
 
-use miles_tensor::cpu::{self, AdamW, AttentionShape, PagedRows, Transpose};
+use miles_tensor::cpu::{self, AdamW, AttentionShape, PackedLinear, PagedRows, Transpose};
 use miles_tensor::{DType, Device, Tensor, ops};
 
 use crate::backend::{Backend, BackwardBackend, Linear, Norm};
@@ -30,7 +30,8 @@ const STACK_MAX_ROWS: usize = 256;
 /// tier of the pinned GEMMs.
 const STACK_CHECK_ROWS: [usize; 7] = [1, 7, 16, 33, 64, 129, 256];
 
-/// Response rows per LM-head chunk: logits exist for this many rows at a time, in f32.
+/// Response rows per LM-head chunk on a GPU: logits exist for this many rows at a time, in
+/// f32. (The CPU cuts by its own rule, [`cpu::chunk_rows`].)
 pub const HEAD_CHUNK_ROWS: usize = 1024;
 
 /// Indices of a layer's tensors in [`tensor_spec`] order.
@@ -107,6 +108,14 @@ pub struct DeviceModel {
     /// Compute copies of the matrices in `dtype` (`None`: the master is used, as for norms,
     /// whose weights RMSNorm takes in f32, and for everything in f32 mode).
     compute: Vec<Option<Tensor>>,
+    /// On the CPU in f32, the forward's form of every matrix a product reads: packed for the
+    /// batch-invariant kernel ([`ops::linear_packed`]), so that a token's bits do not depend on
+    /// its batch (rollout logprobs equal training's). The backward reads the masters.
+    packed: Vec<Option<PackedLinear>>,
+    /// On the CPU in f32, per layer, q/k/v and (in a dense layer) gate/up packed as one matrix
+    /// each: one product and a split, with the parts' bits (a fused output is the same
+    /// multiply-add chain).
+    packed_stacks: Vec<[Option<PackedLinear>; 2]>,
     /// Per layer, the compute copies of q/k/v and of gate/up stacked by rows: a decode-sized
     /// linear is then one product and a split. Empty when they would not give the separate
     /// products' bits (see [`DeviceModel::stack_linears`]) or in f32.
@@ -161,6 +170,8 @@ impl DeviceModel {
             layout,
             masters,
             compute: Vec::new(),
+            packed: Vec::new(),
+            packed_stacks: Vec::new(),
             stacked: Vec::new(),
             fused_decode: false,
             grads,
@@ -182,7 +193,8 @@ impl DeviceModel {
         self.dtype
     }
 
-    /// Builds the compute copies from the masters (AdamW refreshes them in place).
+    /// Builds the compute copies from the masters (AdamW refreshes them in place), and on the
+    /// CPU in f32 the packed forms.
     fn refresh_compute(&mut self) -> Result<()> {
         let spec = tensor_spec(&self.config);
         self.compute = spec
@@ -197,7 +209,56 @@ impl DeviceModel {
                 })
             })
             .collect::<Result<_>>()?;
+        self.repack()
+    }
+
+    /// On the CPU in f32, packs every matrix a forward product reads (all but a separate
+    /// embedding) and each dense layer's q/k/v and gate/up stacks; elsewhere nothing.
+    fn repack(&mut self) -> Result<()> {
+        self.packed.clear();
+        self.packed_stacks.clear();
+        if self.device != Device::Cpu || self.dtype != DType::F32 {
+            return Ok(());
+        }
+        let pack = |parts: &[&Tensor]| -> Result<PackedLinear> {
+            let d_in = parts[0].shape()[1];
+            let mut w = Vec::new();
+            for p in parts {
+                w.extend(p.to_vec_f32()?);
+            }
+            Ok(PackedLinear::new(&w, w.len() / d_in, d_in)?)
+        };
+        let head = self.layout.head();
+        let spec = tensor_spec(&self.config);
+        self.packed = spec
+            .iter()
+            .zip(&self.masters)
+            .enumerate()
+            .map(|(i, ((name, _), m))| {
+                let product = !name.ends_with("norm.weight") && (i != 0 || head == 0);
+                product.then(|| pack(&[m])).transpose()
+            })
+            .collect::<Result<_>>()?;
+        for layer in 0..self.layout.layers {
+            let stack = |linear| {
+                let parts = self.layout.linear(layer, linear);
+                let parts: Vec<&Tensor> = parts.iter().map(|&i| &self.masters[i]).collect();
+                pack(&parts)
+            };
+            let dense = self.config.moe.as_ref().is_none_or(|m| !m.is_sparse(layer));
+            let gate_up = dense.then(|| stack(Linear::GateUp)).transpose()?;
+            self.packed_stacks.push([Some(stack(Linear::Qkv)?), gate_up]);
+        }
         Ok(())
+    }
+
+    /// Rows per chunk of the LM head: the CPU's own cut on the CPU (its weight gradient's
+    /// bits depend on it), [`HEAD_CHUNK_ROWS`] elsewhere.
+    fn head_chunk_rows(&self) -> usize {
+        match self.device {
+            Device::Cpu => cpu::chunk_rows(self.config.vocab_size),
+            _ => HEAD_CHUNK_ROWS,
+        }
     }
 
     /// Builds [`DeviceModel::stacked`] when, on this device, a stacked product gives each
@@ -313,6 +374,8 @@ impl DeviceModel {
             layout: &self.layout,
             masters: &self.masters,
             compute: &self.compute,
+            packed: &self.packed,
+            packed_stacks: &self.packed_stacks,
             stacked: &self.stacked,
         }
     }
@@ -377,7 +440,8 @@ impl DeviceModel {
         // Every chunk is queued before the first result is copied back: one wait for the
         // device, not one per chunk.
         let mut stats = Vec::new();
-        for (rows, targets) in rows.chunks(HEAD_CHUNK_ROWS).zip(targets.chunks(HEAD_CHUNK_ROWS)) {
+        let chunk = self.head_chunk_rows();
+        for (rows, targets) in rows.chunks(chunk).zip(targets.chunks(chunk)) {
             let logits = self.head_logits(&nf, rows)?;
             stats.push(ops::logprob_rows(&logits, targets, temperature)?);
         }
@@ -601,8 +665,8 @@ impl DeviceModel {
         crate::model::check_temperature(params.temperature)?;
         let t = params.temperature;
         let mut out = Vec::with_capacity(picks.len());
-        for (picks, uniforms) in picks.chunks(HEAD_CHUNK_ROWS).zip(uniforms.chunks(HEAD_CHUNK_ROWS))
-        {
+        let chunk = self.head_chunk_rows();
+        for (picks, uniforms) in picks.chunks(chunk).zip(uniforms.chunks(chunk)) {
             let logits = self.head_logits(hidden, picks)?;
             let drawn = ops::sample_rows(&logits, t, params.top_k, params.top_p, uniforms)?;
             let targets: Vec<u32> = drawn.iter().map(|d| d.unwrap_or(0)).collect();
@@ -615,7 +679,7 @@ impl DeviceModel {
     /// f32 logits `[rows × vocab]` of the final-normed hidden states at `rows`.
     fn head_logits(&self, nf: &Tensor, rows: &[u32]) -> Result<Tensor> {
         let h = ops::gather_rows(nf, rows)?;
-        Ok(ops::matmul_f32_out(&h, Transpose::No, self.weight(self.layout.head()), Transpose::Yes)?)
+        self.weights().product_f32(&h, self.layout.head())
     }
 
     /// Sets every gradient to zero.
@@ -676,9 +740,10 @@ impl DeviceModel {
         // The head, chunk by chunk: logits recomputed, never held for all rows.
         let nf = ops::rmsnorm_forward(&fwd.x_final, self.weight(final_i), c.rms_norm_eps)?.0;
         let mut d_nf = Tensor::zeros(&[t, h], self.dtype, &self.device)?;
-        let chunks = fwd.rows.chunks(HEAD_CHUNK_ROWS).zip(fwd.targets.chunks(HEAD_CHUNK_ROWS));
+        let chunk = self.head_chunk_rows();
+        let chunks = fwd.rows.chunks(chunk).zip(fwd.targets.chunks(chunk));
         for (k, (rows, targets)) in chunks.enumerate() {
-            let at = k * HEAD_CHUNK_ROWS;
+            let at = k * chunk;
             let hidden = ops::gather_rows(&nf, rows)?;
             let logits =
                 ops::matmul_f32_out(&hidden, Transpose::No, self.weight(head_i), Transpose::Yes)?;
@@ -699,10 +764,10 @@ impl DeviceModel {
                 ops::matmul(&d_logits, Transpose::No, self.weight(head_i), Transpose::No)?;
             ops::scatter_rows(&mut d_nf, &d_hidden, rows)?;
         }
-        let (mut dx, dw) =
-            ops::rmsnorm_backward(&d_nf, &fwd.x_final, self.weight(final_i), &fwd.rstd_final)?;
+        let final_w = &self.masters[final_i];
+        let acc = &mut self.grads[final_i];
+        let mut dx = ops::rmsnorm_backward_acc(acc, &d_nf, &fwd.x_final, final_w, &fwd.rstd_final)?;
         drop(d_nf);
-        add_into(&mut self.grads[final_i], &dw)?;
         ready(0, &mut self.grads)?;
 
         let w = DeviceWeights {
@@ -710,6 +775,8 @@ impl DeviceModel {
             layout: &self.layout,
             masters: &self.masters,
             compute: &self.compute,
+            packed: &self.packed,
+            packed_stacks: &self.packed_stacks,
             stacked: &self.stacked,
         };
         let mut dev = Dev {
@@ -790,6 +857,7 @@ impl DeviceModel {
             .collect();
         ops::adamw_multi(hyper, moments.step, scale, &mut parts)?;
         drop(parts);
+        self.repack()?;
         self.refresh_stacked()?;
         Ok((norm, scale))
     }
@@ -844,12 +912,6 @@ impl DeviceModel {
     }
 }
 
-/// `acc += x` for f32 gradients.
-fn add_into(acc: &mut Tensor, x: &Tensor) -> Result<()> {
-    *acc = ops::add(acc, x)?;
-    Ok(())
-}
-
 /// The weights as the layers read them.
 #[derive(Clone, Copy)]
 struct DeviceWeights<'a> {
@@ -857,12 +919,31 @@ struct DeviceWeights<'a> {
     layout: &'a Layout,
     masters: &'a [Tensor],
     compute: &'a [Option<Tensor>],
+    packed: &'a [Option<PackedLinear>],
+    packed_stacks: &'a [[Option<PackedLinear>; 2]],
     stacked: &'a [[Tensor; 2]],
 }
 
 impl<'a> DeviceWeights<'a> {
     fn weight(&self, index: usize) -> &'a Tensor {
         self.compute[index].as_ref().unwrap_or(&self.masters[index])
+    }
+
+    /// `x·Wᵀ` of matrix `index` as the forward computes it: through its packed form on the
+    /// CPU, else the device's pinned product of the compute copy.
+    fn product(&self, x: &Tensor, index: usize) -> Result<Tensor> {
+        Ok(match self.packed.get(index).and_then(Option::as_ref) {
+            Some(p) => ops::linear_packed(x, p)?,
+            None => ops::matmul(x, Transpose::No, self.weight(index), Transpose::Yes)?,
+        })
+    }
+
+    /// [`DeviceWeights::product`] in f32 whatever the compute dtype (the LM head's logits).
+    fn product_f32(&self, x: &Tensor, index: usize) -> Result<Tensor> {
+        Ok(match self.packed.get(index).and_then(Option::as_ref) {
+            Some(p) => ops::linear_packed(x, p)?,
+            None => ops::matmul_f32_out(x, Transpose::No, self.weight(index), Transpose::Yes)?,
+        })
     }
 }
 
@@ -919,6 +1000,17 @@ impl Backend for Dev<'_> {
 
     fn linear(&self, layer: usize, linear: Linear, x: &Tensor) -> Result<Vec<Tensor>> {
         let parts = self.w.layout.linear(layer, linear);
+        let widths =
+            || -> Vec<usize> { parts.iter().map(|&i| self.w.masters[i].shape()[0]).collect() };
+        // On the CPU: the packed stack, one product for the parts at any row count.
+        let packed = match linear {
+            Linear::Qkv => self.w.packed_stacks.get(layer).and_then(|s| s[0].as_ref()),
+            Linear::GateUp => self.w.packed_stacks.get(layer).and_then(|s| s[1].as_ref()),
+            _ => None,
+        };
+        if let Some(w) = packed {
+            return Ok(ops::split_columns(&ops::linear_packed(x, w)?, &widths())?);
+        }
         let stack = match linear {
             Linear::Qkv => self.w.stacked.get(layer).map(|s| &s[0]),
             Linear::GateUp => self.w.stacked.get(layer).map(|s| &s[1]),
@@ -927,13 +1019,9 @@ impl Backend for Dev<'_> {
         // Decode-sized: one product and a split (checked to give the parts' bits).
         if let Some(w) = stack.filter(|_| x.shape()[0] <= STACK_MAX_ROWS) {
             let whole = ops::matmul(x, Transpose::No, w, Transpose::Yes)?;
-            let widths: Vec<usize> = parts.iter().map(|&i| self.w.weight(i).shape()[0]).collect();
-            return Ok(ops::split_columns(&whole, &widths)?);
+            return Ok(ops::split_columns(&whole, &widths())?);
         }
-        parts
-            .into_iter()
-            .map(|i| Ok(ops::matmul(x, Transpose::No, self.w.weight(i), Transpose::Yes)?))
-            .collect()
+        parts.iter().map(|&i| self.w.product(x, i)).collect()
     }
 
     fn rope(&self, x: Tensor, heads: usize, inverse: bool) -> Result<Tensor> {
@@ -1086,9 +1174,8 @@ impl BackwardBackend for Dev<'_> {
         rstd: &Tensor,
     ) -> Result<Tensor> {
         let i = self.w.layout.norm(layer, norm);
-        let (dx, dw) = ops::rmsnorm_backward(dy, x, self.w.weight(i), rstd)?;
-        add_into(&mut self.grads()?[i], &dw)?;
-        Ok(dx)
+        let w = self.w.weight(i);
+        Ok(ops::rmsnorm_backward_acc(&mut self.grads()?[i], dy, x, w, rstd)?)
     }
 
     fn experts_wgrad(
@@ -1223,6 +1310,94 @@ mod tests {
                         assert!(err < tol, "{what} gradient {name}: {err:.3e}");
                     }
                 }
+            }
+        }
+    }
+
+    /// On the CPU in f32 the device model computes what the CPU model does, bit for bit: logp
+    /// and entropy, every gradient summed over two micro-batches, the clipped AdamW step and the
+    /// forward after it, and the engine's incremental steps and draws (Qwen3 with a tied head,
+    /// Llama, Qwen3-MoE).
+    #[test]
+    fn on_the_cpu_in_f32_it_has_the_cpu_models_bits() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let configs = [
+            tiny(Architecture::Qwen3, true),
+            tiny(Architecture::Llama, false),
+            tiny_moe(true, 0.3),
+        ];
+        for config in configs {
+            let arch = config.architecture;
+            let mut m = model(config, 21);
+            let b = batch();
+            let mut dm = DeviceModel::new(&m, &Device::Cpu, DType::F32).unwrap();
+            let mut want = Weights::zeros(&m.config);
+            let packed = crate::PackedLinears::new(&m).unwrap();
+            for (k, t) in [0.8f32, 1.0].into_iter().enumerate() {
+                let fwd = m.forward_with(&packed, &b, t).unwrap();
+                let df = dm.forward(&b, t).unwrap();
+                assert_eq!(bits(&df.logp), bits(&fwd.logp), "{arch:?} logp");
+                assert_eq!(bits(&df.entropy), bits(&fwd.entropy), "{arch:?} entropy");
+                let mut rng = Rng::new(3 + k as u64);
+                let (ga, gb) = (rng.vec(fwd.logp.len(), 1.0), rng.vec(fwd.logp.len(), 1.0));
+                m.backward(&fwd, &b, &ga, &gb, &mut want).unwrap();
+                dm.backward(&df, &b, &ga, &gb).unwrap();
+            }
+            let got = dm.grads_to_host().unwrap();
+            for ((name, _), (g, w)) in tensor_spec(&m.config)
+                .iter()
+                .zip(got.tensors(arch).into_iter().zip(want.tensors(arch)))
+            {
+                assert_eq!(bits(g), bits(w), "{arch:?} gradient {name}");
+            }
+            // The host AdamW as the CPU trainer takes it: global norm, clip, one update.
+            let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.1 };
+            let views: Vec<&[f32]> = want.tensors(arch).into_iter().map(Vec::as_slice).collect();
+            let norm = cpu::global_norm(&views);
+            let scale = cpu::clip_scale(norm, 0.5);
+            let zeros = Weights::zeros(&m.config);
+            let (mut mo, mut vo) = (zeros.clone(), zeros);
+            let params = m.weights.tensors_mut(arch).into_iter().zip(want.tensors_mut(arch));
+            let moments = mo.tensors_mut(arch).into_iter().zip(vo.tensors_mut(arch));
+            for ((p, g), (mm, vv)) in params.zip(moments) {
+                g.iter_mut().for_each(|x| *x *= scale);
+                hyper.step(p, g, mm, vv, 1).unwrap();
+            }
+            let (dnorm, dscale) = dm.adamw_step(&hyper, 0.5).unwrap();
+            assert_eq!((dnorm.to_bits(), dscale.to_bits()), (norm.to_bits(), scale.to_bits()));
+            let after = dm.to_weights().unwrap();
+            for (g, w) in after.tensors(arch).into_iter().zip(m.weights.tensors(arch)) {
+                assert_eq!(bits(g), bits(w), "{arch:?} weights after AdamW");
+            }
+            let fwd = m.forward(&b, 0.7).unwrap();
+            assert_eq!(bits(&dm.forward(&b, 0.7).unwrap().logp), bits(&fwd.logp), "{arch:?}");
+
+            // The engine's steps: a prompt of five tokens, then one decode row.
+            let packed = crate::PackedLinears::new(&m).unwrap();
+            let mut kv = crate::KvCache::new(&m.config, 2).unwrap();
+            let mut dkv = DeviceKvCache::new(&m.config, 2, &Device::Cpu, DType::F32).unwrap();
+            let table = [1u32];
+            for rows in [&[(3u32, 0usize), (7, 1), (1, 2), (9, 3), (2, 4)][..], &[(5, 5)]] {
+                let rows: Vec<StepRow> = rows
+                    .iter()
+                    .map(|&(token, position)| StepRow { token, position, blocks: &table })
+                    .collect();
+                let (hidden, routes) = m.step_routed(&packed, &rows, &mut kv).unwrap();
+                let (dh, droutes) = dm.step_routed(&rows, &mut dkv).unwrap();
+                assert_eq!(bits(&dh.to_vec_f32().unwrap()), bits(&hidden), "{arch:?} step");
+                assert_eq!(droutes, routes, "{arch:?} routes");
+                let last = rows.len() - 1;
+                let h = m.config.hidden_size;
+                let mut z = m.logits(&packed, &hidden[last * h..]).unwrap();
+                let lse = cpu::tempered_log_softmax(&mut z, 0.9);
+                let token = cpu::sample_row(&z, 1.0, 4, 0.95, 0.37).unwrap();
+                let p = SampleParams { temperature: 0.9, top_k: 4, top_p: 0.95 };
+                let drawn = dm.sample(&dh, &[last as u32], p, &[0.37]).unwrap();
+                let want = (token, z[token as usize] - lse);
+                assert_eq!(
+                    drawn[0].map(|(t, lp)| (t, lp.to_bits())),
+                    Some((want.0, want.1.to_bits()))
+                );
             }
         }
     }

@@ -12,7 +12,9 @@ use crate::{Error, Result, ensure};
 /// Logit elements (rows × vocab) per chunk: 16 MiB of f32.
 pub const LOGPROB_CHUNK_ELEMENTS: usize = 1 << 22;
 
-fn chunk_rows(vocab: usize) -> usize {
+/// Rows per chunk of the head at this vocabulary size (every device uses the CPU's chunks on
+/// the CPU: a weight gradient's bits depend on how its rows are cut).
+pub fn chunk_rows(vocab: usize) -> usize {
     (LOGPROB_CHUNK_ELEMENTS / vocab.max(1)).max(1)
 }
 

@@ -18,11 +18,11 @@ pub use elementwise::{
 };
 pub use linear::{PackedLinear, linear_forward, linear_reference};
 pub use logprob::{
-    LOGPROB_CHUNK_ELEMENTS, logprob_backward, logprob_forward, logprob_row, logprob_row_backward,
-    logprob_rows_backward, logprob_rows_forward, tempered_log_softmax,
+    LOGPROB_CHUNK_ELEMENTS, chunk_rows, logprob_backward, logprob_forward, logprob_row,
+    logprob_row_backward, logprob_rows_backward, logprob_rows_forward, tempered_log_softmax,
 };
 pub use matmul::{Transpose, matmul};
-pub use optim::{AdamW, clip_scale, global_norm};
+pub use optim::{AdamW, clip_scale, global_norm, sum_squares};
 pub use sample::{MASS_BITS, sample_mass, sample_row, sample_rows};
 
 /// Lanes of the partial sums in [`dot`].

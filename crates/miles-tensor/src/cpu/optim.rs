@@ -59,11 +59,12 @@ impl AdamW {
 
 /// The L2 norm of all gradients together, summed tensor by tensor in order (in f64).
 pub fn global_norm(grads: &[&[f32]]) -> f64 {
-    grads
-        .iter()
-        .map(|g| g.iter().map(|x| f64::from(*x) * f64::from(*x)).sum::<f64>())
-        .sum::<f64>()
-        .sqrt()
+    grads.iter().map(|g| sum_squares(g)).sum::<f64>().sqrt()
+}
+
+/// Σ x² in f64, in index order: one tensor's share of [`global_norm`]'s square.
+pub fn sum_squares(g: &[f32]) -> f64 {
+    g.iter().map(|x| f64::from(*x) * f64::from(*x)).sum::<f64>()
 }
 
 /// The factor to multiply gradients by so their global norm is at most `max_norm`

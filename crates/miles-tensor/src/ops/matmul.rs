@@ -23,6 +23,24 @@ pub fn matmul_f32_out(a: &Tensor, ta: Transpose, b: &Tensor, tb: Transpose) -> R
     matmul_to(a, ta, b, tb, true)
 }
 
+/// `x·Wᵀ` with `W` `[out × in]` packed for the CPU's batch-invariant kernel
+/// ([`cpu::linear_forward`]): every output is one fused multiply-add chain over the input in
+/// order, so a row's bits do not depend on the rows beside it, and rollout and training agree.
+/// `x` is f32 `[rows × in]` on the CPU; the result is `[rows × out]` f32.
+pub fn linear_packed(x: &Tensor, w: &cpu::PackedLinear) -> Result<Tensor> {
+    const OP: &str = "linear_packed";
+    ensure(x.device() == Device::Cpu && x.dtype() == DType::F32, OP, || {
+        format!("x must be f32 on the CPU, not {} on {}", x.dtype(), x.device())
+    })?;
+    ensure(x.shape.len() == 2 && x.shape[1] == w.d_in(), OP, || {
+        format!("x {:?} for a weight of input width {}", x.shape, w.d_in())
+    })?;
+    let rows = x.shape[0];
+    let mut y = host_out(rows * w.d_out());
+    cpu::linear_forward(&mut y, &host_f32(x), w)?;
+    Ok(host_tensor(vec![rows, w.d_out()], y, DType::F32))
+}
+
 /// `c += op(a)·op(b)` in place, `c` `[m×n]`: f32 for any float operands (weight gradients of
 /// bf16 activations accumulate in f32), or the operands' dtype.
 pub fn matmul_acc(

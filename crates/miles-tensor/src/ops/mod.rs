@@ -27,8 +27,10 @@ pub use elementwise::{
 };
 pub use grouped::{grouped_matmul, grouped_matmul_wgrad};
 pub use logprob::{logprob_rows, logprob_rows_backward, logprob_rows_ids};
-pub use matmul::{matmul, matmul_acc, matmul_f32_out};
-pub use norm::{add_rmsnorm, qk_norm_rope, rmsnorm_backward, rmsnorm_forward};
+pub use matmul::{linear_packed, matmul, matmul_acc, matmul_f32_out};
+pub use norm::{
+    add_rmsnorm, qk_norm_rope, rmsnorm_backward, rmsnorm_backward_acc, rmsnorm_forward,
+};
 pub use optim::{AdamWTensors, adamw_multi, adamw_step, sum_squares, sum_squares_multi};
 pub use sample::{sample_rows, sample_rows_ids};
 

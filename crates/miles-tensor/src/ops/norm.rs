@@ -3,12 +3,11 @@
 
 use super::{add, dtype_is, floats_only, host_f32, host_out, host_tensor, rope, same_device};
 use crate::cpu;
+use crate::tensor::Storage;
 use crate::{DType, Device, Result, Tensor, ensure};
 
 #[cfg(feature = "cuda")]
 use super::{bf16_data, device_data};
-#[cfg(feature = "cuda")]
-use crate::tensor::Storage;
 
 /// Rows and hidden size of `x [… × k·hidden]` normalized with `w [hidden]`: each group of
 /// `hidden` elements of the last dimension is a row (k > 1 normalizes every head of q or k).
@@ -209,8 +208,27 @@ pub fn rmsnorm_backward(
     w: &Tensor,
     rstd: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
+    let mut dw = Tensor::zeros(w.shape(), DType::F32, &w.device())?;
+    let dx = rmsnorm_backward_acc(&mut dw, dy, x, w, rstd)?;
+    Ok((dx, dw))
+}
+
+/// [`rmsnorm_backward`] adding `dw` into `acc` (a gradient summed over micro-batches) and
+/// returning `dx`. On the CPU the per-chunk partial sums go straight into `acc`, in chunk
+/// order, as `cpu::rmsnorm_backward` adds them.
+pub fn rmsnorm_backward_acc(
+    acc: &mut Tensor,
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+) -> Result<Tensor> {
     const OP: &str = "rmsnorm_backward";
-    let device = same_device(OP, &[dy, x, w, rstd])?;
+    let device = same_device(OP, &[acc, dy, x, w, rstd])?;
+    dtype_is(OP, "acc", acc, DType::F32)?;
+    ensure(acc.shape == w.shape, OP, || {
+        format!("acc {:?} must be shaped like w {:?}", acc.shape, w.shape)
+    })?;
     floats_only(OP, &[dy, x, w, rstd])?;
     let (rows, hidden) = rmsnorm_rows(OP, x, w)?;
     ensure(dy.shape == x.shape && rstd.len() == rows, OP, || {
@@ -222,13 +240,10 @@ pub fn rmsnorm_backward(
     match device {
         Device::Cpu => {
             let mut dx = host_out(rows * hidden);
-            let mut dw = vec![0.0; hidden]; // cpu::rmsnorm_backward adds into dw
             let (dy_h, x_h) = (host_f32(dy), host_f32(x));
-            cpu::rmsnorm_backward(&mut dx, &mut dw, &dy_h, &x_h, &host_f32(w), &host_f32(rstd))?;
-            Ok((
-                host_tensor(x.shape.clone(), dx, x.dtype()),
-                host_tensor(vec![hidden], dw, DType::F32),
-            ))
+            let Storage::F32(dw) = &mut acc.storage else { unreachable!("acc is f32 on the host") };
+            cpu::rmsnorm_backward(&mut dx, dw, &dy_h, &x_h, &host_f32(w), &host_f32(rstd))?;
+            Ok(host_tensor(x.shape.clone(), dx, x.dtype()))
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
@@ -242,10 +257,9 @@ pub fn rmsnorm_backward(
                 rows,
                 hidden,
             )?;
-            Ok((
-                Tensor { shape: x.shape.clone(), storage: Storage::Cuda(dx) },
-                Tensor { shape: vec![hidden], storage: Storage::Cuda(dw) },
-            ))
+            let dw = Tensor { shape: vec![hidden], storage: Storage::Cuda(dw) };
+            *acc = add(acc, &dw)?;
+            Ok(Tensor { shape: x.shape.clone(), storage: Storage::Cuda(dx) })
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(crate::tensor::not_built()),

@@ -192,7 +192,7 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
     match t.device() {
         Device::Cpu => {
             let Storage::F32(v) = &t.storage else { unreachable!("f32 on the host") };
-            Ok(cpu::global_norm(&[v]).powi(2))
+            Ok(cpu::sum_squares(v))
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
