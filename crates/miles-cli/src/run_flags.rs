@@ -44,6 +44,8 @@ pub enum Ty {
     Path,
     /// A string out of these names (serde's, aliases included).
     Enum(&'static [&'static str]),
+    /// `cpu`, `cuda` or `cuda:N`.
+    Device,
 }
 
 /// One `RunConfig` key as a flag of `miles train`.
@@ -98,7 +100,7 @@ pub const FLAGS: &[Flag] = &[
     value(
         MODEL,
         "device",
-        Ty::Str,
+        Ty::Device,
         "Where the trainer's model runs: cpu, cuda (device 0) or cuda:N; a GPU keeps weights, \
          gradients and AdamW state there and computes in bf16 (miles-rs).",
     ),
@@ -544,6 +546,7 @@ fn value_name(ty: Ty) -> &'static str {
         Ty::Str => "TEXT",
         Ty::Path => "PATH",
         Ty::Enum(_) => "NAME",
+        Ty::Device => "DEVICE",
     }
 }
 
@@ -651,7 +654,7 @@ fn parse_scalar(ty: Ty, s: &str) -> Result<Value, String> {
             .and_then(serde_json::Number::from_f64)
             .map(Value::Number)
             .ok_or_else(|| invalid("a number")),
-        Ty::Str | Ty::Path | Ty::Enum(_) => Ok(Value::String(s.to_string())),
+        Ty::Str | Ty::Path | Ty::Enum(_) | Ty::Device => Ok(Value::String(s.to_string())),
     }
 }
 
@@ -687,7 +690,7 @@ pub fn check_value(flag: &Flag, value: &Value) -> Result<(), String> {
                 Ty::UInt => (value.is_u64(), "a non-negative integer"),
                 Ty::Int => (value.is_i64(), "an integer"),
                 Ty::Float => (value.is_number(), "a number"),
-                Ty::Str | Ty::Path | Ty::Enum(_) => (value.is_string(), "a string"),
+                Ty::Str | Ty::Path | Ty::Enum(_) | Ty::Device => (value.is_string(), "a string"),
             };
             if !ok {
                 return wrong(expected, value);
@@ -1003,6 +1006,7 @@ mod tests {
                 (_, Ty::Float) => (json!(0.5), json!("x")),
                 (_, Ty::Str | Ty::Path) => (json!("x"), json!(1)),
                 (_, Ty::Enum(names)) => (json!(names[0]), json!("no-such-value")),
+                (_, Ty::Device) => (json!("cuda:1"), json!("gpu")),
                 (_, Ty::Bool) => panic!("{}: a bool must be a switch", flag.key),
             };
             assert!(fits(good.clone()) && serde_ok(good.clone()), "{}: {good} refused", flag.key);
