@@ -342,7 +342,7 @@ fn smollm2_gguf_converts_and_knows_the_capital_of_france() {
     // Greedy decoding through the rollout engine answers with Paris, and its logprobs are the
     // scorer's, bit for bit.
     let start = Instant::now();
-    let mut engine = Engine::new(model.clone(), Some(ours), EngineConfig::default()).unwrap();
+    let mut engine = Engine::on_cpu(&model, Some(ours), EngineConfig::default()).unwrap();
     let params = SamplingParams { top_k: 1, max_new_tokens: 16, ..SamplingParams::default() };
     let sample = Sample { tokens: prompt.clone(), ..Sample::default() };
     let out = engine.generate(vec![vec![sample]], &params).unwrap().remove(0).remove(0);

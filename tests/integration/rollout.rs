@@ -63,7 +63,7 @@ fn params(max_new: usize) -> SamplingParams {
 }
 
 fn engine(m: &Model, config: EngineConfig) -> Engine {
-    Engine::new(m.clone(), None, config).unwrap()
+    Engine::on_cpu(&m, None, config).unwrap()
 }
 
 fn blocks_mb(m: &Model, blocks: usize) -> usize {
@@ -238,7 +238,7 @@ fn stop_conditions_set_the_status() {
     let tok = tokenizer("rollout-stop");
     let base = params(24);
     let one = |mut p: SamplingParams, config: EngineConfig, prompt_len: usize| -> Sample {
-        let mut e = Engine::new(m.clone(), Some(tokenizer("rollout-stop-each")), config).unwrap();
+        let mut e = Engine::on_cpu(&m, Some(tokenizer("rollout-stop-each")), config).unwrap();
         p.seed = 11;
         let s = Sample { tokens: (1..=prompt_len as u32).collect(), ..Sample::default() };
         e.generate(vec![vec![s]], &p).unwrap().remove(0).remove(0)
@@ -264,7 +264,7 @@ fn stop_conditions_set_the_status() {
     // EOS counts unless ignored.
     let mut m_eos = m.clone();
     m_eos.config.eos_token_ids = vec![stop_id];
-    let mut e = Engine::new(m_eos, None, EngineConfig::default()).unwrap();
+    let mut e = Engine::on_cpu(&m_eos, None, EngineConfig::default()).unwrap();
     let s0 = Sample { tokens: (1..=6).collect(), ..Sample::default() };
     let p = SamplingParams { ignore_eos: false, seed: 11, ..base.clone() };
     let s = e.generate(vec![vec![s0]], &p).unwrap().remove(0).remove(0);
@@ -283,8 +283,8 @@ fn stop_conditions_set_the_status() {
     assert!(!tok.decode(&s.tokens[6..s.tokens.len() - 1], false).unwrap().contains(&text));
 
     // Too-long prompts are skipped with the reason; the others still run.
-    let mut e = Engine::new(
-        m.clone(),
+    let mut e = Engine::on_cpu(
+        &m,
         None,
         EngineConfig { max_prompt_len: Some(8), ..EngineConfig::default() },
     )
@@ -312,11 +312,8 @@ fn bad_sampling_flags_are_errors() {
         let err = e.generate(g.clone(), &p).unwrap_err().to_string();
         assert!(err.starts_with(flag), "{err}");
     }
-    let err = Engine::new(
-        m.clone(),
-        None,
-        EngineConfig { kv_cache_bytes: 10, ..EngineConfig::default() },
-    );
+    let err =
+        Engine::on_cpu(&m, None, EngineConfig { kv_cache_bytes: 10, ..EngineConfig::default() });
     assert!(err.err().unwrap().to_string().contains("--rollout-kv-cache-mb"));
 }
 
@@ -498,23 +495,31 @@ fn engine_limits_and_refusals() {
 
     // Weights of another shape are refused and the engine keeps its policy whole.
     let other = presets::preset("tiny", Some(Architecture::Llama)).unwrap();
-    assert!(e.update_weights(Weights::zeros(&other)).is_err());
+    assert!(e.update_weights(&Weights::zeros(&other)).is_err());
     assert_eq!(e.weight_version(), 0);
     let again = e.generate(groups(1, 23), &params(8)).unwrap().remove(0).remove(0);
     assert_eq!(again.tokens, full.tokens);
 
     // In-place updates (the trainer's weight sync): generating before `weights_updated` is
     // refused; after it, the new weights are the ones sampled from.
-    e.policy_mut().weights.final_norm.iter_mut().for_each(|w| *w *= 3.0);
+    let mut w = e.model().to_weights().unwrap();
+    w.final_norm.iter_mut().for_each(|w| *w *= 3.0);
+    e.model_mut().set_weights(&w).unwrap();
     let err = e.generate(groups(1, 23), &params(8)).unwrap_err().to_string();
     assert!(err.contains("weights_updated"), "{err}");
-    e.weights_updated().unwrap();
+    e.weights_updated();
     assert_eq!(e.weight_version(), 1);
     let changed = e.generate(groups(1, 23), &params(8)).unwrap().remove(0).remove(0);
     assert_ne!(changed.rollout_log_probs, full.rollout_log_probs);
+    // The same weights from elsewhere (moved in by update_weights) sample the same.
+    let mut fresh = Engine::on_cpu(&m, None, EngineConfig::default()).unwrap();
+    fresh.update_weights(&w).unwrap();
+    assert_eq!(fresh.weight_version(), 1);
+    let same = fresh.generate(groups(1, 23), &params(8)).unwrap().remove(0).remove(0);
+    assert_eq!(same.rollout_log_probs, changed.rollout_log_probs);
 
     let huge = EngineConfig { kv_cache_bytes: 1 << 60, ..EngineConfig::default() };
-    let err = Engine::new(m.clone(), None, huge).err().unwrap().to_string();
+    let err = Engine::on_cpu(&m, None, huge).err().unwrap().to_string();
     assert!(err.contains("--rollout-kv-cache-mb"), "{err}");
 }
 

@@ -262,43 +262,13 @@ fn a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
     check_exact_resume("train_exact_resume", SHORT, &["ref.safetensors"]);
 }
 
-/// The GPU loop's code (the engine's DeviceModel trained in place, its AdamW state saved from
-/// the device) on host tensors: RL iterations with the GPU metrics, and a killed run resumes
-/// to the same bytes.
-#[test]
-fn the_device_loop_runs_on_host_tensors_and_resumes_exactly() {
-    let env = [("MILES_DEVICE_ACTOR_ON_HOST", "1")];
-    let dir =
-        check_exact_resume_with("train_device_loop_resume", SHORT, &["ref.safetensors"], &env);
-    let last: Value = std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .next_back()
-        .unwrap();
-    for key in [
-        "perf/rollout_time",
-        "perf/train_time",
-        "perf/update_weights_time",
-        "perf/tokens_per_gpu_per_sec",
-        "perf/peak_gpu_memory_gib",
-        "train/train_rollout_logprob_abs_diff",
-    ] {
-        assert!(last.get(key).is_some_and(Value::is_number), "{key} missing: {last}");
-    }
-}
-
 /// A Qwen3-MoE run with Rollout Routing Replay resumes to the same bytes (per-expert
-/// weights, their AdamW moments), on the CPU actor and on the device actor's code over host
-/// tensors; on the latter the experts used in training are the rollout's too.
+/// weights, their AdamW moments), and the experts used in training are the rollout's.
 #[cfg(feature = "r3")]
 #[test]
-fn a_moe_run_with_replay_resumes_exactly_on_both_actors() {
+fn a_moe_run_with_replay_resumes_exactly() {
     let flags = format!("{SHORT} --arch qwen3-moe --use-rollout-routing-replay");
-    check_exact_resume("train_moe_resume", &flags, &["ref.safetensors"]);
-    let env = [("MILES_DEVICE_ACTOR_ON_HOST", "1")];
-    let dir =
-        check_exact_resume_with("train_moe_device_resume", &flags, &["ref.safetensors"], &env);
+    let dir = check_exact_resume_with("train_moe_resume", &flags, &["ref.safetensors"], &[]);
     for r in &iteration_records(&dir) {
         assert_eq!(r["train/replayed_experts_mismatch"], 0.0, "{r}");
         assert!(r["train/routed_experts_mismatch"].is_number(), "{r}");
@@ -319,9 +289,8 @@ fn iteration_records(dir: &Path) -> Vec<Value> {
 /// `--nproc-per-node 2`: each process rolls out its part of every optimizer step's prompt
 /// groups and the gradients are summed over them, so the run is the one-process run: the same
 /// samples (rewards and counts exactly), the same losses up to the order of the sums; rank 0
-/// writes the metrics. `env` picks the actor (the GPU loop's on host tensors with
-/// MILES_DEVICE_ACTOR_ON_HOST: rank 0's weights broadcast at the start, its gradients summed
-/// through the device model).
+/// writes the metrics (rank 0's weights broadcast at the start). `env` adds to the runs'
+/// environment.
 fn two_processes_train_as_one(name: &str, env: &[(&str, &str)]) {
     processes_train_as_one(name, 2, "", env, &[]);
 }
@@ -604,14 +573,14 @@ fn a_checkpoint_resumes_with_another_number_of_processes() {
     }
 }
 
-/// The GPU loop's actor over two processes trains as one (on host tensors: CI's stand-in for
-/// NCCL, which sums the same gradients on GPUs), with its gradient sums in buckets of 4 KiB
-/// started during the backward as its layers finish.
+/// Two processes train as one with their gradient sums in buckets of 4 KiB started during the
+/// backward as its layers finish (over TCP: CI's stand-in for NCCL, which sums the same
+/// gradients on GPUs).
 #[test]
-fn two_processes_of_the_device_actor_train_as_one() {
+fn two_processes_with_small_gradient_buckets_train_as_one() {
     two_processes_train_as_one(
-        "train_two_device_processes",
-        &[("MILES_DEVICE_ACTOR_ON_HOST", "1"), ("MILES_GRAD_BUCKET_BYTES", "4096")],
+        "train_two_bucketed_processes",
+        &[("MILES_GRAD_BUCKET_BYTES", "4096")],
     );
 }
 
@@ -647,48 +616,45 @@ fn a_dead_worker_stops_the_run_and_unsupported_flags_are_named() {
 
 /// With one optimizer step per rollout the old logprobs are the step's own forward's: the run
 /// ends with the same bytes and metrics as one that computes them in a forward of their own,
-/// on both actors, over several micro-batches, and when a step is skipped (NaN loss at step 2,
-/// whose logprob gap then comes from a separate forward).
+/// over several micro-batches, and when a step is skipped (NaN loss at step 2, whose logprob
+/// gap then comes from a separate forward).
 #[test]
 fn old_logprobs_from_the_training_step_give_the_bits_of_a_separate_forward() {
     let flags = "--sft-warmup-steps 20 --rollout-batch-size 4 --n-samples-per-prompt 4 \
                  --num-steps-per-rollout 1 --micro-batch-size 5 --eval-interval 100 \
                  --use-kl-loss --kl-loss-coef 0.05 --entropy-coef 0.01 --lr 1e-3";
     let root = scratch("train_old_logprobs_in_step");
-    for (name, on_host) in [("cpu", None), ("device", Some(("MILES_DEVICE_ACTOR_ON_HOST", "1")))] {
-        let run = |sub: &str, separate: bool| -> (Vec<u8>, Vec<u8>, Vec<Value>) {
-            let dir = root.join(name).join(sub);
-            let mut env: Vec<(&str, &str)> = on_host.into_iter().collect();
-            if separate {
-                env.push(("MILES_SEPARATE_OLD_LOGPROBS", "1"));
-            }
-            let out =
-                run_binary_with(&strs(&run_args(flags, &dir, 3)), Some("nan-loss-at-step:2"), &env);
-            assert!(out.status.success(), "{name} {sub}: {}", text(&out));
-            let metrics = iteration_records(&dir);
-            let file = |f| checkpoint_file(&dir, 3, f);
-            (file("model.safetensors"), file("optimizer.safetensors"), metrics)
-        };
-        let (model, optimizer, in_step) = run("in-step", false);
-        let (model_s, optimizer_s, separate) = run("separate", true);
-        assert!(model == model_s, "{name}: the weights differ");
-        assert!(optimizer == optimizer_s, "{name}: the AdamW state differs");
-        assert_eq!(in_step.len(), 3);
-        for (i, (a, b)) in in_step.iter().zip(&separate).enumerate() {
-            for key in ["train/loss", "train/ppo_kl", "train/pg_clipfrac", "train/kl_loss"] {
-                assert_eq!(a.get(key), b.get(key), "{name} {key}: {a} vs {b}");
-            }
-            let gap = "train/train_rollout_logprob_abs_diff";
-            assert_eq!(a[gap], b[gap], "{name}: {a} vs {b}");
-            if on_host.is_none() {
-                assert_eq!(a[gap], 0.0, "{name}: {a}");
-            }
-            // One step per rollout; the second iteration's was the NaN one.
-            assert_eq!(a["train/steps"], u64::from(i != 1), "{name}: {a}");
+    let name = "cpu";
+    let run = |sub: &str, separate: bool| -> (Vec<u8>, Vec<u8>, Vec<Value>) {
+        let dir = root.join(name).join(sub);
+        let mut env: Vec<(&str, &str)> = Vec::new();
+        if separate {
+            env.push(("MILES_SEPARATE_OLD_LOGPROBS", "1"));
         }
-        assert_eq!(in_step[1]["train/skipped_steps"], 1, "{name}: {}", in_step[1]);
-        assert_eq!(in_step[2]["train/skipped_steps"], 1, "{name}: {}", in_step[2]);
+        let out =
+            run_binary_with(&strs(&run_args(flags, &dir, 3)), Some("nan-loss-at-step:2"), &env);
+        assert!(out.status.success(), "{name} {sub}: {}", text(&out));
+        let metrics = iteration_records(&dir);
+        let file = |f| checkpoint_file(&dir, 3, f);
+        (file("model.safetensors"), file("optimizer.safetensors"), metrics)
+    };
+    let (model, optimizer, in_step) = run("in-step", false);
+    let (model_s, optimizer_s, separate) = run("separate", true);
+    assert!(model == model_s, "{name}: the weights differ");
+    assert!(optimizer == optimizer_s, "{name}: the AdamW state differs");
+    assert_eq!(in_step.len(), 3);
+    for (i, (a, b)) in in_step.iter().zip(&separate).enumerate() {
+        for key in ["train/loss", "train/ppo_kl", "train/pg_clipfrac", "train/kl_loss"] {
+            assert_eq!(a.get(key), b.get(key), "{name} {key}: {a} vs {b}");
+        }
+        let gap = "train/train_rollout_logprob_abs_diff";
+        assert_eq!(a[gap], b[gap], "{name}: {a} vs {b}");
+        assert_eq!(a[gap], 0.0, "{name}: {a}");
+        // One step per rollout; the second iteration's was the NaN one.
+        assert_eq!(a["train/steps"], u64::from(i != 1), "{name}: {a}");
     }
+    assert_eq!(in_step[1]["train/skipped_steps"], 1, "{name}: {}", in_step[1]);
+    assert_eq!(in_step[2]["train/skipped_steps"], 1, "{name}: {}", in_step[2]);
 }
 
 /// Without a warm-up the KL reference is the initial model, rebuilt on resume, not the

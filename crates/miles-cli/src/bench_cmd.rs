@@ -6,7 +6,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use miles_core::{Rollout, Sample, SamplingParams};
 use miles_model::{DeviceModel, Model, PackedBatch, Weights, presets};
-use miles_rollout::{Engine, EngineConfig, Policy};
+use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
 use miles_tensor::rng::Rng;
 use miles_tensor::{DType, Device};
@@ -212,25 +212,22 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         ..SamplingParams::default()
     };
     let device = args.engine.device;
-    let mut replay = Vec::new();
-    let (seconds, s, dtype) = if device == Device::Cpu {
-        let per_block = miles_model::KvCache::bytes_per_block(&model.config);
-        let mut engine = Engine::new(model, None, config(per_block))?;
-        (timed_generate(&mut engine, groups, &params)?, engine.stats().clone(), "f32")
-    } else {
-        device.ensure_available().with_context(|| format!("--device {device}"))?;
+    if device != Device::Cpu {
         set_route(args.gemm);
-        let dtype = args.engine.dtype.dtype();
-        let per_block = miles_model::DeviceKvCache::bytes_per_block(&model.config, dtype);
-        let dm = DeviceModel::new(&model, &device, dtype)?;
-        let mut engine = Engine::on_device(dm, None, config(per_block))?;
+    }
+    let dm = args.engine.place(&model)?;
+    let dtype = dm.dtype();
+    let per_block = miles_model::DeviceKvCache::bytes_per_block(&model.config, dtype);
+    let mut engine = Engine::new(dm, None, config(per_block))?;
+    if device != Device::Cpu {
         let warm = SamplingParams { max_new_tokens: 2, ..params.clone() };
         engine.generate(groups.clone(), &warm)?;
         engine.reset_stats();
-        let seconds = timed_generate(&mut engine, groups, &params)?;
-        replay = engine.decode_replay_seconds(50)?;
-        (seconds, engine.stats().clone(), if dtype == DType::BF16 { "bf16" } else { "f32" })
-    };
+    }
+    let seconds = timed_generate(&mut engine, groups, &params)?;
+    let replay = engine.decode_replay_seconds(50)?;
+    let s = engine.stats().clone();
+    let dtype = if dtype == DType::BF16 { "bf16" } else { "f32" };
     // The widest captured step's device time: the decode step's wall time less this is host
     // time (scheduling, copies, the launch) during which the GPU waits.
     let replay_ms = replay.iter().max_by_key(|r| r.0).map(|r| 1e3 * r.1);
@@ -259,8 +256,8 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
 }
 
 /// Seconds of one `generate` call.
-fn timed_generate<P: Policy>(
-    engine: &mut Engine<P>,
+fn timed_generate(
+    engine: &mut Engine,
     groups: Vec<Vec<Sample>>,
     params: &SamplingParams,
 ) -> anyhow::Result<f64> {

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use miles_model::{Model, ModelConfig, Weights};
+use miles_model::{DeviceModel, Model, ModelConfig, Weights};
 use miles_tensor::{DType, Device};
 
 /// An HF checkpoint directory: config.json and the safetensors weights.
@@ -72,4 +72,16 @@ pub(crate) fn launch(n: usize, command: &str, out: &mut dyn Write) -> anyhow::Re
     writeln!(out, "miles {command}: {n} worker processes, rendezvous on port {port}")?;
     miles_dist::launch_local(n, port, &exe, &args).context("--nproc-per-node")?;
     Ok(())
+}
+
+impl EngineArgs {
+    /// `model` on `--device` in its compute dtype: f32 on the CPU, `--dtype` on a GPU.
+    pub fn place(&self, model: &Model) -> anyhow::Result<DeviceModel> {
+        let device = self.device;
+        if device != Device::Cpu {
+            device.ensure_available().with_context(|| format!("--device {device}"))?;
+        }
+        let dtype = if device == Device::Cpu { DType::F32 } else { self.dtype.dtype() };
+        Ok(DeviceModel::new(model, &device, dtype)?)
+    }
 }

@@ -8,9 +8,8 @@ use anyhow::{Context, bail};
 use clap::Args;
 use miles_core::{Sample, SamplingParams, Status};
 use miles_data::{Dataset, Keys};
-use miles_model::{DeviceModel, PackedBatch, Tokenizer};
-use miles_rollout::{Engine, EngineConfig, Policy, Progress, kv_cache_budget};
-use miles_tensor::Device;
+use miles_model::{PackedBatch, Tokenizer};
+use miles_rollout::{Engine, EngineConfig, Progress, kv_cache_budget};
 
 use crate::common::{EngineArgs, load_model};
 
@@ -137,15 +136,7 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         })
         .collect();
     let device = args.engine.device;
-    if device != Device::Cpu {
-        device.ensure_available().with_context(|| format!("--device {device}"))?;
-    }
-    let model = match device {
-        Device::Cpu => Loaded::Cpu(Box::new(model)),
-        _ => {
-            Loaded::Device(Box::new(DeviceModel::new(&model, &device, args.engine.dtype.dtype())?))
-        }
-    };
+    let model = args.engine.place(&model)?;
     let kv_cache_bytes =
         kv_cache_budget(args.rollout_kv_cache_mb, args.rollout_kv_cache_fraction, &device)?;
     let config = EngineConfig {
@@ -168,28 +159,14 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     };
     let started = Instant::now();
     let t = params.temperature;
-    let (groups, stats, seconds, check) = match model {
-        Loaded::Cpu(m) => {
-            let mut engine = Engine::new(*m, Some(tok), config)?;
-            let groups = generate(&mut engine, groups, &params)?;
-            let seconds = started.elapsed().as_secs_f64();
-            let check = args.check_logprobs.then(|| {
-                check_logprobs(&groups, |b| {
-                    Ok(engine.model().logprobs_with(engine.packed(), b, t)?.0)
-                })
-            });
-            (groups, engine.stats().clone(), seconds, check.transpose()?)
-        }
-        Loaded::Device(m) => {
-            let mut engine = Engine::on_device(*m, Some(tok), config)?;
-            let groups = generate(&mut engine, groups, &params)?;
-            let seconds = started.elapsed().as_secs_f64();
-            let check = args
-                .check_logprobs
-                .then(|| check_logprobs(&groups, |b| Ok(engine.device_model().logprobs(b, t)?.0)));
-            (groups, engine.stats().clone(), seconds, check.transpose()?)
-        }
-    };
+    let mut engine = Engine::new(model, Some(tok), config)?;
+    let groups = generate(&mut engine, groups, &params)?;
+    let seconds = started.elapsed().as_secs_f64();
+    let check = args
+        .check_logprobs
+        .then(|| check_logprobs(&groups, |b| Ok(engine.model().logprobs(b, t)?.0)))
+        .transpose()?;
+    let stats = engine.stats().clone();
     write_samples(&args.output, &groups)?;
     let samples: Vec<&Sample> = groups.iter().flatten().collect();
     let count = |st: Status| samples.iter().filter(|s| s.status == st).count();
@@ -213,14 +190,9 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     Ok(())
 }
 
-enum Loaded {
-    Cpu(Box<miles_model::Model>),
-    Device(Box<DeviceModel>),
-}
-
 /// Runs `engine` over `groups` with a progress bar on a terminal.
-fn generate<P: Policy>(
-    engine: &mut Engine<P>,
+fn generate(
+    engine: &mut Engine,
     groups: Vec<Vec<Sample>>,
     params: &SamplingParams,
 ) -> anyhow::Result<Vec<Vec<Sample>>> {

@@ -819,6 +819,21 @@ impl DeviceModel {
         self.refresh_stacked()
     }
 
+    /// Replaces the master weights with `weights` (a weight sync from elsewhere) and rebuilds
+    /// the compute copies, the packed forms and the stacks from them.
+    pub fn set_weights(&mut self, weights: &Weights) -> Result<()> {
+        weights.check(&self.config)?;
+        let spec = tensor_spec(&self.config);
+        let tensors = weights.tensors(self.config.architecture);
+        let device = self.device;
+        self.set_masters_with(|masters| {
+            for ((m, (_, shape)), w) in masters.iter_mut().zip(&spec).zip(tensors) {
+                **m = Tensor::from_f32(shape, w.clone(), &device)?;
+            }
+            Ok(())
+        })
+    }
+
     /// The global L2 norm of the gradients (f64 sums of squares per tensor, in order).
     pub fn grad_norm(&self) -> Result<f64> {
         let grads: Vec<&Tensor> = self.grads.iter().collect();
@@ -886,6 +901,11 @@ impl DeviceModel {
         };
         self.moments = Some(Moments { m: upload(m)?, v: upload(v)?, step });
         Ok(())
+    }
+
+    /// Forgets AdamW's state: the next step starts a fresh optimizer.
+    pub fn reset_moments(&mut self) {
+        self.moments = None;
     }
 
     /// Optimizer steps taken.

@@ -12,7 +12,7 @@ use miles_tensor::cpu::AdamW;
 use miles_tensor::rng::Rng;
 use miles_tensor::{DType, Device};
 
-use crate::{Engine, EngineConfig, policy::DevicePolicy};
+use crate::{Engine, EngineConfig};
 
 /// A small model at head_dim 64 (the tensor-core attention's), far from uniform.
 fn model(arch: Architecture, seed: u64) -> Model {
@@ -61,8 +61,8 @@ fn params(max_new: usize) -> SamplingParams {
     }
 }
 
-fn engine(m: &Model, device: &Device, dtype: DType, config: EngineConfig) -> Engine<DevicePolicy> {
-    Engine::on_device(DeviceModel::new(m, device, dtype).unwrap(), None, config).unwrap()
+fn engine(m: &Model, device: &Device, dtype: DType, config: EngineConfig) -> Engine {
+    Engine::new(DeviceModel::new(m, device, dtype).unwrap(), None, config).unwrap()
 }
 
 /// (tokens, logprob bits, status) of every sample, in order.
@@ -137,7 +137,7 @@ fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
             }
         }
         let want: Vec<Vec<f32>> = samples.iter().map(|s| s.rollout_log_probs.clone()).collect();
-        let dm = e.device_model();
+        let dm = e.model();
         let forward: Vec<usize> = (0..samples.len()).collect();
         let reversed: Vec<usize> = forward.iter().rev().copied().collect();
         for (order, per, what) in [
@@ -207,7 +207,7 @@ fn the_device_engine_runs_on_cpu_tensors() {
         let samples = e.generate(groups(2, 9, m.config.vocab_size), &p).unwrap().concat();
         assert!(samples.iter().all(|s| s.status == Status::Truncated && s.response_length == 12));
         let order: Vec<usize> = (0..samples.len()).collect();
-        let got = score(e.device_model(), &samples, &order, samples.len(), p.temperature);
+        let got = score(e.model(), &samples, &order, samples.len(), p.temperature);
         let tol = if dtype == DType::F32 { 1e-4 } else { 0.1 };
         for (s, g) in samples.iter().zip(&got) {
             for (a, b) in s.rollout_log_probs.iter().zip(g) {
@@ -228,7 +228,7 @@ fn greedy_on_cuda_tracks_the_cpu_model() {
     let gpu = engine(&m, &device, DType::BF16, EngineConfig::default())
         .generate(input.clone(), &greedy)
         .unwrap();
-    let mut cpu = Engine::new(m.clone(), None, EngineConfig::default()).unwrap();
+    let mut cpu = Engine::on_cpu(&m, None, EngineConfig::default()).unwrap();
     let want = cpu.generate(input, &greedy).unwrap();
     let (mut same, mut total) = (0, 0);
     for (a, b) in gpu.iter().flatten().zip(want.iter().flatten()) {
@@ -278,7 +278,7 @@ fn smollm2_shaped_rollouts_equal_a_fresh_scorer() {
     let samples = e.generate(groups, &p).unwrap().concat();
     let fresh = DeviceModel::new(&m, &device, DType::BF16).unwrap();
     let order: Vec<usize> = (0..samples.len()).collect();
-    for (what, dm) in [("engine's model", e.device_model()), ("fresh model", &fresh)] {
+    for (what, dm) in [("engine's model", e.model()), ("fresh model", &fresh)] {
         let got = score(dm, &samples, &order, samples.len(), p.temperature);
         for (i, (s, g)) in samples.iter().zip(&got).enumerate() {
             let bad: Vec<(usize, f32, f32)> = s
@@ -309,7 +309,7 @@ fn rollouts_after_a_training_step_still_equal_the_scorer() {
     let vocab = m.config.vocab_size;
     let mut e = engine(&m, &device, DType::BF16, EngineConfig::default());
     let first = e.generate(groups(2, 5, vocab), &p).unwrap().concat();
-    let mut dm = e.into_device_model();
+    let mut dm = e.into_model();
     let seqs: Vec<_> =
         first.iter().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
     let batch = PackedBatch::new(&seqs).unwrap();
@@ -327,9 +327,9 @@ fn rollouts_after_a_training_step_still_equal_the_scorer() {
         before.iter().zip(&first).any(|(g, s)| bits(g) != bits(&s.rollout_log_probs)),
         "the step changed no logprob"
     );
-    let mut e = Engine::on_device(dm, None, EngineConfig::default()).unwrap();
+    let mut e = Engine::new(dm, None, EngineConfig::default()).unwrap();
     let second = e.generate(groups(2, 6, vocab), &p).unwrap().concat();
-    let got = score(e.device_model(), &second, &all(&second), second.len(), p.temperature);
+    let got = score(e.model(), &second, &all(&second), second.len(), p.temperature);
     for (i, (g, s)) in got.iter().zip(&second).enumerate() {
         assert_eq!(bits(g), bits(&s.rollout_log_probs), "sample {i}");
     }

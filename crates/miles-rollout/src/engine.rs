@@ -13,11 +13,12 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use miles_core::{Prompt, Rollout, RoutedExperts, Sample, SamplingParams, Status};
-use miles_model::{BlockId, DeviceModel, Model, PackedLinears, StepRow, Tokenizer, Weights};
+use miles_model::{BlockId, DeviceModel, Model, StepRow, Tokenizer, Weights};
 use miles_tensor::cpu::KEY_BLOCK;
+use miles_tensor::{DType, Device};
 
 use crate::blocks::BlockAllocator;
-use crate::policy::{CpuPolicy, DevicePolicy, DrawRequest, Policy, model_error};
+use crate::policy::{DrawRequest, Policy, model_error};
 use crate::sampler::{Draw, uniform};
 
 /// Limits of the engine (flags `--rollout-kv-cache-mb`, `--rollout-max-running`,
@@ -80,15 +81,14 @@ pub struct Progress {
     pub generated_tokens: usize,
 }
 
-/// The rollout engine over a [`Policy`]: the CPU model by default, or a [`DeviceModel`]
-/// ([`Engine::on_device`]).
-pub struct Engine<P: Policy = CpuPolicy> {
-    policy: P,
+/// The rollout engine over a [`Policy`]: a [`DeviceModel`] on the CPU or a GPU.
+pub struct Engine {
+    policy: Policy,
     tokenizer: Option<Tokenizer>,
     config: EngineConfig,
     stats: EngineStats,
     weight_version: u64,
-    /// The weights changed through [`Engine::policy_mut`] and are not repacked yet.
+    /// The weights changed through [`Engine::model_mut`] and the update is not finished.
     stale: bool,
 }
 
@@ -136,91 +136,56 @@ fn failed(mut s: Sample, reason: String) -> Sample {
     s
 }
 
-impl Engine<CpuPolicy> {
-    pub fn new(
-        model: Model,
-        tokenizer: Option<Tokenizer>,
-        config: EngineConfig,
-    ) -> crate::Result<Self> {
-        let policy = CpuPolicy::new(model, config.kv_cache_bytes)?;
-        Ok(Engine::with_policy(policy, tokenizer, config))
-    }
-
-    pub fn model(&self) -> &Model {
-        &self.policy.model
-    }
-
-    /// The current policy's packed linears, for scoring with [`Model::logprobs_with`] without
-    /// packing again.
-    pub fn packed(&self) -> &PackedLinears {
-        &self.policy.packed
-    }
-
-    /// The policy itself, for a trainer in the same process to update in place: the one copy
-    /// of the weights serves training and rollout (zero-copy weight sync). Call
-    /// [`Engine::weights_updated`] before generating again.
-    pub fn policy_mut(&mut self) -> &mut Model {
-        self.stale = true;
-        &mut self.policy.model
-    }
-
-    /// Finishes an in-place update: repacks the linears and bumps the policy version.
-    pub fn weights_updated(&mut self) -> crate::Result<()> {
-        let model = &self.policy.model;
-        model.weights.check(&model.config).map_err(model_error)?;
-        self.policy.packed = PackedLinears::new(model).map_err(model_error)?;
-        self.stale = false;
-        self.weight_version += 1;
-        Ok(())
-    }
-
-    /// The policy, taken out of the engine (the end of a run).
-    pub fn into_model(self) -> Model {
-        self.policy.model
-    }
-
-    /// Weight sync: takes the trainer's new weights (moved, not copied through a file) and
-    /// repacks them for the forward kernel.
-    pub fn update_weights(&mut self, weights: Weights) -> crate::Result<()> {
-        let config = &self.policy.model.config;
-        weights.check(config).map_err(model_error)?;
-        let model = Model::new(config.clone(), weights);
-        // Packed first: a failure leaves the engine on its old policy, whole.
-        self.policy.packed = PackedLinears::new(&model).map_err(model_error)?;
-        self.policy.model = model;
-        self.weight_version += 1;
-        Ok(())
-    }
-}
-
-impl Engine<DevicePolicy> {
+impl Engine {
     /// The engine on `model`'s device: its KV cache there in the model's compute dtype, the
     /// forward, the LM head and the sampler there too.
-    pub fn on_device(
+    pub fn new(
         model: DeviceModel,
         tokenizer: Option<Tokenizer>,
         config: EngineConfig,
     ) -> crate::Result<Self> {
-        let policy = DevicePolicy::new(model, config.kv_cache_bytes, config.cuda_graphs)?;
-        Ok(Engine::with_policy(policy, tokenizer, config))
+        let policy = Policy::new(model, config.kv_cache_bytes, config.cuda_graphs)?;
+        let stats = EngineStats { total_blocks: policy.num_blocks(), ..EngineStats::default() };
+        Ok(Engine { policy, tokenizer, config, stats, weight_version: 0, stale: false })
     }
 
-    pub fn device_model(&self) -> &DeviceModel {
+    /// The engine on the CPU over `model`'s weights (f32, the batch-invariant kernels).
+    pub fn on_cpu(
+        model: &Model,
+        tokenizer: Option<Tokenizer>,
+        config: EngineConfig,
+    ) -> crate::Result<Self> {
+        let dm = DeviceModel::new(model, &Device::Cpu, DType::F32).map_err(model_error)?;
+        Engine::new(dm, tokenizer, config)
+    }
+
+    pub fn model(&self) -> &DeviceModel {
         &self.policy.model
     }
 
-    /// The device model, for a trainer in the same process to update in place (its AdamW
-    /// refreshes the compute copies where they are, so the decode graphs stay valid). Call
-    /// [`Engine::device_weights_updated`] before generating again.
-    pub fn device_model_mut(&mut self) -> &mut DeviceModel {
+    /// The model, for a trainer in the same process to update in place: the one copy of the
+    /// weights serves training and rollout (zero-copy weight sync; its AdamW refreshes the
+    /// forward's copies where they are, so the decode graphs stay valid). Call
+    /// [`Engine::weights_updated`] before generating again.
+    pub fn model_mut(&mut self) -> &mut DeviceModel {
         self.stale = true;
         &mut self.policy.model
     }
 
-    /// Finishes an in-place update of the device model: bumps the policy version.
-    pub fn device_weights_updated(&mut self) {
+    /// Finishes an in-place update of the model: bumps the policy version.
+    pub fn weights_updated(&mut self) {
         self.stale = false;
         self.weight_version += 1;
+    }
+
+    /// Weight sync from elsewhere: the trainer's new weights, copied into the model's masters
+    /// and compute copies; bumps the policy version.
+    pub fn update_weights(&mut self, weights: &Weights) -> crate::Result<()> {
+        self.policy.model.set_weights(weights).map_err(model_error)?;
+        // New compute copies: graphs captured over the old ones are captured again.
+        self.policy.graphs = None;
+        self.weights_updated();
+        Ok(())
     }
 
     /// Device seconds of one replay of each captured decode step, `(rows, seconds)`
@@ -232,16 +197,9 @@ impl Engine<DevicePolicy> {
         }
     }
 
-    /// The policy, taken out of the engine.
-    pub fn into_device_model(self) -> DeviceModel {
+    /// The model, taken out of the engine (the end of a run).
+    pub fn into_model(self) -> DeviceModel {
         self.policy.model
-    }
-}
-
-impl<P: Policy> Engine<P> {
-    fn with_policy(policy: P, tokenizer: Option<Tokenizer>, config: EngineConfig) -> Self {
-        let stats = EngineStats { total_blocks: policy.num_blocks(), ..EngineStats::default() };
-        Engine { policy, tokenizer, config, stats, weight_version: 0, stale: false }
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
@@ -286,7 +244,7 @@ impl<P: Policy> Engine<P> {
         }
         if self.stale {
             return Err(crate::Error::Invalid(
-                "the policy changed through policy_mut(); call weights_updated() first".into(),
+                "the policy changed through model_mut(); call weights_updated() first".into(),
             ));
         }
         if !params.stop.is_empty() && self.tokenizer.is_none() {
@@ -587,8 +545,8 @@ struct Run {
 }
 
 impl Run {
-    fn new<P: Policy>(
-        engine: &mut Engine<P>,
+    fn new(
+        engine: &mut Engine,
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
         eos: &[u32],
@@ -661,9 +619,9 @@ impl Run {
     }
 
     /// Appends a draw; a finished sequence frees its blocks and fills its sample.
-    fn advance<P: Policy>(
+    fn advance(
         &mut self,
-        engine: &Engine<P>,
+        engine: &Engine,
         mut seq: Seq,
         draw: Option<Draw>,
         eos: &[u32],
@@ -694,8 +652,8 @@ impl Run {
 }
 
 /// Whether `seq` stops after its newest token `token`, and how.
-fn finish_status<P: Policy>(
-    engine: &Engine<P>,
+fn finish_status(
+    engine: &Engine,
     seq: &Seq,
     token: u32,
     eos: &[u32],
@@ -714,7 +672,7 @@ fn finish_status<P: Policy>(
     (seq.response_len() >= params.max_new_tokens).then_some(Status::Truncated)
 }
 
-impl<P: Policy> Engine<P> {
+impl Engine {
     /// Prepares a sample for generation: its prompt tokens (encoding a text prompt when no
     /// tokens are given) and checks. `Ok(Some(prompt_len))` to generate, `Ok(None)` when it is
     /// already done, `Err(reason)` to skip it.
@@ -811,7 +769,7 @@ impl<P: Policy> Engine<P> {
     }
 }
 
-impl<P: Policy> Engine<P> {
+impl Engine {
     /// A finished sequence's routing record: every position but the last (the engine never
     /// runs its newest token), `None` for a dense model.
     fn routed_experts(&self, seq: &Seq) -> Option<RoutedExperts> {
@@ -849,7 +807,7 @@ fn check_params(p: &SamplingParams) -> crate::Result<()> {
     Ok(())
 }
 
-impl<P: Policy> Rollout for Engine<P> {
+impl Rollout for Engine {
     fn generate(
         &mut self,
         groups: Vec<Vec<Sample>>,

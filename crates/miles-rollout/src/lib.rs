@@ -4,8 +4,8 @@
 //! - [`Engine`] implements [`miles_core::Rollout`]: continuous batching (a finished sequence
 //!   leaves and a waiting one joins at the next step) over a paged KV cache whose size the
 //!   configuration bounds; the samples of one prompt share its prefill and its full blocks.
-//!   One scheduler over a [`Policy`]: the CPU model ([`CpuPolicy`]) or a device model
-//!   ([`DevicePolicy`]), each with its KV cache's storage.
+//!   One scheduler over a [`Policy`]: the model on its device (the CPU or a GPU) with its KV
+//!   cache's storage.
 //! - Sampling draws with temperature, top-k and top-p ([`miles_tensor::cpu::sample_row`], and
 //!   its CUDA twin) from a counter-based random number per (seed, sample index, response
 //!   position) ([`sampler::uniform`]).
@@ -21,4 +21,4 @@ pub mod sampler;
 
 pub use engine::{Engine, EngineConfig, EngineStats, Progress};
 pub(crate) use miles_core::{Error, Result};
-pub use policy::{CpuPolicy, DevicePolicy, Policy, kv_cache_budget};
+pub use policy::{Policy, kv_cache_budget};

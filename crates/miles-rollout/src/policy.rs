@@ -1,40 +1,19 @@
-//! Where the engine's forward runs. The scheduler ([`crate::Engine`]) is one piece of code; a
-//! [`Policy`] owns the weights and the KV cache's storage and turns one step's rows into draws:
-//! [`CpuPolicy`] (the reference: the batch-invariant CPU model over [`KvCache`]) or
-//! [`DevicePolicy`] (a [`DeviceModel`] over a [`DeviceKvCache`], the LM head and the sampler on
-//! the device, so only token ids and logprobs come back).
+//! Where the engine's forward runs. The scheduler ([`crate::Engine`]) is one piece of code; the
+//! [`Policy`] owns the model and the KV cache's storage on the model's device and turns one
+//! step's rows into draws: the forward, the LM head and the sampler run there (on the CPU
+//! through its batch-invariant kernels, on a GPU through CUDA graphs of decode steps), so only
+//! token ids and logprobs come back.
 
 use miles_core::SamplingParams;
 use miles_model::{
-    BlockId, DecodeGraphs, DeviceKvCache, DeviceModel, KvCache, Model, ModelConfig, PackedLinears,
-    SampleParams, StepRow,
+    BlockId, DecodeGraphs, DeviceKvCache, DeviceModel, ModelConfig, SampleParams, StepRow,
 };
-use miles_tensor::cpu::{KEY_BLOCK, sample_row, tempered_log_softmax};
-use rayon::prelude::*;
+use miles_tensor::cpu::KEY_BLOCK;
 
 use crate::sampler::Draw;
 
 /// One draw of a step: the row whose next token is drawn, and its uniform number.
 pub type DrawRequest = (usize, f64);
-
-/// The model side of the engine.
-pub trait Policy: Send {
-    fn config(&self) -> &ModelConfig;
-    /// Blocks of [`KEY_BLOCK`] tokens the KV cache holds.
-    fn num_blocks(&self) -> usize;
-    /// One forward over `rows` (writing their keys and values into the cache), then one draw
-    /// per request, in order (requests of one row come together); with them, the experts each
-    /// row was routed to in a mixture-of-experts model (`[rows × sparse layers × top_k]`, empty
-    /// for a dense one).
-    fn step(
-        &mut self,
-        rows: &[StepRow],
-        draws: &[DrawRequest],
-        params: &SamplingParams,
-    ) -> crate::Result<(Vec<Option<Draw>>, Vec<u16>)>;
-    /// Copies every layer of block `src` into `dst`.
-    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()>;
-}
 
 /// Blocks that fit `bytes` at `per_block` bytes each, or the flag's error.
 pub(crate) fn blocks_in(bytes: usize, per_block: usize) -> crate::Result<usize> {
@@ -86,82 +65,8 @@ pub(crate) fn model_error(e: miles_model::Error) -> crate::Error {
     crate::Error::Invalid(format!("rollout engine: {e}"))
 }
 
-/// The CPU model, its packed linears and an f32 KV cache in host memory.
-pub struct CpuPolicy {
-    pub(crate) model: Model,
-    pub(crate) packed: PackedLinears,
-    kv: KvCache,
-}
-
-impl CpuPolicy {
-    /// `model` with a KV cache of `kv_bytes`.
-    pub fn new(model: Model, kv_bytes: usize) -> crate::Result<Self> {
-        let blocks = blocks_in(kv_bytes, KvCache::bytes_per_block(&model.config))?;
-        let kv = KvCache::new(&model.config, blocks).map_err(model_error)?;
-        let packed = PackedLinears::new(&model).map_err(model_error)?;
-        Ok(CpuPolicy { model, packed, kv })
-    }
-}
-
-impl Policy for CpuPolicy {
-    fn config(&self) -> &ModelConfig {
-        &self.model.config
-    }
-
-    fn num_blocks(&self) -> usize {
-        self.kv.num_blocks()
-    }
-
-    fn step(
-        &mut self,
-        rows: &[StepRow],
-        draws: &[DrawRequest],
-        params: &SamplingParams,
-    ) -> crate::Result<(Vec<Option<Draw>>, Vec<u16>)> {
-        let (hidden, routes) =
-            self.model.step_routed(&self.packed, rows, &mut self.kv).map_err(model_error)?;
-        let h = self.model.config.hidden_size;
-        // The distinct rows drawn from, and which of them each draw reads.
-        let mut picked: Vec<usize> = Vec::new();
-        let mut of_draw = Vec::with_capacity(draws.len());
-        for &(row, _) in draws {
-            if picked.last() != Some(&row) {
-                picked.push(row);
-            }
-            of_draw.push(picked.len() - 1);
-        }
-        let states: Vec<f32> =
-            picked.iter().flat_map(|&r| hidden[r * h..(r + 1) * h].iter().copied()).collect();
-        let mut logits = self.model.logits(&self.packed, &states).map_err(model_error)?;
-        let vocab = self.model.config.vocab_size;
-        // Tempered in place: the sampler then reads them at temperature 1 (z / 1 = z).
-        let lse: Vec<f32> = logits
-            .par_chunks_mut(vocab)
-            .map(|z| tempered_log_softmax(z, params.temperature))
-            .collect();
-        let drawn = draws
-            .par_iter()
-            .zip(&of_draw)
-            .map(|(&(_, u), &i)| {
-                let z = &logits[i * vocab..(i + 1) * vocab];
-                if !lse[i].is_finite() {
-                    return None;
-                }
-                let token = sample_row(z, 1.0, params.top_k, params.top_p, u)?;
-                Some(Draw { token, logprob: z[token as usize] - lse[i] })
-            })
-            .collect();
-        Ok((drawn, routes))
-    }
-
-    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()> {
-        self.kv.copy_block(src, dst);
-        Ok(())
-    }
-}
-
-/// A model resident on a device (CUDA, or the CPU's tensor ops) with its KV cache there.
-pub struct DevicePolicy {
+/// The model on its device (the CPU, or a GPU) with its KV cache there.
+pub struct Policy {
     pub(crate) model: DeviceModel,
     kv: DeviceKvCache,
     /// Captured decode steps of the current sampling parameters.
@@ -169,7 +74,7 @@ pub struct DevicePolicy {
     use_graphs: bool,
 }
 
-impl DevicePolicy {
+impl Policy {
     /// `model` with a KV cache of `kv_bytes` on its device, in its compute dtype; decode steps
     /// replayed as CUDA graphs when `graphs`.
     pub fn new(model: DeviceModel, kv_bytes: usize, graphs: bool) -> crate::Result<Self> {
@@ -186,20 +91,25 @@ impl DevicePolicy {
             .map_err(model_error)?;
         // A mixture of experts routes on the host between layers: no graph can hold a step.
         let use_graphs = graphs && model.config.moe.is_none();
-        Ok(DevicePolicy { model, kv, graphs: None, use_graphs })
+        Ok(Policy { model, kv, graphs: None, use_graphs })
     }
 }
 
-impl Policy for DevicePolicy {
-    fn config(&self) -> &ModelConfig {
+impl Policy {
+    pub fn config(&self) -> &ModelConfig {
         &self.model.config
     }
 
-    fn num_blocks(&self) -> usize {
+    /// Blocks of [`KEY_BLOCK`] tokens the KV cache holds.
+    pub fn num_blocks(&self) -> usize {
         self.kv.num_blocks()
     }
 
-    fn step(
+    /// One forward over `rows` (writing their keys and values into the cache), then one draw
+    /// per request, in order (requests of one row come together); with them, the experts each
+    /// row was routed to in a mixture-of-experts model (`[rows × sparse layers × top_k]`, empty
+    /// for a dense one).
+    pub fn step(
         &mut self,
         rows: &[StepRow],
         draws: &[DrawRequest],
@@ -233,7 +143,8 @@ impl Policy for DevicePolicy {
         Ok((drawn.collect(), routes))
     }
 
-    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()> {
+    /// Copies every layer of block `src` into `dst`.
+    pub fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()> {
         self.kv.copy_block(src, dst).map_err(model_error)
     }
 }

@@ -145,11 +145,18 @@ pub fn logprob_rows_forward(
     ensure(logp.len() == targets.len() && entropy.len() == targets.len(), "logprob_rows", || {
         format!("logp {} entropy {} for {} rows", logp.len(), entropy.len(), targets.len())
     })?;
-    let mut z = vec![0f32; vocab];
-    for (r, &target) in targets.iter().enumerate() {
-        z.copy_from_slice(&logits[r * vocab..(r + 1) * vocab]);
-        (logp[r], entropy[r]) = logprob_row(&mut z, target as usize, temperature);
-    }
+    // Rows in parallel: each row's numbers are its own.
+    logits
+        .par_chunks(vocab)
+        .zip(logp.par_iter_mut().zip(entropy.par_iter_mut()))
+        .zip(targets.par_iter())
+        .for_each_init(
+            || vec![0f32; vocab],
+            |z, ((row, (lp, ent)), &target)| {
+                z.copy_from_slice(row);
+                (*lp, *ent) = logprob_row(z, target as usize, temperature);
+            },
+        );
     Ok(())
 }
 
@@ -177,9 +184,9 @@ pub fn logprob_rows_backward(
         },
     )?;
     d_logits.copy_from_slice(logits);
-    for (r, z) in d_logits.chunks_mut(vocab).enumerate() {
+    d_logits.par_chunks_mut(vocab).enumerate().for_each(|(r, z)| {
         logprob_row_backward(z, targets[r] as usize, temperature, d_logp[r], d_entropy[r]);
-    }
+    });
     Ok(())
 }
 

@@ -421,10 +421,11 @@ pub fn scatter_rows(dst: &mut Tensor, src: &Tensor, rows: &[u32]) -> Result<()> 
     ensure(ok, OP, || {
         format!("src {:?} into dst {:?} at {} rows", src.shape, dst.shape, rows.len())
     })?;
-    let mut seen = vec![false; dst.shape[0]];
-    ensure(rows.iter().all(|&r| !std::mem::replace(&mut seen[r as usize], true)), OP, || {
-        "rows repeat".into()
-    })?;
+    // (Sorted, not a flag per row of `dst`: the KV cache copies a block at a time out of
+    // millions of rows.)
+    let mut sorted = rows.to_vec();
+    sorted.sort_unstable();
+    ensure(sorted.windows(2).all(|w| w[0] != w[1]), OP, || "rows repeat".into())?;
     let width = dst.shape[1];
     scatter_flat(dst, src, rows, width)
 }

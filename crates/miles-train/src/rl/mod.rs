@@ -44,7 +44,7 @@ use miles_core::config::{LossType, RunConfig};
 use miles_core::{Advantage, Correction, Reward, RoutingReplay};
 use miles_data::{Cursor, DataSource, Dataset};
 use miles_model::{Model, Tokenizer, Weights};
-use miles_rollout::{Engine, EngineConfig};
+use miles_rollout::EngineConfig;
 use miles_tensor::Device;
 use miles_tensor::cpu::AdamW;
 
@@ -52,7 +52,7 @@ use crate::Optimizer;
 use crate::checkpoint;
 use crate::dist::{Dist, check_split};
 use crate::schedule::LrSchedule;
-use actor::{CpuActor, DeviceActor, Reference};
+use actor::{Actor, Reference};
 use metrics::MetricsLog;
 use prepare::old_logprobs_in_step;
 use run::{Progress, Run};
@@ -204,15 +204,21 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         observe(&r);
         Ok(())
     };
-    let start = Start { cfg: &cfg, tokenizer: &tokenizer, eos, needs_ref, hyper };
-    let (policy, optimizer, state, reference) = start.run(model, resumed, &mut data, &mut emit)?;
-    // A test hook: the GPU loop's actor on host tensors, so CI runs its code.
-    let device_on_host = std::env::var_os("MILES_DEVICE_ACTOR_ON_HOST").is_some();
-    let on_device = device != Device::Cpu || device_on_host;
+    let start = Start { cfg: &cfg, needs_ref, hyper };
+    let (policy, optimizer, state, reference) = start.run(model, resumed, &mut data)?;
+    let engine = (engine_config(&cfg), &tokenizer);
+    let mut actor = Actor::new(&policy, &optimizer, device, &cfg, engine, dist.as_ref())?;
+    drop(policy);
+    if resumed_from.is_none() && cfg.sft_warmup_steps > 0 {
+        sft_warmup(&cfg, &mut actor, &tokenizer, eos, &data, &mut emit)?;
+    }
+    // A fresh run's reference is the policy RL starts from (the warmed-up one with a warm-up).
     let reference = match reference {
-        Some(weights) => Some(Reference::new(&config, weights, on_device.then_some(device))?),
+        Some(weights) => Some(weights),
+        None if needs_ref => Some(actor.weights()?),
         None => None,
     };
+    let reference = reference.map(|w| Reference::new(&config, w, device)).transpose()?;
     // A test hook: the separate old-logprob forward even where the step's own would do, to
     // show both give the same bits.
     let separate_old = std::env::var_os("MILES_SEPARATE_OLD_LOGPROBS").is_some();
@@ -239,22 +245,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         dist: dist.as_ref(),
     };
     let progress = Progress { state, data, log, resumed_from };
-    if !on_device {
-        // The engine holds the one copy of the policy; the trainer updates it in place.
-        let engine = Engine::new(policy, Some(tokenizer.clone()), engine_config(&cfg))?;
-        run.iterate(CpuActor { engine, optimizer }, progress, observe)
-    } else {
-        let actor = DeviceActor::new(
-            &policy,
-            &optimizer,
-            device,
-            &cfg,
-            (engine_config(&cfg), &tokenizer),
-            dist.as_ref(),
-        )?;
-        drop(policy);
-        run.iterate(actor, progress, observe)
-    }
+    run.iterate(actor, progress, observe)
 }
 
 /// What `train` checks of the plugins and the policy before anything runs; sets a mixture of
@@ -299,26 +290,23 @@ fn check_run(
     Ok(())
 }
 
-/// How a run starts: from its checkpoint, or fresh (with the SFT warm-up).
+/// How a run starts: from its checkpoint, or fresh.
 struct Start<'a> {
     cfg: &'a RunConfig,
-    tokenizer: &'a Tokenizer,
-    eos: u32,
     /// A KL term needs the frozen reference.
     needs_ref: bool,
     hyper: AdamW,
 }
 
 impl Start<'_> {
-    /// The policy, its optimizer, the loop state and the frozen reference's weights: the
-    /// checkpoint's, or `model` after the warm-up (the reference is the policy RL starts from,
-    /// the warmed-up one then, saved beside each checkpoint).
+    /// The policy, its optimizer, the loop state and, on resume, the frozen reference's
+    /// weights (the saved warmed-up policy, else the initial `model`): the checkpoint's, or
+    /// `model` with a fresh optimizer.
     fn run(
         &self,
         model: Model,
         resumed: Option<checkpoint::Loaded>,
         data: &mut DataSource,
-        emit: &mut dyn FnMut(Record) -> anyhow::Result<()>,
     ) -> anyhow::Result<(Model, Optimizer, LoopState, Option<Weights>)> {
         let (cfg, config) = (self.cfg, model.config.clone());
         if let Some(l) = resumed {
@@ -327,19 +315,13 @@ impl Start<'_> {
             let reference = self.needs_ref.then(|| saved.unwrap_or(model.weights));
             return Ok((Model::new(config, l.weights), l.optimizer, state, reference));
         }
-        let mut policy = model;
-        if cfg.sft_warmup_steps > 0 {
-            // On the host, before the policy moves to its device.
-            sft_warmup(cfg, &mut policy, self.tokenizer, self.eos, data, emit)?;
-        }
         let optimizer = Optimizer::new(&config, self.hyper, f64::from(cfg.clip_grad));
         let state = LoopState {
             rollout_seed: cfg.rollout_seed,
             rollout_shuffle: cfg.rollout_shuffle,
             ..LoopState::default()
         };
-        let reference = self.needs_ref.then(|| policy.weights.clone());
-        Ok((policy, optimizer, state, reference))
+        Ok((model, optimizer, state, None))
     }
 }
 

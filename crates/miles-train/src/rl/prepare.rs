@@ -34,9 +34,9 @@ pub(super) fn old_logprobs_in_step(cfg: &RunConfig, steps_per_rollout: usize) ->
 /// from the step), reference logprobs, the off-policy correction and the advantages of every
 /// sample.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn prepare<A: Actor>(
+pub(super) fn prepare(
     cfg: &RunConfig,
-    actor: &A,
+    actor: &Actor,
     samples: &mut [TrainSample],
     old: OldLogprobs,
     reference: Option<&Reference>,

@@ -62,9 +62,9 @@ impl Run<'_> {
     /// The iterations, from `progress` to `--num-rollout`: collect (rollout and reward),
     /// prepare (old and reference logprobs, correction, advantages), optimizer steps, weight
     /// sync, eval, checkpoint.
-    pub(super) fn iterate<A: Actor>(
+    pub(super) fn iterate(
         &self,
-        mut actor: A,
+        mut actor: Actor,
         progress: Progress,
         observe: &mut dyn FnMut(&Record),
     ) -> anyhow::Result<Summary> {
@@ -87,7 +87,7 @@ impl Run<'_> {
         }
         while state.iteration < self.total {
             let started = Instant::now();
-            if let Some(device) = actor.device() {
+            if let Some(device) = actor.gpu() {
                 device.reset_peak_memory()?;
             }
             let mut record = Record::new();
@@ -99,7 +99,7 @@ impl Run<'_> {
             self.train(&mut actor, samples.as_slice(), parts, &mut state, &mut record)?;
             let train_time = train_started.elapsed().as_secs_f64();
             let sync_started = Instant::now();
-            actor.weights_updated()?;
+            actor.weights_updated();
             let sync_time = sync_started.elapsed().as_secs_f64();
             state.iteration += 1;
             state.data = data.cursor();
@@ -118,7 +118,7 @@ impl Run<'_> {
                 std::process::abort();
             }
         }
-        let weights = actor.into_weights()?;
+        let weights = actor.weights()?;
         if let Some(dir) = self.cfg.save_hf.as_ref().filter(|_| self.root()) {
             checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir)
                 .with_context(|| format!("--save-hf {}", dir.display()))?;
@@ -137,9 +137,9 @@ impl Run<'_> {
         self.dist.is_none_or(Dist::root)
     }
 
-    fn evaluate<A: Actor>(
+    fn evaluate(
         &self,
-        actor: &mut A,
+        actor: &mut Actor,
         eval: &Dataset,
         record: &mut Record,
     ) -> anyhow::Result<f64> {
@@ -151,9 +151,9 @@ impl Run<'_> {
     /// over-sampling; an SFT run, `--loss-type sft_loss`, trains on the labels instead, as
     /// slime's SFT rollout does), their replayed experts, old and reference logprobs,
     /// correction and advantages; over several processes, also this rank's part of each step.
-    fn collect<A: Actor>(
+    fn collect(
         &self,
-        actor: &mut A,
+        actor: &mut Actor,
         data: &mut DataSource,
         iteration: usize,
         record: &mut Record,
@@ -208,9 +208,9 @@ impl Run<'_> {
     }
 
     /// Step 4: the optimizer steps over consecutive slices of the batch, and their metrics.
-    fn train<A: Actor>(
+    fn train(
         &self,
-        actor: &mut A,
+        actor: &mut Actor,
         samples: &[TrainSample],
         parts: Option<StepParts>,
         state: &mut LoopState,
@@ -285,9 +285,9 @@ impl Run<'_> {
 
     /// The iteration's `perf/*` figures: phase times, throughput, and on a device its peak
     /// memory and model FLOPs utilization.
-    fn perf<A: Actor>(
+    fn perf(
         &self,
-        actor: &A,
+        actor: &Actor,
         record: &mut Record,
         started: Instant,
         [rollout_time, train_time, sync_time]: [f64; 3],
@@ -306,7 +306,7 @@ impl Run<'_> {
             "perf/tokens_per_gpu_per_sec".into(),
             json!(tokens as f64 / step_seconds.max(1e-9)),
         );
-        if let Some(device) = actor.device() {
+        if let Some(device) = actor.gpu() {
             // Forward and backward: 6 FLOPs per active parameter and token, over the peak.
             if let Some(peak) = peak_bf16_flops(&device) {
                 let flops = 6.0 * self.config.active_parameters() as f64 * tokens as f64;
@@ -323,7 +323,7 @@ impl Run<'_> {
 
     /// A checkpoint when one is due (every `--save-interval` iterations, and the last); over
     /// several processes rank 0 writes it and the others wait for it.
-    fn save<A: Actor>(&self, actor: &A, state: &LoopState) -> anyhow::Result<()> {
+    fn save(&self, actor: &Actor, state: &LoopState) -> anyhow::Result<()> {
         let due = self.cfg.save_interval.is_some_and(|k| state.iteration.is_multiple_of(k));
         if let Some(save_dir) = &self.cfg.save
             && self.root()

@@ -5,13 +5,13 @@ use std::time::Instant;
 use anyhow::{Context, anyhow, bail};
 use miles_core::config::RunConfig;
 use miles_data::{DataSource, PromptRow};
-use miles_model::{Model, Tokenizer};
+use miles_model::Tokenizer;
 use serde_json::json;
 
+use super::actor::Actor;
 use super::metrics::Record;
-use super::step::{CpuLearner, StepLoss, train_step};
-use super::{adamw, mix};
-use crate::Optimizer;
+use super::mix;
+use super::step::StepLoss;
 use crate::batch::TrainSample;
 use crate::loss::SftLossConfig;
 
@@ -64,11 +64,12 @@ pub(super) fn sft_samples(
 }
 
 /// Supervised steps on (prompt, label) pairs before RL: the label's tokens and EOS are the
-/// response. A fresh optimizer at `sft-lr`; prompts are drawn from a copy of the data source
-/// so RL's data order is the same with or without a warm-up.
+/// response, on the run's device, at `sft-lr`, with an optimizer of its own (RL starts with a
+/// fresh one); prompts are drawn from a copy of the data source so RL's data order is the same
+/// with or without a warm-up.
 pub(super) fn sft_warmup(
     cfg: &RunConfig,
-    policy: &mut Model,
+    actor: &mut Actor,
     tok: &Tokenizer,
     eos: u32,
     data: &DataSource,
@@ -76,8 +77,6 @@ pub(super) fn sft_warmup(
 ) -> anyhow::Result<()> {
     let mut source = DataSource::new(data.dataset().clone(), true, mix(cfg.seed, 0x5F7))?;
     let lr = cfg.sft_lr.unwrap_or(cfg.lr);
-    let hyper = adamw(cfg, lr);
-    let mut optimizer = Optimizer::new(&policy.config, hyper, f64::from(cfg.clip_grad));
     let sft = SftLossConfig::from_run_config(cfg);
     let where_ = data.dataset().source.clone();
     for step in 0..cfg.sft_warmup_steps {
@@ -85,17 +84,9 @@ pub(super) fn sft_warmup(
         let rows = source.next_batch(cfg.rollout_batch_size);
         let samples = sft_samples(&rows, cfg, tok, eos, &where_, "--sft-warmup-steps")?;
         let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
-        let result = train_step(
-            &mut CpuLearner::new(policy, &mut optimizer)?,
-            &samples,
-            StepLoss::Sft(sft),
-            cfg.rollout_temperature,
-            micro,
-            lr,
-            false,
-            None,
-        )?
-        .applied;
+        let t = cfg.rollout_temperature;
+        let result = actor.train_step(&samples, StepLoss::Sft(sft), t, micro, lr, false, None)?;
+        let result = result.applied;
         let mut record = Record::new();
         record.insert("phase".into(), json!("sft"));
         // Warm-up steps come before RL iteration 1 on the metrics' time axis: 1 − W, …, 0.
@@ -108,5 +99,6 @@ pub(super) fn sft_warmup(
         record.insert("sft/step_time".into(), json!(started.elapsed().as_secs_f64()));
         emit(record)?;
     }
+    actor.reset_optimizer();
     Ok(())
 }

@@ -1,13 +1,10 @@
 //! Step 4: one optimizer step over a part of the batch, through a [`Learner`].
 
-use miles_model::moe::{RoutingMismatch, SparseOutputs};
-use miles_model::{
-    DeviceForward, DeviceModel, Forward, Model, PackedBatch, PackedLinears, Weights,
-};
-use miles_tensor::cpu::{self, AdamW};
+use miles_model::moe::RoutingMismatch;
+use miles_model::{DeviceForward, DeviceModel, PackedBatch};
+use miles_tensor::cpu::AdamW;
 
 use super::actor::aux_coef;
-use crate::Optimizer;
 use crate::batch::{self, TrainSample, concat};
 use crate::dist::{Dist, GradBuckets};
 use crate::loss::{
@@ -130,139 +127,31 @@ pub(super) struct StepOutcome {
     pub(super) logp: Vec<Vec<f32>>,
 }
 
-/// The model a training step updates and its optimizer: on the CPU the engine's own copy with
-/// the host AdamW; on a GPU the device model, whose weights, gradients and moments stay there.
-/// Only per-token logp and entropy and their gradients cross this seam.
-pub(super) trait Learner {
-    type Forward;
-    fn forward(&mut self, batch: &PackedBatch, temperature: f32) -> anyhow::Result<Self::Forward>;
-    /// `(logp, entropy)` of the response tokens.
-    fn outputs(f: &Self::Forward) -> (&[f32], &[f32]);
-    /// What the forward reports of a mixture of experts' sparse layers.
-    fn sparse(f: &mut Self::Forward) -> &mut SparseOutputs;
-    /// The load-balancing loss's weight in the loss (the backward adds its gradient).
-    fn aux_coef(&self) -> f64;
-    /// Adds the gradient of the loss whose derivatives these are. `last` (a run over several
-    /// processes, the step's last micro-batch) may start summing the gradients over the ranks
-    /// as the backward finishes them; [`Learner::reduce_grads`] completes the sums.
-    fn backward(
-        &mut self,
-        f: Self::Forward,
-        batch: &PackedBatch,
-        d_logp: &[f32],
-        d_entropy: &[f32],
-        last: Option<&Dist>,
-    ) -> anyhow::Result<()>;
-    fn grad_norm(&mut self) -> anyhow::Result<f64>;
-    /// Sums the gradients over the ranks of a run over several processes (or finishes the sums
-    /// the last backward started).
-    fn reduce_grads(&mut self, dist: &Dist) -> anyhow::Result<()>;
-    /// Clips and applies the summed gradients at `lr`; the norm before clipping.
-    fn apply(&mut self, lr: f32) -> anyhow::Result<f64>;
-}
-
-pub(super) struct CpuLearner<'a> {
-    pub(super) policy: &'a mut Model,
-    pub(super) optimizer: &'a mut Optimizer,
-    pub(super) packed: PackedLinears,
-    pub(super) grads: Weights,
-}
-
-impl<'a> CpuLearner<'a> {
-    pub(super) fn new(policy: &'a mut Model, optimizer: &'a mut Optimizer) -> anyhow::Result<Self> {
-        let packed = PackedLinears::new(policy)?;
-        let grads = Weights::zeros(&policy.config);
-        Ok(CpuLearner { policy, optimizer, packed, grads })
-    }
-}
-
-impl Learner for CpuLearner<'_> {
-    type Forward = Forward;
-
-    fn forward(&mut self, batch: &PackedBatch, temperature: f32) -> anyhow::Result<Forward> {
-        Ok(self.policy.forward_with(&self.packed, batch, temperature)?)
-    }
-
-    fn outputs(f: &Forward) -> (&[f32], &[f32]) {
-        (&f.logp, &f.entropy)
-    }
-
-    fn sparse(f: &mut Forward) -> &mut SparseOutputs {
-        &mut f.sparse
-    }
-
-    fn aux_coef(&self) -> f64 {
-        aux_coef(&self.policy.config)
-    }
-
-    fn backward(
-        &mut self,
-        f: Forward,
-        batch: &PackedBatch,
-        d_logp: &[f32],
-        d_entropy: &[f32],
-        _last: Option<&Dist>,
-    ) -> anyhow::Result<()> {
-        Ok(self.policy.backward(&f, batch, d_logp, d_entropy, &mut self.grads)?)
-    }
-
-    fn reduce_grads(&mut self, dist: &Dist) -> anyhow::Result<()> {
-        let arch = self.policy.config.architecture;
-        for t in self.grads.tensors_mut(arch) {
-            dist.sum_f32(t)?;
-        }
-        Ok(())
-    }
-
-    fn grad_norm(&mut self) -> anyhow::Result<f64> {
-        let arch = self.policy.config.architecture;
-        let views: Vec<&[f32]> = self.grads.tensors(arch).into_iter().map(Vec::as_slice).collect();
-        Ok(cpu::global_norm(&views))
-    }
-
-    fn apply(&mut self, lr: f32) -> anyhow::Result<f64> {
-        Ok(self.optimizer.step(&mut self.policy.weights, &mut self.grads, lr)?.grad_norm)
-    }
-}
-
-pub(super) struct DeviceLearner<'a> {
-    pub(super) model: &'a mut DeviceModel,
-    pub(super) hyper: AdamW,
-    pub(super) clip_grad: f64,
+/// The model a training step updates and its optimizer: the device model (the CPU's or a
+/// GPU's), whose weights, gradients and moments stay on its device. Only per-token logp and
+/// entropy and their gradients cross this seam.
+pub(super) struct Learner<'a> {
+    model: &'a mut DeviceModel,
+    hyper: AdamW,
+    clip_grad: f64,
     /// The gradient sums the step's last backward started.
-    pub(super) sums: Option<GradBuckets>,
+    sums: Option<GradBuckets>,
 }
 
-impl<'a> DeviceLearner<'a> {
+impl<'a> Learner<'a> {
+    /// A step's learner: the gradients start at zero.
     pub(super) fn new(
         model: &'a mut DeviceModel,
         hyper: AdamW,
         clip_grad: f64,
     ) -> anyhow::Result<Self> {
         model.zero_grads()?;
-        Ok(DeviceLearner { model, hyper, clip_grad, sums: None })
-    }
-}
-
-impl Learner for DeviceLearner<'_> {
-    type Forward = DeviceForward;
-
-    fn forward(&mut self, batch: &PackedBatch, temperature: f32) -> anyhow::Result<DeviceForward> {
-        Ok(self.model.forward(batch, temperature)?)
+        Ok(Learner { model, hyper, clip_grad, sums: None })
     }
 
-    fn outputs(f: &DeviceForward) -> (&[f32], &[f32]) {
-        (&f.logp, &f.entropy)
-    }
-
-    fn sparse(f: &mut DeviceForward) -> &mut SparseOutputs {
-        &mut f.sparse
-    }
-
-    fn aux_coef(&self) -> f64 {
-        aux_coef(&self.model.config)
-    }
-
+    /// Adds the gradient of the loss whose derivatives these are. `last` (a run over several
+    /// processes, the step's last micro-batch) starts summing the gradients over the ranks as
+    /// the backward finishes them; [`Learner::reduce_grads`] completes the sums.
     fn backward(
         &mut self,
         f: DeviceForward,
@@ -289,15 +178,14 @@ impl Learner for DeviceLearner<'_> {
         failed.map_or(Ok(()), Err)
     }
 
+    /// Sums the gradients over the ranks of a run over several processes (or finishes the sums
+    /// the last backward started).
     fn reduce_grads(&mut self, dist: &Dist) -> anyhow::Result<()> {
         let sums = self.sums.take().unwrap_or_else(|| dist.grad_buckets(self.model));
         dist.finish_grads(sums, self.model)
     }
 
-    fn grad_norm(&mut self) -> anyhow::Result<f64> {
-        Ok(self.model.grad_norm()?)
-    }
-
+    /// Clips and applies the summed gradients at `lr`; the norm before clipping.
     fn apply(&mut self, lr: f32) -> anyhow::Result<f64> {
         Ok(self.model.adamw_step(&AdamW { lr, ..self.hyper }, self.clip_grad)?.0)
     }
@@ -307,8 +195,8 @@ impl Learner for DeviceLearner<'_> {
 /// weighted by its share of the step's denominator so the sum is the loss of the whole part.
 /// A sample without old logprobs takes its own from this forward ([`OldLogprobs::InStep`]).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn train_step<L: Learner>(
-    learner: &mut L,
+pub(super) fn train_step(
+    learner: &mut Learner,
     part: &[TrainSample],
     loss: StepLoss,
     temperature: f32,
@@ -349,8 +237,8 @@ pub(super) fn train_step<L: Learner>(
     let micro_batches = part.len().div_ceil(micro.max(1));
     for (i, mb) in part.chunks(micro.max(1)).enumerate() {
         let batch = batch::pack(mb)?;
-        let fwd = learner.forward(&batch, temperature)?;
-        let (logp, entropy) = L::outputs(&fwd);
+        let fwd = learner.model.forward(&batch, temperature)?;
+        let (logp, entropy) = (&fwd.logp[..], &fwd.entropy[..]);
         let mut at = 0;
         for s in mb {
             seen.push(logp[at..at + s.response_len()].to_vec());
@@ -369,9 +257,9 @@ pub(super) fn train_step<L: Learner>(
             break;
         }
         let share = weight(mb) / whole;
-        let coef = learner.aux_coef();
+        let coef = aux_coef(&learner.model.config);
         let mut fwd = fwd;
-        let sparse = L::sparse(&mut fwd);
+        let sparse = &mut fwd.sparse;
         if let Some(aux) = sparse.router_aux_loss {
             out.loss += coef * aux;
             *total.router_aux_loss.get_or_insert(0.0) += share * aux;
@@ -382,7 +270,7 @@ pub(super) fn train_step<L: Learner>(
         let scale = share as f32;
         out.d_logp.iter_mut().for_each(|g| *g *= scale);
         out.d_entropy.iter_mut().for_each(|g| *g *= scale);
-        L::sparse(&mut fwd).aux_weight = scale;
+        fwd.sparse.aux_weight = scale;
         let last = dist.filter(|_| i + 1 == micro_batches);
         learner.backward(fwd, &batch, &out.d_logp, &out.d_entropy, last)?;
         total.loss += share * out.loss;
@@ -400,7 +288,7 @@ pub(super) fn train_step<L: Learner>(
         }
         total.sum_over(d)?;
     }
-    if !learner.grad_norm()?.is_finite() {
+    if !learner.model.grad_norm()?.is_finite() {
         return Ok(StepOutcome { applied: None, logp: seen });
     }
     total.grad_norm = learner.apply(lr)?;
