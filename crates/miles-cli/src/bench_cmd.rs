@@ -10,7 +10,6 @@ use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
 use miles_tensor::rng::Rng;
 use miles_tensor::{DType, Device};
-use miles_train::Optimizer;
 use serde_json::json;
 
 use crate::common::{DTypeArg, EngineArgs, load_model, parse_device};
@@ -117,7 +116,7 @@ pub fn run(command: &BenchCommand, out: &mut dyn Write) -> anyhow::Result<()> {
     if args.batch == 0 || args.seq_len < 2 || args.steps == 0 {
         bail!("--batch must be >= 1, --seq-len >= 2 and --steps >= 1");
     }
-    let (mut model, label) = bench_model(&args.preset, &args.hf_checkpoint, args.seed)?;
+    let (model, label) = bench_model(&args.preset, &args.hf_checkpoint, args.seed)?;
     let config = model.config.clone();
     let mut rng = Rng::new(args.seed + 1);
     let sequences: Vec<(Vec<u32>, usize)> = (0..args.batch)
@@ -129,55 +128,14 @@ pub fn run(command: &BenchCommand, out: &mut dyn Write) -> anyhow::Result<()> {
     let d_logp: Vec<f32> = advantages.iter().map(|a| -a / scored as f32).collect();
     let d_entropy = vec![0.0; scored];
     let hyper = AdamW { lr: 1e-6, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
-    if args.device != Device::Cpu {
-        let step = Step {
-            train: what == "train_step",
-            batch: &batch,
-            d_logp: &d_logp,
-            d_entropy: &d_entropy,
-            hyper,
-        };
-        return device_bench(args, what, &model, &label, &step, out);
-    }
-    let mut optimizer = Optimizer::new(&config, hyper, 1.0);
-    let mut grads = Weights::zeros(&config);
-
-    let mut times = Vec::new();
-    for i in 0..args.warmup + args.steps {
-        let started = Instant::now();
-        if what == "train_step" {
-            let fwd = model.forward(&batch, 1.0)?;
-            grads.tensors_mut(config.architecture).into_iter().for_each(|g| g.fill(0.0));
-            model.backward(&fwd, &batch, &d_logp, &d_entropy, &mut grads)?;
-            optimizer.step(&mut model.weights, &mut grads, hyper.lr)?;
-        } else {
-            model.logprobs(&batch, 1.0)?;
-        }
-        if i >= args.warmup {
-            times.push(started.elapsed().as_secs_f64());
-        }
-    }
-    times.sort_by(f64::total_cmp);
-    let seconds = times[times.len() / 2];
-    let tokens = (args.batch * args.seq_len) as f64;
-    // A token runs through the active parameters (all of them in a dense model).
-    let params = config.active_parameters() as f64;
-    let flops_per_token = if what == "train_step" { 6.0 } else { 2.0 };
-    let line = json!({
-        "what": what,
-        "model": label,
-        "device": "cpu",
-        "threads": rayon::current_num_threads(),
-        "params": config.num_parameters(),
-        "active_params": config.active_parameters(),
-        "batch": args.batch,
-        "seq_len": args.seq_len,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "gflops_by_nd": flops_per_token * params * tokens / seconds / 1e9,
-    });
-    writeln!(out, "{line}")?;
-    Ok(())
+    let step = Step {
+        train: what == "train_step",
+        batch: &batch,
+        d_logp: &d_logp,
+        d_entropy: &d_entropy,
+        hyper,
+    };
+    model_bench(args, what, &model, &label, &step, out)
 }
 
 /// One generate call over `batch` random prompts: every prompt is prefilled in the first step,
@@ -282,8 +240,9 @@ struct Step<'a> {
     hyper: AdamW,
 }
 
-/// The bench on a GPU: the model resident there, each step synchronized before its clock stops.
-fn device_bench(
+/// The bench on `--device`: the model resident there (f32 on the CPU, `--dtype` on a GPU), each
+/// step synchronized before its clock stops.
+fn model_bench(
     args: &BenchArgs,
     what: &str,
     model: &Model,
@@ -293,8 +252,10 @@ fn device_bench(
 ) -> anyhow::Result<()> {
     let device = args.device;
     device.ensure_available().with_context(|| format!("--device {device}"))?;
-    let dtype = args.dtype.dtype();
-    set_route(args.gemm);
+    let dtype = if device == Device::Cpu { DType::F32 } else { args.dtype.dtype() };
+    if device != Device::Cpu {
+        set_route(args.gemm);
+    }
     let mut dm = DeviceModel::new(model, &device, dtype)?;
     device.synchronize()?;
     let resident = device.peak_memory()?;
@@ -329,6 +290,7 @@ fn device_bench(
         "device": device.to_string(),
         "dtype": dtype.to_string(),
         "gemm": format!("{:?}", args.gemm).to_lowercase(),
+        "threads": rayon::current_num_threads(),
         "params": config.num_parameters(),
         "active_params": config.active_parameters(),
         "batch": args.batch,
@@ -336,7 +298,7 @@ fn device_bench(
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "tflops_by_nd": tflops,
-        "mfu": tflops / H200_BF16_TFLOPS,
+        "mfu": (device != Device::Cpu).then(|| tflops / H200_BF16_TFLOPS),
         "resident_after_load_gib": gib(resident),
         "peak_memory_gib": gib(device.peak_memory()?),
     });

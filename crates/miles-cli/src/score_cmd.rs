@@ -3,8 +3,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use miles_model::{DeviceModel, Model, PackedBatch, PackedLinears, Tokenizer};
-use miles_tensor::Device;
+use miles_model::{DeviceModel, Model, PackedBatch, Tokenizer};
+use miles_tensor::{DType, Device};
 
 use crate::common::{DTypeArg, load_model, parse_device};
 use serde_json::Value;
@@ -48,21 +48,15 @@ pub struct ScoreArgs {
     pub routed_experts: bool,
 }
 
-/// The model where `--device` puts it.
-enum Scorer {
-    Cpu(Box<(Model, PackedLinears)>),
-    Device(Box<DeviceModel>),
-}
+/// The model where `--device` puts it (f32 on the CPU, `--dtype` on a GPU).
+struct Scorer(DeviceModel);
 
 impl Scorer {
     fn new(model: Model, args: &ScoreArgs) -> anyhow::Result<Self> {
-        if args.device == Device::Cpu {
-            let packed = PackedLinears::new(&model)?;
-            return Ok(Scorer::Cpu(Box::new((model, packed))));
-        }
         let device = args.device;
         device.ensure_available().with_context(|| format!("--device {device}"))?;
-        Ok(Scorer::Device(Box::new(DeviceModel::new(&model, &device, args.dtype.dtype())?)))
+        let dtype = if device == Device::Cpu { DType::F32 } else { args.dtype.dtype() };
+        Ok(Scorer(DeviceModel::new(&model, &device, dtype)?))
     }
 
     /// Logprobs and entropies, and with `routed` the experts of every token.
@@ -73,29 +67,18 @@ impl Scorer {
         temperature: f32,
         routed: bool,
     ) -> anyhow::Result<(Vec<f32>, Vec<f32>, Option<Vec<u16>>)> {
-        Ok(match self {
-            Scorer::Cpu(cpu) if routed => {
-                let f = cpu.0.forward_with(&cpu.1, batch, temperature)?;
-                let experts = f.routed_experts().ok_or_else(|| {
-                    anyhow::anyhow!(
-                        "--routed-experts: {} has no experts to report",
-                        cpu.0.config.architecture.hf_class()
-                    )
-                })?;
-                (f.logp, f.entropy, Some(experts))
-            }
-            Scorer::Cpu(cpu) => {
-                let (lp, ent) = cpu.0.logprobs_with(&cpu.1, batch, temperature)?;
-                (lp, ent, None)
-            }
-            Scorer::Device(_) if routed => {
-                anyhow::bail!("--routed-experts: mixture-of-experts models score on the CPU")
-            }
-            Scorer::Device(dm) => {
-                let (lp, ent) = dm.logprobs(batch, temperature)?;
-                (lp, ent, None)
-            }
-        })
+        if !routed {
+            let (lp, ent) = self.0.logprobs(batch, temperature)?;
+            return Ok((lp, ent, None));
+        }
+        let f = self.0.forward(batch, temperature)?;
+        let experts = f.routed_experts().ok_or_else(|| {
+            anyhow::anyhow!(
+                "--routed-experts: {} has no experts to report",
+                self.0.config.architecture.hf_class()
+            )
+        })?;
+        Ok((f.logp, f.entropy, Some(experts)))
     }
 }
 

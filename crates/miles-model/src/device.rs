@@ -145,6 +145,14 @@ pub struct DeviceForward {
     tokens: usize,
 }
 
+impl DeviceForward {
+    /// The experts each token was routed to in the sparse layers, `[tokens × sparse layers ×
+    /// top_k]` (the layout of `Sample::rollout_routed_experts`); `None` for a dense model.
+    pub fn routed_experts(&self) -> Option<Vec<u16>> {
+        crate::layer::routed_experts(&self.layers)
+    }
+}
+
 impl DeviceModel {
     /// Copies `model`'s weights to `device`, computing in `dtype` (bf16, or f32 for parity).
     pub fn new(model: &Model, device: &Device, dtype: DType) -> Result<Self> {
@@ -212,33 +220,17 @@ impl DeviceModel {
         self.repack()
     }
 
-    /// On the CPU in f32, packs every matrix a forward product reads (all but a separate
-    /// embedding) and each dense layer's q/k/v and gate/up stacks; elsewhere nothing.
+    /// On the CPU in f32, packs every matrix a forward product reads: each layer's q/k/v and
+    /// (dense) gate/up as stacks, the rest one by one (not a separate embedding, which no
+    /// product reads); elsewhere nothing.
     fn repack(&mut self) -> Result<()> {
         self.packed.clear();
         self.packed_stacks.clear();
         if self.device != Device::Cpu || self.dtype != DType::F32 {
             return Ok(());
         }
-        let pack = |parts: &[&Tensor]| -> Result<PackedLinear> {
-            let d_in = parts[0].shape()[1];
-            let mut w = Vec::new();
-            for p in parts {
-                w.extend(p.to_vec_f32()?);
-            }
-            Ok(PackedLinear::new(&w, w.len() / d_in, d_in)?)
-        };
-        let head = self.layout.head();
-        let spec = tensor_spec(&self.config);
-        self.packed = spec
-            .iter()
-            .zip(&self.masters)
-            .enumerate()
-            .map(|(i, ((name, _), m))| {
-                let product = !name.ends_with("norm.weight") && (i != 0 || head == 0);
-                product.then(|| pack(&[m])).transpose()
-            })
-            .collect::<Result<_>>()?;
+        let pack = |parts: &[&Tensor]| -> Result<PackedLinear> { Ok(ops::pack_linear(parts)?) };
+        let mut in_stack = vec![false; self.masters.len()];
         for layer in 0..self.layout.layers {
             let stack = |linear| {
                 let parts = self.layout.linear(layer, linear);
@@ -248,7 +240,23 @@ impl DeviceModel {
             let dense = self.config.moe.as_ref().is_none_or(|m| !m.is_sparse(layer));
             let gate_up = dense.then(|| stack(Linear::GateUp)).transpose()?;
             self.packed_stacks.push([Some(stack(Linear::Qkv)?), gate_up]);
+            let mut stacked = self.layout.linear(layer, Linear::Qkv);
+            if dense {
+                stacked.extend(self.layout.linear(layer, Linear::GateUp));
+            }
+            stacked.into_iter().for_each(|i| in_stack[i] = true);
         }
+        let head = self.layout.head();
+        let spec = tensor_spec(&self.config);
+        self.packed = spec
+            .iter()
+            .zip(&self.masters)
+            .enumerate()
+            .map(|(i, ((name, _), m))| {
+                let product = !name.ends_with("norm.weight") && (i != 0 || head == 0);
+                (product && !in_stack[i]).then(|| pack(&[m])).transpose()
+            })
+            .collect::<Result<_>>()?;
         Ok(())
     }
 

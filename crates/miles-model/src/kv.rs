@@ -188,10 +188,8 @@ impl DeviceKvCache {
 
     /// Copies every layer of block `src` into `dst` (copy on write of a shared block).
     pub fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<()> {
-        let n = self.layout.rows_per_block() as u32;
-        let rows = |b: BlockId| (b * n..(b + 1) * n).collect::<Vec<u32>>();
-        let span = ops::gather_rows(&self.data, &rows(src))?;
-        ops::scatter_rows(&mut self.data, &span, &rows(dst))?;
+        let n = self.layout.rows_per_block();
+        ops::copy_rows_within(&mut self.data, src as usize * n, dst as usize * n, n)?;
         Ok(())
     }
 }

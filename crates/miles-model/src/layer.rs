@@ -30,6 +30,15 @@ pub(crate) struct LayerActivations<A> {
     pub mlp: MlpActivations<A>,
 }
 
+/// The experts each token was routed to in the sparse layers of a forward, `[tokens × sparse
+/// layers × top_k]` (the layout of `Sample::rollout_routed_experts`); `None` for a dense model.
+pub(crate) fn routed_experts<A>(layers: &[LayerActivations<A>]) -> Option<Vec<u16>> {
+    let per_layer: Vec<&Routing> = layers.iter().filter_map(|a| a.routing()).collect();
+    let k = per_layer.first()?.top_k;
+    let experts: Vec<&[u32]> = per_layer.iter().map(|r| &r.experts[..]).collect();
+    Some(crate::moe::interleave(&experts, k))
+}
+
 impl<A> LayerActivations<A> {
     /// The routing of a sparse layer.
     pub fn routing(&self) -> Option<&Routing> {

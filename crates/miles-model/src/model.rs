@@ -190,11 +190,7 @@ impl Forward {
     /// The experts each token was routed to in the sparse layers, `[tokens × sparse layers ×
     /// top_k]` (the layout of `Sample::rollout_routed_experts`); `None` for a dense model.
     pub fn routed_experts(&self) -> Option<Vec<u16>> {
-        let per_layer: Vec<&crate::moe::Routing> =
-            self.layers.iter().filter_map(|a| a.routing()).collect();
-        let k = per_layer.first()?.top_k;
-        let experts: Vec<&[u32]> = per_layer.iter().map(|r| &r.experts[..]).collect();
-        Some(crate::moe::interleave(&experts, k))
+        crate::layer::routed_experts(&self.layers)
     }
 }
 

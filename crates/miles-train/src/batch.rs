@@ -8,7 +8,7 @@ use miles_core::{
     Advantage, Correction, CorrectionInput, RoutedExperts, Sample, SequenceScore, Status,
 };
 use miles_model::moe::OWN_CHOICE;
-use miles_model::{Model, PackedBatch, PackedLinears, RoutedBatch};
+use miles_model::{PackedBatch, RoutedBatch};
 
 use crate::advantage::MaskedStats;
 use crate::loss::{Aggregation, approx_kl};
@@ -109,17 +109,6 @@ pub fn pack(samples: &[TrainSample]) -> miles_model::Result<PackedBatch> {
         batch.routed = Some(RoutedBatch { layers, top_k, ids, replay });
     }
     Ok(batch)
-}
-
-/// Per response token logprobs of every sample under `model`, `chunk` sequences per forward.
-pub fn logprobs(
-    model: &Model,
-    packed: &PackedLinears,
-    samples: &[TrainSample],
-    temperature: f32,
-    chunk: usize,
-) -> miles_model::Result<Vec<Vec<f32>>> {
-    logprobs_by(samples, chunk, |b| Ok(model.logprobs_with(packed, b, temperature)?.0))
 }
 
 /// Each sample's response logprobs as `score` gives them for packed batches of `chunk`

@@ -430,6 +430,27 @@ pub fn scatter_rows(dst: &mut Tensor, src: &Tensor, rows: &[u32]) -> Result<()> 
     scatter_flat(dst, src, rows, width)
 }
 
+/// Rows `src..src + n` of a 2-D `t` copied over rows `dst..dst + n` (ranges apart): a paged KV
+/// cache's copy on write of a block. On the CPU one memory copy; on CUDA a gather and a scatter.
+pub fn copy_rows_within(t: &mut Tensor, src: usize, dst: usize, n: usize) -> Result<()> {
+    const OP: &str = "copy_rows_within";
+    floats_only(OP, &[t])?;
+    let ok =
+        t.shape.len() == 2 && src.max(dst) + n <= t.shape[0] && (src + n <= dst || dst + n <= src);
+    ensure(ok, OP, || format!("rows {src}.. and {dst}.. ({n} each) of {:?}", t.shape))?;
+    let width = t.shape[1];
+    match &mut t.storage {
+        Storage::F32(v) => v.copy_within(src * width..(src + n) * width, dst * width),
+        Storage::BF16(v) => v.copy_within(src * width..(src + n) * width, dst * width),
+        _ => {
+            let rows = |at: usize| (at as u32..(at + n) as u32).collect::<Vec<u32>>();
+            let span = gather_rows(t, &rows(src))?;
+            return scatter_rows(t, &span, &rows(dst));
+        }
+    }
+    Ok(())
+}
+
 /// `dst[rows[i]] = src[i]` over both tensors' elements seen as rows of `width` (checked by the
 /// caller): the paged KV cache writes its `head_dim`-wide rows through it.
 pub(super) fn scatter_flat(
@@ -752,6 +773,26 @@ mod tests {
                         .contains("repeat")
                 );
                 assert!(gather_rows(&xt, &[9]).is_err());
+            }
+        }
+    }
+
+    /// A block of rows copied within a tensor is an exact copy, and the rest is untouched;
+    /// overlapping or out-of-range ranges are errors. Every device and dtype.
+    #[test]
+    fn rows_copied_within_a_tensor_are_exact_on_every_device() {
+        let mut rng = Rng::new(41);
+        let data = rng.vec(10 * 6, 1.0);
+        for device in devices() {
+            for dtype in [DType::F32, DType::BF16] {
+                let mut t = tensor(&[10, 6], &data, dtype, &device);
+                let before = t.to_vec_f32().unwrap();
+                copy_rows_within(&mut t, 1, 6, 3).unwrap();
+                let mut want = before.clone();
+                want.copy_within(6..24, 36);
+                assert_eq!(t.to_vec_f32().unwrap(), want, "{device} {dtype}");
+                assert!(copy_rows_within(&mut t, 1, 2, 3).is_err(), "overlap");
+                assert!(copy_rows_within(&mut t, 8, 0, 3).is_err(), "past the end");
             }
         }
     }

@@ -41,6 +41,32 @@ pub fn linear_packed(x: &Tensor, w: &cpu::PackedLinear) -> Result<Tensor> {
     Ok(host_tensor(vec![rows, w.d_out()], y, DType::F32))
 }
 
+/// `parts` `[out_i × in]`, f32 on the CPU, stacked by rows and packed for [`linear_packed`]
+/// (one weight read without a copy; a stack copied once).
+pub fn pack_linear(parts: &[&Tensor]) -> Result<cpu::PackedLinear> {
+    const OP: &str = "pack_linear";
+    let d_in = parts.first().map_or(0, |p| p.shape.get(1).copied().unwrap_or(0));
+    let ok = parts.iter().all(|p| {
+        p.device() == Device::Cpu
+            && p.dtype() == DType::F32
+            && p.shape.len() == 2
+            && p.shape[1] == d_in
+    });
+    ensure(ok && d_in > 0, OP, || {
+        let shapes: Vec<_> = parts.iter().map(|p| (p.shape.clone(), p.dtype())).collect();
+        format!("parts {shapes:?} must be f32 matrices on the CPU of one input width")
+    })?;
+    let d_out = parts.iter().map(|p| p.shape[0]).sum();
+    match parts {
+        [one] => cpu::PackedLinear::new(&host_f32(one), d_out, d_in),
+        _ => {
+            let mut w = Vec::with_capacity(d_out * d_in);
+            parts.iter().for_each(|p| w.extend_from_slice(&host_f32(p)));
+            cpu::PackedLinear::new(&w, d_out, d_in)
+        }
+    }
+}
+
 /// `c += op(a)·op(b)` in place, `c` `[m×n]`: f32 for any float operands (weight gradients of
 /// bf16 activations accumulate in f32), or the operands' dtype.
 pub fn matmul_acc(

@@ -21,13 +21,13 @@ pub use attention::{
     paged_kv_write, qkv_rope_kv_write,
 };
 pub use elementwise::{
-    add, concat_rows, embedding_backward, embedding_backward_acc, embedding_forward,
-    embedding_forward_ids, gather_rows, pick_row_dots, pick_rows_sum, rope, scatter_rows,
-    split_columns, swiglu_backward, swiglu_forward, swiglu_stacked,
+    add, concat_rows, copy_rows_within, embedding_backward, embedding_backward_acc,
+    embedding_forward, embedding_forward_ids, gather_rows, pick_row_dots, pick_rows_sum, rope,
+    scatter_rows, split_columns, swiglu_backward, swiglu_forward, swiglu_stacked,
 };
 pub use grouped::{grouped_matmul, grouped_matmul_wgrad};
 pub use logprob::{logprob_rows, logprob_rows_backward, logprob_rows_ids};
-pub use matmul::{linear_packed, matmul, matmul_acc, matmul_f32_out};
+pub use matmul::{linear_packed, matmul, matmul_acc, matmul_f32_out, pack_linear};
 pub use norm::{
     add_rmsnorm, qk_norm_rope, rmsnorm_backward, rmsnorm_backward_acc, rmsnorm_forward,
 };

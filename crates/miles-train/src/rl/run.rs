@@ -92,10 +92,13 @@ impl Run<'_> {
             }
             let mut record = Record::new();
             record.insert("step".into(), json!(state.iteration + 1));
-            let (samples, parts) =
+            let (mut samples, parts) =
                 self.collect(&mut actor, &mut data, state.iteration, &mut record)?;
             let rollout_time = started.elapsed().as_secs_f64();
             let train_started = Instant::now();
+            if !self.sft_run {
+                self.prepare(&actor, &mut samples, &mut record)?;
+            }
             self.train(&mut actor, samples.as_slice(), parts, &mut state, &mut record)?;
             let train_time = train_started.elapsed().as_secs_f64();
             let sync_started = Instant::now();
@@ -147,10 +150,10 @@ impl Run<'_> {
         evaluate(cfg, actor.rollout(), tok, eval, reward, record, self.dist)
     }
 
-    /// Steps 1–3: the iteration's samples (rollout and reward, with dynamic sampling when
+    /// Steps 1–2: the iteration's samples (rollout and reward, with dynamic sampling when
     /// over-sampling; an SFT run, `--loss-type sft_loss`, trains on the labels instead, as
-    /// slime's SFT rollout does), their replayed experts, old and reference logprobs,
-    /// correction and advantages; over several processes, also this rank's part of each step.
+    /// slime's SFT rollout does) and their replayed experts; over several processes, also this
+    /// rank's part of each step.
     fn collect(
         &self,
         actor: &mut Actor,
@@ -186,25 +189,22 @@ impl Run<'_> {
                 }
             }
         }
-        if !self.sft_run {
-            let old =
-                if self.old_logprobs_in_step { OldLogprobs::InStep } else { OldLogprobs::Separate };
-            let (reference, correction, advantage) =
-                (self.reference, self.correction, self.advantage);
-            let dist = self.dist;
-            prepare(
-                cfg,
-                &*actor,
-                &mut samples,
-                old,
-                reference,
-                correction,
-                advantage,
-                record,
-                dist,
-            )?;
-        }
         Ok((samples, parts))
+    }
+
+    /// Step 3 (counted in the train time): old and reference logprobs, the off-policy
+    /// correction and the advantages.
+    fn prepare(
+        &self,
+        actor: &Actor,
+        samples: &mut [TrainSample],
+        record: &mut Record,
+    ) -> anyhow::Result<()> {
+        let old =
+            if self.old_logprobs_in_step { OldLogprobs::InStep } else { OldLogprobs::Separate };
+        let (reference, correction, advantage) = (self.reference, self.correction, self.advantage);
+        let (cfg, dist) = (self.cfg, self.dist);
+        prepare(cfg, actor, samples, old, reference, correction, advantage, record, dist)
     }
 
     /// Step 4: the optimizer steps over consecutive slices of the batch, and their metrics.
