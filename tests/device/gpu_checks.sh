@@ -4,7 +4,8 @@
 # bf16 against HF, the benchmarks beside HF transformers, the real SmolLM2 on the GPU engine,
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
-#                                  trl|addition|gsm8k|resume|moe-fixture|moe-bench|dp|all]
+#                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
+#                                  dp|all]
 # Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
 # packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
 # is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
@@ -175,6 +176,25 @@ if [ "$what" = resume ]; then
     done
     grep -h "resumed from" /tmp/resume-$model-resumed.log | head -1
   done | tee "$OUT/resume.txt"
+fi
+if [ "$what" = resume-random ]; then
+  # Exact resume on the GPU without SmolLM2's GGUF (issue 27): a random SmolLM2-shaped model on
+  # the addition prompts, with the SFT warm-up (on the GPU) and a KL reference, 6 iterations
+  # straight against killed after iteration 5 (checkpoint at 4) and resumed.
+  $miles init-model --preset smollm2-135m --out /tmp/s135 | tail -1
+  cp target/gpu/smollm2-tokenizer/* /tmp/s135/
+  flags="--device cuda --hf-checkpoint /tmp/s135 --prompt-data .cache/addition/train.jsonl \
+    --input-key prompt --label-key label --apply-chat-template --rm-type math \
+    --rollout-max-response-len 32 --num-rollout 6 --save-interval 2 --rollout-batch-size 8 \
+    --n-samples-per-prompt 4 --num-steps-per-rollout 2 --sft-warmup-steps 3 --use-kl-loss"
+  run() { $miles train $flags --save /tmp/rr/$1 --load /tmp/rr/$1 --run-dir /tmp/rr/$1 > /tmp/rr-$1.log 2>&1; }
+  rm -rf /tmp/rr; run straight; MILES_FAULT=abort-after-rollout:5 run resumed; run resumed
+  for f in model.safetensors optimizer.safetensors ref.safetensors trainer_state.json; do
+    cmp -s /tmp/rr/straight/iter_0000006/$f /tmp/rr/resumed/iter_0000006/$f \
+      && echo "random $f: identical" || echo "random $f: DIFFERS"
+  done | tee "$OUT/resume-random.txt"
+  tail -1 /tmp/rr-straight.log | tee -a "$OUT/resume-random.txt"
+  grep -c '"phase":"sft"' /tmp/rr/straight/metrics.jsonl | tee -a "$OUT/resume-random.txt"
 fi
 if [ "$what" = moe-fixture ]; then
   # The Qwen3-MoE parity fixture, written by this machine's transformers (issue 16); it comes

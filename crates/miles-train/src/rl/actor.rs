@@ -10,7 +10,7 @@ use miles_tensor::cpu::AdamW;
 use miles_tensor::{DType, Device};
 
 use super::adamw;
-use super::step::{Learner, StepLoss, StepOutcome, train_step};
+use super::step::{Learner, StepOutcome, StepSpec, train_step};
 use crate::Optimizer;
 use crate::batch::{self, TrainSample};
 use crate::dist::Dist;
@@ -89,24 +89,17 @@ impl Actor {
         temperature: f32,
         micro: usize,
     ) -> anyhow::Result<Vec<Vec<f32>>> {
-        let dm = self.engine.model();
-        Ok(batch::logprobs_by(samples, micro, |b| Ok(dm.logprobs(b, temperature)?.0))?)
+        logprobs_of(self.engine.model(), samples, temperature, micro)
     }
 
     /// One optimizer step over `part` ([`train_step`]).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn train_step(
         &mut self,
         part: &[TrainSample],
-        loss: StepLoss,
-        temperature: f32,
-        micro: usize,
-        lr: f32,
-        inject_nan: bool,
-        dist: Option<&Dist>,
+        spec: StepSpec,
     ) -> anyhow::Result<StepOutcome> {
         let mut learner = Learner::new(self.engine.model_mut(), self.hyper, self.clip)?;
-        train_step(&mut learner, part, loss, temperature, micro, lr, inject_nan, dist)
+        train_step(&mut learner, part, spec)
     }
 
     /// Optimizer steps taken (the learning-rate schedule's position).
@@ -179,9 +172,18 @@ impl Reference {
         temperature: f32,
         micro: usize,
     ) -> anyhow::Result<Vec<Vec<f32>>> {
-        let dm = &self.model;
-        Ok(batch::logprobs_by(samples, micro, |b| Ok(dm.logprobs(b, temperature)?.0))?)
+        logprobs_of(&self.model, samples, temperature, micro)
     }
+}
+
+/// Each sample's response logprobs under `dm`, `micro` samples per forward.
+fn logprobs_of(
+    dm: &DeviceModel,
+    samples: &[TrainSample],
+    temperature: f32,
+    micro: usize,
+) -> anyhow::Result<Vec<Vec<f32>>> {
+    Ok(batch::logprobs_by(samples, micro, |b| Ok(dm.logprobs(b, temperature)?.0))?)
 }
 
 /// A mixture of experts' load-balancing loss weight (0 for a dense model).

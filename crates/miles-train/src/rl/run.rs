@@ -16,7 +16,7 @@ use super::eval::evaluate;
 use super::metrics::{MetricsLog, Record, StepSums, peak_bf16_flops};
 use super::prepare::{OldLogprobs, prepare};
 use super::sft::sft_samples;
-use super::step::StepLoss;
+use super::step::{StepLoss, StepSpec};
 use super::{Faults, LoopState, REF_WEIGHTS, Summary};
 use crate::batch::{self, TrainSample, split_ranges};
 use crate::checkpoint::{self, CheckpointRef};
@@ -256,7 +256,15 @@ impl Run<'_> {
                 StepLoss::Policy(&loss_cfg)
             };
             let t = cfg.rollout_temperature;
-            let step = actor.train_step(&samples[range], kind, t, micro, lr, nan, self.dist)?;
+            let spec = StepSpec {
+                loss: kind,
+                temperature: t,
+                micro,
+                lr,
+                inject_nan: nan,
+                dist: self.dist,
+            };
+            let step = actor.train_step(&samples[range], spec)?;
             match step.applied {
                 Some(result) => sums.add(&result, lr),
                 None => state.skipped_steps += 1,

@@ -11,7 +11,7 @@ use serde_json::json;
 use super::actor::Actor;
 use super::metrics::Record;
 use super::mix;
-use super::step::StepLoss;
+use super::step::{StepLoss, StepSpec};
 use crate::batch::TrainSample;
 use crate::loss::SftLossConfig;
 
@@ -85,7 +85,15 @@ pub(super) fn sft_warmup(
         let samples = sft_samples(&rows, cfg, tok, eos, &where_, "--sft-warmup-steps")?;
         let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
         let t = cfg.rollout_temperature;
-        let result = actor.train_step(&samples, StepLoss::Sft(sft), t, micro, lr, false, None)?;
+        let spec = StepSpec {
+            loss: StepLoss::Sft(sft),
+            temperature: t,
+            micro,
+            lr,
+            inject_nan: false,
+            dist: None,
+        };
+        let result = actor.train_step(&samples, spec)?;
         let result = result.applied;
         let mut record = Record::new();
         record.insert("phase".into(), json!("sft"));

@@ -11,6 +11,18 @@ use crate::loss::{
     LossInput, LossMetrics, LossOutput, PolicyLossConfig, SftLossConfig, policy_loss, sft_loss,
 };
 
+/// How one optimizer step runs: its loss, the sampling temperature its logprobs are taken at,
+/// the micro-batch size in samples, the learning rate, a test fault (a NaN loss), and the other
+/// processes of a run over several.
+pub(super) struct StepSpec<'a> {
+    pub(super) loss: StepLoss<'a>,
+    pub(super) temperature: f32,
+    pub(super) micro: usize,
+    pub(super) lr: f32,
+    pub(super) inject_nan: bool,
+    pub(super) dist: Option<&'a Dist>,
+}
+
 /// Which loss a step minimizes.
 pub(super) enum StepLoss<'a> {
     Policy(&'a PolicyLossConfig),
@@ -194,17 +206,12 @@ impl<'a> Learner<'a> {
 /// One optimizer step over `part`, accumulated over micro-batches of `micro` sequences, each
 /// weighted by its share of the step's denominator so the sum is the loss of the whole part.
 /// A sample without old logprobs takes its own from this forward ([`OldLogprobs::InStep`]).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn train_step(
     learner: &mut Learner,
     part: &[TrainSample],
-    loss: StepLoss,
-    temperature: f32,
-    micro: usize,
-    lr: f32,
-    inject_nan: bool,
-    dist: Option<&Dist>,
+    spec: StepSpec,
 ) -> anyhow::Result<StepOutcome> {
+    let StepSpec { loss, temperature, micro, lr, inject_nan, dist } = spec;
     let per_token = match &loss {
         StepLoss::Policy(c) => c.per_token_loss,
         StepLoss::Sft(c) => c.per_token_loss,
