@@ -180,6 +180,49 @@ fn rowwise(c: &mut Criterion) {
     on_device(&mut g, "embedding_forward", || {
         ops::embedding_forward(&table, &ids).expect("embedding");
     });
+    // Read a and b, write the sum and y.
+    g.throughput(Throughput::Bytes(4 * bytes));
+    on_device(&mut g, "add_rmsnorm", || {
+        ops::add_rmsnorm(&x, &y, &w, 1e-6).expect("add_rmsnorm");
+    });
+    // Read the rows' gradients, write the touched table rows (f32).
+    g.throughput(Throughput::Bytes(3 * bytes));
+    on_device(&mut g, "embedding_backward", || {
+        ops::embedding_backward(&x, &ids, VOCAB).expect("embedding_backward");
+    });
+    let rows: Vec<u32> = (0..TOKENS as u32).rev().step_by(2).collect();
+    g.throughput(Throughput::Bytes(bytes));
+    on_device(&mut g, "gather_rows_half", || {
+        ops::gather_rows(&x, &rows).expect("gather");
+    });
+    let half = ops::gather_rows(&x, &rows).expect("gather");
+    let mut dst = random(&mut rng, &[TOKENS, HIDDEN], 1.0, DType::BF16);
+    on_device(&mut g, "scatter_rows_half", || {
+        ops::scatter_rows(&mut dst, &half, &rows).expect("scatter");
+    });
+    g.throughput(Throughput::Bytes(2 * bytes));
+    on_device(&mut g, "concat_rows", || {
+        ops::concat_rows(&[&half, &half]).expect("concat");
+    });
+    on_device(&mut g, "copy_rows_within_half", || {
+        ops::copy_rows_within(&mut dst, 0, TOKENS / 2, TOKENS / 2).expect("copy");
+    });
+    let picks: Vec<u32> = (0..2 * TOKENS as u32).map(|i| (i * 7919) % TOKENS as u32).collect();
+    let weights = rng.vec(2 * TOKENS, 0.5);
+    // Two rows read and one written per token (a top-2 combine).
+    g.throughput(Throughput::Bytes(3 * bytes));
+    on_device(&mut g, "pick_rows_sum_k2", || {
+        ops::pick_rows_sum(&x, &picks, &weights, 2).expect("pick_rows_sum");
+    });
+    on_device(&mut g, "pick_row_dots_k2", || {
+        ops::pick_row_dots(&x, &y, &picks, 2).expect("pick_row_dots");
+    });
+    let x32 = random(&mut rng, &[TOKENS, HIDDEN], 1.0, DType::F32);
+    // Read f32, write bf16.
+    g.throughput(Throughput::Bytes(3 * bytes));
+    on_device(&mut g, "convert_f32_to_bf16", || {
+        x32.to_dtype(DType::BF16).expect("convert");
+    });
     g.finish();
 
     let mut g = group(c, "rope_bf16_16384x16x128");
@@ -191,6 +234,14 @@ fn rowwise(c: &mut Criterion) {
     ));
     on_device(&mut g, "forward", || {
         ops::rope(&q, &cos, &sin, false).expect("rope");
+    });
+    // Qwen3's q/k norms and both rotations in one launch (8 kv heads of k beside 16 of q).
+    let q2 = random(&mut rng, &[TOKENS, SHAPE.q_heads * SHAPE.head_dim], 1.0, DType::BF16);
+    let k = random(&mut rng, &[TOKENS, SHAPE.kv_heads * SHAPE.head_dim], 1.0, DType::BF16);
+    let qw = random(&mut rng, &[SHAPE.head_dim], 1.0, DType::F32);
+    let kw = random(&mut rng, &[SHAPE.head_dim], 1.0, DType::F32);
+    on_device(&mut g, "qk_norm_rope", || {
+        ops::qk_norm_rope(&q2, &k, &qw, &kw, 1e-6, &cos, &sin).expect("qk_norm_rope");
     });
     g.finish();
 
@@ -325,6 +376,12 @@ fn decode(c: &mut Criterion) {
         let (_q, k) = (turn(q_heads), turn(kv_heads).expect("k"));
         let v = p.next().expect("v");
         ops::paged_kv_write(&mut cache, &k, &v, 7, &plan).expect("kv write");
+    });
+    let q = random(&mut rng, &[rows, q_heads * d], 1.0, DType::BF16);
+    // Each sequence's 193 cached keys and values, read once per kv head.
+    g.throughput(Throughput::Bytes((rows * 193 * kv_heads * d * 2 * 2) as u64));
+    on_device(&mut g, "paged_attention", || {
+        ops::paged_attention(&q, &cache, 7, &plan, q_heads).expect("paged attention");
     });
     g.finish();
 }

@@ -63,7 +63,7 @@ fn params(max_new: usize) -> SamplingParams {
 }
 
 fn engine(m: &Model, config: EngineConfig) -> Engine {
-    Engine::on_cpu(&m, None, config).unwrap()
+    Engine::on_cpu(m, None, config).unwrap()
 }
 
 fn blocks_mb(m: &Model, blocks: usize) -> usize {

@@ -1,5 +1,5 @@
-//! The primitives a decoder layer is written over: one [`Backend`] per device (the CPU model
-//! on f32 slices, the device model on tensors), so [`crate::layer`] and [`crate::moe`] hold the
+//! The primitives a decoder layer is written over: one [`Backend`] per representation (the
+//! device model on tensors of any device, the oracle model on f32 slices), so [`crate::layer`] and [`crate::moe`] hold the
 //! steps of a layer once and depend only on this file, not on each other's backends.
 
 use crate::moe::ExpertMatrix;

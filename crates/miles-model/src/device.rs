@@ -1,11 +1,12 @@
-//! The model resident on a device: f32 master weights, their compute copies (bf16, or f32 for
-//! parity runs), f32 gradients and AdamW moments stay there from step to step; a step's saved
-//! activations are tensors there too. Only token ids go in and per-token logp and entropy (and
-//! their gradients) cross back, the seam where the host's algorithm math lives. The layers run
-//! the same code as the CPU model ([`crate::layer`]) over [`miles_tensor::ops`].
+//! The model, on any device: f32 master weights, the forward's compute copies (bf16 on a GPU, or
+//! f32 for parity runs; on the CPU the packed forms of its batch-invariant kernel), f32
+//! gradients and AdamW moments stay there from step to step; a step's saved activations are
+//! tensors there too. Only token ids go in and per-token logp and entropy (and their gradients)
+//! cross back, the seam where the host's algorithm math lives. The layers run the shared layer
+//! code ([`crate::layer`]) over [`miles_tensor::ops`].
 //!
-//! On [`Device::Cpu`] the same code runs on the CPU's reference ops: the tests check this path
-//! against [`Model`] on any machine, and the device bundle checks the CUDA kernels beneath it.
+//! On [`Device::Cpu`] in f32 it computes the oracle [`Model`]'s bits exactly (tested); the device
+//! bundle checks the CUDA kernels beneath it against their CPU twins.
 
 use miles_tensor::cpu::{self, AdamW, AttentionShape, PackedLinear, PagedRows, Transpose};
 use miles_tensor::{DType, Device, Tensor, ops};

@@ -15,21 +15,6 @@ use miles_tensor::{DType, Device, Tensor, ops};
 
 use crate::{Error, ModelConfig, Result};
 
-/// `n` zeroed floats, or `None` when the allocator refuses. A zeroed allocation: the OS hands
-/// out pages on first touch, so an unused budget costs address space, not RAM or a memset.
-fn zeroed(n: usize) -> Option<Vec<f32>> {
-    if n == 0 {
-        return Some(Vec::new());
-    }
-    let layout = std::alloc::Layout::array::<f32>(n).ok()?;
-    // SAFETY: the layout has a non-zero size; on success the block is zero bytes, which are
-    // valid f32 zeros, allocated with f32's layout for exactly `n` elements, as Vec requires.
-    unsafe {
-        let ptr = std::alloc::alloc_zeroed(layout).cast::<f32>();
-        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, n, n))
-    }
-}
-
 /// Block ids index a [`KvCache`].
 pub type BlockId = u32;
 
@@ -56,7 +41,7 @@ impl KvCache {
         let floats = Self::floats_per_block(config).checked_mul(num_blocks).ok_or_else(|| {
             Error::Invalid(format!("a KV cache of {num_blocks} blocks overflows memory"))
         })?;
-        let data = zeroed(floats).ok_or_else(|| {
+        let data = miles_tensor::try_zeros::<f32>(floats).ok_or_else(|| {
             Error::Invalid(format!(
                 "cannot allocate a KV cache of {} MiB; lower --rollout-kv-cache-mb",
                 floats / (1 << 18)

@@ -1,5 +1,5 @@
-//! One decoder layer, forward and backward, written once over a [`Backend`]: the CPU model runs
-//! it on f32 slices with the batch-invariant packed linears, the device model on tensors. Only
+//! One decoder layer, forward and backward, written once over a [`Backend`]: the device model
+//! runs it on tensors of any device, the oracle model on f32 slices. Only
 //! the primitives differ between devices, never the steps of the layer or their order.
 
 use crate::backend::{AttentionFn, Backend, BackwardBackend, Linear, Norm, take};

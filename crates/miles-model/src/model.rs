@@ -162,7 +162,10 @@ pub(crate) fn check_output_grads(d_logp: &[f32], d_entropy: &[f32], tokens: usiz
     Ok(())
 }
 
-/// A model: its configuration and f32 weights.
+/// A model's configuration and f32 weights on the host: what checkpoints, presets and GGUF
+/// conversion produce and [`crate::DeviceModel::new`] takes. Its own forward and backward, on
+/// f32 slices through the CPU kernels, are the oracle the device model is tested against (bit
+/// for bit on the CPU in f32); the runs use the device model.
 #[derive(Debug, Clone)]
 pub struct Model {
     pub config: ModelConfig,

@@ -24,7 +24,7 @@ pub use collective::Collective;
 pub use cpu::Transpose;
 #[cfg(feature = "cuda")]
 pub use cuda::Graph;
-pub use tensor::{DType, Device, Tensor};
+pub use tensor::{DType, Device, Tensor, ZeroBits, try_zeros};
 
 /// Errors of the op layer: shapes or dtypes that do not fit, or a device that is not there.
 #[derive(Debug, thiserror::Error)]

@@ -6,6 +6,35 @@ use half::bf16;
 
 use crate::Result;
 
+/// Element types whose all-zero bytes are the value zero.
+///
+/// # Safety
+/// An implementor's zero bit pattern must be a valid value.
+pub unsafe trait ZeroBits: Copy {}
+// SAFETY: all-zero bytes are 0.0, 0 and bf16's +0.
+unsafe impl ZeroBits for f32 {}
+unsafe impl ZeroBits for i32 {}
+unsafe impl ZeroBits for bf16 {}
+
+/// `n` zeros, or `None` when the allocator refuses (a huge KV-cache budget, say): the caller
+/// gives a clear error instead of the process aborting. A zeroed allocation: the OS hands large
+/// ones out lazily, so untouched pages cost nothing.
+pub fn try_zeros<T: ZeroBits>(n: usize) -> Option<Vec<T>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<T>(n).ok()?;
+    if layout.size() == 0 {
+        return Some(Vec::new());
+    }
+    // SAFETY: the layout has a non-zero size; on success the block is zero bytes, valid `T`s
+    // (`ZeroBits`), allocated with `T`'s layout for exactly `n` elements, as Vec requires.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout).cast::<T>();
+        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, n, n))
+    }
+}
+
 /// Where a tensor lives and its ops run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Device {
@@ -269,10 +298,14 @@ impl Tensor {
         let len: usize = shape.iter().product();
         match *device {
             Device::Cpu => {
+                let refused = || {
+                    let bytes = len.saturating_mul(dtype.size_in_bytes());
+                    crate::Error::Device(format!("cannot allocate {bytes} bytes of host memory"))
+                };
                 let storage = match dtype {
-                    DType::F32 => Storage::F32(vec![0.0; len]),
-                    DType::BF16 => Storage::BF16(vec![bf16::ZERO; len]),
-                    DType::I32 => Storage::I32(vec![0; len]),
+                    DType::F32 => Storage::F32(try_zeros(len).ok_or_else(refused)?),
+                    DType::BF16 => Storage::BF16(try_zeros(len).ok_or_else(refused)?),
+                    DType::I32 => Storage::I32(try_zeros(len).ok_or_else(refused)?),
                 };
                 Ok(Tensor { shape: shape.to_vec(), storage })
             }

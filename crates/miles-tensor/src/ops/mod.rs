@@ -173,6 +173,17 @@ mod tests {
         assert!(Tensor::from_f32(&[3, 4], vec![0.0; 11], &Device::Cpu).is_err());
     }
 
+    /// Host memory the allocator refuses is an error naming the size, not an abort (a KV-cache
+    /// budget far past the machine's memory).
+    #[test]
+    fn a_host_tensor_too_large_to_allocate_is_an_error() {
+        for dtype in [DType::F32, DType::BF16, DType::I32] {
+            let err = Tensor::zeros(&[1 << 40, 1 << 20], dtype, &Device::Cpu).err().unwrap();
+            assert!(err.to_string().contains("cannot allocate"), "{err}");
+        }
+        assert_eq!(Tensor::zeros(&[0, 5], DType::F32, &Device::Cpu).unwrap().len(), 0);
+    }
+
     #[test]
     fn i32_tensors_round_trip_and_never_mix_with_floats() {
         let mut rng = Rng::new(29);

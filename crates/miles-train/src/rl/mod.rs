@@ -14,8 +14,8 @@
 //! 4. `num-steps-per-rollout` optimizer steps over consecutive slices of the batch, each
 //!    accumulated over micro-batches; a step whose loss or gradient is not finite is skipped
 //!    and counted (`train/skipped_steps`);
-//! 5. weight sync: the engine repacks the policy it shares with the trainer (one copy of the
-//!    weights, updated in place).
+//! 5. weight sync: the optimizer updated the model the engine shares with the trainer in place
+//!    (one copy of the weights); the engine bumps its policy version.
 //!
 //! Every random choice is a function of the seeds and the iteration number (shuffles of
 //! `(rollout-seed, epoch)`, rollout draws of `(rollout-seed, iteration, round)`), so a run
