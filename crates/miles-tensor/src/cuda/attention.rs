@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::{Buffer, DeviceData, Gpu, driver_error};
+use super::{Buffer, DeviceData, Float, Gpu, driver_error};
 use crate::cpu::attention::{QUERY_BLOCK, tiles};
 use crate::cpu::{AttentionShape, PagedLayout, PagedRows};
 use crate::{Error, Result};
@@ -84,17 +84,9 @@ fn launch_with(
     })
 }
 
-fn mismatch(op: &'static str) -> Error {
-    Error::DType { op, message: "q, k, v (and d_out) must share a dtype, f32 or bf16".into() }
-}
-
 /// The d64 or d128 kernel of `names`, by [`mma_suffix`].
 fn pick_d(suffix: &str, names: [&'static str; 2]) -> &'static str {
     names[usize::from(suffix == "d128")]
-}
-
-fn pick(f32: bool, names: [&'static str; 2]) -> &'static str {
-    names[usize::from(!f32)]
 }
 
 /// `attention_mma_{what}_{suffix}`, as `kernels/attention_mma.cu` names its kernels.
@@ -124,35 +116,11 @@ pub(crate) fn attention_forward(
     let (table, n) = tile_table(gpu, cu_seqlens, QUERY_BLOCK)?;
     let floats = KEY_BLOCK * (d + PAD) + KEY_BLOCK * d + WARPS * d;
     let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, 1.0 / (d as f32).sqrt());
-    let names = ["attention_forward_f32", "attention_forward_bf16"];
-    let out = match (q, k, v) {
-        (DeviceData::F32(q), DeviceData::F32(k), DeviceData::F32(v)) => {
-            let mut out = gpu.alloc::<f32>(q.len())?;
-            if n > 0 {
-                let name = pick(true, names);
-                let cfg = tile_launch(gpu, name, n, q_heads, floats)?;
-                launch!(
-                    gpu,
-                    "attention",
-                    name,
-                    cfg,
-                    &mut out,
-                    &mut lse,
-                    q,
-                    k,
-                    v,
-                    &table,
-                    &qh,
-                    &kvh,
-                    &di,
-                    &scale
-                )?;
-            }
-            DeviceData::F32(out)
-        }
-        (DeviceData::BF16(q), DeviceData::BF16(k), DeviceData::BF16(v)) => {
-            let mut out = gpu.alloc::<u16>(q.len())?;
-            if let (true, Some(suffix)) = (n > 0, mma_suffix(d)) {
+    let out = per_float!("attention", (q, k, v), |T, f| {
+        let mut out = gpu.alloc::<T>(q.len())?;
+        match mma_suffix(d) {
+            _ if n == 0 => {}
+            Some(suffix) if f == Float::BF16 => {
                 let name = mma_name("forward", suffix);
                 // The queries, and two buffers of a key block's keys and values.
                 let bytes = mma_rows_bytes(QUERY_BLOCK + 4 * KEY_BLOCK, d);
@@ -173,8 +141,9 @@ pub(crate) fn attention_forward(
                     &kvh,
                     &scale
                 )?;
-            } else if n > 0 {
-                let name = pick(false, names);
+            }
+            _ => {
+                let name = kernel!(f, "attention_forward");
                 let cfg = tile_launch(gpu, name, n, q_heads, floats)?;
                 launch!(
                     gpu,
@@ -193,10 +162,9 @@ pub(crate) fn attention_forward(
                     &scale
                 )?;
             }
-            DeviceData::BF16(out)
         }
-        _ => return Err(mismatch("attention")),
-    };
+        DeviceData::from(out)
+    });
     let wrap = |data| Buffer { gpu: gpu.clone(), data };
     Ok((wrap(out), wrap(DeviceData::F32(lse))))
 }
@@ -230,134 +198,106 @@ pub(crate) fn attention_backward(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    macro_rules! run {
-        ($ty:ty, $f32:expr, $d_out:expr, $q:expr, $k:expr, $v:expr, $out:expr, $wrap:path) => {{
-            let (mut dq, mut dk, mut dv) = (
-                gpu.alloc::<$ty>($q.len())?,
-                gpu.alloc::<$ty>($k.len())?,
-                gpu.alloc::<$ty>($v.len())?,
-            );
-            if rows > 0 {
-                let name = pick($f32, ["attention_delta_f32", "attention_delta_bf16"]);
-                launch!(gpu, "attention", name, delta_cfg, &mut delta, $d_out, $out, &rows_l, &di)?;
-                if let (false, Some(suffix)) = ($f32, mma_suffix(d)) {
-                    let name = mma_name("dq", suffix);
-                    // Queries and dO, and two buffers of a key block's keys and values.
-                    let bytes = mma_rows_bytes(2 * QUERY_BLOCK + 4 * KEY_BLOCK, d);
-                    let cfg =
-                        launch_with(gpu, "attention_mma", name, (nq, q_heads), MMA_THREADS, bytes)?;
-                    launch!(
-                        gpu,
-                        "attention_mma",
-                        name,
-                        cfg,
-                        &mut dq,
-                        $d_out,
-                        $q,
-                        $k,
-                        $v,
-                        lse,
-                        &delta,
-                        &q_table,
-                        &qh,
-                        &kvh,
-                        &scale
-                    )?;
-                    let name = mma_name("dkdv", suffix);
-                    // The block's keys and values, and two buffers of a query chunk's
-                    // queries, dO, lse and delta.
-                    let bytes = mma_rows_bytes(2 * KEY_BLOCK + 4 * MMA_QUERY_CHUNK, d)
-                        + 4 * MMA_QUERY_CHUNK * 4;
-                    let cfg = launch_with(
-                        gpu,
-                        "attention_mma",
-                        name,
-                        (nk, kv_heads),
-                        MMA_THREADS,
-                        bytes,
-                    )?;
-                    launch!(
-                        gpu,
-                        "attention_mma",
-                        name,
-                        cfg,
-                        &mut dk,
-                        &mut dv,
-                        $d_out,
-                        $q,
-                        $k,
-                        $v,
-                        lse,
-                        &delta,
-                        &k_table,
-                        &qh,
-                        &kvh,
-                        &scale
-                    )?;
-                } else {
-                    let name = pick($f32, ["attention_dq_f32", "attention_dq_bf16"]);
-                    let cfg = tile_launch(gpu, name, nq, q_heads, dq_floats)?;
-                    launch!(
-                        gpu,
-                        "attention",
-                        name,
-                        cfg,
-                        &mut dq,
-                        $d_out,
-                        $q,
-                        $k,
-                        $v,
-                        lse,
-                        &delta,
-                        &q_table,
-                        &qh,
-                        &kvh,
-                        &di,
-                        &scale
-                    )?;
-                    let name = pick($f32, ["attention_dkdv_f32", "attention_dkdv_bf16"]);
-                    let cfg = tile_launch(gpu, name, nk, kv_heads, dkdv_floats)?;
-                    launch!(
-                        gpu,
-                        "attention",
-                        name,
-                        cfg,
-                        &mut dk,
-                        &mut dv,
-                        $d_out,
-                        $q,
-                        $k,
-                        $v,
-                        lse,
-                        &delta,
-                        &k_table,
-                        &qh,
-                        &kvh,
-                        &di,
-                        &scale
-                    )?;
-                }
+    let (dq, dk, dv) = per_float!("attention_backward", (d_out, q, k, v, out), |T, f| {
+        let (mut dq, mut dk, mut dv) =
+            (gpu.alloc::<T>(q.len())?, gpu.alloc::<T>(k.len())?, gpu.alloc::<T>(v.len())?);
+        if rows > 0 {
+            let name = kernel!(f, "attention_delta");
+            launch!(gpu, "attention", name, delta_cfg, &mut delta, d_out, out, &rows_l, &di)?;
+            if let (Float::BF16, Some(suffix)) = (f, mma_suffix(d)) {
+                let name = mma_name("dq", suffix);
+                // Queries and dO, and two buffers of a key block's keys and values.
+                let bytes = mma_rows_bytes(2 * QUERY_BLOCK + 4 * KEY_BLOCK, d);
+                let cfg =
+                    launch_with(gpu, "attention_mma", name, (nq, q_heads), MMA_THREADS, bytes)?;
+                launch!(
+                    gpu,
+                    "attention_mma",
+                    name,
+                    cfg,
+                    &mut dq,
+                    d_out,
+                    q,
+                    k,
+                    v,
+                    lse,
+                    &delta,
+                    &q_table,
+                    &qh,
+                    &kvh,
+                    &scale
+                )?;
+                let name = mma_name("dkdv", suffix);
+                // The block's keys and values, and two buffers of a query chunk's
+                // queries, dO, lse and delta.
+                let bytes = mma_rows_bytes(2 * KEY_BLOCK + 4 * MMA_QUERY_CHUNK, d)
+                    + 4 * MMA_QUERY_CHUNK * 4;
+                let cfg =
+                    launch_with(gpu, "attention_mma", name, (nk, kv_heads), MMA_THREADS, bytes)?;
+                launch!(
+                    gpu,
+                    "attention_mma",
+                    name,
+                    cfg,
+                    &mut dk,
+                    &mut dv,
+                    d_out,
+                    q,
+                    k,
+                    v,
+                    lse,
+                    &delta,
+                    &k_table,
+                    &qh,
+                    &kvh,
+                    &scale
+                )?;
+            } else {
+                let name = kernel!(f, "attention_dq");
+                let cfg = tile_launch(gpu, name, nq, q_heads, dq_floats)?;
+                launch!(
+                    gpu,
+                    "attention",
+                    name,
+                    cfg,
+                    &mut dq,
+                    d_out,
+                    q,
+                    k,
+                    v,
+                    lse,
+                    &delta,
+                    &q_table,
+                    &qh,
+                    &kvh,
+                    &di,
+                    &scale
+                )?;
+                let name = kernel!(f, "attention_dkdv");
+                let cfg = tile_launch(gpu, name, nk, kv_heads, dkdv_floats)?;
+                launch!(
+                    gpu,
+                    "attention",
+                    name,
+                    cfg,
+                    &mut dk,
+                    &mut dv,
+                    d_out,
+                    q,
+                    k,
+                    v,
+                    lse,
+                    &delta,
+                    &k_table,
+                    &qh,
+                    &kvh,
+                    &di,
+                    &scale
+                )?;
             }
-            ($wrap(dq), $wrap(dk), $wrap(dv))
-        }};
-    }
-    let (dq, dk, dv) = match (d_out, q, k, v, out) {
-        (
-            DeviceData::F32(d_out),
-            DeviceData::F32(q),
-            DeviceData::F32(k),
-            DeviceData::F32(v),
-            DeviceData::F32(out),
-        ) => run!(f32, true, d_out, q, k, v, out, DeviceData::F32),
-        (
-            DeviceData::BF16(d_out),
-            DeviceData::BF16(q),
-            DeviceData::BF16(k),
-            DeviceData::BF16(v),
-            DeviceData::BF16(out),
-        ) => run!(u16, false, d_out, q, k, v, out, DeviceData::BF16),
-        _ => return Err(mismatch("attention_backward")),
-    };
+        }
+        (DeviceData::from(dq), DeviceData::from(dk), DeviceData::from(dv))
+    });
     let wrap = |data| Buffer { gpu: gpu.clone(), data };
     Ok((wrap(dq), wrap(dk), wrap(dv)))
 }
@@ -499,37 +439,10 @@ pub(crate) fn paged_kv_write(
     };
     let (layer, layers) = (layer as i32, layout.layers as i32);
     let (kvh, d) = (layout.kv_heads as i32, layout.head_dim as i32);
-    match (cache, k, v) {
-        (DeviceData::F32(c), DeviceData::F32(k), DeviceData::F32(v)) => launch!(
-            gpu,
-            "paged",
-            "paged_kv_write_f32",
-            cfg,
-            c,
-            k,
-            v,
-            &plan.slots,
-            &layer,
-            &layers,
-            &kvh,
-            &d
-        ),
-        (DeviceData::BF16(c), DeviceData::BF16(k), DeviceData::BF16(v)) => launch!(
-            gpu,
-            "paged",
-            "paged_kv_write_bf16",
-            cfg,
-            c,
-            k,
-            v,
-            &plan.slots,
-            &layer,
-            &layers,
-            &kvh,
-            &d
-        ),
-        _ => Err(mismatch("paged_kv_write")),
-    }
+    per_float!("paged_kv_write", (cache, k, v), |T, f| {
+        let name = kernel!(f, "paged_kv_write");
+        launch!(gpu, "paged", name, cfg, cache, k, v, &plan.slots, &layer, &layers, &kvh, &d)
+    })
 }
 
 /// `(out, lse)` of [`crate::ops::paged_attention`]: bf16 at head_dim 64 or 128 only.

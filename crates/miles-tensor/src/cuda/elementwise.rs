@@ -5,27 +5,18 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::{Buffer, DeviceData, Gpu, driver_error, elementwise_launch};
+use super::{Buffer, DeviceData, Gpu, driver_error, dtype_mismatch, elementwise_launch};
 use crate::{Error, Result};
-
-fn mismatch(op: &'static str) -> Error {
-    Error::DType { op, message: "operands differ in dtype, or are not f32/bf16".into() }
-}
 
 fn wrap(gpu: &Arc<Gpu>, data: DeviceData) -> Buffer {
     Buffer { gpu: gpu.clone(), data }
 }
 
 /// The streaming kernels load 4 elements at a time when `n` allows it (the same arithmetic per
-/// element either way); the launch covers `n / 4` vector steps then.
-fn streaming(
-    n: usize,
-    f32_name: [&'static str; 2],
-    bf16_name: [&'static str; 2],
-    f32: bool,
-) -> (&'static str, LaunchConfig) {
+/// element either way); the launch covers `n / 4` vector steps then. `names` are the v1 and v4
+/// kernels.
+fn streaming(n: usize, names: [&'static str; 2]) -> (&'static str, LaunchConfig) {
     let v4 = n.is_multiple_of(4);
-    let names = if f32 { f32_name } else { bf16_name };
     (names[usize::from(v4)], elementwise_launch(if v4 { n / 4 } else { n }))
 }
 
@@ -37,29 +28,15 @@ pub(crate) fn swiglu_forward(
     n: usize,
 ) -> Result<Buffer> {
     let n_i = n as i64;
-    let names = (
-        ["swiglu_forward_f32_v1", "swiglu_forward_f32_v4"],
-        ["swiglu_forward_bf16_v1", "swiglu_forward_bf16_v4"],
-    );
-    let data = match (gate, up) {
-        (DeviceData::F32(g), DeviceData::F32(u)) => {
-            let mut h = gpu.alloc::<f32>(n)?;
-            if n > 0 {
-                let (k, cfg) = streaming(n, names.0, names.1, true);
-                launch!(gpu, "elementwise", k, cfg, &mut h, g, u, &n_i)?;
-            }
-            DeviceData::F32(h)
+    let data = per_float!("swiglu", (gate, up), |T, f| {
+        let mut h = gpu.alloc::<T>(n)?;
+        if n > 0 {
+            let names = [kernel!(f, "swiglu_forward", "_v1"), kernel!(f, "swiglu_forward", "_v4")];
+            let (k, cfg) = streaming(n, names);
+            launch!(gpu, "elementwise", k, cfg, &mut h, gate, up, &n_i)?;
         }
-        (DeviceData::BF16(g), DeviceData::BF16(u)) => {
-            let mut h = gpu.alloc::<u16>(n)?;
-            if n > 0 {
-                let (k, cfg) = streaming(n, names.0, names.1, false);
-                launch!(gpu, "elementwise", k, cfg, &mut h, g, u, &n_i)?;
-            }
-            DeviceData::BF16(h)
-        }
-        _ => return Err(mismatch("swiglu")),
-    };
+        DeviceData::from(h)
+    });
     Ok(wrap(gpu, data))
 }
 
@@ -73,41 +50,14 @@ pub(crate) fn swiglu_stacked(
     let (rows_i, inter_i) = (rows as i64, inter as i32);
     let n = rows * inter;
     let cfg = elementwise_launch(n);
-    let data = match gu {
-        DeviceData::F32(x) => {
-            let mut h = gpu.alloc::<f32>(n)?;
-            if n > 0 {
-                launch!(
-                    gpu,
-                    "elementwise",
-                    "swiglu_stacked_f32",
-                    cfg,
-                    &mut h,
-                    x,
-                    &rows_i,
-                    &inter_i
-                )?;
-            }
-            DeviceData::F32(h)
+    let data = per_float!("swiglu_stacked", (gu), |T, f| {
+        let mut h = gpu.alloc::<T>(n)?;
+        if n > 0 {
+            let k = kernel!(f, "swiglu_stacked");
+            launch!(gpu, "elementwise", k, cfg, &mut h, gu, &rows_i, &inter_i)?;
         }
-        DeviceData::BF16(x) => {
-            let mut h = gpu.alloc::<u16>(n)?;
-            if n > 0 {
-                launch!(
-                    gpu,
-                    "elementwise",
-                    "swiglu_stacked_bf16",
-                    cfg,
-                    &mut h,
-                    x,
-                    &rows_i,
-                    &inter_i
-                )?;
-            }
-            DeviceData::BF16(h)
-        }
-        DeviceData::I32(_) => return Err(mismatch("swiglu_stacked")),
-    };
+        DeviceData::from(h)
+    });
     Ok(wrap(gpu, data))
 }
 
@@ -125,45 +75,14 @@ pub(crate) fn pick_rows_sum(
     let cfg = row_block(rows, width);
     let p = upload(gpu, picks)?;
     let w = gpu.stream().clone_htod(weights).map_err(|e| driver_error("copy to device", e))?;
-    let data = match y {
-        DeviceData::F32(y) => {
-            let mut out = gpu.alloc::<f32>((rows * width).max(1))?;
-            if rows > 0 {
-                launch!(
-                    gpu,
-                    "elementwise",
-                    "pick_rows_sum_f32",
-                    cfg,
-                    &mut out,
-                    y,
-                    &p,
-                    &w,
-                    &k_i,
-                    &width_i
-                )?;
-            }
-            DeviceData::F32(out)
+    let data = per_float!("pick_rows_sum", (y), |T, f| {
+        let mut out = gpu.alloc::<T>((rows * width).max(1))?;
+        if rows > 0 {
+            let name = kernel!(f, "pick_rows_sum");
+            launch!(gpu, "elementwise", name, cfg, &mut out, y, &p, &w, &k_i, &width_i)?;
         }
-        DeviceData::BF16(y) => {
-            let mut out = gpu.alloc::<u16>((rows * width).max(1))?;
-            if rows > 0 {
-                launch!(
-                    gpu,
-                    "elementwise",
-                    "pick_rows_sum_bf16",
-                    cfg,
-                    &mut out,
-                    y,
-                    &p,
-                    &w,
-                    &k_i,
-                    &width_i
-                )?;
-            }
-            DeviceData::BF16(out)
-        }
-        DeviceData::I32(_) => return Err(mismatch("pick_rows_sum")),
-    };
+        DeviceData::from(out)
+    });
     Ok(wrap(gpu, data))
 }
 
@@ -181,33 +100,10 @@ pub(crate) fn pick_row_dots(
     let p = upload(gpu, picks)?;
     let mut out = gpu.alloc::<f32>(picks.len().max(1))?;
     if !picks.is_empty() {
-        match (a, y) {
-            (DeviceData::F32(a), DeviceData::F32(y)) => launch!(
-                gpu,
-                "elementwise",
-                "pick_row_dots_f32",
-                cfg,
-                &mut out,
-                a,
-                y,
-                &p,
-                &k_i,
-                &width_i
-            )?,
-            (DeviceData::BF16(a), DeviceData::BF16(y)) => launch!(
-                gpu,
-                "elementwise",
-                "pick_row_dots_bf16",
-                cfg,
-                &mut out,
-                a,
-                y,
-                &p,
-                &k_i,
-                &width_i
-            )?,
-            _ => return Err(mismatch("pick_row_dots")),
-        }
+        per_float!("pick_row_dots", (a, y), |T, f| {
+            let name = kernel!(f, "pick_row_dots");
+            launch!(gpu, "elementwise", name, cfg, &mut out, a, y, &p, &k_i, &width_i)?
+        });
     }
     let host = gpu.stream().clone_dtoh(&out).map_err(|e| driver_error("copy to host", e))?;
     Ok(host[..picks.len()].to_vec())
@@ -222,29 +118,16 @@ pub(crate) fn swiglu_backward(
     n: usize,
 ) -> Result<(Buffer, Buffer)> {
     let n_i = n as i64;
-    let names = (
-        ["swiglu_backward_f32_v1", "swiglu_backward_f32_v4"],
-        ["swiglu_backward_bf16_v1", "swiglu_backward_bf16_v4"],
-    );
-    let (dg, du) = match (dh, gate, up) {
-        (DeviceData::F32(d), DeviceData::F32(g), DeviceData::F32(u)) => {
-            let (mut dg, mut du) = (gpu.alloc::<f32>(n)?, gpu.alloc::<f32>(n)?);
-            if n > 0 {
-                let (k, cfg) = streaming(n, names.0, names.1, true);
-                launch!(gpu, "elementwise", k, cfg, &mut dg, &mut du, d, g, u, &n_i)?;
-            }
-            (DeviceData::F32(dg), DeviceData::F32(du))
+    let (dg, du) = per_float!("swiglu_backward", (dh, gate, up), |T, f| {
+        let (mut dg, mut du) = (gpu.alloc::<T>(n)?, gpu.alloc::<T>(n)?);
+        if n > 0 {
+            let names =
+                [kernel!(f, "swiglu_backward", "_v1"), kernel!(f, "swiglu_backward", "_v4")];
+            let (k, cfg) = streaming(n, names);
+            launch!(gpu, "elementwise", k, cfg, &mut dg, &mut du, dh, gate, up, &n_i)?;
         }
-        (DeviceData::BF16(d), DeviceData::BF16(g), DeviceData::BF16(u)) => {
-            let (mut dg, mut du) = (gpu.alloc::<u16>(n)?, gpu.alloc::<u16>(n)?);
-            if n > 0 {
-                let (k, cfg) = streaming(n, names.0, names.1, false);
-                launch!(gpu, "elementwise", k, cfg, &mut dg, &mut du, d, g, u, &n_i)?;
-            }
-            (DeviceData::BF16(dg), DeviceData::BF16(du))
-        }
-        _ => return Err(mismatch("swiglu_backward")),
-    };
+        (DeviceData::from(dg), DeviceData::from(du))
+    });
     Ok((wrap(gpu, dg), wrap(gpu, du)))
 }
 
@@ -269,75 +152,28 @@ pub(crate) fn rope(
     // 4 pairs per step when a head's half is a multiple of 4.
     let v4 = (head_dim / 2).is_multiple_of(4);
     let cfg = elementwise_launch(if v4 { n / 8 } else { n / 2 });
-    let data = match x {
-        DeviceData::F32(x) => {
-            let mut y = gpu.alloc::<f32>(n)?;
-            if n > 0 {
-                launch!(
-                    gpu,
-                    "elementwise",
-                    if v4 { "rope_f32_v4" } else { "rope_f32_v1" },
-                    cfg,
-                    &mut y,
-                    x,
-                    c,
-                    s,
-                    &t,
-                    &h,
-                    &d,
-                    &sign
-                )?;
-            }
-            DeviceData::F32(y)
+    let data = per_float!("rope", (x), |T, f| {
+        let mut y = gpu.alloc::<T>(n)?;
+        if n > 0 {
+            let k = if v4 { kernel!(f, "rope", "_v4") } else { kernel!(f, "rope", "_v1") };
+            launch!(gpu, "elementwise", k, cfg, &mut y, x, c, s, &t, &h, &d, &sign)?;
         }
-        DeviceData::BF16(x) => {
-            let mut y = gpu.alloc::<u16>(n)?;
-            if n > 0 {
-                launch!(
-                    gpu,
-                    "elementwise",
-                    if v4 { "rope_bf16_v4" } else { "rope_bf16_v1" },
-                    cfg,
-                    &mut y,
-                    x,
-                    c,
-                    s,
-                    &t,
-                    &h,
-                    &d,
-                    &sign
-                )?;
-            }
-            DeviceData::BF16(y)
-        }
-        DeviceData::I32(_) => return Err(mismatch("rope")),
-    };
+        DeviceData::from(y)
+    });
     Ok(wrap(gpu, data))
 }
 
 /// `a + b` over `n` elements.
 pub(crate) fn add(gpu: &Arc<Gpu>, a: &DeviceData, b: &DeviceData, n: usize) -> Result<Buffer> {
     let n_i = n as i64;
-    let names = (["add_f32_v1", "add_f32_v4"], ["add_bf16_v1", "add_bf16_v4"]);
-    let data = match (a, b) {
-        (DeviceData::F32(a), DeviceData::F32(b)) => {
-            let mut out = gpu.alloc::<f32>(n)?;
-            if n > 0 {
-                let (k, cfg) = streaming(n, names.0, names.1, true);
-                launch!(gpu, "elementwise", k, cfg, &mut out, a, b, &n_i)?;
-            }
-            DeviceData::F32(out)
+    let data = per_float!("add", (a, b), |T, f| {
+        let mut out = gpu.alloc::<T>(n)?;
+        if n > 0 {
+            let (k, cfg) = streaming(n, [kernel!(f, "add", "_v1"), kernel!(f, "add", "_v4")]);
+            launch!(gpu, "elementwise", k, cfg, &mut out, a, b, &n_i)?;
         }
-        (DeviceData::BF16(a), DeviceData::BF16(b)) => {
-            let mut out = gpu.alloc::<u16>(n)?;
-            if n > 0 {
-                let (k, cfg) = streaming(n, names.0, names.1, false);
-                launch!(gpu, "elementwise", k, cfg, &mut out, a, b, &n_i)?;
-            }
-            DeviceData::BF16(out)
-        }
-        _ => return Err(mismatch("add")),
-    };
+        DeviceData::from(out)
+    });
     Ok(wrap(gpu, data))
 }
 
@@ -387,41 +223,18 @@ pub(crate) fn embedding_forward(
         Ids::Host(_) => uploaded.as_ref(),
         Ids::Device(d, _) => Some(d),
     };
-    let data = match table {
-        DeviceData::F32(t) => {
-            let mut out = gpu.alloc::<f32>(rows * hidden)?;
-            if let Some(ids_d) = ids_d {
-                launch!(
-                    gpu,
-                    "elementwise",
-                    if v4 { "embedding_forward_f32_v4" } else { "embedding_forward_f32_v1" },
-                    cfg,
-                    &mut out,
-                    t,
-                    ids_d,
-                    &hidden_i
-                )?;
-            }
-            DeviceData::F32(out)
+    let data = per_float!("embedding", (table), |T, f| {
+        let mut out = gpu.alloc::<T>(rows * hidden)?;
+        if let Some(ids_d) = ids_d {
+            let k = if v4 {
+                kernel!(f, "embedding_forward", "_v4")
+            } else {
+                kernel!(f, "embedding_forward", "_v1")
+            };
+            launch!(gpu, "elementwise", k, cfg, &mut out, table, ids_d, &hidden_i)?;
         }
-        DeviceData::BF16(t) => {
-            let mut out = gpu.alloc::<u16>(rows * hidden)?;
-            if let Some(ids_d) = ids_d {
-                launch!(
-                    gpu,
-                    "elementwise",
-                    if v4 { "embedding_forward_bf16_v4" } else { "embedding_forward_bf16_v1" },
-                    cfg,
-                    &mut out,
-                    t,
-                    ids_d,
-                    &hidden_i
-                )?;
-            }
-            DeviceData::BF16(out)
-        }
-        DeviceData::I32(_) => return Err(mismatch("embedding")),
-    };
+        DeviceData::from(out)
+    });
     Ok(wrap(gpu, data))
 }
 
@@ -466,35 +279,22 @@ pub(crate) fn embedding_backward_into(
     let positions = upload(gpu, &groups.positions)?;
     let cfg = row_block(rows, hidden);
     let (hidden_i, acc) = (hidden as i32, i32::from(accumulate));
-    match d_out {
-        DeviceData::F32(d) => launch!(
+    per_float!("embedding_backward", (d_out), |T, f| {
+        let k = kernel!(f, "embedding_backward");
+        launch!(
             gpu,
             "elementwise",
-            "embedding_backward_f32",
+            k,
             cfg,
             d_table,
-            d,
+            d_out,
             &uniq,
             &offsets,
             &positions,
             &hidden_i,
             &acc
-        ),
-        DeviceData::BF16(d) => launch!(
-            gpu,
-            "elementwise",
-            "embedding_backward_bf16",
-            cfg,
-            d_table,
-            d,
-            &uniq,
-            &offsets,
-            &positions,
-            &hidden_i,
-            &acc
-        ),
-        DeviceData::I32(_) => Err(mismatch("embedding_backward")),
-    }
+        )
+    })
 }
 
 /// `dst[rows[i]] = src[i]` for distinct `rows` (checked on the host), `hidden` wide.
@@ -510,15 +310,10 @@ pub(crate) fn scatter_rows(
     }
     let cfg = row_block(rows.len(), hidden);
     let (rows_d, hidden_i) = (upload(gpu, rows)?, hidden as i32);
-    match (dst, src) {
-        (DeviceData::F32(d), DeviceData::F32(s)) => {
-            launch!(gpu, "elementwise", "scatter_rows_f32", cfg, d, s, &rows_d, &hidden_i)
-        }
-        (DeviceData::BF16(d), DeviceData::BF16(s)) => {
-            launch!(gpu, "elementwise", "scatter_rows_bf16", cfg, d, s, &rows_d, &hidden_i)
-        }
-        _ => Err(mismatch("scatter_rows")),
-    }
+    per_float!("scatter_rows", (dst, src), |T, f| {
+        let k = kernel!(f, "scatter_rows");
+        launch!(gpu, "elementwise", k, cfg, dst, src, &rows_d, &hidden_i)
+    })
 }
 
 /// The columns of `x [rows × Σ widths]` as two or three tensors (checked by the op), one launch.
@@ -532,22 +327,16 @@ pub(crate) fn split_columns(
     let (w0, w1, w2) = (w(0) as i32, w(1) as i32, w(2) as i32);
     let width: usize = widths.iter().sum();
     let cfg = row_block(rows, width);
-    macro_rules! run {
-        ($ty:ty, $x:expr, $kernel:expr, $wrap:path) => {{
-            let mut outs: Vec<CudaSlice<$ty>> =
-                (0..3).map(|i| gpu.alloc::<$ty>(rows * w(i).max(1))).collect::<Result<_>>()?;
-            if rows > 0 && width > 0 {
-                let [o0, o1, o2] = &mut outs[..] else { unreachable!("three outputs") };
-                launch!(gpu, "elementwise", $kernel, cfg, $x, o0, &w0, o1, &w1, o2, &w2)?;
-            }
-            outs.into_iter().take(widths.len()).map(|s| wrap(gpu, $wrap(s))).collect()
-        }};
-    }
-    Ok(match x {
-        DeviceData::F32(x) => run!(f32, x, "split_columns_f32", DeviceData::F32),
-        DeviceData::BF16(x) => run!(u16, x, "split_columns_bf16", DeviceData::BF16),
-        DeviceData::I32(_) => return Err(mismatch("split_columns")),
-    })
+    Ok(per_float!("split_columns", (x), |T, f| {
+        let mut outs: Vec<CudaSlice<T>> =
+            (0..3).map(|i| gpu.alloc::<T>(rows * w(i).max(1))).collect::<Result<_>>()?;
+        if rows > 0 && width > 0 {
+            let [o0, o1, o2] = &mut outs[..] else { unreachable!("three outputs") };
+            let k = kernel!(f, "split_columns");
+            launch!(gpu, "elementwise", k, cfg, x, o0, &w0, o1, &w1, o2, &w2)?;
+        }
+        outs.into_iter().take(widths.len()).map(|s| wrap(gpu, DeviceData::from(s))).collect()
+    }))
 }
 
 /// The rows of `parts` (one dtype, one width) stacked into one buffer.
@@ -560,7 +349,7 @@ pub(crate) fn concat_rows(gpu: &Arc<Gpu>, parts: &[&DeviceData]) -> Result<Buffe
                 .iter()
                 .map(|p| match p {
                     $variant(s) => Ok(s),
-                    _ => Err(mismatch("concat_rows")),
+                    _ => Err(dtype_mismatch("concat_rows")),
                 })
                 .collect::<Result<_>>()?;
             let total: usize = slices.iter().map(|s| s.len()).sum();
@@ -579,6 +368,6 @@ pub(crate) fn concat_rows(gpu: &Arc<Gpu>, parts: &[&DeviceData]) -> Result<Buffe
     Ok(match parts.first() {
         Some(DeviceData::F32(_)) => run!(f32, DeviceData::F32),
         Some(DeviceData::BF16(_)) => run!(u16, DeviceData::BF16),
-        _ => return Err(mismatch("concat_rows")),
+        _ => return Err(dtype_mismatch("concat_rows")),
     })
 }

@@ -58,6 +58,51 @@ macro_rules! launch {
         }
     }};
 }
+/// The float element types of the kernels, which come in pairs named `…_f32` and `…_bf16`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Float {
+    F32,
+    BF16,
+}
+
+/// `kernel!(float, "name")`: the kernel `"name_f32"` or `"name_bf16"` for `float`;
+/// `kernel!(float, "name", "_v4")` appends a suffix after the dtype.
+macro_rules! kernel {
+    ($float:expr, $name:literal $(, $suffix:literal)?) => {
+        match $float {
+            $crate::cuda::Float::F32 => concat!($name, "_f32" $(, $suffix)?),
+            $crate::cuda::Float::BF16 => concat!($name, "_bf16" $(, $suffix)?),
+        }
+    };
+}
+
+/// `per_float!(op, (a, b, …), |T, float| body)`: one body for both float dtypes. When the
+/// operands `a, b, …` (`DeviceData`s) are all f32 or all bf16, each is rebound to its slice, `T`
+/// names the element type (`f32`, or `u16` holding bf16 bits) and `float` the [`Float`], and the
+/// body's value is the macro's; any other mix returns a dtype error naming `op`.
+macro_rules! per_float {
+    ($op:expr, ($($x:ident),+ $(,)?), |$t:ident, $float:ident| $body:expr) => {
+        match ($($x,)+) {
+            ($($crate::cuda::DeviceData::F32($x),)+) => {
+                #[allow(dead_code)]
+                type $t = f32;
+                #[allow(unused_variables)]
+                let $float = $crate::cuda::Float::F32;
+                $body
+            }
+            ($($crate::cuda::DeviceData::BF16($x),)+) => {
+                #[allow(dead_code)]
+                type $t = u16;
+                #[allow(unused_variables)]
+                let $float = $crate::cuda::Float::BF16;
+                $body
+            }
+            #[allow(unreachable_patterns)]
+            _ => return Err($crate::cuda::dtype_mismatch($op)),
+        }
+    };
+}
+
 mod attention;
 mod elementwise;
 mod gemm_lt;
@@ -397,6 +442,23 @@ impl DeviceData {
             DeviceData::I32(_) => DType::I32,
         }
     }
+}
+
+impl From<CudaSlice<f32>> for DeviceData {
+    fn from(s: CudaSlice<f32>) -> Self {
+        DeviceData::F32(s)
+    }
+}
+
+impl From<CudaSlice<u16>> for DeviceData {
+    fn from(s: CudaSlice<u16>) -> Self {
+        DeviceData::BF16(s)
+    }
+}
+
+/// The error of a float kernel given operands of mixed dtypes, or integers.
+pub(crate) fn dtype_mismatch(op: &'static str) -> Error {
+    Error::DType { op, message: "operands differ in dtype, or are not f32/bf16".into() }
 }
 
 impl Buffer {

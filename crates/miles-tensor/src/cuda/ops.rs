@@ -193,20 +193,6 @@ fn vec_width(hidden: usize) -> usize {
     if hidden.is_multiple_of(4) { 4 } else { 1 }
 }
 
-/// The kernel of `kernels/rmsnorm.cu` for a pass, a dtype and a vector width.
-fn kernel_name(forward: bool, f32: bool, vec: usize) -> &'static str {
-    match (forward, f32, vec == 4) {
-        (true, true, true) => "rmsnorm_forward_f32_v4",
-        (true, true, false) => "rmsnorm_forward_f32_v1",
-        (true, false, true) => "rmsnorm_forward_bf16_v4",
-        (true, false, false) => "rmsnorm_forward_bf16_v1",
-        (false, true, true) => "rmsnorm_backward_f32_v4",
-        (false, true, false) => "rmsnorm_backward_f32_v1",
-        (false, false, true) => "rmsnorm_backward_bf16_v4",
-        (false, false, false) => "rmsnorm_backward_bf16_v1",
-    }
-}
-
 fn f32_of<'a>(d: &'a DeviceData, what: &str) -> Result<&'a CudaSlice<f32>> {
     match d {
         DeviceData::F32(s) => Ok(s),
@@ -236,38 +222,18 @@ pub(crate) fn add_rmsnorm(
         shared_mem_bytes: 0,
     };
     let mut rstd = gpu.alloc::<f32>(rows)?;
-    let (sum, y) = match (a, b) {
-        (DeviceData::F32(a), DeviceData::F32(b)) => {
-            let (mut sum, mut y) =
-                (gpu.alloc::<f32>(rows * hidden)?, gpu.alloc::<f32>(rows * hidden)?);
-            if rows > 0 {
-                let name = if vec == 4 { "add_rmsnorm_f32_v4" } else { "add_rmsnorm_f32_v1" };
-                launch!(
-                    gpu, "rmsnorm", name, cfg, &mut sum, &mut y, &mut rstd, a, b, w, &hidden_i,
-                    &eps
-                )?;
-            }
-            (DeviceData::F32(sum), DeviceData::F32(y))
+    let (sum, y) = per_float!("add_rmsnorm", (a, b), |T, f| {
+        let (mut sum, mut y) = (gpu.alloc::<T>(rows * hidden)?, gpu.alloc::<T>(rows * hidden)?);
+        if rows > 0 {
+            let k = if vec == 4 {
+                kernel!(f, "add_rmsnorm", "_v4")
+            } else {
+                kernel!(f, "add_rmsnorm", "_v1")
+            };
+            launch!(gpu, "rmsnorm", k, cfg, &mut sum, &mut y, &mut rstd, a, b, w, &hidden_i, &eps)?;
         }
-        (DeviceData::BF16(a), DeviceData::BF16(b)) => {
-            let (mut sum, mut y) =
-                (gpu.alloc::<u16>(rows * hidden)?, gpu.alloc::<u16>(rows * hidden)?);
-            if rows > 0 {
-                let name = if vec == 4 { "add_rmsnorm_bf16_v4" } else { "add_rmsnorm_bf16_v1" };
-                launch!(
-                    gpu, "rmsnorm", name, cfg, &mut sum, &mut y, &mut rstd, a, b, w, &hidden_i,
-                    &eps
-                )?;
-            }
-            (DeviceData::BF16(sum), DeviceData::BF16(y))
-        }
-        _ => {
-            return Err(Error::DType {
-                op: "add_rmsnorm",
-                message: "a and b must share a dtype, f32 or bf16".into(),
-            });
-        }
-    };
+        (DeviceData::from(sum), DeviceData::from(y))
+    });
     let wrap = |data| Buffer { gpu: gpu.clone(), data };
     Ok([wrap(sum), wrap(y), wrap(DeviceData::F32(rstd))])
 }
@@ -388,30 +354,18 @@ pub(crate) fn rmsnorm_forward(
         shared_mem_bytes: 0,
     };
     let mut rstd = gpu.alloc::<f32>(rows)?;
-    let y = match x {
-        DeviceData::F32(x) => {
-            let mut y = gpu.alloc::<f32>(rows * hidden)?;
-            if rows > 0 {
-                let name = kernel_name(true, true, vec);
-                launch!(gpu, "rmsnorm", name, cfg, &mut y, &mut rstd, x, w, &hidden_i, &eps)?;
-            }
-            DeviceData::F32(y)
+    let y = per_float!("rmsnorm", (x), |T, f| {
+        let mut y = gpu.alloc::<T>(rows * hidden)?;
+        if rows > 0 {
+            let k = if vec == 4 {
+                kernel!(f, "rmsnorm_forward", "_v4")
+            } else {
+                kernel!(f, "rmsnorm_forward", "_v1")
+            };
+            launch!(gpu, "rmsnorm", k, cfg, &mut y, &mut rstd, x, w, &hidden_i, &eps)?;
         }
-        DeviceData::BF16(x) => {
-            let mut y = gpu.alloc::<u16>(rows * hidden)?;
-            if rows > 0 {
-                let name = kernel_name(true, false, vec);
-                launch!(gpu, "rmsnorm", name, cfg, &mut y, &mut rstd, x, w, &hidden_i, &eps)?;
-            }
-            DeviceData::BF16(y)
-        }
-        DeviceData::I32(_) => {
-            return Err(Error::DType {
-                op: "rmsnorm",
-                message: "x must be f32 or bf16, is i32".into(),
-            });
-        }
-    };
+        DeviceData::from(y)
+    });
     Ok((
         Buffer { gpu: gpu.clone(), data: y },
         Buffer { gpu: gpu.clone(), data: DeviceData::F32(rstd) },
@@ -447,33 +401,21 @@ pub(crate) fn rmsnorm_backward(
         shared_mem_bytes: 0,
     };
     let mut part = gpu.alloc::<f32>(parts * hidden)?;
-    let mismatch =
-        || Error::DType { op: "rmsnorm_backward", message: "dy and x differ in dtype".into() };
-    let dx = match (dy, x) {
-        (DeviceData::F32(dy), DeviceData::F32(x)) => {
-            let mut dx = gpu.alloc::<f32>(rows * hidden)?;
-            if rows > 0 {
-                let name = kernel_name(false, true, vec);
-                launch!(
-                    gpu, "rmsnorm", name, cfg, &mut dx, &mut part, dy, x, w, rstd, &rows_i,
-                    &hidden_i, &rpb_i
-                )?;
-            }
-            DeviceData::F32(dx)
+    let dx = per_float!("rmsnorm_backward", (dy, x), |T, f| {
+        let mut dx = gpu.alloc::<T>(rows * hidden)?;
+        if rows > 0 {
+            let k = if vec == 4 {
+                kernel!(f, "rmsnorm_backward", "_v4")
+            } else {
+                kernel!(f, "rmsnorm_backward", "_v1")
+            };
+            launch!(
+                gpu, "rmsnorm", k, cfg, &mut dx, &mut part, dy, x, w, rstd, &rows_i, &hidden_i,
+                &rpb_i
+            )?;
         }
-        (DeviceData::BF16(dy), DeviceData::BF16(x)) => {
-            let mut dx = gpu.alloc::<u16>(rows * hidden)?;
-            if rows > 0 {
-                let name = kernel_name(false, false, vec);
-                launch!(
-                    gpu, "rmsnorm", name, cfg, &mut dx, &mut part, dy, x, w, rstd, &rows_i,
-                    &hidden_i, &rpb_i
-                )?;
-            }
-            DeviceData::BF16(dx)
-        }
-        _ => return Err(mismatch()),
-    };
+        DeviceData::from(dx)
+    });
     let mut dw = gpu.alloc::<f32>(hidden)?;
     if rows == 0 {
         gpu.stream().memset_zeros_bytes(&mut dw)?;
