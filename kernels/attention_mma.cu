@@ -553,10 +553,12 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
 
 }  // namespace
 
+// The forward, dq and dkdv kernels take the arguments of kernels/attention.cu's (the head size
+// too, which D fixes here), so the host launches either with one argument list.
 #define ATTENTION_MMA_KERNELS(D)                                                                 \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_forward_d##D(            \
         bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const int* tiles,    \
-        int q_heads, int kv_heads, float scale) {                                                \
+        int q_heads, int kv_heads, int /* d: D */, float scale) {                                \
         const int* tl = tiles + 3 * blockIdx.x;                                                  \
         const int end = min(tl[2] + QB, tl[1]);                                                  \
         const QueryTile tile = {tl[2], end - tl[2], tl[2] - tl[0]};                              \
@@ -581,13 +583,13 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
     extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_dq_d##D(                 \
         bf16* dq, const bf16* d_out, const bf16* q, const bf16* k, const bf16* v,                \
         const float* lse, const float* delta, const int* tiles, int q_heads, int kv_heads,       \
-        float scale) {                                                                           \
+        int /* d: D */, float scale) {                                                           \
         backward_dq<D>(dq, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, scale);         \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_dkdv_d##D(               \
         bf16* dk, bf16* dv, const bf16* d_out, const bf16* q, const bf16* k, const bf16* v,      \
         const float* lse, const float* delta, const int* tiles, int q_heads, int kv_heads,       \
-        float scale) {                                                                           \
+        int /* d: D */, float scale) {                                                           \
         backward_dkdv<D>(dk, dv, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, scale);   \
     }
 

@@ -1,7 +1,7 @@
 // The optimizer on the device: AdamW over f32 master weights and moments, and the sum of
 // squares behind the global gradient norm.
 //
-// adamw_f32 computes exactly what miles-tensor's cpu::AdamW::step computes, rounding after
+// adamw_multi_f32 computes exactly what miles-tensor's cpu::AdamW::step computes, rounding after
 // every operation as the CPU does (the _rn intrinsics keep nvcc from fusing multiply-adds), so
 // the two devices give the same bits. sumsq_* reduce in an order fixed by the data size alone
 // (chunks of SUMSQ_CHUNK elements, a fixed tree per chunk, chunks in order), in f64.
@@ -77,19 +77,9 @@ __device__ double block_sumsq(const float* x, long long start, long long end) {
 
 // One AdamW step: g = grad·grad_scale (the clipping factor), m and v updated in place, then
 // p ← p·decay − step_size·m / (sqrt(v)/bc2_sqrt + eps), with step_size = lr/(1 − β1^t) and
-// bc2_sqrt = sqrt(1 − β2^t) computed on the host in f64 as the CPU does.
-extern "C" __global__ void adamw_f32(float* param, float* m, float* v, const float* grad,
-                                     long long n, float grad_scale, float beta1, float beta2,
-                                     float eps, float decay, float step_size, float bc2_sqrt) {
-    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
-         i < static_cast<size_t>(n); i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-        adamw_element(param, m, v, grad, i, grad_scale, beta1, beta2, eps, decay, step_size,
-                      bc2_sqrt);
-    }
-}
-
-// The same step over every tensor of `slots` in one launch, each block one chunk of one
-// tensor, writing the bf16 compute copy (round to nearest even) where the slot has one.
+// bc2_sqrt = sqrt(1 − β2^t) computed on the host in f64 as the CPU does; over every tensor of
+// `slots` in one launch, each block one chunk of one tensor, writing the bf16 compute copy
+// (round to nearest even) where the slot has one.
 extern "C" __global__ void adamw_multi_f32(const Slot* slots, int count, long long chunk,
                                            float grad_scale, float beta1, float beta2, float eps,
                                            float decay, float step_size, float bc2_sqrt) {
@@ -104,13 +94,6 @@ extern "C" __global__ void adamw_multi_f32(const Slot* slots, int count, long lo
 }
 
 // partial[b] = Σ x² over elements [b·chunk, (b+1)·chunk). One block of SUMSQ_THREADS per chunk.
-extern "C" __global__ void sumsq_partial_f32(double* partial, const float* x, long long n,
-                                             long long chunk) {
-    const long long start = blockIdx.x * chunk;
-    const double sum = block_sumsq(x, start, start + chunk < n ? start + chunk : n);
-    if (threadIdx.x == 0) partial[blockIdx.x] = sum;
-}
-
 // The same partials for every slot's grad in one launch (a chunk never spans two tensors).
 extern "C" __global__ void sumsq_multi_partial_f32(double* partial, const Slot* slots, int count,
                                                    long long chunk) {
@@ -137,12 +120,3 @@ extern "C" __global__ void sumsq_multi_total(double* out, const double* partial,
 }
 
 // out[0] = Σ partial[0..parts), in order (one thread: parts is small).
-extern "C" __global__ void sumsq_total(double* out, const double* partial, int parts) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        double total = 0.0;
-        for (int b = 0; b < parts; ++b) {
-            total += partial[b];
-        }
-        out[0] = total;
-    }
-}

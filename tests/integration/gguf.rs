@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use miles_core::{Rollout, Sample, SamplingParams, Status};
+use miles_model::testing::on_cpu;
 use miles_model::weights::TensorFiles;
 use miles_model::{Architecture, Model, ModelConfig, PackedBatch, Tokenizer, Weights};
 use miles_rollout::{Engine, EngineConfig};
@@ -107,7 +108,7 @@ fn check_runs(dir: &Path, c: &ModelConfig) {
     let weights = Weights::load(dir, c).unwrap();
     let model = Model::new(c.clone(), weights);
     let batch = PackedBatch::new(&[(vec![1, 40, 50, 60, 70], 2)]).unwrap();
-    let (logp, entropy) = model.logprobs(&batch, 1.0).unwrap();
+    let (logp, entropy) = on_cpu(&model).logprobs(&batch, 1.0).unwrap();
     assert_eq!(logp.len(), 3);
     assert!(logp.iter().chain(&entropy).all(|v| v.is_finite()), "{logp:?} {entropy:?}");
 }
@@ -311,7 +312,7 @@ fn smollm2_gguf_converts_and_knows_the_capital_of_france() {
         })
         .collect();
     let batch = PackedBatch::new(&sequences).unwrap();
-    let (logp, _) = model.logprobs(&batch, 1.0).unwrap();
+    let (logp, _) = on_cpu(&model).logprobs(&batch, 1.0).unwrap();
     let (mut means, mut answer_logp) = (Vec::new(), Vec::new());
     let mut offset = 0;
     for n in batch.response_lengths() {
@@ -350,7 +351,7 @@ fn smollm2_gguf_converts_and_knows_the_capital_of_france() {
     assert!(out.response.contains("Paris"), "{:?}", out.response);
     assert_eq!(out.status, Status::Completed, "stops at <|im_end|>");
     let batch = PackedBatch::new(&[(out.tokens.clone(), prompt.len())]).unwrap();
-    assert_eq!(model.logprobs(&batch, 1.0).unwrap().0, out.rollout_log_probs);
+    assert_eq!(on_cpu(&model).logprobs(&batch, 1.0).unwrap().0, out.rollout_log_probs);
 
     // `miles generate` on two GSM8K questions (from ../shared/data/gsm8k, MIT) writes samples.
     let questions = workspace_root().join("tests/fixtures/smollm2/gsm8k-test-2.jsonl");

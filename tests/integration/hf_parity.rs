@@ -5,33 +5,20 @@
 
 use std::path::PathBuf;
 
-use miles_model::testing::HfReference;
-use miles_model::{DeviceModel, ModelConfig, Weights};
-use miles_tensor::{DType, Device};
+use miles_model::ModelConfig;
+use miles_model::testing::{HfReference, on_cpu};
 
 fn fixture(name: &str) -> PathBuf {
     miles_tests::workspace_root().join("tests/fixtures/hf").join(name)
 }
 
-/// The CPU model, and the device model's code on the CPU's tensors (in f32), against the
-/// fixture (the device bundle runs the device model against it on the GPU).
+/// The model on the CPU in f32 against the fixture (the device bundle runs it on the GPU).
 fn check(name: &str) {
     let r = HfReference::load(&fixture(name)).unwrap();
-    let model = &r.model;
-    let fwd = model.forward(&r.batch, r.temperature).unwrap();
-    let mut grads = Weights::zeros(&model.config);
-    model.backward(&fwd, &r.batch, &r.advantages, &r.entropy_coefs, &mut grads).unwrap();
-    r.assert_matches(name, &fwd.logp, &fwd.entropy, &grads);
-    let mut dm = DeviceModel::new(model, &Device::Cpu, DType::F32).unwrap();
+    let mut dm = on_cpu(&r.model);
     let f = dm.forward(&r.batch, r.temperature).unwrap();
-    let (logp, entropy) = (f.logp.clone(), f.entropy.clone());
     dm.backward(&f, &r.batch, &r.advantages, &r.entropy_coefs).unwrap();
-    r.assert_matches(
-        &format!("{name} (device model on the CPU)"),
-        &logp,
-        &entropy,
-        &dm.grads_to_host().unwrap(),
-    );
+    r.assert_matches(name, &f.logp, &f.entropy, &dm.grads_to_host().unwrap());
 }
 
 #[test]
@@ -56,9 +43,9 @@ fn the_fixture_config_uses_rope_parameters() {
 /// Qwen3-MoE (layer 0 sparse: 8 experts, top-2, norm_topk_prob; layer 1 dense) against
 /// transformers 5.17's `Qwen3MoeForCausalLM`, with the load-balancing loss in the probed loss
 /// (`output_router_logits`, coefficient 0.02): logprobs, entropies, every gradient (router and
-/// experts included), the loss's value and the experts chosen, on the CPU model and on the
-/// device model's code over host tensors (`make_hf_moe_parity.py` wrote the fixture, with
-/// transformers' `num_local_experts` for `num_experts`).
+/// experts included), the loss's value and the experts chosen, on the model on the CPU in f32
+/// (`make_hf_moe_parity.py` wrote the fixture, with transformers' `num_local_experts` for
+/// `num_experts`).
 #[test]
 fn qwen3_moe_matches_transformers() {
     check("qwen3_moe");
@@ -69,7 +56,7 @@ fn qwen3_moe_matches_transformers() {
     .unwrap();
     let moe = r.model.config.moe.as_ref().unwrap();
     assert_eq!((moe.num_experts, moe.num_experts_per_tok, moe.router_aux_loss_coef), (8, 2, 0.02));
-    let fwd = r.model.forward(&r.batch, r.temperature).unwrap();
+    let fwd = on_cpu(&r.model).forward(&r.batch, r.temperature).unwrap();
     let aux = fwd.sparse.router_aux_loss.unwrap();
     let theirs = json["router_aux_loss"].as_f64().unwrap();
     assert!((aux - theirs).abs() < 1e-5, "aux {aux} vs transformers {theirs}");

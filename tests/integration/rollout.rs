@@ -2,6 +2,7 @@
 //! and rollout logprobs equal to the scorer's bit for bit.
 
 use miles_core::{Rollout, Sample, SamplingParams, Status};
+use miles_model::testing::on_cpu;
 use miles_model::tokenizer::write_byte_level_tokenizer;
 use miles_model::{Architecture, KvCache, Model, PackedBatch, Tokenizer, Weights, presets};
 use miles_rollout::{Engine, EngineConfig};
@@ -67,7 +68,7 @@ fn engine(m: &Model, config: EngineConfig) -> Engine {
 }
 
 fn blocks_mb(m: &Model, blocks: usize) -> usize {
-    blocks * KvCache::bytes_per_block(&m.config)
+    blocks * KvCache::bytes_per_block(&m.config, miles_tensor::DType::F32)
 }
 
 /// (tokens, logprob bits, status) of every sample, in order.
@@ -127,7 +128,7 @@ fn rollout_logprobs_equal_the_scorers_bit_for_bit() {
             for chunk in order.chunks(per_batch) {
                 let batch: Vec<_> = chunk.iter().map(|&i| seqs[i].clone()).collect();
                 let (lp, _) =
-                    m.logprobs(&PackedBatch::new(&batch).unwrap(), p.temperature).unwrap();
+                    on_cpu(&m).logprobs(&PackedBatch::new(&batch).unwrap(), p.temperature).unwrap();
                 let mut at = 0;
                 for &i in chunk {
                     let n = samples[i].response_length;
@@ -575,7 +576,7 @@ fn moe_rollouts_record_their_experts_and_equal_the_trainer() {
         samples.iter().flat_map(|s| s.rollout_log_probs.iter().map(|v| v.to_bits())).collect();
     let recorded: usize = samples.iter().map(|s| (s.tokens.len() - 1) * 2).sum();
     for replay in [false, true] {
-        let f = m.forward(&packed(&samples, replay), p.temperature).unwrap();
+        let f = on_cpu(&m).forward(&packed(&samples, replay), p.temperature).unwrap();
         let bits: Vec<u32> = f.logp.iter().map(|v| v.to_bits()).collect();
         assert_eq!(bits, want, "replay {replay}");
         let mismatch = f.sparse.routing_mismatch.unwrap();
@@ -607,8 +608,8 @@ fn routing_replay_restores_the_rollouts_experts_under_a_perturbed_router() {
         let rollout_lp = samples.iter().flat_map(|s| s.rollout_log_probs.iter());
         f.logp.iter().zip(rollout_lp).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
     };
-    let free = training.forward(&packed(&samples, false), temperature).unwrap();
-    let replayed = training.forward(&packed(&samples, true), temperature).unwrap();
+    let free = on_cpu(&training).forward(&packed(&samples, false), temperature).unwrap();
+    let replayed = on_cpu(&training).forward(&packed(&samples, true), temperature).unwrap();
     let (a, b) = (free.sparse.routing_mismatch.unwrap(), replayed.sparse.routing_mismatch.unwrap());
     assert!(a.own_differs > 0, "the perturbation changed no choice: {a:?}");
     assert_eq!(a.used_differs, a.own_differs, "without replay the trainer uses its own");

@@ -175,7 +175,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     }
     let dm = args.engine.place(&model)?;
     let dtype = dm.dtype();
-    let per_block = miles_model::DeviceKvCache::bytes_per_block(&model.config, dtype);
+    let per_block = miles_model::KvCache::bytes_per_block(&model.config, dtype);
     let mut engine = Engine::new(dm, None, config(per_block))?;
     if device != Device::Cpu {
         let warm = SamplingParams { max_new_tokens: 2, ..params.clone() };

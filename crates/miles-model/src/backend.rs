@@ -1,6 +1,6 @@
-//! The primitives a decoder layer is written over: one [`Backend`] per representation (the
-//! device model on tensors of any device, the oracle model on f32 slices), so [`crate::layer`] and [`crate::moe`] hold the
-//! steps of a layer once and depend only on this file, not on each other's backends.
+//! The primitives a decoder layer is written over ([`Backend`], implemented by the model over
+//! tensors of any device), so [`crate::layer`] and [`crate::moe`] hold the steps of a layer once
+//! and depend only on this file, not on each other.
 
 use crate::moe::ExpertMatrix;
 use crate::{ModelConfig, Result};

@@ -15,7 +15,7 @@ use miles_tensor::cpu::PagedRows;
 #[cfg(feature = "cuda")]
 use miles_tensor::{DType, Device, Tensor, ops};
 
-use crate::{DeviceKvCache, DeviceModel, Error, Result, SampleParams, StepRow};
+use crate::{DeviceModel, Error, KvCache, Result, SampleParams, StepRow};
 
 /// Batch sizes of the captured steps: powers of two to 256, then multiples of 128.
 #[cfg(any(test, feature = "cuda"))]
@@ -109,7 +109,7 @@ impl DeviceModel {
         graphs: &mut DecodeGraphs,
         rows: &[StepRow],
         uniforms: &[f64],
-        kv: &mut DeviceKvCache,
+        kv: &mut KvCache,
     ) -> Result<Vec<Option<(u32, f32)>>> {
         if rows.len() != uniforms.len() {
             return Err(Error::Invalid(format!(
@@ -133,7 +133,7 @@ impl DeviceModel {
         graphs: &mut DecodeGraphs,
         rows: &[StepRow],
         uniforms: &[f64],
-        kv: &mut DeviceKvCache,
+        kv: &mut KvCache,
     ) -> Result<Vec<Option<(u32, f32)>>> {
         self.check_step_tokens(rows)?;
         // Tables wider than the captured plans': capture again, twice as wide.
@@ -210,7 +210,7 @@ impl DeviceModel {
         params: SampleParams,
         step: &[StepRow],
         uniforms: &[f64],
-        kv: &mut DeviceKvCache,
+        kv: &mut KvCache,
     ) -> Result<DecodeGraph> {
         let (c, device) = (&self.config, self.device());
         let half = [rows, c.head_dim / 2];
@@ -253,7 +253,7 @@ impl DeviceModel {
         &self,
         g: &mut DecodeGraph,
         params: SampleParams,
-        kv: &mut DeviceKvCache,
+        kv: &mut KvCache,
     ) -> Result<()> {
         let x = ops::embedding_forward_ids(self.embedding(), &g.ids)?;
         let hidden = self.step_layers(x, &g.cos, &g.sin, &g.plan, kv)?;

@@ -1,6 +1,6 @@
-//! One decoder layer, forward and backward, written once over a [`Backend`]: the device model
-//! runs it on tensors of any device, the oracle model on f32 slices. Only
-//! the primitives differ between devices, never the steps of the layer or their order.
+//! One decoder layer, forward and backward, written once over a [`Backend`] (the model runs it
+//! on tensors of any device). Only the primitives differ between devices, never the steps of
+//! the layer or their order.
 
 use crate::backend::{AttentionFn, Backend, BackwardBackend, Linear, Norm, take};
 use crate::moe::{BalanceStats, MoeActivations, Routing, moe_backward, moe_forward};

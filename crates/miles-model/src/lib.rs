@@ -22,9 +22,9 @@ pub mod weights;
 
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use decode::DecodeGraphs;
-pub use device::{DeviceForward, DeviceModel, SampleParams};
+pub use device::{DeviceModel, Forward, SampleParams};
 pub use error::{Error, Result};
-pub use kv::{BlockId, DeviceKvCache, KvCache};
-pub use model::{Forward, Model, PackedBatch, PackedLinears, RoutedBatch, StepRow};
+pub use kv::{BlockId, KvCache};
+pub use model::{Model, PackedBatch, RoutedBatch, StepRow};
 pub use tokenizer::Tokenizer;
 pub use weights::{ExpertWeights, LayerWeights, Weights};

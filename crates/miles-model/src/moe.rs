@@ -269,7 +269,7 @@ pub(crate) struct MoeActivations<A> {
 
 /// The experts' activations, as the backend ran them.
 enum ExpertActs<A> {
-    /// One expert at a time (the CPU model, and f32 on the device).
+    /// One expert at a time (the CPU, and f32 on a GPU).
     PerExpert {
         runs: Vec<ExpertRun<A>>,
         /// Per pick, (run, row in that run).

@@ -1,12 +1,19 @@
 //! Parity with HF transformers' fixtures (`tests/fixtures/hf`, written by
 //! `tests/fixtures/make_hf_parity.py`): a tiny checkpoint, a packed batch, and transformers'
-//! logprobs, entropies and gradients. Shared by the integration tests (CPU model) and the
-//! device model's tests (every device).
+//! logprobs, entropies and gradients; and the model on the CPU in f32, the reference. Shared by
+//! the integration tests and the device model's tests (every device).
 
 use std::path::{Path, PathBuf};
 
+use miles_tensor::{DType, Device};
+
 use crate::weights::{TensorFiles, tensor_spec};
-use crate::{Model, ModelConfig, PackedBatch, Result, Weights};
+use crate::{DeviceModel, Model, ModelConfig, PackedBatch, Result, Weights};
+
+/// `model` on the CPU in f32: the reference every other device and dtype is checked against.
+pub fn on_cpu(model: &Model) -> DeviceModel {
+    DeviceModel::new(model, &Device::Cpu, DType::F32).expect("a model on the CPU in f32")
+}
 
 /// `tests/fixtures/hf/<name>` of this workspace.
 pub fn hf_fixture(name: &str) -> PathBuf {

@@ -6,7 +6,7 @@
 
 use miles_core::{Rollout, Sample, SamplingParams, Status};
 use miles_model::{
-    Architecture, DeviceKvCache, DeviceModel, Model, ModelConfig, PackedBatch, Weights, presets,
+    Architecture, DeviceModel, KvCache, Model, ModelConfig, PackedBatch, Weights, presets,
 };
 use miles_tensor::cpu::AdamW;
 use miles_tensor::rng::Rng;
@@ -165,7 +165,7 @@ fn device_samples_do_not_depend_on_the_batch_the_budget_or_a_pause() {
     let input = groups(2, 6, m.config.vocab_size);
     let mut wide = engine(&m, &device, DType::BF16, EngineConfig::default());
     let want = results(&wide.generate(input.clone(), &p).unwrap());
-    let per_block = DeviceKvCache::bytes_per_block(&m.config, DType::BF16);
+    let per_block = KvCache::bytes_per_block(&m.config, DType::BF16);
     let mut tight = engine(
         &m,
         &device,
@@ -201,7 +201,7 @@ fn the_device_engine_runs_on_cpu_tensors() {
     let p = params(12);
     for dtype in [DType::F32, DType::BF16] {
         // A small cache: the CPU's paged attention reads it whole at every layer.
-        let kv_cache_bytes = 40 * DeviceKvCache::bytes_per_block(&m.config, dtype);
+        let kv_cache_bytes = 40 * KvCache::bytes_per_block(&m.config, dtype);
         let config = EngineConfig { max_running: 4, kv_cache_bytes, ..EngineConfig::default() };
         let mut e = engine(&m, &Device::Cpu, dtype, config);
         let samples = e.generate(groups(2, 9, m.config.vocab_size), &p).unwrap().concat();
@@ -217,7 +217,7 @@ fn the_device_engine_runs_on_cpu_tensors() {
     }
 }
 
-/// Greedy decoding (top-k 1) on CUDA follows the argmax of the CPU model's logits wherever
+/// Greedy decoding (top-k 1) on CUDA follows the argmax of the CPU's logits (f32) wherever
 /// the best two are not within bf16's rounding of each other: the kernels compute the model.
 #[test]
 fn greedy_on_cuda_tracks_the_cpu_model() {

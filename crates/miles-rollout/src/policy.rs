@@ -6,7 +6,7 @@
 
 use miles_core::SamplingParams;
 use miles_model::{
-    BlockId, DecodeGraphs, DeviceKvCache, DeviceModel, ModelConfig, SampleParams, StepRow,
+    BlockId, DecodeGraphs, DeviceModel, KvCache, ModelConfig, SampleParams, StepRow,
 };
 use miles_tensor::cpu::KEY_BLOCK;
 
@@ -68,7 +68,7 @@ pub(crate) fn model_error(e: miles_model::Error) -> crate::Error {
 /// The model on its device (the CPU, or a GPU) with its KV cache there.
 pub struct Policy {
     pub(crate) model: DeviceModel,
-    kv: DeviceKvCache,
+    kv: KvCache,
     /// Captured decode steps of the current sampling parameters.
     pub(crate) graphs: Option<DecodeGraphs>,
     use_graphs: bool,
@@ -85,9 +85,9 @@ impl Policy {
                  this model's is {d}: use --device cpu for it"
             )));
         }
-        let per_block = DeviceKvCache::bytes_per_block(&model.config, model.dtype());
+        let per_block = KvCache::bytes_per_block(&model.config, model.dtype());
         let blocks = blocks_in(kv_bytes, per_block)?;
-        let kv = DeviceKvCache::new(&model.config, blocks, &model.device(), model.dtype())
+        let kv = KvCache::new(&model.config, blocks, &model.device(), model.dtype())
             .map_err(model_error)?;
         // A mixture of experts routes on the host between layers: no graph can hold a step.
         let use_graphs = graphs && model.config.moe.is_none();

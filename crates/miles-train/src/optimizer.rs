@@ -93,14 +93,17 @@ impl Optimizer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use miles_model::{Model, PackedBatch, presets};
+    use miles_model::{DeviceModel, Model, PackedBatch, presets};
+    use miles_tensor::{DType, Device};
 
     /// Fitting one fixed sequence must raise its log-likelihood: forward, backward and AdamW
     /// agree on what "downhill" means.
     #[test]
     fn a_few_steps_fit_a_fixed_sequence() {
         let config = presets::preset("tiny", Some(Architecture::Qwen3)).unwrap();
-        let mut model = Model::new(config.clone(), Weights::random(&config, 7));
+        let mut weights = Weights::random(&config, 7);
+        let model = Model::new(config.clone(), weights.clone());
+        let mut model = DeviceModel::new(&model, &Device::Cpu, DType::F32).unwrap();
         let tokens: Vec<u32> = "12+7=19;".bytes().map(u32::from).collect();
         let batch = PackedBatch::new(&[(tokens, 1)]).unwrap();
         let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
@@ -111,9 +114,11 @@ mod tests {
             let fwd = model.forward(&batch, 1.0).unwrap();
             let n = fwd.logp.len() as f32;
             let d_logp = vec![-1.0 / n; fwd.logp.len()];
-            let mut grads = Weights::zeros(&config);
-            model.backward(&fwd, &batch, &d_logp, &vec![0.0; fwd.logp.len()], &mut grads).unwrap();
-            let stats = opt.step(&mut model.weights, &mut grads, hyper.lr).unwrap();
+            model.zero_grads().unwrap();
+            model.backward(&fwd, &batch, &d_logp, &vec![0.0; fwd.logp.len()]).unwrap();
+            let mut grads = model.grads_to_host().unwrap();
+            let stats = opt.step(&mut weights, &mut grads, hyper.lr).unwrap();
+            model.set_weights(&weights).unwrap();
             assert!(stats.grad_norm.is_finite() && stats.clip_scale <= 1.0);
         }
         let after = mean(&model.logprobs(&batch, 1.0).unwrap().0);

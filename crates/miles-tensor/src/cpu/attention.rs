@@ -242,7 +242,9 @@ pub fn attention_forward(
 
 /// Geometry of a paged KV cache, `[blocks][layers][keys, values][kv_heads][KEY_BLOCK][head_dim]`:
 /// one kv head's keys (or values) in one block of one layer are a `KEY_BLOCK × head_dim` tile,
-/// read whole by the attention kernels, and one block of every layer is a contiguous span.
+/// read whole by the attention kernels, and one block of every layer is a contiguous span. On
+/// the CPU a key tile is stored transposed (`[head_dim × KEY_BLOCK]`, the order
+/// [`attend_row`] reads), so a decode step reads the cache in place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PagedLayout {
     pub blocks: usize,
@@ -360,17 +362,11 @@ pub fn paged_attention_forward(
         .map(|&(i, g)| {
             let s = &seqs[i];
             let visible = s.pos0 + s.n;
-            // The blocks' keys transposed, as attend_row reads them; values in place.
-            let tiles: Vec<(Vec<f32>, usize)> = (0..visible.div_ceil(KEY_BLOCK))
+            // Each block's key tile (transposed, as the CPU stores it) and values, in place.
+            let tiles: Vec<(usize, usize)> = (0..visible.div_ceil(KEY_BLOCK))
                 .map(|b| {
-                    let mut kt = vec![0f32; d * KEY_BLOCK];
                     let first = layout.key_row(s.table[b], layer, g, 0);
-                    for j in 0..KEY_BLOCK.min(visible - b * KEY_BLOCK) {
-                        for x in 0..d {
-                            kt[x * KEY_BLOCK + j] = cache[(first + j) * d + x];
-                        }
-                    }
-                    (kt, (first + layout.value_offset()) * d)
+                    (first * d, (first + layout.value_offset()) * d)
                 })
                 .collect();
             let mut done = Vec::new();
@@ -383,7 +379,7 @@ pub fn paged_attention_forward(
                         &q[(row * q_heads + h) * d..][..d],
                         s.pos0 + r + 1,
                         d,
-                        |b| (&tiles[b].0[..], &cache[tiles[b].1..]),
+                        |b| (&cache[tiles[b].0..][..d * KEY_BLOCK], &cache[tiles[b].1..]),
                     );
                     done.push((row * q_heads + h, o, l));
                 }

@@ -50,18 +50,8 @@ fn mma_rows_bytes(rows: usize, d: usize) -> usize {
     rows * (d + MMA_SKEW) * 2
 }
 
-/// The launch shape over `(tiles, heads)` with `floats` of dynamic shared memory, raising the
+/// The launch shape over `(tiles, heads)` with `bytes` of dynamic shared memory, raising the
 /// kernel's shared-memory limit when it needs more than the default 48 KiB.
-fn tile_launch(
-    gpu: &Gpu,
-    module_kernel: &'static str,
-    tiles: u32,
-    heads: usize,
-    floats: usize,
-) -> Result<LaunchConfig> {
-    launch_with(gpu, "attention", module_kernel, (tiles, heads), THREADS, floats * 4)
-}
-
 fn launch_with(
     gpu: &Gpu,
     module: &'static str,
@@ -89,16 +79,61 @@ fn pick_d(suffix: &str, names: [&'static str; 2]) -> &'static str {
     names[usize::from(suffix == "d128")]
 }
 
-/// `attention_mma_{what}_{suffix}`, as `kernels/attention_mma.cu` names its kernels.
-fn mma_name(what: &str, suffix: &str) -> &'static str {
-    match (what, suffix) {
-        ("forward", "d64") => "attention_mma_forward_d64",
-        ("forward", _) => "attention_mma_forward_d128",
-        ("dq", "d64") => "attention_mma_dq_d64",
-        ("dq", _) => "attention_mma_dq_d128",
-        ("dkdv", "d64") => "attention_mma_dkdv_d64",
-        _ => "attention_mma_dkdv_d128",
+/// A pass of the varlen attention.
+#[derive(Clone, Copy)]
+enum Pass {
+    Forward,
+    Dq,
+    Dkdv,
+}
+
+/// `(module, kernel, launch)` of a pass over the `(tiles, heads)` grid: the tensor-core kernel
+/// for bf16 at head_dim 64 or 128, else the tile kernel. Both take the same arguments.
+fn pass_launch(
+    gpu: &Gpu,
+    f: Float,
+    pass: Pass,
+    d: usize,
+    (tiles, heads): (u32, usize),
+) -> Result<(&'static str, &'static str, LaunchConfig)> {
+    if let (Float::BF16, Some(d128)) = (f, mma_suffix(d).map(|s| s == "d128")) {
+        // Shared rows: the queries (and dO), and two buffers of a key block's keys and values;
+        // for dk/dv the block's keys and values, and two buffers of a query chunk's queries,
+        // dO, lse and delta.
+        let (names, rows, extra) = match pass {
+            Pass::Forward => (
+                ["attention_mma_forward_d64", "attention_mma_forward_d128"],
+                QUERY_BLOCK + 4 * KEY_BLOCK,
+                0,
+            ),
+            Pass::Dq => (
+                ["attention_mma_dq_d64", "attention_mma_dq_d128"],
+                2 * QUERY_BLOCK + 4 * KEY_BLOCK,
+                0,
+            ),
+            Pass::Dkdv => (
+                ["attention_mma_dkdv_d64", "attention_mma_dkdv_d128"],
+                2 * KEY_BLOCK + 4 * MMA_QUERY_CHUNK,
+                4 * MMA_QUERY_CHUNK * 4,
+            ),
+        };
+        let name = names[usize::from(d128)];
+        let bytes = mma_rows_bytes(rows, d) + extra;
+        let cfg = launch_with(gpu, "attention_mma", name, (tiles, heads), MMA_THREADS, bytes)?;
+        return Ok(("attention_mma", name, cfg));
     }
+    let (name, floats) = match pass {
+        Pass::Forward => {
+            (kernel!(f, "attention_forward"), KEY_BLOCK * (d + PAD) + KEY_BLOCK * d + WARPS * d)
+        }
+        Pass::Dq => (kernel!(f, "attention_dq"), 2 * KEY_BLOCK * (d + PAD) + WARPS * 2 * d),
+        Pass::Dkdv => (
+            kernel!(f, "attention_dkdv"),
+            2 * KEY_BLOCK * (d + PAD) + 2 * PAIRS * d + 2 * PAIRS * KEY_BLOCK,
+        ),
+    };
+    let cfg = launch_with(gpu, "attention", name, (tiles, heads), THREADS, floats * 4)?;
+    Ok(("attention", name, cfg))
 }
 
 /// `(out, lse)`: out like q, lse `[tokens × q_heads]` f32.
@@ -114,54 +149,14 @@ pub(crate) fn attention_forward(
     let tokens = *cu_seqlens.last().unwrap_or(&0);
     let mut lse = gpu.alloc::<f32>(tokens * q_heads)?;
     let (table, n) = tile_table(gpu, cu_seqlens, QUERY_BLOCK)?;
-    let floats = KEY_BLOCK * (d + PAD) + KEY_BLOCK * d + WARPS * d;
     let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, 1.0 / (d as f32).sqrt());
     let out = per_float!("attention", (q, k, v), |T, f| {
         let mut out = gpu.alloc::<T>(q.len())?;
-        match mma_suffix(d) {
-            _ if n == 0 => {}
-            Some(suffix) if f == Float::BF16 => {
-                let name = mma_name("forward", suffix);
-                // The queries, and two buffers of a key block's keys and values.
-                let bytes = mma_rows_bytes(QUERY_BLOCK + 4 * KEY_BLOCK, d);
-                let cfg =
-                    launch_with(gpu, "attention_mma", name, (n, q_heads), MMA_THREADS, bytes)?;
-                launch!(
-                    gpu,
-                    "attention_mma",
-                    name,
-                    cfg,
-                    &mut out,
-                    &mut lse,
-                    q,
-                    k,
-                    v,
-                    &table,
-                    &qh,
-                    &kvh,
-                    &scale
-                )?;
-            }
-            _ => {
-                let name = kernel!(f, "attention_forward");
-                let cfg = tile_launch(gpu, name, n, q_heads, floats)?;
-                launch!(
-                    gpu,
-                    "attention",
-                    name,
-                    cfg,
-                    &mut out,
-                    &mut lse,
-                    q,
-                    k,
-                    v,
-                    &table,
-                    &qh,
-                    &kvh,
-                    &di,
-                    &scale
-                )?;
-            }
+        if n > 0 {
+            let (module, name, cfg) = pass_launch(gpu, f, Pass::Forward, d, (n, q_heads))?;
+            launch!(
+                gpu, module, name, cfg, &mut out, &mut lse, q, k, v, &table, &qh, &kvh, &di, &scale
+            )?;
         }
         DeviceData::from(out)
     });
@@ -188,8 +183,6 @@ pub(crate) fn attention_backward(
     let mut delta = gpu.alloc::<f32>(rows)?;
     let (q_table, nq) = tile_table(gpu, cu_seqlens, QUERY_BLOCK)?;
     let (k_table, nk) = tile_table(gpu, cu_seqlens, KEY_BLOCK)?;
-    let dq_floats = 2 * KEY_BLOCK * (d + PAD) + WARPS * 2 * d;
-    let dkdv_floats = 2 * KEY_BLOCK * (d + PAD) + 2 * PAIRS * d + 2 * PAIRS * KEY_BLOCK;
     let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, 1.0 / (d as f32).sqrt());
     let rows_l = rows as i64;
     // One warp per (token, head) row for delta.
@@ -204,97 +197,16 @@ pub(crate) fn attention_backward(
         if rows > 0 {
             let name = kernel!(f, "attention_delta");
             launch!(gpu, "attention", name, delta_cfg, &mut delta, d_out, out, &rows_l, &di)?;
-            if let (Float::BF16, Some(suffix)) = (f, mma_suffix(d)) {
-                let name = mma_name("dq", suffix);
-                // Queries and dO, and two buffers of a key block's keys and values.
-                let bytes = mma_rows_bytes(2 * QUERY_BLOCK + 4 * KEY_BLOCK, d);
-                let cfg =
-                    launch_with(gpu, "attention_mma", name, (nq, q_heads), MMA_THREADS, bytes)?;
-                launch!(
-                    gpu,
-                    "attention_mma",
-                    name,
-                    cfg,
-                    &mut dq,
-                    d_out,
-                    q,
-                    k,
-                    v,
-                    lse,
-                    &delta,
-                    &q_table,
-                    &qh,
-                    &kvh,
-                    &scale
-                )?;
-                let name = mma_name("dkdv", suffix);
-                // The block's keys and values, and two buffers of a query chunk's
-                // queries, dO, lse and delta.
-                let bytes = mma_rows_bytes(2 * KEY_BLOCK + 4 * MMA_QUERY_CHUNK, d)
-                    + 4 * MMA_QUERY_CHUNK * 4;
-                let cfg =
-                    launch_with(gpu, "attention_mma", name, (nk, kv_heads), MMA_THREADS, bytes)?;
-                launch!(
-                    gpu,
-                    "attention_mma",
-                    name,
-                    cfg,
-                    &mut dk,
-                    &mut dv,
-                    d_out,
-                    q,
-                    k,
-                    v,
-                    lse,
-                    &delta,
-                    &k_table,
-                    &qh,
-                    &kvh,
-                    &scale
-                )?;
-            } else {
-                let name = kernel!(f, "attention_dq");
-                let cfg = tile_launch(gpu, name, nq, q_heads, dq_floats)?;
-                launch!(
-                    gpu,
-                    "attention",
-                    name,
-                    cfg,
-                    &mut dq,
-                    d_out,
-                    q,
-                    k,
-                    v,
-                    lse,
-                    &delta,
-                    &q_table,
-                    &qh,
-                    &kvh,
-                    &di,
-                    &scale
-                )?;
-                let name = kernel!(f, "attention_dkdv");
-                let cfg = tile_launch(gpu, name, nk, kv_heads, dkdv_floats)?;
-                launch!(
-                    gpu,
-                    "attention",
-                    name,
-                    cfg,
-                    &mut dk,
-                    &mut dv,
-                    d_out,
-                    q,
-                    k,
-                    v,
-                    lse,
-                    &delta,
-                    &k_table,
-                    &qh,
-                    &kvh,
-                    &di,
-                    &scale
-                )?;
-            }
+            let (module, name, cfg) = pass_launch(gpu, f, Pass::Dq, d, (nq, q_heads))?;
+            launch!(
+                gpu, module, name, cfg, &mut dq, d_out, q, k, v, lse, &delta, &q_table, &qh, &kvh,
+                &di, &scale
+            )?;
+            let (module, name, cfg) = pass_launch(gpu, f, Pass::Dkdv, d, (nk, kv_heads))?;
+            launch!(
+                gpu, module, name, cfg, &mut dk, &mut dv, d_out, q, k, v, lse, &delta, &k_table,
+                &qh, &kvh, &di, &scale
+            )?;
         }
         (DeviceData::from(dq), DeviceData::from(dk), DeviceData::from(dv))
     });

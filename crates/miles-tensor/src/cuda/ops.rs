@@ -193,6 +193,13 @@ fn vec_width(hidden: usize) -> usize {
     if hidden.is_multiple_of(4) { 4 } else { 1 }
 }
 
+/// The vector width and launch of the row kernels: one block per row.
+fn row_launch(rows: usize, hidden: usize) -> (usize, LaunchConfig) {
+    let vec = vec_width(hidden);
+    let block_dim = (row_threads(hidden, vec), 1, 1);
+    (vec, LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim, shared_mem_bytes: 0 })
+}
+
 fn f32_of<'a>(d: &'a DeviceData, what: &str) -> Result<&'a CudaSlice<f32>> {
     match d {
         DeviceData::F32(s) => Ok(s),
@@ -215,12 +222,7 @@ pub(crate) fn add_rmsnorm(
     let w = f32_of(w, "w")?;
     let hidden_i = to_i32(hidden, "hidden")?;
     to_i32(rows, "rows")?;
-    let vec = vec_width(hidden);
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (row_threads(hidden, vec), 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let (vec, cfg) = row_launch(rows, hidden);
     let mut rstd = gpu.alloc::<f32>(rows)?;
     let (sum, y) = per_float!("add_rmsnorm", (a, b), |T, f| {
         let (mut sum, mut y) = (gpu.alloc::<T>(rows * hidden)?, gpu.alloc::<T>(rows * hidden)?);
@@ -347,12 +349,7 @@ pub(crate) fn rmsnorm_forward(
     let w = f32_of(w, "w")?;
     let hidden_i = to_i32(hidden, "hidden")?;
     to_i32(rows, "rows")?;
-    let vec = vec_width(hidden);
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (row_threads(hidden, vec), 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let (vec, cfg) = row_launch(rows, hidden);
     let mut rstd = gpu.alloc::<f32>(rows)?;
     let y = per_float!("rmsnorm", (x), |T, f| {
         let mut y = gpu.alloc::<T>(rows * hidden)?;

@@ -5,12 +5,11 @@
 
 use super::{floats_only, host_f32, host_out, host_tensor, same_device};
 use crate::cpu::{self, AttentionShape, PagedLayout, PagedRows};
+use crate::tensor::Storage;
 use crate::{DType, Device, Result, Tensor, ensure};
 
 #[cfg(feature = "cuda")]
 use super::device_data;
-#[cfg(feature = "cuda")]
-use crate::tensor::Storage;
 
 fn tokens_of(
     op: &'static str,
@@ -288,6 +287,26 @@ impl PagedPlan {
     }
 }
 
+/// The CPU's key writes: each key row into its tile's column (`key_rows` are the rows the key
+/// would take untransposed, slot 0 of a tile marking its start).
+fn write_keys_transposed(cache: &mut Tensor, k: &Tensor, key_rows: &[u32], d: usize) {
+    fn write<T: Copy>(cache: &mut [T], k: &[T], key_rows: &[u32], d: usize) {
+        let kb = cpu::KEY_BLOCK;
+        for (i, &r) in key_rows.iter().enumerate() {
+            let (r, slot) = (r as usize, r as usize % kb);
+            let tile = (r - slot) * d;
+            for (x, &value) in k[i * d..][..d].iter().enumerate() {
+                cache[tile + x * kb + slot] = value;
+            }
+        }
+    }
+    match (&mut cache.storage, &k.storage) {
+        (Storage::F32(c), Storage::F32(k)) => write(c, k, key_rows, d),
+        (Storage::BF16(c), Storage::BF16(k)) => write(c, k, key_rows, d),
+        _ => unreachable!("host float tensors of one dtype (checked)"),
+    }
+}
+
 /// Stores this step's keys and values (`k`, `v` `[rows × kv_heads × head_dim]`, the plan's
 /// rows) into the paged `cache` (`[layout.rows() × head_dim]`, their dtype) at each row's
 /// position of `layer`.
@@ -335,7 +354,7 @@ pub fn paged_kv_write(
             }
             let value_rows: Vec<u32> =
                 key_rows.iter().map(|&r| r + layout.value_offset() as u32).collect();
-            super::elementwise::scatter_flat(cache, k, &key_rows, d)?;
+            write_keys_transposed(cache, k, &key_rows, d);
             super::elementwise::scatter_flat(cache, v, &value_rows, d)
         }
         #[cfg(feature = "cuda")]

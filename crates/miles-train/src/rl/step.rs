@@ -1,7 +1,7 @@
 //! Step 4: one optimizer step over a part of the batch, through a [`Learner`].
 
 use miles_model::moe::RoutingMismatch;
-use miles_model::{DeviceForward, DeviceModel, PackedBatch};
+use miles_model::{DeviceModel, Forward, PackedBatch};
 use miles_tensor::cpu::AdamW;
 
 use super::actor::aux_coef;
@@ -166,7 +166,7 @@ impl<'a> Learner<'a> {
     /// the backward finishes them; [`Learner::reduce_grads`] completes the sums.
     fn backward(
         &mut self,
-        f: DeviceForward,
+        f: Forward,
         batch: &PackedBatch,
         d_logp: &[f32],
         d_entropy: &[f32],
