@@ -513,9 +513,10 @@ pub fn split_columns(x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
             Ok(widths
                 .iter()
                 .map(|&w| {
-                    let part: Vec<f32> = (0..rows)
-                        .flat_map(|r| v[r * width + at..r * width + at + w].iter().copied())
-                        .collect();
+                    let mut part = Vec::with_capacity(rows * w);
+                    for row in v.chunks_exact(width.max(1)).take(rows) {
+                        part.extend_from_slice(&row[at..at + w]);
+                    }
                     at += w;
                     host_tensor(vec![rows, w], part, x.dtype())
                 })
@@ -550,7 +551,10 @@ pub fn concat_rows(parts: &[&Tensor]) -> Result<Tensor> {
             Ok(on_device(vec![rows, width], crate::cuda::concat_rows(gpu_of(parts[0]), &data)?))
         }
         _ => {
-            let all: Vec<f32> = parts.iter().flat_map(|p| host_f32(p).into_owned()).collect();
+            let mut all = Vec::with_capacity(rows * width);
+            for p in parts {
+                all.extend_from_slice(&host_f32(p));
+            }
             Ok(host_tensor(vec![rows, width], all, dtype))
         }
     }

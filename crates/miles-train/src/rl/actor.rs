@@ -82,14 +82,9 @@ impl Actor {
         &mut self.engine
     }
 
-    /// Each sample's response logprobs under the current weights, `micro` samples per forward.
-    pub(super) fn logprobs(
-        &self,
-        samples: &[TrainSample],
-        temperature: f32,
-        micro: usize,
-    ) -> anyhow::Result<Vec<Vec<f32>>> {
-        logprobs_of(self.engine.model(), samples, temperature, micro)
+    /// The policy under the current weights.
+    pub(super) fn model(&self) -> &DeviceModel {
+        self.engine.model()
     }
 
     /// One optimizer step over `part` ([`train_step`]).
@@ -166,18 +161,13 @@ impl Reference {
         &self.weights
     }
 
-    pub(super) fn logprobs(
-        &self,
-        samples: &[TrainSample],
-        temperature: f32,
-        micro: usize,
-    ) -> anyhow::Result<Vec<Vec<f32>>> {
-        logprobs_of(&self.model, samples, temperature, micro)
+    pub(super) fn model(&self) -> &DeviceModel {
+        &self.model
     }
 }
 
 /// Each sample's response logprobs under `dm`, `micro` samples per forward.
-fn logprobs_of(
+pub(super) fn logprobs_of(
     dm: &DeviceModel,
     samples: &[TrainSample],
     temperature: f32,

@@ -4,7 +4,7 @@ use miles_core::config::{LossType, RunConfig};
 use miles_core::{Advantage, Correction};
 use serde_json::json;
 
-use super::actor::{Actor, Reference};
+use super::actor::{Actor, Reference, logprobs_of};
 use super::metrics::Record;
 use crate::batch::{self, TrainSample};
 use crate::dist::Dist;
@@ -48,7 +48,7 @@ pub(super) fn prepare(
     let temperature = cfg.rollout_temperature;
     let micro = cfg.micro_batch_size.unwrap_or(usize::MAX);
     if old == OldLogprobs::Separate {
-        let trainer = actor.logprobs(samples, temperature, micro)?;
+        let trainer = logprobs_of(actor.model(), samples, temperature, micro)?;
         for (s, t) in samples.iter_mut().zip(&trainer) {
             let old = if cfg.use_rollout_logprobs { &s.rollout_logp } else { t };
             s.old_logp = old.clone();
@@ -62,7 +62,7 @@ pub(super) fn prepare(
         record.insert("train/train_rollout_logprob_abs_diff".into(), json!(diff));
     }
     if let Some(r) = reference {
-        let refs = r.logprobs(samples, temperature, micro)?;
+        let refs = logprobs_of(r.model(), samples, temperature, micro)?;
         for (s, r) in samples.iter_mut().zip(refs) {
             s.ref_logp = Some(r);
         }

@@ -10,7 +10,7 @@ use miles_data::{DataSource, Dataset};
 use miles_model::{Tokenizer, Weights};
 use serde_json::{Value, json};
 
-use super::actor::{Actor, Reference};
+use super::actor::{Actor, Reference, logprobs_of};
 use super::collect::{StepParts, rollout};
 use super::eval::evaluate;
 use super::metrics::{MetricsLog, Record, StepSums, peak_bf16_flops};
@@ -276,7 +276,8 @@ impl Run<'_> {
             // same (unchanged) weights, gets a forward of its own.
             let rest = &samples[forward_logp.len()..];
             if !rest.is_empty() {
-                forward_logp.extend(actor.logprobs(rest, cfg.rollout_temperature, micro)?);
+                let temperature = cfg.rollout_temperature;
+                forward_logp.extend(logprobs_of(actor.model(), rest, temperature, micro)?);
             }
             let per_token = cfg.calculate_per_token_loss;
             let diff = batch::rollout_logprob_abs_diff(samples, &forward_logp, per_token);
