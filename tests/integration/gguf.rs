@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use miles_core::{Rollout, Sample, SamplingParams, Status};
+use miles_core::{Sample, SamplingParams, Status};
 use miles_model::testing::on_cpu;
 use miles_model::weights::TensorFiles;
 use miles_model::{Architecture, Model, ModelConfig, PackedBatch, Tokenizer, Weights};
@@ -343,15 +343,16 @@ fn smollm2_gguf_converts_and_knows_the_capital_of_france() {
     // Greedy decoding through the rollout engine answers with Paris, and its logprobs are the
     // scorer's, bit for bit.
     let start = Instant::now();
-    let mut engine = Engine::on_cpu(&model, Some(ours), EngineConfig::default()).unwrap();
+    let dm = on_cpu(&model);
+    let mut engine = Engine::new(&dm, Some(ours), EngineConfig::default()).unwrap();
     let params = SamplingParams { top_k: 1, max_new_tokens: 16, ..SamplingParams::default() };
     let sample = Sample { tokens: prompt.clone(), ..Sample::default() };
-    let out = engine.generate(vec![vec![sample]], &params).unwrap().remove(0).remove(0);
+    let out = engine.generate(&dm, vec![vec![sample]], &params).unwrap().remove(0).remove(0);
     eprintln!("greedy answer {:?} in {:.2} s", out.response, start.elapsed().as_secs_f64());
     assert!(out.response.contains("Paris"), "{:?}", out.response);
     assert_eq!(out.status, Status::Completed, "stops at <|im_end|>");
     let batch = PackedBatch::new(&[(out.tokens.clone(), prompt.len())]).unwrap();
-    assert_eq!(on_cpu(&model).logprobs(&batch, 1.0).unwrap().0, out.rollout_log_probs);
+    assert_eq!(dm.logprobs(&batch, 1.0).unwrap().0, out.rollout_log_probs);
 
     // `miles generate` on two GSM8K questions (from ../shared/data/gsm8k, MIT) writes samples.
     let questions = workspace_root().join("tests/fixtures/smollm2/gsm8k-test-2.jsonl");

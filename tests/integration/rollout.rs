@@ -1,10 +1,12 @@
 //! The rollout engine: continuous batching, the paged cache and its budget, stop conditions,
 //! and rollout logprobs equal to the scorer's bit for bit.
 
-use miles_core::{Rollout, Sample, SamplingParams, Status};
+use miles_core::{Sample, SamplingParams, Status};
 use miles_model::testing::on_cpu;
 use miles_model::tokenizer::write_byte_level_tokenizer;
-use miles_model::{Architecture, KvCache, Model, PackedBatch, Tokenizer, Weights, presets};
+use miles_model::{
+    Architecture, DeviceModel, KvCache, Model, PackedBatch, Tokenizer, Weights, presets,
+};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::rng::Rng;
 #[cfg(feature = "r3")]
@@ -63,8 +65,41 @@ fn params(max_new: usize) -> SamplingParams {
     }
 }
 
-fn engine(m: &Model, config: EngineConfig) -> Engine {
-    Engine::on_cpu(m, None, config).unwrap()
+/// A model on the CPU (f32) and an engine for it.
+struct Served {
+    model: DeviceModel,
+    engine: Engine,
+}
+
+impl Served {
+    fn new(
+        m: &Model,
+        tokenizer: Option<Tokenizer>,
+        config: EngineConfig,
+    ) -> miles_core::Result<Self> {
+        let model = on_cpu(m);
+        let engine = Engine::new(&model, tokenizer, config)?;
+        Ok(Served { model, engine })
+    }
+
+    fn generate(
+        &mut self,
+        groups: Vec<Vec<Sample>>,
+        params: &SamplingParams,
+    ) -> miles_core::Result<Vec<Vec<Sample>>> {
+        self.engine.generate(&self.model, groups, params)
+    }
+}
+
+impl std::ops::Deref for Served {
+    type Target = Engine;
+    fn deref(&self) -> &Engine {
+        &self.engine
+    }
+}
+
+fn engine(m: &Model, config: EngineConfig) -> Served {
+    Served::new(m, None, config).unwrap()
 }
 
 fn blocks_mb(m: &Model, blocks: usize) -> usize {
@@ -239,7 +274,7 @@ fn stop_conditions_set_the_status() {
     let tok = tokenizer("rollout-stop");
     let base = params(24);
     let one = |mut p: SamplingParams, config: EngineConfig, prompt_len: usize| -> Sample {
-        let mut e = Engine::on_cpu(&m, Some(tokenizer("rollout-stop-each")), config).unwrap();
+        let mut e = Served::new(&m, Some(tokenizer("rollout-stop-each")), config).unwrap();
         p.seed = 11;
         let s = Sample { tokens: (1..=prompt_len as u32).collect(), ..Sample::default() };
         e.generate(vec![vec![s]], &p).unwrap().remove(0).remove(0)
@@ -265,7 +300,7 @@ fn stop_conditions_set_the_status() {
     // EOS counts unless ignored.
     let mut m_eos = m.clone();
     m_eos.config.eos_token_ids = vec![stop_id];
-    let mut e = Engine::on_cpu(&m_eos, None, EngineConfig::default()).unwrap();
+    let mut e = engine(&m_eos, EngineConfig::default());
     let s0 = Sample { tokens: (1..=6).collect(), ..Sample::default() };
     let p = SamplingParams { ignore_eos: false, seed: 11, ..base.clone() };
     let s = e.generate(vec![vec![s0]], &p).unwrap().remove(0).remove(0);
@@ -284,12 +319,7 @@ fn stop_conditions_set_the_status() {
     assert!(!tok.decode(&s.tokens[6..s.tokens.len() - 1], false).unwrap().contains(&text));
 
     // Too-long prompts are skipped with the reason; the others still run.
-    let mut e = Engine::on_cpu(
-        &m,
-        None,
-        EngineConfig { max_prompt_len: Some(8), ..EngineConfig::default() },
-    )
-    .unwrap();
+    let mut e = engine(&m, EngineConfig { max_prompt_len: Some(8), ..EngineConfig::default() });
     let long = Sample { tokens: (1..=9).collect(), ..Sample::default() };
     let short = Sample { index: 1, tokens: (1..=8).collect(), ..Sample::default() };
     let out = e.generate(vec![vec![long], vec![short]], &base).unwrap();
@@ -313,8 +343,7 @@ fn bad_sampling_flags_are_errors() {
         let err = e.generate(g.clone(), &p).unwrap_err().to_string();
         assert!(err.starts_with(flag), "{err}");
     }
-    let err =
-        Engine::on_cpu(&m, None, EngineConfig { kv_cache_bytes: 10, ..EngineConfig::default() });
+    let err = Served::new(&m, None, EngineConfig { kv_cache_bytes: 10, ..EngineConfig::default() });
     assert!(err.err().unwrap().to_string().contains("--rollout-kv-cache-mb"));
 }
 
@@ -454,8 +483,8 @@ fn an_aborted_partial_response_is_continued_exactly() {
 }
 
 /// Regressions found in review: the sequence cap holds for groups, duplicate indices and empty
-/// stop strings are refused, a resumed response keeps its loss mask, a failed weight update
-/// changes nothing, an impossible KV budget is an error.
+/// stop strings are refused, a resumed response keeps its loss mask, a model of another shape
+/// is refused, an impossible KV budget is an error.
 #[test]
 fn engine_limits_and_refusals() {
     let m = model(Architecture::Qwen3, 21);
@@ -494,33 +523,33 @@ fn engine_limits_and_refusals() {
     let done = e.generate(vec![vec![ended.clone()]], &stop).unwrap().remove(0).remove(0);
     assert_eq!((done.status, &done.tokens), (Status::Completed, &ended.tokens));
 
-    // Weights of another shape are refused and the engine keeps its policy whole.
-    let other = presets::preset("tiny", Some(Architecture::Llama)).unwrap();
-    assert!(e.update_weights(&Weights::zeros(&other)).is_err());
-    assert_eq!(e.weight_version(), 0);
+    // A model of another shape, lent to this engine, is refused and changes nothing.
+    let other = on_cpu(&Model::new(
+        presets::preset("tiny", Some(Architecture::Llama)).unwrap(),
+        Weights::random(&presets::preset("tiny", Some(Architecture::Llama)).unwrap(), 1),
+    ));
+    let err = e.engine.generate(&other, groups(1, 23), &params(8)).unwrap_err().to_string();
+    assert!(err.contains("build an engine for that model"), "{err}");
     let again = e.generate(groups(1, 23), &params(8)).unwrap().remove(0).remove(0);
     assert_eq!(again.tokens, full.tokens);
 
-    // In-place updates (the trainer's weight sync): generating before `weights_updated` is
-    // refused; after it, the new weights are the ones sampled from.
-    let mut w = e.model().to_weights().unwrap();
+    // The trainer's weight sync: the model changes where it is, the next samples are drawn
+    // from it and carry the next policy version; the same weights in a fresh model sample the
+    // same.
+    let mut w = e.model.to_weights().unwrap();
     w.final_norm.iter_mut().for_each(|w| *w *= 3.0);
-    e.model_mut().set_weights(&w).unwrap();
-    let err = e.generate(groups(1, 23), &params(8)).unwrap_err().to_string();
-    assert!(err.contains("weights_updated"), "{err}");
-    e.weights_updated();
+    e.model.set_weights(&w).unwrap();
+    e.engine.weights_updated();
     assert_eq!(e.weight_version(), 1);
     let changed = e.generate(groups(1, 23), &params(8)).unwrap().remove(0).remove(0);
     assert_ne!(changed.rollout_log_probs, full.rollout_log_probs);
-    // The same weights from elsewhere (moved in by update_weights) sample the same.
-    let mut fresh = Engine::on_cpu(&m, None, EngineConfig::default()).unwrap();
-    fresh.update_weights(&w).unwrap();
-    assert_eq!(fresh.weight_version(), 1);
+    assert_eq!(changed.weight_version, 1);
+    let mut fresh = engine(&Model::new(m.config.clone(), w), EngineConfig::default());
     let same = fresh.generate(groups(1, 23), &params(8)).unwrap().remove(0).remove(0);
     assert_eq!(same.rollout_log_probs, changed.rollout_log_probs);
 
     let huge = EngineConfig { kv_cache_bytes: 1 << 60, ..EngineConfig::default() };
-    let err = Engine::on_cpu(&m, None, huge).err().unwrap().to_string();
+    let err = Served::new(&m, None, huge).err().unwrap().to_string();
     assert!(err.contains("--rollout-kv-cache-mb"), "{err}");
 }
 

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
-use miles_core::{Rollout, Sample, SamplingParams};
+use miles_core::{Sample, SamplingParams};
 use miles_model::{DeviceModel, Model, PackedBatch, Weights, presets};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
@@ -176,13 +176,13 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let dm = args.engine.place(&model)?;
     let dtype = dm.dtype();
     let per_block = miles_model::KvCache::bytes_per_block(&model.config, dtype);
-    let mut engine = Engine::new(dm, None, config(per_block))?;
+    let mut engine = Engine::new(&dm, None, config(per_block))?;
     if device != Device::Cpu {
         let warm = SamplingParams { max_new_tokens: 2, ..params.clone() };
-        engine.generate(groups.clone(), &warm)?;
+        engine.generate(&dm, groups.clone(), &warm)?;
         engine.reset_stats();
     }
-    let seconds = timed_generate(&mut engine, groups, &params)?;
+    let seconds = timed_generate(&mut engine, &dm, groups, &params)?;
     let replay = engine.decode_replay_seconds(50)?;
     let s = engine.stats().clone();
     let dtype = if dtype == DType::BF16 { "bf16" } else { "f32" };
@@ -216,11 +216,12 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
 /// Seconds of one `generate` call.
 fn timed_generate(
     engine: &mut Engine,
+    model: &DeviceModel,
     groups: Vec<Vec<Sample>>,
     params: &SamplingParams,
 ) -> anyhow::Result<f64> {
     let started = Instant::now();
-    engine.generate(groups, params)?;
+    engine.generate(model, groups, params)?;
     Ok(started.elapsed().as_secs_f64())
 }
 

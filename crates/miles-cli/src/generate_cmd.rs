@@ -8,7 +8,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use miles_core::{Sample, SamplingParams, Status};
 use miles_data::{Dataset, Keys};
-use miles_model::{PackedBatch, Tokenizer};
+use miles_model::{DeviceModel, PackedBatch, Tokenizer};
 use miles_rollout::{Engine, EngineConfig, Progress, kv_cache_budget};
 
 use crate::common::{EngineArgs, load_model};
@@ -159,12 +159,12 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     };
     let started = Instant::now();
     let t = params.temperature;
-    let mut engine = Engine::new(model, Some(tok), config)?;
-    let groups = generate(&mut engine, groups, &params)?;
+    let mut engine = Engine::new(&model, Some(tok), config)?;
+    let groups = generate(&mut engine, &model, groups, &params)?;
     let seconds = started.elapsed().as_secs_f64();
     let check = args
         .check_logprobs
-        .then(|| check_logprobs(&groups, |b| Ok(engine.model().logprobs(b, t)?.0)))
+        .then(|| check_logprobs(&groups, |b| Ok(model.logprobs(b, t)?.0)))
         .transpose()?;
     let stats = engine.stats().clone();
     write_samples(&args.output, &groups)?;
@@ -190,15 +190,16 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs `engine` over `groups` with a progress bar on a terminal.
+/// Runs `engine` with `model` over `groups`, with a progress bar on a terminal.
 fn generate(
     engine: &mut Engine,
+    model: &DeviceModel,
     groups: Vec<Vec<Sample>>,
     params: &SamplingParams,
 ) -> anyhow::Result<Vec<Vec<Sample>>> {
     let started = Instant::now();
     let terminal = std::io::stderr().is_terminal();
-    let groups = engine.generate_with_progress(groups, params, &mut |p| {
+    let groups = engine.generate_with_progress(model, groups, params, &mut |p| {
         if terminal {
             draw_progress(p, started);
         }

@@ -128,7 +128,12 @@ pub struct DeviceModel {
     /// f32 gradients, summed over backward calls until [`DeviceModel::zero_grads`].
     grads: Vec<Tensor>,
     moments: Option<Moments>,
+    /// Names the current compute copies ([`DeviceModel::buffers_id`]).
+    buffers: u64,
 }
+
+/// Ids of compute-copy sets, unique in the process.
+static NEXT_BUFFERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// A device forward's results and what its backward needs.
 pub struct Forward {
@@ -186,6 +191,7 @@ impl DeviceModel {
             fused_decode: false,
             grads,
             moments: None,
+            buffers: 0,
         };
         m.refresh_compute()?;
         m.stack_linears()?;
@@ -201,6 +207,13 @@ impl DeviceModel {
 
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Names the compute copies the forward reads: a new id whenever they are new tensors
+    /// (built, or rebuilt by [`DeviceModel::set_weights`]), the same after AdamW, which
+    /// refreshes them in place. CUDA graphs captured over one set may replay only for it.
+    pub fn buffers_id(&self) -> u64 {
+        self.buffers
     }
 
     /// Builds the compute copies from the masters (AdamW refreshes them in place), and on the
@@ -219,6 +232,7 @@ impl DeviceModel {
                 })
             })
             .collect::<Result<_>>()?;
+        self.buffers = NEXT_BUFFERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.repack()
     }
 

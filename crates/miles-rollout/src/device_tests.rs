@@ -4,7 +4,7 @@
 //! CPU's tensor ops (whose products are a reference, not batch-invariant) the same runs agree
 //! to rounding.
 
-use miles_core::{Rollout, Sample, SamplingParams, Status};
+use miles_core::{Sample, SamplingParams, Status};
 use miles_model::{
     Architecture, DeviceModel, KvCache, Model, ModelConfig, PackedBatch, Weights, presets,
 };
@@ -61,8 +61,11 @@ fn params(max_new: usize) -> SamplingParams {
     }
 }
 
-fn engine(m: &Model, device: &Device, dtype: DType, config: EngineConfig) -> Engine {
-    Engine::new(DeviceModel::new(m, device, dtype).unwrap(), None, config).unwrap()
+/// `m` on `device` and an engine for it.
+fn engine(m: &Model, device: &Device, dtype: DType, config: EngineConfig) -> (DeviceModel, Engine) {
+    let dm = DeviceModel::new(m, device, dtype).unwrap();
+    let e = Engine::new(&dm, None, config).unwrap();
+    (dm, e)
 }
 
 /// (tokens, logprob bits, status) of every sample, in order.
@@ -121,14 +124,14 @@ fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
     for arch in [Architecture::Qwen3, Architecture::Llama, Architecture::Qwen3Moe] {
         let m = model(arch, 3);
         let p = params(40);
-        let mut e = engine(
+        let (dm, mut e) = engine(
             &m,
             &device,
             DType::BF16,
             EngineConfig { max_running: 5, ..EngineConfig::default() },
         );
         let samples: Vec<Sample> =
-            e.generate(groups(3, 4, m.config.vocab_size), &p).unwrap().concat();
+            e.generate(&dm, groups(3, 4, m.config.vocab_size), &p).unwrap().concat();
         for s in &samples {
             let record = s.rollout_routed_experts.as_ref();
             assert_eq!(record.is_some(), arch == Architecture::Qwen3Moe, "{arch:?}");
@@ -137,7 +140,6 @@ fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
             }
         }
         let want: Vec<Vec<f32>> = samples.iter().map(|s| s.rollout_log_probs.clone()).collect();
-        let dm = e.model();
         let forward: Vec<usize> = (0..samples.len()).collect();
         let reversed: Vec<usize> = forward.iter().rev().copied().collect();
         for (order, per, what) in [
@@ -145,7 +147,7 @@ fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
             (&reversed, 5, "reversed by 5"),
             (&forward, 1, "alone"),
         ] {
-            let got = score(dm, &samples, order, per, p.temperature);
+            let got = score(&dm, &samples, order, per, p.temperature);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(g), bits(w), "{arch:?} {what}: sample {i}");
@@ -163,34 +165,36 @@ fn device_samples_do_not_depend_on_the_batch_the_budget_or_a_pause() {
     let m = model(Architecture::Qwen3, 5);
     let p = params(70);
     let input = groups(2, 6, m.config.vocab_size);
-    let mut wide = engine(&m, &device, DType::BF16, EngineConfig::default());
-    let want = results(&wide.generate(input.clone(), &p).unwrap());
+    let (dm, mut wide) = engine(&m, &device, DType::BF16, EngineConfig::default());
+    let want = results(&wide.generate(&dm, input.clone(), &p).unwrap());
     let per_block = KvCache::bytes_per_block(&m.config, DType::BF16);
-    let mut tight = engine(
+    let (tight_dm, mut tight) = engine(
         &m,
         &device,
         DType::BF16,
         EngineConfig { kv_cache_bytes: 7 * per_block, ..EngineConfig::default() },
     );
-    assert_eq!(results(&tight.generate(input.clone(), &p).unwrap()), want, "under a tight budget");
+    let got = tight.generate(&tight_dm, input.clone(), &p).unwrap();
+    assert_eq!(results(&got), want, "under a tight budget");
     assert!(tight.stats().preemptions > 0, "{:?}", tight.stats());
     let config = EngineConfig { chunked_prefill_size: Some(20), ..EngineConfig::default() };
-    let mut chunked = engine(&m, &device, DType::BF16, config);
-    assert_eq!(results(&chunked.generate(input.clone(), &p).unwrap()), want, "chunked prefill");
+    let (chunked_dm, mut chunked) = engine(&m, &device, DType::BF16, config);
+    let got = chunked.generate(&chunked_dm, input.clone(), &p).unwrap();
+    assert_eq!(results(&got), want, "chunked prefill");
     let mut alone = Vec::new();
     for s in input.iter().flatten().rev() {
-        alone.push(wide.generate(vec![vec![s.clone()]], &p).unwrap().remove(0).remove(0));
+        alone.push(wide.generate(&dm, vec![vec![s.clone()]], &p).unwrap().remove(0).remove(0));
     }
     alone.reverse();
     assert_eq!(results(&[alone]), want, "alone");
     // Stopped after 30 tokens, then continued to 70.
-    let first =
-        wide.generate(input.clone(), &SamplingParams { max_new_tokens: 30, ..p.clone() }).unwrap();
+    let short = SamplingParams { max_new_tokens: 30, ..p.clone() };
+    let first = wide.generate(&dm, input.clone(), &short).unwrap();
     let paused: Vec<Vec<Sample>> = first
         .into_iter()
         .map(|g| g.into_iter().map(|s| Sample { status: Status::Aborted, ..s }).collect())
         .collect();
-    assert_eq!(results(&wide.generate(paused, &p).unwrap()), want, "continued");
+    assert_eq!(results(&wide.generate(&dm, paused, &p).unwrap()), want, "continued");
 }
 
 /// The same scheduler over the CPU's tensor ops: samples complete, logprobs agree with the
@@ -203,11 +207,11 @@ fn the_device_engine_runs_on_cpu_tensors() {
         // A small cache: the CPU's paged attention reads it whole at every layer.
         let kv_cache_bytes = 40 * KvCache::bytes_per_block(&m.config, dtype);
         let config = EngineConfig { max_running: 4, kv_cache_bytes, ..EngineConfig::default() };
-        let mut e = engine(&m, &Device::Cpu, dtype, config);
-        let samples = e.generate(groups(2, 9, m.config.vocab_size), &p).unwrap().concat();
+        let (dm, mut e) = engine(&m, &Device::Cpu, dtype, config);
+        let samples = e.generate(&dm, groups(2, 9, m.config.vocab_size), &p).unwrap().concat();
         assert!(samples.iter().all(|s| s.status == Status::Truncated && s.response_length == 12));
         let order: Vec<usize> = (0..samples.len()).collect();
-        let got = score(e.model(), &samples, &order, samples.len(), p.temperature);
+        let got = score(&dm, &samples, &order, samples.len(), p.temperature);
         let tol = if dtype == DType::F32 { 1e-4 } else { 0.1 };
         for (s, g) in samples.iter().zip(&got) {
             for (a, b) in s.rollout_log_probs.iter().zip(g) {
@@ -225,11 +229,10 @@ fn greedy_on_cuda_tracks_the_cpu_model() {
     let m = model(Architecture::Llama, 11);
     let greedy = SamplingParams { top_k: 1, top_p: 1.0, temperature: 1.0, ..params(20) };
     let input = groups(1, 12, m.config.vocab_size);
-    let gpu = engine(&m, &device, DType::BF16, EngineConfig::default())
-        .generate(input.clone(), &greedy)
-        .unwrap();
-    let mut cpu = Engine::on_cpu(&m, None, EngineConfig::default()).unwrap();
-    let want = cpu.generate(input, &greedy).unwrap();
+    let (dm, mut e) = engine(&m, &device, DType::BF16, EngineConfig::default());
+    let gpu = e.generate(&dm, input.clone(), &greedy).unwrap();
+    let (cpu_dm, mut cpu) = engine(&m, &Device::Cpu, DType::F32, EngineConfig::default());
+    let want = cpu.generate(&cpu_dm, input, &greedy).unwrap();
     let (mut same, mut total) = (0, 0);
     for (a, b) in gpu.iter().flatten().zip(want.iter().flatten()) {
         let r = a.prompt_length().unwrap();
@@ -274,11 +277,11 @@ fn smollm2_shaped_rollouts_equal_a_fresh_scorer() {
         })
         .collect();
     let p = params(40);
-    let mut e = engine(&m, &device, DType::BF16, EngineConfig::default());
-    let samples = e.generate(groups, &p).unwrap().concat();
+    let (dm, mut e) = engine(&m, &device, DType::BF16, EngineConfig::default());
+    let samples = e.generate(&dm, groups, &p).unwrap().concat();
     let fresh = DeviceModel::new(&m, &device, DType::BF16).unwrap();
     let order: Vec<usize> = (0..samples.len()).collect();
-    for (what, dm) in [("engine's model", e.model()), ("fresh model", &fresh)] {
+    for (what, dm) in [("engine's model", &dm), ("fresh model", &fresh)] {
         let got = score(dm, &samples, &order, samples.len(), p.temperature);
         for (i, (s, g)) in samples.iter().zip(&got).enumerate() {
             let bad: Vec<(usize, f32, f32)> = s
@@ -299,17 +302,18 @@ fn smollm2_shaped_rollouts_equal_a_fresh_scorer() {
     }
 }
 
-/// On CUDA, after an AdamW step the decode steps (which read the stacked q/k/v and gate/up
-/// copies) follow the new weights: the next rollouts' logprobs equal the scorer's bit for bit.
+/// On CUDA, after an AdamW step in place the same engine's decode steps (captured graphs
+/// reading the stacked q/k/v and gate/up copies) follow the new weights, and after new
+/// weights set from elsewhere (new compute copies: the graphs are captured again) too: the
+/// next rollouts' logprobs equal the scorer's bit for bit.
 #[test]
 fn rollouts_after_a_training_step_still_equal_the_scorer() {
     let Some(device) = cuda() else { return };
     let m = model(Architecture::Qwen3, 5);
     let p = params(24);
     let vocab = m.config.vocab_size;
-    let mut e = engine(&m, &device, DType::BF16, EngineConfig::default());
-    let first = e.generate(groups(2, 5, vocab), &p).unwrap().concat();
-    let mut dm = e.into_model();
+    let (mut dm, mut e) = engine(&m, &device, DType::BF16, EngineConfig::default());
+    let first = e.generate(&dm, groups(2, 5, vocab), &p).unwrap().concat();
     let seqs: Vec<_> =
         first.iter().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
     let batch = PackedBatch::new(&seqs).unwrap();
@@ -319,7 +323,9 @@ fn rollouts_after_a_training_step_still_equal_the_scorer() {
     dm.backward(&fwd, &batch, &vec![-1.0 / n as f32; n], &vec![0.0; n]).unwrap();
     drop(fwd);
     let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+    let buffers = dm.buffers_id();
     dm.adamw_step(&hyper, 1.0).unwrap();
+    assert_eq!(dm.buffers_id(), buffers, "AdamW refreshes the compute copies in place");
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let all = |s: &[Sample]| (0..s.len()).collect::<Vec<_>>();
     let before = score(&dm, &first, &all(&first), first.len(), p.temperature);
@@ -327,10 +333,23 @@ fn rollouts_after_a_training_step_still_equal_the_scorer() {
         before.iter().zip(&first).any(|(g, s)| bits(g) != bits(&s.rollout_log_probs)),
         "the step changed no logprob"
     );
-    let mut e = Engine::new(dm, None, EngineConfig::default()).unwrap();
-    let second = e.generate(groups(2, 6, vocab), &p).unwrap().concat();
-    let got = score(e.model(), &second, &all(&second), second.len(), p.temperature);
-    for (i, (g, s)) in got.iter().zip(&second).enumerate() {
-        assert_eq!(bits(g), bits(&s.rollout_log_probs), "sample {i}");
-    }
+    let check = |e: &mut Engine, dm: &DeviceModel, seed: u64| {
+        let samples = e.generate(dm, groups(2, seed, vocab), &p).unwrap().concat();
+        let got = score(dm, &samples, &all(&samples), samples.len(), p.temperature);
+        for (i, (g, s)) in got.iter().zip(&samples).enumerate() {
+            assert_eq!(bits(g), bits(&s.rollout_log_probs), "seed {seed}: sample {i}");
+        }
+    };
+    check(&mut e, &dm, 6);
+    // New weights from elsewhere: new compute copies.
+    dm.set_weights(&model(Architecture::Qwen3, 9).weights).unwrap();
+    assert_ne!(dm.buffers_id(), buffers);
+    check(&mut e, &dm, 7);
+    // A model of another shape is refused.
+    let mut other = model(Architecture::Qwen3, 9);
+    other.config.num_hidden_layers -= 1;
+    other.weights = Weights::random(&other.config, 9);
+    let other = DeviceModel::new(&other, &device, DType::BF16).unwrap();
+    let err = e.generate(&other, groups(1, 8, vocab), &p).unwrap_err().to_string();
+    assert!(err.contains("build an engine for that model"), "{err}");
 }

@@ -13,9 +13,8 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use miles_core::{Prompt, Rollout, RoutedExperts, Sample, SamplingParams, Status};
-use miles_model::{BlockId, DeviceModel, Model, StepRow, Tokenizer, Weights};
+use miles_model::{BlockId, DeviceModel, StepRow, Tokenizer};
 use miles_tensor::cpu::KEY_BLOCK;
-use miles_tensor::{DType, Device};
 
 use crate::blocks::BlockAllocator;
 use crate::policy::{DrawRequest, Policy, model_error};
@@ -81,15 +80,16 @@ pub struct Progress {
     pub generated_tokens: usize,
 }
 
-/// The rollout engine over a [`Policy`]: a [`DeviceModel`] on the CPU or a GPU.
+/// The rollout engine: the scheduler and its [`Policy`] (the KV cache) for one
+/// [`DeviceModel`], on the CPU or a GPU. The model is lent for each call
+/// ([`Engine::generate`], or [`Engine::lend`] for a [`Rollout`]): the trainer owns it, and its
+/// optimizer steps are the rollouts' new weights (zero-copy weight sync).
 pub struct Engine {
     policy: Policy,
     tokenizer: Option<Tokenizer>,
     config: EngineConfig,
     stats: EngineStats,
     weight_version: u64,
-    /// The weights changed through [`Engine::model_mut`] and the update is not finished.
-    stale: bool,
 }
 
 /// One sequence being generated.
@@ -137,55 +137,27 @@ fn failed(mut s: Sample, reason: String) -> Sample {
 }
 
 impl Engine {
-    /// The engine on `model`'s device: its KV cache there in the model's compute dtype, the
-    /// forward, the LM head and the sampler there too.
+    /// The engine for `model`: its KV cache on the model's device in the model's compute
+    /// dtype; the forward, the LM head and the sampler run there too.
     pub fn new(
-        model: DeviceModel,
+        model: &DeviceModel,
         tokenizer: Option<Tokenizer>,
         config: EngineConfig,
     ) -> crate::Result<Self> {
         let policy = Policy::new(model, config.kv_cache_bytes, config.cuda_graphs)?;
         let stats = EngineStats { total_blocks: policy.num_blocks(), ..EngineStats::default() };
-        Ok(Engine { policy, tokenizer, config, stats, weight_version: 0, stale: false })
+        Ok(Engine { policy, tokenizer, config, stats, weight_version: 0 })
     }
 
-    /// The engine on the CPU over `model`'s weights (f32, the batch-invariant kernels).
-    pub fn on_cpu(
-        model: &Model,
-        tokenizer: Option<Tokenizer>,
-        config: EngineConfig,
-    ) -> crate::Result<Self> {
-        let dm = DeviceModel::new(model, &Device::Cpu, DType::F32).map_err(model_error)?;
-        Engine::new(dm, tokenizer, config)
+    /// The engine with `model` lent to it: the [`Rollout`] of a loop that owns its model.
+    pub fn lend<'a>(&'a mut self, model: &'a DeviceModel) -> Lent<'a> {
+        Lent { engine: self, model }
     }
 
-    pub fn model(&self) -> &DeviceModel {
-        &self.policy.model
-    }
-
-    /// The model, for a trainer in the same process to update in place: the one copy of the
-    /// weights serves training and rollout (zero-copy weight sync; its AdamW refreshes the
-    /// forward's copies where they are, so the decode graphs stay valid). Call
-    /// [`Engine::weights_updated`] before generating again.
-    pub fn model_mut(&mut self) -> &mut DeviceModel {
-        self.stale = true;
-        &mut self.policy.model
-    }
-
-    /// Finishes an in-place update of the model: bumps the policy version.
+    /// The model's weights changed (a trainer's step, or new weights set from elsewhere):
+    /// samples generated from now on carry the next policy version.
     pub fn weights_updated(&mut self) {
-        self.stale = false;
         self.weight_version += 1;
-    }
-
-    /// Weight sync from elsewhere: the trainer's new weights, copied into the model's masters
-    /// and compute copies; bumps the policy version.
-    pub fn update_weights(&mut self, weights: &Weights) -> crate::Result<()> {
-        self.policy.model.set_weights(weights).map_err(model_error)?;
-        // New compute copies: graphs captured over the old ones are captured again.
-        self.policy.graphs = None;
-        self.weights_updated();
-        Ok(())
     }
 
     /// Device seconds of one replay of each captured decode step, `(rows, seconds)`
@@ -195,11 +167,6 @@ impl Engine {
             Some(g) => g.replay_seconds(iters).map_err(model_error),
             None => Ok(Vec::new()),
         }
-    }
-
-    /// The model, taken out of the engine (the end of a run).
-    pub fn into_model(self) -> DeviceModel {
-        self.policy.model
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
@@ -231,21 +198,29 @@ impl Engine {
         tok.and_then(|t| t.eos_token().and_then(|e| t.token_to_id(e))).into_iter().collect()
     }
 
-    /// [`Rollout::generate`] with a callback after every step.
+    /// Responses for `groups` from `model` (the one the engine was built for): every sample
+    /// gets its tokens, rollout logprobs and status ([`Rollout::generate`]).
+    pub fn generate(
+        &mut self,
+        model: &DeviceModel,
+        groups: Vec<Vec<Sample>>,
+        params: &SamplingParams,
+    ) -> crate::Result<Vec<Vec<Sample>>> {
+        self.generate_with_progress(model, groups, params, &mut |_| {})
+    }
+
+    /// [`Engine::generate`] with a callback after every step.
     pub fn generate_with_progress(
         &mut self,
+        model: &DeviceModel,
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
         progress: &mut dyn FnMut(Progress),
     ) -> crate::Result<Vec<Vec<Sample>>> {
+        self.policy.check(model)?;
         check_params(params)?;
         if self.config.chunked_prefill_size == Some(0) {
             return Err(crate::Error::config("rollout-chunked-prefill-size", "must be at least 1"));
-        }
-        if self.stale {
-            return Err(crate::Error::Invalid(
-                "the policy changed through model_mut(); call weights_updated() first".into(),
-            ));
         }
         if !params.stop.is_empty() && self.tokenizer.is_none() {
             return Err(crate::Error::config(
@@ -270,7 +245,8 @@ impl Engine {
             let prefilling = run.prefilling.as_ref().map(|(unit, _)| unit);
             let in_chunk = prefilling.zip(chunk.clone());
             let chunked = in_chunk.as_ref().map(|(_, c)| c.clone());
-            let (mut draws, routes) = self.step(&run.running, &admitted, in_chunk, params)?;
+            let (mut draws, routes) =
+                self.step(model, &run.running, &admitted, in_chunk, params)?;
             let mut admitted = admitted;
             if !routes.is_empty() {
                 record_routes(&routes, &mut run, &mut admitted, chunked);
@@ -454,6 +430,7 @@ impl Engine {
     #[allow(clippy::type_complexity)]
     fn step(
         &mut self,
+        model: &DeviceModel,
         running: &[Seq],
         admitted: &[Unit],
         chunk: Option<(&Unit, std::ops::Range<usize>)>,
@@ -489,7 +466,7 @@ impl Engine {
             }
             sizes.push(if last { unit.len() } else { 0 });
         }
-        let (drawn, routes) = self.policy.step(&rows, &draws, params)?;
+        let (drawn, routes) = self.policy.step(model, &rows, &draws, params)?;
         let mut drawn = drawn.into_iter();
         Ok((sizes.iter().map(|&n| drawn.by_ref().take(n).collect()).collect(), routes))
     }
@@ -807,16 +784,22 @@ fn check_params(p: &SamplingParams) -> crate::Result<()> {
     Ok(())
 }
 
-impl Rollout for Engine {
+/// An [`Engine`] with its model lent ([`Engine::lend`]).
+pub struct Lent<'a> {
+    engine: &'a mut Engine,
+    model: &'a DeviceModel,
+}
+
+impl Rollout for Lent<'_> {
     fn generate(
         &mut self,
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
     ) -> crate::Result<Vec<Vec<Sample>>> {
-        self.generate_with_progress(groups, params, &mut |_| {})
+        self.engine.generate(self.model, groups, params)
     }
 
     fn set_weight_version(&mut self, version: u64) {
-        self.weight_version = version;
+        self.engine.weight_version = version;
     }
 }

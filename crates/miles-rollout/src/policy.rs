@@ -1,6 +1,6 @@
 //! Where the engine's forward runs. The scheduler ([`crate::Engine`]) is one piece of code; the
-//! [`Policy`] owns the model and the KV cache's storage on the model's device and turns one
-//! step's rows into draws: the forward, the LM head and the sampler run there (on the CPU
+//! [`Policy`] owns the KV cache's storage on the model's device and turns one step's rows
+//! into draws with the model lent to it: the forward, the LM head and the sampler run there (on the CPU
 //! through its batch-invariant kernels, on a GPU through CUDA graphs of decode steps), so only
 //! token ids and logprobs come back.
 
@@ -9,6 +9,7 @@ use miles_model::{
     BlockId, DecodeGraphs, DeviceModel, KvCache, ModelConfig, SampleParams, StepRow,
 };
 use miles_tensor::cpu::KEY_BLOCK;
+use miles_tensor::{DType, Device};
 
 use crate::sampler::Draw;
 
@@ -30,11 +31,7 @@ pub(crate) fn blocks_in(bytes: usize, per_block: usize) -> crate::Result<usize> 
 
 /// The KV cache budget in bytes: `fraction` of the device's free memory when given (SGLang's
 /// `--mem-fraction-static` role; GPU only), else `mb` MiB.
-pub fn kv_cache_budget(
-    mb: usize,
-    fraction: Option<f64>,
-    device: &miles_tensor::Device,
-) -> crate::Result<usize> {
+pub fn kv_cache_budget(mb: usize, fraction: Option<f64>, device: &Device) -> crate::Result<usize> {
     let Some(f) = fraction else {
         return mb.checked_mul(1 << 20).ok_or_else(|| {
             crate::Error::config(
@@ -65,21 +62,28 @@ pub(crate) fn model_error(e: miles_model::Error) -> crate::Error {
     crate::Error::Invalid(format!("rollout engine: {e}"))
 }
 
-/// The model on its device (the CPU, or a GPU) with its KV cache there.
+/// The KV cache on a model's device, and the decode steps captured over that model. The model
+/// itself is lent for each step: the trainer owns it (zero-copy weight sync), so the cache
+/// checks that a lent model is the one it was built for.
 pub struct Policy {
-    pub(crate) model: DeviceModel,
+    /// The model the cache was built for: its shape, device and compute dtype.
+    config: ModelConfig,
+    device: Device,
+    dtype: DType,
     kv: KvCache,
-    /// Captured decode steps of the current sampling parameters.
+    /// Captured decode steps of the current sampling parameters, over the compute copies
+    /// named by `graphs_of` ([`DeviceModel::buffers_id`]).
     pub(crate) graphs: Option<DecodeGraphs>,
+    graphs_of: u64,
     use_graphs: bool,
 }
 
 impl Policy {
-    /// `model` with a KV cache of `kv_bytes` on its device, in its compute dtype; decode steps
+    /// A KV cache of `kv_bytes` for `model`, on its device in its compute dtype; decode steps
     /// replayed as CUDA graphs when `graphs`.
-    pub fn new(model: DeviceModel, kv_bytes: usize, graphs: bool) -> crate::Result<Self> {
+    pub fn new(model: &DeviceModel, kv_bytes: usize, graphs: bool) -> crate::Result<Self> {
         let d = model.config.head_dim;
-        if model.device() != miles_tensor::Device::Cpu && !matches!(d, 64 | 128) {
+        if model.device() != Device::Cpu && !matches!(d, 64 | 128) {
             return Err(crate::Error::Invalid(format!(
                 "rollout engine: on a GPU the paged attention runs at head_dim 64 or 128, and \
                  this model's is {d}: use --device cpu for it"
@@ -91,13 +95,19 @@ impl Policy {
             .map_err(model_error)?;
         // A mixture of experts routes on the host between layers: no graph can hold a step.
         let use_graphs = graphs && model.config.moe.is_none();
-        Ok(Policy { model, kv, graphs: None, use_graphs })
+        Ok(Policy {
+            config: model.config.clone(),
+            device: model.device(),
+            dtype: model.dtype(),
+            kv,
+            graphs: None,
+            graphs_of: 0,
+            use_graphs,
+        })
     }
-}
 
-impl Policy {
     pub fn config(&self) -> &ModelConfig {
-        &self.model.config
+        &self.config
     }
 
     /// Blocks of [`KEY_BLOCK`] tokens the KV cache holds.
@@ -105,12 +115,36 @@ impl Policy {
         self.kv.num_blocks()
     }
 
-    /// One forward over `rows` (writing their keys and values into the cache), then one draw
-    /// per request, in order (requests of one row come together); with them, the experts each
-    /// row was routed to in a mixture-of-experts model (`[rows × sparse layers × top_k]`, empty
-    /// for a dense one).
+    /// Refuses a model other than the one the cache was built for.
+    pub fn check(&self, model: &DeviceModel) -> crate::Result<()> {
+        if model.config != self.config
+            || model.device() != self.device
+            || model.dtype() != self.dtype
+        {
+            return Err(crate::Error::Invalid(format!(
+                "rollout engine: its KV cache was built for a {:?} model with {} layers on {:?} \
+                 in {:?}, and the model lent to it is another ({:?}, {} layers, {:?}, {:?}); \
+                 build an engine for that model",
+                self.config.architecture,
+                self.config.num_hidden_layers,
+                self.device,
+                self.dtype,
+                model.config.architecture,
+                model.config.num_hidden_layers,
+                model.device(),
+                model.dtype(),
+            )));
+        }
+        Ok(())
+    }
+
+    /// One forward of `model` over `rows` (writing their keys and values into the cache), then
+    /// one draw per request, in order (requests of one row come together); with them, the
+    /// experts each row was routed to in a mixture-of-experts model (`[rows × sparse layers ×
+    /// top_k]`, empty for a dense one).
     pub fn step(
         &mut self,
+        model: &DeviceModel,
         rows: &[StepRow],
         draws: &[DrawRequest],
         params: &SamplingParams,
@@ -126,18 +160,18 @@ impl Policy {
             && rows.len() == draws.len()
             && draws.iter().enumerate().all(|(i, d)| d.0 == i);
         let (drawn, routes) = if decode {
+            let fresh = self.graphs_of != model.buffers_id();
             let graphs = match &mut self.graphs {
-                Some(g) if g.params() == how => g,
+                Some(g) if g.params() == how && !fresh => g,
                 slot => slot.insert(DecodeGraphs::new(how)),
             };
-            let drawn =
-                self.model.decode(graphs, rows, &uniforms, &mut self.kv).map_err(model_error)?;
+            self.graphs_of = model.buffers_id();
+            let drawn = model.decode(graphs, rows, &uniforms, &mut self.kv).map_err(model_error)?;
             (drawn, Vec::new())
         } else {
-            let (hidden, routes) =
-                self.model.step_routed(rows, &mut self.kv).map_err(model_error)?;
+            let (hidden, routes) = model.step_routed(rows, &mut self.kv).map_err(model_error)?;
             let picks: Vec<u32> = draws.iter().map(|&(r, _)| r as u32).collect();
-            (self.model.sample(&hidden, &picks, how, &uniforms).map_err(model_error)?, routes)
+            (model.sample(&hidden, &picks, how, &uniforms).map_err(model_error)?, routes)
         };
         let drawn = drawn.into_iter().map(|d| d.map(|(token, logprob)| Draw { token, logprob }));
         Ok((drawn.collect(), routes))

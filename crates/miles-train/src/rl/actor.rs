@@ -1,5 +1,5 @@
-//! Where the policy lives during a run: the actor (the rollout engine over the policy and the
-//! trainer that updates it in place) and the frozen KL reference, on the run's device.
+//! Where the policy lives during a run: the actor (the policy, which it trains in place and
+//! lends to the rollout engine) and the frozen KL reference, on the run's device.
 
 use anyhow::bail;
 use miles_core::Rollout;
@@ -20,11 +20,12 @@ fn compute_dtype(device: Device) -> DType {
     if device == Device::Cpu { DType::F32 } else { DType::BF16 }
 }
 
-/// The policy during a run: the engine's `DeviceModel` (f32 masters, the forward's compute
-/// copies, gradients and AdamW moments, all on the run's device), trained in place, so one copy
-/// of the weights serves rollout and training (zero-copy weight sync); its KV cache is
-/// allocated beside it once.
+/// The policy during a run: a `DeviceModel` (f32 masters, the forward's compute copies,
+/// gradients and AdamW moments, all on the run's device), trained in place and lent to the
+/// rollout engine, so one copy of the weights serves rollout and training (zero-copy weight
+/// sync); the engine's KV cache is allocated beside it once.
 pub(super) struct Actor {
+    model: DeviceModel,
     engine: Engine,
     hyper: AdamW,
     clip: f64,
@@ -73,18 +74,19 @@ impl Actor {
                 );
             }
         }
-        let engine = Engine::new(dm, Some(tokenizer.clone()), engine_config)?;
-        Ok(Actor { engine, hyper: adamw(cfg, cfg.lr), clip: f64::from(cfg.clip_grad), device })
+        let engine = Engine::new(&dm, Some(tokenizer.clone()), engine_config)?;
+        let (hyper, clip) = (adamw(cfg, cfg.lr), f64::from(cfg.clip_grad));
+        Ok(Actor { model: dm, engine, hyper, clip, device })
     }
 
-    /// The rollout engine over the policy.
-    pub(super) fn rollout(&mut self) -> &mut dyn Rollout {
-        &mut self.engine
+    /// The rollout engine with the policy lent to it.
+    pub(super) fn rollout(&mut self) -> impl Rollout + '_ {
+        self.engine.lend(&self.model)
     }
 
     /// The policy under the current weights.
     pub(super) fn model(&self) -> &DeviceModel {
-        self.engine.model()
+        &self.model
     }
 
     /// One optimizer step over `part` ([`train_step`]).
@@ -93,18 +95,19 @@ impl Actor {
         part: &[TrainSample],
         spec: StepSpec,
     ) -> anyhow::Result<StepOutcome> {
-        let mut learner = Learner::new(self.engine.model_mut(), self.hyper, self.clip)?;
+        let mut learner = Learner::new(&mut self.model, self.hyper, self.clip)?;
         train_step(&mut learner, part, spec)
     }
 
     /// Optimizer steps taken (the learning-rate schedule's position).
     pub(super) fn steps(&self) -> u64 {
-        self.engine.model().steps()
+        self.model.steps()
     }
 
-    /// A fresh optimizer (after the SFT warm-up, which has its own).
+    /// A fresh optimizer after the SFT warm-up (which has its own); the rollouts see the
+    /// warmed-up weights as a new policy version.
     pub(super) fn reset_optimizer(&mut self) {
-        self.engine.model_mut().reset_moments();
+        self.model.reset_moments();
         self.engine.weights_updated();
     }
 
@@ -116,12 +119,12 @@ impl Actor {
 
     /// The weights, on the host.
     pub(super) fn weights(&self) -> anyhow::Result<Weights> {
-        Ok(self.engine.model().to_weights()?)
+        Ok(self.model.to_weights()?)
     }
 
     /// The weights and optimizer state for a checkpoint, on the host.
     pub(super) fn checkpoint_parts(&self) -> anyhow::Result<(Weights, Optimizer)> {
-        let dm = self.engine.model();
+        let dm = &self.model;
         let config = &dm.config;
         let optimizer = match dm.moments_to_host()? {
             Some((m, v, steps)) => {

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use miles_core::config::RunConfig;
-use miles_core::{Advantage, Correction, Reward, RoutingReplay};
+use miles_core::{Advantage, Correction, Reward, Rollout, RoutingReplay};
 use miles_data::{DataSource, Dataset};
 use miles_model::{Tokenizer, Weights};
 use serde_json::{Value, json};
@@ -147,7 +147,7 @@ impl Run<'_> {
         record: &mut Record,
     ) -> anyhow::Result<f64> {
         let (cfg, tok, reward) = (self.cfg, self.tokenizer, self.reward);
-        evaluate(cfg, actor.rollout(), tok, eval, reward, record, self.dist)
+        evaluate(cfg, &mut actor.rollout(), tok, eval, reward, record, self.dist)
     }
 
     /// Steps 1–2: the iteration's samples (rollout and reward, with dynamic sampling when
@@ -179,7 +179,7 @@ impl Run<'_> {
         } else {
             let steps = self.steps_per_rollout;
             let (tok, reward, dist) = (self.tokenizer, self.reward, self.dist);
-            rollout(cfg, actor.rollout(), tok, data, reward, iteration, record, dist, steps)?
+            rollout(cfg, &mut actor.rollout(), tok, data, reward, iteration, record, dist, steps)?
         };
         if let Some(r) = self.replay {
             // R3: the trainer's forwards use the experts the rollout recorded.
