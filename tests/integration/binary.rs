@@ -45,3 +45,30 @@ fn bad_input_exits_nonzero_with_a_clear_message() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--bogus"));
 }
+
+/// Corrupt Parquet files that make the `parquet` crate panic (tests/fixtures/parquet/
+/// make_corrupt.py: its metadata reader, dictionary decoder, bit reader, schema and triplet
+/// readers) are an error naming the file, with no panic message before it.
+#[test]
+fn corrupt_parquet_files_are_errors_without_a_panic_message() {
+    let dir = scratch("binary_corrupt_parquet");
+    let ckpt = dir.join("ckpt");
+    miles_tests::miles(&["init-model", "--preset", "tiny", "--out", ckpt.to_str().unwrap()])
+        .unwrap();
+    let fixtures = miles_tests::workspace_root().join("tests/fixtures/parquet");
+    for kind in ["metadata", "dictionary", "bit-reader", "schema", "triplet"] {
+        let file = fixtures.join(format!("corrupt-{kind}.parquet"));
+        let out = Command::new(miles_binary())
+            .args(["generate", "--hf-checkpoint", ckpt.to_str().unwrap(), "--prompt-data"])
+            .arg(&file)
+            .args(["--input-key", "question", "--label-key", "answer", "--output"])
+            .arg(dir.join("out.jsonl"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{kind}: {err}");
+        assert!(err.starts_with("error: --prompt-data"), "{kind}: {err}");
+        assert!(err.contains(&format!("corrupt-{kind}.parquet")), "{kind}: {err}");
+        assert!(!err.contains("panicked"), "{kind}: {err}");
+    }
+}

@@ -180,14 +180,58 @@ fn broken_checkpoints_name_the_file_and_the_field_or_tensor() {
     let err = score(&ckpt);
     assert!(err.contains("missing_field/config.json: missing field 'num_hidden_layers'"), "{err}");
 
-    // Three layers where the file holds two: layer 2's tensors are missing.
-    let ckpt = dir.join("missing_tensor");
-    copy_checkpoint(&good, &ckpt);
-    let mut c = config.clone();
-    c["num_hidden_layers"] = serde_json::json!(3);
+    // More layers than the file holds, up to a billion (which once aborted allocating them),
+    // and sizes beyond any model.
+    for (name, key, value, want) in [
+        (
+            "three_layers",
+            "num_hidden_layers",
+            3,
+            "num_hidden_layers is 3, but the checkpoint's tensors hold 2 layers",
+        ),
+        (
+            "many_layers",
+            "num_hidden_layers",
+            1_000_000,
+            "num_hidden_layers is 1000000, but the checkpoint's tensors hold 2 layers",
+        ),
+        (
+            "huge_layers",
+            "num_hidden_layers",
+            1_000_000_000,
+            "its sizes describe about 3.702e13 parameters, more than the 1.8e13 this loader \
+             accepts: check num_hidden_layers (1000000000)",
+        ),
+        (
+            "huge_sizes",
+            "intermediate_size",
+            1u64 << 40,
+            "its sizes describe about 4.222e14 parameters, more than the 1.8e13 this loader \
+             accepts: check num_hidden_layers (2), hidden_size (64), intermediate_size \
+             (1099511627776)",
+        ),
+    ] {
+        let ckpt = dir.join(name);
+        copy_checkpoint(&good, &ckpt);
+        let mut c = config.clone();
+        c[key] = serde_json::json!(value);
+        std::fs::write(ckpt.join("config.json"), c.to_string()).unwrap();
+        let err = score(&ckpt);
+        assert!(err.contains(&format!("{name}/config.json: {want}")), "{err}");
+    }
+    // More experts than the file holds (a billion once took 72 GB before aborting).
+    let moe = workspace_root().join("tests/fixtures/hf/qwen3_moe");
+    let ckpt = dir.join("huge_experts");
+    copy_checkpoint(&moe, &ckpt);
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(moe.join("config.json")).unwrap()).unwrap();
+    c["num_local_experts"] = serde_json::json!(1_000_000_000);
+    c["num_experts_per_tok"] = serde_json::json!(2);
     std::fs::write(ckpt.join("config.json"), c.to_string()).unwrap();
     let err = score(&ckpt);
-    assert!(err.contains("missing_tensor/model.safetensors: tensor 'model.layers.2.input_layernorm.weight': missing"), "{err}");
+    let want = "huge_experts/config.json: num_experts is 1000000000, but layer 0 of the \
+                checkpoint holds 8 experts";
+    assert!(err.contains(want), "{err}");
 
     let ckpt = dir.join("wrong_shape");
     copy_checkpoint(&good, &ckpt);

@@ -459,6 +459,102 @@ fn generate_writes_samples_that_score_reproduces() {
     assert!(err.contains("FILE@[a:b]"), "{err}");
 }
 
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// Progress hands over every group once, when its last sample is final, with the samples the
+/// call returns; a group with nothing to generate (a prompt too long) comes too.
+#[test]
+fn progress_hands_over_each_group_once_when_it_is_done() {
+    let m = model(Architecture::Qwen3, 3);
+    // The prompt of 128 tokens (group 4) is skipped.
+    let config =
+        EngineConfig { max_running: 3, max_prompt_len: Some(100), ..EngineConfig::default() };
+    let mut e = engine(&m, config);
+    let input = groups(2, 8);
+    let mut seen: Vec<(usize, Vec<Sample>)> = Vec::new();
+    let mut reports = 0;
+    let out = e
+        .engine
+        .generate_with_progress(&e.model, input, &params(10), &mut |p| {
+            reports += 1;
+            assert!(p.blocks_used <= p.total_blocks && p.finished <= p.total);
+            seen.extend(p.groups_done.iter().map(|(g, s)| (*g, s.to_vec())));
+        })
+        .unwrap();
+    assert!(reports > 1);
+    seen.sort_by_key(|(g, _)| *g);
+    let groups: Vec<usize> = seen.iter().map(|(g, _)| *g).collect();
+    assert_eq!(groups, (0..6).collect::<Vec<_>>());
+    for (g, samples) in seen {
+        assert_eq!(samples, out[g], "group {g}");
+    }
+    assert!(out[4].iter().all(|s| s.status == Status::Failed));
+}
+
+/// `miles generate` writes each prompt's samples as they finish: killed (-9) mid-run, or cut
+/// short in the middle of a line, `--resume` keeps the complete prompts, generates the others
+/// and ends with the file one uninterrupted run writes, byte for byte.
+#[test]
+fn a_killed_generate_keeps_its_samples_and_resumes_exactly() {
+    let dir = miles_tests::scratch("generate_resume");
+    let ckpt = dir.join("ckpt");
+    let ckpt_s = ckpt.to_str().unwrap();
+    miles_tests::miles(&["init-model", "--preset", "tiny", "--out", ckpt_s, "--seed", "7"])
+        .unwrap();
+    let prompts = dir.join("prompts.jsonl");
+    let lines: String = (0..12).map(|i| format!("{{\"input\": \"{i} + {i} =\"}}\n")).collect();
+    std::fs::write(&prompts, lines).unwrap();
+    let args = |out: &std::path::Path| -> Vec<String> {
+        let mut a: Vec<String> =
+            ["generate", "--hf-checkpoint", ckpt_s, "--prompt-data"].map(String::from).to_vec();
+        a.push(prompts.display().to_string());
+        for flag in ["--n-samples-per-prompt 2", "--rollout-max-response-len 48"] {
+            a.extend(flag.split(' ').map(String::from));
+        }
+        a.extend(["--rollout-max-running", "2", "--output"].map(String::from));
+        a.push(out.display().to_string());
+        a
+    };
+    let full = dir.join("full.jsonl");
+    miles_tests::miles(&strs(&args(&full))).unwrap();
+    let want = std::fs::read_to_string(&full).unwrap();
+    assert_eq!(want.lines().count(), 24);
+
+    // Killed as soon as the first samples are on disk.
+    let out = dir.join("killed.jsonl");
+    let mut child = std::process::Command::new(miles_tests::miles_binary())
+        .args(args(&out))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(&out).map_or(0, |t| t.lines().count()) < 2
+        && child.try_wait().unwrap().is_none()
+        && start.elapsed().as_secs() < 60
+    {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    child.kill().ok();
+    child.wait().unwrap();
+    let kept = std::fs::read_to_string(&out).unwrap();
+    assert!(kept.lines().count() >= 2, "the killed run kept its finished samples");
+    let mut resume = args(&out);
+    resume.push("--resume".into());
+    let report = miles_tests::miles(&strs(&resume)).unwrap();
+    assert!(report.contains("wrote 24 samples"), "{report}");
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), want);
+
+    // Cut in the middle of a line, one prompt half written: both are generated again.
+    let cut: String = want.lines().take(3).map(|l| format!("{l}\n")).collect();
+    let fourth = want.lines().nth(3).unwrap();
+    std::fs::write(&out, format!("{cut}{}", &fourth[..fourth.len() / 2])).unwrap();
+    let report = miles_tests::miles(&strs(&resume)).unwrap();
+    assert!(report.contains("generated 22 samples"), "{report}");
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), want);
+}
+
 #[test]
 fn an_aborted_partial_response_is_continued_exactly() {
     let m = model(Architecture::Qwen3, 13);

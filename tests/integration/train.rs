@@ -788,7 +788,8 @@ fn unknown_estimator_and_missing_reward_are_flag_errors() {
     assert!(err.contains("nope.toml"), "{err}");
 }
 
-/// A reward server that is down fails every sample: the run counts them and finishes.
+/// A reward server that is down fails every sample: the run counts them and finishes, and its
+/// final eval says that every eval sample failed rather than print a reward of 0.
 #[test]
 fn an_unreachable_reward_server_fails_samples_not_the_run() {
     let dir = scratch("train_rm_down");
@@ -803,8 +804,14 @@ fn an_unreachable_reward_server_fails_samples_not_the_run() {
     let settings = r#"{"max_retries": 1, "backoff_ms": 1}"#;
     let paths =
         ["--hf-checkpoint", &ckpt, "--prompt-data", &data, "--run-dir", run.to_str().unwrap()];
-    let report = train(flags, &[&paths[..], &["--custom-rm-config", settings]].concat()).unwrap();
+    let eval = ["--eval-prompt-data", &data, "--eval-interval", "1"];
+    let report =
+        train(flags, &[&paths[..], &eval, &["--custom-rm-config", settings]].concat()).unwrap();
     assert!(report.contains("trained 1 iterations"), "{report}");
+    assert!(
+        report.contains("final eval reward none: every one of the 2 eval samples failed"),
+        "{report}"
+    );
     let line = std::fs::read_to_string(dir.join("run").join("metrics.jsonl")).unwrap();
     let record: Value = serde_json::from_str(line.lines().last().unwrap()).unwrap();
     assert_eq!(record["rollout/failed"], 4, "{record}");

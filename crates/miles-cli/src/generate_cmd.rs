@@ -1,17 +1,18 @@
 //! `miles generate`: prompts in, one `Sample` per response out, through the embedded engine.
 
 use std::io::{IsTerminal, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
 use miles_core::{Sample, SamplingParams, Status};
 use miles_data::{Dataset, Keys};
-use miles_model::{DeviceModel, PackedBatch, Tokenizer};
+use miles_model::{PackedBatch, Tokenizer};
 use miles_rollout::{Engine, EngineConfig, Progress, kv_cache_budget};
 
 use crate::common::{EngineArgs, load_model};
+use crate::generate_output::{Output, read_kept};
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
@@ -71,8 +72,14 @@ pub struct GenerateArgs {
     /// Most sequences decoding at once.
     #[arg(long, default_value_t = 64)]
     pub rollout_max_running: usize,
+    /// Samples as JSONL, appended as each prompt's samples finish (a killed run keeps them),
+    /// in prompt order at the end.
     #[arg(long, value_name = "FILE")]
     pub output: PathBuf,
+    /// Continue a run that stopped: prompts whose every sample is in --output already are not
+    /// generated again (the others are, with the same draws as in one uninterrupted run).
+    #[arg(long)]
+    pub resume: bool,
 }
 
 /// The prompts of `--prompt-data` as samples (label and metadata copied), tokenized.
@@ -102,19 +109,63 @@ fn load_prompts(args: &GenerateArgs, tok: &Tokenizer) -> anyhow::Result<Vec<Samp
         .collect()
 }
 
-/// Draws a one-line progress bar on standard error.
-fn draw_progress(p: Progress, started: Instant) {
-    let width = 30;
-    let filled = (p.finished * width).checked_div(p.total).unwrap_or(width);
-    let rate = p.generated_tokens as f64 / started.elapsed().as_secs_f64().max(1e-9);
-    eprint!(
-        "\r[{}{}] {}/{} samples, {} tokens, {rate:.1} tok/s ",
-        "=".repeat(filled),
-        " ".repeat(width - filled),
-        p.finished,
-        p.total,
-        p.generated_tokens
-    );
+/// Progress on standard error: a bar redrawn on a terminal, else a line every 10 s.
+struct Reporter {
+    started: Instant,
+    terminal: bool,
+    last_line: Option<Instant>,
+    warned: bool,
+    kv_mb: usize,
+}
+
+impl Reporter {
+    fn new(kv_mb: usize) -> Self {
+        let terminal = std::io::stderr().is_terminal();
+        Reporter { started: Instant::now(), terminal, last_line: None, warned: false, kv_mb }
+    }
+
+    fn report(&mut self, p: &Progress) {
+        let seconds = self.started.elapsed().as_secs_f64().max(1e-9);
+        let rate = p.generated_tokens as f64 / seconds;
+        let eta = match p.finished {
+            0 => "?".to_string(),
+            f => format!("{:.0} s", seconds * (p.total - f) as f64 / f as f64),
+        };
+        let kv = 100 * p.blocks_used / p.total_blocks.max(1);
+        let text = format!(
+            "{}/{} samples, {} tokens, {rate:.1} tok/s, {} preemptions, KV cache {kv}% used, \
+             ETA {eta}",
+            p.finished, p.total, p.generated_tokens, p.preemptions
+        );
+        if self.terminal {
+            let width = 30;
+            let filled = (p.finished * width).checked_div(p.total).unwrap_or(width);
+            eprint!("\r\x1b[2K[{}{}] {text}", "=".repeat(filled), " ".repeat(width - filled));
+        } else if self.last_line.is_none_or(|t| t.elapsed().as_secs() >= 10) {
+            eprintln!("{text}");
+            self.last_line = Some(Instant::now());
+        }
+        // Preempted sequences prefill again: many more of them than finished samples means
+        // the cache holds too few sequences for the batch to move at a useful rate.
+        if !self.warned && p.preemptions >= 32 && p.preemptions > 2 * p.finished {
+            self.warned = true;
+            if self.terminal {
+                eprintln!();
+            }
+            eprintln!(
+                "warning: {} preemptions for {} finished samples: the KV cache ({} MiB) holds \
+                 too few sequences at once; raise --rollout-kv-cache-mb (or lower \
+                 --rollout-max-running)",
+                p.preemptions, p.finished, self.kv_mb
+            );
+        }
+    }
+
+    fn done(&self) {
+        if self.terminal {
+            eprintln!();
+        }
+    }
 }
 
 pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
@@ -157,57 +208,62 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         ignore_eos: false,
         seed: args.rollout_seed,
     };
+    let kept = if args.resume { read_kept(&args.output, &groups)? } else { Vec::new() };
+    let done: std::collections::HashSet<usize> = kept.iter().map(|g| g[0].group_index).collect();
+    let todo: Vec<Vec<Sample>> =
+        groups.into_iter().filter(|g| !done.contains(&g[0].group_index)).collect();
+    if args.resume {
+        eprintln!(
+            "--resume: {} prompts complete in {}, {} to generate",
+            kept.len(),
+            args.output.display(),
+            todo.len()
+        );
+    }
+    let mut output = Output::create(&args.output, &kept)?;
     let started = Instant::now();
     let t = params.temperature;
     let mut engine = Engine::new(&model, Some(tok), config)?;
-    let groups = generate(&mut engine, &model, groups, &params)?;
+    let mut reporter = Reporter::new(kv_cache_bytes >> 20);
+    let new = engine.generate_with_progress(&model, todo, &params, &mut |p| {
+        for (_, group) in &p.groups_done {
+            output.append(group);
+        }
+        reporter.report(&p);
+    })?;
+    reporter.done();
     let seconds = started.elapsed().as_secs_f64();
+    let new_samples: usize = new.iter().map(Vec::len).sum();
+    let new_tokens: usize = new.iter().flatten().map(|s| s.response_length).sum();
+    let mut groups = kept;
+    groups.extend(new);
+    groups.sort_by_key(|g| g[0].group_index);
+    output.finish(&groups)?;
     let check = args
         .check_logprobs
         .then(|| check_logprobs(&groups, |b| Ok(model.logprobs(b, t)?.0)))
         .transpose()?;
     let stats = engine.stats().clone();
-    write_samples(&args.output, &groups)?;
     let samples: Vec<&Sample> = groups.iter().flatten().collect();
     let count = |st: Status| samples.iter().filter(|s| s.status == st).count();
-    let tokens: usize = samples.iter().map(|s| s.response_length).sum();
     writeln!(
         out,
-        "generated {} samples ({} completed, {} truncated, {} failed), {tokens} tokens in \
-         {seconds:.2} s: {:.1} tokens/s (prefill {} tokens, {} preemptions), wrote {}",
+        "generated {new_samples} samples, {new_tokens} tokens in {seconds:.2} s: {:.1} tokens/s \
+         (prefill {} tokens, {} preemptions); wrote {} samples ({} completed, {} truncated, {} \
+         failed) to {}",
+        new_tokens as f64 / seconds.max(1e-9),
+        stats.prefill_tokens,
+        stats.preemptions,
         samples.len(),
         count(Status::Completed),
         count(Status::Truncated),
         count(Status::Failed),
-        tokens as f64 / seconds.max(1e-9),
-        stats.prefill_tokens,
-        stats.preemptions,
         args.output.display()
     )?;
     if let Some(check) = check {
         writeln!(out, "{check}")?;
     }
     Ok(())
-}
-
-/// Runs `engine` with `model` over `groups`, with a progress bar on a terminal.
-fn generate(
-    engine: &mut Engine,
-    model: &DeviceModel,
-    groups: Vec<Vec<Sample>>,
-    params: &SamplingParams,
-) -> anyhow::Result<Vec<Vec<Sample>>> {
-    let started = Instant::now();
-    let terminal = std::io::stderr().is_terminal();
-    let groups = engine.generate_with_progress(model, groups, params, &mut |p| {
-        if terminal {
-            draw_progress(p, started);
-        }
-    })?;
-    if terminal {
-        eprintln!();
-    }
-    Ok(groups)
 }
 
 /// Scores the generated samples with `score` (packed batches of up to 8192 tokens) and says
@@ -249,17 +305,4 @@ fn check_logprobs(
          difference {max_diff:e})",
         samples.len()
     ))
-}
-
-/// Writes next to `path` and renames, so a failed run never leaves half a file.
-fn write_samples(path: &Path, groups: &[Vec<Sample>]) -> anyhow::Result<()> {
-    let mut text = String::new();
-    for s in groups.iter().flatten() {
-        text.push_str(&serde_json::to_string(s)?);
-        text.push('\n');
-    }
-    let tmp = path.with_extension("jsonl.partial");
-    std::fs::write(&tmp, text).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
 }

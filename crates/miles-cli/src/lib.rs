@@ -11,6 +11,7 @@ mod common;
 mod convert_cmd;
 pub mod demo;
 mod generate_cmd;
+mod generate_output;
 mod init_model_cmd;
 mod jsonl;
 pub mod linked;
@@ -97,7 +98,8 @@ impl Cli {
 
 /// Runs a parsed command, writing its report to `out`.
 pub fn execute(cli: Cli, out: &mut dyn Write) -> anyhow::Result<()> {
-    match cli.command {
+    let hint = memory_hint(&cli.command);
+    let result = match cli.command {
         Command::Train(args) => train_cmd::run(&args, out),
         Command::Plugins(args) => plugins_cmd::run(&args, out),
         Command::Reward(args) => reward_cmd::run(&args, out),
@@ -107,7 +109,44 @@ pub fn execute(cli: Cli, out: &mut dyn Write) -> anyhow::Result<()> {
         Command::Bench(command) => bench_cmd::run(&command, out),
         Command::Convert(command) => convert_cmd::run(&command, out),
         Command::Plot(args) => plot_cmd::run(&args, out),
+    };
+    result.map_err(|e| with_memory_hint(e, hint))
+}
+
+/// `e`, told what to lower when it is a device allocation that found no memory.
+fn with_memory_hint(e: anyhow::Error, hint: Option<&str>) -> anyhow::Error {
+    match hint {
+        Some(hint) if is_out_of_memory(&e) => e.context(format!("out of GPU memory: {hint}")),
+        _ => e,
     }
+}
+
+/// Whether `e` is a device allocation that found no memory (CUDA's OUT_OF_MEMORY).
+fn is_out_of_memory(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        let text = cause.to_string();
+        text.contains("OUT_OF_MEMORY") || text.contains("out of memory")
+    })
+}
+
+/// What to lower when `command` runs out of GPU memory.
+fn memory_hint(command: &Command) -> Option<&'static str> {
+    Some(match command {
+        Command::Train(_) => {
+            "lower --micro-batch-size (the sequences of one forward), --rollout-max-response-len \
+             or --rollout-kv-cache-mb (the rollout engine's cache, allocated first beside the \
+             model)"
+        }
+        Command::Bench(BenchCommand::Train(_) | BenchCommand::Logprob(_)) => {
+            "lower --batch or --seq-len"
+        }
+        Command::Bench(BenchCommand::Rollout(_)) => {
+            "lower --rollout-kv-cache-mb, --batch or --prompt-len"
+        }
+        Command::Generate(_) => "lower --rollout-kv-cache-mb or --rollout-max-running",
+        Command::Score(_) => "lower --max-tokens-per-batch",
+        _ => return None,
+    })
 }
 
 /// Parses and runs `args` (the first item is the program name), as `main` does.
@@ -117,4 +156,26 @@ where
     T: Into<OsString> + Clone,
 {
     execute(Cli::try_parse_args(args)?, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_memory_errors_name_what_to_lower() {
+        let oom = || {
+            anyhow::anyhow!("CUDA alloc: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")")
+                .context("training step")
+        };
+        let cli = Cli::try_parse_args(["miles", "bench", "train"]).unwrap();
+        let e = with_memory_hint(oom(), memory_hint(&cli.command));
+        assert!(format!("{e:#}").starts_with("out of GPU memory: lower --batch or --seq-len"));
+        let cli = Cli::try_parse_args(["miles", "train"]).unwrap();
+        let e = format!("{:#}", with_memory_hint(oom(), memory_hint(&cli.command)));
+        assert!(e.contains("lower --micro-batch-size") && e.contains("OUT_OF_MEMORY"), "{e}");
+        // Other errors pass unchanged.
+        let e = with_memory_hint(anyhow::anyhow!("bad flag"), memory_hint(&cli.command));
+        assert_eq!(format!("{e:#}"), "bad flag");
+    }
 }

@@ -348,7 +348,7 @@ pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     if let Some(from) = summary.resumed_from {
         writeln!(out, "resumed from iteration {from}")?;
     }
-    let eval = summary.final_eval.map_or("-".into(), |e| format!("{e:.3}"));
+    let eval = summary.final_eval.map_or("-".into(), |e| e.to_string());
     writeln!(
         out,
         "trained {} iterations ({} steps skipped), final eval reward {eval}; metrics in {}, \

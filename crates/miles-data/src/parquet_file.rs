@@ -32,11 +32,12 @@
 //! list of `{"role", "content"}` objects is, and an int64 label is the label `"5"` as JSONL's
 //! `5` is.
 
+use std::cell::Cell;
 use std::fs::File;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
 use parquet::basic::{CompressionCodec, ConvertedType, Type as PhysicalType};
 use parquet::errors::ParquetError;
@@ -51,6 +52,50 @@ use crate::{DataError, Dataset, Keys, PromptRow};
 /// [`Dataset::load`] for a `.parquet` file: `spec` as given, `path` and `(from, to)` parsed from
 /// it.
 pub(crate) fn load(
+    spec: &str,
+    path: &Path,
+    from: Option<usize>,
+    to: Option<usize>,
+    keys: &Keys,
+) -> Result<Dataset, DataError> {
+    // The parquet crate panics (`unimplemented!`, failed invariants, out-of-range slices) on
+    // some corrupt files, in its metadata reader, decoders and record reader; a bad prompt
+    // file must be an error the user can act on, not a crash or a panic message. Types it
+    // cannot convert are refused before reading (`readable`), so this is a last resort.
+    quietly(|| read(spec, path, from, to, keys)).unwrap_or_else(|panic| {
+        let why = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        Err(error(path, format!("the Parquet reader failed ({why}); the file may be corrupt")))
+    })
+}
+
+thread_local! {
+    /// Set while this thread runs [`quietly`]: its panics print nothing.
+    static QUIET: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f`, catching a panic without the panic hook's message (on this thread only: the
+/// hook stays as it was for every other thread and after `f`).
+fn quietly<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET.with(Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+    let was = QUIET.replace(true);
+    let out = catch_unwind(AssertUnwindSafe(f));
+    QUIET.set(was);
+    out
+}
+
+fn read(
     spec: &str,
     path: &Path,
     from: Option<usize>,
@@ -89,22 +134,7 @@ pub(crate) fn load(
         total = total.saturating_add(rows);
     }
     let wanted = row_range(spec, path, (from, to), total, " (the Parquet file has no row)")?;
-    // The record reader panics (`unimplemented!`, failed invariants) on some corrupt files; a
-    // bad prompt file must be an error the user can act on, not a crash. Types it cannot convert
-    // are refused before reading (`readable`), so this is a last resort.
-    let rows =
-        catch_unwind(AssertUnwindSafe(|| read_rows(&reader, &projection, wanted, keys, path)))
-            .unwrap_or_else(|panic| {
-                let why = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "no message".into());
-                Err(error(
-                    path,
-                    format!("the Parquet reader failed ({why}); the file may be corrupt"),
-                ))
-            })?;
+    let rows = read_rows(&reader, &projection, wanted, keys, path)?;
     Ok(Dataset { source: spec.to_string(), rows })
 }
 

@@ -330,6 +330,32 @@ impl ModelConfig {
                 return Err("router_aux_loss_coef must be a number ≥ 0".into());
             }
         }
+        // Bounded before anything is allocated or counted in usize: every layer counted as the
+        // larger of a dense and a sparse one, in u128 (no product of these sizes overflows it).
+        let (h, d) = (c.hidden_size as u128, c.head_dim as u128);
+        let attn = h * d * 2 * (c.num_attention_heads + c.num_key_value_heads) as u128;
+        let sparse = c
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.num_experts as u128 * h * (1 + 3 * m.moe_intermediate_size as u128));
+        let mlp = sparse.max(3 * h * c.intermediate_size as u128);
+        let layers = c.num_hidden_layers as u128 * (attn + mlp + 2 * (h + d));
+        let total = 2 * c.vocab_size as u128 * h + layers + h;
+        if total > MAX_PARAMETERS {
+            return Err(format!(
+                "its sizes describe about {total:.3e} parameters, more than the {MAX_PARAMETERS:.1e} \
+                 this loader accepts: check num_hidden_layers ({}), hidden_size ({}), \
+                 intermediate_size ({}), vocab_size ({}){}",
+                c.num_hidden_layers,
+                c.hidden_size,
+                c.intermediate_size,
+                c.vocab_size,
+                c.moe.as_ref().map_or(String::new(), |m| format!(
+                    ", num_experts ({}), moe_intermediate_size ({})",
+                    m.num_experts, m.moe_intermediate_size
+                ))
+            ));
+        }
         Ok(())
     }
 
@@ -410,6 +436,9 @@ impl ModelConfig {
         c.vocab_size * h + layers + h + head
     }
 }
+
+/// The most parameters a config may describe: 2^44 (17.6 T, 26 times DeepSeek-V3's 671 B).
+const MAX_PARAMETERS: u128 = 1 << 44;
 
 /// `dir/config.json`.
 pub fn config_path(dir: &Path) -> PathBuf {

@@ -223,6 +223,7 @@ impl Weights {
     /// A missing or mis-shaped tensor names the file and the tensor.
     pub fn load(dir: &Path, c: &ModelConfig) -> Result<Self> {
         let files = TensorFiles::open(dir)?;
+        files.check_counts(c, &crate::config::config_path(dir))?;
         Self::build(c, |name, shape| files.f32(name, shape))
     }
 
@@ -370,6 +371,39 @@ impl TensorFiles {
             self.location.insert(n, k);
         }
         self.buffers.push((path.to_path_buf(), bytes));
+        Ok(())
+    }
+
+    /// Refuses a config that counts more layers, or more experts in a sparse layer, than
+    /// these files hold, before anything is allocated per layer or expert: a huge count in
+    /// `config` (`config.json`) is then an error naming the key, not an abort.
+    pub fn check_counts(&self, c: &ModelConfig, config: &Path) -> Result<()> {
+        // The largest index + 1 among names "{prefix}{index}.…".
+        let held = |prefix: &str| {
+            let index = |n: &String| n.strip_prefix(prefix)?.split('.').next()?.parse().ok();
+            self.location.keys().filter_map(index).map(|i: usize| i + 1).max().unwrap_or(0)
+        };
+        let err = |message: String| Error::Config { path: config.to_path_buf(), message };
+        let layers = held("model.layers.");
+        if c.num_hidden_layers > layers {
+            return Err(err(format!(
+                "num_hidden_layers is {}, but the checkpoint's tensors hold {layers} layers \
+                 (model.layers.N.*); fix the config or the checkpoint",
+                c.num_hidden_layers
+            )));
+        }
+        let Some(m) = &c.moe else { return Ok(()) };
+        let Some(layer) = (0..c.num_hidden_layers).find(|&l| m.is_sparse(l)) else {
+            return Ok(());
+        };
+        let experts = held(&format!("model.layers.{layer}.mlp.experts."));
+        if m.num_experts > experts {
+            return Err(err(format!(
+                "num_experts is {}, but layer {layer} of the checkpoint holds {experts} experts \
+                 (model.layers.{layer}.mlp.experts.N.*); fix the config or the checkpoint",
+                m.num_experts
+            )));
+        }
         Ok(())
     }
 

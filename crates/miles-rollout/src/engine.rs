@@ -72,12 +72,21 @@ pub struct EngineStats {
     pub first_token_seconds: Option<f64>,
 }
 
-/// Progress reported after every step.
-#[derive(Debug, Clone, Copy)]
-pub struct Progress {
+/// Progress reported after every step, with the groups it completed.
+#[derive(Debug, Clone)]
+pub struct Progress<'a> {
+    /// Samples finished, of `total`.
     pub finished: usize,
     pub total: usize,
     pub generated_tokens: usize,
+    /// Preemptions so far in this call (each one a prefill to run again).
+    pub preemptions: usize,
+    /// KV blocks in use now, of `total_blocks`.
+    pub blocks_used: usize,
+    pub total_blocks: usize,
+    /// Groups whose every sample is now final, each once in the call (its index among the
+    /// call's groups, its samples): a caller can keep them before the call returns.
+    pub groups_done: Vec<(usize, &'a [Sample])>,
 }
 
 /// The rollout engine: the scheduler and its [`Policy`] (the KV cache) for one
@@ -215,7 +224,7 @@ impl Engine {
         model: &DeviceModel,
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
-        progress: &mut dyn FnMut(Progress),
+        progress: &mut dyn FnMut(Progress<'_>),
     ) -> crate::Result<Vec<Vec<Sample>>> {
         self.policy.check(model)?;
         check_params(params)?;
@@ -231,6 +240,7 @@ impl Engine {
         let start = Instant::now();
         let eos = if params.ignore_eos { Vec::new() } else { self.eos_ids() };
         let mut run = Run::new(self, groups, params, &eos)?;
+        let preempted_before = self.stats.preemptions;
         let mut admissions = 0u64;
         while run.remaining > 0 {
             self.grow(&mut run);
@@ -291,11 +301,11 @@ impl Engine {
             self.stats.peak_running = self.stats.peak_running.max(in_step);
             run.running = next;
             self.stats.peak_blocks = self.stats.peak_blocks.max(run.blocks.peak_used());
-            progress(Progress {
-                finished: run.total - run.remaining,
-                total: run.total,
-                generated_tokens: run.generated,
-            });
+            progress(run.progress(self.stats.preemptions - preempted_before));
+        }
+        if !run.done_now.is_empty() {
+            // Groups with nothing to generate, when no step ran.
+            progress(run.progress(0));
         }
         Ok(run.out)
     }
@@ -519,6 +529,9 @@ struct Run {
     total: usize,
     remaining: usize,
     generated: usize,
+    /// Per group, its samples still generating; the groups completed since the last report.
+    left: Vec<usize>,
+    done_now: Vec<usize>,
 }
 
 impl Run {
@@ -538,6 +551,8 @@ impl Run {
             total,
             remaining: 0,
             generated: 0,
+            left: Vec::new(),
+            done_now: Vec::new(),
         };
         let capacity = engine.policy.num_blocks() * KEY_BLOCK;
         // A sample's draws are keyed by its index: two samples sharing one would be twins.
@@ -550,6 +565,7 @@ impl Run {
             )));
         }
         for (g, group) in groups.into_iter().enumerate() {
+            let before = run.remaining;
             let mut unit: Unit = Vec::new();
             let mut samples = Vec::with_capacity(group.len());
             for (m, mut s) in group.into_iter().enumerate() {
@@ -591,8 +607,27 @@ impl Run {
                 run.waiting.push_back(unit);
             }
             run.out.push(samples);
+            let queued = run.remaining - before;
+            if queued == 0 {
+                run.done_now.push(g);
+            }
+            run.left.push(queued);
         }
         Ok(run)
+    }
+
+    /// The progress after a step; hands over the groups completed since the last one.
+    fn progress(&mut self, preemptions: usize) -> Progress<'_> {
+        let done = std::mem::take(&mut self.done_now);
+        Progress {
+            finished: self.total - self.remaining,
+            total: self.total,
+            generated_tokens: self.generated,
+            preemptions,
+            blocks_used: self.blocks.num_used(),
+            total_blocks: self.blocks.num_used() + self.blocks.num_free(),
+            groups_done: done.into_iter().map(|g| (g, self.out[g].as_slice())).collect(),
+        }
     }
 
     /// Appends a draw; a finished sequence frees its blocks and fills its sample.
@@ -619,6 +654,10 @@ impl Run {
         self.blocks.release(&seq.blocks);
         self.remaining -= 1;
         let (g, m) = seq.slot;
+        self.left[g] -= 1;
+        if self.left[g] == 0 {
+            self.done_now.push(g);
+        }
         let s = std::mem::take(&mut self.out[g][m]);
         self.out[g][m] = match status {
             Err(reason) => failed(s, reason),

@@ -32,8 +32,10 @@
 //!
 //! Whitening ([`normalize_advantages`], slime's `--normalize-advantages`) subtracts the mean
 //! and divides by sqrt(var + 1e-8) with mean and unbiased variance over the kept tokens of the
-//! whole batch. slime requires `--normalize-advantages` for both REINFORCE++ variants; here
-//! they whiten themselves, and whitening again is (to 1e-8) a no-op. A batch with no kept
+//! whole batch. slime requires `--normalize-advantages` for both REINFORCE++ variants and
+//! whitens there; here they whiten themselves, and `--normalize-advantages` adds no second
+//! pass (which would not be a no-op: it drops the 1e-8 and blows a batch of equal rewards up
+//! to unit variance). A batch with no kept
 //! token at all whitens to zeros (slime raises): the step then has a zero loss and moves
 //! nothing.
 //!

@@ -183,8 +183,11 @@ pub fn compute_advantages(
         }
         s.advantages = a;
     }
-    // The estimator's whitening, then `normalize`'s (both, as one process would run them).
-    for _ in 0..usize::from(whitens) + usize::from(normalize) {
+    // One whitening: the estimator's own, or `normalize`'s. slime's REINFORCE++ estimators
+    // leave it to --normalize-advantages (which slime requires for them); a second pass is not
+    // a no-op: it drops the variance epsilon and blows a batch of (almost) equal rewards up to
+    // unit variance.
+    if whitens || normalize {
         let rows = samples.iter().map(|s| (s.advantages.as_slice(), s.loss_mask.as_slice()));
         let stats = MaskedStats::over(rows, batch_sum)?;
         for s in samples.iter_mut() {

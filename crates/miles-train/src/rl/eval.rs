@@ -27,7 +27,7 @@ pub(super) fn evaluate(
     reward: &dyn Reward,
     record: &mut Record,
     dist: Option<&Dist>,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<EvalOutcome> {
     let started = Instant::now();
     let n = cfg.n_samples_per_eval_prompt;
     let total = eval.rows.len();
@@ -68,5 +68,35 @@ pub(super) fn evaluate(
     }
     record.insert("rollout/eval_failed".into(), json!(failed as usize));
     record.insert("perf/eval_time".into(), json!(started.elapsed().as_secs_f64()));
-    Ok(mean)
+    Ok(EvalOutcome { reward: mean, scored: count as usize, failed: failed as usize })
+}
+
+/// An eval's mean reward over the samples the reward scored, and how many it could not score
+/// (the reward failed, or the rollout): a mean of none is no score.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalOutcome {
+    pub reward: f64,
+    pub scored: usize,
+    pub failed: usize,
+}
+
+impl std::fmt::Display for EvalOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (scored, failed) = (self.scored, self.failed);
+        match (scored, failed) {
+            (0, 0) => write!(f, "none (no eval sample)"),
+            (0, _) => write!(
+                f,
+                "none: every one of the {failed} eval samples failed (rollout/eval_failed; each \
+                 sample's metadata says why)"
+            ),
+            (_, 0) => write!(f, "{:.3}", self.reward),
+            _ => write!(
+                f,
+                "{:.3} ({failed} of {} eval samples failed)",
+                self.reward,
+                scored + failed
+            ),
+        }
+    }
 }

@@ -59,6 +59,7 @@ use run::{Progress, Run};
 use score::Unscored;
 use sft::sft_warmup;
 
+pub use eval::EvalOutcome;
 pub use metrics::{Record, TENSORBOARD_DIR};
 
 /// Everything a run needs, assembled by the driver.
@@ -85,7 +86,7 @@ pub struct Setup {
 pub struct Summary {
     pub iterations: usize,
     pub resumed_from: Option<u64>,
-    pub final_eval: Option<f64>,
+    pub final_eval: Option<EvalOutcome>,
     pub skipped_steps: u64,
     pub weights: Weights,
 }

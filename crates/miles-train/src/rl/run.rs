@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 
 use super::actor::{Actor, Reference, logprobs_of};
 use super::collect::{StepParts, rollout};
-use super::eval::evaluate;
+use super::eval::{EvalOutcome, evaluate};
 use super::metrics::{MetricsLog, Record, StepSums, peak_bf16_flops};
 use super::prepare::{OldLogprobs, prepare};
 use super::sft::sft_samples;
@@ -145,7 +145,7 @@ impl Run<'_> {
         actor: &mut Actor,
         eval: &Dataset,
         record: &mut Record,
-    ) -> anyhow::Result<f64> {
+    ) -> anyhow::Result<EvalOutcome> {
         let (cfg, tok, reward) = (self.cfg, self.tokenizer, self.reward);
         evaluate(cfg, &mut actor.rollout(), tok, eval, reward, record, self.dist)
     }
