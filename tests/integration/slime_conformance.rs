@@ -112,11 +112,20 @@ fn advantages_match_slime() {
         )
         .unwrap();
         let expected = case["expected"]["advantages"].as_array().unwrap();
+        // slime whitens with the variance as E[x²] − E[x]² in f32 (miles-rs: two passes in
+        // f64). When every reward is equal, REINFORCE++'s returns are about 1 with a spread of
+        // KL noise (variance ~4e-5), and that difference loses about three digits: slime's
+        // values there are 0.2% off the exact ones (the fixture's inputs whitened in f64 give
+        // ours), so they are held to 0.5%.
+        let degenerate = name.contains("all rewards equal");
+        let close = |ours: f64, slime: f64| {
+            agrees(ours, slime) || (degenerate && (ours - slime).abs() <= 5e-3 * slime.abs())
+        };
         for (i, (s, e)) in samples.iter().zip(expected).enumerate() {
             // slime leaves values off the loss mask that the loss never reads; miles-rs zeroes
             // them.
             for (t, (&ours, e)) in s.advantages.iter().zip(floats(e)).enumerate() {
-                if s.loss_mask[t] != 0 && !agrees(f64::from(ours), f64::from(e)) {
+                if s.loss_mask[t] != 0 && !close(f64::from(ours), f64::from(e)) {
                     failures.push(format!("{name}: sample {i} token {t}: {ours} vs slime {e}"));
                 }
             }

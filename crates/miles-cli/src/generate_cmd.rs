@@ -76,8 +76,9 @@ pub struct GenerateArgs {
     /// in prompt order at the end.
     #[arg(long, value_name = "FILE")]
     pub output: PathBuf,
-    /// Continue a run that stopped: prompts whose every sample is in --output already are not
-    /// generated again (the others are, with the same draws as in one uninterrupted run).
+    /// Continue a run that stopped: prompts whose every sample is in --output already, none of
+    /// them failed, are not generated again (the others are, with the same draws as in one
+    /// uninterrupted run).
     #[arg(long)]
     pub resume: bool,
 }
@@ -145,9 +146,9 @@ impl Reporter {
             eprintln!("{text}");
             self.last_line = Some(Instant::now());
         }
-        // Preempted sequences prefill again: many more of them than finished samples means
-        // the cache holds too few sequences for the batch to move at a useful rate.
-        if !self.warned && p.preemptions >= 32 && p.preemptions > 2 * p.finished {
+        // A preempted sequence prefills again from its start: one preemption per few finished
+        // samples means the cache holds too few sequences for the batch to move at its rate.
+        if !self.warned && p.preemptions >= 16 && 4 * p.preemptions >= p.finished {
             self.warned = true;
             if self.terminal {
                 eprintln!();

@@ -7,7 +7,7 @@ use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use miles_core::Sample;
+use miles_core::{Sample, Status};
 
 /// The output file being written.
 pub struct Output {
@@ -71,7 +71,8 @@ fn write_whole(path: &Path, groups: &[Vec<Sample>]) -> anyhow::Result<()> {
 }
 
 /// The complete groups an earlier run wrote to `path` for these `groups` (the prompts to
-/// generate, `n` samples each): a group is kept when all its samples are there. A last line
+/// generate, `n` samples each): a group is kept when all its samples are there and none
+/// failed (a failure may be the flags', such as a KV cache too small: it is tried again). A last line
 /// cut short (the run killed while writing it) is dropped; any other line that is not a
 /// sample, or a sample whose prompt is not its group's, is an error.
 pub fn read_kept(path: &Path, groups: &[Vec<Sample>]) -> anyhow::Result<Vec<Vec<Sample>>> {
@@ -115,7 +116,8 @@ pub fn read_kept(path: &Path, groups: &[Vec<Sample>]) -> anyhow::Result<Vec<Vec<
         samples.sort_by_key(|s| s.index);
         samples.dedup_by_key(|s| s.index);
         let want: Vec<usize> = groups[g].iter().map(|s| s.index).collect();
-        if samples.iter().map(|s| s.index).eq(want) {
+        let failed = samples.iter().any(|s| s.status == Status::Failed);
+        if samples.iter().map(|s| s.index).eq(want) && !failed {
             kept.push(samples);
         }
     }
@@ -150,8 +152,11 @@ mod tests {
         let mut out = Output::create(&path, &[]).unwrap();
         out.append(&prompts[2]);
         out.append(&prompts[0]);
+        let mut failed = prompts[3].clone();
+        failed[1].status = Status::Failed;
+        out.append(&failed);
         drop(out);
-        // Group 1 half written, then a line cut short.
+        // Group 1 half written, then a line cut short; group 3 has a failed sample.
         let mut text = std::fs::read_to_string(&path).unwrap();
         text.push_str(&serde_json::to_string(&prompts[1][0]).unwrap());
         text.push('\n');

@@ -420,6 +420,26 @@ mod tests {
         }
     }
 
+    /// Regression: REINFORCE++ with --normalize-advantages whitened twice, the second pass
+    /// dropping slime's variance epsilon: one group of rewards {0, 0.001}, one token each, gives
+    /// slime's ±0.700140 (not ±0.707107), with or without the flag.
+    #[test]
+    fn reinforce_plus_plus_whitens_once_with_normalize_advantages() {
+        let rpp = crate::advantage::ReinforcePlusPlus { gamma: 1.0, kl_coef: 0.0 };
+        for normalize in [false, true] {
+            let mut samples = scored(2);
+            for (s, r) in samples.iter_mut().zip([0.0, 0.001]) {
+                (s.tokens, s.loss_mask, s.reward) = (vec![1, 1, 1], vec![1], r);
+                (s.rollout_logp, s.old_logp) = (vec![-1.0], vec![-1.0]);
+            }
+            compute_advantages(&rpp, &mut samples, None, normalize, &mut |_| Ok(())).unwrap();
+            let a: Vec<f32> = samples.iter().map(|s| s.advantages[0]).collect();
+            let slime = 0.0005 / (5e-7f64 + 1e-8).sqrt();
+            assert!((f64::from(a[1]) - slime).abs() < 1e-5, "{normalize}: {a:?}");
+            assert!((f64::from(a[0]) + slime).abs() < 1e-5, "{normalize}: {a:?}");
+        }
+    }
+
     /// Regression: the reward-shaping KL was old − ref (k1) whatever `--kl-loss-type` said;
     /// slime shapes with the chosen estimator.
     #[test]
