@@ -10,6 +10,8 @@ pub const FEATURES: &[&str] = &[
     "tis",
     #[cfg(feature = "r3")]
     "r3",
+    #[cfg(feature = "fp8")]
+    "fp8",
     #[cfg(feature = "cuda")]
     "cuda",
 ];
@@ -21,6 +23,8 @@ pub fn plugins() -> Vec<&'static Plugin> {
         &miles_plugin_tis::PLUGIN,
         #[cfg(feature = "r3")]
         &miles_plugin_r3::PLUGIN,
+        #[cfg(feature = "fp8")]
+        &miles_plugin_fp8::PLUGIN,
     ];
     let builtin = miles_rewards::BUILTIN.iter().chain(miles_train::advantage::BUILTIN);
     let all: Vec<&'static Plugin> = builtin.chain(features).copied().collect();

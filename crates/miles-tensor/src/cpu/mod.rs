@@ -2,6 +2,7 @@
 
 pub(crate) mod attention;
 mod elementwise;
+mod fp8;
 mod linear;
 mod logprob;
 mod matmul;
@@ -15,6 +16,10 @@ pub use attention::{
 pub use elementwise::{
     embedding_backward, embedding_forward, rmsnorm_backward, rmsnorm_forward, rope_backward,
     rope_forward, rope_tables, swiglu_backward, swiglu_forward,
+};
+pub use fp8::{
+    E4M3_MAX, FP8_BLOCK, dequantize_blocks, e4m3_to_f32, f32_to_e4m3, quantize_blocks,
+    quantize_rows,
 };
 pub use linear::{PackedLinear, linear_forward, linear_reference};
 pub use logprob::{

@@ -1,0 +1,170 @@
+//! The `fp8` plugin: FP8 E4M3 weights with one f32 scale per 128 × 128 block, as miles and
+//! DeepSeek-V3 store them (`<name>.weight_scale_inv` holds the dequantization multiplier
+//! s = amax / 448: w ≈ q · s). This crate is the format's `Quantizer` over the exact CPU codec
+//! of `miles_tensor::cpu` (round to nearest even, saturation at ±448, subnormals), the
+//! reference every FP8 kernel is held to, and the rule of which weights miles quantizes.
+//! Configuration: `{"fmt": "e4m3", "weight_block_size": [128, 128]}` (both the default).
+
+use miles_core::{
+    Error, Factory, Plugin, PluginConfig, QuantFormat, Quantized, Quantizer, Registration, Result,
+    WeightView,
+};
+use miles_tensor::cpu::{FP8_BLOCK, dequantize_blocks, quantize_blocks};
+
+pub static PLUGIN: Plugin = Plugin {
+    name: "fp8",
+    version: env!("CARGO_PKG_VERSION"),
+    description: "FP8 E4M3 weights in 128×128 blocks with f32 scales (DeepSeek-V3's format)",
+    factory: Factory::Quantizer(|config| Ok(Box::new(Fp8::from_config(config)?))),
+};
+miles_core::inventory::submit! { Registration(&PLUGIN) }
+
+/// The blockwise E4M3 quantizer.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fp8;
+
+impl Fp8 {
+    /// Reads `{"fmt", "weight_block_size"}`; anything but E4M3 in 128 × 128 blocks is refused
+    /// naming the field (the E5M2 format and other block sizes are not implemented).
+    pub fn from_config(config: &PluginConfig) -> Result<Self> {
+        let err = |m: String| Error::Plugin(format!("fp8: {m}"));
+        let object = match config {
+            serde_json::Value::Null => return Ok(Fp8),
+            serde_json::Value::Object(o) => o,
+            other => return Err(err(format!("the configuration is an object, got {other}"))),
+        };
+        for (key, value) in object {
+            match key.as_str() {
+                "fmt" if matches!(value.as_str(), Some("e4m3" | "float8_e4m3fn")) => {}
+                "fmt" => return Err(err(format!("fmt {value} is not supported: use \"e4m3\""))),
+                "weight_block_size" if *value == serde_json::json!([FP8_BLOCK, FP8_BLOCK]) => {}
+                "weight_block_size" => {
+                    return Err(err(format!(
+                        "weight_block_size {value} is not supported: blocks are [128, 128]"
+                    )));
+                }
+                other => return Err(err(format!("unknown setting '{other}'"))),
+            }
+        }
+        Ok(Fp8)
+    }
+}
+
+/// Whether miles quantizes the weight `name` (an HF tensor name): the attention projections,
+/// the MLP and every expert; not the embeddings, the norms, the LM head or a MoE router.
+pub fn quantizes(name: &str) -> bool {
+    let Some(stem) = name.strip_suffix(".weight") else { return false };
+    let linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+    stem.starts_with("model.layers.") && linear.iter().any(|l| stem.ends_with(l))
+}
+
+impl Quantizer for Fp8 {
+    fn format(&self) -> QuantFormat {
+        QuantFormat { name: "fp8_e4m3".into(), bits: 8, block: [FP8_BLOCK, FP8_BLOCK] }
+    }
+
+    fn quantize(&self, weight: &WeightView<'_>) -> Result<Quantized> {
+        let &[rows, cols] = weight.shape else {
+            return Err(Error::Invalid(format!(
+                "fp8 quantizes matrices; {} has shape {:?}",
+                weight.name, weight.shape
+            )));
+        };
+        if weight.data.len() != rows * cols {
+            return Err(Error::Invalid(format!(
+                "{}: {} values for shape [{rows}, {cols}]",
+                weight.name,
+                weight.data.len()
+            )));
+        }
+        let (data, scales) = quantize_blocks(weight.data, rows, cols);
+        Ok(Quantized { format: self.format(), shape: vec![rows, cols], data, scales })
+    }
+
+    fn dequantize(&self, q: &Quantized) -> Result<Vec<f32>> {
+        let (rows, cols) = match q.shape[..] {
+            [rows, cols] => (rows, cols),
+            _ => return Err(Error::Invalid(format!("fp8: shape {:?} is not a matrix", q.shape))),
+        };
+        let blocks = rows.div_ceil(FP8_BLOCK) * cols.div_ceil(FP8_BLOCK);
+        if q.format != self.format() || q.data.len() != rows * cols || q.scales.len() != blocks {
+            return Err(Error::Invalid(format!(
+                "fp8: {} codes and {} scales for a [{rows}, {cols}] matrix in {:?}: expected {} \
+                 and {blocks} in fp8_e4m3 128×128",
+                q.data.len(),
+                q.scales.len(),
+                q.format.name,
+                rows * cols
+            )));
+        }
+        Ok(dequantize_blocks(&q.data, &q.scales, rows, cols))
+    }
+
+    fn supports_fake_quant(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use miles_tensor::rng::Rng;
+
+    #[test]
+    fn a_round_trip_keeps_every_block_within_its_step() {
+        let q = Fp8::from_config(&serde_json::json!({"fmt": "e4m3"})).unwrap();
+        let mut rng = Rng::new(3);
+        let data: Vec<f32> = (0..200 * 130).map(|_| 0.02 * rng.normal()).collect();
+        let view = WeightView {
+            name: "model.layers.0.mlp.up_proj.weight",
+            shape: &[200, 130],
+            data: &data,
+        };
+        let packed = q.quantize(&view).unwrap();
+        assert_eq!((packed.data.len(), packed.scales.len()), (200 * 130, 4));
+        let back = q.dequantize(&packed).unwrap();
+        for (x, y) in data.iter().zip(&back) {
+            assert!((x - y).abs() <= x.abs() / 16.0 + 1e-4, "{x} → {y}");
+        }
+        assert_eq!(q.fake_quantize(&view).unwrap(), back);
+    }
+
+    #[test]
+    fn bad_settings_and_shapes_name_what_is_wrong() {
+        let err = |c: serde_json::Value| Fp8::from_config(&c).unwrap_err().to_string();
+        assert!(err(serde_json::json!({"fmt": "e5m2"})).contains("fmt \"e5m2\" is not supported"));
+        let e = err(serde_json::json!({"weight_block_size": [64, 64]}));
+        assert!(e.contains("weight_block_size [64,64] is not supported"), "{e}");
+        assert!(err(serde_json::json!({"recipe": 1})).contains("unknown setting 'recipe'"));
+        let q = Fp8;
+        let view = WeightView { name: "model.norm.weight", shape: &[4], data: &[1.0; 4] };
+        let e = q.quantize(&view).unwrap_err().to_string();
+        assert!(e.contains("model.norm.weight has shape [4]"), "{e}");
+        let mut packed =
+            q.quantize(&WeightView { name: "w", shape: &[2, 2], data: &[1.0; 4] }).unwrap();
+        packed.scales.push(1.0);
+        assert!(q.dequantize(&packed).unwrap_err().to_string().contains("2 scales"));
+    }
+
+    #[test]
+    fn miles_quantizes_the_projections_and_experts_only() {
+        for name in [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.3.self_attn.o_proj.weight",
+            "model.layers.1.mlp.down_proj.weight",
+            "model.layers.2.mlp.experts.7.gate_proj.weight",
+        ] {
+            assert!(quantizes(name), "{name}");
+        }
+        for name in [
+            "model.embed_tokens.weight",
+            "lm_head.weight",
+            "model.norm.weight",
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.0.self_attn.q_norm.weight",
+            "model.layers.2.mlp.gate.weight",
+        ] {
+            assert!(!quantizes(name), "{name}");
+        }
+    }
+}
