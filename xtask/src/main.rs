@@ -645,8 +645,9 @@ mod tests {
     fn unknown_plugins_are_refused_with_the_valid_names() {
         assert_eq!(driver_features(&["tis".into(), "tis".into()]).unwrap(), vec!["tis"]);
         assert!(driver_features(&[]).unwrap().is_empty());
-        let err = driver_features(&["fp8".into()]).unwrap_err();
-        assert!(err.contains("unknown plugin 'fp8'") && err.contains("tis"), "{err}");
+        assert_eq!(driver_features(&["fp8".into(), "r3".into()]).unwrap(), vec!["fp8", "r3"]);
+        let err = driver_features(&["int4-qat".into()]).unwrap_err();
+        assert!(err.contains("unknown plugin 'int4-qat'") && err.contains("fp8"), "{err}");
     }
 
     /// Every driver feature is offered here, and every offered feature exists in the driver.
