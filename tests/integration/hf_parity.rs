@@ -70,3 +70,58 @@ fn qwen3_moe_matches_transformers() {
         .collect();
     assert_eq!(ours, theirs);
 }
+
+/// An FP8 checkpoint as DeepSeek-V3 and Qwen3 release them (`tests/fixtures/fp8/qwen3`, the
+/// tiny Qwen3 above quantized by `make_fp8_checkpoint.py` with numpy and ml_dtypes) loads
+/// dequantized: every matrix is q · s with the very codes and scales miles-rs' own codec gives
+/// the f32 weights (two implementations of DeepGEMM's blockwise recipe agree bit for bit), the
+/// rest as stored. A scale of the wrong shape, or none, names the tensor.
+#[test]
+fn an_fp8_checkpoint_loads_dequantized_with_the_codecs_bits() {
+    use miles_tensor::cpu::{dequantize_blocks, quantize_blocks};
+    let fp8 = miles_tests::workspace_root().join("tests/fixtures/fp8/qwen3");
+    let config = ModelConfig::from_file(&fp8.join("config.json")).unwrap();
+    let loaded = miles_model::Weights::load(&fp8, &config).unwrap();
+    let original = miles_model::Weights::load(&fixture("qwen3"), &config).unwrap();
+    let spec = miles_model::weights::tensor_spec(&config);
+    let pairs =
+        loaded.tensors(config.architecture).into_iter().zip(original.tensors(config.architecture));
+    let mut quantized = 0;
+    for ((name, shape), (got, f32s)) in spec.iter().zip(pairs) {
+        let projection = name.starts_with("model.layers.") && name.ends_with("_proj.weight");
+        if projection {
+            let (codes, scales) = quantize_blocks(f32s, shape[0], shape[1]);
+            assert_eq!(*got, dequantize_blocks(&codes, &scales, shape[0], shape[1]), "{name}");
+            assert_ne!(got, f32s, "{name} was quantized");
+            quantized += 1;
+        } else {
+            assert_eq!(got, f32s, "{name}");
+        }
+    }
+    assert_eq!(quantized, 14);
+
+    // The header of a copy rewritten: one scale's shape, then its name.
+    let dir = miles_tests::scratch("fp8_bad_scales");
+    let bytes = std::fs::read(fp8.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let scale = "model.layers.0.self_attn.q_proj.weight_scale_inv";
+    let rewrite = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
+        let mut h = header.as_object().unwrap().clone();
+        edit(&mut h);
+        let mut text = serde_json::to_vec(&h).unwrap();
+        text.resize(text.len().next_multiple_of(8), b' ');
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend(text);
+        out.extend(&bytes[8 + n..]);
+        std::fs::write(dir.join("model.safetensors"), out).unwrap();
+        miles_model::Weights::load(&dir, &config).unwrap_err().to_string()
+    };
+    let e = rewrite(&|h| h[scale]["shape"] = serde_json::json!([1]));
+    assert!(e.contains(&format!("tensor '{scale}': shape [1], expected [1, 1]")), "{e}");
+    let e = rewrite(&|h| {
+        let v = h.remove(scale).unwrap();
+        h.insert(format!("{scale}_moved"), v);
+    });
+    assert!(e.contains(&format!("tensor '{scale}': missing from the checkpoint")), "{e}");
+}

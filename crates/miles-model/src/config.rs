@@ -251,6 +251,9 @@ impl ModelConfig {
                 "rope type '{kind}' is not supported (only default rotary embeddings)"
             )));
         }
+        if let Some(q) = obj.get("quantization_config").filter(|v| !v.is_null()) {
+            check_quantization(q).map_err(|m| f.err(format!("quantization_config: {m}")))?;
+        }
         let rope_theta = match rope.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64) {
             Some(t) => t as f32,
             None => f.opt_f32("rope_theta")?.unwrap_or(10_000.0),
@@ -437,6 +440,35 @@ impl ModelConfig {
     }
 }
 
+/// Accepts the quantization of an FP8 checkpoint as DeepSeek-V3 and Qwen3 release them (E4M3
+/// weights in 128 × 128 blocks, activations scaled dynamically), whose weights load
+/// dequantized; any other is refused, naming the field.
+fn check_quantization(q: &Value) -> std::result::Result<(), String> {
+    let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("(none)");
+    if method != "fp8" {
+        return Err(format!(
+            "quant_method '{method}' is not supported: only fp8 checkpoints (E4M3 in 128×128 \
+             blocks) load"
+        ));
+    }
+    if let Some(fmt) = q.get("fmt").filter(|v| !v.is_null())
+        && fmt != "e4m3"
+    {
+        return Err(format!("fmt {fmt} is not supported: only \"e4m3\""));
+    }
+    if let Some(block) = q.get("weight_block_size").filter(|v| !v.is_null())
+        && *block != json!([128, 128])
+    {
+        return Err(format!("weight_block_size {block} is not supported: only [128, 128]"));
+    }
+    if let Some(scheme) = q.get("activation_scheme").filter(|v| !v.is_null())
+        && scheme != "dynamic"
+    {
+        return Err(format!("activation_scheme {scheme} is not supported: only \"dynamic\""));
+    }
+    Ok(())
+}
+
 /// The most parameters a config may describe: 2^44 (17.6 T, 26 times DeepSeek-V3's 671 B).
 const MAX_PARAMETERS: u128 = 1 << 44;
 
@@ -559,6 +591,24 @@ mod tests {
         let mut v = qwen3_json();
         v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
         assert!(err(v).contains("rope type 'yarn'"));
+        for (q, want) in [
+            (json!({"quant_method": "awq"}), "quant_method 'awq' is not supported"),
+            (json!({"quant_method": "fp8", "fmt": "e5m2"}), "fmt \"e5m2\" is not supported"),
+            (
+                json!({"quant_method": "fp8", "weight_block_size": [64, 64]}),
+                "weight_block_size [64,64] is not supported",
+            ),
+            (
+                json!({"quant_method": "fp8", "activation_scheme": "static"}),
+                "activation_scheme \"static\" is not supported",
+            ),
+        ] {
+            let mut v = qwen3_json();
+            v["quantization_config"] = q;
+            let e = err(v);
+            assert!(e.starts_with("ckpt/config.json: quantization_config: "), "{e}");
+            assert!(e.contains(want), "{e}");
+        }
         let dir = std::env::temp_dir().join("miles-model-bad-config.json");
         std::fs::write(&dir, "{ not json").unwrap();
         let e = ModelConfig::from_file(&dir).unwrap_err().to_string();

@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
+use miles_tensor::cpu;
 use miles_tensor::rng::Rng;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
@@ -433,7 +434,8 @@ impl TensorFiles {
         Ok((path, view))
     }
 
-    /// The tensor `name` as f32 (from F32, BF16 or F16), checked against `shape`.
+    /// The tensor `name` as f32 (from F32, BF16, F16, or F8_E4M3 with its block scales),
+    /// checked against `shape`.
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let (path, view) = self.view(name)?;
         let err = |message: String| Error::Tensor {
@@ -455,8 +457,29 @@ impl TensorFiles {
             Dtype::F16 => {
                 data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
             }
-            other => return Err(err(format!("dtype {other:?} is not supported (F32, BF16, F16)"))),
+            Dtype::F8_E4M3 => self.fp8(name, shape, data)?,
+            other => {
+                return Err(err(format!(
+                    "dtype {other:?} is not supported (F32, BF16, F16, F8_E4M3)"
+                )));
+            }
         })
+    }
+
+    /// An FP8 checkpoint's matrix (DeepSeek-V3's and Qwen3's FP8 releases): E4M3 `codes` with
+    /// one scale per 128 × 128 block in `<name>_scale_inv` (w = q · s), dequantized to f32.
+    fn fp8(&self, name: &str, shape: &[usize], codes: &[u8]) -> Result<Vec<f32>> {
+        let &[rows, cols] = shape else {
+            let (path, _) = self.view(name)?;
+            return Err(Error::Tensor {
+                path: path.to_path_buf(),
+                tensor: name.into(),
+                message: format!("F8_E4M3 is read for matrices, and its shape is {shape:?}"),
+            });
+        };
+        let blocks = [rows.div_ceil(cpu::FP8_BLOCK), cols.div_ceil(cpu::FP8_BLOCK)];
+        let scales = self.f32(&format!("{name}_scale_inv"), &blocks)?;
+        Ok(cpu::dequantize_blocks(codes, &scales, rows, cols))
     }
 
     /// The tensor `name` as i32 with its shape.
