@@ -122,6 +122,45 @@ pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>)
     (codes, scales)
 }
 
+/// The FP8 blockwise product y = x · wᵀ as DeepGEMM computes it, the reference of the FP8
+/// kernels: `x` is `[rows × k]` activations quantized per 1 × 128 group ([`quantize_rows`]),
+/// `w` a `[n × k]` weight quantized per 128 × 128 block ([`quantize_blocks`]). Each 128-wide
+/// slice of k is a sum of products of code values (each product exact in f32; summed in f32,
+/// k in order), then scaled by its
+/// row's and block's scales and added to the f32 accumulator, slice after slice (the
+/// promotion every 128 of k). A row's bits depend on that row alone.
+pub fn fp8_linear(
+    (x_codes, x_scales): (&[u8], &[f32]),
+    (w_codes, w_scales): (&[u8], &[f32]),
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Vec<f32> {
+    let groups = k.div_ceil(FP8_BLOCK);
+    assert_eq!((x_codes.len(), x_scales.len()), (rows * k, rows * groups), "fp8_linear: x");
+    assert_eq!(
+        (w_codes.len(), w_scales.len()),
+        (n * k, n.div_ceil(FP8_BLOCK) * groups),
+        "fp8_linear: w"
+    );
+    let x: Vec<f32> = x_codes.iter().map(|&c| e4m3_to_f32(c)).collect();
+    let w: Vec<f32> = w_codes.iter().map(|&c| e4m3_to_f32(c)).collect();
+    let mut y = vec![0f32; rows * n];
+    for r in 0..rows {
+        for c in 0..n {
+            let mut acc = 0f32;
+            for g in 0..groups {
+                let span = g * FP8_BLOCK..((g + 1) * FP8_BLOCK).min(k);
+                let (xs, ws) = (&x[r * k..][span.clone()], &w[c * k..][span]);
+                let partial = xs.iter().zip(ws).fold(0f32, |s, (a, b)| s + a * b);
+                acc += partial * x_scales[r * groups + g] * w_scales[(c / FP8_BLOCK) * groups + g];
+            }
+            y[r * n + c] = acc;
+        }
+    }
+    y
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,6 +231,38 @@ mod tests {
         }
         let (codes, scales) = quantize_blocks(&[0.0; 6], 2, 3);
         assert_eq!((codes, scales), (vec![0; 6], vec![1e-4 / 448.0]));
+    }
+
+    /// Close to the product of the dequantized operands (the codes' products are exact in
+    /// f32; the sums round), and a row's bits are the same alone as in any batch.
+    #[test]
+    fn the_blockwise_product_is_the_dequantized_one_per_row() {
+        let mut rng = Rng::new(7);
+        let (rows, k, n) = (5, 300, 130);
+        let x: Vec<f32> = (0..rows * k).map(|_| rng.normal()).collect();
+        let w: Vec<f32> = (0..n * k).map(|_| 0.05 * rng.normal()).collect();
+        let (xq, xs) = quantize_rows(&x, rows, k);
+        let (wq, ws) = quantize_blocks(&w, n, k);
+        let y = fp8_linear((&xq, &xs), (&wq, &ws), rows, k, n);
+        let xd: Vec<f32> = {
+            let groups = k.div_ceil(FP8_BLOCK);
+            (0..rows * k)
+                .map(|i| e4m3_to_f32(xq[i]) * xs[(i / k) * groups + (i % k) / 128])
+                .collect()
+        };
+        let wd = dequantize_blocks(&wq, &ws, n, k);
+        for r in 0..rows {
+            for c in 0..n {
+                let exact: f64 =
+                    (0..k).map(|i| f64::from(xd[r * k + i]) * f64::from(wd[c * k + i])).sum();
+                let scale: f64 =
+                    (0..k).map(|i| f64::from((xd[r * k + i] * wd[c * k + i]).abs())).sum();
+                let got = f64::from(y[r * n + c]);
+                assert!((got - exact).abs() <= 1e-6 * scale + 1e-9, "[{r}, {c}]: {got} vs {exact}");
+            }
+            let one = fp8_linear((&xq[r * k..][..k], &xs[r * 3..][..3]), (&wq, &ws), 1, k, n);
+            assert_eq!(one, y[r * n..][..n], "row {r} alone");
+        }
     }
 
     #[test]
