@@ -18,7 +18,7 @@ pub use elementwise::{
     rope_forward, rope_tables, swiglu_backward, swiglu_forward,
 };
 pub use fp8::{
-    E4M3_MAX, FP8_BLOCK, dequantize_blocks, e4m3_to_f32, f32_to_e4m3, quantize_blocks,
+    E4M3_MAX, FP8_BLOCK, dequantize_blocks, e4m3_to_f32, f32_to_e4m3, fp8_linear, quantize_blocks,
     quantize_rows,
 };
 pub use linear::{PackedLinear, linear_forward, linear_reference};
