@@ -117,12 +117,14 @@ struct Reporter {
     last_line: Option<Instant>,
     warned: bool,
     kv_mb: usize,
+    max_running: usize,
 }
 
 impl Reporter {
-    fn new(kv_mb: usize) -> Self {
+    fn new(kv_mb: usize, max_running: usize) -> Self {
         let terminal = std::io::stderr().is_terminal();
-        Reporter { started: Instant::now(), terminal, last_line: None, warned: false, kv_mb }
+        let started = Instant::now();
+        Reporter { started, terminal, last_line: None, warned: false, kv_mb, max_running }
     }
 
     fn report(&mut self, p: &Progress) {
@@ -146,18 +148,16 @@ impl Reporter {
             eprintln!("{text}");
             self.last_line = Some(Instant::now());
         }
-        // A preempted sequence prefills again from its start: one preemption per few finished
-        // samples means the cache holds too few sequences for the batch to move at its rate.
-        if !self.warned && p.preemptions >= 16 && 4 * p.preemptions >= p.finished {
+        if !self.warned && cache_too_small(p, self.max_running) {
             self.warned = true;
             if self.terminal {
                 eprintln!();
             }
             eprintln!(
-                "warning: {} preemptions for {} finished samples: the KV cache ({} MiB) holds \
-                 too few sequences at once; raise --rollout-kv-cache-mb (or lower \
-                 --rollout-max-running)",
-                p.preemptions, p.finished, self.kv_mb
+                "warning: {} preemptions, {} sequences running where --rollout-max-running \
+                 allows {}: the KV cache ({} MiB) holds too few sequences at once; raise \
+                 --rollout-kv-cache-mb",
+                p.preemptions, p.running, self.max_running, self.kv_mb
             );
         }
     }
@@ -167,6 +167,14 @@ impl Reporter {
             eprintln!();
         }
     }
+}
+
+/// Whether the KV cache is what holds the batch back: sequences are being preempted (each
+/// prefills again from its start), and while others wait, fewer than half the sequences
+/// `max_running` allows fit at once.
+fn cache_too_small(p: &Progress, max_running: usize) -> bool {
+    let waiting = p.total - p.finished - p.running;
+    p.preemptions >= 16 && waiting > 0 && 2 * p.running < max_running
 }
 
 pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
@@ -224,8 +232,8 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let mut output = Output::create(&args.output, &kept)?;
     let started = Instant::now();
     let t = params.temperature;
+    let mut reporter = Reporter::new(kv_cache_bytes >> 20, config.max_running);
     let mut engine = Engine::new(&model, Some(tok), config)?;
-    let mut reporter = Reporter::new(kv_cache_bytes >> 20);
     let new = engine.generate_with_progress(&model, todo, &params, &mut |p| {
         for (_, group) in &p.groups_done {
             output.append(group);
@@ -306,4 +314,30 @@ fn check_logprobs(
          difference {max_diff:e})",
         samples.len()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kv_warning_comes_when_the_cache_holds_the_batch_back() {
+        let at = |preemptions, finished, running| Progress {
+            finished,
+            total: 512,
+            generated_tokens: 0,
+            preemptions,
+            running,
+            blocks_used: 0,
+            total_blocks: 1,
+            groups_done: Vec::new(),
+        };
+        // The issue's case (160 MiB for Qwen3-0.6B): two sequences at a time, preempted.
+        assert!(cache_too_small(&at(16, 16, 2), 64));
+        // A roomy cache preempts now and then with 40 of 64 running: no warning; nor at the
+        // end of a run, when nothing waits; nor before 16 preemptions.
+        assert!(!cache_too_small(&at(37, 300, 40), 64));
+        assert!(!cache_too_small(&at(37, 502, 10), 64));
+        assert!(!cache_too_small(&at(15, 10, 2), 64));
+    }
 }

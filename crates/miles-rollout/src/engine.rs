@@ -81,6 +81,8 @@ pub struct Progress<'a> {
     pub generated_tokens: usize,
     /// Preemptions so far in this call (each one a prefill to run again).
     pub preemptions: usize,
+    /// Sequences running after this step.
+    pub running: usize,
     /// KV blocks in use now, of `total_blocks`.
     pub blocks_used: usize,
     pub total_blocks: usize,
@@ -624,6 +626,7 @@ impl Run {
             total: self.total,
             generated_tokens: self.generated,
             preemptions,
+            running: self.running.len(),
             blocks_used: self.blocks.num_used(),
             total_blocks: self.blocks.num_used() + self.blocks.num_free(),
             groups_done: done.into_iter().map(|g| (g, self.out[g].as_slice())).collect(),
