@@ -347,15 +347,21 @@ fn bad_sampling_flags_are_errors() {
     assert!(err.err().unwrap().to_string().contains("--rollout-kv-cache-mb"));
 }
 
+/// A scratch directory `name` with a random tiny checkpoint in `ckpt/`, made with `seed`.
+fn scratch_checkpoint(name: &str, seed: &str) -> (std::path::PathBuf, String) {
+    let dir = miles_tests::scratch(name);
+    let ckpt = dir.join("ckpt").display().to_string();
+    miles_tests::miles(&["init-model", "--preset", "tiny", "--out", &ckpt, "--seed", seed])
+        .unwrap();
+    (dir, ckpt)
+}
+
 /// `miles generate` on a checkpoint, then `miles score` on its output: valid samples whose
 /// rollout logprobs the scorer reproduces exactly.
 #[test]
 fn generate_writes_samples_that_score_reproduces() {
-    let dir = miles_tests::scratch("generate_cli");
-    let ckpt = dir.join("ckpt");
-    let ckpt_s = ckpt.to_str().unwrap();
-    miles_tests::miles(&["init-model", "--preset", "tiny", "--out", ckpt_s, "--seed", "5"])
-        .unwrap();
+    let (dir, ckpt) = scratch_checkpoint("generate_cli", "5");
+    let ckpt_s = ckpt.as_str();
     let prompts = dir.join("prompts.jsonl");
     std::fs::write(
         &prompts,
@@ -498,11 +504,8 @@ fn progress_hands_over_each_group_once_when_it_is_done() {
 /// and ends with the file one uninterrupted run writes, byte for byte.
 #[test]
 fn a_killed_generate_keeps_its_samples_and_resumes_exactly() {
-    let dir = miles_tests::scratch("generate_resume");
-    let ckpt = dir.join("ckpt");
-    let ckpt_s = ckpt.to_str().unwrap();
-    miles_tests::miles(&["init-model", "--preset", "tiny", "--out", ckpt_s, "--seed", "7"])
-        .unwrap();
+    let (dir, ckpt) = scratch_checkpoint("generate_resume", "7");
+    let ckpt_s = ckpt.as_str();
     let prompts = dir.join("prompts.jsonl");
     let lines: String = (0..12).map(|i| format!("{{\"input\": \"{i} + {i} =\"}}\n")).collect();
     std::fs::write(&prompts, lines).unwrap();

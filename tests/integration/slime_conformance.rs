@@ -47,13 +47,7 @@ fn train_sample(
         reward,
         loss_mask,
         rollout_logp,
-        old_logp: Vec::new(),
-        ref_logp: None,
-        advantages: Vec::new(),
-        correction_weights: None,
-        correction_mask: None,
-        routed_experts: None,
-        replay_experts: None,
+        ..TrainSample::default()
     }
 }
 

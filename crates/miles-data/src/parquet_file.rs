@@ -62,7 +62,7 @@ pub(crate) fn load(
     // some corrupt files, in its metadata reader, decoders and record reader; a bad prompt
     // file must be an error the user can act on, not a crash or a panic message. Types it
     // cannot convert are refused before reading (`readable`), so this is a last resort.
-    quietly(|| read(spec, path, from, to, keys)).unwrap_or_else(|panic| {
+    quietly(|| read(spec, path, (from, to), keys)).unwrap_or_else(|panic| {
         let why = panic
             .downcast_ref::<&str>()
             .map(|s| s.to_string())
@@ -95,11 +95,11 @@ fn quietly<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
     out
 }
 
+/// [`load`]'s work, which may panic on a corrupt file; `slice` is `(from, to)`.
 fn read(
     spec: &str,
     path: &Path,
-    from: Option<usize>,
-    to: Option<usize>,
+    slice: (Option<usize>, Option<usize>),
     keys: &Keys,
 ) -> Result<Dataset, DataError> {
     let io = |source| DataError::Io { path: path.to_path_buf(), source };
@@ -133,7 +133,7 @@ fn read(
         })?;
         total = total.saturating_add(rows);
     }
-    let wanted = row_range(spec, path, (from, to), total, " (the Parquet file has no row)")?;
+    let wanted = row_range(spec, path, slice, total, " (the Parquet file has no row)")?;
     let rows = read_rows(&reader, &projection, wanted, keys, path)?;
     Ok(Dataset { source: spec.to_string(), rows })
 }

@@ -14,7 +14,7 @@ use crate::advantage::MaskedStats;
 use crate::loss::{Aggregation, approx_kl};
 
 /// A trainable sample: tokens, where the response starts, and its per-token slices.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct TrainSample {
     pub group: usize,
     pub tokens: Vec<u32>,
@@ -61,13 +61,8 @@ impl TrainSample {
             reward,
             loss_mask,
             rollout_logp,
-            old_logp: Vec::new(),
-            ref_logp: None,
-            advantages: Vec::new(),
-            correction_weights: None,
-            correction_mask: None,
             routed_experts: s.rollout_routed_experts.clone(),
-            replay_experts: None,
+            ..TrainSample::default()
         })
     }
 }
@@ -344,12 +339,7 @@ mod tests {
                     loss_mask: (0..n).map(|t| u8::from((t + i) % 4 != 0)).collect(),
                     rollout_logp: vec![-1.0; n],
                     old_logp: vec![-1.0; n],
-                    ref_logp: None,
-                    advantages: Vec::new(),
-                    correction_weights: None,
-                    correction_mask: None,
-                    routed_experts: None,
-                    replay_experts: None,
+                    ..TrainSample::default()
                 }
             })
             .collect()
@@ -453,11 +443,7 @@ mod tests {
             rollout_logp: vec![-1.0, -2.0],
             old_logp: vec![-1.0, -2.0],
             ref_logp: Some(vec![-1.5, -1.0]),
-            advantages: Vec::new(),
-            correction_weights: None,
-            correction_mask: None,
-            routed_experts: None,
-            replay_experts: None,
+            ..TrainSample::default()
         };
         for kind in [KlLossType::K1, KlLossType::K2, KlLossType::K3, KlLossType::LowVarKl] {
             let estimator = RecordKl::default();

@@ -10,6 +10,7 @@ use miles_core::{
     WeightView,
 };
 use miles_tensor::cpu::{FP8_BLOCK, dequantize_blocks, quantize_blocks};
+use serde::Deserialize;
 
 pub static PLUGIN: Plugin = Plugin {
     name: "fp8",
@@ -23,28 +24,41 @@ miles_core::inventory::submit! { Registration(&PLUGIN) }
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Fp8;
 
+/// The plugin's settings, as miles and HF's `quantization_config` name them.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Settings {
+    #[serde(default = "e4m3")]
+    fmt: String,
+    #[serde(default = "blocks")]
+    weight_block_size: [usize; 2],
+}
+
+fn e4m3() -> String {
+    "e4m3".into()
+}
+
+fn blocks() -> [usize; 2] {
+    [FP8_BLOCK, FP8_BLOCK]
+}
+
 impl Fp8 {
-    /// Reads `{"fmt", "weight_block_size"}`; anything but E4M3 in 128 × 128 blocks is refused
-    /// naming the field (the E5M2 format and other block sizes are not implemented).
+    /// Reads `{"fmt", "weight_block_size"}` (null: the defaults); anything but E4M3 in 128 × 128
+    /// blocks is refused naming the field (E5M2 and other block sizes are not implemented).
     pub fn from_config(config: &PluginConfig) -> Result<Self> {
         let err = |m: String| Error::Plugin(format!("fp8: {m}"));
-        let object = match config {
+        let settings: Settings = match config {
             serde_json::Value::Null => return Ok(Fp8),
-            serde_json::Value::Object(o) => o,
-            other => return Err(err(format!("the configuration is an object, got {other}"))),
+            c => Settings::deserialize(c).map_err(|e| err(e.to_string()))?,
         };
-        for (key, value) in object {
-            match key.as_str() {
-                "fmt" if matches!(value.as_str(), Some("e4m3" | "float8_e4m3fn")) => {}
-                "fmt" => return Err(err(format!("fmt {value} is not supported: use \"e4m3\""))),
-                "weight_block_size" if *value == serde_json::json!([FP8_BLOCK, FP8_BLOCK]) => {}
-                "weight_block_size" => {
-                    return Err(err(format!(
-                        "weight_block_size {value} is not supported: blocks are [128, 128]"
-                    )));
-                }
-                other => return Err(err(format!("unknown setting '{other}'"))),
-            }
+        if !matches!(settings.fmt.as_str(), "e4m3" | "float8_e4m3fn") {
+            return Err(err(format!("fmt \"{}\" is not supported: use \"e4m3\"", settings.fmt)));
+        }
+        if settings.weight_block_size != blocks() {
+            return Err(err(format!(
+                "weight_block_size {:?} is not supported: blocks are [128, 128]",
+                settings.weight_block_size
+            )));
         }
         Ok(Fp8)
     }
@@ -134,8 +148,9 @@ mod tests {
         let err = |c: serde_json::Value| Fp8::from_config(&c).unwrap_err().to_string();
         assert!(err(serde_json::json!({"fmt": "e5m2"})).contains("fmt \"e5m2\" is not supported"));
         let e = err(serde_json::json!({"weight_block_size": [64, 64]}));
-        assert!(e.contains("weight_block_size [64,64] is not supported"), "{e}");
-        assert!(err(serde_json::json!({"recipe": 1})).contains("unknown setting 'recipe'"));
+        assert!(e.contains("weight_block_size [64, 64] is not supported"), "{e}");
+        let e = err(serde_json::json!({"recipe": 1}));
+        assert!(e.contains("unknown field `recipe`, expected `fmt` or `weight_block_size`"), "{e}");
         let q = Fp8;
         let view = WeightView { name: "model.norm.weight", shape: &[4], data: &[1.0; 4] };
         let e = q.quantize(&view).unwrap_err().to_string();

@@ -52,12 +52,8 @@ pub(super) fn sft_samples(
             loss_mask: vec![1; n],
             rollout_logp: vec![0.0; n],
             old_logp: vec![0.0; n],
-            ref_logp: None,
             advantages: vec![0.0; n],
-            correction_weights: None,
-            correction_mask: None,
-            routed_experts: None,
-            replay_experts: None,
+            ..TrainSample::default()
         });
     }
     Ok(samples)
