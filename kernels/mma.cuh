@@ -1,5 +1,6 @@
-// Tensor-core primitives shared by the bf16 kernels (attention_mma.cu, grouped_gemm.cu):
-// ldmatrix loads, the m16n8k16 bf16 mma with f32 accumulation, and cp.async groups.
+// Tensor-core primitives shared by the bf16 and FP8 kernels (attention_mma.cu, grouped_gemm.cu,
+// fp8.cu): ldmatrix loads, the m16n8k16 bf16 and m16n8k32 E4M3 mma with f32 accumulation, and
+// cp.async groups.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,6 +30,16 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t* r, const bf16* p) {
 __device__ __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// c += a·b for one m16n8k32 fragment of E4M3 operands (sm_89 and later), f32 accumulation.
+// The fragments hold bytes where the bf16 m16n8k16's hold halves: ldmatrix loads them alike.
+__device__ __forceinline__ void mma_e4m3(float* c, const uint32_t* a, const uint32_t* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));

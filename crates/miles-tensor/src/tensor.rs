@@ -11,10 +11,11 @@ use crate::Result;
 /// # Safety
 /// An implementor's zero bit pattern must be a valid value.
 pub unsafe trait ZeroBits: Copy {}
-// SAFETY: all-zero bytes are 0.0, 0 and bf16's +0.
+// SAFETY: all-zero bytes are 0.0, 0, bf16's +0 and E4M3's +0.
 unsafe impl ZeroBits for f32 {}
 unsafe impl ZeroBits for i32 {}
 unsafe impl ZeroBits for bf16 {}
+unsafe impl ZeroBits for u8 {}
 
 /// `n` zeros, or `None` when the allocator refuses (a huge KV-cache budget, say): the caller
 /// gives a clear error instead of the process aborting. A zeroed allocation: the OS hands large
@@ -197,12 +198,15 @@ pub(crate) fn not_built() -> crate::Error {
 }
 
 /// Element types. Float arithmetic is f32 whatever the storage type; `I32` holds integers
-/// (token ids, offsets) and is never converted to or from a float implicitly.
+/// (token ids, offsets) and is never converted to or from a float implicitly. `F8E4M3` holds
+/// FP8 codes (`cpu::e4m3_to_f32`), unscaled: their scales live beside them
+/// ([`crate::ops::Fp8Matrix`]); they read as f32 but are made only by quantizing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     BF16,
     I32,
+    F8E4M3,
 }
 
 impl DType {
@@ -210,6 +214,7 @@ impl DType {
         match self {
             DType::F32 | DType::I32 => 4,
             DType::BF16 => 2,
+            DType::F8E4M3 => 1,
         }
     }
 }
@@ -220,6 +225,7 @@ impl fmt::Display for DType {
             DType::F32 => "f32",
             DType::BF16 => "bf16",
             DType::I32 => "i32",
+            DType::F8E4M3 => "f8e4m3",
         })
     }
 }
@@ -228,6 +234,7 @@ pub(crate) enum Storage {
     F32(Vec<f32>),
     BF16(Vec<bf16>),
     I32(Vec<i32>),
+    F8(Vec<u8>),
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::Buffer),
 }
@@ -293,6 +300,12 @@ impl Tensor {
         place(shape.to_vec(), Storage::I32(data), device)
     }
 
+    /// A tensor of E4M3 `codes` on `device`.
+    pub fn from_f8_codes(shape: &[usize], codes: Vec<u8>, device: &Device) -> Result<Tensor> {
+        check_len(shape, codes.len())?;
+        place(shape.to_vec(), Storage::F8(codes), device)
+    }
+
     /// `shape`'s product zeros of `dtype` on `device`.
     pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         let len: usize = shape.iter().product();
@@ -306,6 +319,7 @@ impl Tensor {
                     DType::F32 => Storage::F32(try_zeros(len).ok_or_else(refused)?),
                     DType::BF16 => Storage::BF16(try_zeros(len).ok_or_else(refused)?),
                     DType::I32 => Storage::I32(try_zeros(len).ok_or_else(refused)?),
+                    DType::F8E4M3 => Storage::F8(try_zeros(len).ok_or_else(refused)?),
                 };
                 Ok(Tensor { shape: shape.to_vec(), storage })
             }
@@ -326,6 +340,7 @@ impl Tensor {
             Storage::F32(v) => v.fill(0.0),
             Storage::BF16(v) => v.fill(bf16::ZERO),
             Storage::I32(v) => v.fill(0),
+            Storage::F8(v) => v.fill(0),
             #[cfg(feature = "cuda")]
             Storage::Cuda(buffer) => buffer.zero()?,
         }
@@ -374,6 +389,10 @@ impl Tensor {
                 to.copy_from_slice(from);
                 Ok(())
             }
+            (Storage::F8(to), Storage::F8(from)) => {
+                to.copy_from_slice(from);
+                Ok(())
+            }
             _ => unreachable!("the dtypes are equal (checked above)"),
         }
     }
@@ -402,6 +421,7 @@ impl Tensor {
             Storage::F32(_) => DType::F32,
             Storage::BF16(_) => DType::BF16,
             Storage::I32(_) => DType::I32,
+            Storage::F8(_) => DType::F8E4M3,
             #[cfg(feature = "cuda")]
             Storage::Cuda(buffer) => buffer.dtype(),
         }
@@ -409,7 +429,7 @@ impl Tensor {
 
     pub fn device(&self) -> Device {
         match &self.storage {
-            Storage::F32(_) | Storage::BF16(_) | Storage::I32(_) => Device::Cpu,
+            Storage::F32(_) | Storage::BF16(_) | Storage::I32(_) | Storage::F8(_) => Device::Cpu,
             #[cfg(feature = "cuda")]
             Storage::Cuda(buffer) => Device::Cuda(buffer.ordinal()),
         }
@@ -421,6 +441,7 @@ impl Tensor {
             Storage::F32(v) => Storage::F32(v.clone()),
             Storage::BF16(v) => Storage::BF16(v.clone()),
             Storage::I32(v) => Storage::I32(v.clone()),
+            Storage::F8(v) => Storage::F8(v.clone()),
             #[cfg(feature = "cuda")]
             Storage::Cuda(buffer) => buffer.to_host()?,
         };
@@ -428,9 +449,19 @@ impl Tensor {
     }
 
     /// A copy of this tensor with elements of `dtype`, on the same device (bf16 rounds to
-    /// nearest even).
+    /// nearest even). FP8 codes convert to nothing else: they are made by quantizing
+    /// ([`crate::ops::Fp8Matrix`]) and read through [`Tensor::to_vec_f32`].
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         let shape = self.shape.clone();
+        if (self.dtype() == DType::F8E4M3) != (dtype == DType::F8E4M3) {
+            return Err(crate::Error::DType {
+                op: "to_dtype",
+                message: format!(
+                    "{} does not convert to {dtype}: FP8 codes come from ops::Fp8Matrix::quantize",
+                    self.dtype()
+                ),
+            });
+        }
         let storage = match (&self.storage, dtype) {
             (Storage::F32(v), DType::F32) => Storage::F32(v.clone()),
             (Storage::BF16(v), DType::BF16) => Storage::BF16(v.clone()),
@@ -439,19 +470,22 @@ impl Tensor {
             }
             (Storage::BF16(v), DType::F32) => Storage::F32(v.iter().map(|x| x.to_f32()).collect()),
             (Storage::I32(v), DType::I32) => Storage::I32(v.clone()),
+            (Storage::F8(v), _) => Storage::F8(v.clone()),
             (Storage::I32(_), _) | (Storage::F32(_) | Storage::BF16(_), DType::I32) => {
                 return Err(int_float(self.dtype(), dtype));
             }
+            (_, DType::F8E4M3) => unreachable!("refused above"),
             #[cfg(feature = "cuda")]
             (Storage::Cuda(buffer), dtype) => Storage::Cuda(buffer.to_dtype(dtype)?),
         };
         Ok(Tensor { shape, storage })
     }
 
-    /// The elements as f32, copied to the host.
+    /// The elements as f32, copied to the host (FP8 codes as their unscaled values).
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         match &self.storage {
             Storage::F32(v) => Ok(v.clone()),
+            Storage::F8(v) => Ok(v.iter().map(|&c| crate::cpu::e4m3_to_f32(c)).collect()),
             Storage::BF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
             Storage::I32(_) => Err(int_float(DType::I32, DType::F32)),
             #[cfg(feature = "cuda")]
@@ -464,6 +498,17 @@ impl Tensor {
         match self.to_device(&Device::Cpu)?.storage {
             Storage::I32(v) => Ok(v),
             _ => Err(int_float(self.dtype(), DType::I32)),
+        }
+    }
+
+    /// The codes of an FP8 tensor, copied to the host.
+    pub fn to_vec_f8_codes(&self) -> Result<Vec<u8>> {
+        match self.to_device(&Device::Cpu)?.storage {
+            Storage::F8(v) => Ok(v),
+            _ => Err(crate::Error::DType {
+                op: "to_vec_f8_codes",
+                message: format!("a {} tensor holds no FP8 codes", self.dtype()),
+            }),
         }
     }
 

@@ -105,6 +105,7 @@ macro_rules! per_float {
 
 mod attention;
 mod elementwise;
+pub(crate) mod fp8;
 mod gemm_lt;
 mod grouped;
 mod logprob;
@@ -426,6 +427,7 @@ pub(crate) enum DeviceData {
     F32(CudaSlice<f32>),
     BF16(CudaSlice<u16>),
     I32(CudaSlice<i32>),
+    F8(CudaSlice<u8>),
 }
 
 /// A tensor's storage on a device.
@@ -440,6 +442,7 @@ impl DeviceData {
             DeviceData::F32(_) => DType::F32,
             DeviceData::BF16(_) => DType::BF16,
             DeviceData::I32(_) => DType::I32,
+            DeviceData::F8(_) => DType::F8E4M3,
         }
     }
 }
@@ -485,6 +488,9 @@ impl Buffer {
             Storage::I32(v) => DeviceData::I32(
                 stream.clone_htod(v).map_err(|e| driver_error("copy to device", e))?,
             ),
+            Storage::F8(v) => {
+                DeviceData::F8(stream.clone_htod(v).map_err(|e| driver_error("copy to device", e))?)
+            }
             Storage::Cuda(_) => {
                 return Err(Error::Device("from_host: storage is on a device".into()));
             }
@@ -501,6 +507,7 @@ impl Buffer {
         match (&mut self.data, src) {
             (DeviceData::F32(d), Storage::F32(v)) => stream.memcpy_htod(v, d).map_err(err),
             (DeviceData::I32(d), Storage::I32(v)) => stream.memcpy_htod(v, d).map_err(err),
+            (DeviceData::F8(d), Storage::F8(v)) => stream.memcpy_htod(v, d).map_err(err),
             (DeviceData::BF16(d), Storage::BF16(v)) => {
                 let bits: Vec<u16> = v.iter().map(|x| x.to_bits()).collect();
                 stream.memcpy_htod(&bits, d).map_err(err)
@@ -509,6 +516,9 @@ impl Buffer {
                 stream.memcpy_dtod(s, d).map_err(err)
             }
             (DeviceData::I32(d), Storage::Cuda(Buffer { data: DeviceData::I32(s), .. })) => {
+                stream.memcpy_dtod(s, d).map_err(err)
+            }
+            (DeviceData::F8(d), Storage::Cuda(Buffer { data: DeviceData::F8(s), .. })) => {
                 stream.memcpy_dtod(s, d).map_err(err)
             }
             (DeviceData::BF16(d), Storage::Cuda(Buffer { data: DeviceData::BF16(s), .. })) => {
@@ -526,6 +536,7 @@ impl Buffer {
             DType::F32 => DeviceData::F32(stream.alloc_zeros(len).map_err(err)?),
             DType::BF16 => DeviceData::BF16(stream.alloc_zeros(len).map_err(err)?),
             DType::I32 => DeviceData::I32(stream.alloc_zeros(len).map_err(err)?),
+            DType::F8E4M3 => DeviceData::F8(stream.alloc_zeros(len).map_err(err)?),
         };
         Ok(Buffer { gpu: gpu.clone(), data })
     }
@@ -537,6 +548,7 @@ impl Buffer {
             DeviceData::F32(s) => stream.memset_zeros(s).map_err(err),
             DeviceData::BF16(s) => stream.memset_zeros(s).map_err(err),
             DeviceData::I32(s) => stream.memset_zeros(s).map_err(err),
+            DeviceData::F8(s) => stream.memset_zeros(s).map_err(err),
         }
     }
 
@@ -549,6 +561,7 @@ impl Buffer {
                 stream.clone_dtoh(s).map_err(err)?.into_iter().map(bf16::from_bits).collect(),
             ),
             DeviceData::I32(s) => Storage::I32(stream.clone_dtoh(s).map_err(err)?),
+            DeviceData::F8(s) => Storage::F8(stream.clone_dtoh(s).map_err(err)?),
         })
     }
 
@@ -557,6 +570,7 @@ impl Buffer {
             Storage::F32(v) => Ok(v),
             Storage::BF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
             Storage::I32(_) => Err(crate::tensor::int_float(DType::I32, DType::F32)),
+            Storage::F8(v) => Ok(v.iter().map(|&c| crate::cpu::e4m3_to_f32(c)).collect()),
             Storage::Cuda(_) => Err(Error::Device("to_host returned device storage".into())),
         }
     }
@@ -590,6 +604,12 @@ impl Buffer {
             }
             (DeviceData::I32(s), DType::I32) => {
                 DeviceData::I32(stream.clone_dtod(s).map_err(copy)?)
+            }
+            (DeviceData::F8(s), DType::F8E4M3) => {
+                DeviceData::F8(stream.clone_dtod(s).map_err(copy)?)
+            }
+            (DeviceData::F8(_), _) | (_, DType::F8E4M3) => {
+                unreachable!("Tensor::to_dtype refuses FP8 conversions")
             }
             (DeviceData::I32(_), _) | (_, DType::I32) => {
                 return Err(crate::tensor::int_float(self.dtype(), dtype));

@@ -474,7 +474,7 @@ pub(super) fn scatter_flat(
             }
             Ok(())
         }
-        Storage::I32(_) => unreachable!("floats_only"),
+        Storage::I32(_) | Storage::F8(_) => unreachable!("floats_only"),
         #[cfg(feature = "cuda")]
         Storage::Cuda(buffer) => {
             let rows: Vec<i32> = rows.iter().map(|&r| r as i32).collect();

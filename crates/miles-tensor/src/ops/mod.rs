@@ -9,6 +9,7 @@ use crate::{DType, Device, Error, Result, Tensor};
 
 mod attention;
 mod elementwise;
+mod fp8;
 mod grouped;
 mod logprob;
 mod matmul;
@@ -25,6 +26,7 @@ pub use elementwise::{
     embedding_forward, embedding_forward_ids, gather_rows, pick_row_dots, pick_rows_sum, rope,
     scatter_rows, split_columns, swiglu_backward, swiglu_forward, swiglu_stacked,
 };
+pub use fp8::{Fp8Matrix, fp8_linear, fp8_quantize_rows};
 pub use grouped::{grouped_matmul, grouped_matmul_wgrad};
 pub use logprob::{logprob_rows, logprob_rows_backward, logprob_rows_ids};
 pub use matmul::{linear_packed, matmul, matmul_acc, matmul_f32_out, pack_linear};
@@ -50,12 +52,13 @@ fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Device> {
     Ok(device)
 }
 
-/// The float ops take f32 or bf16 operands; i32 tensors are refused up front.
+/// The float ops take f32 or bf16 operands; i32 and FP8 tensors are refused up front.
 fn floats_only(op: &'static str, tensors: &[&Tensor]) -> Result<()> {
-    match tensors.iter().find(|t| t.dtype() == DType::I32) {
-        Some(_) => {
-            Err(Error::DType { op, message: "operands must be f32 or bf16, one is i32".into() })
-        }
+    match tensors.iter().find(|t| matches!(t.dtype(), DType::I32 | DType::F8E4M3)) {
+        Some(t) => Err(Error::DType {
+            op,
+            message: format!("operands must be f32 or bf16, one is {}", t.dtype()),
+        }),
         None => Ok(()),
     }
 }
@@ -73,7 +76,7 @@ fn host_tensor(shape: Vec<usize>, data: Vec<f32>, dtype: DType) -> Tensor {
     let storage = match dtype {
         DType::F32 => Storage::F32(data),
         DType::BF16 => Storage::BF16(data.into_iter().map(bf16::from_f32).collect()),
-        DType::I32 => unreachable!("float ops refuse i32 operands (floats_only)"),
+        DType::I32 | DType::F8E4M3 => unreachable!("float ops refuse these (floats_only)"),
     };
     Tensor { shape, storage }
 }
@@ -83,7 +86,7 @@ fn host_f32(t: &Tensor) -> std::borrow::Cow<'_, [f32]> {
     match &t.storage {
         Storage::F32(v) => std::borrow::Cow::Borrowed(v),
         Storage::BF16(v) => std::borrow::Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
-        Storage::I32(_) => unreachable!("float ops refuse i32 operands (floats_only)"),
+        Storage::I32(_) | Storage::F8(_) => unreachable!("float ops refuse these (floats_only)"),
         #[cfg(feature = "cuda")]
         Storage::Cuda(_) => unreachable!("host_f32 of a device tensor"),
     }

@@ -1,0 +1,342 @@
+//! FP8 E4M3 with blockwise scaling (DeepGEMM's recipe, miles' unified FP8): a weight as codes
+//! in 128 × 128 blocks with one f32 scale each ([`Fp8Matrix`]), activations quantized per
+//! 1 × 128 group of a row on the fly, and the product of the two ([`fp8_linear`]). The CPU
+//! goes through `cpu::fp8` (the reference); CUDA through `kernels/fp8.cu`, whose codes and
+//! scales are the CPU's bits and whose products agree with the CPU's to the tensor cores'
+//! rounding. A row's result never depends on the rows beside it, on either device.
+
+use super::{floats_only, host_f32, host_tensor, same_device};
+use crate::cpu::{self, FP8_BLOCK};
+use crate::tensor::Storage;
+use crate::{DType, Device, Error, Result, Tensor, ensure};
+
+/// A `[n × k]` weight in E4M3: `codes` (`F8E4M3`, `[n × k]`) and `scales` (f32,
+/// `[⌈n/128⌉ × ⌈k/128⌉]`, HF's `weight_scale_inv`: w ≈ code · scale), on one device.
+pub struct Fp8Matrix {
+    codes: Tensor,
+    scales: Tensor,
+}
+
+impl std::fmt::Debug for Fp8Matrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Fp8Matrix({:?}, {})", self.codes.shape, self.codes.device())
+    }
+}
+
+fn scale_shape(n: usize, k: usize) -> [usize; 2] {
+    [n.div_ceil(FP8_BLOCK), k.div_ceil(FP8_BLOCK)]
+}
+
+fn matrix_dims(op: &'static str, w: &Tensor) -> Result<(usize, usize)> {
+    floats_only(op, &[w])?;
+    match w.shape[..] {
+        [n, k] => Ok((n, k)),
+        _ => Err(Error::Shape { op, message: format!("a matrix, not shape {:?}", w.shape) }),
+    }
+}
+
+impl Fp8Matrix {
+    /// `w` (f32 or bf16 `[n × k]`) quantized on its device.
+    pub fn quantize(w: &Tensor) -> Result<Fp8Matrix> {
+        let (n, k) = matrix_dims("Fp8Matrix::quantize", w)?;
+        let device = w.device();
+        let mut q = Fp8Matrix {
+            codes: Tensor::zeros(&[n, k], DType::F8E4M3, &device)?,
+            scales: Tensor::zeros(&scale_shape(n, k), DType::F32, &device)?,
+        };
+        q.requantize(w)?;
+        Ok(q)
+    }
+
+    /// Quantizes `w` (this matrix's shape and device) into this matrix in place: its buffers
+    /// keep their addresses, for the CUDA graphs that read them.
+    pub fn requantize(&mut self, w: &Tensor) -> Result<()> {
+        const OP: &str = "Fp8Matrix::requantize";
+        let (n, k) = matrix_dims(OP, w)?;
+        same_device(OP, &[w, &self.codes])?;
+        ensure([n, k] == self.shape(), OP, || {
+            format!("a weight {:?} into an FP8 matrix {:?}", w.shape, self.codes.shape)
+        })?;
+        match (&mut self.codes.storage, &mut self.scales.storage) {
+            (Storage::F8(codes), Storage::F32(scales)) => {
+                (*codes, *scales) = cpu::quantize_blocks(&host_f32(w), n, k);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(codes), Storage::Cuda(scales)) => {
+                use crate::cuda::DeviceData;
+                let (DeviceData::F8(codes), DeviceData::F32(scales)) =
+                    (&mut codes.data, &mut scales.data)
+                else {
+                    unreachable!("an Fp8Matrix holds F8E4M3 codes and f32 scales")
+                };
+                let Storage::Cuda(wb) = &w.storage else { unreachable!("same device") };
+                crate::cuda::fp8::quantize_blocks(&wb.gpu, &wb.data, codes, scales, (n, k))
+            }
+            _ => unreachable!("an Fp8Matrix holds F8E4M3 codes and f32 scales on one device"),
+        }
+    }
+
+    /// A matrix of given `codes` (`F8E4M3` `[n × k]`) and `scales` (f32, one per 128 × 128
+    /// block): an FP8 checkpoint's tensors.
+    pub fn from_parts(codes: Tensor, scales: Tensor) -> Result<Fp8Matrix> {
+        const OP: &str = "Fp8Matrix::from_parts";
+        same_device(OP, &[&codes, &scales])?;
+        let ok = codes.dtype() == DType::F8E4M3
+            && scales.dtype() == DType::F32
+            && codes.shape.len() == 2
+            && scales.shape[..] == scale_shape(codes.shape[0], codes.shape[1]);
+        ensure(ok, OP, || {
+            format!(
+                "codes {} {:?} with scales {} {:?}: want F8E4M3 [n, k] with f32 [⌈n/128⌉, ⌈k/128⌉]",
+                codes.dtype(),
+                codes.shape,
+                scales.dtype(),
+                scales.shape
+            )
+        })?;
+        Ok(Fp8Matrix { codes, scales })
+    }
+
+    /// `[n, k]`.
+    pub fn shape(&self) -> [usize; 2] {
+        [self.codes.shape[0], self.codes.shape[1]]
+    }
+
+    pub fn device(&self) -> Device {
+        self.codes.device()
+    }
+
+    pub fn codes(&self) -> &Tensor {
+        &self.codes
+    }
+
+    pub fn scales(&self) -> &Tensor {
+        &self.scales
+    }
+
+    /// The values the codes stand for (code · scale), copied to the host.
+    pub fn dequantize_to_host(&self) -> Result<Vec<f32>> {
+        let [n, k] = self.shape();
+        let codes = self.codes.to_vec_f8_codes()?;
+        Ok(cpu::dequantize_blocks(&codes, &self.scales.to_vec_f32()?, n, k))
+    }
+}
+
+/// `x` (f32 or bf16 `[rows × k]`) quantized per 1 × 128 group of each row: codes
+/// (`F8E4M3`, `[rows × k]`) and scales (f32, `[rows × ⌈k/128⌉]`), on `x`'s device.
+pub fn fp8_quantize_rows(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (rows, k) = matrix_dims("fp8_quantize_rows", x)?;
+    let scales_shape = [rows, k.div_ceil(FP8_BLOCK)];
+    match &x.storage {
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(b) => {
+            use crate::cuda::{Buffer, DeviceData};
+            let (codes, scales) = crate::cuda::fp8::quantize_rows(&b.gpu, &b.data, (rows, k))?;
+            let tensor = |shape: &[usize], data| Tensor {
+                shape: shape.to_vec(),
+                storage: Storage::Cuda(Buffer { gpu: b.gpu.clone(), data }),
+            };
+            Ok((
+                tensor(&[rows, k], DeviceData::F8(codes)),
+                tensor(&scales_shape, DeviceData::F32(scales)),
+            ))
+        }
+        _ => {
+            let (codes, scales) = cpu::quantize_rows(&host_f32(x), rows, k);
+            let codes = Tensor { shape: vec![rows, k], storage: Storage::F8(codes) };
+            Ok((codes, host_tensor(scales_shape.to_vec(), scales, DType::F32)))
+        }
+    }
+}
+
+/// `x · wᵀ` in FP8: `x` (f32 or bf16 `[rows × k]`) quantized per 1 × 128 group of each row,
+/// multiplied by `w`'s codes slice by slice of 128 along k, each slice's sum promoted into an
+/// f32 accumulator with the row's and the block's scales (`cpu::fp8_linear`). The result is
+/// `[rows × n]` in `x`'s dtype. On CUDA k must be a multiple of 16.
+pub fn fp8_linear(x: &Tensor, w: &Fp8Matrix) -> Result<Tensor> {
+    const OP: &str = "fp8_linear";
+    let (rows, k) = matrix_dims(OP, x)?;
+    same_device(OP, &[x, &w.codes])?;
+    let [n, wk] = w.shape();
+    ensure(k == wk, OP, || format!("x {:?} against an FP8 weight [{n}, {wk}]", x.shape))?;
+    let (xq, xs) = fp8_quantize_rows(x)?;
+    match (&xq.storage, &xs.storage, &w.codes.storage, &w.scales.storage) {
+        (Storage::F8(xq), Storage::F32(xs), Storage::F8(wq), Storage::F32(ws)) => {
+            let y = cpu::fp8_linear((xq, xs), (wq, ws), rows, k, n);
+            Ok(host_tensor(vec![rows, n], y, x.dtype()))
+        }
+        #[cfg(feature = "cuda")]
+        (Storage::Cuda(xq), Storage::Cuda(xs), Storage::Cuda(wq), Storage::Cuda(ws)) => {
+            use crate::cuda::{Buffer, DeviceData};
+            let (
+                DeviceData::F8(xq_d),
+                DeviceData::F32(xs_d),
+                DeviceData::F8(wq_d),
+                DeviceData::F32(ws_d),
+            ) = (&xq.data, &xs.data, &wq.data, &ws.data)
+            else {
+                unreachable!("codes are F8E4M3, scales f32")
+            };
+            let y = crate::cuda::fp8::gemm(
+                &xq.gpu,
+                (xq_d, xs_d),
+                (wq_d, ws_d),
+                (rows, n, k),
+                x.dtype(),
+            )?;
+            Ok(Tensor {
+                shape: vec![rows, n],
+                storage: Storage::Cuda(Buffer { gpu: xq.gpu.clone(), data: y }),
+            })
+        }
+        _ => unreachable!("one device (checked)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{devices, max_rel_err};
+    use super::*;
+    use crate::rng::Rng;
+
+    /// Shapes with partial blocks on every side, decode-sized and training-sized row counts.
+    const SHAPES: [(usize, usize, usize); 5] =
+        [(1, 256, 320), (5, 144, 200), (16, 128, 64), (40, 272, 136), (130, 384, 256)];
+
+    fn random(rng: &mut Rng, rows: usize, cols: usize, scale: f32) -> Vec<f32> {
+        (0..rows * cols).map(|_| scale * rng.normal()).collect()
+    }
+
+    #[test]
+    fn weights_quantize_to_the_cpus_bits_on_every_device() {
+        let mut rng = Rng::new(81);
+        for device in devices() {
+            for &(_, n, k) in &SHAPES {
+                let mut w = random(&mut rng, n, k, 0.05);
+                w[7] = 0.0; // and a block of zeros keeps its floor scale
+                let (want_codes, want_scales) = cpu::quantize_blocks(&w, n, k);
+                for dtype in [DType::F32, DType::BF16] {
+                    let t = Tensor::from_f32(&[n, k], w.clone(), &device).unwrap();
+                    let t = t.to_dtype(dtype).unwrap();
+                    let q = Fp8Matrix::quantize(&t).unwrap();
+                    let host = t.to_vec_f32().unwrap();
+                    let (codes, scales) = if dtype == DType::F32 {
+                        (want_codes.clone(), want_scales.clone())
+                    } else {
+                        cpu::quantize_blocks(&host, n, k)
+                    };
+                    assert_eq!(
+                        q.codes().to_vec_f8_codes().unwrap(),
+                        codes,
+                        "{device} {dtype} {n}×{k}"
+                    );
+                    let got: Vec<u32> =
+                        q.scales().to_vec_f32().unwrap().iter().map(|s| s.to_bits()).collect();
+                    let want: Vec<u32> = scales.iter().map(|s| s.to_bits()).collect();
+                    assert_eq!(got, want, "{device} {dtype} {n}×{k} scales");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn activation_rows_quantize_to_the_cpus_bits_on_every_device() {
+        let mut rng = Rng::new(82);
+        for device in devices() {
+            for &(rows, _, k) in &SHAPES {
+                let x = random(&mut rng, rows, k, 3.0);
+                let (codes, scales) = cpu::quantize_rows(&x, rows, k);
+                let t = Tensor::from_f32(&[rows, k], x, &device).unwrap();
+                let (got_codes, got_scales) = fp8_quantize_rows(&t).unwrap();
+                assert_eq!(got_codes.to_vec_f8_codes().unwrap(), codes, "{device} {rows}×{k}");
+                assert_eq!(got_scales.to_vec_f32().unwrap(), scales, "{device} {rows}×{k}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_product_matches_the_cpu_reference_on_every_device() {
+        let mut rng = Rng::new(83);
+        for device in devices() {
+            for &(rows, n, k) in &SHAPES {
+                let x = random(&mut rng, rows, k, 1.0);
+                let w = random(&mut rng, n, k, 0.05);
+                let (wq, ws) = cpu::quantize_blocks(&w, n, k);
+                let reference = |x: &[f32]| {
+                    let (xq, xs) = cpu::quantize_rows(x, rows, k);
+                    cpu::fp8_linear((&xq, &xs), (&wq, &ws), rows, k, n)
+                };
+                // The reference is close to the exact product: E4M3 keeps 3 mantissa bits.
+                let exact: Vec<f32> = (0..rows * n)
+                    .map(|i| (0..k).map(|j| x[i / n * k + j] * w[i % n * k + j]).sum())
+                    .collect();
+                let err = max_rel_err("fp8 vs exact", &reference(&x), &exact);
+                assert!(err < 0.08, "{rows}×{k}·{n}: {err}");
+                let wt = Tensor::from_f32(&[n, k], w, &device).unwrap();
+                let q = Fp8Matrix::quantize(&wt).unwrap();
+                for dtype in [DType::F32, DType::BF16] {
+                    let xt = Tensor::from_f32(&[rows, k], x.clone(), &device).unwrap();
+                    let xt = xt.to_dtype(dtype).unwrap();
+                    let want = reference(&xt.to_vec_f32().unwrap());
+                    let y = fp8_linear(&xt, &q).unwrap();
+                    assert_eq!((y.shape(), y.dtype()), (&[rows, n][..], dtype));
+                    let got = y.to_vec_f32().unwrap();
+                    // The CPU in f32 is the reference itself; bf16 rounds the result; the
+                    // tensor cores sum a slice's products in their own order.
+                    let tol = match (device, dtype) {
+                        (Device::Cpu, DType::F32) => 0.0,
+                        (Device::Cpu, _) => 4e-3,
+                        _ => 1e-2,
+                    };
+                    let err = max_rel_err("fp8_linear", &got, &want);
+                    assert!(err <= tol, "{device} {dtype} {rows}×{k}·{n}: {err}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_rows_product_does_not_depend_on_its_batch_on_every_device() {
+        let mut rng = Rng::new(84);
+        let (n, k) = (320, 384);
+        for device in devices() {
+            let w = Tensor::from_f32(&[n, k], random(&mut rng, n, k, 0.05), &device).unwrap();
+            let q = Fp8Matrix::quantize(&w).unwrap();
+            let x = random(&mut rng, 200, k, 1.0);
+            let bits = |rows: usize| -> Vec<u32> {
+                let t = Tensor::from_f32(&[rows, k], x[..rows * k].to_vec(), &device).unwrap();
+                let t = t.to_dtype(DType::BF16).unwrap();
+                let y = fp8_linear(&t, &q).unwrap().to_vec_f32().unwrap();
+                y.iter().map(|v| v.to_bits()).collect()
+            };
+            let all = bits(200);
+            // 1 and 16 rows take the narrowest tile, 64 the middle one, 200 the widest.
+            for rows in [1, 3, 16, 17, 64, 65, 200] {
+                assert_eq!(bits(rows), all[..rows * n], "{device}: {rows} rows");
+            }
+        }
+    }
+
+    #[test]
+    fn bad_operands_are_errors() {
+        let cpu = Device::Cpu;
+        let w = Tensor::from_f32(&[4, 8], vec![0.5; 32], &cpu).unwrap();
+        let q = Fp8Matrix::quantize(&w).unwrap();
+        let x = Tensor::from_f32(&[2, 6], vec![1.0; 12], &cpu).unwrap();
+        let e = fp8_linear(&x, &q).unwrap_err().to_string();
+        assert!(e.contains("x [2, 6] against an FP8 weight [4, 8]"), "{e}");
+        let ids = Tensor::from_i32(&[2, 8], vec![1; 16], &cpu).unwrap();
+        assert!(fp8_linear(&ids, &q).unwrap_err().to_string().contains("one is i32"));
+        let e = q.codes().to_dtype(DType::F32).unwrap_err().to_string();
+        assert!(e.contains("f8e4m3 does not convert to f32"), "{e}");
+        let scales = Tensor::from_f32(&[2, 1], vec![1.0; 2], &cpu).unwrap();
+        let codes = Tensor::from_f8_codes(&[4, 8], vec![0; 32], &cpu).unwrap();
+        let e = Fp8Matrix::from_parts(codes, scales).unwrap_err().to_string();
+        assert!(e.contains("scales f32 [2, 1]"), "{e}");
+        let mut q2 = Fp8Matrix::quantize(&w).unwrap();
+        let other = Tensor::from_f32(&[8, 4], vec![0.5; 32], &cpu).unwrap();
+        assert!(q2.requantize(&other).unwrap_err().to_string().contains("a weight [8, 4]"));
+        assert_eq!(q.dequantize_to_host().unwrap(), vec![0.5; 32]);
+    }
+}

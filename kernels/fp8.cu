@@ -1,0 +1,253 @@
+// FP8 E4M3 with blockwise scaling, as DeepGEMM and miles compute it (ops::Fp8Matrix,
+// ops::fp8_linear; CPU twins in miles-tensor/src/cpu/fp8.rs).
+//
+// fp8_quantize_blocks_{f32,bf16}: a weight [rows × cols] in 128 × 128 blocks (partial at the
+// edges), one block of threads per block: amax = max |w| (at least 1e-4), codes
+// e4m3(w · (448 / amax)) rounded to nearest even and saturated (__NV_SATFINITE), scale
+// amax / 448. max is exact and the products and quotients are single IEEE operations, so the
+// codes and scales are the CPU's bits.
+// fp8_quantize_rows_{f32,bf16}: activations [rows × cols] per 1 × 128 group of a row, the
+// same recipe; one warp per (row, group).
+// fp8_gemm_{f32,bf16}_{big,m16,m64}: y = x · wᵀ from x's codes [m × k] with scales
+// [m × ⌈k/128⌉] and w's codes [n × k] with scales [⌈n/128⌉ × ⌈k/128⌉], written in f32 or bf16.
+//
+// Bits: every output is, for each 128-wide slice of k in order, the slice's four m16n8k32
+// products summed on the tensor cores from zero, then promoted: acc = acc + (part · sx) · sw
+// in f32 (unfused: the CPU twin's order). The tile shape only decides which outputs a block
+// computes, never how: a row's outputs depend on that row and the weights alone, in a decode
+// step as in a training batch. No split over k, no atomics.
+//
+// Tiles: BM × BN outputs, 128 of k a stage, STAGES stages of cp.async in flight; warps laid
+// out WARPS_M × WARPS_N, each MFRAG × 16 rows by NFRAG × 8 columns. Shared rows are 128 + 16
+// bytes (ldmatrix without bank conflicts). k must be a multiple of 16 (16-byte row chunks).
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "mma.cuh"
+
+namespace {
+
+using namespace miles;
+
+constexpr float E4M3_MAX = 448.0f;
+constexpr float AMAX_FLOOR = 1e-4f;
+constexpr int BLOCK = 128;
+constexpr int ROW_BYTES = BLOCK + 16;
+
+__device__ __forceinline__ float load(const float* p, long i) { return p[i]; }
+__device__ __forceinline__ float load(const bf16* p, long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store(float* p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(bf16* p, long i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ uint8_t e4m3(float x) {
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+template <class T>
+__device__ void quantize_blocks(uint8_t* codes, float* scales, const T* w, int rows, int cols) {
+    __shared__ float partial[8];
+    const int r0 = blockIdx.y * BLOCK, c0 = blockIdx.x * BLOCK;
+    const int nr = min(BLOCK, rows - r0), nc = min(BLOCK, cols - c0);
+    float amax = 0.0f;
+    for (int e = threadIdx.x; e < nr * nc; e += blockDim.x) {
+        const int r = e / nc, c = e - r * nc;
+        amax = fmaxf(amax, fabsf(load(w, (long)(r0 + r) * cols + c0 + c)));
+    }
+    amax = warp_max(amax);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = 0.0f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) amax = fmaxf(amax, partial[i]);
+    amax = fmaxf(amax, AMAX_FLOOR);
+    const float multiplier = __fdiv_rn(E4M3_MAX, amax);
+    if (threadIdx.x == 0) scales[blockIdx.y * gridDim.x + blockIdx.x] = __fdiv_rn(amax, E4M3_MAX);
+    for (int e = threadIdx.x; e < nr * nc; e += blockDim.x) {
+        const int r = e / nc, c = e - r * nc;
+        const long i = (long)(r0 + r) * cols + c0 + c;
+        codes[i] = e4m3(__fmul_rn(load(w, i), multiplier));
+    }
+}
+
+// One warp per (row, group of 128): blockDim (32, 8), grid (groups, ⌈rows / 8⌉).
+template <class T>
+__device__ void quantize_rows(uint8_t* codes, float* scales, const T* x, int rows, int cols) {
+    const int row = blockIdx.y * 8 + threadIdx.y;
+    if (row >= rows) return;
+    const int c0 = blockIdx.x * BLOCK;
+    float v[4];
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int c = c0 + threadIdx.x * 4 + j;
+        v[j] = c < cols ? load(x, (long)row * cols + c) : 0.0f;
+        amax = fmaxf(amax, fabsf(v[j]));
+    }
+    amax = fmaxf(warp_max(amax), AMAX_FLOOR);
+    const float multiplier = __fdiv_rn(E4M3_MAX, amax);
+    if (threadIdx.x == 0) scales[(long)row * gridDim.x + blockIdx.x] = __fdiv_rn(amax, E4M3_MAX);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int c = c0 + threadIdx.x * 4 + j;
+        if (c < cols) codes[(long)row * cols + c] = e4m3(__fmul_rn(v[j], multiplier));
+    }
+}
+
+// ROWS rows of 128 bytes of k from `src` (row stride k) into shared `dst` (stride
+// ROW_BYTES), starting at row r0 of `limit` and byte k0; rows and chunks outside read zeros.
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile(uint8_t* dst, const uint8_t* src, int r0, int limit,
+                                          int k0, int k) {
+    constexpr int CHUNKS = ROWS * (BLOCK / 16);
+#pragma unroll
+    for (int e = threadIdx.x; e < CHUNKS; e += THREADS) {
+        const int r = e >> 3, c = (e & 7) * 16;
+        const bool real = r0 + r < limit && k0 + c < k;
+        const uint8_t* from = real ? src + (long)(r0 + r) * k + k0 + c : src;
+        cp_async16(dst + r * ROW_BYTES + c, from, real ? 16 : 0);
+    }
+}
+
+template <int WARPS_M, int WARPS_N, int MFRAG, int NFRAG, int STAGES, class Out>
+__device__ void gemm(Out* y, const uint8_t* xq, const float* xs, const uint8_t* wq,
+                     const float* ws, int m, int n, int k) {
+    constexpr int THREADS = WARPS_M * WARPS_N * 32;
+    constexpr int BM = WARPS_M * MFRAG * 16, BN = WARPS_N * NFRAG * 8;
+    static_assert(NFRAG % 2 == 0, "B fragments load in pairs");
+    extern __shared__ __align__(16) uint8_t smem[];
+    uint8_t* sa = smem;
+    uint8_t* sb = smem + STAGES * BM * ROW_BYTES;
+
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int kb_n = (k + BLOCK - 1) / BLOCK;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = (warp / WARPS_N) * MFRAG * 16, wn = (warp % WARPS_N) * NFRAG * 8;
+    const int g = lane >> 2, t = lane & 3;
+
+    float acc[MFRAG][NFRAG][4];
+#pragma unroll
+    for (int i = 0; i < MFRAG; ++i)
+#pragma unroll
+        for (int j = 0; j < NFRAG; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+
+    auto issue = [&](int kb) {
+        if (kb < kb_n) {
+            const int s = kb % STAGES;
+            load_tile<BM, THREADS>(sa + s * BM * ROW_BYTES, xq, m0, m, kb * BLOCK, k);
+            load_tile<BN, THREADS>(sb + s * BN * ROW_BYTES, wq, n0, n, kb * BLOCK, k);
+        }
+        commit();
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue(s);
+
+    for (int kb = 0; kb < kb_n; ++kb) {
+        wait<STAGES - 2>();
+        __syncthreads();
+        issue(kb + STAGES - 1);
+        const uint8_t* ta = sa + (kb % STAGES) * BM * ROW_BYTES;
+        const uint8_t* tb = sb + (kb % STAGES) * BN * ROW_BYTES;
+
+        float part[MFRAG][NFRAG][4];
+#pragma unroll
+        for (int i = 0; i < MFRAG; ++i)
+#pragma unroll
+            for (int j = 0; j < NFRAG; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) part[i][j][q] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < BLOCK; kk += 32) {
+            uint32_t a[MFRAG][4], b[NFRAG][2];
+#pragma unroll
+            for (int i = 0; i < MFRAG; ++i) {
+                const uint8_t* p = ta + (wm + i * 16 + (lane & 15)) * ROW_BYTES + kk + (lane >> 4) * 16;
+                ldsm_x4(a[i], reinterpret_cast<const bf16*>(p));
+            }
+#pragma unroll
+            for (int j = 0; j < NFRAG; j += 2) {
+                const int row = wn + j * 8 + (lane & 7) + (lane >> 4) * 8;
+                const uint8_t* p = tb + row * ROW_BYTES + kk + ((lane >> 3) & 1) * 16;
+                uint32_t r[4];
+                ldsm_x4(r, reinterpret_cast<const bf16*>(p));
+                b[j][0] = r[0];
+                b[j][1] = r[1];
+                b[j + 1][0] = r[2];
+                b[j + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int i = 0; i < MFRAG; ++i)
+#pragma unroll
+                for (int j = 0; j < NFRAG; ++j) mma_e4m3(part[i][j], a[i], b[j]);
+        }
+        // Promotion: this slice's sums, scaled by the row's and the weight block's scales.
+#pragma unroll
+        for (int i = 0; i < MFRAG; ++i) {
+            float sx[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = m0 + wm + i * 16 + g + h * 8;
+                sx[h] = row < m ? xs[(long)row * kb_n + kb] : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < NFRAG; ++j) {
+                const int col = min(n0 + wn + j * 8, n - 1);
+                const float sw = ws[(long)(col / BLOCK) * kb_n + kb];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    acc[i][j][q] = __fadd_rn(acc[i][j][q],
+                                             __fmul_rn(__fmul_rn(part[i][j][q], sx[q >> 1]), sw));
+                }
+            }
+        }
+    }
+    wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < MFRAG; ++i)
+#pragma unroll
+        for (int j = 0; j < NFRAG; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int row = m0 + wm + i * 16 + g + (q >> 1) * 8;
+                const int col = n0 + wn + j * 8 + t * 2 + (q & 1);
+                if (row < m && col < n) store(y, (long)row * n + col, acc[i][j][q]);
+            }
+}
+
+}  // namespace
+
+#define QUANTIZE(name, T)                                                                       \
+    extern "C" __global__ void fp8_quantize_blocks_##name(uint8_t* codes, float* scales,      \
+                                                          const T* w, int rows, int cols) {    \
+        quantize_blocks(codes, scales, w, rows, cols);                                        \
+    }                                                                                         \
+    extern "C" __global__ void fp8_quantize_rows_##name(uint8_t* codes, float* scales,        \
+                                                        const T* x, int rows, int cols) {      \
+        quantize_rows(codes, scales, x, rows, cols);                                          \
+    }
+QUANTIZE(f32, float)
+QUANTIZE(bf16, bf16)
+
+// The tile shapes (shared memory: STAGES · (BM + BN) · 144 bytes):
+//   big: 128 × 128, 8 warps, 3 stages (110,592 B): training-sized products;
+//   m64: 64 × 64, 4 warps, 6 stages (110,592 B) and m16: 16 × 64, 4 warps, 8 stages
+//   (92,160 B): decode-sized products, narrow so that a weight's columns spread over the SMs.
+#define GEMM(name, Out, tag, WM, WN, MF, NF, ST)                                                  \
+    extern "C" __global__ void __launch_bounds__(WM * WN * 32)                                  \
+        fp8_gemm_##name##_##tag(Out* y, const uint8_t* xq, const float* xs, const uint8_t* wq,  \
+                                const float* ws, int m, int n, int k) {                         \
+        gemm<WM, WN, MF, NF, ST>(y, xq, xs, wq, ws, m, n, k);                                   \
+    }
+GEMM(f32, float, big, 2, 4, 4, 4, 3)
+GEMM(bf16, bf16, big, 2, 4, 4, 4, 3)
+GEMM(f32, float, m64, 1, 4, 4, 2, 6)
+GEMM(bf16, bf16, m64, 1, 4, 4, 2, 6)
+GEMM(f32, float, m16, 1, 4, 1, 2, 8)
+GEMM(bf16, bf16, m16, 1, 4, 1, 2, 8)
