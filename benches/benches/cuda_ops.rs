@@ -79,6 +79,33 @@ fn matmul(c: &mut Criterion) {
     set_gemm_route(GemmRoute::Invariant);
 }
 
+/// The FP8 blockwise product (`ops::fp8_linear`: the activations' per-token quantization
+/// included) beside the bf16 product of the same shape: issue 28's train shape
+/// (16384 × 4096 × 12288) and a Qwen3-8B MLP's decode shapes (1 and 64 rows).
+fn fp8(c: &mut Criterion) {
+    let mut rng = Rng::new(5);
+    let (k, n) = (4096, 12288);
+    let w = random(&mut rng, &[n, k], 0.02, DType::BF16);
+    let q = ops::Fp8Matrix::quantize(&w).expect("quantized");
+    for rows in [16384, 64, 1] {
+        let x = random(&mut rng, &[rows, k], 1.0, DType::BF16);
+        let mut g = group(c, &format!("fp8_vs_bf16_{rows}x{k}x{n}"));
+        g.throughput(Throughput::Elements((2 * rows * k * n) as u64));
+        on_device(&mut g, "fp8_linear", || {
+            ops::fp8_linear(&x, &q).expect("fp8_linear");
+        });
+        on_device(&mut g, "bf16_matmul", || {
+            ops::matmul(&x, Transpose::No, &w, Transpose::Yes).expect("matmul");
+        });
+        g.finish();
+    }
+    let mut g = group(c, &format!("fp8_quantize_{n}x{k}"));
+    g.throughput(Throughput::Bytes((n * k * 2) as u64));
+    let mut q = q;
+    on_device(&mut g, "requantize_bf16_weight", || q.requantize(&w).expect("quantized"));
+    g.finish();
+}
+
 /// A Qwen3-30B-A3B sparse layer's expert products (8 × 512 tokens, top-8 of 128 experts,
 /// hidden 2048, expert width 768): each matrix over every expert in one grouped launch, beside
 /// one pinned product per expert (the rows already gathered), as the f32 route still runs.
@@ -386,5 +413,7 @@ fn decode(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, matmul, grouped, attention, rowwise, logprob, sample, optimizer, decode);
+criterion_group!(
+    benches, matmul, fp8, grouped, attention, rowwise, logprob, sample, optimizer, decode
+);
 criterion_main!(benches);

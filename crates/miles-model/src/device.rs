@@ -92,6 +92,22 @@ impl Layout {
     }
 }
 
+/// Unified FP8 (miles' `--fp8-format e4m3 --fp8-recipe blockwise`): the forward of every
+/// product of the layers in between runs on E4M3 weights in 128 × 128 blocks with f32 scales,
+/// quantized from the f32 masters at every optimizer step, and activations quantized per
+/// 1 × 128 group of a token ([`ops::fp8_linear`]); the rollout and the training forward read
+/// the same codes through the same kernel, so their logprobs stay equal bit for bit. Kept in
+/// the compute dtype, as miles keeps them: embeddings, norms, the LM head, MoE routers, and the
+/// first and last layers asked for. The backward uses the compute copies (bf16 on a GPU, the
+/// f32 masters on the CPU): gradients pass straight through the quantization.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Fp8Layers {
+    /// Layers at the start kept out of FP8 (`--num-layers-at-start-in-bf16`).
+    pub bf16_at_start: usize,
+    /// Layers at the end kept out of FP8 (`--num-layers-at-end-in-bf16`).
+    pub bf16_at_end: usize,
+}
+
 /// AdamW's state on the device.
 struct Moments {
     m: Vec<Tensor>,
@@ -130,6 +146,11 @@ pub struct DeviceModel {
     moments: Option<Moments>,
     /// Names the current compute copies ([`DeviceModel::buffers_id`]).
     buffers: u64,
+    /// Unified FP8, when on ([`DeviceModel::set_fp8`]).
+    fp8: Option<Fp8Layers>,
+    /// With FP8 on, per weight (in [`tensor_spec`] order) its E4M3 form when the forward's
+    /// product reads it; empty otherwise.
+    quantized: Vec<Option<ops::Fp8Matrix>>,
 }
 
 /// Ids of compute-copy sets, unique in the process.
@@ -192,6 +213,8 @@ impl DeviceModel {
             grads,
             moments: None,
             buffers: 0,
+            fp8: None,
+            quantized: Vec::new(),
         };
         m.refresh_compute()?;
         m.stack_linears()?;
@@ -216,6 +239,77 @@ impl DeviceModel {
         self.buffers
     }
 
+    /// Turns unified FP8 on (or off with `None`): the products of the layers between the
+    /// kept ones read E4M3 weights from now on, quantized now and after every AdamW step.
+    /// The stacked and fused decode paths, which read the compute copies, are left off.
+    pub fn set_fp8(&mut self, fp8: Option<Fp8Layers>) -> Result<()> {
+        if let Some(f) = fp8 {
+            let layers = self.layout.layers;
+            if f.bf16_at_start + f.bf16_at_end > layers {
+                return Err(Error::Invalid(format!(
+                    "--num-layers-at-start-in-bf16 {} and --num-layers-at-end-in-bf16 {} keep \
+                     more than the model's {layers} layers out of FP8",
+                    f.bf16_at_start, f.bf16_at_end
+                )));
+            }
+            ops::fp8_supported(&self.device)?;
+        }
+        self.fp8 = fp8;
+        self.quantized.clear();
+        if fp8.is_some() {
+            self.stacked.clear();
+            self.fused_decode = false;
+        }
+        self.buffers = NEXT_BUFFERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.quantize()?;
+        self.repack()
+    }
+
+    /// Whether unified FP8 is on, and which layers it leaves out.
+    pub fn fp8(&self) -> Option<Fp8Layers> {
+        self.fp8
+    }
+
+    /// The indices of the matrices FP8 quantizes: every projection and expert of the layers
+    /// not kept (not the router, the embedding or the head).
+    fn fp8_matrices(&self) -> Vec<usize> {
+        let Some(f) = self.fp8 else { return Vec::new() };
+        let mut out = Vec::new();
+        for layer in f.bf16_at_start..self.layout.layers - f.bf16_at_end {
+            let mut linears = vec![Linear::Qkv, Linear::O];
+            match self.config.moe.as_ref().filter(|m| m.is_sparse(layer)) {
+                Some(m) => (0..m.num_experts)
+                    .for_each(|e| linears.extend([Linear::ExpertGateUp(e), Linear::ExpertDown(e)])),
+                None => linears.extend([Linear::GateUp, Linear::Down]),
+            }
+            for linear in linears {
+                out.extend(self.layout.linear(layer, linear));
+            }
+        }
+        out
+    }
+
+    /// (Re)quantizes the FP8 weights from the masters, in place when they exist (the decode
+    /// graphs keep reading the same buffers).
+    fn quantize(&mut self) -> Result<()> {
+        if self.fp8.is_none() {
+            return Ok(());
+        }
+        if self.quantized.is_empty() {
+            self.quantized = (0..self.masters.len()).map(|_| None).collect();
+            for i in self.fp8_matrices() {
+                self.quantized[i] = Some(ops::Fp8Matrix::quantize(&self.masters[i])?);
+            }
+            return Ok(());
+        }
+        for (q, master) in self.quantized.iter_mut().zip(&self.masters) {
+            if let Some(q) = q {
+                q.requantize(master)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Builds the compute copies from the masters (AdamW refreshes them in place), and on the
     /// CPU in f32 the packed forms.
     fn refresh_compute(&mut self) -> Result<()> {
@@ -233,6 +327,8 @@ impl DeviceModel {
             })
             .collect::<Result<_>>()?;
         self.buffers = NEXT_BUFFERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.quantized.clear();
+        self.quantize()?;
         self.repack()
     }
 
@@ -247,7 +343,9 @@ impl DeviceModel {
         }
         let pack = |parts: &[&Tensor]| -> Result<PackedLinear> { Ok(ops::pack_linear(parts)?) };
         let mut in_stack = vec![false; self.masters.len()];
-        for layer in 0..self.layout.layers {
+        // (FP8 runs each part through its own quantized product: no stacks.)
+        let stacks = if self.fp8.is_some() { 0 } else { self.layout.layers };
+        for layer in 0..stacks {
             let stack = |linear| {
                 let parts = self.layout.linear(layer, linear);
                 let parts: Vec<&Tensor> = parts.iter().map(|&i| &self.masters[i]).collect();
@@ -270,7 +368,8 @@ impl DeviceModel {
             .enumerate()
             .map(|(i, ((name, _), m))| {
                 let product = !name.ends_with("norm.weight") && (i != 0 || head == 0);
-                (product && !in_stack[i]).then(|| pack(&[m])).transpose()
+                let fp8 = self.quantized.get(i).is_some_and(Option::is_some);
+                (product && !in_stack[i] && !fp8).then(|| pack(&[m])).transpose()
             })
             .collect::<Result<_>>()?;
         Ok(())
@@ -397,6 +496,7 @@ impl DeviceModel {
             layout: &self.layout,
             masters: &self.masters,
             compute: &self.compute,
+            quantized: &self.quantized,
             packed: &self.packed,
             packed_stacks: &self.packed_stacks,
             stacked: &self.stacked,
@@ -794,6 +894,7 @@ impl DeviceModel {
             layout: &self.layout,
             masters: &self.masters,
             compute: &self.compute,
+            quantized: &self.quantized,
             packed: &self.packed,
             packed_stacks: &self.packed_stacks,
             stacked: &self.stacked,
@@ -891,6 +992,7 @@ impl DeviceModel {
             .collect();
         ops::adamw_multi(hyper, moments.step, scale, &mut parts)?;
         drop(parts);
+        self.quantize()?;
         self.repack()?;
         self.refresh_stacked()?;
         Ok((norm, scale))
@@ -958,6 +1060,7 @@ struct DeviceWeights<'a> {
     layout: &'a Layout,
     masters: &'a [Tensor],
     compute: &'a [Option<Tensor>],
+    quantized: &'a [Option<ops::Fp8Matrix>],
     packed: &'a [Option<PackedLinear>],
     packed_stacks: &'a [[Option<PackedLinear>; 2]],
     stacked: &'a [[Tensor; 2]],
@@ -968,9 +1071,13 @@ impl<'a> DeviceWeights<'a> {
         self.compute[index].as_ref().unwrap_or(&self.masters[index])
     }
 
-    /// `x·Wᵀ` of matrix `index` as the forward computes it: through its packed form on the
-    /// CPU, else the device's pinned product of the compute copy.
+    /// `x·Wᵀ` of matrix `index` as the forward computes it: in FP8 when it is quantized,
+    /// through its packed form on the CPU, else the device's pinned product of the compute
+    /// copy.
     fn product(&self, x: &Tensor, index: usize) -> Result<Tensor> {
+        if let Some(q) = self.quantized.get(index).and_then(Option::as_ref) {
+            return Ok(ops::fp8_linear(x, q)?);
+        }
         Ok(match self.packed.get(index).and_then(Option::as_ref) {
             Some(p) => ops::linear_packed(x, p)?,
             None => ops::matmul(x, Transpose::No, self.weight(index), Transpose::Yes)?,
@@ -1091,9 +1198,9 @@ impl Backend for Dev<'_> {
     }
 
     /// bf16 runs every expert at once (one launch per matrix on CUDA); f32, the parity mode,
-    /// one expert at a time through the pinned products.
+    /// and FP8 one expert at a time through the products of [`DeviceWeights::product`].
     fn grouped_experts(&self) -> bool {
-        self.w.weight(0).dtype() == DType::BF16
+        self.w.weight(0).dtype() == DType::BF16 && self.w.quantized.is_empty()
     }
 
     fn experts_product(
@@ -1483,6 +1590,94 @@ mod tests {
                 let grads = dm.grads_to_host().unwrap();
                 r.assert_matches(&format!("{device} {name}"), &logp, &entropy, &grads);
             }
+        }
+    }
+
+    /// The tiny models widened so that every FP8 product has partial 128-blocks on both sides
+    /// and an input width the GPU kernels take (a multiple of 16).
+    fn fp8_sized(mut c: ModelConfig) -> ModelConfig {
+        (c.hidden_size, c.intermediate_size, c.head_dim) = (144, 272, 16);
+        if let Some(m) = c.moe.as_mut() {
+            m.moe_intermediate_size = 48;
+        }
+        c
+    }
+
+    /// Unified FP8: logp follows the f32 model to FP8's rounding; on every device and dtype
+    /// the FP8 forward follows the CPU's (its codes are the same bits), and the gradients the
+    /// model's (straight through). Layers kept in bf16 compute as without FP8; too many kept
+    /// is an error naming the flags.
+    #[test]
+    fn fp8_follows_the_model_and_the_cpu_reference_on_every_device() {
+        for config in [fp8_sized(tiny(Architecture::Qwen3, true)), fp8_sized(tiny_moe(true, 0.0))] {
+            let arch = config.architecture;
+            // Weights of a trained model's scale (about 1/√width), so that the rounding of
+            // one layer does not grow through the next.
+            let mut m = model(config, 31);
+            let spec = tensor_spec(&m.config);
+            for ((name, _), t) in spec.iter().zip(m.weights.tensors_mut(arch)) {
+                let norm = name.ends_with("norm.weight");
+                t.iter_mut().for_each(|v| *v = if norm { 1.0 + (*v - 1.0) / 3.0 } else { *v / 5.0 });
+            }
+            let mut b = batch();
+            let plain = on_cpu(&m);
+            if let Some(experts) = plain.forward(&b, 1.0).unwrap().routed_experts() {
+                // Replayed experts: FP8's rounding must not move a token to another expert.
+                let ids: Vec<u32> = experts.iter().map(|&e| u32::from(e)).collect();
+                b.routed = Some(crate::RoutedBatch {
+                    layers: 1,
+                    top_k: 2,
+                    ids: ids.clone(),
+                    replay: Some(ids),
+                });
+            }
+            let want = plain.forward(&b, 1.0).unwrap();
+            let mut reference = on_cpu(&m);
+            reference.set_fp8(Some(Fp8Layers::default())).unwrap();
+            let fwd = reference.forward(&b, 1.0).unwrap();
+            let err = rel_err(&fwd.logp, &want.logp);
+            // (E4M3 keeps 3 mantissa bits; these weights are far from small.)
+            assert!(err > 0.0 && err < 0.2, "{arch:?}: FP8 logp {err:.3e} from f32's");
+            let mut rng = Rng::new(3);
+            let (ga, gb) = (rng.vec(fwd.logp.len(), 1.0), rng.vec(fwd.logp.len(), 1.0));
+            reference.backward(&fwd, &b, &ga, &gb).unwrap();
+            let grads = reference.grads_to_host().unwrap();
+            let mut exact = on_cpu(&m);
+            exact.backward(&want, &b, &ga, &gb).unwrap();
+            let exact = exact.grads_to_host().unwrap();
+            for ((name, _), (g, w)) in
+                spec.iter().zip(grads.tensors(arch).into_iter().zip(exact.tensors(arch)))
+            {
+                // FP8's rounding moves every activation a little; the gradients keep their
+                // direction (a wrong or missing path would not).
+                let dot = |a: &[f32], b: &[f32]| -> f64 {
+                    a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum()
+                };
+                let cos = dot(g, w) / (dot(g, g) * dot(w, w)).sqrt();
+                assert!(cos > 0.9, "{arch:?}: FP8 gradient of {name} at cosine {cos} to f32's");
+            }
+            for device in devices() {
+                for (dtype, tol) in [(DType::F32, 2e-3), (DType::BF16, 6e-2)] {
+                    let mut dm = DeviceModel::new(&m, &device, dtype).unwrap();
+                    dm.set_fp8(Some(Fp8Layers::default())).unwrap();
+                    let got = dm.forward(&b, 1.0).unwrap();
+                    let err = rel_err(&got.logp, &fwd.logp);
+                    assert!(err < tol, "{device} {dtype} {arch:?}: logp {err:.3e} from the CPU's");
+                    // Every layer kept: the products are the model's own.
+                    let kept = Fp8Layers { bf16_at_start: 1, bf16_at_end: 1 };
+                    dm.set_fp8(Some(kept)).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    let plain = DeviceModel::new(&m, &device, dtype).unwrap();
+                    assert_eq!(
+                        bits(&dm.logprobs(&b, 1.0).unwrap().0),
+                        bits(&plain.logprobs(&b, 1.0).unwrap().0),
+                        "{device} {dtype} {arch:?}: all layers kept in bf16"
+                    );
+                }
+            }
+            let mut dm = on_cpu(&m);
+            let e = dm.set_fp8(Some(Fp8Layers { bf16_at_start: 2, bf16_at_end: 1 })).unwrap_err();
+            assert!(e.to_string().contains("--num-layers-at-start-in-bf16 2"), "{e}");
         }
     }
 

@@ -176,3 +176,14 @@ pub(crate) fn gemm(
         }
     })
 }
+
+/// The device's compute capability, `(major, minor)`.
+pub(crate) fn capability(gpu: &Gpu) -> Result<(i32, i32)> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let ctx = gpu.stream().context();
+    let get = |a| ctx.attribute(a).map_err(|e| driver_error("compute capability", e));
+    Ok((
+        get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
+}

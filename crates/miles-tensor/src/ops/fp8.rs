@@ -123,6 +123,30 @@ impl Fp8Matrix {
     }
 }
 
+/// Whether `device` runs the FP8 products: the CPU (emulated exactly), a GPU with FP8 tensor
+/// cores (compute capability 8.9 or later: Ada, Hopper and on); an error naming the device
+/// otherwise.
+pub fn fp8_supported(device: &Device) -> Result<()> {
+    match *device {
+        Device::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => {
+            let gpu = crate::cuda::gpu(ordinal)?;
+            let (major, minor) = crate::cuda::fp8::capability(&gpu)?;
+            if (major, minor) >= (8, 9) {
+                Ok(())
+            } else {
+                Err(Error::Device(format!(
+                    "FP8 needs FP8 tensor cores (compute capability 8.9 or later, e.g. an H100 or \
+                     H200); {device} has {major}.{minor}: drop --fp8-format, or run on such a GPU"
+                )))
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
 /// `x` (f32 or bf16 `[rows × k]`) quantized per 1 × 128 group of each row: codes
 /// (`F8E4M3`, `[rows × k]`) and scales (f32, `[rows × ⌈k/128⌉]`), on `x`'s device.
 pub fn fp8_quantize_rows(x: &Tensor) -> Result<(Tensor, Tensor)> {
