@@ -353,3 +353,52 @@ fn rollouts_after_a_training_step_still_equal_the_scorer() {
     let err = e.generate(&other, groups(1, 8, vocab), &p).unwrap_err().to_string();
     assert!(err.contains("build an engine for that model"), "{err}");
 }
+
+/// Unified FP8 on the CPU and on CUDA: the rollout's logprobs equal the scorer's bit for bit
+/// (the engine's steps and the training forward read the same E4M3 codes through the same
+/// products), before and after an AdamW step requantizes the weights in place; Qwen3 and
+/// Qwen3-MoE (its experts in FP8 one by one).
+#[test]
+fn fp8_rollout_logprobs_equal_the_scorers_bit_for_bit() {
+    let mut devices = vec![(Device::Cpu, DType::F32)];
+    devices.extend(cuda().map(|d| (d, DType::BF16)));
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let all = |s: &[Sample]| (0..s.len()).collect::<Vec<_>>();
+    for (device, dtype) in devices {
+        for arch in [Architecture::Qwen3, Architecture::Qwen3Moe] {
+            let m = model(arch, 11);
+            let p = params(12);
+            let vocab = m.config.vocab_size;
+            let config = EngineConfig { max_running: 4, ..EngineConfig::default() };
+            let (mut dm, mut e) = engine(&m, &device, dtype, config);
+            dm.set_fp8(Some(miles_model::Fp8Layers::default())).unwrap();
+            let check = |e: &mut Engine, dm: &DeviceModel, seed: u64| {
+                let samples = e.generate(dm, groups(2, seed, vocab), &p).unwrap().concat();
+                let reversed: Vec<usize> = all(&samples).into_iter().rev().collect();
+                let got = score(dm, &samples, &reversed, 3, p.temperature);
+                for (i, (g, s)) in got.iter().zip(&samples).enumerate() {
+                    let what = format!("{device} {arch:?} seed {seed}: sample {i}");
+                    assert_eq!(bits(g), bits(&s.rollout_log_probs), "{what}");
+                }
+                samples
+            };
+            let first = check(&mut e, &dm, 12);
+            let seqs: Vec<_> =
+                first.iter().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
+            let batch = PackedBatch::new(&seqs).unwrap();
+            let fwd = dm.forward(&batch, p.temperature).unwrap();
+            let n = fwd.logp.len();
+            dm.zero_grads().unwrap();
+            dm.backward(&fwd, &batch, &vec![-1.0 / n as f32; n], &vec![0.0; n]).unwrap();
+            drop(fwd);
+            let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+            dm.adamw_step(&hyper, 1.0).unwrap();
+            let after = score(&dm, &first, &all(&first), first.len(), p.temperature);
+            assert!(
+                after.iter().zip(&first).any(|(g, s)| bits(g) != bits(&s.rollout_log_probs)),
+                "{device} {arch:?}: the step changed no logprob"
+            );
+            check(&mut e, &dm, 13);
+        }
+    }
+}
