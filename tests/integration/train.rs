@@ -1055,3 +1055,80 @@ fn plot_draws_runs_side_by_side() {
     let one = miles(&["plot", &dirs[0]]).unwrap();
     assert!(root.join("one/plots/reward.png").is_file(), "{one}");
 }
+
+/// Unified FP8 on the CPU (`--fp8-format e4m3 --fp8-recipe blockwise`): the demo's rollouts and
+/// training forward read the same E4M3 weights, requantized after every step, so the rollout
+/// and training logprobs are equal bit for bit on every iteration, and the policy still learns
+/// the addition table past 0.8 (a dense and a mixture-of-experts policy, its first layer kept
+/// in bf16).
+#[cfg(feature = "fp8")]
+#[test]
+fn fp8_demo_runs_learn_with_rollout_logprobs_equal_to_trainings() {
+    for (arch, bf16_first) in [("qwen3", 0), ("qwen3-moe", 1)] {
+        let dir = scratch(&format!("train_fp8_demo_{arch}"));
+        let args = demo_args(&[
+            ("run-dir", Value::from(dir.to_str().unwrap())),
+            ("arch", Value::from(arch)),
+            ("fp8-format", Value::from("e4m3")),
+            ("fp8-recipe", Value::from("blockwise")),
+            ("num-layers-at-start-in-bf16", Value::from(bf16_first)),
+        ]);
+        let setup = train_cmd::setup(train_cmd::run_config(&args).unwrap()).unwrap();
+        let mut records = Vec::new();
+        rl::train(setup, &mut |r| records.push(r.clone())).unwrap();
+        let rl: Vec<&Record> =
+            records.iter().filter(|r| r.get("rollout/raw_reward").is_some()).collect();
+        assert_eq!(rl.len(), 200);
+        for r in rl {
+            assert_eq!(r["train/train_rollout_logprob_abs_diff"], 0.0, "{arch}: {r:?}");
+        }
+        let evals = eval_rewards(&records);
+        let best = evals.iter().map(|e| e.1).fold(0.0, f64::max);
+        assert!(best >= 0.8, "{arch} in FP8: GRPO reached only {best}: {evals:?}");
+    }
+}
+
+/// The FP8 flags are checked: a recipe or bf16 layers without a format, an unknown format or
+/// recipe, more bf16 layers than the model has, and Transformer Engine's power-of-two scales.
+#[cfg(feature = "fp8")]
+#[test]
+fn fp8_flags_are_checked() {
+    let run = |flags: &[(&str, Value)]| {
+        train_cmd::run_config(&demo_args(flags)).and_then(|cfg| train_cmd::setup(cfg).map(drop))
+    };
+    let err = |flags: &[(&str, Value)]| format!("{:#}", run(flags).unwrap_err());
+    let e = err(&[("fp8-recipe", Value::from("blockwise"))]);
+    assert!(e.contains("--fp8-recipe") && e.contains("needs --fp8-format e4m3"), "{e}");
+    let e = err(&[("num-layers-at-end-in-bf16", Value::from(2))]);
+    assert!(e.contains("--num-layers-at-end-in-bf16"), "{e}");
+    let e = err(&[("fp8-format", Value::from("hybrid"))]);
+    assert!(e.contains("--fp8-format") && e.contains("e4m3"), "{e}");
+    let e = err(&[("fp8-format", Value::from("e4m3")), ("fp8-recipe", Value::from("delayed"))]);
+    assert!(e.contains("--fp8-recipe") && e.contains("blockwise"), "{e}");
+    let dir = scratch("train_fp8_layers");
+    let e = format!(
+        "{:#}",
+        rl::train(
+            train_cmd::setup(
+                train_cmd::run_config(&demo_args(&[
+                    ("run-dir", Value::from(dir.to_str().unwrap())),
+                    ("fp8-format", Value::from("e4m3")),
+                    ("num-layers-at-start-in-bf16", Value::from(40)),
+                ]))
+                .unwrap()
+            )
+            .unwrap(),
+            &mut |_| {}
+        )
+        .unwrap_err()
+    );
+    assert!(e.contains("--num-layers-at-start-in-bf16 40"), "{e}");
+    let out = run_binary_with(
+        &["--fp8-format", "e4m3", "--num-rollout", "1"],
+        None,
+        &[("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0")],
+    );
+    assert!(!out.status.success());
+    let t = text(&out);
+    assert!(t.contains("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0") && t.contains("f32"), "{t}");
+}

@@ -67,6 +67,7 @@ const ADVANTAGE: &str = "Advantage";
 const LOSS: &str = "Loss";
 const TIS: &str = "Off-policy correction (tis plugin)";
 const OPTIM: &str = "Optimizer and schedule";
+const LOW: &str = "Low precision (fp8 plugin)";
 
 const fn switch(section: &'static str, key: &'static str, help: &'static str) -> Flag {
     Flag { key, kind: Kind::Switch, ty: Ty::Bool, section, help }
@@ -466,6 +467,35 @@ pub const FLAGS: &[Flag] = &[
         Ty::UInt,
         "Sequences per forward/backward; a step accumulates its micro-batches (all at once \
          when absent).",
+    ),
+    // Low precision.
+    optional(
+        LOW,
+        "fp8-format",
+        Ty::Enum(&["e4m3"]),
+        "Unified FP8: the rollout and the training forward compute every attention and MLP \
+         product (experts included) on the same E4M3 weights, requantized at every step, so \
+         rollout and training logprobs stay equal; embeddings, norms, the LM head and routers \
+         stay in bf16. Needs the fp8 plugin and FP8 tensor cores (H100/H200) or the CPU.",
+    ),
+    optional(
+        LOW,
+        "fp8-recipe",
+        Ty::Enum(&["blockwise"]),
+        "FP8 scaling: blockwise (128×128 weight blocks, 1×128 activation groups, f32 scales, \
+         DeepSeek-V3's); the default with --fp8-format.",
+    ),
+    value(
+        LOW,
+        "num-layers-at-start-in-bf16",
+        Ty::UInt,
+        "With --fp8-format: the first N decoder layers stay in bf16.",
+    ),
+    value(
+        LOW,
+        "num-layers-at-end-in-bf16",
+        Ty::UInt,
+        "With --fp8-format: the last N decoder layers stay in bf16.",
     ),
 ];
 

@@ -133,6 +133,28 @@ fn make_correction(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Correction>
     Ok(Some(c))
 }
 
+/// With `--fp8-format`, the `fp8` plugin (which this build must link) checks the format;
+/// Transformer Engine's `NVTE_FP8_BLOCK_SCALING_FP32_SCALES` is accepted when it asks for f32
+/// scales, the only kind here (power-of-two scales are not implemented).
+fn check_fp8(cfg: &RunConfig) -> anyhow::Result<()> {
+    let Some(format) = cfg.fp8_format else { return Ok(()) };
+    linked::plugins();
+    let fmt = serde_json::to_value(format)?;
+    registry::create_quantizer("fp8", &serde_json::json!({ "fmt": fmt }))
+        .context("--fp8-format")?;
+    const NVTE: &str = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES";
+    if let Some(v) = std::env::var_os(NVTE) {
+        let v = v.to_string_lossy();
+        if !matches!(v.trim(), "1" | "true" | "True") {
+            bail!(
+                "{NVTE}={v}: miles-rs scales FP8 blocks in f32 only (as miles does on Hopper); \
+                 unset it or set it to 1"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// `--nproc-per-node N` with `--device cuda` puts rank i on GPU i: the host needs N of them
 /// (unless the ranks share one through the TCP group). `gpus`: how many the host has.
 fn check_gpus(cfg: &RunConfig, gpus: usize) -> anyhow::Result<()> {
@@ -189,6 +211,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
     let advantage = make_advantage(&cfg)?;
     let correction = make_correction(&cfg)?;
     let replay = make_replay(&cfg)?;
+    check_fp8(&cfg)?;
     if demo::is_demo(&cfg) {
         let run_dir = run_dir(&cfg, "demo");
         let tok_dir = run_dir.join("tokenizer");

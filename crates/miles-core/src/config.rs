@@ -43,6 +43,24 @@ pub enum LossType {
     SftLoss,
 }
 
+/// `--fp8-format`: the FP8 element type (E4M3, what Hopper's tensor cores and DeepSeek-V3's
+/// checkpoints hold; Transformer Engine's `hybrid` and E5M2 are not implemented).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fp8Format {
+    #[default]
+    E4m3,
+}
+
+/// `--fp8-recipe`: how FP8 values are scaled. `blockwise`: 128 × 128 weight blocks and
+/// 1 × 128 activation groups with f32 scales (DeepSeek-V3's, miles' on Hopper).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fp8Recipe {
+    #[default]
+    Blockwise,
+}
+
 /// What one importance weight covers: a token, a whole sequence (product of token ratios), or
 /// the geometric mean of a sequence's token ratios.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -311,6 +329,14 @@ pub struct RunConfig {
     /// Sequences per forward/backward; a step accumulates its micro-batches (all at once when
     /// absent).
     pub micro_batch_size: Option<usize>,
+
+    // Low precision.
+    /// Unified FP8: rollout and training forward on the same E4M3 weights (the `fp8` plugin).
+    pub fp8_format: Option<Fp8Format>,
+    /// The FP8 scaling recipe (with `fp8-format`; `blockwise` when unset).
+    pub fp8_recipe: Option<Fp8Recipe>,
+    pub num_layers_at_start_in_bf16: usize,
+    pub num_layers_at_end_in_bf16: usize,
 }
 
 impl Default for RunConfig {
@@ -411,6 +437,10 @@ impl Default for RunConfig {
             num_steps_per_rollout: 1,
             global_batch_size: None,
             micro_batch_size: None,
+            fp8_format: None,
+            fp8_recipe: None,
+            num_layers_at_start_in_bf16: 0,
+            num_layers_at_end_in_bf16: 0,
         }
     }
 }
@@ -468,6 +498,7 @@ impl RunConfig {
             format!("{} outside [0, 1]", self.lambd)
         })?;
         self.validate_correction()?;
+        self.validate_fp8()?;
         check(self.opsm_delta.is_finite(), "opsm-delta", || {
             format!("{} is not finite", self.opsm_delta)
         })?;
@@ -514,6 +545,23 @@ impl RunConfig {
     }
 
     /// The off-policy correction's flags: ranges, and the combinations slime refuses.
+    /// The FP8 flags go together: a recipe or bf16 layers only with a format.
+    fn validate_fp8(&self) -> Result<()> {
+        let off = self.fp8_format.is_none();
+        check(!(off && self.fp8_recipe.is_some()), "fp8-recipe", || {
+            "needs --fp8-format e4m3 (the recipe says how FP8 is scaled)".into()
+        })?;
+        for (key, n) in [
+            ("num-layers-at-start-in-bf16", self.num_layers_at_start_in_bf16),
+            ("num-layers-at-end-in-bf16", self.num_layers_at_end_in_bf16),
+        ] {
+            check(!(off && n > 0), key, || {
+                format!("{n} layers kept in bf16 means nothing without --fp8-format e4m3")
+            })?;
+        }
+        Ok(())
+    }
+
     fn validate_correction(&self) -> Result<()> {
         check(self.tis_clip > 0.0, "tis-clip", || format!("{} must be > 0", self.tis_clip))?;
         if let Some(low) = self.tis_clip_low {

@@ -1617,7 +1617,8 @@ mod tests {
             let spec = tensor_spec(&m.config);
             for ((name, _), t) in spec.iter().zip(m.weights.tensors_mut(arch)) {
                 let norm = name.ends_with("norm.weight");
-                t.iter_mut().for_each(|v| *v = if norm { 1.0 + (*v - 1.0) / 3.0 } else { *v / 5.0 });
+                t.iter_mut()
+                    .for_each(|v| *v = if norm { 1.0 + (*v - 1.0) / 3.0 } else { *v / 5.0 });
             }
             let mut b = batch();
             let plain = on_cpu(&m);

@@ -136,6 +136,7 @@ pub fn fp8_linear(
     k: usize,
     n: usize,
 ) -> Vec<f32> {
+    use rayon::prelude::*;
     let groups = k.div_ceil(FP8_BLOCK);
     assert_eq!((x_codes.len(), x_scales.len()), (rows * k, rows * groups), "fp8_linear: x");
     assert_eq!(
@@ -143,20 +144,37 @@ pub fn fp8_linear(
         (n * k, n.div_ceil(FP8_BLOCK) * groups),
         "fp8_linear: w"
     );
-    let x: Vec<f32> = x_codes.iter().map(|&c| e4m3_to_f32(c)).collect();
-    let w: Vec<f32> = w_codes.iter().map(|&c| e4m3_to_f32(c)).collect();
-    let mut y = vec![0f32; rows * n];
-    for r in 0..rows {
-        for c in 0..n {
-            let mut acc = 0f32;
-            for g in 0..groups {
-                let span = g * FP8_BLOCK..((g + 1) * FP8_BLOCK).min(k);
-                let (xs, ws) = (&x[r * k..][span.clone()], &w[c * k..][span]);
-                let partial = xs.iter().zip(ws).fold(0f32, |s, (a, b)| s + a * b);
-                acc += partial * x_scales[r * groups + g] * w_scales[(c / FP8_BLOCK) * groups + g];
-            }
-            y[r * n + c] = acc;
+    let table: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
+    // wᵀ as values, [k × n]: the inner loop runs over columns, each column's sum still
+    // taken over k in order (vectorized across columns, not across k).
+    let mut wt = vec![0f32; k * n];
+    for (c, row) in w_codes.chunks(k.max(1)).enumerate().take(n) {
+        for (j, &code) in row.iter().enumerate() {
+            wt[j * n + c] = table[usize::from(code)];
         }
+    }
+    let mut y = vec![0f32; rows * n];
+    let one_row = |(r, out): (usize, &mut [f32])| {
+        let mut partial = vec![0f32; n];
+        for g in 0..groups {
+            partial.fill(0.0);
+            for j in g * FP8_BLOCK..((g + 1) * FP8_BLOCK).min(k) {
+                let a = table[usize::from(x_codes[r * k + j])];
+                for (p, &b) in partial.iter_mut().zip(&wt[j * n..(j + 1) * n]) {
+                    // (A product of two codes is exact in f32: no fused multiply-add needed.)
+                    *p += a * b;
+                }
+            }
+            let xs = x_scales[r * groups + g];
+            for (c, (acc, &p)) in out.iter_mut().zip(&partial).enumerate() {
+                *acc += p * xs * w_scales[(c / FP8_BLOCK) * groups + g];
+            }
+        }
+    };
+    if rows * n * k >= 1 << 18 {
+        y.par_chunks_mut(n.max(1)).enumerate().for_each(one_row);
+    } else {
+        y.chunks_mut(n.max(1)).enumerate().for_each(one_row);
     }
     y
 }
@@ -262,6 +280,22 @@ mod tests {
             }
             let one = fp8_linear((&xq[r * k..][..k], &xs[r * 3..][..3]), (&wq, &ws), 1, k, n);
             assert_eq!(one, y[r * n..][..n], "row {r} alone");
+        }
+        // The definition, one output at a time: each 128-slice summed over k in order, then
+        // scaled and added. The column-vectorized kernel has its bits.
+        let groups = k.div_ceil(FP8_BLOCK);
+        for r in 0..rows {
+            for c in 0..n {
+                let mut acc = 0f32;
+                for g in 0..groups {
+                    let mut partial = 0f32;
+                    for j in g * FP8_BLOCK..((g + 1) * FP8_BLOCK).min(k) {
+                        partial += e4m3_to_f32(xq[r * k + j]) * e4m3_to_f32(wq[c * k + j]);
+                    }
+                    acc += partial * xs[r * groups + g] * ws[(c / FP8_BLOCK) * groups + g];
+                }
+                assert_eq!(acc.to_bits(), y[r * n + c].to_bits(), "[{r}, {c}]");
+            }
         }
     }
 

@@ -4,7 +4,7 @@
 use anyhow::bail;
 use miles_core::Rollout;
 use miles_core::config::RunConfig;
-use miles_model::{DeviceModel, Model, Tokenizer, Weights};
+use miles_model::{DeviceModel, Fp8Layers, Model, Tokenizer, Weights};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
 use miles_tensor::{DType, Device};
@@ -18,6 +18,15 @@ use crate::dist::Dist;
 /// The compute dtype on `device`: f32 on the CPU (its batch-invariant kernels), bf16 on a GPU.
 fn compute_dtype(device: Device) -> DType {
     if device == Device::Cpu { DType::F32 } else { DType::BF16 }
+}
+
+/// Unified FP8 as the run asks for it (`--fp8-format` and the bf16 layers), for the policy and
+/// the reference alike.
+pub(super) fn fp8_layers(cfg: &RunConfig) -> Option<Fp8Layers> {
+    cfg.fp8_format.map(|_| Fp8Layers {
+        bf16_at_start: cfg.num_layers_at_start_in_bf16,
+        bf16_at_end: cfg.num_layers_at_end_in_bf16,
+    })
 }
 
 /// The policy during a run: a `DeviceModel` (f32 masters, the forward's compute copies,
@@ -45,6 +54,7 @@ impl Actor {
         dist: Option<&Dist>,
     ) -> anyhow::Result<Self> {
         let mut dm = DeviceModel::new(policy, &device, compute_dtype(device))?;
+        dm.set_fp8(fp8_layers(cfg))?;
         if let Some(d) = dist {
             d.broadcast_weights(&mut dm)?;
         }
@@ -149,14 +159,16 @@ pub(super) struct Reference {
 }
 
 impl Reference {
-    /// `weights` as the reference on `device`.
+    /// `weights` as the reference on `device`, in FP8 as the policy when `fp8` says so.
     pub(super) fn new(
         config: &miles_model::ModelConfig,
         weights: Weights,
         device: Device,
+        fp8: Option<Fp8Layers>,
     ) -> anyhow::Result<Reference> {
         let model = Model::new(config.clone(), weights);
-        let dm = DeviceModel::new(&model, &device, compute_dtype(device))?;
+        let mut dm = DeviceModel::new(&model, &device, compute_dtype(device))?;
+        dm.set_fp8(fp8)?;
         Ok(Reference { model: dm, weights: model.weights })
     }
 

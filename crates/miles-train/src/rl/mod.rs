@@ -219,7 +219,8 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         None if needs_ref => Some(actor.weights()?),
         None => None,
     };
-    let reference = reference.map(|w| Reference::new(&config, w, device)).transpose()?;
+    let fp8 = actor::fp8_layers(&cfg);
+    let reference = reference.map(|w| Reference::new(&config, w, device, fp8)).transpose()?;
     // A test hook: the separate old-logprob forward even where the step's own would do, to
     // show both give the same bits.
     let separate_old = std::env::var_os("MILES_SEPARATE_OLD_LOGPROBS").is_some();
