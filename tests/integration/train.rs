@@ -1059,12 +1059,12 @@ fn plot_draws_runs_side_by_side() {
 /// Unified FP8 on the CPU (`--fp8-format e4m3 --fp8-recipe blockwise`): the demo's rollouts and
 /// training forward read the same E4M3 weights, requantized after every step, so the rollout
 /// and training logprobs are equal bit for bit on every iteration, and the policy still learns
-/// the addition table past 0.8 (a dense and a mixture-of-experts policy, its first layer kept
-/// in bf16).
+/// the addition table past 0.8 (the mixture-of-experts policy: its attention, dense MLP and
+/// experts in FP8; the dense policy's FP8 rollouts are checked in miles-rollout).
 #[cfg(feature = "fp8")]
 #[test]
 fn fp8_demo_runs_learn_with_rollout_logprobs_equal_to_trainings() {
-    for (arch, bf16_first) in [("qwen3", 0), ("qwen3-moe", 1)] {
+    for (arch, bf16_first) in [("qwen3-moe", 0)] {
         let dir = scratch(&format!("train_fp8_demo_{arch}"));
         let args = demo_args(&[
             ("run-dir", Value::from(dir.to_str().unwrap())),
