@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use miles_core::config::{AdvantageEstimator, DeviceSpec, DistBackend, RunConfig};
-use miles_core::{Correction, Reward, RoutingReplay, registry};
+use miles_core::{Correction, Quantizer, Reward, RoutingReplay, registry};
 use miles_data::{Dataset, Keys};
 use miles_model::Tokenizer;
 use miles_plugin_abi::host::DynamicReward;
@@ -133,14 +133,14 @@ fn make_correction(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Correction>
     Ok(Some(c))
 }
 
-/// With `--fp8-format`, the `fp8` plugin (which this build must link) checks the format;
+/// With `--fp8-format`, the `fp8` plugin (which this build must link), having checked the format;
 /// Transformer Engine's `NVTE_FP8_BLOCK_SCALING_FP32_SCALES` is accepted when it asks for f32
 /// scales, the only kind here (power-of-two scales are not implemented).
-fn check_fp8(cfg: &RunConfig) -> anyhow::Result<()> {
-    let Some(format) = cfg.fp8_format else { return Ok(()) };
+fn make_quantizer(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Quantizer>>> {
+    let Some(format) = cfg.fp8_format else { return Ok(None) };
     linked::plugins();
     let fmt = serde_json::to_value(format)?;
-    registry::create_quantizer("fp8", &serde_json::json!({ "fmt": fmt }))
+    let q = registry::create_quantizer("fp8", &serde_json::json!({ "fmt": fmt }))
         .context("--fp8-format")?;
     const NVTE: &str = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES";
     if let Some(v) = std::env::var_os(NVTE) {
@@ -152,7 +152,7 @@ fn check_fp8(cfg: &RunConfig) -> anyhow::Result<()> {
             );
         }
     }
-    Ok(())
+    Ok(Some(q))
 }
 
 /// `--nproc-per-node N` with `--device cuda` puts rank i on GPU i: the host needs N of them
@@ -211,7 +211,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
     let advantage = make_advantage(&cfg)?;
     let correction = make_correction(&cfg)?;
     let replay = make_replay(&cfg)?;
-    check_fp8(&cfg)?;
+    let quantizer = make_quantizer(&cfg)?;
     if demo::is_demo(&cfg) {
         let run_dir = run_dir(&cfg, "demo");
         let tok_dir = run_dir.join("tokenizer");
@@ -226,6 +226,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
             advantage,
             correction,
             replay,
+            quantizer,
             run_dir,
             config: cfg,
         });
@@ -266,6 +267,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
         advantage,
         correction,
         replay,
+        quantizer,
         run_dir: run_dir(&cfg, "train"),
         config: cfg,
     })

@@ -265,6 +265,13 @@ impl DeviceModel {
         self.repack()
     }
 
+    /// The HF names of the weights the FP8 forward reads in E4M3 (what an FP8 export
+    /// quantizes).
+    pub fn fp8_weight_names(&self) -> Vec<String> {
+        let spec = tensor_spec(&self.config);
+        self.fp8_matrices().into_iter().map(|i| spec[i].0.clone()).collect()
+    }
+
     /// Whether unified FP8 is on, and which layers it leaves out.
     pub fn fp8(&self) -> Option<Fp8Layers> {
         self.fp8

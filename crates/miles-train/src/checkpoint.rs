@@ -43,6 +43,7 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use miles_core::Quantizer;
 use miles_model::config::config_path;
 use miles_model::weights::tensor_spec;
 use miles_model::{ModelConfig, Weights};
@@ -249,39 +250,64 @@ fn commit_dir(tmp: &Path, dst: &Path) -> Result<()> {
 }
 
 /// An F32 tensor for safetensors, encoded only when written (one tensor in memory at a time).
-struct F32View<'a> {
-    shape: Vec<usize>,
-    data: &'a [f32],
+/// A tensor as written: f32 values, or FP8 E4M3 codes.
+enum TensorView<'a> {
+    F32 { shape: Vec<usize>, data: Cow<'a, [f32]> },
+    F8E4M3 { shape: Vec<usize>, codes: Vec<u8> },
 }
 
-impl View for F32View<'_> {
+impl View for TensorView<'_> {
     fn dtype(&self) -> Dtype {
-        Dtype::F32
+        match self {
+            TensorView::F32 { .. } => Dtype::F32,
+            TensorView::F8E4M3 { .. } => Dtype::F8_E4M3,
+        }
     }
     fn shape(&self) -> &[usize] {
-        &self.shape
+        match self {
+            TensorView::F32 { shape, .. } | TensorView::F8E4M3 { shape, .. } => shape,
+        }
     }
     fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Owned(self.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+        match self {
+            TensorView::F32 { data, .. } => {
+                Cow::Owned(data.iter().flat_map(|v| v.to_le_bytes()).collect())
+            }
+            TensorView::F8E4M3 { codes, .. } => Cow::Borrowed(codes),
+        }
     }
     fn data_len(&self) -> usize {
-        self.data.len() * 4
+        match self {
+            TensorView::F32 { data, .. } => data.len() * 4,
+            TensorView::F8E4M3 { codes, .. } => codes.len(),
+        }
     }
+}
+
+/// An HF export in FP8 (`--save-hf` with `--fp8-format`): the weights `names` (those the FP8
+/// forward reads) as E4M3 codes with their `<name>_scale_inv` blocks, quantized by the fp8
+/// plugin's host reference (the device's codes, bit for bit), and config.json's
+/// `quantization_config` saying so, as DeepSeek-V3's checkpoints and SGLang/vLLM have it.
+pub struct Fp8Export<'a> {
+    pub quantizer: &'a dyn Quantizer,
+    pub names: Vec<String>,
 }
 
 /// The tensors of `w` named `<prefix><hf name>`.
-fn named<'a>(config: &ModelConfig, w: &'a Weights, prefix: &str) -> Vec<(String, F32View<'a>)> {
+fn named<'a>(config: &ModelConfig, w: &'a Weights, prefix: &str) -> Vec<(String, TensorView<'a>)> {
     tensor_spec(config)
         .into_iter()
         .zip(w.tensors(config.architecture))
-        .map(|((name, shape), data)| (format!("{prefix}{name}"), F32View { shape, data }))
+        .map(|((name, shape), data)| {
+            (format!("{prefix}{name}"), TensorView::F32 { shape, data: Cow::Borrowed(data) })
+        })
         .collect()
 }
 
 /// Writes a safetensors file and fsyncs it.
 fn write_tensors(
     path: &Path,
-    tensors: Vec<(String, F32View<'_>)>,
+    tensors: Vec<(String, TensorView<'_>)>,
     metadata: HashMap<String, String>,
 ) -> Result<()> {
     safetensors::serialize_to_file(tensors, Some(metadata), path).map_err(|e| match e {
@@ -300,13 +326,70 @@ fn check_shapes(config: &ModelConfig, w: &Weights, what: &str) -> Result<()> {
     w.check(config).map_err(|e| Error::Invalid(format!("cannot save {what}: {e}")))
 }
 
-/// Writes `config.json`, `model.safetensors` (F32) and the tokenizer files into `dir`.
-fn write_config_and_model(dir: &Path, config: &ModelConfig, weights: &Weights) -> Result<()> {
+/// Writes `config.json` and `model.safetensors` (F32, or with `fp8` those weights in E4M3)
+/// into `dir`.
+fn write_config_and_model(
+    dir: &Path,
+    config: &ModelConfig,
+    weights: &Weights,
+    fp8: Option<&Fp8Export<'_>>,
+) -> Result<()> {
     let path = config_path(dir);
-    let text = serde_json::to_string_pretty(&config.to_hf_json("float32"))
+    let mut json = config.to_hf_json("float32");
+    let mut tensors = named(config, weights, "");
+    if let Some(fp8) = fp8 {
+        let kept;
+        (tensors, kept) = quantized(tensors, fp8)?;
+        json["quantization_config"] = serde_json::json!({
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": fp8.quantizer.format().block,
+            "modules_to_not_convert": kept,
+        });
+    }
+    let text = serde_json::to_string_pretty(&json)
         .map_err(|e| at(&path, format!("cannot encode the config: {e}")))?;
     write_synced(&path, text.as_bytes())?;
-    write_tensors(&dir.join(MODEL_FILE), named(config, weights, ""), pt_metadata())
+    write_tensors(&dir.join(MODEL_FILE), tensors, pt_metadata())
+}
+
+/// `tensors` with `fp8.names` quantized (each preceded by its `_scale_inv`), and the modules
+/// of the linear layers left unquantized (LM head, routers, layers kept in bf16).
+fn quantized<'a>(
+    tensors: Vec<(String, TensorView<'a>)>,
+    fp8: &Fp8Export<'_>,
+) -> Result<(Vec<(String, TensorView<'a>)>, Vec<String>)> {
+    let (mut out, mut kept) = (Vec::with_capacity(tensors.len()), Vec::new());
+    for (name, view) in tensors {
+        let TensorView::F32 { shape, data } = &view else {
+            unreachable!("named() gives f32 views")
+        };
+        if !fp8.names.contains(&name) {
+            if shape.len() == 2 && name != "model.embed_tokens.weight" {
+                kept.push(name.trim_end_matches(".weight").to_string());
+            }
+            out.push((name, view));
+            continue;
+        }
+        let q = fp8
+            .quantizer
+            .quantize(&miles_core::WeightView { name: &name, shape, data })
+            .map_err(|e| Error::Invalid(format!("FP8 export of {name}: {e}")))?;
+        let [br, bc] = q.format.block;
+        let scales = vec![shape[0].div_ceil(br), shape[1].div_ceil(bc)];
+        let shape = shape.clone();
+        out.push((
+            format!("{name}_scale_inv"),
+            TensorView::F32 { shape: scales, data: q.scales.into() },
+        ));
+        out.push((name, TensorView::F8E4M3 { shape, codes: q.data }));
+    }
+    // A tied head has no tensor of its own, but the module is there and stays unconverted.
+    if !kept.iter().any(|k| k == "lm_head") {
+        kept.insert(0, "lm_head".into());
+    }
+    Ok((out, kept))
 }
 
 fn copy_tokenizer(from: &Path, dir: &Path) -> Result<()> {
@@ -368,7 +451,7 @@ pub fn save(root: &Path, iteration: u64, ckpt: &CheckpointRef) -> Result<PathBuf
     let tmp = beside(&dst, ".tmp")?;
     fresh_tmp_dir(&tmp)?;
 
-    write_config_and_model(&tmp, config, ckpt.weights)?;
+    write_config_and_model(&tmp, config, ckpt.weights, None)?;
     if fault_requested() {
         eprintln!("{FAULT_ENV}={FAULT_ABORT_DURING_SAVE}: aborting in the middle of a save");
         std::process::abort();
@@ -551,19 +634,21 @@ fn weights_from(
     Ok(w)
 }
 
-/// Writes a plain HF model directory (`config.json`, F32 `model.safetensors`, the tokenizer
-/// files) at `dir`, replacing one there: written beside it as `.<name>.tmp` and renamed.
+/// Writes a plain HF model directory (`config.json`, `model.safetensors` in F32 or, with
+/// `fp8`, in DeepSeek-V3's FP8 format, the tokenizer files) at `dir`, replacing one there:
+/// written beside it as `.<name>.tmp` and renamed.
 pub fn export_hf(
     dir: &Path,
     config: &ModelConfig,
     weights: &Weights,
     tokenizer_dir: Option<&Path>,
+    fp8: Option<&Fp8Export<'_>>,
 ) -> Result<()> {
     check_shapes(config, weights, "the weights")?;
     let tmp = beside(dir, ".tmp")?;
     create_dirs(&parent_of(dir))?;
     fresh_tmp_dir(&tmp)?;
-    write_config_and_model(&tmp, config, weights)?;
+    write_config_and_model(&tmp, config, weights, fp8)?;
     if let Some(from) = tokenizer_dir {
         copy_tokenizer(from, &tmp)?;
     }

@@ -41,7 +41,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, anyhow, bail};
 use miles_core::config::{LossType, RunConfig};
-use miles_core::{Advantage, Correction, Reward, RoutingReplay};
+use miles_core::{Advantage, Correction, Quantizer, Reward, RoutingReplay};
 use miles_data::{Cursor, DataSource, Dataset};
 use miles_model::{Model, Tokenizer, Weights};
 use miles_rollout::EngineConfig;
@@ -78,6 +78,8 @@ pub struct Setup {
     pub correction: Option<Box<dyn Correction>>,
     /// The `r3` plugin, with `--use-rollout-routing-replay`.
     pub replay: Option<Box<dyn RoutingReplay>>,
+    /// The `fp8` plugin, with `--fp8-format`: it writes `--save-hf` in FP8.
+    pub quantizer: Option<Box<dyn Quantizer>>,
     pub run_dir: PathBuf,
 }
 
@@ -152,9 +154,15 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         advantage,
         correction,
         replay,
+        quantizer,
         run_dir,
     } = setup;
     cfg.validate()?;
+    if cfg.fp8_format.is_some() && quantizer.is_none() {
+        bail!(
+            "--fp8-format: the run has no fp8 plugin (build with `cargo xtask build --features fp8`)"
+        );
+    }
     check_run(&cfg, &mut model, correction.is_some(), replay.is_some())?;
     let eval_every = cfg.eval_interval.filter(|_| eval_data.is_some());
     let sft_run = cfg.loss_type == LossType::SftLoss;
@@ -234,6 +242,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         advantage: advantage.as_ref(),
         correction: correction.as_deref(),
         replay: replay.as_deref(),
+        quantizer: quantizer.as_deref(),
         reference: reference.as_ref(),
         saved_ref,
         config: &config,

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use miles_core::config::RunConfig;
-use miles_core::{Advantage, Correction, Reward, Rollout, RoutingReplay};
+use miles_core::{Advantage, Correction, Quantizer, Reward, Rollout, RoutingReplay};
 use miles_data::{DataSource, Dataset};
 use miles_model::{Tokenizer, Weights};
 use serde_json::{Value, json};
@@ -35,6 +35,7 @@ pub(super) struct Run<'a> {
     pub(super) advantage: &'a dyn Advantage,
     pub(super) correction: Option<&'a dyn Correction>,
     pub(super) replay: Option<&'a dyn RoutingReplay>,
+    pub(super) quantizer: Option<&'a dyn Quantizer>,
     pub(super) reference: Option<&'a Reference>,
     pub(super) saved_ref: &'a [&'a str],
     pub(super) config: &'a miles_model::ModelConfig,
@@ -123,7 +124,10 @@ impl Run<'_> {
         }
         let weights = actor.weights()?;
         if let Some(dir) = self.cfg.save_hf.as_ref().filter(|_| self.root()) {
-            checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir)
+            let fp8 = self.quantizer.filter(|_| actor.model().fp8().is_some()).map(|q| {
+                checkpoint::Fp8Export { quantizer: q, names: actor.model().fp8_weight_names() }
+            });
+            checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir, fp8.as_ref())
                 .with_context(|| format!("--save-hf {}", dir.display()))?;
         }
         Ok(Summary {
