@@ -417,7 +417,7 @@ fn device_bundle() -> Result<PathBuf> {
         .sum();
     if bytes > BUNDLE_LIMIT {
         return Err(format!(
-            "the device bundle is {:.1} MiB, over the {} MiB a device run can carry",
+            "the device bundle is {:.1} MiB, over the {} MiB that compress into one device run",
             bytes as f64 / 1048576.0,
             BUNDLE_LIMIT >> 20
         ));
@@ -459,8 +459,9 @@ fn bundle_kernel_benches(dir: &Path) -> Result {
 /// The crates whose tests the device bundle carries, with their `cuda` features.
 const CUDA_FEATURES: &str = "miles-tensor/cuda,miles-model/cuda";
 
-/// What one device run can carry.
-const BUNDLE_LIMIT: u64 = 64 << 20;
+/// The bundle's test binaries, uncompressed: a device run carries 64 MiB, and the binaries
+/// travel xz-compressed (`tests/device/pack.sh`, or `tar -cJf`), about a fifth of this.
+const BUNDLE_LIMIT: u64 = 160 << 20;
 
 /// The device bundle's entry point: finds cuBLAS, runs every test binary, passes its arguments
 /// on (a test name filter, say).
