@@ -284,6 +284,9 @@ impl View for TensorView<'_> {
     }
 }
 
+/// Named tensors, as written.
+type NamedViews<'a> = Vec<(String, TensorView<'a>)>;
+
 /// An HF export in FP8 (`--save-hf` with `--fp8-format`): the weights `names` (those the FP8
 /// forward reads) as E4M3 codes with their `<name>_scale_inv` blocks, quantized by the fp8
 /// plugin's host reference (the device's codes, bit for bit), and config.json's
@@ -294,7 +297,7 @@ pub struct Fp8Export<'a> {
 }
 
 /// The tensors of `w` named `<prefix><hf name>`.
-fn named<'a>(config: &ModelConfig, w: &'a Weights, prefix: &str) -> Vec<(String, TensorView<'a>)> {
+fn named<'a>(config: &ModelConfig, w: &'a Weights, prefix: &str) -> NamedViews<'a> {
     tensor_spec(config)
         .into_iter()
         .zip(w.tensors(config.architecture))
@@ -307,7 +310,7 @@ fn named<'a>(config: &ModelConfig, w: &'a Weights, prefix: &str) -> Vec<(String,
 /// Writes a safetensors file and fsyncs it.
 fn write_tensors(
     path: &Path,
-    tensors: Vec<(String, TensorView<'_>)>,
+    tensors: NamedViews<'_>,
     metadata: HashMap<String, String>,
 ) -> Result<()> {
     safetensors::serialize_to_file(tensors, Some(metadata), path).map_err(|e| match e {
@@ -357,9 +360,9 @@ fn write_config_and_model(
 /// `tensors` with `fp8.names` quantized (each preceded by its `_scale_inv`), and the modules
 /// of the linear layers left unquantized (LM head, routers, layers kept in bf16).
 fn quantized<'a>(
-    tensors: Vec<(String, TensorView<'a>)>,
+    tensors: NamedViews<'a>,
     fp8: &Fp8Export<'_>,
-) -> Result<(Vec<(String, TensorView<'a>)>, Vec<String>)> {
+) -> Result<(NamedViews<'a>, Vec<String>)> {
     let (mut out, mut kept) = (Vec::with_capacity(tensors.len()), Vec::new());
     for (name, view) in tensors {
         let TensorView::F32 { shape, data } = &view else {
