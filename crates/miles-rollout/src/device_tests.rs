@@ -302,6 +302,20 @@ fn smollm2_shaped_rollouts_equal_a_fresh_scorer() {
     }
 }
 
+/// One AdamW step raising the logprobs of `samples`' responses.
+fn train_on(dm: &mut DeviceModel, samples: &[Sample], temperature: f32) {
+    let seqs: Vec<_> =
+        samples.iter().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
+    let batch = PackedBatch::new(&seqs).unwrap();
+    let fwd = dm.forward(&batch, temperature).unwrap();
+    let n = fwd.logp.len();
+    dm.zero_grads().unwrap();
+    dm.backward(&fwd, &batch, &vec![-1.0 / n as f32; n], &vec![0.0; n]).unwrap();
+    drop(fwd);
+    let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+    dm.adamw_step(&hyper, 1.0).unwrap();
+}
+
 /// On CUDA, after an AdamW step in place the same engine's decode steps (captured graphs
 /// reading the stacked q/k/v and gate/up copies) follow the new weights, and after new
 /// weights set from elsewhere (new compute copies: the graphs are captured again) too: the
@@ -314,17 +328,8 @@ fn rollouts_after_a_training_step_still_equal_the_scorer() {
     let vocab = m.config.vocab_size;
     let (mut dm, mut e) = engine(&m, &device, DType::BF16, EngineConfig::default());
     let first = e.generate(&dm, groups(2, 5, vocab), &p).unwrap().concat();
-    let seqs: Vec<_> =
-        first.iter().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
-    let batch = PackedBatch::new(&seqs).unwrap();
-    let fwd = dm.forward(&batch, p.temperature).unwrap();
-    let n = fwd.logp.len();
-    dm.zero_grads().unwrap();
-    dm.backward(&fwd, &batch, &vec![-1.0 / n as f32; n], &vec![0.0; n]).unwrap();
-    drop(fwd);
-    let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
     let buffers = dm.buffers_id();
-    dm.adamw_step(&hyper, 1.0).unwrap();
+    train_on(&mut dm, &first, p.temperature);
     assert_eq!(dm.buffers_id(), buffers, "AdamW refreshes the compute copies in place");
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let all = |s: &[Sample]| (0..s.len()).collect::<Vec<_>>();
@@ -383,16 +388,7 @@ fn fp8_rollout_logprobs_equal_the_scorers_bit_for_bit() {
                 samples
             };
             let first = check(&mut e, &dm, 12);
-            let seqs: Vec<_> =
-                first.iter().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
-            let batch = PackedBatch::new(&seqs).unwrap();
-            let fwd = dm.forward(&batch, p.temperature).unwrap();
-            let n = fwd.logp.len();
-            dm.zero_grads().unwrap();
-            dm.backward(&fwd, &batch, &vec![-1.0 / n as f32; n], &vec![0.0; n]).unwrap();
-            drop(fwd);
-            let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
-            dm.adamw_step(&hyper, 1.0).unwrap();
+            train_on(&mut dm, &first, p.temperature);
             let after = score(&dm, &first, &all(&first), first.len(), p.temperature);
             assert!(
                 after.iter().zip(&first).any(|(g, s)| bits(g) != bits(&s.rollout_log_probs)),
