@@ -23,7 +23,7 @@ mod score_cmd;
 pub mod train_cmd;
 
 pub use bench_cmd::{BenchArgs, BenchCommand, RolloutBenchArgs};
-pub use convert_cmd::{ConvertCommand, GgufArgs};
+pub use convert_cmd::{ConvertCommand, Fp8Args, GgufArgs};
 pub use generate_cmd::GenerateArgs;
 pub use init_model_cmd::InitModelArgs;
 pub use plot_cmd::PlotArgs;

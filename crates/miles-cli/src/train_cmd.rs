@@ -227,6 +227,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
             correction,
             replay,
             quantizer,
+            fp8_checkpoint: false,
             run_dir,
             config: cfg,
         });
@@ -248,6 +249,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
         );
     };
     let model = load_model(&dir).with_context(|| format!("--hf-checkpoint {}", dir.display()))?;
+    let fp8_checkpoint = miles_model::config::is_fp8_checkpoint(&dir)?;
     let tokenizer = Tokenizer::load(&dir).with_context(|| {
         format!("--hf-checkpoint {}: training needs a tokenizer", dir.display())
     })?;
@@ -268,6 +270,7 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
         correction,
         replay,
         quantizer,
+        fp8_checkpoint,
         run_dir: run_dir(&cfg, "train"),
         config: cfg,
     })

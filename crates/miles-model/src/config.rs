@@ -472,6 +472,17 @@ fn check_quantization(q: &Value) -> std::result::Result<(), String> {
 /// The most parameters a config may describe: 2^44 (17.6 T, 26 times DeepSeek-V3's 671 B).
 const MAX_PARAMETERS: u128 = 1 << 44;
 
+/// Whether `dir/config.json` describes an FP8 checkpoint (a `quantization_config` with
+/// `quant_method: fp8`; [`ModelConfig::from_file`] checks the rest of it).
+pub fn is_fp8_checkpoint(dir: &Path) -> Result<bool> {
+    let path = config_path(dir);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|source| Error::Io { path: path.clone(), source })?;
+    let value: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::Config { path, message: format!("not valid JSON: {e}") })?;
+    Ok(value.pointer("/quantization_config/quant_method").and_then(Value::as_str) == Some("fp8"))
+}
+
 /// `dir/config.json`.
 pub fn config_path(dir: &Path) -> PathBuf {
     dir.join("config.json")

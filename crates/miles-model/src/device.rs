@@ -100,12 +100,43 @@ impl Layout {
 /// the compute dtype, as miles keeps them: embeddings, norms, the LM head, MoE routers, and the
 /// first and last layers asked for. The backward uses the compute copies (bf16 on a GPU, the
 /// f32 masters on the CPU): gradients pass straight through the quantization.
+///
+/// With `rollout_only` (miles' rollout-only FP8, what it does when `--hf-checkpoint` is an FP8
+/// model), only the engine's steps read the E4M3 weights; the training forward computes as
+/// without FP8, so rollout logprobs differ from training's (TIS corrects them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Fp8Layers {
     /// Layers at the start kept out of FP8 (`--num-layers-at-start-in-bf16`).
     pub bf16_at_start: usize,
     /// Layers at the end kept out of FP8 (`--num-layers-at-end-in-bf16`).
     pub bf16_at_end: usize,
+    /// FP8 in the rollout engine only.
+    pub rollout_only: bool,
+}
+
+/// The indices (in [`tensor_spec`] order) of the matrices FP8 quantizes: every projection
+/// and expert of the layers not kept (not the router, the embedding or the head).
+fn fp8_matrices(config: &ModelConfig, layout: &Layout, f: Fp8Layers) -> Vec<usize> {
+    let mut out = Vec::new();
+    for layer in f.bf16_at_start..layout.layers.saturating_sub(f.bf16_at_end) {
+        let mut linears = vec![Linear::Qkv, Linear::O];
+        match config.moe.as_ref().filter(|m| m.is_sparse(layer)) {
+            Some(m) => (0..m.num_experts)
+                .for_each(|e| linears.extend([Linear::ExpertGateUp(e), Linear::ExpertDown(e)])),
+            None => linears.extend([Linear::GateUp, Linear::Down]),
+        }
+        for linear in linears {
+            out.extend(layout.linear(layer, linear));
+        }
+    }
+    out
+}
+
+/// The HF names of the weights FP8 quantizes in `config`'s model (what an FP8 checkpoint
+/// stores in E4M3).
+pub fn fp8_weight_names(config: &ModelConfig, f: Fp8Layers) -> Vec<String> {
+    let spec = tensor_spec(config);
+    fp8_matrices(config, &Layout::new(config), f).into_iter().map(|i| spec[i].0.clone()).collect()
 }
 
 /// AdamW's state on the device.
@@ -239,9 +270,10 @@ impl DeviceModel {
         self.buffers
     }
 
-    /// Turns unified FP8 on (or off with `None`): the products of the layers between the
-    /// kept ones read E4M3 weights from now on, quantized now and after every AdamW step.
-    /// The stacked and fused decode paths, which read the compute copies, are left off.
+    /// Turns FP8 on (or off with `None`): the products of the layers between the kept ones
+    /// read E4M3 weights from now on (in the engine's steps only when `rollout_only`),
+    /// quantized now and after every AdamW step. The stacked and fused decode paths, which
+    /// read the compute copies, are left off.
     pub fn set_fp8(&mut self, fp8: Option<Fp8Layers>) -> Result<()> {
         if let Some(f) = fp8 {
             let layers = self.layout.layers;
@@ -268,8 +300,7 @@ impl DeviceModel {
     /// The HF names of the weights the FP8 forward reads in E4M3 (what an FP8 export
     /// quantizes).
     pub fn fp8_weight_names(&self) -> Vec<String> {
-        let spec = tensor_spec(&self.config);
-        self.fp8_matrices().into_iter().map(|i| spec[i].0.clone()).collect()
+        self.fp8.map(|f| fp8_weight_names(&self.config, f)).unwrap_or_default()
     }
 
     /// Whether unified FP8 is on, and which layers it leaves out.
@@ -277,23 +308,8 @@ impl DeviceModel {
         self.fp8
     }
 
-    /// The indices of the matrices FP8 quantizes: every projection and expert of the layers
-    /// not kept (not the router, the embedding or the head).
     fn fp8_matrices(&self) -> Vec<usize> {
-        let Some(f) = self.fp8 else { return Vec::new() };
-        let mut out = Vec::new();
-        for layer in f.bf16_at_start..self.layout.layers - f.bf16_at_end {
-            let mut linears = vec![Linear::Qkv, Linear::O];
-            match self.config.moe.as_ref().filter(|m| m.is_sparse(layer)) {
-                Some(m) => (0..m.num_experts)
-                    .for_each(|e| linears.extend([Linear::ExpertGateUp(e), Linear::ExpertDown(e)])),
-                None => linears.extend([Linear::GateUp, Linear::Down]),
-            }
-            for linear in linears {
-                out.extend(self.layout.linear(layer, linear));
-            }
-        }
-        out
+        self.fp8.map(|f| fp8_matrices(&self.config, &self.layout, f)).unwrap_or_default()
     }
 
     /// (Re)quantizes the FP8 weights from the masters, in place when they exist (the decode
@@ -350,8 +366,10 @@ impl DeviceModel {
         }
         let pack = |parts: &[&Tensor]| -> Result<PackedLinear> { Ok(ops::pack_linear(parts)?) };
         let mut in_stack = vec![false; self.masters.len()];
-        // (FP8 runs each part through its own quantized product: no stacks.)
-        let stacks = if self.fp8.is_some() { 0 } else { self.layout.layers };
+        // (Unified FP8 runs each part through its own quantized product: no stacks. In
+        // rollout-only FP8 the training forward reads them, the engine the quantized parts.)
+        let unified = self.fp8.is_some_and(|f| !f.rollout_only);
+        let stacks = if unified { 0 } else { self.layout.layers };
         for layer in 0..stacks {
             let stack = |linear| {
                 let parts = self.layout.linear(layer, linear);
@@ -375,7 +393,7 @@ impl DeviceModel {
             .enumerate()
             .map(|(i, ((name, _), m))| {
                 let product = !name.ends_with("norm.weight") && (i != 0 || head == 0);
-                let fp8 = self.quantized.get(i).is_some_and(Option::is_some);
+                let fp8 = unified && self.quantized.get(i).is_some_and(Option::is_some);
                 (product && !in_stack[i] && !fp8).then(|| pack(&[m])).transpose()
             })
             .collect::<Result<_>>()?;
@@ -497,6 +515,17 @@ impl DeviceModel {
         self.weights().weight(index)
     }
 
+    /// The weights as the training forward reads them: without the E4M3 forms in
+    /// rollout-only FP8.
+    fn training_weights(&self) -> DeviceWeights<'_> {
+        let mut w = self.weights();
+        if self.fp8.is_some_and(|f| f.rollout_only) {
+            w.quantized = &[];
+        }
+        w
+    }
+
+    /// The weights as the engine's steps read them.
     fn weights(&self) -> DeviceWeights<'_> {
         DeviceWeights {
             config: &self.config,
@@ -541,7 +570,7 @@ impl DeviceModel {
         let cos = Tensor::from_f32(&table, cos, &self.device)?;
         let sin = Tensor::from_f32(&table, sin, &self.device)?;
         let dev = Dev {
-            w: self.weights(),
+            w: self.training_weights(),
             cos: &cos,
             sin: &sin,
             cu_seqlens: &batch.cu_seqlens,
@@ -896,12 +925,14 @@ impl DeviceModel {
         drop(d_nf);
         ready(0, &mut self.grads)?;
 
+        // (Fields one by one: the gradients are borrowed mutably beside them.)
+        let rollout_only = self.fp8.is_some_and(|f| f.rollout_only);
         let w = DeviceWeights {
             config: &self.config,
             layout: &self.layout,
             masters: &self.masters,
             compute: &self.compute,
-            quantized: &self.quantized,
+            quantized: if rollout_only { &[] } else { &self.quantized },
             packed: &self.packed,
             packed_stacks: &self.packed_stacks,
             stacked: &self.stacked,
@@ -1153,6 +1184,9 @@ impl Backend for Dev<'_> {
 
     fn linear(&self, layer: usize, linear: Linear, x: &Tensor) -> Result<Vec<Tensor>> {
         let parts = self.w.layout.linear(layer, linear);
+        if parts.iter().any(|&i| self.w.quantized.get(i).is_some_and(Option::is_some)) {
+            return parts.iter().map(|&i| self.w.product(x, i)).collect();
+        }
         let widths =
             || -> Vec<usize> { parts.iter().map(|&i| self.w.masters[i].shape()[0]).collect() };
         // On the CPU: the packed stack, one product for the parts at any row count.
@@ -1672,19 +1706,27 @@ mod tests {
                     let err = rel_err(&got.logp, &fwd.logp);
                     assert!(err < tol, "{device} {dtype} {arch:?}: logp {err:.3e} from the CPU's");
                     // Every layer kept: the products are the model's own.
-                    let kept = Fp8Layers { bf16_at_start: 1, bf16_at_end: 1 };
+                    let kept = Fp8Layers { bf16_at_start: 1, bf16_at_end: 1, rollout_only: false };
                     dm.set_fp8(Some(kept)).unwrap();
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     let plain = DeviceModel::new(&m, &device, dtype).unwrap();
-                    assert_eq!(
-                        bits(&dm.logprobs(&b, 1.0).unwrap().0),
-                        bits(&plain.logprobs(&b, 1.0).unwrap().0),
-                        "{device} {dtype} {arch:?}: all layers kept in bf16"
-                    );
+                    let plain = bits(&plain.logprobs(&b, 1.0).unwrap().0);
+                    let what = format!("{device} {dtype} {arch:?}");
+                    assert_eq!(bits(&dm.logprobs(&b, 1.0).unwrap().0), plain, "{what}: all kept");
+                    // Rollout-only: the training forward computes as without FP8.
+                    let rollout_only = Fp8Layers { rollout_only: true, ..Fp8Layers::default() };
+                    dm.set_fp8(Some(rollout_only)).unwrap();
+                    assert_eq!(bits(&dm.logprobs(&b, 1.0).unwrap().0), plain, "{what}: rollout");
                 }
             }
             let mut dm = on_cpu(&m);
-            let e = dm.set_fp8(Some(Fp8Layers { bf16_at_start: 2, bf16_at_end: 1 })).unwrap_err();
+            let e = dm
+                .set_fp8(Some(Fp8Layers {
+                    bf16_at_start: 2,
+                    bf16_at_end: 1,
+                    ..Fp8Layers::default()
+                }))
+                .unwrap_err();
             assert!(e.to_string().contains("--num-layers-at-start-in-bf16 2"), "{e}");
         }
     }

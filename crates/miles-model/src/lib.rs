@@ -22,7 +22,7 @@ pub mod weights;
 
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use decode::DecodeGraphs;
-pub use device::{DeviceModel, Forward, Fp8Layers, SampleParams};
+pub use device::{DeviceModel, Forward, Fp8Layers, SampleParams, fp8_weight_names};
 pub use error::{Error, Result};
 pub use kv::{BlockId, KvCache};
 pub use model::{Model, PackedBatch, RoutedBatch, StepRow};

@@ -6,7 +6,8 @@
 
 use miles_core::{Sample, SamplingParams, Status};
 use miles_model::{
-    Architecture, DeviceModel, KvCache, Model, ModelConfig, PackedBatch, Weights, presets,
+    Architecture, DeviceModel, Fp8Layers, KvCache, Model, ModelConfig, PackedBatch, Weights,
+    presets,
 };
 use miles_tensor::cpu::AdamW;
 use miles_tensor::rng::Rng;
@@ -375,8 +376,8 @@ fn fp8_rollout_logprobs_equal_the_scorers_bit_for_bit() {
             let p = params(12);
             let vocab = m.config.vocab_size;
             let config = EngineConfig { max_running: 4, ..EngineConfig::default() };
-            let (mut dm, mut e) = engine(&m, &device, dtype, config);
-            dm.set_fp8(Some(miles_model::Fp8Layers::default())).unwrap();
+            let (mut dm, mut e) = engine(&m, &device, dtype, config.clone());
+            dm.set_fp8(Some(Fp8Layers::default())).unwrap();
             let check = |e: &mut Engine, dm: &DeviceModel, seed: u64| {
                 let samples = e.generate(dm, groups(2, seed, vocab), &p).unwrap().concat();
                 let reversed: Vec<usize> = all(&samples).into_iter().rev().collect();
@@ -395,6 +396,26 @@ fn fp8_rollout_logprobs_equal_the_scorers_bit_for_bit() {
                 "{device} {arch:?}: the step changed no logprob"
             );
             check(&mut e, &dm, 13);
+
+            // Rollout-only: the engine's steps read the E4M3 codes and the training forward
+            // the compute copies, so the rollout's logprobs are a unified model's, and the
+            // scorer's those of the model without FP8.
+            let (mut dm, mut e) = engine(&m, &device, dtype, config);
+            let unified = Fp8Layers::default();
+            dm.set_fp8(Some(Fp8Layers { rollout_only: true, ..unified })).unwrap();
+            let mut fp8 = DeviceModel::new(&m, &device, dtype).unwrap();
+            fp8.set_fp8(Some(unified)).unwrap();
+            let plain = DeviceModel::new(&m, &device, dtype).unwrap();
+            let samples = e.generate(&dm, groups(2, 14, vocab), &p).unwrap().concat();
+            let order = all(&samples);
+            let scores = |dm: &DeviceModel| score(dm, &samples, &order, 3, p.temperature);
+            let (in_fp8, own) = (scores(&fp8), scores(&dm));
+            assert_eq!(own, scores(&plain), "{device} {arch:?}: rollout-only training forward");
+            for (i, s) in samples.iter().enumerate() {
+                let what = format!("{device} {arch:?} rollout-only: sample {i}");
+                assert_eq!(bits(&in_fp8[i]), bits(&s.rollout_log_probs), "{what}");
+            }
+            assert!(own.iter().zip(&samples).any(|(g, s)| bits(g) != bits(&s.rollout_log_probs)));
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Where the policy lives during a run: the actor (the policy, which it trains in place and
 //! lends to the rollout engine) and the frozen KL reference, on the run's device.
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use miles_core::Rollout;
 use miles_core::config::RunConfig;
 use miles_model::{DeviceModel, Fp8Layers, Model, Tokenizer, Weights};
@@ -20,13 +20,17 @@ fn compute_dtype(device: Device) -> DType {
     if device == Device::Cpu { DType::F32 } else { DType::BF16 }
 }
 
-/// Unified FP8 as the run asks for it (`--fp8-format` and the bf16 layers), for the policy and
-/// the reference alike.
-pub(super) fn fp8_layers(cfg: &RunConfig) -> Option<Fp8Layers> {
-    cfg.fp8_format.map(|_| Fp8Layers {
+/// FP8 as the run asks for it: unified with `--fp8-format` (and the bf16 layers), for the
+/// policy and the reference alike; else rollout-only when the checkpoint is FP8, as miles
+/// serves such a checkpoint in FP8 and trains in bf16 (the mismatch is reported as
+/// `train/train_rollout_logprob_abs_diff`; `--use-tis` corrects it).
+pub(super) fn fp8_layers(cfg: &RunConfig, fp8_checkpoint: bool) -> Option<Fp8Layers> {
+    let layers = Fp8Layers {
         bf16_at_start: cfg.num_layers_at_start_in_bf16,
         bf16_at_end: cfg.num_layers_at_end_in_bf16,
-    })
+        rollout_only: cfg.fp8_format.is_none(),
+    };
+    (cfg.fp8_format.is_some() || fp8_checkpoint).then_some(layers)
 }
 
 /// The policy during a run: a `DeviceModel` (f32 masters, the forward's compute copies,
@@ -48,13 +52,21 @@ impl Actor {
     pub(super) fn new(
         policy: &Model,
         optimizer: &Optimizer,
-        device: Device,
+        (device, fp8): (Device, Option<Fp8Layers>),
         cfg: &RunConfig,
         (engine_config, tokenizer): (EngineConfig, &Tokenizer),
         dist: Option<&Dist>,
     ) -> anyhow::Result<Self> {
         let mut dm = DeviceModel::new(policy, &device, compute_dtype(device))?;
-        dm.set_fp8(fp8_layers(cfg))?;
+        if fp8.is_some_and(|f| f.rollout_only) {
+            eprintln!(
+                "rollout-only FP8: --hf-checkpoint is an FP8 model, so the rollout engine runs \
+                 E4M3 weights (requantized at every weight sync) and training does not; the \
+                 mismatch shows as train/train_rollout_logprob_abs_diff (--use-tis corrects \
+                 it; --fp8-format e4m3 trains in FP8 too, with none)"
+            );
+        }
+        dm.set_fp8(fp8).context("FP8")?;
         if let Some(d) = dist {
             d.broadcast_weights(&mut dm)?;
         }

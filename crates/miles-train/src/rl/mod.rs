@@ -80,6 +80,9 @@ pub struct Setup {
     pub replay: Option<Box<dyn RoutingReplay>>,
     /// The `fp8` plugin, with `--fp8-format`: it writes `--save-hf` in FP8.
     pub quantizer: Option<Box<dyn Quantizer>>,
+    /// `--hf-checkpoint` is an FP8 model: without `--fp8-format` the run is rollout-only FP8
+    /// (miles' default for such a checkpoint).
+    pub fp8_checkpoint: bool,
     pub run_dir: PathBuf,
 }
 
@@ -155,6 +158,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         correction,
         replay,
         quantizer,
+        fp8_checkpoint,
         run_dir,
     } = setup;
     cfg.validate()?;
@@ -216,7 +220,8 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     let start = Start { cfg: &cfg, needs_ref, hyper };
     let (policy, optimizer, state, reference) = start.run(model, resumed, &mut data)?;
     let engine = (engine_config(&cfg), &tokenizer);
-    let mut actor = Actor::new(&policy, &optimizer, device, &cfg, engine, dist.as_ref())?;
+    let fp8 = actor::fp8_layers(&cfg, fp8_checkpoint);
+    let mut actor = Actor::new(&policy, &optimizer, (device, fp8), &cfg, engine, dist.as_ref())?;
     drop(policy);
     if resumed_from.is_none() && cfg.sft_warmup_steps > 0 {
         sft_warmup(&cfg, &mut actor, &tokenizer, eos, &data, &mut emit)?;
@@ -227,7 +232,8 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         None if needs_ref => Some(actor.weights()?),
         None => None,
     };
-    let fp8 = actor::fp8_layers(&cfg);
+    // (In rollout-only FP8 the reference, which only scores, computes without it.)
+    let fp8 = fp8.filter(|f| !f.rollout_only);
     let reference = reference.map(|w| Reference::new(&config, w, device, fp8)).transpose()?;
     // A test hook: the separate old-logprob forward even where the step's own would do, to
     // show both give the same bits.
