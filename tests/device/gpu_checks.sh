@@ -5,7 +5,7 @@
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
 #                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
-#                                  dp|all]
+#                                  dp|fp8-addition|all]
 # Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
 # packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
 # is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
@@ -147,6 +147,30 @@ if [ "$what" = addition ]; then
     --num-rollout ${ROLLOUTS:-400} ${ADDITION_FLAGS:-} | tail -2
   cp runs/addition-smollm2/metrics.jsonl "$OUT/addition-metrics.jsonl"
   python3 tests/device/curve.py runs/addition-smollm2/metrics.jsonl | tee "$OUT/addition.txt"
+fi
+if [ "$what" = fp8-addition ]; then
+  # The addition example on the real SmolLM2 in FP8 (issue 28), both of miles' modes: unified
+  # (rollout and training on the same E4M3 weights: the logprob gap stays 0) and rollout-only
+  # (an FP8 checkpoint from `miles convert fp8`: the gap is reported and TIS corrects it), beside
+  # the bf16 run they are measured against.
+  [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
+    $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
+  $miles convert fp8 /tmp/smollm2 --out /tmp/smollm2-fp8 | tail -1
+  for mode in ${FP8_MODES:-bf16 unified rollout-only}; do
+    case $mode in
+      bf16) flags="--hf-checkpoint /tmp/smollm2" ;;
+      unified) flags="--hf-checkpoint /tmp/smollm2 --fp8-format e4m3 --fp8-recipe blockwise" ;;
+      *) flags="--hf-checkpoint /tmp/smollm2-fp8 --use-tis" ;;
+    esac
+    start=$(date +%s)
+    timeout ${LIMIT:-250} $miles train --config examples/addition-smollm2.toml $flags \
+      --num-rollout ${ROLLOUTS:-400} --run-dir /tmp/fp8-$mode --save /tmp/fp8-$mode/checkpoints \
+      --save-hf /tmp/fp8-$mode/hf | tail -2
+    echo "$mode: $(( $(date +%s) - start )) s wall" | tee "$OUT/fp8-$mode.txt"
+    cp /tmp/fp8-$mode/metrics.jsonl "$OUT/fp8-$mode.jsonl"
+    python3 tests/device/curve.py /tmp/fp8-$mode/metrics.jsonl >> "$OUT/fp8-$mode.txt"
+    awk '$10 != "-" || /gap/' "$OUT/fp8-$mode.txt" | tail -8
+  done
 fi
 if [ "$what" = gsm8k ]; then
   # examples/gsm8k-smollm2.toml on the real SmolLM2 (after `addition` or `smollm2`, which

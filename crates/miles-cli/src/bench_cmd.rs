@@ -5,7 +5,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use miles_core::{Sample, SamplingParams};
-use miles_model::{DeviceModel, Model, PackedBatch, Weights, presets};
+use miles_model::{DeviceModel, Fp8Layers, Model, PackedBatch, Weights, presets};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
 use miles_tensor::rng::Rng;
@@ -29,7 +29,7 @@ pub enum BenchCommand {
 
 #[derive(Debug, Args)]
 pub struct RolloutBenchArgs {
-    /// Model shape (random weights): tiny, qwen3-0.6b, smollm2-135m, qwen3-30b-a3b-4l.
+    /// Model shape (random weights): tiny, qwen3-0.6b, qwen3-8b, smollm2-135m, qwen3-30b-a3b-4l.
     #[arg(long, default_value = "tiny", conflicts_with = "hf_checkpoint")]
     pub preset: String,
     #[arg(long, value_name = "DIR")]
@@ -49,8 +49,38 @@ pub struct RolloutBenchArgs {
     /// Tokens generated per sequence (EOS ignored).
     #[arg(long, default_value_t = 64)]
     pub new_tokens: usize,
+    #[command(flatten)]
+    pub fp8: Fp8Arg,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+}
+
+/// `--fp8-format e4m3`: every projection and expert in FP8 E4M3 with 128 × 128 blocks, as a
+/// unified FP8 run computes them (`--fp8-recipe blockwise`).
+#[derive(Debug, Args)]
+pub struct Fp8Arg {
+    #[arg(long, value_enum)]
+    pub fp8_format: Option<Fp8Format>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Fp8Format {
+    E4m3,
+}
+
+impl Fp8Arg {
+    /// Puts `dm`'s matrices in FP8 when asked.
+    fn apply(&self, dm: &mut DeviceModel) -> anyhow::Result<()> {
+        if self.fp8_format.is_some() {
+            let unified = Fp8Layers { bf16_at_start: 0, bf16_at_end: 0, rollout_only: false };
+            dm.set_fp8(Some(unified)).context("--fp8-format")?;
+        }
+        Ok(())
+    }
+
+    fn label(&self) -> Option<&'static str> {
+        self.fp8_format.map(|_| "e4m3")
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -64,7 +94,7 @@ const H200_BF16_TFLOPS: f64 = 790.0;
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Model shape (random weights): tiny, qwen3-0.6b, smollm2-135m, qwen3-30b-a3b-4l.
+    /// Model shape (random weights): tiny, qwen3-0.6b, qwen3-8b, smollm2-135m, qwen3-30b-a3b-4l.
     #[arg(long, default_value = "tiny", conflicts_with = "hf_checkpoint")]
     pub preset: String,
     /// Benchmark a checkpoint's weights instead of a preset.
@@ -91,6 +121,8 @@ pub struct BenchArgs {
     pub steps: usize,
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
+    #[command(flatten)]
+    pub fp8: Fp8Arg,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
@@ -173,7 +205,8 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     if device != Device::Cpu {
         set_route(args.gemm);
     }
-    let dm = args.engine.place(&model)?;
+    let mut dm = args.engine.place(&model)?;
+    args.fp8.apply(&mut dm)?;
     let dtype = dm.dtype();
     let per_block = miles_model::KvCache::bytes_per_block(&model.config, dtype);
     let mut engine = Engine::new(&dm, None, config(per_block))?;
@@ -196,6 +229,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "dtype": dtype,
         "cuda_graphs": device != Device::Cpu && !args.engine.disable_cuda_graph,
         "gemm": format!("{:?}", args.gemm).to_lowercase(),
+        "fp8": args.fp8.label(),
         "threads": rayon::current_num_threads(),
         "batch": args.batch,
         "prompt_len": args.prompt_len,
@@ -258,6 +292,7 @@ fn model_bench(
         set_route(args.gemm);
     }
     let mut dm = DeviceModel::new(model, &device, dtype)?;
+    args.fp8.apply(&mut dm)?;
     device.synchronize()?;
     let resident = device.peak_memory()?;
     let mut times = Vec::new();
@@ -291,6 +326,7 @@ fn model_bench(
         "device": device.to_string(),
         "dtype": dtype.to_string(),
         "gemm": format!("{:?}", args.gemm).to_lowercase(),
+        "fp8": args.fp8.label(),
         "threads": rayon::current_num_threads(),
         "params": config.num_parameters(),
         "active_params": config.active_parameters(),

@@ -3,7 +3,8 @@
 use crate::tokenizer::BYTE_TOKENIZER_SPECIALS;
 use crate::{Architecture, Error, ModelConfig, MoeConfig, Result};
 
-pub const PRESETS: [&str; 4] = ["tiny", "qwen3-0.6b", "smollm2-135m", "qwen3-30b-a3b-4l"];
+pub const PRESETS: [&str; 5] =
+    ["tiny", "qwen3-0.6b", "qwen3-8b", "smollm2-135m", "qwen3-30b-a3b-4l"];
 
 /// The configuration of preset `name`. `tiny` takes any architecture (default Qwen3; with
 /// Qwen3-MoE, 8 experts of which 2 per token); the published shapes have theirs, and asking
@@ -59,6 +60,24 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             rms_norm_eps: 1e-6,
             rope_theta: 1_000_000.0,
             tie_word_embeddings: true,
+            max_position_embeddings: 40_960,
+            bos_token_id: None,
+            eos_token_ids: vec![151_645],
+            moe: None,
+        },
+        // Qwen3-8B's published config.json (weight-bound decode benchmarks).
+        "qwen3-8b" => ModelConfig {
+            architecture: fixed(Architecture::Qwen3)?,
+            vocab_size: 151_936,
+            hidden_size: 4096,
+            intermediate_size: 12_288,
+            num_hidden_layers: 36,
+            num_attention_heads: 32,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            tie_word_embeddings: false,
             max_position_embeddings: 40_960,
             bos_token_id: None,
             eos_token_ids: vec![151_645],
@@ -126,6 +145,7 @@ mod tests {
     #[test]
     fn presets_have_their_published_sizes() {
         assert_eq!(preset("qwen3-0.6b", None).unwrap().num_parameters(), 596_049_920);
+        assert_eq!(preset("qwen3-8b", None).unwrap().num_parameters(), 8_190_735_360);
         // SmolLM2-135M: 134.5M parameters with the tied head.
         assert_eq!(preset("smollm2-135m", None).unwrap().num_parameters(), 134_515_008);
         assert_eq!(
