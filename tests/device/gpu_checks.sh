@@ -5,7 +5,7 @@
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
 #                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
-#                                  dp|fp8-addition|all]
+#                                  dp|fp8|fp8-addition|all]
 # Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
 # packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
 # is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
@@ -147,6 +147,26 @@ if [ "$what" = addition ]; then
     --num-rollout ${ROLLOUTS:-400} ${ADDITION_FLAGS:-} | tail -2
   cp runs/addition-smollm2/metrics.jsonl "$OUT/addition-metrics.jsonl"
   python3 tests/device/curve.py runs/addition-smollm2/metrics.jsonl | tee "$OUT/addition.txt"
+fi
+if [ "$what" = fp8 ]; then
+  # Unified FP8 (issue 28) beside bf16 in one call: the FP8 device tests, the kernel benches
+  # (FP8 products against our bf16 route), decode at the Qwen3-8B shape (36 layers, random
+  # weights; B = 1 and 64) and the Qwen3-0.6B training step at 32 × 512.
+  target/device-bundle/run.sh fp8 > "$OUT/fp8-tests.txt" 2>&1
+  grep -E "test result|FAILED|panicked" "$OUT/fp8-tests.txt" | grep -v " 0 passed"
+  target/device-bundle/benches/cuda_ops --bench --noplot "fp8|matmul_bf16_invariant/x_wT" \
+    > "$OUT/fp8-kernels.txt" 2>&1
+  grep -E "^[a-z].*/|time:" "$OUT/fp8-kernels.txt" | paste - - | awk '{print $1, $5, $6}'
+  for batch in 1 64; do
+    for fp8 in "" "--fp8-format e4m3"; do
+      timeout 300 $miles bench rollout --device cuda --preset qwen3-8b --batch $batch \
+        --prompt-len 128 --new-tokens 64 $fp8 | tee -a "$OUT/fp8-bench.jsonl"
+    done
+  done
+  for fp8 in "" "--fp8-format e4m3"; do
+    timeout 300 $miles bench train --device cuda --preset qwen3-0.6b --batch 32 --seq-len 512 \
+      --steps 5 --warmup 2 $fp8 | tee -a "$OUT/fp8-bench.jsonl"
+  done
 fi
 if [ "$what" = fp8-addition ]; then
   # The addition example on the real SmolLM2 in FP8 (issue 28), both of miles' modes: unified

@@ -1059,8 +1059,9 @@ fn plot_draws_runs_side_by_side() {
 /// Unified FP8 on the CPU (`--fp8-format e4m3 --fp8-recipe blockwise`): the demo's rollouts and
 /// training forward read the same E4M3 weights, requantized after every step, so the rollout
 /// and training logprobs are equal bit for bit on every iteration, and the policy still learns
-/// the addition table (the mixture-of-experts policy: its attention and experts in FP8; the
-/// dense policy's FP8 rollouts are checked in miles-rollout); its `--save-hf` is FP8.
+/// the addition table (the mixture-of-experts policy: its attention and experts in FP8, with
+/// Rollout Routing Replay where r3 is built; the dense policy's FP8 rollouts are checked in
+/// miles-rollout); its `--save-hf` is FP8.
 #[cfg(feature = "fp8")]
 #[test]
 fn fp8_demo_runs_learn_with_rollout_logprobs_equal_to_trainings() {
@@ -1073,6 +1074,8 @@ fn fp8_demo_runs_learn_with_rollout_logprobs_equal_to_trainings() {
             ("fp8-recipe", Value::from("blockwise")),
             ("num-layers-at-start-in-bf16", Value::from(bf16_first)),
             ("save-hf", Value::from(dir.join("hf").to_str().unwrap())),
+            // With the r3 plugin, the training forward replays the rollout's routing too.
+            ("use-rollout-routing-replay", Value::from(cfg!(feature = "r3"))),
         ]);
         let setup = train_cmd::setup(train_cmd::run_config(&args).unwrap()).unwrap();
         let mut records = Vec::new();
