@@ -8,22 +8,29 @@
 // codes and scales are the CPU's bits.
 // fp8_quantize_rows_{f32,bf16}: activations [rows × cols] per 1 × 128 group of a row, the
 // same recipe; one warp per (row, group).
-// fp8_gemm_{f32,bf16}_{big,m16,m64}: y = x · wᵀ from x's codes [m × k] with scales
-// [m × ⌈k/128⌉] and w's codes [n × k] with scales [⌈n/128⌉ × ⌈k/128⌉], written in f32 or bf16.
+// fp8_gemm_{f32,bf16}_{big,m16,m64} (mma.sync, sm_89 on) and fp8_gemm_{f32,bf16}_tma (wgmma,
+// Hopper): y = x · wᵀ from x's codes [m × k] with scales [m × ⌈k/128⌉] and w's codes [n × k]
+// with scales [⌈n/128⌉ × ⌈k/128⌉], written in f32 or bf16. fp8_grouped_{f32,bf16} (Hopper):
+// the same per expert over an MoE layer's sorted, gathered rows.
 //
-// Bits: every output is, for each 128-wide slice of k in order, the slice's four m16n8k32
-// products summed on the tensor cores from zero, then promoted: acc = acc + (part · sx) · sw
-// in f32 (unfused: the CPU twin's order). The tile shape only decides which outputs a block
-// computes, never how: a row's outputs depend on that row and the weights alone, in a decode
-// step as in a training batch. No split over k, no atomics.
+// Bits: every output is, for each 128-wide slice of k in order, the slice's products summed on
+// the tensor cores from zero (four m16n8k32 mma.sync, or four m64nNk32 wgmma), then promoted:
+// acc = acc + (part · sx) · sw in f32 (unfused: the CPU twin's order). The tile shape only
+// decides which outputs a block computes, never how: a row's outputs depend on that row and
+// the weights alone, in a decode step as in a training batch. No split over k, no atomics.
+// The two families differ from each other (and from the CPU's exact sums) in the tensor
+// cores' own accumulation within a slice (Hopper's FP8 wgmma keeps fewer bits); a device uses
+// one family for every product.
 //
-// Tiles: BM × BN outputs, 128 of k a stage, STAGES stages of cp.async in flight; warps laid
-// out WARPS_M × WARPS_N, each MFRAG × 16 rows by NFRAG × 8 columns. Shared rows are 128 + 16
-// bytes (ldmatrix without bank conflicts). k must be a multiple of 16 (16-byte row chunks).
+// mma.sync tiles: BM × BN outputs, 128 of k a stage, STAGES stages of cp.async in flight;
+// warps laid out WARPS_M × WARPS_N, each MFRAG × 16 rows by NFRAG × 8 columns. Shared rows are
+// 128 + 16 bytes (ldmatrix without bank conflicts). wgmma tiles: 128-byte rows in the 128-byte
+// swizzle (wgmma.cuh). k must be a multiple of 16 (16-byte row chunks).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace {
 
@@ -221,6 +228,217 @@ __device__ void gemm(Out* y, const uint8_t* xq, const float* xs, const uint8_t* 
             }
 }
 
+// Where a tile's rows of x come from: rows [begin, end) of the output, each read from row
+// `source(r)` of x. Dense products read row r itself; an expert's piece of the grouped product
+// reads the token each sorted row stands for.
+struct Rows {
+    int begin, end;
+    const int* gather;  // null: row r of x is row r
+    __device__ int source(int r) const { return gather ? gather[r] : r; }
+};
+
+// ROWS rows of 128 bytes of k, from output row r0 on (rows of x through `rows`, row stride k),
+// into the swizzled tile `dst` (wgmma.cuh), from byte k0; rows and chunks outside read zeros.
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void load_swizzled(uint8_t* dst, const uint8_t* src, Rows rows, int r0,
+                                              int k0, int k) {
+#pragma unroll
+    for (int e = threadIdx.x; e < ROWS * 8; e += THREADS) {
+        const int r = e >> 3, c = e & 7;
+        const bool real = r0 + r < rows.end && k0 + c * 16 < k;
+        const uint8_t* from = real ? src + (long)rows.source(r0 + r) * k + k0 + c * 16 : src;
+        cp_async16(dst + swizzled(r, c), from, real ? 16 : 0);
+    }
+}
+
+// The scales one thread of a warpgroup needs for a slice: its two rows' and the weight block's.
+struct SliceScales {
+    float x0, x1, w;
+};
+
+// Where a thread of a warpgroup whose 64 output rows start at `m0` and whose columns start at
+// `n0` finds its scales (rows past the end read the last row's: their outputs are never stored).
+struct ScaleRows {
+    const float *x0, *x1, *w;
+    __device__ ScaleRows(const float* xs, const float* ws, Rows rows, int m0, int n0, int kb_n) {
+        const int row = m0 + (threadIdx.x & 127) / 32 * 16 + (threadIdx.x & 31) / 4;
+        x0 = xs + (long)rows.source(min(row, rows.end - 1)) * kb_n;
+        x1 = xs + (long)rows.source(min(row + 8, rows.end - 1)) * kb_n;
+        w = ws + (long)(n0 / BLOCK) * kb_n;
+    }
+// (Unused where the sm_90a kernels compile to __trap: no warning for that.)
+#pragma nv_diag_suppress 177
+    __device__ SliceScales at(int kb) const { return {x0[kb], x1[kb], w[kb]}; }
+#pragma nv_diag_default 177
+};
+
+// One warpgroup's 64 × BN outputs for one 128-wide slice of k: the slice's four wgmma from zero
+// into `part`, then promoted into `acc` (acc + (part · sx) · sw, as `gemm`). The bits of an
+// output depend on its row and column alone, whatever BN or the kernel.
+template <int BN>
+__device__ __forceinline__ void slice(float* acc, float* part, const uint8_t* ta, const uint8_t* tb,
+                                      SliceScales sc) {
+    constexpr int R = BN / 2;
+    fence_regs<R>(part);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_e4m3<BN>(part, tile_desc(ta, j * 32), tile_desc(tb, j * 32), j);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs<R>(part);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        const float sx = (i & 2) ? sc.x1 : sc.x0;
+        acc[i] = __fadd_rn(acc[i], __fmul_rn(__fmul_rn(part[i], sx), sc.w));
+    }
+}
+
+// A warpgroup's 64 × BN outputs from (m0, n0), in wgmma's accumulator layout, rows below m.
+template <int BN, class Out>
+__device__ __forceinline__ void store_tile(Out* y, const float* acc, int m0, int n0, int m, int n) {
+    const int row0 = m0 + (threadIdx.x & 127) / 32 * 16 + (threadIdx.x & 31) / 4;
+    const int col0 = n0 + (threadIdx.x & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+        const int row = row0 + ((i & 2) ? 8 : 0), col = col0 + (i >> 2) * 8 + (i & 1);
+        if (row < m && col < n) store(y, (long)row * n + col, acc[i]);
+    }
+}
+
+// The Hopper product of an expert's piece of the grouped product (rows gathered, so no TMA):
+// WG warpgroups, each 64 rows × BN columns from output row `rows.begin` and column n0, every
+// thread loading STAGES stages of 128 of k ahead through cp.async.
+template <int WG, int BN, int STAGES, class Out>
+__device__ void tile_wg(Out* y, const uint8_t* xq, const float* xs, const uint8_t* wq,
+                        const float* ws, Rows rows, int n0, int n, int k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int THREADS = WG * 128, BM = WG * 64;
+    constexpr int A_BYTES = BM * BLOCK, B_BYTES = BN * BLOCK;
+    static_assert(BLOCK % BN == 0, "a column tile lies in one weight block");
+    uint8_t* sa = smem_1024();
+    uint8_t* sb = sa + STAGES * A_BYTES;
+
+    const int m0 = rows.begin + (threadIdx.x >> 7) * 64;
+    const int kb_n = (k + BLOCK - 1) / BLOCK;
+    const ScaleRows scales(xs, ws, rows, m0, n0, kb_n);
+    const Rows weight_rows{n0, n, nullptr};
+
+    float acc[BN / 2], part[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+
+    auto issue = [&](int kb) {
+        if (kb < kb_n) {
+            const int s = kb % STAGES;
+            load_swizzled<BM, THREADS>(sa + s * A_BYTES, xq, rows, rows.begin, kb * BLOCK, k);
+            load_swizzled<BN, THREADS>(sb + s * B_BYTES, wq, weight_rows, n0, kb * BLOCK, k);
+        }
+        commit();
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue(s);
+
+    SliceScales sc = scales.at(0);
+    for (int kb = 0; kb < kb_n; ++kb) {
+        wait<STAGES - 2>();
+        fence_proxy_async();
+        __syncthreads();
+        issue(kb + STAGES - 1);
+        // The next slice's scales load while this one computes.
+        const SliceScales next = scales.at(min(kb + 1, kb_n - 1));
+        const int s = kb % STAGES;
+        slice<BN>(acc, part, sa + s * A_BYTES + (threadIdx.x >> 7) * 64 * BLOCK, sb + s * B_BYTES, sc);
+        sc = next;
+    }
+    wait<0>();
+    store_tile<BN>(y, acc, m0, n0, rows.end, n);
+#else
+    __trap();
+#endif
+}
+
+// The grouped product over an MoE layer's experts: block (column tile, piece) runs `tile_wg`
+// on piece p = (expert e, first sorted row, end row) (`pieces`, 3 ints each) with expert e's
+// codes and scales (`wqs[e]`, `wss[e]`), the sorted rows read from x's rows `gather` (or x's
+// own rows when null). Each output has the bits the dense product gives its row.
+template <int WG, int BN, int STAGES, class Out>
+__device__ void grouped_wg(Out* y, const uint8_t* xq, const float* xs, const int* gather,
+                           const int* pieces, const uint8_t* const* wqs, const float* const* wss,
+                           int n, int k) {
+    const int* p = pieces + 3 * blockIdx.y;
+    const Rows rows{p[1], p[2], gather};
+    tile_wg<WG, BN, STAGES>(y, xq, xs, wqs[p[0]], wss[p[0]], rows, blockIdx.x * BN, n, k);
+}
+
+// The Hopper product, warp-specialized, for every row count (the fastest measured from 1 row
+// to 16384 on the H100 and H200, so one tile serves decode and training): one thread of the first
+// warpgroup streams 128-of-k stages of the 128 × BN tile's operands by TMA into STAGES
+// swizzled stages (a `full` and an `empty` barrier each), and two consumer warpgroups of 64
+// rows each run `slice` at their own pace, so one's promotion overlaps the other's wgmma. Tiles
+// walk the output in groups of GROUP row tiles, so that a wave's operands stay in L2
+// (one-dimensional grid).
+template <int BN, int STAGES, int GROUP, class Out>
+__device__ void gemm_tma(Out* y, const TensorMap* xmap, const float* xs, const TensorMap* wmap,
+                         const float* ws, int m, int n, int k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BM = 128;
+    constexpr int A_BYTES = BM * BLOCK, B_BYTES = BN * BLOCK;
+    static_assert(BLOCK % BN == 0, "a column tile lies in one weight block");
+    uint8_t* sa = smem_1024();
+    uint8_t* sb = sa + STAGES * A_BYTES;
+    uint64_t* full = reinterpret_cast<uint64_t*>(sb + STAGES * B_BYTES);
+    uint64_t* empty = full + STAGES;
+
+    const int tiles_m = (m + BM - 1) / BM, tiles_n = (n + BN - 1) / BN;
+    const int per_group = GROUP * tiles_n, first = blockIdx.x / per_group * GROUP;
+    const int rows_in_group = min(tiles_m - first, GROUP);
+    const int m0 = (first + (blockIdx.x % per_group) % rows_in_group) * BM;
+    const int n0 = (blockIdx.x % per_group) / rows_in_group * BN;
+    const int kb_n = (k + BLOCK - 1) / BLOCK;
+    const int wg = threadIdx.x >> 7;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            bar_init(full + s, 1);
+            bar_init(empty + s, 2);
+        }
+        bar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        regs_dec<40>();
+        if (threadIdx.x == 0) {
+            for (int kb = 0; kb < kb_n; ++kb) {
+                const int s = kb % STAGES;
+                bar_wait(empty + s, ((kb / STAGES) & 1) ^ 1);
+                bar_arrive_tx(full + s, A_BYTES + B_BYTES);
+                tma_load(sa + s * A_BYTES, xmap, kb * BLOCK, m0, full + s);
+                tma_load(sb + s * B_BYTES, wmap, kb * BLOCK, n0, full + s);
+            }
+        }
+        return;
+    }
+    regs_inc<232>();
+    const int c = wg - 1;
+    const ScaleRows scales(xs, ws, Rows{m0, m, nullptr}, m0 + c * 64, n0, kb_n);
+    float acc[BN / 2], part[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+
+    for (int kb = 0; kb < kb_n; ++kb) {
+        const int s = kb % STAGES;
+        const SliceScales sc = scales.at(kb);
+        bar_wait(full + s, (kb / STAGES) & 1);
+        slice<BN>(acc, part, sa + s * A_BYTES + c * 64 * BLOCK, sb + s * B_BYTES, sc);
+        if ((threadIdx.x & 127) == 0) bar_arrive(empty + s);
+    }
+    store_tile<BN>(y, acc, m0 + c * 64, n0, m, n);
+#else
+    __trap();
+#endif
+}
+
 }  // namespace
 
 #define QUANTIZE(name, T)                                                                       \
@@ -251,3 +469,24 @@ GEMM(f32, float, m64, 1, 4, 4, 2, 6)
 GEMM(bf16, bf16, m64, 1, 4, 4, 2, 6)
 GEMM(f32, float, m16, 1, 4, 1, 2, 8)
 GEMM(bf16, bf16, m16, 1, 4, 1, 2, 8)
+
+// The warp-specialized Hopper tile, 128 × 128 with 6 stages (197,632 B with the barriers),
+// 384 threads (a producer warpgroup and two consumers), groups of 8 row tiles.
+#define GEMM_TMA(name, Out)                                                                       \
+    extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_##name##_tma(                 \
+        Out* y, const __grid_constant__ TensorMap xmap, const float* xs,                        \
+        const __grid_constant__ TensorMap wmap, const float* ws, int m, int n, int k) {         \
+        gemm_tma<128, 6, 8>(y, &xmap, xs, &wmap, ws, m, n, k);                                  \
+    }
+GEMM_TMA(f32, float)
+GEMM_TMA(bf16, bf16)
+
+// The grouped tile: 128 × 64, 2 warpgroups, 5 stages (123,904 B), grid (column tiles, pieces).
+#define GROUPED(name, Out)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) fp8_grouped_##name(                       \
+        Out* y, const uint8_t* xq, const float* xs, const int* gather, const int* pieces,       \
+        const uint8_t* const* wqs, const float* const* wss, int n, int k) {                     \
+        grouped_wg<2, 64, 5>(y, xq, xs, gather, pieces, wqs, wss, n, k);                        \
+    }
+GROUPED(f32, float)
+GROUPED(bf16, bf16)

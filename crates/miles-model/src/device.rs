@@ -1238,10 +1238,13 @@ impl Backend for Dev<'_> {
         Ok((sum, y, rstd))
     }
 
-    /// bf16 runs every expert at once (one launch per matrix on CUDA); f32, the parity mode,
-    /// and FP8 one expert at a time through the products of [`DeviceWeights::product`].
+    /// bf16 runs every expert at once (one launch per matrix on CUDA), in FP8 too where the
+    /// device has the grouped FP8 product (Hopper); f32, the parity mode, and FP8 elsewhere one
+    /// expert at a time through the products of [`DeviceWeights::product`].
     fn grouped_experts(&self) -> bool {
-        self.w.weight(0).dtype() == DType::BF16 && self.w.quantized.is_empty()
+        let w = self.w.weight(0);
+        w.dtype() == DType::BF16
+            && (self.w.quantized.is_empty() || ops::fp8_grouped_supported(&w.device()))
     }
 
     fn experts_product(
@@ -1253,8 +1256,15 @@ impl Backend for Dev<'_> {
         offsets: &[u32],
         input_grad: bool,
     ) -> Result<Tensor> {
-        let ws: Vec<&Tensor> =
-            self.w.experts(layer, matrix).into_iter().map(|i| self.w.weight(i)).collect();
+        let experts = self.w.experts(layer, matrix);
+        // The forward reads the FP8 codes where the experts have them (the whole layer or
+        // none); the input gradient the compute copies (straight through).
+        let quantized: Option<Vec<&ops::Fp8Matrix>> =
+            experts.iter().map(|&i| self.w.quantized.get(i).and_then(Option::as_ref)).collect();
+        if let (Some(q), false) = (quantized, input_grad) {
+            return Ok(ops::fp8_grouped_linear(x, rows, offsets, &q)?);
+        }
+        let ws: Vec<&Tensor> = experts.into_iter().map(|i| self.w.weight(i)).collect();
         let tw = if input_grad { Transpose::No } else { Transpose::Yes };
         Ok(ops::grouped_matmul(x, rows, offsets, &ws, tw)?)
     }
@@ -1699,7 +1709,12 @@ mod tests {
                 assert!(cos > 0.9, "{arch:?}: FP8 gradient of {name} at cosine {cos} to f32's");
             }
             for device in devices() {
-                for (dtype, tol) in [(DType::F32, 2e-3), (DType::BF16, 6e-2)] {
+                // A GPU's tensor cores sum a slice's products in their own precision (Hopper's
+                // FP8 wgmma keeps fewer bits than f32), and a difference in the last bits can
+                // move an activation's E4M3 code by a step (6%): on CUDA f32 follows the CPU
+                // about as closely as bf16 (measured on an H200: 1.5e-2).
+                let f32_tol = if device == Device::Cpu { 2e-3 } else { 6e-2 };
+                for (dtype, tol) in [(DType::F32, f32_tol), (DType::BF16, 6e-2)] {
                     let mut dm = DeviceModel::new(&m, &device, dtype).unwrap();
                     dm.set_fp8(Some(Fp8Layers::default())).unwrap();
                     let got = dm.forward(&b, 1.0).unwrap();

@@ -239,6 +239,21 @@ pub(crate) enum Storage {
     Cuda(crate::cuda::Buffer),
 }
 
+impl Storage {
+    /// At most `n` elements of host storage.
+    #[cfg(feature = "cuda")]
+    fn truncated(mut self, n: usize) -> Storage {
+        match &mut self {
+            Storage::F32(v) => v.truncate(n),
+            Storage::BF16(v) => v.truncate(n),
+            Storage::I32(v) => v.truncate(n),
+            Storage::F8(v) => v.truncate(n),
+            Storage::Cuda(_) => {}
+        }
+        self
+    }
+}
+
 /// A dense row-major tensor: shape, dtype, and host or device storage.
 pub struct Tensor {
     pub(crate) shape: Vec<usize>,
@@ -442,8 +457,9 @@ impl Tensor {
             Storage::BF16(v) => Storage::BF16(v.clone()),
             Storage::I32(v) => Storage::I32(v.clone()),
             Storage::F8(v) => Storage::F8(v.clone()),
+            // (An empty tensor's device buffer holds one placeholder element: not copied.)
             #[cfg(feature = "cuda")]
-            Storage::Cuda(buffer) => buffer.to_host()?,
+            Storage::Cuda(buffer) => buffer.to_host()?.truncated(self.len()),
         };
         place(self.shape.clone(), host, device)
     }
@@ -489,7 +505,11 @@ impl Tensor {
             Storage::BF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
             Storage::I32(_) => Err(int_float(DType::I32, DType::F32)),
             #[cfg(feature = "cuda")]
-            Storage::Cuda(buffer) => buffer.to_vec_f32(),
+            Storage::Cuda(buffer) => {
+                let mut v = buffer.to_vec_f32()?;
+                v.truncate(self.len()); // an empty tensor's placeholder element
+                Ok(v)
+            }
         }
     }
 

@@ -5,6 +5,8 @@
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
+use std::sync::Arc;
+
 use super::{DeviceData, Gpu, driver_error};
 use crate::{DType, Error, Result};
 
@@ -94,19 +96,170 @@ pub(crate) fn quantize_rows(
     Ok((codes, scales))
 }
 
-/// A tile shape of `fp8_gemm_*` (fp8.cu): `(suffix, rows, columns, threads, stages)`.
-type Tile = (&'static str, usize, usize, u32, usize);
-const BIG: Tile = ("big", 128, 128, 256, 3);
-const M64: Tile = ("m64", 64, 64, 128, 6);
-const M16: Tile = ("m16", 16, 64, 128, 8);
+/// How a tile of `fp8_gemm_*` (fp8.cu) is fed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Feed {
+    /// mma.sync from padded rows loaded by cp.async (any GPU from sm_89).
+    MmaSync,
+    /// wgmma from swizzled, 1024-aligned tiles loaded by cp.async (Hopper).
+    Wgmma,
+    /// wgmma from tiles loaded by TMA, a producer warpgroup beside two consumers, a
+    /// one-dimensional grid walked in groups of row tiles (Hopper).
+    Tma,
+}
 
-/// The tile for `m` rows: narrow ones for decode-sized products. Any tile gives a row the
-/// same bits (fp8.cu), so this choice is free.
-fn tile(m: usize) -> Tile {
-    match m {
-        0..=16 => M16,
-        17..=64 => M64,
-        _ => BIG,
+/// A tile shape of `fp8_gemm_*` (fp8.cu).
+struct Tile {
+    /// The kernels writing f32 and bf16.
+    kernels: [&'static str; 2],
+    rows: usize,
+    cols: usize,
+    threads: u32,
+    stages: usize,
+    feed: Feed,
+}
+
+const fn tile(
+    kernels: [&'static str; 2],
+    (rows, cols): (usize, usize),
+    threads: u32,
+    stages: usize,
+    feed: Feed,
+) -> Tile {
+    Tile { kernels, rows, cols, threads, stages, feed }
+}
+
+const BIG: Tile =
+    tile(["fp8_gemm_f32_big", "fp8_gemm_bf16_big"], (128, 128), 256, 3, Feed::MmaSync);
+const M64: Tile = tile(["fp8_gemm_f32_m64", "fp8_gemm_bf16_m64"], (64, 64), 128, 6, Feed::MmaSync);
+const M16: Tile = tile(["fp8_gemm_f32_m16", "fp8_gemm_bf16_m16"], (16, 64), 128, 8, Feed::MmaSync);
+/// The grouped product's tile (`fp8_grouped_*`, one launch for both outputs).
+const GROUPED: Tile = tile(["fp8_grouped_f32", "fp8_grouped_bf16"], (128, 64), 256, 5, Feed::Wgmma);
+const TMA: Tile = tile(["fp8_gemm_f32_tma", "fp8_gemm_bf16_tma"], (128, 128), 384, 6, Feed::Tma);
+
+impl Tile {
+    /// The kernel writing `out` (f32 or bf16).
+    fn kernel(&self, out: DType) -> Result<&'static str> {
+        match out {
+            DType::F32 => Ok(self.kernels[0]),
+            DType::BF16 => Ok(self.kernels[1]),
+            other => Err(Error::DType {
+                op: "fp8_linear",
+                message: format!("writes f32 or bf16, not {other}"),
+            }),
+        }
+    }
+
+    /// Dynamic shared memory: the stages' tiles (with 1024 bytes to align wgmma's, and the TMA
+    /// pipeline's two barriers a stage).
+    fn shared_bytes(&self) -> usize {
+        let tiles = self.stages * (self.rows + self.cols);
+        match self.feed {
+            Feed::MmaSync => tiles * ROW_BYTES,
+            Feed::Wgmma => tiles * BLOCK + 1024,
+            Feed::Tma => tiles * BLOCK + 1024 + self.stages * 16,
+        }
+    }
+
+    /// The tile for `m` rows: on Hopper (compute capability 9.0, where fp8.cu is built for
+    /// sm_90a) the TMA-fed wgmma tile, the fastest from 1 row to 16384 (BENCHMARKS.md);
+    /// elsewhere mma.sync's, narrow ones for decode-sized products. The tiles of one family
+    /// give a row the same bits (fp8.cu), so within it the choice is free.
+    fn for_rows(m: usize, hopper: bool) -> &'static Tile {
+        match (hopper, m) {
+            (true, _) => &TMA,
+            (false, 0..=16) => &M16,
+            (false, 17..=64) => &M64,
+            (false, _) => &BIG,
+        }
+    }
+
+    /// The launch of `kernel` (one of this tile's) over `blocks`, its shared memory allowed.
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        kernel: &'static str,
+        blocks: (u32, u32, u32),
+    ) -> Result<LaunchConfig> {
+        let bytes = self.shared_bytes();
+        gpu.function("fp8", kernel)?
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| driver_error(kernel, e))?;
+        Ok(LaunchConfig {
+            grid_dim: blocks,
+            block_dim: (self.threads, 1, 1),
+            shared_mem_bytes: bytes as u32,
+        })
+    }
+
+    fn grid(&self, m: usize, n: usize) -> Result<(u32, u32, u32)> {
+        const OP: &str = "fp8_linear";
+        let (rows, cols) = (m.div_ceil(self.rows), n.div_ceil(self.cols));
+        Ok(match self.feed {
+            Feed::Tma => (
+                u32::try_from(rows * cols).map_err(|_| Error::Shape {
+                    op: OP,
+                    message: format!("{rows} × {cols} tiles: at most 2^32"),
+                })?,
+                1,
+                1,
+            ),
+            _ => (grid(OP, "row tiles", rows)?, grid(OP, "column tiles", cols)?, 1),
+        })
+    }
+}
+
+/// A TMA descriptor of a `[rows × k]` matrix of codes, read as boxes of `box_rows` × 128
+/// bytes in the 128-byte swizzle (fp8.cu's `TensorMap`), zeros outside.
+#[repr(transparent)]
+struct TensorMap(cudarc::driver::sys::CUtensorMap);
+
+// SAFETY: plain bytes, passed by value as a `__grid_constant__` kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
+
+impl TensorMap {
+    fn codes(
+        gpu: &Gpu,
+        codes: &CudaSlice<u8>,
+        rows: usize,
+        k: usize,
+        box_rows: usize,
+    ) -> Result<Self> {
+        use cudarc::driver::sys::CUtensorMapSwizzle as S;
+        use cudarc::driver::sys::{
+            self, CUtensorMapDataType as D, CUtensorMapFloatOOBfill as Fill,
+        };
+        use cudarc::driver::sys::{CUtensorMapInterleave as I, CUtensorMapL2promotion as L2};
+        let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(codes, gpu.stream());
+        let dims = [k as u64, rows as u64];
+        let strides = [k as u64];
+        let boxes = [BLOCK as u32, box_rows as u32];
+        let elements = [1u32, 1];
+        let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+        // SAFETY: every pointer is to a live local array of the rank's length; the address is
+        // the device allocation's, 256-aligned, and k (the row stride) a multiple of 16.
+        let status = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                D::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                2,
+                ptr as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                elements.as_ptr(),
+                I::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                S::CU_TENSOR_MAP_SWIZZLE_128B,
+                L2::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                Fill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        status.result().map_err(|e| driver_error("fp8_linear: cuTensorMapEncodeTiled", e))?;
+        // SAFETY: written by the successful call above.
+        Ok(TensorMap(unsafe { map.assume_init() }))
     }
 }
 
@@ -126,64 +279,145 @@ pub(crate) fn gemm(
             message: format!("the input width {k} must be a multiple of 16 on CUDA"),
         });
     }
-    let (suffix, bm, bn, threads, stages) = tile(m);
-    let kernel: &'static str = match (out, suffix) {
-        (DType::F32, "big") => "fp8_gemm_f32_big",
-        (DType::F32, "m64") => "fp8_gemm_f32_m64",
-        (DType::F32, _) => "fp8_gemm_f32_m16",
-        (DType::BF16, "big") => "fp8_gemm_bf16_big",
-        (DType::BF16, "m64") => "fp8_gemm_bf16_m64",
-        (DType::BF16, _) => "fp8_gemm_bf16_m16",
-        (other, _) => {
+    let tile = Tile::for_rows(m, capability(gpu)? == (9, 0));
+    let kernel = tile.kernel(out)?;
+    let cfg = tile.launch(gpu, kernel, tile.grid(m, n)?)?;
+    let len = (m * n).max(1);
+    let mut y = match out {
+        DType::F32 => DeviceData::F32(gpu.alloc::<f32>(len)?),
+        _ => DeviceData::BF16(gpu.alloc::<u16>(len)?),
+    };
+    if m == 0 || n == 0 {
+        return Ok(y);
+    }
+    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+    macro_rules! go {
+        ($y:expr) => {
+            match tile.feed {
+                Feed::Tma => {
+                    let xmap = TensorMap::codes(gpu, xq, m, k, tile.rows)?;
+                    let wmap = TensorMap::codes(gpu, wq, n, k, tile.cols)?;
+                    launch!(gpu, "fp8", kernel, cfg, $y, &xmap, xs, &wmap, ws, &mi, &ni, &ki)
+                }
+                _ => launch!(gpu, "fp8", kernel, cfg, $y, xq, xs, wq, ws, &mi, &ni, &ki),
+            }
+        };
+    }
+    match &mut y {
+        DeviceData::F32(y) => go!(y)?,
+        DeviceData::BF16(y) => go!(y)?,
+        _ => unreachable!("allocated as f32 or bf16 above"),
+    }
+    Ok(y)
+}
+
+/// The experts' products over sorted rows (`ops::fp8_grouped_linear`): `fp8_grouped_*` on
+/// pieces of at most 128 rows of one expert, 64 columns a block (the wgmma family, so each row
+/// has the dense product's bits); Hopper only.
+pub(crate) fn grouped(
+    gpu: &Arc<Gpu>,
+    (xq, xs): (&CudaSlice<u8>, &CudaSlice<f32>),
+    rows: Option<&[u32]>,
+    offsets: &[u32],
+    experts: &[(&CudaSlice<u8>, &CudaSlice<f32>)],
+    (n, k): (usize, usize),
+    out: DType,
+) -> Result<DeviceData> {
+    use super::grouped::{pieces, upload};
+    use cudarc::driver::DevicePtr;
+    const OP: &str = "fp8_grouped_linear";
+    if !k.is_multiple_of(16) || capability(gpu)? != (9, 0) {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!("runs on Hopper (sm_90) with widths a multiple of 16, not {k}"),
+        });
+    }
+    let total = offsets.last().copied().unwrap_or(0) as usize;
+    let len = (total * n).max(1);
+    let mut y = match out {
+        DType::F32 => DeviceData::F32(gpu.alloc::<f32>(len)?),
+        DType::BF16 => DeviceData::BF16(gpu.alloc::<u16>(len)?),
+        other => {
             return Err(Error::DType {
                 op: OP,
                 message: format!("writes f32 or bf16, not {other}"),
             });
         }
     };
-    let bytes = stages * (bm + bn) * ROW_BYTES;
-    let f = gpu.function("fp8", kernel)?;
-    f.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        bytes as i32,
-    )
-    .map_err(|e| driver_error(kernel, e))?;
-    let cfg = LaunchConfig {
-        grid_dim: (
-            grid(OP, "row tiles", m.div_ceil(bm))?,
-            grid(OP, "column tiles", n.div_ceil(bn))?,
-            1,
-        ),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: bytes as u32,
+    let tiles = pieces(offsets, GROUPED.rows);
+    if tiles.is_empty() || n == 0 {
+        return Ok(y);
+    }
+    let stream = gpu.stream().clone();
+    let (mut codes, mut scales, mut guards) = (Vec::new(), Vec::new(), Vec::new());
+    for (wq, ws) in experts {
+        let (c, gc) = wq.device_ptr(&stream);
+        let (s, gs) = ws.device_ptr(&stream);
+        codes.push(c);
+        scales.push(s);
+        guards.push((gc, gs));
+    }
+    let (codes, scales) = (upload(gpu, &codes)?, upload(gpu, &scales)?);
+    let pieces_dev = upload(gpu, &tiles)?;
+    // The gather's address, or null: x's own rows (fp8.cu's `Rows`).
+    let gather_rows = match rows {
+        Some(r) => Some(upload(gpu, &r.iter().map(|&x| x as i32).collect::<Vec<_>>())?),
+        None => None,
     };
-    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-    let len = (m * n).max(1);
-    Ok(match out {
-        DType::F32 => {
-            let mut y = gpu.alloc::<f32>(len)?;
-            if m > 0 && n > 0 {
-                launch!(gpu, "fp8", kernel, cfg, &mut y, xq, xs, wq, ws, &mi, &ni, &ki)?;
-            }
-            DeviceData::F32(y)
+    let (gather, gather_guard) = match &gather_rows {
+        Some(g) => {
+            let (p, guard) = g.device_ptr(&stream);
+            (p, Some(guard))
         }
-        _ => {
-            let mut y = gpu.alloc::<u16>(len)?;
-            if m > 0 && n > 0 {
-                launch!(gpu, "fp8", kernel, cfg, &mut y, xq, xs, wq, ws, &mi, &ni, &ki)?;
-            }
-            DeviceData::BF16(y)
-        }
-    })
+        None => (0, None),
+    };
+    let kernel = GROUPED.kernel(out)?;
+    let blocks = (
+        grid(OP, "column tiles", n.div_ceil(GROUPED.cols))?,
+        grid(OP, "row pieces", tiles.len() / 3)?,
+        1,
+    );
+    let cfg = GROUPED.launch(gpu, kernel, blocks)?;
+    let (ni, ki) = (n as i32, k as i32);
+    macro_rules! go {
+        ($y:expr) => {
+            launch!(
+                gpu,
+                "fp8",
+                kernel,
+                cfg,
+                $y,
+                xq,
+                xs,
+                &gather,
+                &pieces_dev,
+                &codes,
+                &scales,
+                &ni,
+                &ki
+            )
+        };
+    }
+    match &mut y {
+        DeviceData::F32(y) => go!(y)?,
+        DeviceData::BF16(y) => go!(y)?,
+        _ => unreachable!("allocated as f32 or bf16 above"),
+    }
+    drop((guards, gather_guard));
+    Ok(y)
 }
 
-/// The device's compute capability, `(major, minor)`.
+/// The device's compute capability, `(major, minor)` (asked once).
 pub(crate) fn capability(gpu: &Gpu) -> Result<(i32, i32)> {
     use cudarc::driver::sys::CUdevice_attribute as A;
+    if let Some(&c) = gpu.capability.get() {
+        return Ok(c);
+    }
     let ctx = gpu.stream().context();
     let get = |a| ctx.attribute(a).map_err(|e| driver_error("compute capability", e));
-    Ok((
+    let c = (
         get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
         get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-    ))
+    );
+    Ok(*gpu.capability.get_or_init(|| c))
 }

@@ -20,7 +20,7 @@ fn bf16_only(op: &'static str) -> Error {
     Error::DType { op, message: "the grouped products on CUDA run in bf16 (f32 gradients)".into() }
 }
 
-fn upload<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, v: &[T]) -> Result<CudaSlice<T>> {
+pub(crate) fn upload<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, v: &[T]) -> Result<CudaSlice<T>> {
     gpu.stream().clone_htod(v).map_err(|e| driver_error("copy to device", e))
 }
 
@@ -33,7 +33,7 @@ fn rows_table(gpu: &Gpu, rows: Option<&[u32]>) -> Result<(CudaSlice<i32>, i32)> 
 }
 
 /// `(expert, first row, end row)` per piece of at most `rows` rows of each expert's run.
-fn pieces(offsets: &[u32], rows: usize) -> Vec<i32> {
+pub(crate) fn pieces(offsets: &[u32], rows: usize) -> Vec<i32> {
     let mut out = Vec::new();
     for (e, w) in offsets.windows(2).enumerate() {
         let (mut at, end) = (w[0] as usize, w[1] as usize);

@@ -218,6 +218,111 @@ pub fn fp8_linear(x: &Tensor, w: &Fp8Matrix) -> Result<Tensor> {
     }
 }
 
+/// Whether `device` runs [`fp8_grouped_linear`]: the CPU, and Hopper GPUs (its kernel is
+/// wgmma's). Elsewhere a mixture of experts runs its FP8 experts one at a time.
+pub fn fp8_grouped_supported(device: &Device) -> bool {
+    match *device {
+        Device::Cpu => true,
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => crate::cuda::gpu(ordinal)
+            .and_then(|gpu| crate::cuda::fp8::capability(&gpu))
+            .is_ok_and(|c| c == (9, 0)),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => false,
+    }
+}
+
+/// The experts' FP8 products over a mixture-of-experts layer's rows sorted by expert (the
+/// layout of [`super::grouped_matmul`]): for the rows `s` of expert `e`
+/// (`offsets[e]..offsets[e + 1]`), `x[row(s)] · W_eᵀ` with `row(s) = rows[s]` (a gather) or
+/// `s`. Each row gets the bits [`fp8_linear`] gives it (x quantized per row, then the same
+/// slices and promotions), so an expert's rows compute alike alone or grouped. `x` is
+/// `[· × k]`; the result `[offsets[E] × n]` in `x`'s dtype.
+pub fn fp8_grouped_linear(
+    x: &Tensor,
+    rows: Option<&[u32]>,
+    offsets: &[u32],
+    experts: &[&Fp8Matrix],
+) -> Result<Tensor> {
+    const OP: &str = "fp8_grouped_linear";
+    let (tokens, k) = matrix_dims(OP, x)?;
+    let mut all = vec![x];
+    all.extend(experts.iter().map(|w| &w.codes));
+    same_device(OP, &all)?;
+    let [n, wk] = experts.first().map_or([0, k], |w| w.shape());
+    let total = offsets.last().copied().unwrap_or(0) as usize;
+    let rows_ok = match rows {
+        Some(r) => r.len() == total && r.iter().all(|&i| (i as usize) < tokens),
+        None => tokens == total,
+    };
+    let ok = wk == k
+        && experts.iter().all(|w| w.shape() == [n, k])
+        && super::grouped::offsets_ok(offsets, experts.len())
+        && rows_ok;
+    ensure(ok, OP, || {
+        format!(
+            "x {:?} against {} FP8 experts [{n}, {wk}], {} offsets ending at {total}",
+            x.shape,
+            experts.len(),
+            offsets.len()
+        )
+    })?;
+    let (xq, xs) = fp8_quantize_rows(x)?;
+    match (&xq.storage, &xs.storage) {
+        (Storage::F8(xq), Storage::F32(xs)) => {
+            let kb = k.div_ceil(FP8_BLOCK);
+            let mut out = vec![0.0; total * n];
+            for (e, w) in experts.iter().enumerate() {
+                let (Storage::F8(wq), Storage::F32(ws)) = (&w.codes.storage, &w.scales.storage)
+                else {
+                    unreachable!("one device (checked)")
+                };
+                let (from, to) = (offsets[e] as usize, offsets[e + 1] as usize);
+                let source = |s: usize| rows.map_or(s, |r| r[s] as usize);
+                let codes: Vec<u8> =
+                    (from..to).flat_map(|s| &xq[source(s) * k..][..k]).copied().collect();
+                let scales: Vec<f32> =
+                    (from..to).flat_map(|s| &xs[source(s) * kb..][..kb]).copied().collect();
+                let y = cpu::fp8_linear((&codes, &scales), (wq, ws), to - from, k, n);
+                out[from * n..to * n].copy_from_slice(&y);
+            }
+            Ok(host_tensor(vec![total, n], out, x.dtype()))
+        }
+        #[cfg(feature = "cuda")]
+        (Storage::Cuda(xq_b), Storage::Cuda(xs_b)) => {
+            use crate::cuda::{Buffer, DeviceData};
+            let (DeviceData::F8(xq), DeviceData::F32(xs)) = (&xq_b.data, &xs_b.data) else {
+                unreachable!("codes are F8E4M3, scales f32")
+            };
+            let mut weights = Vec::with_capacity(experts.len());
+            for w in experts {
+                let (Storage::Cuda(wq), Storage::Cuda(ws)) = (&w.codes.storage, &w.scales.storage)
+                else {
+                    unreachable!("one device (checked)")
+                };
+                let (DeviceData::F8(wq), DeviceData::F32(ws)) = (&wq.data, &ws.data) else {
+                    unreachable!("codes are F8E4M3, scales f32")
+                };
+                weights.push((wq, ws));
+            }
+            let y = crate::cuda::fp8::grouped(
+                &xq_b.gpu,
+                (xq, xs),
+                rows,
+                offsets,
+                &weights,
+                (n, k),
+                x.dtype(),
+            )?;
+            Ok(Tensor {
+                shape: vec![total, n],
+                storage: Storage::Cuda(Buffer { gpu: xq_b.gpu.clone(), data: y }),
+            })
+        }
+        _ => unreachable!("quantized on x's device"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::tests::{devices, max_rel_err};
@@ -333,19 +438,80 @@ mod tests {
         for device in devices() {
             let w = Tensor::from_f32(&[n, k], random(&mut rng, n, k, 0.05), &device).unwrap();
             let q = Fp8Matrix::quantize(&w).unwrap();
-            let x = random(&mut rng, 200, k, 1.0);
+            let x = random(&mut rng, 1100, k, 1.0);
             let bits = |rows: usize| -> Vec<u32> {
                 let t = Tensor::from_f32(&[rows, k], x[..rows * k].to_vec(), &device).unwrap();
                 let t = t.to_dtype(DType::BF16).unwrap();
                 let y = fp8_linear(&t, &q).unwrap().to_vec_f32().unwrap();
                 y.iter().map(|v| v.to_bits()).collect()
             };
-            let all = bits(200);
-            // 1 and 16 rows take the narrowest tile, 64 the middle one, 200 the widest.
-            for rows in [1, 3, 16, 17, 64, 65, 200] {
+            let all = bits(1100);
+            // Every tile: on mma.sync's GPUs 1 to 64 rows take the narrow ones and 200 or 1100
+            // the widest; Hopper's one wgmma tile serves all.
+            for rows in [1, 3, 16, 17, 64, 65, 200, 1024, 1025] {
                 assert_eq!(bits(rows), all[..rows * n], "{device}: {rows} rows");
             }
         }
+    }
+
+    /// The grouped product against the experts one by one, with a gather, experts without
+    /// rows and pieces longer than a tile: the same bits on every device.
+    #[test]
+    fn grouped_experts_give_each_row_its_dense_bits_on_every_device() {
+        let mut rng = Rng::new(85);
+        let (n, k, tokens) = (192, 256, 150);
+        let offsets = [0u32, 7, 7, 140, 141, 300];
+        let rows: Vec<u32> = (0..300).map(|_| rng.below(tokens) as u32).collect();
+        for device in devices() {
+            if !fp8_grouped_supported(&device) {
+                continue;
+            }
+            let ws: Vec<Fp8Matrix> = (0..5)
+                .map(|_| {
+                    let w = Tensor::from_f32(&[n, k], random(&mut rng, n, k, 0.05), &device);
+                    Fp8Matrix::quantize(&w.unwrap()).unwrap()
+                })
+                .collect();
+            let experts: Vec<&Fp8Matrix> = ws.iter().collect();
+            let x = random(&mut rng, tokens, k, 1.0);
+            let xt = Tensor::from_f32(&[tokens, k], x.clone(), &device).unwrap();
+            for dtype in [DType::F32, DType::BF16] {
+                let xt = xt.to_dtype(dtype).unwrap();
+                let y = fp8_grouped_linear(&xt, Some(&rows), &offsets, &experts).unwrap();
+                assert_eq!((y.shape(), y.dtype()), (&[300, n][..], dtype));
+                let got: Vec<u32> = y.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect();
+                let xh = xt.to_vec_f32().unwrap();
+                for e in 0..5 {
+                    let (from, to) = (offsets[e] as usize, offsets[e + 1] as usize);
+                    let gathered: Vec<f32> = (from..to)
+                        .flat_map(|s| &xh[rows[s] as usize * k..][..k])
+                        .copied()
+                        .collect();
+                    let xe = Tensor::from_f32(&[to - from, k], gathered, &device).unwrap();
+                    let want = fp8_linear(&xe.to_dtype(dtype).unwrap(), experts[e]).unwrap();
+                    let want: Vec<u32> =
+                        want.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got[from * n..to * n], want[..], "{device} {dtype} expert {e}");
+                }
+            }
+            // Without a gather, row s is x's row s.
+            let xs = Tensor::from_f32(&[300, k], random(&mut rng, 300, k, 1.0), &device).unwrap();
+            let y = fp8_grouped_linear(&xs, None, &offsets, &experts).unwrap();
+            let tail: Vec<u32> = (141..300).collect();
+            let want = fp8_linear(&super::super::gather_rows(&xs, &tail).unwrap(), experts[4]);
+            let want = want.unwrap();
+            assert_eq!(
+                y.to_vec_f32().unwrap()[141 * n..],
+                want.to_vec_f32().unwrap()[..],
+                "{device}: no gather"
+            );
+        }
+        let cpu = Device::Cpu;
+        let w = Fp8Matrix::quantize(&Tensor::from_f32(&[4, 8], vec![0.5; 32], &cpu).unwrap());
+        let w = w.unwrap();
+        let x = Tensor::from_f32(&[3, 8], vec![1.0; 24], &cpu).unwrap();
+        let e = fp8_grouped_linear(&x, Some(&[0, 5]), &[0, 2], &[&w]).unwrap_err().to_string();
+        assert!(e.contains("x [3, 8] against 1 FP8 experts [4, 8], 2 offsets ending at 2"), "{e}");
     }
 
     #[test]

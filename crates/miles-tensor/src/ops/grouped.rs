@@ -12,7 +12,7 @@ use crate::{DType, Device, Result, Tensor, ensure};
 use super::device_data;
 
 /// Offsets of `experts` runs: from 0, never decreasing, ending at `total` when given.
-fn offsets_ok(offsets: &[u32], experts: usize) -> bool {
+pub(super) fn offsets_ok(offsets: &[u32], experts: usize) -> bool {
     offsets.len() == experts + 1 && offsets[0] == 0 && offsets.windows(2).all(|w| w[0] <= w[1])
 }
 

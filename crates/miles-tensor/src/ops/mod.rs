@@ -26,7 +26,10 @@ pub use elementwise::{
     embedding_forward, embedding_forward_ids, gather_rows, pick_row_dots, pick_rows_sum, rope,
     scatter_rows, split_columns, swiglu_backward, swiglu_forward, swiglu_stacked,
 };
-pub use fp8::{Fp8Matrix, fp8_linear, fp8_quantize_rows, fp8_supported};
+pub use fp8::{
+    Fp8Matrix, fp8_grouped_linear, fp8_grouped_supported, fp8_linear, fp8_quantize_rows,
+    fp8_supported,
+};
 pub use grouped::{grouped_matmul, grouped_matmul_wgrad};
 pub use logprob::{logprob_rows, logprob_rows_backward, logprob_rows_ids};
 pub use matmul::{linear_packed, matmul, matmul_acc, matmul_f32_out, pack_linear};
