@@ -8,8 +8,8 @@
 // codes and scales are the CPU's bits.
 // fp8_quantize_rows_{f32,bf16}: activations [rows × cols] per 1 × 128 group of a row, the
 // same recipe; one warp per (row, group).
-// fp8_gemm_{f32,bf16}_{big,m16,m64} (mma.sync, sm_89 on) and fp8_gemm_{f32,bf16}_tma (wgmma,
-// Hopper): y = x · wᵀ from x's codes [m × k] with scales [m × ⌈k/128⌉] and w's codes [n × k]
+// fp8_gemm_{f32,bf16}_{big,m16,m64} (mma.sync, sm_89 on) and fp8_gemm_{f32,bf16}_{tma,wg_mid,
+// wg_dec} (wgmma, Hopper): y = x · wᵀ from x's codes [m × k] with scales [m × ⌈k/128⌉] and w's codes [n × k]
 // with scales [⌈n/128⌉ × ⌈k/128⌉], written in f32 or bf16. fp8_grouped_{f32,bf16} (Hopper):
 // the same per expert over an MoE layer's sorted, gathered rows.
 //
@@ -305,9 +305,10 @@ __device__ __forceinline__ void store_tile(Out* y, const float* acc, int m0, int
     }
 }
 
-// The Hopper product of an expert's piece of the grouped product (rows gathered, so no TMA):
-// WG warpgroups, each 64 rows × BN columns from output row `rows.begin` and column n0, every
-// thread loading STAGES stages of 128 of k ahead through cp.async.
+// The Hopper product for up to 1024 rows, and for an expert's piece of the grouped product
+// (rows gathered, so no TMA): WG warpgroups, each 64 rows × BN columns from output row
+// `rows.begin` and column n0, every thread loading STAGES stages of 128 of k ahead through
+// cp.async.
 template <int WG, int BN, int STAGES, class Out>
 __device__ void tile_wg(Out* y, const uint8_t* xq, const float* xs, const uint8_t* wq,
                         const float* ws, Rows rows, int n0, int n, int k) {
@@ -357,6 +358,13 @@ __device__ void tile_wg(Out* y, const uint8_t* xq, const float* xs, const uint8_
 #endif
 }
 
+template <int WG, int BN, int STAGES, class Out>
+__device__ void gemm_wg(Out* y, const uint8_t* xq, const float* xs, const uint8_t* wq,
+                        const float* ws, int m, int n, int k) {
+    const Rows rows{(int)blockIdx.x * WG * 64, m, nullptr};
+    tile_wg<WG, BN, STAGES>(y, xq, xs, wq, ws, rows, blockIdx.y * BN, n, k);
+}
+
 // The grouped product over an MoE layer's experts: block (column tile, piece) runs `tile_wg`
 // on piece p = (expert e, first sorted row, end row) (`pieces`, 3 ints each) with expert e's
 // codes and scales (`wqs[e]`, `wss[e]`), the sorted rows read from x's rows `gather` (or x's
@@ -370,8 +378,9 @@ __device__ void grouped_wg(Out* y, const uint8_t* xq, const float* xs, const int
     tile_wg<WG, BN, STAGES>(y, xq, xs, wqs[p[0]], wss[p[0]], rows, blockIdx.x * BN, n, k);
 }
 
-// The Hopper product, warp-specialized, for every row count (the fastest measured from 1 row
-// to 16384 on the H100 and H200, so one tile serves decode and training): one thread of the first
+// The Hopper product, warp-specialized, for more than 1024 rows (the fastest measured at
+// every row count, BENCHMARKS.md; the smaller products move to it once its device tests have
+// run at those sizes): one thread of the first
 // warpgroup streams 128-of-k stages of the 128 × BN tile's operands by TMA into STAGES
 // swizzled stages (a `full` and an `empty` barrier each), and two consumer warpgroups of 64
 // rows each run `slice` at their own pace, so one's promotion overlaps the other's wgmma. Tiles
@@ -469,6 +478,20 @@ GEMM(f32, float, m64, 1, 4, 4, 2, 6)
 GEMM(bf16, bf16, m64, 1, 4, 4, 2, 6)
 GEMM(f32, float, m16, 1, 4, 1, 2, 8)
 GEMM(bf16, bf16, m16, 1, 4, 1, 2, 8)
+
+// The Hopper tiles fed by cp.async (shared memory: STAGES · (64 · WG + BN) · 128 bytes, plus
+// 1024 to align): wg_mid, 128 × 64, 2 warpgroups, 5 stages (123,904 B); wg_dec, 64 × 32, one
+// warpgroup, 8 stages (99,328 B), narrow so that a weight's columns spread over the SMs.
+#define GEMM_WG(name, Out, tag, WG, BN, ST)                                                       \
+    extern "C" __global__ void __launch_bounds__(WG * 128)                                      \
+        fp8_gemm_##name##_##tag(Out* y, const uint8_t* xq, const float* xs, const uint8_t* wq,  \
+                                const float* ws, int m, int n, int k) {                         \
+        gemm_wg<WG, BN, ST>(y, xq, xs, wq, ws, m, n, k);                                        \
+    }
+GEMM_WG(f32, float, wg_mid, 2, 64, 5)
+GEMM_WG(bf16, bf16, wg_mid, 2, 64, 5)
+GEMM_WG(f32, float, wg_dec, 1, 32, 8)
+GEMM_WG(bf16, bf16, wg_dec, 1, 32, 8)
 
 // The warp-specialized Hopper tile, 128 × 128 with 6 stages (197,632 B with the barriers),
 // 384 threads (a producer warpgroup and two consumers), groups of 8 row tiles.

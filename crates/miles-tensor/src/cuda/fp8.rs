@@ -133,7 +133,11 @@ const BIG: Tile =
     tile(["fp8_gemm_f32_big", "fp8_gemm_bf16_big"], (128, 128), 256, 3, Feed::MmaSync);
 const M64: Tile = tile(["fp8_gemm_f32_m64", "fp8_gemm_bf16_m64"], (64, 64), 128, 6, Feed::MmaSync);
 const M16: Tile = tile(["fp8_gemm_f32_m16", "fp8_gemm_bf16_m16"], (16, 64), 128, 8, Feed::MmaSync);
-/// The grouped product's tile (`fp8_grouped_*`, one launch for both outputs).
+const WG_MID: Tile =
+    tile(["fp8_gemm_f32_wg_mid", "fp8_gemm_bf16_wg_mid"], (128, 64), 256, 5, Feed::Wgmma);
+const WG_DEC: Tile =
+    tile(["fp8_gemm_f32_wg_dec", "fp8_gemm_bf16_wg_dec"], (64, 32), 128, 8, Feed::Wgmma);
+/// The grouped product's tile (`fp8_grouped_*`, wg_mid's shape).
 const GROUPED: Tile = tile(["fp8_grouped_f32", "fp8_grouped_bf16"], (128, 64), 256, 5, Feed::Wgmma);
 const TMA: Tile = tile(["fp8_gemm_f32_tma", "fp8_gemm_bf16_tma"], (128, 128), 384, 6, Feed::Tma);
 
@@ -162,11 +166,14 @@ impl Tile {
     }
 
     /// The tile for `m` rows: on Hopper (compute capability 9.0, where fp8.cu is built for
-    /// sm_90a) the TMA-fed wgmma tile, the fastest from 1 row to 16384 (BENCHMARKS.md);
-    /// elsewhere mma.sync's, narrow ones for decode-sized products. The tiles of one family
-    /// give a row the same bits (fp8.cu), so within it the choice is free.
+    /// sm_90a) wgmma's, the TMA-fed one past 1024 rows (it measured fastest at every row
+    /// count, but its device tests have run only there so far); elsewhere mma.sync's; narrow
+    /// ones for decode-sized products. The tiles of one family give a row the same bits
+    /// (fp8.cu), so within it the choice is free.
     fn for_rows(m: usize, hopper: bool) -> &'static Tile {
         match (hopper, m) {
+            (true, 0..=64) => &WG_DEC,
+            (true, 65..=1024) => &WG_MID,
             (true, _) => &TMA,
             (false, 0..=16) => &M16,
             (false, 17..=64) => &M64,

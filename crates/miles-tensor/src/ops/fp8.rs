@@ -446,8 +446,8 @@ mod tests {
                 y.iter().map(|v| v.to_bits()).collect()
             };
             let all = bits(1100);
-            // Every tile: on mma.sync's GPUs 1 to 64 rows take the narrow ones and 200 or 1100
-            // the widest; Hopper's one wgmma tile serves all.
+            // Every tile of both families: 1 to 64 rows the narrow ones, then the middle ones,
+            // and 200 (mma.sync) or 1025 and 1100 (Hopper's TMA-fed tile) the widest.
             for rows in [1, 3, 16, 17, 64, 65, 200, 1024, 1025] {
                 assert_eq!(bits(rows), all[..rows * n], "{device}: {rows} rows");
             }
