@@ -9,7 +9,7 @@
 // fp8_quantize_rows_{f32,bf16}: activations [rows × cols] per 1 × 128 group of a row, the
 // same recipe; one warp per (row, group).
 // fp8_gemm_{f32,bf16}_{big,m16,m64} (mma.sync, sm_89 on) and fp8_gemm_{f32,bf16}_{tma,wg_mid,
-// wg_dec} (wgmma, Hopper): y = x · wᵀ from x's codes [m × k] with scales [m × ⌈k/128⌉] and w's codes [n × k]
+// swap8,swap16,swap32,swap64} (wgmma, Hopper): y = x · wᵀ from x's codes [m × k] with scales [m × ⌈k/128⌉] and w's codes [n × k]
 // with scales [⌈n/128⌉ × ⌈k/128⌉], written in f32 or bf16. fp8_grouped_{f32,bf16} (Hopper):
 // the same per expert over an MoE layer's sorted, gathered rows.
 //
@@ -448,6 +448,122 @@ __device__ void gemm_tma(Out* y, const TensorMap* xmap, const float* xs, const T
 #endif
 }
 
+// The Hopper product for decode-sized batches (up to 64 rows), operands swapped: 64 rows of the
+// weight are wgmma's 64-row side and x's rows its NT columns, so a step of a few tokens
+// computes NT columns, not 64 or 128 padded rows, and streams the weight at the memory's rate.
+// Each output is still its slices' four wgmma from zero, promoted (part · sx) · sw in k order:
+// the products and their sums over 32 of k are those of the unswapped tiles (the device tests
+// compare rows across batch sizes, hence across tiles). Warps 0–3 compute; warp 4 streams
+// STAGES stages (64 weight rows and NT rows of x, 128 of k each) by TMA. The consumer issues
+// slice kb + 1's wgmma before promoting slice kb (two `part` buffers), so the tensor cores and
+// the promotion overlap.
+template <int NT, int STAGES, class Out>
+__device__ void gemm_swap(Out* y, const TensorMap* xmap, const float* xs, const TensorMap* wmap,
+                          const float* ws, int m, int n, int k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int W_BYTES = 64 * BLOCK, X_BYTES = NT * BLOCK, R = NT / 2;
+    static_assert(NT % 8 == 0 && NT <= 64, "x's rows are wgmma's N: 8 to 64");
+    uint8_t* sw = smem_1024();
+    uint8_t* sx = sw + STAGES * W_BYTES;
+    uint64_t* full = reinterpret_cast<uint64_t*>(sx + STAGES * X_BYTES);
+    uint64_t* empty = full + STAGES;
+    const int n0 = blockIdx.x * 64;
+    const int kb_n = (k + BLOCK - 1) / BLOCK;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            bar_init(full + s, 1);
+            bar_init(empty + s, 1);
+        }
+        bar_init_fence();
+    }
+    __syncthreads();
+
+    if (threadIdx.x >= 128) {
+        if (threadIdx.x == 128) {
+            for (int kb = 0; kb < kb_n; ++kb) {
+                const int s = kb % STAGES;
+                bar_wait(empty + s, ((kb / STAGES) & 1) ^ 1);
+                bar_arrive_tx(full + s, W_BYTES + X_BYTES);
+                tma_load(sw + s * W_BYTES, wmap, kb * BLOCK, n0, full + s);
+                tma_load(sx + s * X_BYTES, xmap, kb * BLOCK, 0, full + s);
+            }
+        }
+        return;
+    }
+    // This thread's outputs (wgmma's accumulator layout, swapped): weight rows w0 and w0 + 8,
+    // and x's rows t0 + (i & 1) + (i >> 2) · 8 for part[i]; their scales, NT / 4 of x's rows
+    // and the weight block's a slice, loaded when the slice's wgmma are issued and used a slice
+    // later, so their latency hides behind the tensor cores.
+    const int w0 = n0 + (threadIdx.x >> 5) * 16 + (threadIdx.x & 31) / 4;
+    const int t0 = (threadIdx.x & 3) * 2;
+    const float* wscale = ws + (long)(n0 / BLOCK) * kb_n;
+    struct Scales {
+        float x[NT / 4], w;
+    };
+    auto issue = [&](int kb, float* part, Scales& sc) {
+        const int s = kb % STAGES;
+        bar_wait(full + s, (kb / STAGES) & 1);
+        fence_regs<R>(part);
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            wgmma_e4m3<NT>(part, tile_desc(sw + s * W_BYTES, j * 32),
+                           tile_desc(sx + s * X_BYTES, j * 32), j);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int j = 0; j < NT / 4; ++j) {
+            const int t = min(t0 + (j & 1) + (j >> 1) * 8, m - 1);
+            sc.x[j] = xs[(long)t * kb_n + kb];
+        }
+        sc.w = wscale[kb];
+    };
+    float acc[R], even[R], odd[R];
+    Scales sc_even, sc_odd;
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+    // Slice kb's promotion from `part` (its wgmma done: wait<1> leaves only the next slice's
+    // in flight); its stage freed.
+    auto promote = [&](int kb, float* part, const Scales& sc) {
+        fence_regs<R>(part);
+        bar_arrive_if(empty + kb % STAGES, threadIdx.x == 0);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const float sxi = sc.x[(i & 1) + (i >> 2) * 2];
+            acc[i] = __fadd_rn(acc[i], __fmul_rn(__fmul_rn(part[i], sxi), sc.w));
+        }
+    };
+    issue(0, even, sc_even);
+    int kb = 0;
+    for (; kb + 2 < kb_n; kb += 2) {
+        issue(kb + 1, odd, sc_odd);
+        wgmma_wait<1>();
+        promote(kb, even, sc_even);
+        issue(kb + 2, even, sc_even);
+        wgmma_wait<1>();
+        promote(kb + 1, odd, sc_odd);
+    }
+    if (kb + 1 < kb_n) {
+        issue(kb + 1, odd, sc_odd);
+        wgmma_wait<1>();
+        promote(kb, even, sc_even);
+        wgmma_wait<0>();
+        promote(kb + 1, odd, sc_odd);
+    } else {
+        wgmma_wait<0>();
+        promote(kb, even, sc_even);
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        const int row = t0 + (i & 1) + (i >> 2) * 8, col = w0 + ((i & 2) ? 8 : 0);
+        if (row < m && col < n) store(y, (long)row * n + col, acc[i]);
+    }
+#else
+    __trap();
+#endif
+}
+
 }  // namespace
 
 #define QUANTIZE(name, T)                                                                       \
@@ -479,9 +595,8 @@ GEMM(bf16, bf16, m64, 1, 4, 4, 2, 6)
 GEMM(f32, float, m16, 1, 4, 1, 2, 8)
 GEMM(bf16, bf16, m16, 1, 4, 1, 2, 8)
 
-// The Hopper tiles fed by cp.async (shared memory: STAGES · (64 · WG + BN) · 128 bytes, plus
-// 1024 to align): wg_mid, 128 × 64, 2 warpgroups, 5 stages (123,904 B); wg_dec, 64 × 32, one
-// warpgroup, 8 stages (99,328 B), narrow so that a weight's columns spread over the SMs.
+// The Hopper tile fed by cp.async (shared memory: STAGES · (64 · WG + BN) · 128 bytes, plus
+// 1024 to align): wg_mid, 128 × 64, 2 warpgroups, 5 stages (123,904 B).
 #define GEMM_WG(name, Out, tag, WG, BN, ST)                                                       \
     extern "C" __global__ void __launch_bounds__(WG * 128)                                      \
         fp8_gemm_##name##_##tag(Out* y, const uint8_t* xq, const float* xs, const uint8_t* wq,  \
@@ -490,8 +605,6 @@ GEMM(bf16, bf16, m16, 1, 4, 1, 2, 8)
     }
 GEMM_WG(f32, float, wg_mid, 2, 64, 5)
 GEMM_WG(bf16, bf16, wg_mid, 2, 64, 5)
-GEMM_WG(f32, float, wg_dec, 1, 32, 8)
-GEMM_WG(bf16, bf16, wg_dec, 1, 32, 8)
 
 // The warp-specialized Hopper tile, 128 × 128 with 6 stages (197,632 B with the barriers),
 // 384 threads (a producer warpgroup and two consumers), groups of 8 row tiles.
@@ -503,6 +616,24 @@ GEMM_WG(bf16, bf16, wg_dec, 1, 32, 8)
     }
 GEMM_TMA(f32, float)
 GEMM_TMA(bf16, bf16)
+
+// The swapped decode tiles: NT rows of x against 64 weight rows a block, 160 threads (four
+// computing warps, one streaming), STAGES · (64 + NT) · 128 bytes plus 1024 and the barriers:
+// swap8 and swap16 16 stages (148 KB, 165 KB), swap32 10 (124 KB), swap64 8 (132 KB).
+#define GEMM_SWAP(name, Out, NT, ST)                                                              \
+    extern "C" __global__ void __launch_bounds__(160) fp8_gemm_##name##_swap##NT(               \
+        Out* y, const __grid_constant__ TensorMap xmap, const float* xs,                        \
+        const __grid_constant__ TensorMap wmap, const float* ws, int m, int n, int k) {         \
+        gemm_swap<NT, ST>(y, &xmap, xs, &wmap, ws, m, n, k);                                    \
+    }
+GEMM_SWAP(f32, float, 8, 16)
+GEMM_SWAP(bf16, bf16, 8, 16)
+GEMM_SWAP(f32, float, 16, 16)
+GEMM_SWAP(bf16, bf16, 16, 16)
+GEMM_SWAP(f32, float, 32, 10)
+GEMM_SWAP(bf16, bf16, 32, 10)
+GEMM_SWAP(f32, float, 64, 8)
+GEMM_SWAP(bf16, bf16, 64, 8)
 
 // The grouped tile: 128 × 64, 2 warpgroups, 5 stages (123,904 B), grid (column tiles, pieces).
 #define GROUPED(name, Out)                                                                        \

@@ -60,6 +60,25 @@ template <int N>
 __device__ __forceinline__ void wgmma_e4m3(float* d, uint64_t a, uint64_t b, int accumulate);
 
 template <>
+__device__ __forceinline__ void wgmma_e4m3<8>(float* d, uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, %4, %5, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_e4m3<16>(float* d, uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n}\n"
+        : MILES_R8(0)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <>
 __device__ __forceinline__ void wgmma_e4m3<32>(float* d, uint64_t a, uint64_t b, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
@@ -107,6 +126,14 @@ __device__ __forceinline__ void bar_init_fence() {
 }
 __device__ __forceinline__ void bar_arrive(uint64_t* b) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(b)) : "memory");
+}
+// Arrives where `pred` holds (a predicate, not a branch: no divergence beside wgmma).
+__device__ __forceinline__ void bar_arrive_if(uint64_t* b, bool pred) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
+            smem_addr(b)),
+        "r"((int)pred)
+        : "memory");
 }
 // Arrives, and makes the phase wait for `bytes` more from TMA loads as well.
 __device__ __forceinline__ void bar_arrive_tx(uint64_t* b, int bytes) {

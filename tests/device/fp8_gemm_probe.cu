@@ -1,7 +1,9 @@
 // The FP8 products of kernels/fp8.cu by themselves, beside cuBLAS's bf16 GEMM at the same shape
 // in one process: TMA-fed wgmma (Hopper) against mma.sync (values), a row's bits at every row
-// count, and times at the train shape (16384 × 4096 × 12288) and decode shapes. Built and run
-// on the device (nvcc there), for iterating on the kernels without a Rust build:
+// count on the TMA and the swapped decode tiles, and times at the train shape (16384 × 4096 ×
+// 12288) and at Qwen3-8B's decode shapes. Built and run on the device (nvcc there), for
+// iterating on the kernels without a Rust build (`/tmp/probe once`: one call of each at the
+// train shape, for ncu):
 //   nvcc -arch=sm_90a -O3 -std=c++17 -I kernels tests/device/fp8_gemm_probe.cu \
 //     -L/usr/local/cuda-13.0/targets/x86_64-linux/lib -lcublas -lcuda -o /tmp/probe && /tmp/probe
 #include <cublas_v2.h>
@@ -59,6 +61,34 @@ static void tma(const Operands& o, int m, int n, int k) {
     fp8_gemm_f32_tma<<<tiles, 384, smem>>>(o.y, tmap(o.xq, m, k, 128), o.xs, tmap(o.wq, n, k, 128),
                                            o.ws, m, n, k);
 }
+// The swapped decode tile with NT columns of x and ST stages (fp8.rs's: 8/16, 16/16, 32/10,
+// 64/8); other stage counts instantiated here to compare.
+template <int NT, int ST>
+__global__ void __launch_bounds__(160) swap_kernel(float* y, const __grid_constant__ TensorMap xmap,
+                                                   const float* xs,
+                                                   const __grid_constant__ TensorMap wmap,
+                                                   const float* ws, int m, int n, int k) {
+    gemm_swap<NT, ST>(y, &xmap, xs, &wmap, ws, m, n, k);
+}
+template <int NT, int ST>
+static void swap(const Operands& o, int m, int n, int k) {
+    const int smem = ST * (64 + NT) * 128 + 1024 + ST * 16;
+    static bool ready = false;
+    if (!ready) {
+        CK(cudaFuncSetAttribute(swap_kernel<NT, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                smem));
+        ready = true;
+    }
+    swap_kernel<NT, ST><<<(n + 63) / 64, 160, smem>>>(o.y, tmap(o.xq, m, k, NT), o.xs,
+                                                      tmap(o.wq, n, k, 64), o.ws, m, n, k);
+}
+// As fp8.rs picks for m rows.
+static void swap_for(const Operands& o, int m, int n, int k) {
+    if (m <= 8) swap<8, 16>(o, m, n, k);
+    else if (m <= 16) swap<16, 16>(o, m, n, k);
+    else if (m <= 32) swap<32, 10>(o, m, n, k);
+    else swap<64, 8>(o, m, n, k);
+}
 static void mma_sync(const Operands& o, int m, int n, int k) {
     const dim3 grid((m + 127) / 128, (n + 127) / 128);
     fp8_gemm_f32_big<<<grid, 256, 3 * 256 * 144>>>(o.y, o.xq, o.xs, o.wq, o.ws, m, n, k);
@@ -79,7 +109,7 @@ static float ms_per_call(F f, int calls) {
     return ms / calls;
 }
 
-int main() {
+int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(fp8_gemm_f32_tma, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             6 * 256 * 128 + 1024 + 96));
     CK(cudaFuncSetAttribute(fp8_gemm_f32_big, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -102,6 +132,12 @@ int main() {
     CK(cudaMemcpy(o.xs, hxs.data(), hxs.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(o.ws, hws.data(), hws.size() * 4, cudaMemcpyHostToDevice));
 
+    if (argc > 1 && strcmp(argv[1], "once") == 0) {  // for ncu: one call of each at the train shape
+        tma(o, M, N, K);
+        swap_for(o, 1, N, K);
+        CK(cudaDeviceSynchronize());
+        return 0;
+    }
     // Values against mma.sync, and a row's bits at every row count, at three widths.
     const int R = 1500;
     std::vector<float> all((size_t)R * N), got((size_t)R * N), other((size_t)R * N);
@@ -117,13 +153,25 @@ int main() {
         }
         printf("n = %d: wgmma vs mma.sync max |diff| %.3e, rms of the outputs %.3e\n", n, worst,
                sqrt(squares / ((double)R * n)));
-        for (int m : {1, 3, 17, 64, 65, 200, 1000}) {
-            CK(cudaMemset(o.y, 0xff, (size_t)m * n * 4));
-            tma(o, m, n, K);
+        auto compare = [&](const char* what, int m) {
             CK(cudaMemcpy(got.data(), o.y, (size_t)m * n * 4, cudaMemcpyDeviceToHost));
             size_t differ = 0;
             for (size_t i = 0; i < (size_t)m * n; ++i) differ += memcmp(&got[i], &all[i], 4) != 0;
-            if (differ) printf("  %d rows: %zu outputs differ from the 1500-row product\n", m, differ);
+            if (differ) {
+                printf("  %s %d rows: %zu outputs differ from the 1500-row product\n", what, m,
+                       differ);
+            }
+        };
+        for (int m : {1, 3, 17, 64, 65, 200, 1000}) {
+            CK(cudaMemset(o.y, 0xff, (size_t)m * n * 4));
+            tma(o, m, n, K);
+            compare("tma", m);
+        }
+        for (int m : {1, 3, 8, 9, 16, 17, 32, 33, 63, 64}) {
+            CK(cudaMemset(o.y, 0xff, (size_t)m * n * 4));
+            swap_for(o, m, n, K);
+            CK(cudaGetLastError());
+            compare("swap", m);
         }
     }
     printf("bits checked\n");
@@ -137,6 +185,20 @@ int main() {
         t = ms_per_call([&] { tma(o, m, N, K); }, 50);
         printf("tma      %d x %d x %d: %.1f us, %.0f GB/s of weight\n", m, K, N, t * 1e3,
                (double)N * K / t / 1e6);
+    }
+    // Decode products of Qwen3-8B (q, k/v, gate/up, down, stacked q/k/v) on the swapped tiles.
+    const int shapes[][2] = {{4096, 4096}, {1024, 4096}, {12288, 4096}, {4096, 12288}, {6144, 4096}};
+    for (const auto& shape : shapes) {
+        const int n = shape[0], k = shape[1];
+        auto report = [&](const char* what, int m, float t) {
+            printf("%-10s %2d x %5d x %5d: %6.1f us, %5.0f GB/s of weight\n", what, m, k, n,
+                   t * 1e3, (double)n * k / t / 1e6);
+        };
+        for (int m : {1, 8, 16, 32, 64}) report("swap", m, ms_per_call([&] { swap_for(o, m, n, k); }, 50));
+        report("swap8/4", 1, ms_per_call([&] { swap<8, 4>(o, 1, n, k); }, 50));
+        report("swap8/8", 1, ms_per_call([&] { swap<8, 8>(o, 1, n, k); }, 50));
+        report("swap8/24", 1, ms_per_call([&] { swap<8, 24>(o, 1, n, k); }, 50));
+        report("swap64/4", 64, ms_per_call([&] { swap<64, 4>(o, 64, n, k); }, 50));
     }
     cublasHandle_t h;
     cublasCreate(&h);

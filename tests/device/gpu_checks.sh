@@ -5,7 +5,7 @@
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
 #                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
-#                                  dp|fp8|fp8-addition|all]
+#                                  dp|fp8|fp8-bench|fp8-addition|all]
 # Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
 # packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
 # is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
@@ -149,14 +149,39 @@ if [ "$what" = addition ]; then
   python3 tests/device/curve.py runs/addition-smollm2/metrics.jsonl | tee "$OUT/addition.txt"
 fi
 if [ "$what" = fp8 ]; then
-  # Unified FP8 (issue 28) beside bf16 in one call: the FP8 device tests, the kernel benches
-  # (FP8 products against our bf16 route), decode at the Qwen3-8B shape (36 layers, random
-  # weights; B = 1 and 64) and the Qwen3-0.6B training step at 32 × 512.
+  # Unified FP8 (issue 28): the FP8 device tests; the kernel probe (tests/device/
+  # fp8_gemm_probe.cu: bits across tiles and row counts, times beside cuBLAS); and a training
+  # run of a tiny Qwen3-MoE (heads of 64) in unified FP8 with Rollout Routing Replay, whose
+  # rollout and training logprobs must agree exactly on every iteration.
   target/device-bundle/run.sh fp8 > "$OUT/fp8-tests.txt" 2>&1
   grep -E "test result|FAILED|panicked" "$OUT/fp8-tests.txt" | grep -v " 0 passed"
-  target/device-bundle/benches/cuda_ops --bench --noplot "fp8|matmul_bf16_invariant/x_wT" \
-    > "$OUT/fp8-kernels.txt" 2>&1
-  grep -E "^[a-z].*/|time:" "$OUT/fp8-kernels.txt" | paste - - | awk '{print $1, $5, $6}'
+  $(command -v nvcc || echo /usr/local/cuda-13.0/bin/nvcc) -arch=sm_90a -O3 -std=c++17 -I kernels \
+    tests/device/fp8_gemm_probe.cu \
+    -L/usr/local/cuda-13.0/targets/x86_64-linux/lib -lcublas -lcuda -o /tmp/probe \
+    && /tmp/probe | tee "$OUT/fp8-probe.txt"
+  $miles init-model --preset tiny-h64 --arch qwen3-moe --out /tmp/moe | tail -1
+  $miles train --device cuda --hf-checkpoint /tmp/moe --prompt-data .cache/addition/train.jsonl \
+    --input-key prompt --label-key label --rm-type math --rollout-max-response-len 8 \
+    --num-rollout ${MOE_ROLLOUTS:-40} --rollout-batch-size 8 --n-samples-per-prompt 4 \
+    --fp8-format e4m3 --fp8-recipe blockwise --use-rollout-routing-replay \
+    --run-dir /tmp/moe-fp8 | tail -1
+  python3 - /tmp/moe-fp8/metrics.jsonl <<'PY' | tee "$OUT/fp8-moe-r3.txt"
+import json, sys
+gaps = [r["train/train_rollout_logprob_abs_diff"] for r in map(json.loads, open(sys.argv[1]))
+        if "train/train_rollout_logprob_abs_diff" in r]
+print(f"tiny Qwen3-MoE, unified FP8 + r3 on the GPU: {len(gaps)} iterations, "
+      f"{sum(g == 0 for g in gaps)} with logprob gap exactly 0, largest {max(gaps)}")
+PY
+fi
+if [ "$what" = fp8-bench ]; then
+  # Unified FP8 beside bf16 in one call: the kernel benches (FP8 products against our bf16
+  # route), decode at the Qwen3-8B shape (36 layers, random weights; B = 1 and 64) and the
+  # Qwen3-0.6B training step at 32 × 512. KERNELS=0 skips the kernel benches.
+  if [ "${KERNELS:-1}" = 1 ]; then
+    target/device-bundle/benches/cuda_ops --bench --noplot "fp8|matmul_bf16_invariant/x_wT" \
+      > "$OUT/fp8-kernels.txt" 2>&1
+    grep -E "^[a-z].*/|time:" "$OUT/fp8-kernels.txt" | paste - - | awk '{print $1, $5, $6}'
+  fi
   for batch in 1 64; do
     for fp8 in "" "--fp8-format e4m3"; do
       timeout 300 $miles bench rollout --device cuda --preset qwen3-8b --batch $batch \

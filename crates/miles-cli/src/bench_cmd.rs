@@ -29,7 +29,8 @@ pub enum BenchCommand {
 
 #[derive(Debug, Args)]
 pub struct RolloutBenchArgs {
-    /// Model shape (random weights): tiny, qwen3-0.6b, qwen3-8b, smollm2-135m, qwen3-30b-a3b-4l.
+    /// Model shape (random weights): tiny, tiny-h64, qwen3-0.6b, qwen3-8b, smollm2-135m,
+    /// qwen3-30b-a3b-4l.
     #[arg(long, default_value = "tiny", conflicts_with = "hf_checkpoint")]
     pub preset: String,
     #[arg(long, value_name = "DIR")]
@@ -94,7 +95,8 @@ const H200_BF16_TFLOPS: f64 = 790.0;
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Model shape (random weights): tiny, qwen3-0.6b, qwen3-8b, smollm2-135m, qwen3-30b-a3b-4l.
+    /// Model shape (random weights): tiny, tiny-h64, qwen3-0.6b, qwen3-8b, smollm2-135m,
+    /// qwen3-30b-a3b-4l.
     #[arg(long, default_value = "tiny", conflicts_with = "hf_checkpoint")]
     pub preset: String,
     /// Benchmark a checkpoint's weights instead of a preset.

@@ -34,8 +34,8 @@ pub struct InitModelArgs {
     /// Architecture; the published presets have their own.
     #[arg(long, value_enum)]
     pub arch: Option<ArchArg>,
-    /// Shape: tiny, qwen3-0.6b, qwen3-8b, smollm2-135m or qwen3-30b-a3b-4l (Qwen3-30B-A3B's
-    /// layers, 4 of its 48).
+    /// Shape: tiny, tiny-h64 (tiny with heads of 64, for the GPU), qwen3-0.6b, qwen3-8b,
+    /// smollm2-135m or qwen3-30b-a3b-4l (Qwen3-30B-A3B's layers, 4 of its 48).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Checkpoint directory to write (created if missing).

@@ -1184,7 +1184,13 @@ impl Backend for Dev<'_> {
 
     fn linear(&self, layer: usize, linear: Linear, x: &Tensor) -> Result<Vec<Tensor>> {
         let parts = self.w.layout.linear(layer, linear);
-        if parts.iter().any(|&i| self.w.quantized.get(i).is_some_and(Option::is_some)) {
+        let quantized: Vec<&ops::Fp8Matrix> =
+            parts.iter().filter_map(|&i| self.w.quantized.get(i)?.as_ref()).collect();
+        if quantized.len() == parts.len() {
+            // x quantized once for all the parts.
+            return Ok(ops::fp8_linear_many(x, &quantized)?);
+        }
+        if !quantized.is_empty() {
             return parts.iter().map(|&i| self.w.product(x, i)).collect();
         }
         let widths =

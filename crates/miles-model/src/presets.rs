@@ -3,13 +3,17 @@
 use crate::tokenizer::BYTE_TOKENIZER_SPECIALS;
 use crate::{Architecture, Error, ModelConfig, MoeConfig, Result};
 
-pub const PRESETS: [&str; 5] =
-    ["tiny", "qwen3-0.6b", "qwen3-8b", "smollm2-135m", "qwen3-30b-a3b-4l"];
+pub const PRESETS: [&str; 6] =
+    ["tiny", "tiny-h64", "qwen3-0.6b", "qwen3-8b", "smollm2-135m", "qwen3-30b-a3b-4l"];
 
 /// The configuration of preset `name`. `tiny` takes any architecture (default Qwen3; with
-/// Qwen3-MoE, 8 experts of which 2 per token); the published shapes have theirs, and asking
+/// Qwen3-MoE, 8 experts of which 2 per token), and so does `tiny-h64`, the same with heads of
+/// 64 (a head size the GPU's attention runs); the published shapes have theirs, and asking
 /// for another is an error.
 pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
+    if name == "tiny-h64" {
+        return Ok(ModelConfig { head_dim: 64, ..preset("tiny", arch)? });
+    }
     let fixed = |own: Architecture| match arch {
         Some(a) if a != own => Err(Error::Invalid(format!(
             "preset {name} is a {} model; drop --arch or use --arch {}",
@@ -159,6 +163,8 @@ mod tests {
         assert_eq!((moe.num_parameters(), moe.active_parameters()), (3_114_814_464, 849_890_304));
         let tiny = preset("tiny", Some(Architecture::Qwen3Moe)).unwrap();
         assert!(tiny.moe.is_some() && preset("tiny", None).unwrap().moe.is_none());
+        let h64 = preset("tiny-h64", Some(Architecture::Qwen3Moe)).unwrap();
+        assert_eq!((h64.head_dim, h64.moe.is_some(), h64.hidden_size), (64, true, 64));
         let err = preset("qwen3-30b-a3b-4l", Some(Architecture::Qwen3)).unwrap_err().to_string();
         assert!(err.contains("is a qwen3_moe model"), "{err}");
     }

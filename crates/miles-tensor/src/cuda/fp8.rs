@@ -106,6 +106,9 @@ enum Feed {
     /// wgmma from tiles loaded by TMA, a producer warpgroup beside two consumers, a
     /// one-dimensional grid walked in groups of row tiles (Hopper).
     Tma,
+    /// wgmma with the operands swapped (64 weight rows against the tile's few rows of x),
+    /// loaded by TMA; one block per 64 weight rows (Hopper, decode-sized products).
+    Swap,
 }
 
 /// A tile shape of `fp8_gemm_*` (fp8.cu).
@@ -135,11 +138,17 @@ const M64: Tile = tile(["fp8_gemm_f32_m64", "fp8_gemm_bf16_m64"], (64, 64), 128,
 const M16: Tile = tile(["fp8_gemm_f32_m16", "fp8_gemm_bf16_m16"], (16, 64), 128, 8, Feed::MmaSync);
 const WG_MID: Tile =
     tile(["fp8_gemm_f32_wg_mid", "fp8_gemm_bf16_wg_mid"], (128, 64), 256, 5, Feed::Wgmma);
-const WG_DEC: Tile =
-    tile(["fp8_gemm_f32_wg_dec", "fp8_gemm_bf16_wg_dec"], (64, 32), 128, 8, Feed::Wgmma);
 /// The grouped product's tile (`fp8_grouped_*`, wg_mid's shape).
 const GROUPED: Tile = tile(["fp8_grouped_f32", "fp8_grouped_bf16"], (128, 64), 256, 5, Feed::Wgmma);
 const TMA: Tile = tile(["fp8_gemm_f32_tma", "fp8_gemm_bf16_tma"], (128, 128), 384, 6, Feed::Tma);
+const SWAP8: Tile =
+    tile(["fp8_gemm_f32_swap8", "fp8_gemm_bf16_swap8"], (8, 64), 160, 16, Feed::Swap);
+const SWAP16: Tile =
+    tile(["fp8_gemm_f32_swap16", "fp8_gemm_bf16_swap16"], (16, 64), 160, 16, Feed::Swap);
+const SWAP32: Tile =
+    tile(["fp8_gemm_f32_swap32", "fp8_gemm_bf16_swap32"], (32, 64), 160, 10, Feed::Swap);
+const SWAP64: Tile =
+    tile(["fp8_gemm_f32_swap64", "fp8_gemm_bf16_swap64"], (64, 64), 160, 8, Feed::Swap);
 
 impl Tile {
     /// The kernel writing `out` (f32 or bf16).
@@ -161,18 +170,20 @@ impl Tile {
         match self.feed {
             Feed::MmaSync => tiles * ROW_BYTES,
             Feed::Wgmma => tiles * BLOCK + 1024,
-            Feed::Tma => tiles * BLOCK + 1024 + self.stages * 16,
+            Feed::Tma | Feed::Swap => tiles * BLOCK + 1024 + self.stages * 16,
         }
     }
 
     /// The tile for `m` rows: on Hopper (compute capability 9.0, where fp8.cu is built for
-    /// sm_90a) wgmma's, the TMA-fed one past 1024 rows (it measured fastest at every row
-    /// count, but its device tests have run only there so far); elsewhere mma.sync's; narrow
-    /// ones for decode-sized products. The tiles of one family give a row the same bits
-    /// (fp8.cu), so within it the choice is free.
+    /// sm_90a) wgmma's: swapped up to 64 rows (decode), the TMA-fed one past 1024 rows;
+    /// elsewhere mma.sync's, narrow ones for decode-sized products. The tiles of one family
+    /// give a row the same bits (fp8.cu), so within it the choice is free.
     fn for_rows(m: usize, hopper: bool) -> &'static Tile {
         match (hopper, m) {
-            (true, 0..=64) => &WG_DEC,
+            (true, 0..=8) => &SWAP8,
+            (true, 9..=16) => &SWAP16,
+            (true, 17..=32) => &SWAP32,
+            (true, 33..=64) => &SWAP64,
             (true, 65..=1024) => &WG_MID,
             (true, _) => &TMA,
             (false, 0..=16) => &M16,
@@ -206,6 +217,7 @@ impl Tile {
         const OP: &str = "fp8_linear";
         let (rows, cols) = (m.div_ceil(self.rows), n.div_ceil(self.cols));
         Ok(match self.feed {
+            Feed::Swap => (grid(OP, "column tiles", cols)?, 1, 1),
             Feed::Tma => (
                 u32::try_from(rows * cols).map_err(|_| Error::Shape {
                     op: OP,
@@ -301,7 +313,7 @@ pub(crate) fn gemm(
     macro_rules! go {
         ($y:expr) => {
             match tile.feed {
-                Feed::Tma => {
+                Feed::Tma | Feed::Swap => {
                     let xmap = TensorMap::codes(gpu, xq, m, k, tile.rows)?;
                     let wmap = TensorMap::codes(gpu, wq, n, k, tile.cols)?;
                     launch!(gpu, "fp8", kernel, cfg, $y, &xmap, xs, &wmap, ws, &mi, &ni, &ki)

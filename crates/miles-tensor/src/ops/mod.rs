@@ -27,8 +27,8 @@ pub use elementwise::{
     scatter_rows, split_columns, swiglu_backward, swiglu_forward, swiglu_stacked,
 };
 pub use fp8::{
-    Fp8Matrix, fp8_grouped_linear, fp8_grouped_supported, fp8_linear, fp8_quantize_rows,
-    fp8_supported,
+    Fp8Matrix, fp8_grouped_linear, fp8_grouped_supported, fp8_linear, fp8_linear_many,
+    fp8_quantize_rows, fp8_supported,
 };
 pub use grouped::{grouped_matmul, grouped_matmul_wgrad};
 pub use logprob::{logprob_rows, logprob_rows_backward, logprob_rows_ids};
