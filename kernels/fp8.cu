@@ -14,8 +14,9 @@
 // the same per expert over an MoE layer's sorted, gathered rows.
 //
 // Bits: every output is, for each 128-wide slice of k in order, the slice's products summed on
-// the tensor cores from zero (four m16n8k32 mma.sync, or four m64nNk32 wgmma), then promoted:
-// acc = acc + (part · sx) · sw in f32 (unfused: the CPU twin's order). The tile shape only
+// the tensor cores from zero (four m16n8k32 mma.sync, or four m64nNk32 wgmma), then promoted
+// as DeepGEMM does: acc = fma(part, sx · sw, acc), the scales' product rounded to f32 first (the
+// CPU twin's `mul_add`; one instruction an output, so the promotion keeps up with wgmma). The tile shape only
 // decides which outputs a block computes, never how: a row's outputs depend on that row and
 // the weights alone, in a decode step as in a training batch. No split over k, no atomics.
 // The two families differ from each other (and from the CPU's exact sums) in the tensor
@@ -45,6 +46,16 @@ __device__ __forceinline__ float load(const float* p, long i) { return p[i]; }
 __device__ __forceinline__ float load(const bf16* p, long i) { return __bfloat162float(p[i]); }
 __device__ __forceinline__ void store(float* p, long i, float v) { p[i] = v; }
 __device__ __forceinline__ void store(bf16* p, long i, float v) { p[i] = __float2bfloat16_rn(v); }
+// Two neighbours at once (i even, the row's width even: aligned). (Unused where the sm_90a
+// kernels compile to __trap: no warning for that.)
+#pragma nv_diag_suppress 177
+__device__ __forceinline__ void store2(float* p, long i, float a, float b) {
+    *reinterpret_cast<float2*>(p + i) = make_float2(a, b);
+}
+__device__ __forceinline__ void store2(bf16* p, long i, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(p + i) = __floats2bfloat162_rn(a, b);
+}
+#pragma nv_diag_default 177
 
 __device__ __forceinline__ uint8_t e4m3(float x) {
     return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
@@ -206,10 +217,10 @@ __device__ void gemm(Out* y, const uint8_t* xq, const float* xs, const uint8_t* 
             for (int j = 0; j < NFRAG; ++j) {
                 const int col = min(n0 + wn + j * 8, n - 1);
                 const float sw = ws[(long)(col / BLOCK) * kb_n + kb];
+                const float scale[2] = {__fmul_rn(sx[0], sw), __fmul_rn(sx[1], sw)};
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
-                    acc[i][j][q] = __fadd_rn(acc[i][j][q],
-                                             __fmul_rn(__fmul_rn(part[i][j][q], sx[q >> 1]), sw));
+                    acc[i][j][q] = __fmaf_rn(part[i][j][q], scale[q >> 1], acc[i][j][q]);
                 }
             }
         }
@@ -273,7 +284,7 @@ struct ScaleRows {
 };
 
 // One warpgroup's 64 × BN outputs for one 128-wide slice of k: the slice's four wgmma from zero
-// into `part`, then promoted into `acc` (acc + (part · sx) · sw, as `gemm`). The bits of an
+// into `part`, then promoted into `acc` (acc = fma(part, sx · sw, acc), as `gemm`). The bits of an
 // output depend on its row and column alone, whatever BN or the kernel.
 template <int BN>
 __device__ __forceinline__ void slice(float* acc, float* part, const uint8_t* ta, const uint8_t* tb,
@@ -286,11 +297,9 @@ __device__ __forceinline__ void slice(float* acc, float* part, const uint8_t* ta
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs<R>(part);
+    const float s0 = __fmul_rn(sc.x0, sc.w), s1 = __fmul_rn(sc.x1, sc.w);
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-        const float sx = (i & 2) ? sc.x1 : sc.x0;
-        acc[i] = __fadd_rn(acc[i], __fmul_rn(__fmul_rn(part[i], sx), sc.w));
-    }
+    for (int i = 0; i < R; ++i) acc[i] = __fmaf_rn(part[i], (i & 2) ? s1 : s0, acc[i]);
 }
 
 // A warpgroup's 64 × BN outputs from (m0, n0), in wgmma's accumulator layout, rows below m.
@@ -299,9 +308,15 @@ __device__ __forceinline__ void store_tile(Out* y, const float* acc, int m0, int
     const int row0 = m0 + (threadIdx.x & 127) / 32 * 16 + (threadIdx.x & 31) / 4;
     const int col0 = n0 + (threadIdx.x & 3) * 2;
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-        const int row = row0 + ((i & 2) ? 8 : 0), col = col0 + (i >> 2) * 8 + (i & 1);
-        if (row < m && col < n) store(y, (long)row * n + col, acc[i]);
+    for (int i = 0; i < BN / 2; i += 2) {
+        const int row = row0 + ((i & 2) ? 8 : 0), col = col0 + (i >> 2) * 8;
+        if (row >= m || col >= n) continue;
+        if (col + 1 < n && n % 2 == 0) {
+            store2(y, (long)row * n + col, acc[i], acc[i + 1]);
+        } else {
+            store(y, (long)row * n + col, acc[i]);
+            if (col + 1 < n) store(y, (long)row * n + col + 1, acc[i + 1]);
+        }
     }
 }
 
@@ -435,12 +450,15 @@ __device__ void gemm_tma(Out* y, const TensorMap* xmap, const float* xs, const T
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
 
+    SliceScales sc = scales.at(0);
     for (int kb = 0; kb < kb_n; ++kb) {
         const int s = kb % STAGES;
-        const SliceScales sc = scales.at(kb);
+        // The next slice's scales load while this one computes.
+        const SliceScales next = scales.at(min(kb + 1, kb_n - 1));
         bar_wait(full + s, (kb / STAGES) & 1);
         slice<BN>(acc, part, sa + s * A_BYTES + c * 64 * BLOCK, sb + s * B_BYTES, sc);
         if ((threadIdx.x & 127) == 0) bar_arrive(empty + s);
+        sc = next;
     }
     store_tile<BN>(y, acc, m0 + c * 64, n0, m, n);
 #else
@@ -451,7 +469,7 @@ __device__ void gemm_tma(Out* y, const TensorMap* xmap, const float* xs, const T
 // The Hopper product for decode-sized batches (up to 64 rows), operands swapped: 64 rows of the
 // weight are wgmma's 64-row side and x's rows its NT columns, so a step of a few tokens
 // computes NT columns, not 64 or 128 padded rows, and streams the weight at the memory's rate.
-// Each output is still its slices' four wgmma from zero, promoted (part · sx) · sw in k order:
+// Each output is still its slices' four wgmma from zero, promoted fma(part, sx · sw, acc) in k order:
 // the products and their sums over 32 of k are those of the unswapped tiles (the device tests
 // compare rows across batch sizes, hence across tiles). Warps 0–3 compute; warp 4 streams
 // STAGES stages (64 weight rows and NT rows of x, 128 of k each) by TMA. The consumer issues
@@ -459,7 +477,7 @@ __device__ void gemm_tma(Out* y, const TensorMap* xmap, const float* xs, const T
 // the promotion overlap.
 template <int NT, int STAGES, class Out>
 __device__ void gemm_swap(Out* y, const TensorMap* xmap, const float* xs, const TensorMap* wmap,
-                          const float* ws, int m, int n, int k) {
+                          const float* ws, int m, int n, int k, int tile) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int W_BYTES = 64 * BLOCK, X_BYTES = NT * BLOCK, R = NT / 2;
     static_assert(NT % 8 == 0 && NT <= 64, "x's rows are wgmma's N: 8 to 64");
@@ -467,7 +485,7 @@ __device__ void gemm_swap(Out* y, const TensorMap* xmap, const float* xs, const 
     uint8_t* sx = sw + STAGES * W_BYTES;
     uint64_t* full = reinterpret_cast<uint64_t*>(sx + STAGES * X_BYTES);
     uint64_t* empty = full + STAGES;
-    const int n0 = blockIdx.x * 64;
+    const int n0 = tile * 64;
     const int kb_n = (k + BLOCK - 1) / BLOCK;
 
     if (threadIdx.x == 0) {
@@ -528,10 +546,12 @@ __device__ void gemm_swap(Out* y, const TensorMap* xmap, const float* xs, const 
     auto promote = [&](int kb, float* part, const Scales& sc) {
         fence_regs<R>(part);
         bar_arrive_if(empty + kb % STAGES, threadIdx.x == 0);
+        float scale[NT / 4];
+#pragma unroll
+        for (int j = 0; j < NT / 4; ++j) scale[j] = __fmul_rn(sc.x[j], sc.w);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-            const float sxi = sc.x[(i & 1) + (i >> 2) * 2];
-            acc[i] = __fadd_rn(acc[i], __fmul_rn(__fmul_rn(part[i], sxi), sc.w));
+            acc[i] = __fmaf_rn(part[i], scale[(i & 1) + (i >> 2) * 2], acc[i]);
         }
     };
     issue(0, even, sc_even);
@@ -562,6 +582,29 @@ __device__ void gemm_swap(Out* y, const TensorMap* xmap, const float* xs, const 
 #else
     __trap();
 #endif
+}
+
+// Up to three weights multiplied by one x in one launch (a layer's q, k and v, or gate and up):
+// the blocks walk their 64-row tiles in order, each output with the bits of its own product.
+template <class Out>
+struct alignas(128) Parts {
+    TensorMap w[3];  // the codes of each weight, boxes of 64 rows
+    const float* ws[3];
+    Out* y[3];
+    int n[3];
+    int count;
+};
+
+template <int NT, int STAGES, class Out>
+__device__ void gemm_swap_parts(const Parts<Out>* parts, const TensorMap* xmap, const float* xs,
+                                int m, int k) {
+    int p = 0, tile = blockIdx.x;
+    while (p + 1 < parts->count && tile >= (parts->n[p] + 63) / 64) {
+        tile -= (parts->n[p] + 63) / 64;
+        ++p;
+    }
+    gemm_swap<NT, STAGES>(parts->y[p], xmap, xs, &parts->w[p], parts->ws[p], m, parts->n[p], k,
+                          tile);
 }
 
 }  // namespace
@@ -617,14 +660,15 @@ GEMM_WG(bf16, bf16, wg_mid, 2, 64, 5)
 GEMM_TMA(f32, float)
 GEMM_TMA(bf16, bf16)
 
-// The swapped decode tiles: NT rows of x against 64 weight rows a block, 160 threads (four
-// computing warps, one streaming), STAGES · (64 + NT) · 128 bytes plus 1024 and the barriers:
-// swap8 and swap16 16 stages (148 KB, 165 KB), swap32 10 (124 KB), swap64 8 (132 KB).
+// The swapped decode tiles: NT rows of x against 64 weight rows a block, over one to three
+// weights (`Parts`), 160 threads (four computing warps, one streaming), STAGES · (64 + NT) ·
+// 128 bytes plus 1024 and the barriers: swap8 and swap16 16 stages (148 KB, 165 KB), swap32 10
+// (124 KB), swap64 8 (132 KB).
 #define GEMM_SWAP(name, Out, NT, ST)                                                              \
     extern "C" __global__ void __launch_bounds__(160) fp8_gemm_##name##_swap##NT(               \
-        Out* y, const __grid_constant__ TensorMap xmap, const float* xs,                        \
-        const __grid_constant__ TensorMap wmap, const float* ws, int m, int n, int k) {         \
-        gemm_swap<NT, ST>(y, &xmap, xs, &wmap, ws, m, n, k);                                    \
+        const __grid_constant__ Parts<Out> parts, const __grid_constant__ TensorMap xmap,       \
+        const float* xs, int m, int k) {                                                        \
+        gemm_swap_parts<NT, ST>(&parts, &xmap, xs, m, k);                                       \
     }
 GEMM_SWAP(f32, float, 8, 16)
 GEMM_SWAP(bf16, bf16, 8, 16)

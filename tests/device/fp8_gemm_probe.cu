@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(160) swap_kernel(float* y, const __grid_consta
                                                    const float* xs,
                                                    const __grid_constant__ TensorMap wmap,
                                                    const float* ws, int m, int n, int k) {
-    gemm_swap<NT, ST>(y, &xmap, xs, &wmap, ws, m, n, k);
+    gemm_swap<NT, ST>(y, &xmap, xs, &wmap, ws, m, n, k, blockIdx.x);
 }
 template <int NT, int ST>
 static void swap(const Operands& o, int m, int n, int k) {

@@ -207,14 +207,16 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     if device != Device::Cpu {
         set_route(args.gemm);
     }
-    let mut dm = args.engine.place(&model)?;
+    let mut dm = args.engine.place(&model).context("placing the model")?;
     args.fp8.apply(&mut dm)?;
+    device.synchronize()?;
+    let resident = device.peak_memory()?;
     let dtype = dm.dtype();
     let per_block = miles_model::KvCache::bytes_per_block(&model.config, dtype);
-    let mut engine = Engine::new(&dm, None, config(per_block))?;
+    let mut engine = Engine::new(&dm, None, config(per_block)).context("the engine's KV cache")?;
     if device != Device::Cpu {
         let warm = SamplingParams { max_new_tokens: 2, ..params.clone() };
-        engine.generate(&dm, groups.clone(), &warm)?;
+        engine.generate(&dm, groups.clone(), &warm).context("the warm-up generation")?;
         engine.reset_stats();
     }
     let seconds = timed_generate(&mut engine, &dm, groups, &params)?;
@@ -243,6 +245,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "time_to_first_token_s": s.first_token_seconds,
         "decode_step_ms": 1e3 * s.decode_seconds / (s.steps - 1).max(1) as f64,
         "decode_graph_ms": replay_ms,
+        "resident_after_load_gib": resident as f64 / (1u64 << 30) as f64,
         "peak_memory_gib": device.peak_memory()? as f64 / (1u64 << 30) as f64,
     });
     writeln!(out, "{line}")?;

@@ -172,7 +172,8 @@ pub struct DeviceModel {
     /// Decode-sized steps run [`DeviceModel::decode_layers`]: set when the device shows its
     /// fused kernels to give the one-by-one layers' bits ([`DeviceModel::check_fused_decode`]).
     fused_decode: bool,
-    /// f32 gradients, summed over backward calls until [`DeviceModel::zero_grads`].
+    /// f32 gradients, summed over backward calls until [`DeviceModel::zero_grads`]; none until
+    /// the first of those (scoring and generation need none).
     grads: Vec<Tensor>,
     moments: Option<Moments>,
     /// Names the current compute copies ([`DeviceModel::buffers_id`]).
@@ -225,10 +226,6 @@ impl DeviceModel {
         for ((_, shape), w) in spec.iter().zip(model.weights.tensors(c.architecture)) {
             masters.push(Tensor::from_f32(shape, w.clone(), device)?);
         }
-        let grads = spec
-            .iter()
-            .map(|(_, shape)| Tensor::zeros(shape, DType::F32, device))
-            .collect::<std::result::Result<_, _>>()?;
         let layout = Layout::new(c);
         let mut m = DeviceModel {
             config: c.clone(),
@@ -241,7 +238,7 @@ impl DeviceModel {
             packed_stacks: Vec::new(),
             stacked: Vec::new(),
             fused_decode: false,
-            grads,
+            grads: Vec::new(),
             moments: None,
             buffers: 0,
             fp8: None,
@@ -837,12 +834,31 @@ impl DeviceModel {
         self.weights().product_f32(&h, self.layout.head())
     }
 
-    /// Sets every gradient to zero.
+    /// Sets every gradient to zero (allocating them on first use: a model that only scores
+    /// and generates never holds them).
     pub fn zero_grads(&mut self) -> Result<()> {
+        if self.grads.is_empty() {
+            return self.ensure_grads();
+        }
         for g in &mut self.grads {
             g.zero_()?;
         }
         Ok(())
+    }
+
+    /// The gradients, zeros, where none are held yet.
+    fn ensure_grads(&mut self) -> Result<()> {
+        if self.grads.is_empty() {
+            self.grads = (self.masters.iter())
+                .map(|m| Tensor::zeros(m.shape(), DType::F32, &self.device))
+                .collect::<std::result::Result<_, _>>()?;
+        }
+        Ok(())
+    }
+
+    /// Each gradient's number of elements, in [`tensor_spec`] order (held or not).
+    pub fn grad_lens(&self) -> Vec<usize> {
+        self.masters.iter().map(Tensor::len).collect()
     }
 
     /// Adds into the gradients those of a loss whose derivatives with respect to the response
@@ -890,6 +906,8 @@ impl DeviceModel {
             ));
         }
         crate::model::check_output_grads(d_logp, d_entropy, fwd.logp.len())?;
+        self.ensure_grads()?;
+        let c = &self.config;
         let h = c.hidden_size;
         let (final_i, head_i) = (self.layout.final_norm(), self.layout.head());
         // The head, chunk by chunk: logits recomputed, never held for all rows.
@@ -954,12 +972,14 @@ impl DeviceModel {
         ready(c.num_hidden_layers + 1, &mut self.grads)
     }
 
-    /// The f32 gradients, for a collective that sums them over the ranks of a run in place.
+    /// The f32 gradients, for a collective that sums them over the ranks of a run in place
+    /// (none before the first backward or [`DeviceModel::zero_grads`]).
     pub fn grads_mut(&mut self) -> &mut [Tensor] {
         &mut self.grads
     }
 
-    /// The f32 gradients, in [`tensor_spec`] order.
+    /// The f32 gradients, in [`tensor_spec`] order (none before the first backward or
+    /// [`DeviceModel::zero_grads`]).
     pub fn grads(&self) -> &[Tensor] {
         &self.grads
     }
@@ -1002,6 +1022,7 @@ impl DeviceModel {
     /// to every master weight, refreshing the compute copies in the same launch. Returns the
     /// norm before clipping and the factor applied.
     pub fn adamw_step(&mut self, hyper: &AdamW, clip_grad: f64) -> Result<(f64, f32)> {
+        self.ensure_grads()?;
         let norm = self.grad_norm()?;
         let scale = cpu::clip_scale(norm, clip_grad);
         let device = self.device;
@@ -1077,8 +1098,11 @@ impl DeviceModel {
         self.host_weights(&self.masters)
     }
 
-    /// The gradients summed so far, copied to the host.
+    /// The gradients summed so far, copied to the host (zeros where none are held).
     pub fn grads_to_host(&self) -> Result<Weights> {
+        if self.grads.is_empty() {
+            return Ok(Weights::zeros(&self.config));
+        }
         self.host_weights(&self.grads)
     }
 
@@ -1581,7 +1605,9 @@ mod tests {
                 let groups = dm.grad_groups();
                 let mut all: Vec<usize> = groups.iter().flatten().copied().collect();
                 all.sort_unstable();
-                assert_eq!(all, (0..dm.grads().len()).collect::<Vec<_>>(), "{what}");
+                // (No gradients are held before the first backward or zero_grads.)
+                assert!(dm.grads().is_empty(), "{what}");
+                assert_eq!(all, (0..dm.grad_lens().len()).collect::<Vec<_>>(), "{what}");
                 let fwd = dm.forward(&b, 1.0).unwrap();
                 let mut rng = Rng::new(4);
                 let (ga, gb) = (rng.vec(fwd.logp.len(), 1.0), rng.vec(fwd.logp.len(), 1.0));

@@ -149,7 +149,7 @@ impl Dist {
 
     /// A step's gradient buckets for `model`.
     pub fn grad_buckets(&self, model: &DeviceModel) -> GradBuckets {
-        let sizes: Vec<usize> = model.grads().iter().map(|g| 4 * g.len()).collect();
+        let sizes: Vec<usize> = model.grad_lens().iter().map(|len| 4 * len).collect();
         GradBuckets::new(&model.grad_groups(), |i| sizes[i], bucket_bytes())
     }
 

@@ -126,9 +126,9 @@ pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>)
 /// kernels: `x` is `[rows × k]` activations quantized per 1 × 128 group ([`quantize_rows`]),
 /// `w` a `[n × k]` weight quantized per 128 × 128 block ([`quantize_blocks`]). Each 128-wide
 /// slice of k is a sum of products of code values (each product exact in f32; summed in f32,
-/// k in order), then scaled by its
-/// row's and block's scales and added to the f32 accumulator, slice after slice (the
-/// promotion every 128 of k). A row's bits depend on that row alone.
+/// k in order), then promoted into the f32 accumulator, slice after slice, as DeepGEMM does:
+/// `acc = fma(partial, row scale · block scale, acc)` (the scales' product rounded first, one
+/// rounding for the multiply-add). A row's bits depend on that row alone.
 pub fn fp8_linear(
     (x_codes, x_scales): (&[u8], &[f32]),
     (w_codes, w_scales): (&[u8], &[f32]),
@@ -167,7 +167,7 @@ pub fn fp8_linear(
             }
             let xs = x_scales[r * groups + g];
             for (c, (acc, &p)) in out.iter_mut().zip(&partial).enumerate() {
-                *acc += p * xs * w_scales[(c / FP8_BLOCK) * groups + g];
+                *acc = p.mul_add(xs * w_scales[(c / FP8_BLOCK) * groups + g], *acc);
             }
         }
     };
@@ -282,7 +282,8 @@ mod tests {
             assert_eq!(one, y[r * n..][..n], "row {r} alone");
         }
         // The definition, one output at a time: each 128-slice summed over k in order, then
-        // scaled and added. The column-vectorized kernel has its bits.
+        // promoted with one fused multiply-add by the scales' product. The column-vectorized
+        // kernel has its bits.
         let groups = k.div_ceil(FP8_BLOCK);
         for r in 0..rows {
             for c in 0..n {
@@ -292,7 +293,8 @@ mod tests {
                     for j in g * FP8_BLOCK..((g + 1) * FP8_BLOCK).min(k) {
                         partial += e4m3_to_f32(xq[r * k + j]) * e4m3_to_f32(wq[c * k + j]);
                     }
-                    acc += partial * xs[r * groups + g] * ws[(c / FP8_BLOCK) * groups + g];
+                    let scale = xs[r * groups + g] * ws[(c / FP8_BLOCK) * groups + g];
+                    acc = partial.mul_add(scale, acc);
                 }
                 assert_eq!(acc.to_bits(), y[r * n + c].to_bits(), "[{r}, {c}]");
             }

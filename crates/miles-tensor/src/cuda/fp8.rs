@@ -217,8 +217,7 @@ impl Tile {
         const OP: &str = "fp8_linear";
         let (rows, cols) = (m.div_ceil(self.rows), n.div_ceil(self.cols));
         Ok(match self.feed {
-            Feed::Swap => (grid(OP, "column tiles", cols)?, 1, 1),
-            Feed::Tma => (
+            Feed::Tma | Feed::Swap => (
                 u32::try_from(rows * cols).map_err(|_| Error::Shape {
                     op: OP,
                     message: format!("{rows} × {cols} tiles: at most 2^32"),
@@ -240,6 +239,10 @@ struct TensorMap(cudarc::driver::sys::CUtensorMap);
 unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
 
 impl TensorMap {
+    const fn zeroed() -> Self {
+        TensorMap(cudarc::driver::sys::CUtensorMap { opaque: [0; 16] })
+    }
+
     fn codes(
         gpu: &Gpu,
         codes: &CudaSlice<u8>,
@@ -282,15 +285,35 @@ impl TensorMap {
     }
 }
 
-/// `y = x · wᵀ` from quantized operands, `[m × n]` in `out` (f32 or bf16).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm(
+/// One to three weights of [`gemm_many`] for the swapped tiles (fp8.cu's `Parts`, by value).
+#[repr(C, align(128))]
+struct Parts {
+    w: [TensorMap; 3],
+    ws: [u64; 3],
+    y: [u64; 3],
+    n: [i32; 3],
+    count: i32,
+}
+
+// SAFETY: plain bytes laid out as fp8.cu's `Parts`, passed by value as a `__grid_constant__`
+// kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for Parts {}
+
+/// A quantized weight: codes `[n × k]`, scales, and `n`.
+pub(crate) type Weight<'a> = (&'a CudaSlice<u8>, &'a CudaSlice<f32>, usize);
+
+/// `y = x · wᵀ` for each weight `w` (`[n × k]` codes with their scales) from one quantized x
+/// `[m × k]`, each `[m × n]` in `out` (f32 or bf16). Decode-sized products on Hopper run in one
+/// launch (the swapped tiles walk every weight's column tiles), others one launch a weight;
+/// either way each output has its own product's bits.
+pub(crate) fn gemm_many(
     gpu: &Gpu,
     (xq, xs): (&CudaSlice<u8>, &CudaSlice<f32>),
-    (wq, ws): (&CudaSlice<u8>, &CudaSlice<f32>),
-    (m, n, k): (usize, usize, usize),
+    weights: &[Weight],
+    (m, k): (usize, usize),
     out: DType,
-) -> Result<DeviceData> {
+) -> Result<Vec<DeviceData>> {
+    use cudarc::driver::{DevicePtr, DevicePtrMut};
     const OP: &str = "fp8_linear";
     if !k.is_multiple_of(16) {
         return Err(Error::Shape {
@@ -300,34 +323,83 @@ pub(crate) fn gemm(
     }
     let tile = Tile::for_rows(m, capability(gpu)? == (9, 0));
     let kernel = tile.kernel(out)?;
-    let cfg = tile.launch(gpu, kernel, tile.grid(m, n)?)?;
-    let len = (m * n).max(1);
-    let mut y = match out {
-        DType::F32 => DeviceData::F32(gpu.alloc::<f32>(len)?),
-        _ => DeviceData::BF16(gpu.alloc::<u16>(len)?),
-    };
-    if m == 0 || n == 0 {
-        return Ok(y);
+    let mut ys = weights
+        .iter()
+        .map(|&(_, _, n)| {
+            let len = (m * n).max(1);
+            Ok(match out {
+                DType::F32 => DeviceData::F32(gpu.alloc::<f32>(len)?),
+                _ => DeviceData::BF16(gpu.alloc::<u16>(len)?),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if m == 0 {
+        return Ok(ys);
     }
-    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-    macro_rules! go {
-        ($y:expr) => {
-            match tile.feed {
-                Feed::Tma | Feed::Swap => {
-                    let xmap = TensorMap::codes(gpu, xq, m, k, tile.rows)?;
-                    let wmap = TensorMap::codes(gpu, wq, n, k, tile.cols)?;
-                    launch!(gpu, "fp8", kernel, cfg, $y, &xmap, xs, &wmap, ws, &mi, &ni, &ki)
-                }
-                _ => launch!(gpu, "fp8", kernel, cfg, $y, xq, xs, wq, ws, &mi, &ni, &ki),
+    let (mi, ki) = (m as i32, k as i32);
+    if tile.feed == Feed::Swap {
+        let stream = gpu.stream().clone();
+        for (chunk, ys) in weights.chunks(3).zip(ys.chunks_mut(3)) {
+            let live: Vec<_> = chunk.iter().zip(ys.iter_mut()).filter(|(w, _)| w.2 > 0).collect();
+            if live.is_empty() {
+                continue;
             }
-        };
+            let mut parts = Parts {
+                w: [const { TensorMap::zeroed() }; 3],
+                ws: [0; 3],
+                y: [0; 3],
+                n: [0; 3],
+                count: live.len() as i32,
+            };
+            let (mut ws_guards, mut y_guards) = (Vec::new(), Vec::new());
+            let mut tiles = 0;
+            for (slot, (&(wq, ws, n), y)) in live.into_iter().enumerate() {
+                parts.w[slot] = TensorMap::codes(gpu, wq, n, k, tile.cols)?;
+                let (ws_ptr, g) = ws.device_ptr(&stream);
+                ws_guards.push(g);
+                let (y_ptr, g) = match y {
+                    DeviceData::F32(y) => y.device_ptr_mut(&stream),
+                    DeviceData::BF16(y) => y.device_ptr_mut(&stream),
+                    _ => unreachable!("allocated as f32 or bf16 above"),
+                };
+                y_guards.push(g);
+                parts.ws[slot] = ws_ptr;
+                parts.y[slot] = y_ptr;
+                parts.n[slot] = n as i32;
+                tiles += n.div_ceil(tile.cols);
+            }
+            let cfg = tile.launch(gpu, kernel, (grid(OP, "column tiles", tiles)?, 1, 1))?;
+            let xmap = TensorMap::codes(gpu, xq, m, k, tile.rows)?;
+            launch!(gpu, "fp8", kernel, cfg, &parts, &xmap, xs, &mi, &ki)?;
+            drop((ws_guards, y_guards));
+        }
+        return Ok(ys);
     }
-    match &mut y {
-        DeviceData::F32(y) => go!(y)?,
-        DeviceData::BF16(y) => go!(y)?,
-        _ => unreachable!("allocated as f32 or bf16 above"),
+    for (&(wq, ws, n), y) in weights.iter().zip(&mut ys) {
+        if n == 0 {
+            continue;
+        }
+        let cfg = tile.launch(gpu, kernel, tile.grid(m, n)?)?;
+        let ni = n as i32;
+        macro_rules! go {
+            ($y:expr) => {
+                match tile.feed {
+                    Feed::Tma => {
+                        let xmap = TensorMap::codes(gpu, xq, m, k, tile.rows)?;
+                        let wmap = TensorMap::codes(gpu, wq, n, k, tile.cols)?;
+                        launch!(gpu, "fp8", kernel, cfg, $y, &xmap, xs, &wmap, ws, &mi, &ni, &ki)
+                    }
+                    _ => launch!(gpu, "fp8", kernel, cfg, $y, xq, xs, wq, ws, &mi, &ni, &ki),
+                }
+            };
+        }
+        match y {
+            DeviceData::F32(y) => go!(y)?,
+            DeviceData::BF16(y) => go!(y)?,
+            _ => unreachable!("allocated as f32 or bf16 above"),
+        }
     }
-    Ok(y)
+    Ok(ys)
 }
 
 /// The experts' products over sorted rows (`ops::fp8_grouped_linear`): `fp8_grouped_*` on

@@ -193,35 +193,45 @@ pub fn fp8_linear_many(x: &Tensor, ws: &[&Fp8Matrix]) -> Result<Vec<Tensor>> {
         ensure(k == wk, OP, || format!("x {:?} against an FP8 weight [{n}, {wk}]", x.shape))?;
     }
     let (xq, xs) = fp8_quantize_rows(x)?;
-    ws.iter().map(|w| quantized_product((&xq, &xs), w, x.dtype())).collect()
-}
-
-/// `x · wᵀ` from `x`'s codes and scales (`[rows × k]`), in `out`'s dtype.
-fn quantized_product((xq, xs): (&Tensor, &Tensor), w: &Fp8Matrix, out: DType) -> Result<Tensor> {
-    let (rows, k) = (xq.shape[0], xq.shape[1]);
-    let n = w.shape()[0];
-    match (&xq.storage, &xs.storage, &w.codes.storage, &w.scales.storage) {
-        (Storage::F8(xq), Storage::F32(xs), Storage::F8(wq), Storage::F32(ws)) => {
-            let y = cpu::fp8_linear((xq, xs), (wq, ws), rows, k, n);
-            Ok(host_tensor(vec![rows, n], y, out))
-        }
+    let (rows, out) = (xq.shape[0], x.dtype());
+    match (&xq.storage, &xs.storage) {
+        (Storage::F8(xq), Storage::F32(xs)) => ws
+            .iter()
+            .map(|w| {
+                let (Storage::F8(wq), Storage::F32(wsc)) = (&w.codes.storage, &w.scales.storage)
+                else {
+                    unreachable!("codes are F8E4M3, scales f32, on x's device")
+                };
+                let n = w.shape()[0];
+                let y = cpu::fp8_linear((xq, xs), (wq, wsc), rows, k, n);
+                Ok(host_tensor(vec![rows, n], y, out))
+            })
+            .collect(),
         #[cfg(feature = "cuda")]
-        (Storage::Cuda(xq), Storage::Cuda(xs), Storage::Cuda(wq), Storage::Cuda(ws)) => {
+        (Storage::Cuda(xq), Storage::Cuda(xs)) => {
             use crate::cuda::{Buffer, DeviceData};
-            let (
-                DeviceData::F8(xq_d),
-                DeviceData::F32(xs_d),
-                DeviceData::F8(wq_d),
-                DeviceData::F32(ws_d),
-            ) = (&xq.data, &xs.data, &wq.data, &ws.data)
-            else {
+            let (DeviceData::F8(xq_d), DeviceData::F32(xs_d)) = (&xq.data, &xs.data) else {
                 unreachable!("codes are F8E4M3, scales f32")
             };
-            let y = crate::cuda::fp8::gemm(&xq.gpu, (xq_d, xs_d), (wq_d, ws_d), (rows, n, k), out)?;
-            Ok(Tensor {
-                shape: vec![rows, n],
-                storage: Storage::Cuda(Buffer { gpu: xq.gpu.clone(), data: y }),
-            })
+            let weights = ws
+                .iter()
+                .map(|w| match (&w.codes.storage, &w.scales.storage) {
+                    (Storage::Cuda(wq), Storage::Cuda(wsc)) => match (&wq.data, &wsc.data) {
+                        (DeviceData::F8(wq), DeviceData::F32(wsc)) => (wq, wsc, w.shape()[0]),
+                        _ => unreachable!("codes are F8E4M3, scales f32"),
+                    },
+                    _ => unreachable!("one device (checked)"),
+                })
+                .collect::<Vec<_>>();
+            let ys = crate::cuda::fp8::gemm_many(&xq.gpu, (xq_d, xs_d), &weights, (rows, k), out)?;
+            Ok(ys
+                .into_iter()
+                .zip(ws)
+                .map(|(data, w)| Tensor {
+                    shape: vec![rows, w.shape()[0]],
+                    storage: Storage::Cuda(Buffer { gpu: xq.gpu.clone(), data }),
+                })
+                .collect())
         }
         _ => unreachable!("one device (checked)"),
     }
@@ -461,6 +471,40 @@ mod tests {
             // 1100 (Hopper's TMA-fed tile) the widest.
             for rows in [1, 3, 8, 9, 16, 17, 32, 33, 63, 64, 65, 200, 1024, 1025] {
                 assert_eq!(bits(rows), all[..rows * n], "{device}: {rows} rows");
+            }
+        }
+    }
+
+    /// Several weights of one x (one launch on Hopper's decode tiles, three weights a launch)
+    /// give each output the bits of its own product, whatever the widths.
+    #[test]
+    fn many_weights_give_each_output_its_own_products_bits_on_every_device() {
+        let mut rng = Rng::new(86);
+        let k = 272;
+        let widths = [200, 64, 328, 96];
+        for device in devices() {
+            let weights: Vec<Fp8Matrix> = widths
+                .iter()
+                .map(|&n| {
+                    let w = Tensor::from_f32(&[n, k], random(&mut rng, n, k, 0.05), &device);
+                    Fp8Matrix::quantize(&w.unwrap()).unwrap()
+                })
+                .collect();
+            let refs: Vec<&Fp8Matrix> = weights.iter().collect();
+            for rows in [1, 9, 40, 100] {
+                let x = Tensor::from_f32(&[rows, k], random(&mut rng, rows, k, 1.0), &device);
+                let x = x.unwrap().to_dtype(DType::BF16).unwrap();
+                let many = fp8_linear_many(&x, &refs).unwrap();
+                for (w, got) in weights.iter().zip(&many) {
+                    let want = fp8_linear(&x, w).unwrap().to_vec_f32().unwrap();
+                    let got = got.to_vec_f32().unwrap();
+                    let same = want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same && want.len() == got.len(),
+                        "{device}: {rows} rows, {:?}",
+                        w.shape()
+                    );
+                }
             }
         }
     }
