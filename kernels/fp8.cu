@@ -393,14 +393,12 @@ __device__ void grouped_wg(Out* y, const uint8_t* xq, const float* xs, const int
     tile_wg<WG, BN, STAGES>(y, xq, xs, wqs[p[0]], wss[p[0]], rows, blockIdx.x * BN, n, k);
 }
 
-// The Hopper product, warp-specialized, for more than 1024 rows (the fastest measured at
-// every row count, BENCHMARKS.md; the smaller products move to it once its device tests have
-// run at those sizes): one thread of the first
+// The Hopper product, warp-specialized, for more than 1024 rows: one thread of the first
 // warpgroup streams 128-of-k stages of the 128 × BN tile's operands by TMA into STAGES
 // swizzled stages (a `full` and an `empty` barrier each), and two consumer warpgroups of 64
 // rows each run `slice` at their own pace, so one's promotion overlaps the other's wgmma. Tiles
 // walk the output in groups of GROUP row tiles, so that a wave's operands stay in L2
-// (one-dimensional grid).
+// (one-dimensional grid; a block may take several tiles, see below).
 template <int BN, int STAGES, int GROUP, class Out>
 __device__ void gemm_tma(Out* y, const TensorMap* xmap, const float* xs, const TensorMap* wmap,
                          const float* ws, int m, int n, int k) {
@@ -414,10 +412,13 @@ __device__ void gemm_tma(Out* y, const TensorMap* xmap, const float* xs, const T
     uint64_t* empty = full + STAGES;
 
     const int tiles_m = (m + BM - 1) / BM, tiles_n = (n + BN - 1) / BN;
-    const int per_group = GROUP * tiles_n, first = blockIdx.x / per_group * GROUP;
-    const int rows_in_group = min(tiles_m - first, GROUP);
-    const int m0 = (first + (blockIdx.x % per_group) % rows_in_group) * BM;
-    const int n0 = (blockIdx.x % per_group) / rows_in_group * BN;
+    const int tiles = tiles_m * tiles_n, per_group = GROUP * tiles_n;
+    // Tile t's first row and column: groups of GROUP row tiles, column by column within one.
+    auto origin = [&](int t, int& m0, int& n0) {
+        const int first = t / per_group * GROUP, rows_in_group = min(tiles_m - first, GROUP);
+        m0 = (first + (t % per_group) % rows_in_group) * BM;
+        n0 = (t % per_group) / rows_in_group * BN;
+    };
     const int kb_n = (k + BLOCK - 1) / BLOCK;
     const int wg = threadIdx.x >> 7;
 
@@ -430,37 +431,49 @@ __device__ void gemm_tma(Out* y, const TensorMap* xmap, const float* xs, const T
     }
     __syncthreads();
 
+    // A block takes tiles blockIdx.x, + gridDim.x, ...: one each when the grid covers them,
+    // several when it is one block an SM (the producer then loads the next tile's first stages
+    // while the consumers store this one's). `it` counts the stages used over all of them.
     if (wg == 0) {
         regs_dec<40>();
         if (threadIdx.x == 0) {
-            for (int kb = 0; kb < kb_n; ++kb) {
-                const int s = kb % STAGES;
-                bar_wait(empty + s, ((kb / STAGES) & 1) ^ 1);
-                bar_arrive_tx(full + s, A_BYTES + B_BYTES);
-                tma_load(sa + s * A_BYTES, xmap, kb * BLOCK, m0, full + s);
-                tma_load(sb + s * B_BYTES, wmap, kb * BLOCK, n0, full + s);
+            int it = 0;
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                int m0, n0;
+                origin(t, m0, n0);
+                for (int kb = 0; kb < kb_n; ++kb, ++it) {
+                    const int s = it % STAGES;
+                    bar_wait(empty + s, ((it / STAGES) & 1) ^ 1);
+                    bar_arrive_tx(full + s, A_BYTES + B_BYTES);
+                    tma_load(sa + s * A_BYTES, xmap, kb * BLOCK, m0, full + s);
+                    tma_load(sb + s * B_BYTES, wmap, kb * BLOCK, n0, full + s);
+                }
             }
         }
         return;
     }
     regs_inc<232>();
     const int c = wg - 1;
-    const ScaleRows scales(xs, ws, Rows{m0, m, nullptr}, m0 + c * 64, n0, kb_n);
     float acc[BN / 2], part[BN / 2];
+    int it = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        int m0, n0;
+        origin(t, m0, n0);
+        const ScaleRows scales(xs, ws, Rows{m0, m, nullptr}, m0 + c * 64, n0, kb_n);
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-
-    SliceScales sc = scales.at(0);
-    for (int kb = 0; kb < kb_n; ++kb) {
-        const int s = kb % STAGES;
-        // The next slice's scales load while this one computes.
-        const SliceScales next = scales.at(min(kb + 1, kb_n - 1));
-        bar_wait(full + s, (kb / STAGES) & 1);
-        slice<BN>(acc, part, sa + s * A_BYTES + c * 64 * BLOCK, sb + s * B_BYTES, sc);
-        if ((threadIdx.x & 127) == 0) bar_arrive(empty + s);
-        sc = next;
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+        SliceScales sc = scales.at(0);
+        for (int kb = 0; kb < kb_n; ++kb, ++it) {
+            const int s = it % STAGES;
+            // The next slice's scales load while this one computes.
+            const SliceScales next = scales.at(min(kb + 1, kb_n - 1));
+            bar_wait(full + s, (it / STAGES) & 1);
+            slice<BN>(acc, part, sa + s * A_BYTES + c * 64 * BLOCK, sb + s * B_BYTES, sc);
+            if ((threadIdx.x & 127) == 0) bar_arrive(empty + s);
+            sc = next;
+        }
+        store_tile<BN>(y, acc, m0 + c * 64, n0, m, n);
     }
-    store_tile<BN>(y, acc, m0 + c * 64, n0, m, n);
 #else
     __trap();
 #endif

@@ -9,6 +9,7 @@
 #include <cublas_v2.h>
 #include <cuda.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -56,10 +57,12 @@ struct Operands {
 };
 
 // The two products as fp8.rs launches them.
-static void tma(const Operands& o, int m, int n, int k) {
+// `blocks` 0: one block a tile (as fp8.rs launches it); else that many, each walking tiles
+// (persistent: one block an SM).
+static void tma(const Operands& o, int m, int n, int k, int blocks = 0) {
     const int tiles = (m + 127) / 128 * ((n + 127) / 128), smem = 6 * 256 * 128 + 1024 + 96;
-    fp8_gemm_f32_tma<<<tiles, 384, smem>>>(o.y, tmap(o.xq, m, k, 128), o.xs, tmap(o.wq, n, k, 128),
-                                           o.ws, m, n, k);
+    fp8_gemm_f32_tma<<<blocks ? std::min(blocks, tiles) : tiles, 384, smem>>>(
+        o.y, tmap(o.xq, m, k, 128), o.xs, tmap(o.wq, n, k, 128), o.ws, m, n, k);
 }
 // The swapped decode tile with NT columns of x and ST stages (fp8.rs's: 8/16, 16/16, 32/10,
 // 64/8); other stage counts instantiated here to compare.
@@ -115,6 +118,8 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(fp8_gemm_f32_big, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             3 * 256 * 144));
     const int M = 16384, K = 4096, N = 12288, KB = K / 128;
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     std::vector<uint8_t> hx((size_t)M * K), hw((size_t)N * K);
     std::vector<float> hxs((size_t)M * KB), hws((size_t)N / 128 * KB);
     for (auto& c : hx) c = code();
@@ -167,6 +172,11 @@ int main(int argc, char** argv) {
             tma(o, m, n, K);
             compare("tma", m);
         }
+        for (int m : {1, 200, 1500}) {
+            CK(cudaMemset(o.y, 0xff, (size_t)m * n * 4));
+            tma(o, m, n, K, sms);
+            compare("tma persistent", m);
+        }
         for (int m : {1, 3, 8, 9, 16, 17, 32, 33, 63, 64}) {
             CK(cudaMemset(o.y, 0xff, (size_t)m * n * 4));
             swap_for(o, m, n, K);
@@ -179,6 +189,9 @@ int main(int argc, char** argv) {
     const double flop = 2.0 * M * N * K;
     float t = ms_per_call([&] { tma(o, M, N, K); }, 20);
     printf("tma      %d x %d x %d: %.3f ms, %.0f TFLOP/s\n", M, K, N, t, flop / t / 1e9);
+    t = ms_per_call([&] { tma(o, M, N, K, sms); }, 20);
+    printf("tma, %d persistent blocks %d x %d x %d: %.3f ms, %.0f TFLOP/s\n", sms, M, K, N, t,
+           flop / t / 1e9);
     t = ms_per_call([&] { mma_sync(o, M, N, K); }, 20);
     printf("mma.sync %d x %d x %d: %.3f ms, %.0f TFLOP/s\n", M, K, N, t, flop / t / 1e9);
     for (int m : {1, 64, 256}) {
