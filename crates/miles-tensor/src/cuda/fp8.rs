@@ -302,6 +302,48 @@ unsafe impl cudarc::driver::DeviceRepr for Parts {}
 /// A quantized weight: codes `[n × k]`, scales, and `n`.
 pub(crate) type Weight<'a> = (&'a CudaSlice<u8>, &'a CudaSlice<f32>, usize);
 
+/// One launch of a swapped tile over one to three weights (with their outputs) of x.
+fn swapped(
+    gpu: &Gpu,
+    (tile, kernel): (&Tile, &'static str),
+    (xq, xs): (&CudaSlice<u8>, &CudaSlice<f32>),
+    weights: Vec<(&Weight, &mut DeviceData)>,
+    (m, k): (usize, usize),
+) -> Result<()> {
+    use cudarc::driver::{DevicePtr, DevicePtrMut};
+    let stream = gpu.stream().clone();
+    let mut parts = Parts {
+        w: [const { TensorMap::zeroed() }; 3],
+        ws: [0; 3],
+        y: [0; 3],
+        n: [0; 3],
+        count: weights.len() as i32,
+    };
+    let (mut ws_guards, mut y_guards) = (Vec::new(), Vec::new());
+    let mut tiles = 0;
+    for (slot, (&(wq, ws, n), y)) in weights.into_iter().enumerate() {
+        parts.w[slot] = TensorMap::codes(gpu, wq, n, k, tile.cols)?;
+        let (ws_ptr, g) = ws.device_ptr(&stream);
+        ws_guards.push(g);
+        let (y_ptr, g) = match y {
+            DeviceData::F32(y) => y.device_ptr_mut(&stream),
+            DeviceData::BF16(y) => y.device_ptr_mut(&stream),
+            _ => unreachable!("gemm_many allocates f32 or bf16"),
+        };
+        y_guards.push(g);
+        parts.ws[slot] = ws_ptr;
+        parts.y[slot] = y_ptr;
+        parts.n[slot] = n as i32;
+        tiles += n.div_ceil(tile.cols);
+    }
+    let cfg = tile.launch(gpu, kernel, (grid("fp8_linear", "column tiles", tiles)?, 1, 1))?;
+    let xmap = TensorMap::codes(gpu, xq, m, k, tile.rows)?;
+    let (mi, ki) = (m as i32, k as i32);
+    launch!(gpu, "fp8", kernel, cfg, &parts, &xmap, xs, &mi, &ki)?;
+    drop((ws_guards, y_guards));
+    Ok(())
+}
+
 /// `y = x · wᵀ` for each weight `w` (`[n × k]` codes with their scales) from one quantized x
 /// `[m × k]`, each `[m × n]` in `out` (f32 or bf16). Decode-sized products on Hopper run in one
 /// launch (the swapped tiles walk every weight's column tiles), others one launch a weight;
@@ -313,7 +355,6 @@ pub(crate) fn gemm_many(
     (m, k): (usize, usize),
     out: DType,
 ) -> Result<Vec<DeviceData>> {
-    use cudarc::driver::{DevicePtr, DevicePtrMut};
     const OP: &str = "fp8_linear";
     if !k.is_multiple_of(16) {
         return Err(Error::Shape {
@@ -336,45 +377,16 @@ pub(crate) fn gemm_many(
     if m == 0 {
         return Ok(ys);
     }
-    let (mi, ki) = (m as i32, k as i32);
     if tile.feed == Feed::Swap {
-        let stream = gpu.stream().clone();
         for (chunk, ys) in weights.chunks(3).zip(ys.chunks_mut(3)) {
             let live: Vec<_> = chunk.iter().zip(ys.iter_mut()).filter(|(w, _)| w.2 > 0).collect();
-            if live.is_empty() {
-                continue;
+            if !live.is_empty() {
+                swapped(gpu, (tile, kernel), (xq, xs), live, (m, k))?;
             }
-            let mut parts = Parts {
-                w: [const { TensorMap::zeroed() }; 3],
-                ws: [0; 3],
-                y: [0; 3],
-                n: [0; 3],
-                count: live.len() as i32,
-            };
-            let (mut ws_guards, mut y_guards) = (Vec::new(), Vec::new());
-            let mut tiles = 0;
-            for (slot, (&(wq, ws, n), y)) in live.into_iter().enumerate() {
-                parts.w[slot] = TensorMap::codes(gpu, wq, n, k, tile.cols)?;
-                let (ws_ptr, g) = ws.device_ptr(&stream);
-                ws_guards.push(g);
-                let (y_ptr, g) = match y {
-                    DeviceData::F32(y) => y.device_ptr_mut(&stream),
-                    DeviceData::BF16(y) => y.device_ptr_mut(&stream),
-                    _ => unreachable!("allocated as f32 or bf16 above"),
-                };
-                y_guards.push(g);
-                parts.ws[slot] = ws_ptr;
-                parts.y[slot] = y_ptr;
-                parts.n[slot] = n as i32;
-                tiles += n.div_ceil(tile.cols);
-            }
-            let cfg = tile.launch(gpu, kernel, (grid(OP, "column tiles", tiles)?, 1, 1))?;
-            let xmap = TensorMap::codes(gpu, xq, m, k, tile.rows)?;
-            launch!(gpu, "fp8", kernel, cfg, &parts, &xmap, xs, &mi, &ki)?;
-            drop((ws_guards, y_guards));
         }
         return Ok(ys);
     }
+    let (mi, ki) = (m as i32, k as i32);
     for (&(wq, ws, n), y) in weights.iter().zip(&mut ys) {
         if n == 0 {
             continue;
