@@ -15,10 +15,11 @@
 //
 // Bits: every output is, for each 128-wide slice of k in order, the slice's products summed on
 // the tensor cores from zero (four m16n8k32 mma.sync, or four m64nNk32 wgmma), then promoted
-// as DeepGEMM does: acc = fma(part, sx · sw, acc), the scales' product rounded to f32 first (the
-// CPU twin's `mul_add`; one instruction an output, so the promotion keeps up with wgmma). The tile shape only
-// decides which outputs a block computes, never how: a row's outputs depend on that row and
-// the weights alone, in a decode step as in a training batch. No split over k, no atomics.
+// as DeepGEMM does: acc = fma(part, sx · sw, acc), the scales' product rounded to f32 first
+// (the CPU twin's `mul_add`; one instruction an output, so the promotion keeps up with wgmma).
+// The tile shape only decides which outputs a block computes, never how: a row's outputs
+// depend on that row and the weights alone, in a decode step as in a training batch. No split
+// over k, no atomics.
 // The two families differ from each other (and from the CPU's exact sums) in the tensor
 // cores' own accumulation within a slice (Hopper's FP8 wgmma keeps fewer bits); a device uses
 // one family for every product.
@@ -29,6 +30,8 @@
 // swizzle (wgmma.cuh). k must be a multiple of 16 (16-byte row chunks).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+
+#include <type_traits>
 
 #include "mma.cuh"
 #include "wgmma.cuh"
@@ -482,13 +485,15 @@ __device__ void gemm_tma(Out* y, const TensorMap* xmap, const float* xs, const T
 // The Hopper product for decode-sized batches (up to 64 rows), operands swapped: 64 rows of the
 // weight are wgmma's 64-row side and x's rows its NT columns, so a step of a few tokens
 // computes NT columns, not 64 or 128 padded rows, and streams the weight at the memory's rate.
-// Each output is still its slices' four wgmma from zero, promoted fma(part, sx · sw, acc) in k order:
-// the products and their sums over 32 of k are those of the unswapped tiles (the device tests
+// Each output is still its slices' four wgmma from zero, promoted fma(part, sx · sw, acc) in k
+// order: the products and their sums over 32 of k are those of the unswapped tiles (the device tests
 // compare rows across batch sizes, hence across tiles). Warps 0–3 compute; warp 4 streams
 // STAGES stages (64 weight rows and NT rows of x, 128 of k each) by TMA. The consumer issues
 // slice kb + 1's wgmma before promoting slice kb (two `part` buffers), so the tensor cores and
-// the promotion overlap.
-template <int NT, int STAGES, class Out>
+// the promotion overlap; with SLICES > 2 (and enough of k), SLICES - 1 slices ahead: each
+// slice's four wgmma are one dependent chain, and a product of few weight tiles is as long as
+// its chains (fp8.rs launches two; the probe compares).
+template <int NT, int STAGES, int SLICES, class Out>
 __device__ void gemm_swap(Out* y, const TensorMap* xmap, const float* xs, const TensorMap* wmap,
                           const float* ws, int m, int n, int k, int tile) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -567,25 +572,77 @@ __device__ void gemm_swap(Out* y, const TensorMap* xmap, const float* xs, const 
             acc[i] = __fmaf_rn(part[i], scale[(i & 1) + (i >> 2) * 2], acc[i]);
         }
     };
-    issue(0, even, sc_even);
-    int kb = 0;
-    for (; kb + 2 < kb_n; kb += 2) {
-        issue(kb + 1, odd, sc_odd);
-        wgmma_wait<1>();
-        promote(kb, even, sc_even);
-        issue(kb + 2, even, sc_even);
-        wgmma_wait<1>();
-        promote(kb + 1, odd, sc_odd);
-    }
-    if (kb + 1 < kb_n) {
-        issue(kb + 1, odd, sc_odd);
-        wgmma_wait<1>();
-        promote(kb, even, sc_even);
-        wgmma_wait<0>();
-        promote(kb + 1, odd, sc_odd);
+    // SLICES slices in flight (kb_n ≥ 2 · SLICES): groups of SLICES steps, each issuing the
+    // slice SLICES - 1 ahead and promoting one; the tail unrolled for each remainder, so that
+    // every buffer index and wait count is a constant.
+    auto many_slices = [&](auto slices) {
+        constexpr int S = decltype(slices)::value;
+        float part[S][R];
+        Scales sc[S];
+#pragma unroll
+        for (int b = 0; b < S - 1; ++b) issue(b, part[b], sc[b]);
+        int kb = 0;
+        for (; kb + 2 * S - 1 <= kb_n; kb += S) {
+#pragma unroll
+            for (int b = 0; b < S; ++b) {
+                issue(kb + b + S - 1, part[(b + S - 1) % S], sc[(b + S - 1) % S]);
+                wgmma_wait<S - 1>();
+                promote(kb + b, part[b], sc[b]);
+            }
+        }
+        auto tail = [&](auto remaining) {
+            constexpr int r = decltype(remaining)::value;
+#pragma unroll
+            for (int i = 0; i < r; ++i) {
+                const int ahead = (i + S - 1) % S;
+                if (i + S - 1 < r) issue(kb + i + S - 1, part[ahead], sc[ahead]);
+                const int pending = (r - 1 - i) < (S - 1) ? (r - 1 - i) : (S - 1);
+                if (pending == 0) wgmma_wait<0>();
+                else if (pending == 1) wgmma_wait<1>();
+                else if (pending == 2) wgmma_wait<2>();
+                else wgmma_wait<3>();
+                promote(kb + i, part[i % S], sc[i % S]);
+            }
+        };
+        static_assert(S == 3 || S == 4, "the tail's waits count up to 3");
+        // S - 1 to 2S - 2 slices remain here.
+        switch (kb_n - kb) {
+            case S - 1: tail(std::integral_constant<int, S - 1>{}); break;
+            case S: tail(std::integral_constant<int, S>{}); break;
+            case S + 1: tail(std::integral_constant<int, S + 1>{}); break;
+            default: tail(std::integral_constant<int, 2 * S - 2>{}); break;
+        }
+    };
+    auto two_slices = [&]() {
+        issue(0, even, sc_even);
+        int kb = 0;
+        for (; kb + 2 < kb_n; kb += 2) {
+            issue(kb + 1, odd, sc_odd);
+            wgmma_wait<1>();
+            promote(kb, even, sc_even);
+            issue(kb + 2, even, sc_even);
+            wgmma_wait<1>();
+            promote(kb + 1, odd, sc_odd);
+        }
+        if (kb + 1 < kb_n) {
+            issue(kb + 1, odd, sc_odd);
+            wgmma_wait<1>();
+            promote(kb, even, sc_even);
+            wgmma_wait<0>();
+            promote(kb + 1, odd, sc_odd);
+        } else {
+            wgmma_wait<0>();
+            promote(kb, even, sc_even);
+        }
+    };
+    if constexpr (SLICES > 2) {
+        if (kb_n >= 2 * SLICES) {
+            many_slices(std::integral_constant<int, SLICES>{});
+        } else {
+            two_slices();
+        }
     } else {
-        wgmma_wait<0>();
-        promote(kb, even, sc_even);
+        two_slices();
     }
 #pragma unroll
     for (int i = 0; i < R; ++i) {
@@ -608,7 +665,7 @@ struct alignas(128) Parts {
     int count;
 };
 
-template <int NT, int STAGES, class Out>
+template <int NT, int STAGES, int SLICES, class Out>
 __device__ void gemm_swap_parts(const Parts<Out>* parts, const TensorMap* xmap, const float* xs,
                                 int m, int k) {
     int p = 0, tile = blockIdx.x;
@@ -616,8 +673,8 @@ __device__ void gemm_swap_parts(const Parts<Out>* parts, const TensorMap* xmap, 
         tile -= (parts->n[p] + 63) / 64;
         ++p;
     }
-    gemm_swap<NT, STAGES>(parts->y[p], xmap, xs, &parts->w[p], parts->ws[p], m, parts->n[p], k,
-                          tile);
+    gemm_swap<NT, STAGES, SLICES>(parts->y[p], xmap, xs, &parts->w[p], parts->ws[p], m,
+                                  parts->n[p], k, tile);
 }
 
 }  // namespace
@@ -677,20 +734,20 @@ GEMM_TMA(bf16, bf16)
 // weights (`Parts`), 160 threads (four computing warps, one streaming), STAGES · (64 + NT) ·
 // 128 bytes plus 1024 and the barriers: swap8 and swap16 16 stages (148 KB, 165 KB), swap32 10
 // (124 KB), swap64 8 (132 KB).
-#define GEMM_SWAP(name, Out, NT, ST)                                                              \
+#define GEMM_SWAP(name, Out, NT, ST, SL)                                                          \
     extern "C" __global__ void __launch_bounds__(160) fp8_gemm_##name##_swap##NT(               \
         const __grid_constant__ Parts<Out> parts, const __grid_constant__ TensorMap xmap,       \
         const float* xs, int m, int k) {                                                        \
-        gemm_swap_parts<NT, ST>(&parts, &xmap, xs, m, k);                                       \
+        gemm_swap_parts<NT, ST, SL>(&parts, &xmap, xs, m, k);                                   \
     }
-GEMM_SWAP(f32, float, 8, 16)
-GEMM_SWAP(bf16, bf16, 8, 16)
-GEMM_SWAP(f32, float, 16, 16)
-GEMM_SWAP(bf16, bf16, 16, 16)
-GEMM_SWAP(f32, float, 32, 10)
-GEMM_SWAP(bf16, bf16, 32, 10)
-GEMM_SWAP(f32, float, 64, 8)
-GEMM_SWAP(bf16, bf16, 64, 8)
+GEMM_SWAP(f32, float, 8, 16, 2)
+GEMM_SWAP(bf16, bf16, 8, 16, 2)
+GEMM_SWAP(f32, float, 16, 16, 2)
+GEMM_SWAP(bf16, bf16, 16, 16, 2)
+GEMM_SWAP(f32, float, 32, 10, 2)
+GEMM_SWAP(bf16, bf16, 32, 10, 2)
+GEMM_SWAP(f32, float, 64, 8, 2)
+GEMM_SWAP(bf16, bf16, 64, 8, 2)
 
 // The grouped tile: 128 × 64, 2 warpgroups, 5 stages (123,904 B), grid (column tiles, pieces).
 #define GROUPED(name, Out)                                                                        \

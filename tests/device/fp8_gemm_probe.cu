@@ -64,26 +64,32 @@ static void tma(const Operands& o, int m, int n, int k, int blocks = 0) {
     fp8_gemm_f32_tma<<<blocks ? std::min(blocks, tiles) : tiles, 384, smem>>>(
         o.y, tmap(o.xq, m, k, 128), o.xs, tmap(o.wq, n, k, 128), o.ws, m, n, k);
 }
-// The swapped decode tile with NT columns of x and ST stages (fp8.rs's: 8/16, 16/16, 32/10,
-// 64/8); other stage counts instantiated here to compare.
-template <int NT, int ST>
+// The swapped decode tile with NT columns of x, ST stages and SL slices in flight (fp8.rs's:
+// 8/16, 16/16, 32/10, 64/8, two slices); others instantiated here to compare.
+template <int NT, int ST, int SL>
 __global__ void __launch_bounds__(160) swap_kernel(float* y, const __grid_constant__ TensorMap xmap,
                                                    const float* xs,
                                                    const __grid_constant__ TensorMap wmap,
                                                    const float* ws, int m, int n, int k) {
-    gemm_swap<NT, ST>(y, &xmap, xs, &wmap, ws, m, n, k, blockIdx.x);
+    gemm_swap<NT, ST, SL>(y, &xmap, xs, &wmap, ws, m, n, k, blockIdx.x);
 }
-template <int NT, int ST>
+template <int NT, int ST, int SL = 2>
 static void swap(const Operands& o, int m, int n, int k) {
     const int smem = ST * (64 + NT) * 128 + 1024 + ST * 16;
     static bool ready = false;
     if (!ready) {
-        CK(cudaFuncSetAttribute(swap_kernel<NT, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                smem));
+        CK(cudaFuncSetAttribute(swap_kernel<NT, ST, SL>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         ready = true;
     }
-    swap_kernel<NT, ST><<<(n + 63) / 64, 160, smem>>>(o.y, tmap(o.xq, m, k, NT), o.xs,
-                                                      tmap(o.wq, n, k, 64), o.ws, m, n, k);
+    swap_kernel<NT, ST, SL><<<(n + 63) / 64, 160, smem>>>(o.y, tmap(o.xq, m, k, NT), o.xs,
+                                                          tmap(o.wq, n, k, 64), o.ws, m, n, k);
+}
+// The same with four slices in flight (fp8.cu's `many_slices`), for up to 32 rows.
+static void swap4(const Operands& o, int m, int n, int k) {
+    if (m <= 8) swap<8, 16, 4>(o, m, n, k);
+    else if (m <= 16) swap<16, 16, 4>(o, m, n, k);
+    else swap<32, 10, 4>(o, m, n, k);
 }
 // As fp8.rs picks for m rows.
 static void swap_for(const Operands& o, int m, int n, int k) {
@@ -182,6 +188,11 @@ int main(int argc, char** argv) {
             swap_for(o, m, n, K);
             CK(cudaGetLastError());
             compare("swap", m);
+            if (m <= 32) {
+                CK(cudaMemset(o.y, 0xff, (size_t)m * n * 4));
+                swap4(o, m, n, K);
+                compare("swap x4", m);
+            }
         }
     }
     printf("bits checked\n");
@@ -208,10 +219,10 @@ int main(int argc, char** argv) {
                    t * 1e3, (double)n * k / t / 1e6);
         };
         for (int m : {1, 8, 16, 32, 64}) report("swap", m, ms_per_call([&] { swap_for(o, m, n, k); }, 50));
-        report("swap8/4", 1, ms_per_call([&] { swap<8, 4>(o, 1, n, k); }, 50));
+        for (int m : {1, 16, 32}) {
+            report("swap x4", m, ms_per_call([&] { swap4(o, m, n, k); }, 50));
+        }
         report("swap8/8", 1, ms_per_call([&] { swap<8, 8>(o, 1, n, k); }, 50));
-        report("swap8/24", 1, ms_per_call([&] { swap<8, 24>(o, 1, n, k); }, 50));
-        report("swap64/4", 64, ms_per_call([&] { swap<64, 4>(o, 64, n, k); }, 50));
     }
     cublasHandle_t h;
     cublasCreate(&h);
