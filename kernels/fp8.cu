@@ -492,7 +492,7 @@ __device__ void gemm_tma(Out* y, const TensorMap* xmap, const float* xs, const T
 // slice kb + 1's wgmma before promoting slice kb (two `part` buffers), so the tensor cores and
 // the promotion overlap; with SLICES > 2 (and enough of k), SLICES - 1 slices ahead: each
 // slice's four wgmma are one dependent chain, and a product of few weight tiles is as long as
-// its chains (fp8.rs launches two; the probe compares).
+// its chains (four up to 32 rows, two at 64, where 32 accumulators a thread leave no room).
 template <int NT, int STAGES, int SLICES, class Out>
 __device__ void gemm_swap(Out* y, const TensorMap* xmap, const float* xs, const TensorMap* wmap,
                           const float* ws, int m, int n, int k, int tile) {
@@ -733,21 +733,23 @@ GEMM_TMA(bf16, bf16)
 // The swapped decode tiles: NT rows of x against 64 weight rows a block, over one to three
 // weights (`Parts`), 160 threads (four computing warps, one streaming), STAGES · (64 + NT) ·
 // 128 bytes plus 1024 and the barriers: swap8 and swap16 16 stages (148 KB, 165 KB), swap32 10
-// (124 KB), swap64 8 (132 KB).
+// (124 KB), swap64 6 (99 KB: two blocks an SM); four slices in flight up to 32 rows, two at
+// 64 (the probe's figures, H100: 16 rows × 12288 × 4096 in 22.3 µs against 27.1 with two
+// slices; 64 rows × 12288 × 4096 in 27.5 µs at 6 stages against 30.1 at 8).
 #define GEMM_SWAP(name, Out, NT, ST, SL)                                                          \
     extern "C" __global__ void __launch_bounds__(160) fp8_gemm_##name##_swap##NT(               \
         const __grid_constant__ Parts<Out> parts, const __grid_constant__ TensorMap xmap,       \
         const float* xs, int m, int k) {                                                        \
         gemm_swap_parts<NT, ST, SL>(&parts, &xmap, xs, m, k);                                   \
     }
-GEMM_SWAP(f32, float, 8, 16, 2)
-GEMM_SWAP(bf16, bf16, 8, 16, 2)
-GEMM_SWAP(f32, float, 16, 16, 2)
-GEMM_SWAP(bf16, bf16, 16, 16, 2)
-GEMM_SWAP(f32, float, 32, 10, 2)
-GEMM_SWAP(bf16, bf16, 32, 10, 2)
-GEMM_SWAP(f32, float, 64, 8, 2)
-GEMM_SWAP(bf16, bf16, 64, 8, 2)
+GEMM_SWAP(f32, float, 8, 16, 4)
+GEMM_SWAP(bf16, bf16, 8, 16, 4)
+GEMM_SWAP(f32, float, 16, 16, 4)
+GEMM_SWAP(bf16, bf16, 16, 16, 4)
+GEMM_SWAP(f32, float, 32, 10, 4)
+GEMM_SWAP(bf16, bf16, 32, 10, 4)
+GEMM_SWAP(f32, float, 64, 6, 2)
+GEMM_SWAP(bf16, bf16, 64, 6, 2)
 
 // The grouped tile: 128 × 64, 2 warpgroups, 5 stages (123,904 B), grid (column tiles, pieces).
 #define GROUPED(name, Out)                                                                        \

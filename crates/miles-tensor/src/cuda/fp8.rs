@@ -148,7 +148,7 @@ const SWAP16: Tile =
 const SWAP32: Tile =
     tile(["fp8_gemm_f32_swap32", "fp8_gemm_bf16_swap32"], (32, 64), 160, 10, Feed::Swap);
 const SWAP64: Tile =
-    tile(["fp8_gemm_f32_swap64", "fp8_gemm_bf16_swap64"], (64, 64), 160, 8, Feed::Swap);
+    tile(["fp8_gemm_f32_swap64", "fp8_gemm_bf16_swap64"], (64, 64), 160, 6, Feed::Swap);
 
 impl Tile {
     /// The kernel writing `out` (f32 or bf16).
@@ -213,18 +213,20 @@ impl Tile {
         })
     }
 
-    fn grid(&self, m: usize, n: usize) -> Result<(u32, u32, u32)> {
+    /// The launch grid: one block a tile, but at most one an SM for the TMA tile, whose
+    /// blocks then walk the tiles (its producer loads the next tile while the consumers store).
+    fn grid(&self, m: usize, n: usize, sms: u32) -> Result<(u32, u32, u32)> {
         const OP: &str = "fp8_linear";
         let (rows, cols) = (m.div_ceil(self.rows), n.div_ceil(self.cols));
+        let tiles = || {
+            u32::try_from(rows * cols).map_err(|_| Error::Shape {
+                op: OP,
+                message: format!("{rows} × {cols} tiles: at most 2^32"),
+            })
+        };
         Ok(match self.feed {
-            Feed::Tma | Feed::Swap => (
-                u32::try_from(rows * cols).map_err(|_| Error::Shape {
-                    op: OP,
-                    message: format!("{rows} × {cols} tiles: at most 2^32"),
-                })?,
-                1,
-                1,
-            ),
+            Feed::Tma => (tiles()?.min(sms), 1, 1),
+            Feed::Swap => (tiles()?, 1, 1),
             _ => (grid(OP, "row tiles", rows)?, grid(OP, "column tiles", cols)?, 1),
         })
     }
@@ -362,7 +364,8 @@ pub(crate) fn gemm_many(
             message: format!("the input width {k} must be a multiple of 16 on CUDA"),
         });
     }
-    let tile = Tile::for_rows(m, capability(gpu)? == (9, 0));
+    let facts = facts(gpu)?;
+    let tile = Tile::for_rows(m, facts.capability == (9, 0));
     let kernel = tile.kernel(out)?;
     let mut ys = weights
         .iter()
@@ -391,7 +394,7 @@ pub(crate) fn gemm_many(
         if n == 0 {
             continue;
         }
-        let cfg = tile.launch(gpu, kernel, tile.grid(m, n)?)?;
+        let cfg = tile.launch(gpu, kernel, tile.grid(m, n, facts.sms)?)?;
         let ni = n as i32;
         macro_rules! go {
             ($y:expr) => {
@@ -510,17 +513,33 @@ pub(crate) fn grouped(
     Ok(y)
 }
 
-/// The device's compute capability, `(major, minor)` (asked once).
-pub(crate) fn capability(gpu: &Gpu) -> Result<(i32, i32)> {
+/// What the kernels' choice depends on: the compute capability `(major, minor)` and the
+/// number of SMs (a persistent grid's size).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Facts {
+    pub capability: (i32, i32),
+    pub sms: u32,
+}
+
+/// The device's [`Facts`] (asked once).
+fn facts(gpu: &Gpu) -> Result<Facts> {
     use cudarc::driver::sys::CUdevice_attribute as A;
-    if let Some(&c) = gpu.capability.get() {
-        return Ok(c);
+    if let Some(&f) = gpu.facts.get() {
+        return Ok(f);
     }
     let ctx = gpu.stream().context();
-    let get = |a| ctx.attribute(a).map_err(|e| driver_error("compute capability", e));
-    let c = (
-        get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-        get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-    );
-    Ok(*gpu.capability.get_or_init(|| c))
+    let get = |a| ctx.attribute(a).map_err(|e| driver_error("device attributes", e));
+    let f = Facts {
+        capability: (
+            get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
+        sms: get(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32,
+    };
+    Ok(*gpu.facts.get_or_init(|| f))
+}
+
+/// The device's compute capability, `(major, minor)`.
+pub(crate) fn capability(gpu: &Gpu) -> Result<(i32, i32)> {
+    Ok(facts(gpu)?.capability)
 }

@@ -128,8 +128,8 @@ pub(crate) struct Gpu {
     blas: OnceLock<std::result::Result<Mutex<CudaBlas>, String>>,
     /// cuBLASLt and the pinned algorithms of the batch-invariant route, made on first use.
     lt: OnceLock<std::result::Result<gemm_lt::Lt, String>>,
-    /// The compute capability, `(major, minor)`, asked once (it picks kernel families).
-    pub(crate) capability: OnceLock<(i32, i32)>,
+    /// The compute capability and SM count, asked once (they pick kernel families and grids).
+    pub(crate) facts: OnceLock<fp8::Facts>,
 }
 
 /// Devices opened so far, by ordinal (failures are not kept: the next call tries again).
@@ -199,7 +199,7 @@ fn open(ordinal: usize) -> Result<Gpu> {
             functions: Mutex::new(HashMap::new()),
             blas: OnceLock::new(),
             lt: OnceLock::new(),
-            capability: OnceLock::new(),
+            facts: OnceLock::new(),
         })
     }));
     opened.unwrap_or_else(|panic| Err(no_device(panic_message(&panic))))

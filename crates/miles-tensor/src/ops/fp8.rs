@@ -453,9 +453,10 @@ mod tests {
     #[test]
     fn a_rows_product_does_not_depend_on_its_batch_on_every_device() {
         let mut rng = Rng::new(84);
-        // n not a multiple of 64: the tiles' last columns are partial.
-        let (n, k) = (328, 384);
-        for device in devices() {
+        // n not a multiple of 64: the tiles' last columns are partial. k = 1152 (nine blocks)
+        // takes the swapped tiles' four-slices path and its tail, k = 384 their two-slices one.
+        let n = 328;
+        for (device, k) in devices().into_iter().flat_map(|d| [(d, 384), (d, 1152)]) {
             let w = Tensor::from_f32(&[n, k], random(&mut rng, n, k, 0.05), &device).unwrap();
             let q = Fp8Matrix::quantize(&w).unwrap();
             let x = random(&mut rng, 1100, k, 1.0);
@@ -470,7 +471,7 @@ mod tests {
             // tiles of 8, 16, 32 and 64), then the middle ones, and 200 (mma.sync) or 1025 and
             // 1100 (Hopper's TMA-fed tile) the widest.
             for rows in [1, 3, 8, 9, 16, 17, 32, 33, 63, 64, 65, 200, 1024, 1025] {
-                assert_eq!(bits(rows), all[..rows * n], "{device}: {rows} rows");
+                assert_eq!(bits(rows), all[..rows * n], "{device}, k = {k}: {rows} rows");
             }
         }
     }
