@@ -73,7 +73,7 @@ fn rowwise(c: &mut Criterion) {
         b.iter(|| cpu::rmsnorm_backward(&mut dx, &mut dw, &y, &x, &w, &rstd).unwrap())
     });
     let positions: Vec<u32> = (0..TOKENS as u32).map(|t| t % 256).collect();
-    let (cos, sin) = cpu::rope_tables(&positions, 64, 100_000.0);
+    let (cos, sin) = cpu::rope_tables(&positions, &cpu::rope_inv_freq(64, 1e5), 1.0);
     let mut qv = rng.vec(TOKENS * 9 * 64, 1.0);
     g.bench_function("rope_forward_h9_d64", |b| {
         b.iter(|| cpu::rope_forward(&mut qv, &cos, &sin, 9, 64).unwrap())

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use miles_model::weights::tensor_spec;
-use miles_model::{Architecture, ModelConfig, Weights};
+use miles_model::{Architecture, ModelConfig, RopeScaling, Weights};
 use safetensors::Dtype;
 
 use crate::reader::GgufFile;
@@ -189,6 +189,7 @@ pub fn model_config(g: &GgufFile) -> Result<ModelConfig> {
         head_dim,
         rms_norm_eps: m.opt_f32(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
         rope_theta: m.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+        rope_scaling: RopeScaling::None,
         tie_word_embeddings: g.tensor("output.weight").is_none(),
         max_position_embeddings: m.opt_usize(&key("context_length"))?.unwrap_or(4096),
         bos_token_id: m.opt_u32("tokenizer.ggml.bos_token_id")?,

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
-use crate::{Error, Result};
+use crate::{Error, Result, RopeScaling};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
@@ -77,6 +77,8 @@ pub struct ModelConfig {
     pub head_dim: usize,
     pub rms_norm_eps: f32,
     pub rope_theta: f32,
+    /// The rotary frequencies' scaling (`rope_parameters.rope_type`).
+    pub rope_scaling: RopeScaling,
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: usize,
     pub bos_token_id: Option<u32>,
@@ -241,20 +243,21 @@ impl ModelConfig {
             }
         }
         // Newer transformers write `rope_parameters`, older `rope_theta` and `rope_scaling`.
-        let rope =
-            obj.get("rope_parameters").or_else(|| obj.get("rope_scaling")).filter(|v| !v.is_null());
-        let rope_kind = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type")));
-        if let Some(kind) = rope_kind.and_then(Value::as_str)
-            && kind != "default"
-        {
-            return Err(f.err(format!(
-                "rope type '{kind}' is not supported (only default rotary embeddings)"
-            )));
-        }
+        let rope = ["rope_parameters", "rope_scaling"]
+            .into_iter()
+            .find_map(|key| obj.get(key).filter(|v| !v.is_null()).map(|v| (key, v)));
+        let rope = match rope {
+            Some((key, Value::Object(r))) => Some((key, r)),
+            Some((key, v)) => return Err(f.err(format!("'{key}' must be an object, found {v}"))),
+            None => None,
+        };
+        let max_position_embeddings = f.opt_usize("max_position_embeddings")?.unwrap_or(4096);
+        let rope_scaling =
+            RopeScaling::from_json(rope, max_position_embeddings).map_err(|m| f.err(m))?;
         if let Some(q) = obj.get("quantization_config").filter(|v| !v.is_null()) {
             check_quantization(q).map_err(|m| f.err(format!("quantization_config: {m}")))?;
         }
-        let rope_theta = match rope.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64) {
+        let rope_theta = match rope.and_then(|(_, r)| r.get("rope_theta")).and_then(Value::as_f64) {
             Some(t) => t as f32,
             None => f.opt_f32("rope_theta")?.unwrap_or(10_000.0),
         };
@@ -278,8 +281,9 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta,
+            rope_scaling,
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
-            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            max_position_embeddings,
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,
             moe: match architecture {
@@ -378,7 +382,7 @@ impl ModelConfig {
             "hidden_act": "silu",
             "rms_norm_eps": c.rms_norm_eps,
             "rope_theta": c.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "rope_parameters": c.rope_scaling.to_json(c.rope_theta),
             "max_position_embeddings": c.max_position_embeddings,
             "tie_word_embeddings": c.tie_word_embeddings,
             "attention_bias": false,
@@ -409,6 +413,13 @@ impl ModelConfig {
             many => v["eos_token_id"] = json!(many),
         }
         v
+    }
+
+    /// The rotary cos and sin tables `[positions × head_dim/2]` of `positions`, as transformers
+    /// computes them for this config.
+    pub fn rope_tables(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
+        let (inv_freq, scale) = self.rope_scaling.frequencies(self.head_dim, self.rope_theta);
+        miles_tensor::cpu::rope_tables(positions, &inv_freq, scale)
     }
 
     /// Parameters in the model (the tied head counted once), every expert included.
@@ -600,8 +611,8 @@ mod tests {
         v["vocab_size"] = json!("big");
         assert!(err(v).contains("field 'vocab_size' must be a non-negative integer"));
         let mut v = qwen3_json();
-        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
-        assert!(err(v).contains("rope type 'yarn'"));
+        v["rope_scaling"] = json!({"rope_type": "longrope", "factor": 4.0});
+        assert!(err(v).contains("'rope_scaling.rope_type' 'longrope' is not supported"));
         for (q, want) in [
             (json!({"quant_method": "awq"}), "quant_method 'awq' is not supported"),
             (json!({"quant_method": "fp8", "fmt": "e5m2"}), "fmt \"e5m2\" is not supported"),

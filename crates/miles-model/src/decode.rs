@@ -180,7 +180,7 @@ impl DeviceModel {
         let mut positions: Vec<u32> = rows.iter().map(|r| r.position as u32).collect();
         positions.resize(g.rows, 0);
         let c = &self.config;
-        let (cos, sin) = miles_tensor::cpu::rope_tables(&positions, c.head_dim, c.rope_theta);
+        let (cos, sin) = c.rope_tables(&positions);
         let half = [g.rows, c.head_dim / 2];
         g.cos.copy_from(&Tensor::from_f32(&half, cos, &cpu)?)?;
         g.sin.copy_from(&Tensor::from_f32(&half, sin, &cpu)?)?;

@@ -561,7 +561,7 @@ impl DeviceModel {
         let c = &self.config;
         batch.validate(c.vocab_size)?;
         crate::model::check_temperature(temperature)?;
-        let (cos, sin) = cpu::rope_tables(&batch.positions(), c.head_dim, c.rope_theta);
+        let (cos, sin) = c.rope_tables(&batch.positions());
         let t = batch.tokens.len();
         let table = [t, c.head_dim / 2];
         let cos = Tensor::from_f32(&table, cos, &self.device)?;
@@ -679,7 +679,7 @@ impl DeviceModel {
     /// RoPE's cos and sin tables `[positions × head_dim/2]` on the device.
     pub(crate) fn rope_tensors(&self, positions: &[u32]) -> Result<(Tensor, Tensor)> {
         let c = &self.config;
-        let (cos, sin) = cpu::rope_tables(positions, c.head_dim, c.rope_theta);
+        let (cos, sin) = c.rope_tables(positions);
         let table = [positions.len(), c.head_dim / 2];
         Ok((
             Tensor::from_f32(&table, cos, &self.device)?,

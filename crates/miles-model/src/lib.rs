@@ -16,6 +16,7 @@ mod layer;
 pub mod model;
 pub mod moe;
 pub mod presets;
+pub mod rope;
 pub mod testing;
 pub mod tokenizer;
 pub mod weights;
@@ -26,5 +27,6 @@ pub use device::{DeviceModel, Forward, Fp8Layers, SampleParams, fp8_weight_names
 pub use error::{Error, Result};
 pub use kv::{BlockId, KvCache};
 pub use model::{Model, PackedBatch, RoutedBatch, StepRow};
+pub use rope::RopeScaling;
 pub use tokenizer::Tokenizer;
 pub use weights::{ExpertWeights, LayerWeights, Weights};

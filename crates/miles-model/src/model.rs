@@ -179,8 +179,8 @@ pub struct StepRow<'a> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::Architecture;
     use crate::testing::on_cpu;
+    use crate::{Architecture, RopeScaling};
     use miles_tensor::rng::Rng;
     use miles_tensor::testing::{check_gradient, dot};
 
@@ -196,6 +196,7 @@ pub(crate) mod tests {
             head_dim: 4,
             rms_norm_eps: 1e-6,
             rope_theta: 10_000.0,
+            rope_scaling: RopeScaling::None,
             tie_word_embeddings: tie,
             max_position_embeddings: 64,
             bos_token_id: None,

@@ -1,7 +1,7 @@
 //! Model shapes by name, for `miles init-model` and benchmarks.
 
 use crate::tokenizer::BYTE_TOKENIZER_SPECIALS;
-use crate::{Architecture, Error, ModelConfig, MoeConfig, Result};
+use crate::{Architecture, Error, ModelConfig, MoeConfig, Result, RopeScaling};
 
 pub const PRESETS: [&str; 6] =
     ["tiny", "tiny-h64", "qwen3-0.6b", "qwen3-8b", "smollm2-135m", "qwen3-30b-a3b-4l"];
@@ -35,6 +35,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             head_dim: 16,
             rms_norm_eps: 1e-6,
             rope_theta: 10_000.0,
+            rope_scaling: RopeScaling::None,
             tie_word_embeddings: true,
             max_position_embeddings: 2048,
             bos_token_id: None,
@@ -63,6 +64,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             head_dim: 128,
             rms_norm_eps: 1e-6,
             rope_theta: 1_000_000.0,
+            rope_scaling: RopeScaling::None,
             tie_word_embeddings: true,
             max_position_embeddings: 40_960,
             bos_token_id: None,
@@ -81,6 +83,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             head_dim: 128,
             rms_norm_eps: 1e-6,
             rope_theta: 1_000_000.0,
+            rope_scaling: RopeScaling::None,
             tie_word_embeddings: false,
             max_position_embeddings: 40_960,
             bos_token_id: None,
@@ -99,6 +102,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             head_dim: 64,
             rms_norm_eps: 1e-5,
             rope_theta: 100_000.0,
+            rope_scaling: RopeScaling::None,
             tie_word_embeddings: true,
             max_position_embeddings: 8192,
             bos_token_id: Some(1),
@@ -118,6 +122,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             head_dim: 128,
             rms_norm_eps: 1e-6,
             rope_theta: 1_000_000.0,
+            rope_scaling: RopeScaling::None,
             tie_word_embeddings: false,
             max_position_embeddings: 40_960,
             bos_token_id: None,

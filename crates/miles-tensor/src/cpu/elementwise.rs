@@ -142,19 +142,24 @@ pub fn rmsnorm_backward(
     Ok(())
 }
 
-/// cos and sin tables `[positions × head_dim/2]` of HF's rotary embedding:
-/// angle = position · theta^(−2j/head_dim), computed in f32 as transformers does.
-pub fn rope_tables(positions: &[u32], head_dim: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
-    let half = head_dim / 2;
-    let inv_freq: Vec<f32> =
-        (0..half).map(|j| 1.0 / theta.powf((2 * j) as f32 / head_dim as f32)).collect();
+/// HF's default rotary inverse frequencies `theta^(−2j/dim)` for `j < dim/2`, in f32 as
+/// transformers computes them.
+pub fn rope_inv_freq(dim: usize, theta: f32) -> Vec<f32> {
+    (0..dim / 2).map(|j| 1.0 / theta.powf((2 * j) as f32 / dim as f32)).collect()
+}
+
+/// cos and sin tables `[positions × inv_freq.len()]` of HF's rotary embedding: angle =
+/// position · inv_freq[j], its cos and sin times `scale` (YaRN's attention factor, else 1), in
+/// f32 as transformers computes them.
+pub fn rope_tables(positions: &[u32], inv_freq: &[f32], scale: f32) -> (Vec<f32>, Vec<f32>) {
+    let half = inv_freq.len();
     let mut cos = Vec::with_capacity(positions.len() * half);
     let mut sin = Vec::with_capacity(positions.len() * half);
     for &p in positions {
-        for f in &inv_freq {
+        for f in inv_freq {
             let angle = p as f32 * f;
-            cos.push(angle.cos());
-            sin.push(angle.sin());
+            cos.push(angle.cos() * scale);
+            sin.push(angle.sin() * scale);
         }
     }
     (cos, sin)
@@ -320,7 +325,7 @@ mod tests {
     fn rope_rotates_pairs_and_its_backward_is_the_transpose() {
         let (tokens, heads, head_dim) = (4, 2, 8);
         let positions = [0u32, 1, 2, 7];
-        let (cos, sin) = rope_tables(&positions, head_dim, 10_000.0);
+        let (cos, sin) = rope_tables(&positions, &rope_inv_freq(head_dim, 10_000.0), 1.0);
         assert_eq!(cos[0], 1.0);
         assert!((sin[4] - 1f32.sin()).abs() < 1e-7); // position 1, frequency 1
         let mut rng = Rng::new(3);

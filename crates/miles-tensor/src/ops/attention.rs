@@ -857,7 +857,7 @@ mod tests {
             ];
             let rows = 7;
             let positions: Vec<u32> = [70, 10, 11, 12, 13, 14, 130].to_vec();
-            let (cos, sin) = cpu::rope_tables(&positions, d, 1e4);
+            let (cos, sin) = cpu::rope_tables(&positions, &cpu::rope_inv_freq(d, 1e4), 1.0);
             let width = (q_heads + 2 * kv_heads) * d;
             let qkv = rng.vec(rows * width, 2.0);
             let fill = rng.vec(layout.rows() * d, 1.0);

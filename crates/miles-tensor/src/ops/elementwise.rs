@@ -640,7 +640,8 @@ mod tests {
         for device in devices() {
             for &(tokens, heads, head_dim) in &[(1, 1, 2), (7, 3, 64), (333, 8, 128), (5, 2, 10)] {
                 let positions: Vec<u32> = (0..tokens as u32).map(|p| p * 37 % 4096).collect();
-                let (cos, sin) = cpu::rope_tables(&positions, head_dim, 1_000_000.0);
+                let (cos, sin) =
+                    cpu::rope_tables(&positions, &cpu::rope_inv_freq(head_dim, 1e6), 1.0);
                 let x = rng.vec(tokens * heads * head_dim, 1.0);
                 for dtype in dtypes() {
                     let mut want = rounded(&x, dtype);

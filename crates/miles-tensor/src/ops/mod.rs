@@ -308,7 +308,7 @@ mod tests {
             let q =
                 tensor(&[tokens, heads, head_dim], &big(tokens * heads * head_dim), dtype, &device);
             let positions: Vec<u32> = (0..tokens as u32).map(|p| p % 512).collect();
-            let (cos, sin) = cpu::rope_tables(&positions, head_dim, 1_000_000.0);
+            let (cos, sin) = cpu::rope_tables(&positions, &cpu::rope_inv_freq(head_dim, 1e6), 1.0);
             let table = [tokens, head_dim / 2];
             let (ct, st) = (
                 tensor(&table, &cos, DType::F32, &device),

@@ -316,7 +316,7 @@ mod tests {
                     &[(1, 2, 1, 128), (37, 16, 8, 128), (5, 9, 3, 64)]
                 {
                     let positions: Vec<u32> = (0..tokens as u32).map(|p| p * 7 % 300).collect();
-                    let (cos, sin) = cpu::rope_tables(&positions, d, 1e6);
+                    let (cos, sin) = cpu::rope_tables(&positions, &cpu::rope_inv_freq(d, 1e6), 1.0);
                     let table = |v: Vec<f32>| tensor(&[tokens, d / 2], &v, DType::F32, &device);
                     let (cos, sin) = (table(cos), table(sin));
                     let q = tensor(
