@@ -1,5 +1,6 @@
 // Element-wise and gather ops of the decoder: SwiGLU (also from a stacked gate/up product),
-// rotary embedding, the residual add, the token embedding and its deterministic backward.
+// rotary embedding, the residual add, a linear's bias and its gradient, the token embedding and
+// its deterministic backward.
 //
 // Same maths as miles-tensor's cpu::{swiglu_*, rope_*, embedding_*}; values are f32 or bf16 (T),
 // all arithmetic f32. Each output element is computed by one thread from its own inputs only, so
@@ -238,6 +239,42 @@ __device__ void scatter_rows(T* dst, const T* src, const int* rows, int hidden) 
 
 BOTH(float, f32)
 BOTH(__nv_bfloat16, bf16)
+
+// out = x + bias, the same bias on every row of n: a linear's bias.
+template <typename T>
+__device__ void add_bias(T* out, const T* x, const T* bias, long long total, int n) {
+    GRID_STRIDE(i, static_cast<size_t>(total)) {
+        put(out, i, get(x, i) + get(bias, i % n));
+    }
+}
+
+// acc[j] += Σ_r x[r·n + j], summed in row order (the CPU reference's): a bias's gradient, one
+// thread a column.
+template <typename T>
+__device__ void column_sums_acc(float* acc, const T* x, long long rows, int n) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) {
+        return;
+    }
+    float sum = 0.0f;
+    for (long long r = 0; r < rows; ++r) {
+        sum += get(x, static_cast<size_t>(r) * n + j);
+    }
+    acc[j] += sum;
+}
+
+#define BIAS(T, SUFFIX)                                                                        \
+    extern "C" __global__ void add_bias_##SUFFIX(T* out, const T* x, const T* bias,           \
+                                                 long long total, int n) {                     \
+        add_bias(out, x, bias, total, n);                                                      \
+    }                                                                                          \
+    extern "C" __global__ void column_sums_acc_##SUFFIX(float* acc, const T* x, long long rows, \
+                                                        int n) {                               \
+        column_sums_acc(acc, x, rows, n);                                                      \
+    }
+
+BIAS(float, f32)
+BIAS(__nv_bfloat16, bf16)
 
 #define SWIGLU_STACKED(T, SUFFIX)                                                              \
     extern "C" __global__ void swiglu_stacked_##SUFFIX(T* h, const T* gu, long long rows,     \

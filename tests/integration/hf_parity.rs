@@ -84,8 +84,7 @@ fn an_fp8_checkpoint_loads_dequantized_with_the_codecs_bits() {
     let loaded = miles_model::Weights::load(&fp8, &config).unwrap();
     let original = miles_model::Weights::load(&fixture("qwen3"), &config).unwrap();
     let spec = miles_model::weights::tensor_spec(&config);
-    let pairs =
-        loaded.tensors(config.architecture).into_iter().zip(original.tensors(config.architecture));
+    let pairs = loaded.tensors().into_iter().zip(original.tensors());
     let mut quantized = 0;
     for ((name, shape), (got, f32s)) in spec.iter().zip(pairs) {
         let projection = name.starts_with("model.layers.") && name.ends_with("_proj.weight");

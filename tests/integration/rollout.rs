@@ -17,7 +17,7 @@ fn model(arch: Architecture, seed: u64) -> Model {
     let config = presets::preset("tiny", Some(arch)).unwrap();
     let mut w = Weights::random(&config, seed);
     let mut rng = Rng::new(seed + 100);
-    for t in w.tensors_mut(arch) {
+    for t in w.tensors_mut() {
         for v in t.iter_mut() {
             *v = if *v == 1.0 { 1.0 + 0.2 * rng.normal() } else { 0.15 * rng.normal() };
         }

@@ -1183,9 +1183,8 @@ fn check_fp8_export(dir: &Path, finals: &miles_model::Weights) {
     let loaded = miles_model::Weights::load(dir, &c).unwrap();
     let spec = miles_model::weights::tensor_spec(&c);
     let mut fp8 = 0;
-    for ((name, shape), (got, want)) in spec
-        .iter()
-        .zip(loaded.tensors(c.architecture).into_iter().zip(finals.tensors(c.architecture)))
+    for ((name, shape), (got, want)) in
+        spec.iter().zip(loaded.tensors().into_iter().zip(finals.tensors()))
     {
         if name.starts_with("model.layers.") && name.ends_with("_proj.weight") {
             let (codes, scales) = quantize_blocks(want, shape[0], shape[1]);

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use miles_model::weights::tensor_spec;
-use miles_model::{Architecture, ModelConfig, RopeScaling, Weights};
+use miles_model::{Architecture, Biases, ModelConfig, RopeScaling, Weights};
 use safetensors::Dtype;
 
 use crate::reader::GgufFile;
@@ -187,6 +187,7 @@ pub fn model_config(g: &GgufFile) -> Result<ModelConfig> {
         num_attention_heads,
         num_key_value_heads,
         head_dim,
+        bias: Biases::default(),
         rms_norm_eps: m.opt_f32(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
         rope_theta: m.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
         rope_scaling: RopeScaling::None,
@@ -231,7 +232,7 @@ pub fn load_weights(g: &GgufFile, c: &ModelConfig) -> Result<Weights> {
         ));
     }
     let mut weights = Weights::zeros(c);
-    for ((hf, shape), slot) in spec.iter().zip(weights.tensors_mut(c.architecture)) {
+    for ((hf, shape), slot) in spec.iter().zip(weights.tensors_mut()) {
         let t = by_hf.get(hf.as_str()).ok_or_else(|| {
             unsupported(g, format!("no tensor for {hf} (its llama.cpp name is missing)"))
         })?;

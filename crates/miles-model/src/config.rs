@@ -15,6 +15,8 @@ pub enum Architecture {
     /// `Qwen3MoeForCausalLM`: Qwen3's attention, and in its sparse layers a router over
     /// SwiGLU experts ([`MoeConfig`]).
     Qwen3Moe,
+    /// `Qwen2ForCausalLM` (Qwen2, Qwen2.5): Llama's layout with biases on q, k and v.
+    Qwen2,
 }
 
 impl Architecture {
@@ -23,6 +25,7 @@ impl Architecture {
             Architecture::Qwen3 => "Qwen3ForCausalLM",
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Architecture::Qwen2 => "Qwen2ForCausalLM",
         }
     }
 
@@ -31,12 +34,22 @@ impl Architecture {
             Architecture::Qwen3 => "qwen3",
             Architecture::Llama => "llama",
             Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::Qwen2 => "qwen2",
         }
     }
 
     pub fn has_qk_norm(self) -> bool {
         matches!(self, Architecture::Qwen3 | Architecture::Qwen3Moe)
     }
+}
+
+/// Which projections add a bias: q/k/v (Qwen2 always; `attention_bias` elsewhere), o
+/// (`attention_bias` in Llama and Qwen3), the MLP's three (`mlp_bias`, Llama).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Biases {
+    pub qkv: bool,
+    pub o: bool,
+    pub mlp: bool,
 }
 
 /// The mixture of experts of a `Qwen3MoeForCausalLM` (its config.json's names).
@@ -75,6 +88,7 @@ pub struct ModelConfig {
     pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
     pub head_dim: usize,
+    pub bias: Biases,
     pub rms_norm_eps: f32,
     pub rope_theta: f32,
     /// The rotary frequencies' scaling (`rope_parameters.rope_type`).
@@ -223,10 +237,11 @@ impl ModelConfig {
             "Qwen3ForCausalLM" | "qwen3" => Architecture::Qwen3,
             "LlamaForCausalLM" | "llama" => Architecture::Llama,
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Architecture::Qwen3Moe,
+            "Qwen2ForCausalLM" | "qwen2" => Architecture::Qwen2,
             other => {
                 return Err(f.err(format!(
                     "architecture '{other}' is not supported; supported: Qwen3ForCausalLM, \
-                     LlamaForCausalLM, Qwen3MoeForCausalLM"
+                     Qwen2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM"
                 )));
             }
         };
@@ -235,12 +250,25 @@ impl ModelConfig {
         {
             return Err(f.err(format!("hidden_act '{act}' is not supported (only silu)")));
         }
-        for key in ["attention_bias", "mlp_bias"] {
-            if f.opt_bool(key)? == Some(true) {
-                return Err(
-                    f.err(format!("'{key}': true is not supported (bias-free projections only)"))
-                );
-            }
+        let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
+        let mlp_bias = f.opt_bool("mlp_bias")?.unwrap_or(false);
+        let bias = match architecture {
+            // transformers' Qwen2 has q/k/v biases whatever the config says.
+            Architecture::Qwen2 => Biases { qkv: true, o: false, mlp: false },
+            _ => Biases { qkv: attention_bias, o: attention_bias, mlp: mlp_bias },
+        };
+        if mlp_bias && architecture != Architecture::Llama {
+            return Err(f.err(format!(
+                "'mlp_bias': true is not supported for {} (transformers has no MLP biases there)",
+                architecture.hf_class()
+            )));
+        }
+        if f.opt_bool("use_sliding_window")? == Some(true) {
+            return Err(f.err(
+                "'use_sliding_window': true is not supported (released Qwen2 and Qwen2.5 \
+                 checkpoints set it false)"
+                    .into(),
+            ));
         }
         // Newer transformers write `rope_parameters`, older `rope_theta` and `rope_scaling`.
         let rope = ["rope_parameters", "rope_scaling"]
@@ -279,6 +307,7 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
+            bias,
             rms_norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
@@ -385,13 +414,16 @@ impl ModelConfig {
             "rope_parameters": c.rope_scaling.to_json(c.rope_theta),
             "max_position_embeddings": c.max_position_embeddings,
             "tie_word_embeddings": c.tie_word_embeddings,
-            "attention_bias": false,
+            "attention_bias": c.bias.qkv && c.architecture != Architecture::Qwen2,
             "attention_dropout": 0.0,
             "torch_dtype": dtype,
             "use_cache": true,
         });
         if c.architecture == Architecture::Llama {
-            v["mlp_bias"] = json!(false);
+            v["mlp_bias"] = json!(c.bias.mlp);
+        }
+        if c.architecture == Architecture::Qwen2 {
+            v["use_sliding_window"] = json!(false);
         }
         if let Some(m) = &c.moe {
             v["num_experts"] = json!(m.num_experts);
@@ -438,14 +470,19 @@ impl ModelConfig {
         let (h, d) = (c.hidden_size, c.head_dim);
         let attn = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads);
         let qk_norm = if c.architecture.has_qk_norm() { 2 * d } else { 0 };
+        let attn_bias =
+            usize::from(c.bias.qkv) * d * (c.num_attention_heads + 2 * c.num_key_value_heads)
+                + usize::from(c.bias.o) * h;
+        let mlp_bias = usize::from(c.bias.mlp) * (2 * c.intermediate_size + h);
         let mlp = |layer: usize| match &c.moe {
             Some(m) if m.is_sparse(layer) => {
                 let experts = if active { m.num_experts_per_tok } else { m.num_experts };
                 m.num_experts * h + experts * 3 * h * m.moe_intermediate_size
             }
-            _ => 3 * h * c.intermediate_size,
+            _ => 3 * h * c.intermediate_size + mlp_bias,
         };
-        let layers: usize = (0..c.num_hidden_layers).map(|l| attn + qk_norm + mlp(l) + 2 * h).sum();
+        let layers: usize =
+            (0..c.num_hidden_layers).map(|l| attn + attn_bias + qk_norm + mlp(l) + 2 * h).sum();
         let head = if c.tie_word_embeddings { 0 } else { c.vocab_size * h };
         c.vocab_size * h + layers + h + head
     }

@@ -9,6 +9,8 @@
 //! other devices and dtypes are checked against it, as each CUDA kernel beneath it is checked
 //! against its CPU twin.
 
+use std::collections::HashMap;
+
 use miles_tensor::cpu::{self, AdamW, AttentionShape, PackedLinear, PagedRows, Transpose};
 use miles_tensor::{DType, Device, Tensor, ops};
 
@@ -36,59 +38,101 @@ const STACK_CHECK_ROWS: [usize; 7] = [1, 7, 16, 33, 64, 129, 256];
 /// f32. (The CPU cuts by its own rule, [`cpu::chunk_rows`].)
 pub const HEAD_CHUNK_ROWS: usize = 1024;
 
-/// Indices of a layer's tensors in [`tensor_spec`] order.
+/// Where each tensor sits in [`tensor_spec`] order, found by its HF name.
 #[derive(Debug, Clone)]
 struct Layout {
     layers: usize,
     qk_norm: bool,
-    tied: bool,
-    /// Where each layer's tensors start; the last entry is the final norm's index.
-    bases: Vec<usize>,
+    /// Each layer's tensors by their name within the layer (`self_attn.q_proj.weight`).
+    per_layer: Vec<HashMap<String, usize>>,
+    final_norm: usize,
+    head: usize,
 }
 
 impl Layout {
     fn new(c: &ModelConfig) -> Layout {
-        let qk_norm = c.architecture.has_qk_norm();
-        let attention = if qk_norm { 8 } else { 6 };
-        let mut bases = vec![1];
-        for layer in 0..c.num_hidden_layers {
-            let mlp = match &c.moe {
-                Some(m) if m.is_sparse(layer) => 1 + 3 * m.num_experts,
-                _ => 3,
-            };
-            bases.push(bases[layer] + attention + mlp);
+        let mut per_layer = vec![HashMap::new(); c.num_hidden_layers];
+        let (mut final_norm, mut head) = (0, 0);
+        for (i, (name, _)) in tensor_spec(c).into_iter().enumerate() {
+            let layer = name.strip_prefix("model.layers.").and_then(|rest| rest.split_once('.'));
+            match (layer, name.as_str()) {
+                (Some((l, rest)), _) => {
+                    let l: usize = l.parse().expect("tensor_spec numbers its layers");
+                    per_layer[l].insert(rest.to_string(), i);
+                }
+                (None, "model.norm.weight") => final_norm = i,
+                (None, "lm_head.weight") => head = i,
+                _ => {}
+            }
         }
-        Layout { layers: c.num_hidden_layers, qk_norm, tied: c.tie_word_embeddings, bases }
+        Layout {
+            layers: c.num_hidden_layers,
+            qk_norm: c.architecture.has_qk_norm(),
+            per_layer,
+            final_norm,
+            head,
+        }
     }
+
+    fn find(&self, layer: usize, name: &str) -> Option<usize> {
+        self.per_layer[layer].get(name).copied()
+    }
+
+    fn at(&self, layer: usize, name: &str) -> usize {
+        self.find(layer, name)
+            .unwrap_or_else(|| unreachable!("internal: layer {layer} has no tensor {name}"))
+    }
+
     fn norm(&self, layer: usize, norm: Norm) -> usize {
-        let base = self.bases[layer];
-        let post = if self.qk_norm { 7 } else { 5 };
-        base + match norm {
-            Norm::Input => 0,
-            Norm::Q => 5,
-            Norm::K => 6,
-            Norm::Post => post,
+        self.at(
+            layer,
+            match norm {
+                Norm::Input => "input_layernorm.weight",
+                Norm::Post => "post_attention_layernorm.weight",
+                Norm::Q => "self_attn.q_norm.weight",
+                Norm::K => "self_attn.k_norm.weight",
+            },
+        )
+    }
+
+    /// The HF names (less `.weight`) of a dense linear's parts; experts have none.
+    fn names(linear: Linear) -> &'static [&'static str] {
+        match linear {
+            Linear::Qkv => &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            Linear::O => &["self_attn.o_proj"],
+            Linear::GateUp => &["mlp.gate_proj", "mlp.up_proj"],
+            Linear::Down => &["mlp.down_proj"],
+            Linear::Router => &["mlp.gate"],
+            Linear::ExpertGateUp(_) | Linear::ExpertDown(_) => &[],
         }
     }
+
     /// The linear's parts, in order.
     fn linear(&self, layer: usize, linear: Linear) -> Vec<usize> {
-        let base = self.bases[layer];
-        let post = base + if self.qk_norm { 7 } else { 5 };
+        // An expert's three matrices follow each other (gate, up, down).
+        let expert = |e: usize| self.at(layer, "mlp.experts.0.gate_proj.weight") + 3 * e;
         match linear {
-            Linear::Qkv => vec![base + 1, base + 2, base + 3],
-            Linear::O => vec![base + 4],
-            Linear::GateUp => vec![post + 1, post + 2],
-            Linear::Down => vec![post + 3],
-            Linear::Router => vec![post + 1],
-            Linear::ExpertGateUp(e) => vec![post + 2 + 3 * e, post + 3 + 3 * e],
-            Linear::ExpertDown(e) => vec![post + 4 + 3 * e],
+            Linear::ExpertGateUp(e) => vec![expert(e), expert(e) + 1],
+            Linear::ExpertDown(e) => vec![expert(e) + 2],
+            _ => Layout::names(linear)
+                .iter()
+                .map(|n| self.at(layer, &format!("{n}.weight")))
+                .collect(),
         }
     }
-    fn final_norm(&self) -> usize {
-        self.bases[self.layers]
+
+    /// The bias of each of the linear's parts, where it has one.
+    fn biases(&self, layer: usize, linear: Linear) -> Vec<Option<usize>> {
+        Layout::names(linear).iter().map(|n| self.find(layer, &format!("{n}.bias"))).collect()
     }
+
+    fn final_norm(&self) -> usize {
+        self.final_norm
+    }
+
+    /// The LM head: the embedding when tied.
     fn head(&self) -> usize {
-        if self.tied { 0 } else { self.final_norm() + 1 }
+        self.head
     }
 }
 
@@ -223,7 +267,7 @@ impl DeviceModel {
         model.weights.check(c)?;
         let spec = tensor_spec(c);
         let mut masters = Vec::with_capacity(spec.len());
-        for ((_, shape), w) in spec.iter().zip(model.weights.tensors(c.architecture)) {
+        for ((_, shape), w) in spec.iter().zip(model.weights.tensors()) {
             masters.push(Tensor::from_f32(shape, w.clone(), device)?);
         }
         let layout = Layout::new(c);
@@ -248,7 +292,9 @@ impl DeviceModel {
         m.stack_linears()?;
         // (Where the paged attention cannot run, neither can the decode path the check is for.)
         let decodes = ops::paged_attention_runs(device, dtype, c.head_dim);
-        m.fused_decode = !m.stacked.is_empty() && decodes && m.check_fused_decode()?;
+        // (The fused layers have no biases: a model with them steps one op at a time.)
+        let biased = c.bias != crate::Biases::default();
+        m.fused_decode = !m.stacked.is_empty() && decodes && !biased && m.check_fused_decode()?;
         Ok(m)
     }
 
@@ -880,10 +926,14 @@ impl DeviceModel {
     pub fn grad_groups(&self) -> Vec<Vec<usize>> {
         let l = &self.layout;
         let mut first = vec![l.final_norm()];
-        if !l.tied {
+        if l.head() != 0 {
             first.push(l.head());
         }
-        let layers = (0..l.layers).rev().map(|i| (l.bases[i]..l.bases[i + 1]).collect());
+        let layers = (0..l.layers).rev().map(|i| {
+            let mut own: Vec<usize> = l.per_layer[i].values().copied().collect();
+            own.sort_unstable();
+            own
+        });
         std::iter::once(first).chain(layers).chain([vec![0]]).collect()
     }
 
@@ -1002,7 +1052,7 @@ impl DeviceModel {
     pub fn set_weights(&mut self, weights: &Weights) -> Result<()> {
         weights.check(&self.config)?;
         let spec = tensor_spec(&self.config);
-        let tensors = weights.tensors(self.config.architecture);
+        let tensors = weights.tensors();
         let device = self.device;
         self.set_masters_with(|masters| {
             for ((m, (_, shape)), w) in masters.iter_mut().zip(&spec).zip(tensors) {
@@ -1072,10 +1122,9 @@ impl DeviceModel {
         m.check(&self.config)?;
         v.check(&self.config)?;
         let spec = tensor_spec(&self.config);
-        let arch = self.config.architecture;
         let upload = |w: &Weights| -> Result<Vec<Tensor>> {
             spec.iter()
-                .zip(w.tensors(arch))
+                .zip(w.tensors())
                 .map(|((_, shape), t)| Ok(Tensor::from_f32(shape, t.clone(), &self.device)?))
                 .collect()
         };
@@ -1108,7 +1157,7 @@ impl DeviceModel {
 
     fn host_weights(&self, tensors: &[Tensor]) -> Result<Weights> {
         let mut w = Weights::zeros(&self.config);
-        for (slot, t) in w.tensors_mut(self.config.architecture).into_iter().zip(tensors) {
+        for (slot, t) in w.tensors_mut().into_iter().zip(tensors) {
             *slot = t.to_vec_f32()?;
         }
         Ok(w)
@@ -1191,22 +1240,8 @@ impl DeviceWeights<'_> {
 }
 
 impl Dev<'_> {
-    fn grads(&mut self) -> Result<&mut Vec<Tensor>> {
-        self.grads
-            .as_deref_mut()
-            .ok_or_else(|| Error::Invalid("internal: the device backward has no gradients".into()))
-    }
-}
-
-impl Backend for Dev<'_> {
-    type Act = Tensor;
-
-    fn rmsnorm(&self, layer: usize, norm: Norm, x: &Tensor) -> Result<(Tensor, Tensor)> {
-        let w = self.w.weight(self.w.layout.norm(layer, norm));
-        Ok(ops::rmsnorm_forward(x, w, self.w.config.rms_norm_eps)?)
-    }
-
-    fn linear(&self, layer: usize, linear: Linear, x: &Tensor) -> Result<Vec<Tensor>> {
+    /// `x·Wᵀ` of each of the linear's parts, without their biases.
+    fn products(&self, layer: usize, linear: Linear, x: &Tensor) -> Result<Vec<Tensor>> {
         let parts = self.w.layout.linear(layer, linear);
         let quantized: Vec<&ops::Fp8Matrix> =
             parts.iter().filter_map(|&i| self.w.quantized.get(i)?.as_ref()).collect();
@@ -1241,6 +1276,36 @@ impl Backend for Dev<'_> {
         parts.iter().map(|&i| self.w.product(x, i)).collect()
     }
 
+    fn grads(&mut self) -> Result<&mut Vec<Tensor>> {
+        self.grads
+            .as_deref_mut()
+            .ok_or_else(|| Error::Invalid("internal: the device backward has no gradients".into()))
+    }
+}
+
+impl Backend for Dev<'_> {
+    type Act = Tensor;
+
+    fn rmsnorm(&self, layer: usize, norm: Norm, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let w = self.w.weight(self.w.layout.norm(layer, norm));
+        Ok(ops::rmsnorm_forward(x, w, self.w.config.rms_norm_eps)?)
+    }
+
+    fn linear(&self, layer: usize, linear: Linear, x: &Tensor) -> Result<Vec<Tensor>> {
+        let products = self.products(layer, linear, x)?;
+        let biases = self.w.layout.biases(layer, linear);
+        if biases.iter().all(Option::is_none) {
+            return Ok(products);
+        }
+        products
+            .into_iter()
+            .zip(biases)
+            .map(|(y, bias)| match bias {
+                Some(b) => Ok(ops::add_bias(&y, self.w.weight(b))?),
+                None => Ok(y),
+            })
+            .collect()
+    }
     fn rope(&self, x: Tensor, heads: usize, inverse: bool) -> Result<Tensor> {
         let shape = x.shape().to_vec();
         let d = self.w.config.head_dim;
@@ -1435,6 +1500,11 @@ impl BackwardBackend for Dev<'_> {
     ) -> Result<Tensor> {
         let parts = self.w.layout.linear(layer, linear);
         let w = self.w;
+        for (bias, dy) in w.layout.biases(layer, linear).into_iter().zip(dys) {
+            if let Some(b) = bias {
+                ops::column_sums_acc(&mut self.grads()?[b], dy)?;
+            }
+        }
         let mut dx: Option<Tensor> = None;
         for (&i, dy) in parts.iter().zip(dys) {
             match dx.as_mut() {
@@ -1532,7 +1602,7 @@ mod tests {
                     let got = dm.grads_to_host().unwrap();
                     let spec = tensor_spec(&m.config);
                     for ((name, _), (g, w)) in
-                        spec.iter().zip(got.tensors(arch).into_iter().zip(want.tensors(arch)))
+                        spec.iter().zip(got.tensors().into_iter().zip(want.tensors()))
                     {
                         let err = rel_err(g, w);
                         // bf16 gradients pass through many roundings; f32 ones through none.
@@ -1563,13 +1633,13 @@ mod tests {
             }
             let mut grads = dm.grads_to_host().unwrap();
             let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.1 };
-            let views: Vec<&[f32]> = grads.tensors(arch).into_iter().map(Vec::as_slice).collect();
+            let views: Vec<&[f32]> = grads.tensors().into_iter().map(Vec::as_slice).collect();
             let norm = cpu::global_norm(&views);
             let scale = cpu::clip_scale(norm, 0.5);
             let zeros = Weights::zeros(&m.config);
             let (mut mo, mut vo) = (zeros.clone(), zeros);
-            let params = m.weights.tensors_mut(arch).into_iter().zip(grads.tensors_mut(arch));
-            let moments = mo.tensors_mut(arch).into_iter().zip(vo.tensors_mut(arch));
+            let params = m.weights.tensors_mut().into_iter().zip(grads.tensors_mut());
+            let moments = mo.tensors_mut().into_iter().zip(vo.tensors_mut());
             for ((p, g), (mm, vv)) in params.zip(moments) {
                 g.iter_mut().for_each(|x| *x *= scale);
                 hyper.step(p, g, mm, vv, 1).unwrap();
@@ -1577,7 +1647,7 @@ mod tests {
             let (dnorm, dscale) = dm.adamw_step(&hyper, 0.5).unwrap();
             assert_eq!((dnorm.to_bits(), dscale.to_bits()), (norm.to_bits(), scale.to_bits()));
             let after = dm.to_weights().unwrap();
-            for (g, w) in after.tensors(arch).into_iter().zip(m.weights.tensors(arch)) {
+            for (g, w) in after.tensors().into_iter().zip(m.weights.tensors()) {
                 assert_eq!(bits(g), bits(w), "{arch:?} weights after AdamW");
             }
         }
@@ -1698,7 +1768,7 @@ mod tests {
             // one layer does not grow through the next.
             let mut m = model(config, 31);
             let spec = tensor_spec(&m.config);
-            for ((name, _), t) in spec.iter().zip(m.weights.tensors_mut(arch)) {
+            for ((name, _), t) in spec.iter().zip(m.weights.tensors_mut()) {
                 let norm = name.ends_with("norm.weight");
                 t.iter_mut()
                     .for_each(|v| *v = if norm { 1.0 + (*v - 1.0) / 3.0 } else { *v / 5.0 });
@@ -1730,7 +1800,7 @@ mod tests {
             exact.backward(&want, &b, &ga, &gb).unwrap();
             let exact = exact.grads_to_host().unwrap();
             for ((name, _), (g, w)) in
-                spec.iter().zip(grads.tensors(arch).into_iter().zip(exact.tensors(arch)))
+                spec.iter().zip(grads.tensors().into_iter().zip(exact.tensors()))
             {
                 // FP8's rounding moves every activation a little; the gradients keep their
                 // direction (a wrong or missing path would not).
@@ -1865,7 +1935,7 @@ mod invariance {
         (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (16, 8, 128);
         c.rope_theta = 1e6;
         let mut m = model(c, 5);
-        for t in m.weights.tensors_mut(m.config.architecture) {
+        for t in m.weights.tensors_mut() {
             t.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
         }
         let mut rng = Rng::new(17);

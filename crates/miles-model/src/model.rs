@@ -180,7 +180,7 @@ pub struct StepRow<'a> {
 pub(crate) mod tests {
     use super::*;
     use crate::testing::on_cpu;
-    use crate::{Architecture, RopeScaling};
+    use crate::{Architecture, Biases, RopeScaling};
     use miles_tensor::rng::Rng;
     use miles_tensor::testing::{check_gradient, dot};
 
@@ -194,6 +194,7 @@ pub(crate) mod tests {
             num_attention_heads: 4,
             num_key_value_heads: 2,
             head_dim: 4,
+            bias: Biases::default(),
             rms_norm_eps: 1e-6,
             rope_theta: 10_000.0,
             rope_scaling: RopeScaling::None,
@@ -209,7 +210,7 @@ pub(crate) mod tests {
     pub(crate) fn model(c: ModelConfig, seed: u64) -> Model {
         let mut w = Weights::random(&c, seed);
         let mut rng = Rng::new(seed + 1);
-        for t in w.tensors_mut(c.architecture) {
+        for t in w.tensors_mut() {
             for v in t.iter_mut() {
                 *v = if *v == 1.0 { 1.0 + 0.3 * rng.normal() } else { 0.4 * rng.normal() };
             }
@@ -240,11 +241,11 @@ pub(crate) mod tests {
             let grads = dm.grads_to_host().unwrap();
             let spec = crate::weights::tensor_spec(&m.config);
             for (k, (name, _)) in spec.iter().enumerate() {
-                let analytic = grads.tensors(arch)[k].clone();
+                let analytic = grads.tensors()[k].clone();
                 let mut probe = m.weights.clone();
-                let mut x = probe.tensors(arch)[k].clone();
+                let mut x = probe.tensors()[k].clone();
                 check_gradient(name, &mut x, &analytic, 12, |x| {
-                    *probe.tensors_mut(arch)[k] = x.to_vec();
+                    *probe.tensors_mut()[k] = x.to_vec();
                     dm.set_weights(&probe).unwrap();
                     let (lp, ent) = dm.logprobs(&b, t).unwrap();
                     dot(&ga, &lp) + dot(&gb, &ent)
@@ -278,7 +279,6 @@ pub(crate) mod tests {
     fn moe_gradients_of_every_tensor_match_finite_differences() {
         for (norm, coef, replay) in [(true, 0.0, false), (false, 0.7, false), (true, 0.2, true)] {
             let m = model(tiny_moe(norm, coef), 23);
-            let arch = m.config.architecture;
             let mut b = batch();
             if replay {
                 // Replayed experts unrelated to the router's own choice (the last token of
@@ -309,11 +309,11 @@ pub(crate) mod tests {
             assert!(spec.iter().any(|(n, _)| n == "model.layers.0.mlp.experts.3.down_proj.weight"));
             assert!(spec.iter().any(|(n, _)| n == "model.layers.1.mlp.gate_proj.weight"));
             for (k, (name, _)) in spec.iter().enumerate() {
-                let analytic = grads.tensors(arch)[k].clone();
+                let analytic = grads.tensors()[k].clone();
                 let mut probe = m.weights.clone();
-                let mut x = probe.tensors(arch)[k].clone();
+                let mut x = probe.tensors()[k].clone();
                 check_gradient(name, &mut x, &analytic, 12, |x| {
-                    *probe.tensors_mut(arch)[k] = x.to_vec();
+                    *probe.tensors_mut()[k] = x.to_vec();
                     dm.set_weights(&probe).unwrap();
                     let f = dm.forward(&b, t).unwrap();
                     let aux = f64::from(coef) * f.sparse.router_aux_loss.unwrap();

@@ -1,7 +1,7 @@
 //! Model shapes by name, for `miles init-model` and benchmarks.
 
 use crate::tokenizer::BYTE_TOKENIZER_SPECIALS;
-use crate::{Architecture, Error, ModelConfig, MoeConfig, Result, RopeScaling};
+use crate::{Architecture, Biases, Error, ModelConfig, MoeConfig, Result, RopeScaling};
 
 pub const PRESETS: [&str; 6] =
     ["tiny", "tiny-h64", "qwen3-0.6b", "qwen3-8b", "smollm2-135m", "qwen3-30b-a3b-4l"];
@@ -33,6 +33,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 4,
             num_key_value_heads: 2,
             head_dim: 16,
+            bias: Biases::default(),
             rms_norm_eps: 1e-6,
             rope_theta: 10_000.0,
             rope_scaling: RopeScaling::None,
@@ -62,6 +63,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 16,
             num_key_value_heads: 8,
             head_dim: 128,
+            bias: Biases::default(),
             rms_norm_eps: 1e-6,
             rope_theta: 1_000_000.0,
             rope_scaling: RopeScaling::None,
@@ -81,6 +83,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 32,
             num_key_value_heads: 8,
             head_dim: 128,
+            bias: Biases::default(),
             rms_norm_eps: 1e-6,
             rope_theta: 1_000_000.0,
             rope_scaling: RopeScaling::None,
@@ -100,6 +103,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 9,
             num_key_value_heads: 3,
             head_dim: 64,
+            bias: Biases::default(),
             rms_norm_eps: 1e-5,
             rope_theta: 100_000.0,
             rope_scaling: RopeScaling::None,
@@ -120,6 +124,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 32,
             num_key_value_heads: 4,
             head_dim: 128,
+            bias: Biases::default(),
             rms_norm_eps: 1e-6,
             rope_theta: 1_000_000.0,
             rope_scaling: RopeScaling::None,

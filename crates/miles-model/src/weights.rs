@@ -9,24 +9,32 @@ use miles_tensor::cpu;
 use miles_tensor::rng::Rng;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
-use crate::{Architecture, Error, ModelConfig, Result};
+use crate::{Error, ModelConfig, Result};
 
-/// The weights of one decoder layer. `q_norm`/`k_norm` are empty for Llama; a sparse layer
-/// of a Qwen3-MoE model has `router` and `experts` instead of `gate_proj`/`up_proj`/`down_proj`
-/// (empty there, and `router`/`experts` empty in a dense layer).
+/// The weights of one decoder layer; a tensor the model does not have is empty: `q_norm`/
+/// `k_norm` without q/k norms (Llama, Qwen2), the biases without biases (Qwen2 has q/k/v's);
+/// a sparse layer of a Qwen3-MoE model has `router` and `experts` instead of `gate_proj`/
+/// `up_proj`/`down_proj` (empty there, and `router`/`experts` empty in a dense layer).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct LayerWeights {
     pub input_norm: Vec<f32>,
     pub q_proj: Vec<f32>,
+    pub q_bias: Vec<f32>,
     pub k_proj: Vec<f32>,
+    pub k_bias: Vec<f32>,
     pub v_proj: Vec<f32>,
+    pub v_bias: Vec<f32>,
     pub o_proj: Vec<f32>,
+    pub o_bias: Vec<f32>,
     pub q_norm: Vec<f32>,
     pub k_norm: Vec<f32>,
     pub post_norm: Vec<f32>,
     pub gate_proj: Vec<f32>,
+    pub gate_bias: Vec<f32>,
     pub up_proj: Vec<f32>,
+    pub up_bias: Vec<f32>,
     pub down_proj: Vec<f32>,
+    pub down_bias: Vec<f32>,
     /// `mlp.gate.weight` `[num_experts × hidden]`.
     pub router: Vec<f32>,
     pub experts: Vec<ExpertWeights>,
@@ -55,13 +63,21 @@ pub fn tensor_spec(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let (h, d, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
     let (q, kv) = (c.num_attention_heads * d, c.num_key_value_heads * d);
     let mut spec = vec![("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h])];
+    // A projection's weight, then its bias when it has one.
+    let linear = |spec: &mut Vec<_>, name: String, (rows, cols), bias: bool| {
+        spec.push((format!("{name}.weight"), vec![rows, cols]));
+        if bias {
+            spec.push((format!("{name}.bias"), vec![rows]));
+        }
+    };
+    let b = c.bias;
     for l in 0..c.num_hidden_layers {
         let p = format!("model.layers.{l}.");
         spec.push((format!("{p}input_layernorm.weight"), vec![h]));
-        spec.push((format!("{p}self_attn.q_proj.weight"), vec![q, h]));
-        spec.push((format!("{p}self_attn.k_proj.weight"), vec![kv, h]));
-        spec.push((format!("{p}self_attn.v_proj.weight"), vec![kv, h]));
-        spec.push((format!("{p}self_attn.o_proj.weight"), vec![h, q]));
+        linear(&mut spec, format!("{p}self_attn.q_proj"), (q, h), b.qkv);
+        linear(&mut spec, format!("{p}self_attn.k_proj"), (kv, h), b.qkv);
+        linear(&mut spec, format!("{p}self_attn.v_proj"), (kv, h), b.qkv);
+        linear(&mut spec, format!("{p}self_attn.o_proj"), (h, q), b.o);
         if c.architecture.has_qk_norm() {
             spec.push((format!("{p}self_attn.q_norm.weight"), vec![d]));
             spec.push((format!("{p}self_attn.k_norm.weight"), vec![d]));
@@ -79,9 +95,9 @@ pub fn tensor_spec(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
                 }
             }
             _ => {
-                spec.push((format!("{p}mlp.gate_proj.weight"), vec![i, h]));
-                spec.push((format!("{p}mlp.up_proj.weight"), vec![i, h]));
-                spec.push((format!("{p}mlp.down_proj.weight"), vec![h, i]));
+                linear(&mut spec, format!("{p}mlp.gate_proj"), (i, h), b.mlp);
+                linear(&mut spec, format!("{p}mlp.up_proj"), (i, h), b.mlp);
+                linear(&mut spec, format!("{p}mlp.down_proj"), (h, i), b.mlp);
             }
         }
     }
@@ -92,12 +108,79 @@ pub fn tensor_spec(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     spec
 }
 
+/// A layer's tensors in [`tensor_spec`] order (`&` or `&mut`), absent ones (empty) included.
+macro_rules! layer_tensors {
+    ($l:expr, $($r:tt)+) => {
+        [
+            $($r)+ $l.input_norm, $($r)+ $l.q_proj, $($r)+ $l.q_bias, $($r)+ $l.k_proj,
+            $($r)+ $l.k_bias, $($r)+ $l.v_proj, $($r)+ $l.v_bias, $($r)+ $l.o_proj,
+            $($r)+ $l.o_bias, $($r)+ $l.q_norm, $($r)+ $l.k_norm, $($r)+ $l.post_norm,
+            $($r)+ $l.gate_proj, $($r)+ $l.gate_bias, $($r)+ $l.up_proj, $($r)+ $l.up_bias,
+            $($r)+ $l.down_proj, $($r)+ $l.down_bias, $($r)+ $l.router,
+        ]
+    };
+}
+
+impl LayerWeights {
+    /// The tensor of HF name `name` within a layer (`self_attn.q_proj.weight`, …).
+    fn slot(&mut self, name: &str) -> Option<&mut Vec<f32>> {
+        if let Some(rest) = name.strip_prefix("mlp.experts.") {
+            let (e, part) = rest.split_once('.')?;
+            let e = self.experts.get_mut(e.parse::<usize>().ok()?)?;
+            return match part {
+                "gate_proj.weight" => Some(&mut e.gate_proj),
+                "up_proj.weight" => Some(&mut e.up_proj),
+                "down_proj.weight" => Some(&mut e.down_proj),
+                _ => None,
+            };
+        }
+        Some(match name {
+            "input_layernorm.weight" => &mut self.input_norm,
+            "self_attn.q_proj.weight" => &mut self.q_proj,
+            "self_attn.q_proj.bias" => &mut self.q_bias,
+            "self_attn.k_proj.weight" => &mut self.k_proj,
+            "self_attn.k_proj.bias" => &mut self.k_bias,
+            "self_attn.v_proj.weight" => &mut self.v_proj,
+            "self_attn.v_proj.bias" => &mut self.v_bias,
+            "self_attn.o_proj.weight" => &mut self.o_proj,
+            "self_attn.o_proj.bias" => &mut self.o_bias,
+            "self_attn.q_norm.weight" => &mut self.q_norm,
+            "self_attn.k_norm.weight" => &mut self.k_norm,
+            "post_attention_layernorm.weight" => &mut self.post_norm,
+            "mlp.gate_proj.weight" => &mut self.gate_proj,
+            "mlp.gate_proj.bias" => &mut self.gate_bias,
+            "mlp.up_proj.weight" => &mut self.up_proj,
+            "mlp.up_proj.bias" => &mut self.up_bias,
+            "mlp.down_proj.weight" => &mut self.down_proj,
+            "mlp.down_proj.bias" => &mut self.down_bias,
+            "mlp.gate.weight" => &mut self.router,
+            _ => return None,
+        })
+    }
+}
+
 fn numel(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
 fn is_norm(name: &str) -> bool {
     name.ends_with("norm.weight")
+}
+
+impl Weights {
+    /// The tensor of HF name `name`.
+    fn slot(&mut self, name: &str) -> Option<&mut Vec<f32>> {
+        match name {
+            "model.embed_tokens.weight" => Some(&mut self.embed),
+            "model.norm.weight" => Some(&mut self.final_norm),
+            "lm_head.weight" => self.lm_head.as_mut(),
+            _ => {
+                let rest = name.strip_prefix("model.layers.")?;
+                let (l, rest) = rest.split_once('.')?;
+                self.layers.get_mut(l.parse::<usize>().ok()?)?.slot(rest)
+            }
+        }
+    }
 }
 
 impl Weights {
@@ -120,9 +203,10 @@ impl Weights {
             final_norm: Vec::new(),
             lm_head: (!c.tie_word_embeddings).then(Vec::new),
         };
-        let spec = tensor_spec(c);
-        for ((name, shape), slot) in spec.iter().zip(w.tensors_mut(c.architecture)) {
-            *slot = make(name, shape)?;
+        for (name, shape) in tensor_spec(c) {
+            let value = make(&name, &shape)?;
+            *w.slot(&name).unwrap_or_else(|| unreachable!("tensor_spec's {name} has a slot")) =
+                value;
         }
         Ok(w)
     }
@@ -132,21 +216,26 @@ impl Weights {
         Self::build(c, |_, shape| Ok(vec![0.0; numel(shape)])).expect("zeros cannot fail")
     }
 
-    /// HF-style initialization: normal(0, 0.02) matrices, unit norms; seeded.
+    /// HF-style initialization: normal(0, 0.02) matrices, unit norms, zero biases; seeded.
     pub fn random(c: &ModelConfig, seed: u64) -> Self {
         let mut rng = Rng::new(seed);
         Self::build(c, |name, shape| {
-            Ok(if is_norm(name) { vec![1.0; numel(shape)] } else { rng.vec(numel(shape), 0.02) })
+            Ok(if is_norm(name) {
+                vec![1.0; numel(shape)]
+            } else if name.ends_with(".bias") {
+                vec![0.0; numel(shape)]
+            } else {
+                rng.vec(numel(shape), 0.02)
+            })
         })
         .expect("random init cannot fail")
     }
 
-    /// Every tensor, in [`tensor_spec`] order.
     /// Errors unless every tensor has the size `config` gives it (weights from elsewhere, such
     /// as a weight sync, before they are used).
     pub fn check(&self, c: &ModelConfig) -> Result<()> {
         let spec = tensor_spec(c);
-        let tensors = self.tensors(c.architecture);
+        let tensors = self.tensors();
         let layers_ok = self.layers.len() == c.num_hidden_layers;
         if !layers_ok || tensors.len() != spec.len() {
             return Err(Error::Invalid(format!(
@@ -169,21 +258,13 @@ impl Weights {
         Ok(())
     }
 
-    pub fn tensors(&self, arch: Architecture) -> Vec<&Vec<f32>> {
+    /// Every tensor, in [`tensor_spec`] order.
+    pub fn tensors(&self) -> Vec<&Vec<f32>> {
         let mut out = vec![&self.embed];
         for l in &self.layers {
-            out.extend([&l.input_norm, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj]);
-            if arch.has_qk_norm() {
-                out.extend([&l.q_norm, &l.k_norm]);
-            }
-            out.push(&l.post_norm);
-            if l.experts.is_empty() {
-                out.extend([&l.gate_proj, &l.up_proj, &l.down_proj]);
-            } else {
-                out.push(&l.router);
-                for e in &l.experts {
-                    out.extend([&e.gate_proj, &e.up_proj, &e.down_proj]);
-                }
+            out.extend(layer_tensors!(l, &).into_iter().filter(|t| !t.is_empty()));
+            for e in &l.experts {
+                out.extend([&e.gate_proj, &e.up_proj, &e.down_proj]);
             }
         }
         out.push(&self.final_norm);
@@ -192,27 +273,12 @@ impl Weights {
     }
 
     /// Every tensor mutably, in [`tensor_spec`] order.
-    pub fn tensors_mut(&mut self, arch: Architecture) -> Vec<&mut Vec<f32>> {
+    pub fn tensors_mut(&mut self) -> Vec<&mut Vec<f32>> {
         let mut out = vec![&mut self.embed];
         for l in &mut self.layers {
-            out.extend([
-                &mut l.input_norm,
-                &mut l.q_proj,
-                &mut l.k_proj,
-                &mut l.v_proj,
-                &mut l.o_proj,
-            ]);
-            if arch.has_qk_norm() {
-                out.extend([&mut l.q_norm, &mut l.k_norm]);
-            }
-            out.push(&mut l.post_norm);
-            if l.experts.is_empty() {
-                out.extend([&mut l.gate_proj, &mut l.up_proj, &mut l.down_proj]);
-            } else {
-                out.push(&mut l.router);
-                for e in &mut l.experts {
-                    out.extend([&mut e.gate_proj, &mut e.up_proj, &mut e.down_proj]);
-                }
+            out.extend(layer_tensors!(l, &mut).into_iter().filter(|t| !t.is_empty()));
+            for e in &mut l.experts {
+                out.extend([&mut e.gate_proj, &mut e.up_proj, &mut e.down_proj]);
             }
         }
         out.push(&mut self.final_norm);
@@ -249,7 +315,7 @@ impl Weights {
         std::fs::create_dir_all(dir)
             .map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
         let spec = tensor_spec(c);
-        let tensors = self.tensors(c.architecture);
+        let tensors = self.tensors();
         // Group tensors into shards in order.
         let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
         let mut bytes = 0usize;

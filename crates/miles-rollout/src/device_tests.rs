@@ -22,7 +22,7 @@ fn model(arch: Architecture, seed: u64) -> Model {
     (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (4, 2, 64);
     let mut w = Weights::random(&c, seed);
     let mut rng = Rng::new(seed + 100);
-    for t in w.tensors_mut(arch) {
+    for t in w.tensors_mut() {
         for v in t.iter_mut() {
             *v = if *v == 1.0 { 1.0 + 0.2 * rng.normal() } else { 0.1 * rng.normal() };
         }
@@ -261,7 +261,7 @@ fn smollm2_shaped_rollouts_equal_a_fresh_scorer() {
     (c.rope_theta, c.tie_word_embeddings) = (1e5, true);
     let mut w = Weights::random(&c, 21);
     let mut rng = Rng::new(121);
-    for t in w.tensors_mut(Architecture::Llama) {
+    for t in w.tensors_mut() {
         for v in t.iter_mut() {
             *v = if *v == 1.0 { 1.0 + 0.2 * rng.normal() } else { 0.05 * rng.normal() };
         }

@@ -300,7 +300,7 @@ pub struct Fp8Export<'a> {
 fn named<'a>(config: &ModelConfig, w: &'a Weights, prefix: &str) -> NamedViews<'a> {
     tensor_spec(config)
         .into_iter()
-        .zip(w.tensors(config.architecture))
+        .zip(w.tensors())
         .map(|((name, shape), data)| {
             (format!("{prefix}{name}"), TensorView::F32 { shape, data: Cow::Borrowed(data) })
         })
@@ -611,8 +611,7 @@ fn weights_from(
     prefix: &str,
 ) -> Result<Weights> {
     let mut w = Weights::zeros(config);
-    for ((name, shape), slot) in tensor_spec(config).iter().zip(w.tensors_mut(config.architecture))
-    {
+    for ((name, shape), slot) in tensor_spec(config).iter().zip(w.tensors_mut()) {
         let full = format!("{prefix}{name}");
         let view = st.tensor(&full).map_err(|e| match e {
             SafeTensorError::TensorNotFound(_) => at(path, format!("tensor '{full}' is missing")),

@@ -212,7 +212,7 @@ impl Dist {
             Some(c) => model.set_masters_with(|masters| Ok(c.broadcast(masters, 0)?))?,
             None => {
                 let mut values = Vec::new();
-                for w in model.to_weights()?.tensors(model.config.architecture) {
+                for w in model.to_weights()?.tensors() {
                     let mut bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
                     self.group.borrow_mut().broadcast(&mut bytes)?;
                     values.push(

@@ -1,4 +1,4 @@
-use miles_model::{Architecture, ModelConfig, Weights};
+use miles_model::{ModelConfig, Weights};
 use miles_tensor::cpu::{self, AdamW};
 
 /// AdamW over every tensor of a model: f32 master weights, first and second moments of the
@@ -8,7 +8,6 @@ pub struct Optimizer {
     pub hyper: AdamW,
     /// Clip the global gradient norm to this (0 disables).
     pub clip_grad: f64,
-    arch: Architecture,
     m: Weights,
     v: Weights,
     step: u64,
@@ -28,7 +27,6 @@ impl Optimizer {
         Optimizer {
             hyper,
             clip_grad,
-            arch: config.architecture,
             m: Weights::zeros(config),
             v: Weights::zeros(config),
             step: 0,
@@ -50,7 +48,7 @@ impl Optimizer {
                 miles_model::Error::Invalid(format!("optimizer state, {what}: {e}"))
             })?;
         }
-        Ok(Optimizer { hyper, clip_grad, arch: config.architecture, m, v, step })
+        Ok(Optimizer { hyper, clip_grad, m, v, step })
     }
 
     /// Steps taken so far.
@@ -70,16 +68,15 @@ impl Optimizer {
         grads: &mut Weights,
         lr: f32,
     ) -> miles_tensor::Result<StepStats> {
-        let arch = self.arch;
         let grad_norm = {
-            let views: Vec<&[f32]> = grads.tensors(arch).into_iter().map(Vec::as_slice).collect();
+            let views: Vec<&[f32]> = grads.tensors().into_iter().map(Vec::as_slice).collect();
             cpu::global_norm(&views)
         };
         let clip_scale = cpu::clip_scale(grad_norm, self.clip_grad);
         self.step += 1;
         let hyper = AdamW { lr, ..self.hyper };
-        let tensors = weights.tensors_mut(arch).into_iter().zip(grads.tensors_mut(arch));
-        let moments = self.m.tensors_mut(arch).into_iter().zip(self.v.tensors_mut(arch));
+        let tensors = weights.tensors_mut().into_iter().zip(grads.tensors_mut());
+        let moments = self.m.tensors_mut().into_iter().zip(self.v.tensors_mut());
         for ((p, g), (m, v)) in tensors.zip(moments) {
             if clip_scale != 1.0 {
                 g.iter_mut().for_each(|x| *x *= clip_scale);
@@ -93,6 +90,7 @@ impl Optimizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use miles_model::Architecture;
     use miles_model::{DeviceModel, Model, PackedBatch, presets};
     use miles_tensor::{DType, Device};
 

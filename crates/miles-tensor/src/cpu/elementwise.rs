@@ -142,6 +142,19 @@ pub fn rmsnorm_backward(
     Ok(())
 }
 
+/// `acc[j] += Σ_r x[r·n + j]`, each column summed in row order then added (a bias's
+/// gradient; the CUDA kernel's order).
+pub fn column_sums_acc(acc: &mut [f32], x: &[f32]) {
+    let n = acc.len();
+    for (j, a) in acc.iter_mut().enumerate() {
+        let mut sum = 0.0f32;
+        for row in x.chunks_exact(n) {
+            sum += row[j];
+        }
+        *a += sum;
+    }
+}
+
 /// HF's default rotary inverse frequencies `theta^(−2j/dim)` for `j < dim/2`, in f32 as
 /// transformers computes them.
 pub fn rope_inv_freq(dim: usize, theta: f32) -> Vec<f32> {

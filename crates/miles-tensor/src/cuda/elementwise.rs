@@ -177,6 +177,59 @@ pub(crate) fn add(gpu: &Arc<Gpu>, a: &DeviceData, b: &DeviceData, n: usize) -> R
     Ok(wrap(gpu, data))
 }
 
+/// `x + bias` over `total` elements, rows of `n` each plus `bias [n]`.
+pub(crate) fn add_bias(
+    gpu: &Arc<Gpu>,
+    x: &DeviceData,
+    bias: &DeviceData,
+    total: usize,
+    n: usize,
+) -> Result<Buffer> {
+    let (total_i, n_i) = (total as i64, n as i32);
+    let data = per_float!("add_bias", (x, bias), |T, f| {
+        let mut out = gpu.alloc::<T>(total)?;
+        if total > 0 {
+            let k = kernel!(f, "add_bias");
+            launch!(
+                gpu,
+                "elementwise",
+                k,
+                elementwise_launch(total),
+                &mut out,
+                x,
+                bias,
+                &total_i,
+                &n_i
+            )?;
+        }
+        DeviceData::from(out)
+    });
+    Ok(wrap(gpu, data))
+}
+
+/// `acc[j] += Σ_r x[r·n + j]` in row order, one thread a column.
+pub(crate) fn column_sums_acc(
+    gpu: &Arc<Gpu>,
+    acc: &mut CudaSlice<f32>,
+    x: &DeviceData,
+    rows: usize,
+    n: usize,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let (rows_i, n_i) = (rows as i64, n as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(128) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    per_float!("column_sums_acc", (x), |T, f| {
+        let k = kernel!(f, "column_sums_acc");
+        launch!(gpu, "elementwise", k, cfg, acc, x, &rows_i, &n_i)
+    })
+}
+
 /// Threads per block of the row kernels: whole warps, at most 256, a function of `hidden` alone.
 fn row_block(rows: usize, hidden: usize) -> LaunchConfig {
     let threads = (hidden.div_ceil(32) * 32).clamp(32, 256) as u32;

@@ -19,9 +19,9 @@ pub(crate) use attention::{
     paged_attention, paged_decode_plan, paged_kv_write, paged_plan,
 };
 pub(crate) use elementwise::{
-    IdGroups, Ids, add, concat_rows, embedding_backward, embedding_backward_into,
-    embedding_forward, pick_row_dots, pick_rows_sum, rope, scatter_rows, split_columns,
-    swiglu_backward, swiglu_forward, swiglu_stacked,
+    IdGroups, Ids, add, add_bias, column_sums_acc, concat_rows, embedding_backward,
+    embedding_backward_into, embedding_forward, pick_row_dots, pick_rows_sum, rope, scatter_rows,
+    split_columns, swiglu_backward, swiglu_forward, swiglu_stacked,
 };
 pub(crate) use grouped::{grouped_rows, grouped_wgrad};
 pub(crate) use logprob::{logprob_rows, logprob_rows_backward};

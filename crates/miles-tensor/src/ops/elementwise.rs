@@ -170,6 +170,63 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `x + bias` with the same `bias [n]` on every row of `x [rows × n]`: a linear's bias, in
+/// f32 arithmetic.
+pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    const OP: &str = "add_bias";
+    let device = same_device(OP, &[x, bias])?;
+    floats_only(OP, &[x, bias])?;
+    let n = bias.len();
+    ensure(
+        x.shape.len() == 2 && bias.shape.len() == 1 && x.shape[1] == n && x.dtype() == bias.dtype(),
+        OP,
+        || format!("x {:?} and bias {:?} (of x's dtype)", x.shape, bias.shape),
+    )?;
+    match device {
+        Device::Cpu => {
+            let b = host_f32(bias);
+            let out = host_f32(x)
+                .chunks(n.max(1))
+                .flat_map(|row| row.iter().zip(b.iter()).map(|(v, b)| v + b))
+                .collect();
+            Ok(host_tensor(x.shape.clone(), out, x.dtype()))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let out =
+                crate::cuda::add_bias(gpu_of(x), device_data(x), device_data(bias), x.len(), n)?;
+            Ok(on_device(x.shape.clone(), out))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// `acc[j] += Σ_r x[r][j]` over the rows of `x [rows × n]` in row order, into the f32 `acc
+/// [n]`: a linear's bias gradient.
+pub fn column_sums_acc(acc: &mut Tensor, x: &Tensor) -> Result<()> {
+    const OP: &str = "column_sums_acc";
+    same_device(OP, &[acc, x])?;
+    floats_only(OP, &[x])?;
+    dtype_is(OP, "acc", acc, DType::F32)?;
+    let n = acc.len();
+    ensure(x.shape.len() == 2 && acc.shape.len() == 1 && x.shape[1] == n, OP, || {
+        format!("x {:?} into acc {:?}", x.shape, acc.shape)
+    })?;
+    match &mut acc.storage {
+        Storage::F32(a) => {
+            cpu::column_sums_acc(a, &host_f32(x));
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(crate::cuda::Buffer { gpu, data: crate::cuda::DeviceData::F32(a) }) => {
+            let gpu = gpu.clone();
+            crate::cuda::column_sums_acc(&gpu, a, device_data(x), x.shape[0], n)
+        }
+        _ => unreachable!("acc is f32 (checked)"),
+    }
+}
+
 /// `[vocab × hidden]` of an embedding table, checking `ids` against the vocabulary.
 fn table_shape(op: &'static str, table: &Tensor, ids: &[u32]) -> Result<(usize, usize)> {
     ensure(table.shape.len() == 2, op, || {
@@ -690,6 +747,37 @@ mod tests {
                     assert_eq!(got, round_out(&want, dtype), "{device} {dtype} add {shape:?}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn a_bias_and_its_gradient_have_the_cpus_bits_on_every_device() {
+        let mut rng = Rng::new(47);
+        for device in devices() {
+            for (rows, n) in [(1, 3), (17, 241), (300, 64)] {
+                let (x, b, g0) = (rng.vec(rows * n, 1.0), rng.vec(n, 1.0), rng.vec(n, 1.0));
+                for dtype in dtypes() {
+                    let (xr, br) = (rounded(&x, dtype), rounded(&b, dtype));
+                    let want: Vec<f32> =
+                        xr.chunks(n).flat_map(|r| r.iter().zip(&br).map(|(v, b)| v + b)).collect();
+                    let y = add_bias(
+                        &tensor(&[rows, n], &x, dtype, &device),
+                        &tensor(&[n], &b, dtype, &device),
+                    )
+                    .unwrap();
+                    let what = format!("{device} {dtype} add_bias {rows}×{n}");
+                    assert_eq!(y.to_vec_f32().unwrap(), round_out(&want, dtype), "{what}");
+                    // The gradient: columns summed in row order into an f32 accumulator.
+                    let mut want = g0.clone();
+                    cpu::column_sums_acc(&mut want, &xr);
+                    let mut acc = tensor(&[n], &g0, DType::F32, &device);
+                    column_sums_acc(&mut acc, &tensor(&[rows, n], &x, dtype, &device)).unwrap();
+                    assert_eq!(acc.to_vec_f32().unwrap(), want, "{what}: column sums");
+                }
+            }
+            let x = tensor(&[2, 3], &[1.0; 6], DType::F32, &device);
+            let e = add_bias(&x, &tensor(&[4], &[0.0; 4], DType::F32, &device)).unwrap_err();
+            assert!(e.to_string().contains("add_bias"), "{e}");
         }
     }
 

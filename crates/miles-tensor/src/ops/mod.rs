@@ -22,9 +22,10 @@ pub use attention::{
     paged_kv_write, qkv_rope_kv_write,
 };
 pub use elementwise::{
-    add, concat_rows, copy_rows_within, embedding_backward, embedding_backward_acc,
-    embedding_forward, embedding_forward_ids, gather_rows, pick_row_dots, pick_rows_sum, rope,
-    scatter_rows, split_columns, swiglu_backward, swiglu_forward, swiglu_stacked,
+    add, add_bias, column_sums_acc, concat_rows, copy_rows_within, embedding_backward,
+    embedding_backward_acc, embedding_forward, embedding_forward_ids, gather_rows, pick_row_dots,
+    pick_rows_sum, rope, scatter_rows, split_columns, swiglu_backward, swiglu_forward,
+    swiglu_stacked,
 };
 pub use fp8::{
     Fp8Matrix, fp8_grouped_linear, fp8_grouped_supported, fp8_linear, fp8_linear_many,

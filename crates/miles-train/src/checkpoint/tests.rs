@@ -66,8 +66,8 @@ impl Run {
     }
 }
 
-fn bits(w: &Weights, arch: Architecture) -> Vec<Vec<u32>> {
-    w.tensors(arch).iter().map(|t| t.iter().map(|x| x.to_bits()).collect()).collect()
+fn bits(w: &Weights) -> Vec<Vec<u32>> {
+    w.tensors().iter().map(|t| t.iter().map(|x| x.to_bits()).collect()).collect()
 }
 
 fn names_in(dir: &Path) -> Vec<String> {
@@ -86,7 +86,6 @@ fn round_trip_is_bit_identical_and_resume_continues_exactly() {
     fs::create_dir_all(&tok).unwrap();
     tokenizer::write_byte_level_tokenizer(&tok).unwrap();
     let mut run = Run::new(3);
-    let arch = run.config.architecture;
     let (m, v) = run.opt.moments();
     assert!(m.embed.iter().any(|x| *x != 0.0) && v.embed.iter().any(|x| *x != 0.0));
     let reference = Weights::random(&run.config, 99);
@@ -125,22 +124,22 @@ fn round_trip_is_bit_identical_and_resume_continues_exactly() {
     assert_eq!(loaded.iteration, 10);
     assert_eq!(loaded.dir, dir);
     assert_eq!(loaded.config, run.config);
-    assert_eq!(bits(&loaded.weights, arch), bits(&run.weights, arch));
+    assert_eq!(bits(&loaded.weights), bits(&run.weights));
     let ((m0, v0), (m1, v1)) = (run.opt.moments(), loaded.optimizer.moments());
-    assert_eq!(bits(m1, arch), bits(m0, arch));
-    assert_eq!(bits(v1, arch), bits(v0, arch));
+    assert_eq!(bits(m1), bits(m0));
+    assert_eq!(bits(v1), bits(v0));
     assert_eq!(loaded.optimizer.steps(), 3);
     assert_eq!(loaded.state, state);
     assert_eq!(loaded.extra.len(), 1);
     assert_eq!(loaded.extra[0].0, "ref");
-    assert_eq!(bits(&loaded.extra[0].1, arch), bits(&reference, arch));
+    assert_eq!(bits(&loaded.extra[0].1), bits(&reference));
 
     // The same next step from the original and the resumed state gives the same bits.
     let mut resumed = Run { config: loaded.config, weights: loaded.weights, opt: loaded.optimizer };
     run.step(500);
     resumed.step(500);
-    assert_eq!(bits(&resumed.weights, arch), bits(&run.weights, arch));
-    assert_eq!(bits(resumed.opt.moments().1, arch), bits(run.opt.moments().1, arch));
+    assert_eq!(bits(&resumed.weights), bits(&run.weights));
+    assert_eq!(bits(resumed.opt.moments().1), bits(run.opt.moments().1));
     assert_eq!(resumed.opt.steps(), 4);
 }
 
@@ -346,8 +345,7 @@ fn export_hf_writes_a_model_dir_that_loads_back() {
     );
     let config = ModelConfig::from_file(&config_path(&out)).unwrap();
     assert_eq!(config, run.config);
-    let arch = config.architecture;
-    assert_eq!(bits(&Weights::load(&out, &config).unwrap(), arch), bits(&run.weights, arch));
+    assert_eq!(bits(&Weights::load(&out, &config).unwrap()), bits(&run.weights));
     Tokenizer::load(&out).unwrap();
 
     // Exporting again replaces the dir and leaves nothing beside it.
