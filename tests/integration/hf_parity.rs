@@ -1,7 +1,8 @@
 //! Parity with HF transformers, the judge of model numerics: tiny random Qwen3 (tied head),
-//! Llama (untied) and Qwen3-MoE checkpoints written by transformers 5.17, with its logprobs,
-//! entropies and gradients (`tests/fixtures/make_hf_parity.py` and `make_hf_moe_parity.py`
-//! made them).
+//! Llama (untied) and Qwen3-MoE checkpoints written by transformers 5.17, and Qwen2 (q/k/v
+//! biases), Llama 3.1 (llama3 rope, attention and MLP biases) and Qwen3 with yarn rope written
+//! by transformers 5.25, with their logprobs, entropies and gradients
+//! (`tests/fixtures/make_hf_parity.py` and `make_hf_moe_parity.py` made them).
 
 use std::path::PathBuf;
 
@@ -29,6 +30,21 @@ fn qwen3_with_a_tied_head_matches_transformers() {
 #[test]
 fn llama_with_an_untied_head_matches_transformers() {
     check("llama");
+}
+
+#[test]
+fn qwen2_with_q_k_v_biases_matches_transformers() {
+    check("qwen2");
+}
+
+#[test]
+fn llama31_with_llama3_rope_and_biases_matches_transformers() {
+    check("llama31");
+}
+
+#[test]
+fn qwen3_with_yarn_rope_and_attention_biases_matches_transformers() {
+    check("qwen3_yarn");
 }
 
 #[test]

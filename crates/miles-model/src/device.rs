@@ -384,8 +384,9 @@ impl DeviceModel {
             .iter()
             .zip(&self.masters)
             .map(|((name, _), m)| {
-                let matrix = !name.ends_with("norm.weight");
-                Ok(if matrix && self.dtype != DType::F32 {
+                // Matrices and biases compute in the dtype; norms stay f32.
+                let cast = !name.ends_with("norm.weight");
+                Ok(if cast && self.dtype != DType::F32 {
                     Some(m.to_dtype(self.dtype)?)
                 } else {
                     None
@@ -434,8 +435,9 @@ impl DeviceModel {
             .iter()
             .zip(&self.masters)
             .enumerate()
-            .map(|(i, ((name, _), m))| {
-                let product = !name.ends_with("norm.weight") && (i != 0 || head == 0);
+            .map(|(i, (_, m))| {
+                // Every matrix but an embedding that is not also the head.
+                let product = m.shape().len() == 2 && (i != 0 || head == 0);
                 let fp8 = unified && self.quantized.get(i).is_some_and(Option::is_some);
                 (product && !in_stack[i] && !fp8).then(|| pack(&[m])).transpose()
             })
@@ -1733,7 +1735,7 @@ mod tests {
     /// fixtures, in f32, within the CPU's tolerances, on every device present.
     #[test]
     fn matches_transformers_in_f32_on_every_device() {
-        for name in ["qwen3", "llama"] {
+        for name in ["qwen3", "llama", "qwen2", "llama31", "qwen3_yarn"] {
             let r = crate::testing::HfReference::load(&crate::testing::hf_fixture(name)).unwrap();
             for device in devices() {
                 let mut dm = DeviceModel::new(&r.model, &device, DType::F32).unwrap();
