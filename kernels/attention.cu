@@ -14,7 +14,8 @@
 // dimensions each to accumulate over the block's keys in order (the scores passed by shuffle).
 // dk/dv gives each warp KEYS_PER_WARP keys and walks the (query, head) pairs in order. Shared
 // memory is read 4 floats at a time (head_dim a multiple of 4; key rows padded by 4 floats so
-// the lanes' 16-byte reads of different keys fall in different banks).
+// the lanes' 16-byte reads of different keys fall in different banks); a lane keeps dimensions
+// 4·lane.. and 128 + 4·lane.. (head_dim ≤ 256).
 #include "common.cuh"
 
 namespace {
@@ -24,7 +25,8 @@ constexpr int QB = 64;            // query rows per tile (the CPU's QUERY_BLOCK)
 constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
 constexpr int ROWS_PER_WARP = QB / WARPS;
-constexpr int MAXC = 4;           // dimensions per lane: head_dim ≤ 128
+constexpr int CHUNKS = 2;         // groups of 4 dimensions per lane: head_dim ≤ 256
+constexpr int MAXC = 4 * CHUNKS;  // dimensions per lane
 constexpr int PAD = 4;            // floats of padding per key row
 constexpr int PAIRS = 16;         // (query, head) pairs staged at a time by dk/dv
 constexpr int KEYS_PER_WARP = KB / WARPS;
@@ -67,23 +69,31 @@ __device__ __forceinline__ float dot_in_order(const float* a, const float* t, in
     return s;
 }
 
-// acc[c] += g · row[4·lane + c] for this lane's four dimensions.
+// acc[4·c + e] += g · row[128·c + 4·lane + e] for this lane's dimensions (four per chunk).
 __device__ __forceinline__ void axpy4(float* acc, float g, const float* row, int lane, int d) {
-    if (4 * lane < d) {
-        const float4 v = *reinterpret_cast<const float4*>(row + 4 * lane);
-        acc[0] += g * v.x;
-        acc[1] += g * v.y;
-        acc[2] += g * v.z;
-        acc[3] += g * v.w;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int x = 128 * c + 4 * lane;
+        if (x < d) {
+            const float4 v = *reinterpret_cast<const float4*>(row + x);
+            acc[4 * c] += g * v.x;
+            acc[4 * c + 1] += g * v.y;
+            acc[4 * c + 2] += g * v.z;
+            acc[4 * c + 3] += g * v.w;
+        }
     }
 }
 
-// Writes this lane's four dimensions of a row.
+// Writes this lane's dimensions of a row.
 template <typename T>
 __device__ __forceinline__ void put4(T* row, const float* acc, float mul, int lane, int d) {
-    if (4 * lane < d) {
 #pragma unroll
-        for (int c = 0; c < MAXC; ++c) put(row + 4 * lane + c, acc[c] * mul);
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int x = 128 * c + 4 * lane;
+        if (x < d) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) put(row + x + e, acc[4 * c + e] * mul);
+        }
     }
 }
 

@@ -1,6 +1,7 @@
 // Causal grouped-query attention over packed sequences on the tensor cores (mma.sync m16n8k16,
-// bf16 operands, f32 accumulation): the bf16 route of ops::attention_{forward,backward} for
-// head_dim 64 and 128. attention.cu keeps f32 and the other head sizes.
+// bf16 operands, f32 accumulation): the bf16 route of ops::attention_{forward,backward} and
+// of the paged attention, at every head size that is a multiple of 16 up to 256. attention.cu
+// keeps f32.
 //
 // The reduction structure is the one of attention.cu and the CPU reference: key blocks of KB
 // keys anchored at each sequence's first token, one online-softmax step per block. A query row
@@ -593,5 +594,20 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
         backward_dkdv<D>(dk, dv, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, scale);   \
     }
 
+// Every head size that is a multiple of 16 up to 256 (the host's by_head_dim! lists them).
+ATTENTION_MMA_KERNELS(16)
+ATTENTION_MMA_KERNELS(32)
+ATTENTION_MMA_KERNELS(48)
 ATTENTION_MMA_KERNELS(64)
+ATTENTION_MMA_KERNELS(80)
+ATTENTION_MMA_KERNELS(96)
+ATTENTION_MMA_KERNELS(112)
 ATTENTION_MMA_KERNELS(128)
+ATTENTION_MMA_KERNELS(144)
+ATTENTION_MMA_KERNELS(160)
+ATTENTION_MMA_KERNELS(176)
+ATTENTION_MMA_KERNELS(192)
+ATTENTION_MMA_KERNELS(208)
+ATTENTION_MMA_KERNELS(224)
+ATTENTION_MMA_KERNELS(240)
+ATTENTION_MMA_KERNELS(256)

@@ -83,10 +83,12 @@ impl Policy {
     /// replayed as CUDA graphs when `graphs`.
     pub fn new(model: &DeviceModel, kv_bytes: usize, graphs: bool) -> crate::Result<Self> {
         let d = model.config.head_dim;
-        if model.device() != Device::Cpu && !matches!(d, 64 | 128) {
+        if !miles_tensor::ops::paged_attention_runs(&model.device(), model.dtype(), d) {
             return Err(crate::Error::Invalid(format!(
-                "rollout engine: on a GPU the paged attention runs at head_dim 64 or 128, and \
-                 this model's is {d}: use --device cpu for it"
+                "rollout engine: on a GPU the paged attention runs in bf16 at head sizes that \
+                 are multiples of 16 up to 256, and this model's is {d} in {}: use --dtype bf16 \
+                 or --device cpu for it",
+                model.dtype()
             )));
         }
         let per_block = KvCache::bytes_per_block(&model.config, model.dtype());

@@ -1,6 +1,7 @@
 //! Varlen causal GQA attention: the forward (output and log-sum-exp) and the backward (dq, dk,
-//! dv). bf16 at head_dim 64 or 128 runs on the tensor cores (`kernels/attention_mma.cu`);
-//! f32 and other head sizes on `kernels/attention.cu`. Shapes were checked by [`crate::ops`].
+//! dv). bf16 at head sizes that are multiples of 16 up to 256 runs on the tensor cores
+//! (`kernels/attention_mma.cu`); f32 and other head sizes on `kernels/attention.cu`. Shapes
+//! were checked by [`crate::ops`].
 
 use std::sync::Arc;
 
@@ -22,8 +23,9 @@ const MMA_SKEW: usize = 8;
 const KEY_BLOCK: usize = crate::cpu::KEY_BLOCK;
 const WARPS: usize = 8;
 const PAIRS: usize = 16;
-/// The kernels keep 4 consecutive dimensions per lane (so head_dim is a multiple of 4).
-pub(crate) const MAX_HEAD_DIM: usize = 128;
+/// The tile kernels keep two groups of 4 consecutive dimensions per lane (so head_dim is a
+/// multiple of 4 up to 256).
+pub(crate) const MAX_HEAD_DIM: usize = 256;
 /// Padding of a key row in shared memory (floats).
 const PAD: usize = 4;
 
@@ -37,12 +39,35 @@ fn tile_table(gpu: &Gpu, cu_seqlens: &[usize], block: usize) -> Result<(CudaSlic
 }
 
 /// The tensor-core kernels' name suffix for this head size, if they cover it.
-fn mma_suffix(head_dim: usize) -> Option<&'static str> {
-    match head_dim {
-        64 => Some("d64"),
-        128 => Some("d128"),
-        _ => None,
-    }
+/// `prefix_d{D}`: the tensor-core kernel of head size `D`, for every `D` that
+/// `kernels/attention_mma.cu` instantiates (the multiples of 16 up to 256).
+macro_rules! by_head_dim {
+    ($d:expr, $prefix:literal) => {
+        match $d {
+            16 => Some(concat!($prefix, "_d16")),
+            32 => Some(concat!($prefix, "_d32")),
+            48 => Some(concat!($prefix, "_d48")),
+            64 => Some(concat!($prefix, "_d64")),
+            80 => Some(concat!($prefix, "_d80")),
+            96 => Some(concat!($prefix, "_d96")),
+            112 => Some(concat!($prefix, "_d112")),
+            128 => Some(concat!($prefix, "_d128")),
+            144 => Some(concat!($prefix, "_d144")),
+            160 => Some(concat!($prefix, "_d160")),
+            176 => Some(concat!($prefix, "_d176")),
+            192 => Some(concat!($prefix, "_d192")),
+            208 => Some(concat!($prefix, "_d208")),
+            224 => Some(concat!($prefix, "_d224")),
+            240 => Some(concat!($prefix, "_d240")),
+            256 => Some(concat!($prefix, "_d256")),
+            _ => None,
+        }
+    };
+}
+
+/// Whether the tensor-core kernels take head size `d`.
+pub(crate) fn mma_head_dim(d: usize) -> bool {
+    by_head_dim!(d, "").is_some()
 }
 
 /// Bytes of shared memory of `rows` padded bf16 rows of the tensor-core kernels.
@@ -74,11 +99,6 @@ fn launch_with(
     })
 }
 
-/// The d64 or d128 kernel of `names`, by [`mma_suffix`].
-fn pick_d(suffix: &str, names: [&'static str; 2]) -> &'static str {
-    names[usize::from(suffix == "d128")]
-}
-
 /// A pass of the varlen attention.
 #[derive(Clone, Copy)]
 enum Pass {
@@ -88,7 +108,8 @@ enum Pass {
 }
 
 /// `(module, kernel, launch)` of a pass over the `(tiles, heads)` grid: the tensor-core kernel
-/// for bf16 at head_dim 64 or 128, else the tile kernel. Both take the same arguments.
+/// for bf16 at the head sizes it is built for, else the tile kernel. Both take the same
+/// arguments.
 fn pass_launch(
     gpu: &Gpu,
     f: Float,
@@ -96,28 +117,20 @@ fn pass_launch(
     d: usize,
     (tiles, heads): (u32, usize),
 ) -> Result<(&'static str, &'static str, LaunchConfig)> {
-    if let (Float::BF16, Some(d128)) = (f, mma_suffix(d).map(|s| s == "d128")) {
+    let mma = match pass {
+        Pass::Forward => by_head_dim!(d, "attention_mma_forward"),
+        Pass::Dq => by_head_dim!(d, "attention_mma_dq"),
+        Pass::Dkdv => by_head_dim!(d, "attention_mma_dkdv"),
+    };
+    if let (Float::BF16, Some(name)) = (f, mma) {
         // Shared rows: the queries (and dO), and two buffers of a key block's keys and values;
         // for dk/dv the block's keys and values, and two buffers of a query chunk's queries,
         // dO, lse and delta.
-        let (names, rows, extra) = match pass {
-            Pass::Forward => (
-                ["attention_mma_forward_d64", "attention_mma_forward_d128"],
-                QUERY_BLOCK + 4 * KEY_BLOCK,
-                0,
-            ),
-            Pass::Dq => (
-                ["attention_mma_dq_d64", "attention_mma_dq_d128"],
-                2 * QUERY_BLOCK + 4 * KEY_BLOCK,
-                0,
-            ),
-            Pass::Dkdv => (
-                ["attention_mma_dkdv_d64", "attention_mma_dkdv_d128"],
-                2 * KEY_BLOCK + 4 * MMA_QUERY_CHUNK,
-                4 * MMA_QUERY_CHUNK * 4,
-            ),
+        let (rows, extra) = match pass {
+            Pass::Forward => (QUERY_BLOCK + 4 * KEY_BLOCK, 0),
+            Pass::Dq => (2 * QUERY_BLOCK + 4 * KEY_BLOCK, 0),
+            Pass::Dkdv => (2 * KEY_BLOCK + 4 * MMA_QUERY_CHUNK, 4 * MMA_QUERY_CHUNK * 4),
         };
-        let name = names[usize::from(d128)];
         let bytes = mma_rows_bytes(rows, d) + extra;
         let cfg = launch_with(gpu, "attention_mma", name, (tiles, heads), MMA_THREADS, bytes)?;
         return Ok(("attention_mma", name, cfg));
@@ -357,7 +370,7 @@ pub(crate) fn paged_kv_write(
     })
 }
 
-/// `(out, lse)` of [`crate::ops::paged_attention`]: bf16 at head_dim 64 or 128 only.
+/// `(out, lse)` of [`crate::ops::paged_attention`]: bf16 at the tensor-core head sizes only.
 pub(crate) fn paged_attention(
     gpu: &Arc<Gpu>,
     q: &DeviceData,
@@ -368,12 +381,12 @@ pub(crate) fn paged_attention(
     layout: PagedLayout,
 ) -> Result<(Buffer, Buffer)> {
     let d = layout.head_dim;
-    let (DeviceData::BF16(q), DeviceData::BF16(cache), Some(suffix)) = (q, cache, mma_suffix(d))
-    else {
+    let (DeviceData::BF16(q), DeviceData::BF16(cache), true) = (q, cache, mma_head_dim(d)) else {
         return Err(Error::DType {
             op: "paged_attention",
             message: format!(
-                "the paged attention on CUDA runs in bf16 at head_dim 64 or 128, not {} at {d}",
+                "the paged attention on CUDA runs in bf16 at head sizes that are multiples of 16 \
+                 up to 256, not {} at {d}",
                 if matches!(q, DeviceData::F32(_)) { "f32" } else { "this dtype" }
             ),
         });
@@ -384,15 +397,14 @@ pub(crate) fn paged_attention(
         // A decode step takes one warp per (row, kv head) with the group's heads as its rows.
         let decode = plan.single_rows && q_heads / layout.kv_heads <= 16;
         let cfg = if decode {
-            let name =
-                pick_d(suffix, ["attention_decode_paged_d64", "attention_decode_paged_d128"]);
+            let name = by_head_dim!(d, "attention_decode_paged").expect("checked above");
             let bytes = mma_rows_bytes(16 + 4 * KEY_BLOCK, d);
             (
                 name,
                 launch_with(gpu, "attention_mma", name, (plan.count, layout.kv_heads), 32, bytes)?,
             )
         } else {
-            let name = pick_d(suffix, ["attention_mma_paged_d64", "attention_mma_paged_d128"]);
+            let name = by_head_dim!(d, "attention_mma_paged").expect("checked above");
             let bytes = mma_rows_bytes(QUERY_BLOCK + 4 * KEY_BLOCK, d);
             (
                 name,

@@ -16,7 +16,7 @@ use half::bf16;
 
 pub(crate) use attention::{
     MAX_HEAD_DIM, PagedPlanDevice, attention_backward, attention_forward, load_decode_plan,
-    paged_attention, paged_decode_plan, paged_kv_write, paged_plan,
+    mma_head_dim, paged_attention, paged_decode_plan, paged_kv_write, paged_plan,
 };
 pub(crate) use elementwise::{
     IdGroups, Ids, add, add_bias, column_sums_acc, concat_rows, embedding_backward,

@@ -472,18 +472,25 @@ pub fn qkv_rope_kv_write(
 }
 
 /// Whether [`paged_attention`] runs on `device` in `dtype` at `head_dim` (any on the CPU; bf16
-/// at head_dim 64 or 128 on CUDA), so a caller can skip the decode path where it cannot.
+/// at multiples of 16 up to 256 on CUDA), so a caller can skip the decode path where it cannot.
 pub fn paged_attention_runs(device: &Device, dtype: DType, head_dim: usize) -> bool {
     match device {
         Device::Cpu => true,
-        _ => dtype == DType::BF16 && matches!(head_dim, 64 | 128),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => dtype == DType::BF16 && crate::cuda::mma_head_dim(head_dim),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => {
+            let _ = (dtype, head_dim);
+            false
+        }
     }
 }
 
 /// Attention of the plan's query rows (`q` `[rows × q_heads × head_dim]`) over the paged
 /// `cache` of `layer`, this step's keys and values already written: `(out, lse)` as
 /// [`attention_forward`] gives them, with the same bits per row. On CUDA it runs in bf16 at
-/// head_dim 64 or 128 (the tensor-core forward reading key blocks through the block tables).
+/// head sizes that are multiples of 16 up to 256 (the tensor-core forward reading key blocks
+/// through the block tables).
 pub fn paged_attention(
     q: &Tensor,
     cache: &Tensor,
@@ -583,6 +590,9 @@ mod tests {
             (vec![0, 64, 129, 130], s(6, 3, 64)),
             (vec![0, 300], s(4, 1, 100)),
             (vec![0, 37, 170], s(16, 8, 128)),
+            // Gemma's 256 and the other sizes of the tensor-core kernels.
+            (vec![0, 3, 90], s(4, 2, 80)),
+            (vec![0, 70, 75], s(2, 1, 256)),
         ]
     }
 
@@ -747,7 +757,7 @@ mod tests {
                 Some(*a)
             }))
             .collect();
-        for d in [64usize, 128] {
+        for d in [16usize, 64, 80, 128, 256] {
             let s = AttentionShape { q_heads: 6, kv_heads: 2, head_dim: d };
             let [q, k, v, _] = inputs(&mut rng, &cu, s);
             let t = *cu.last().unwrap();
