@@ -3,8 +3,17 @@
 use crate::tokenizer::BYTE_TOKENIZER_SPECIALS;
 use crate::{Architecture, Biases, Error, ModelConfig, MoeConfig, Result, RopeScaling};
 
-pub const PRESETS: [&str; 6] =
-    ["tiny", "tiny-h64", "qwen3-0.6b", "qwen3-8b", "smollm2-135m", "qwen3-30b-a3b-4l"];
+pub const PRESETS: [&str; 9] = [
+    "tiny",
+    "tiny-h64",
+    "qwen3-0.6b",
+    "qwen3-8b",
+    "smollm2-135m",
+    "qwen3-30b-a3b-4l",
+    "qwen2.5-0.5b",
+    "qwen2.5-1.5b",
+    "llama3.2-1b",
+];
 
 /// The configuration of preset `name`. `tiny` takes any architecture (default Qwen3; with
 /// Qwen3-MoE, 8 experts of which 2 per token), and so does `tiny-h64`, the same with heads of
@@ -142,6 +151,54 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 router_aux_loss_coef: 0.0,
             })),
         },
+        // Qwen2.5-0.5B-Instruct's and Qwen2.5-1.5B-Instruct's published config.json.
+        "qwen2.5-0.5b" | "qwen2.5-1.5b" => {
+            let small = name == "qwen2.5-0.5b";
+            ModelConfig {
+                architecture: fixed(Architecture::Qwen2)?,
+                vocab_size: 151_936,
+                hidden_size: if small { 896 } else { 1536 },
+                intermediate_size: if small { 4864 } else { 8960 },
+                num_hidden_layers: if small { 24 } else { 28 },
+                num_attention_heads: if small { 14 } else { 12 },
+                num_key_value_heads: 2,
+                head_dim: if small { 64 } else { 128 },
+                bias: Biases { qkv: true, o: false, mlp: false },
+                rms_norm_eps: 1e-6,
+                rope_theta: 1_000_000.0,
+                rope_scaling: RopeScaling::None,
+                tie_word_embeddings: true,
+                max_position_embeddings: 32_768,
+                bos_token_id: None,
+                eos_token_ids: vec![151_645],
+                moe: None,
+            }
+        }
+        // Llama-3.2-1B-Instruct's published config.json (llama3 rope scaling).
+        "llama3.2-1b" => ModelConfig {
+            architecture: fixed(Architecture::Llama)?,
+            vocab_size: 128_256,
+            hidden_size: 2048,
+            intermediate_size: 8192,
+            num_hidden_layers: 16,
+            num_attention_heads: 32,
+            num_key_value_heads: 8,
+            head_dim: 64,
+            bias: Biases::default(),
+            rms_norm_eps: 1e-5,
+            rope_theta: 500_000.0,
+            rope_scaling: RopeScaling::Llama3 {
+                factor: 32.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_positions: 8192.0,
+            },
+            tie_word_embeddings: true,
+            max_position_embeddings: 131_072,
+            bos_token_id: Some(128_000),
+            eos_token_ids: vec![128_001, 128_008, 128_009],
+            moe: None,
+        },
         other => {
             return Err(Error::Invalid(format!(
                 "unknown preset '{other}'; presets: {}",
@@ -162,6 +219,10 @@ mod tests {
         assert_eq!(preset("qwen3-8b", None).unwrap().num_parameters(), 8_190_735_360);
         // SmolLM2-135M: 134.5M parameters with the tied head.
         assert_eq!(preset("smollm2-135m", None).unwrap().num_parameters(), 134_515_008);
+        // The counts the hub's safetensors hold (biases of q/k/v included for Qwen2.5).
+        assert_eq!(preset("qwen2.5-0.5b", None).unwrap().num_parameters(), 494_032_768);
+        assert_eq!(preset("qwen2.5-1.5b", None).unwrap().num_parameters(), 1_543_714_304);
+        assert_eq!(preset("llama3.2-1b", None).unwrap().num_parameters(), 1_235_814_400);
         assert_eq!(
             preset("tiny", Some(Architecture::Llama)).unwrap().architecture,
             Architecture::Llama
