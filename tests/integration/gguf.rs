@@ -1,4 +1,5 @@
-//! `miles convert gguf`: tiny llama/qwen3 GGUFs written by `tests/fixtures/make_gguf_fixture.py`
+//! `miles convert gguf`: tiny llama/qwen2/qwen3 GGUFs written by
+//! `tests/fixtures/make_gguf_fixture.py`
 //! (gguf-py for the tensors, HF `tokenizers` for token ids) converted end to end; corrupt and
 //! truncated files; and, when `MILES_SMOLLM2_GGUF` names it, the real SmolLM2-135M-Instruct.
 
@@ -41,6 +42,7 @@ fn check_checkpoint(dir: &Path, r: &Value, rel: f64) -> ModelConfig {
     let rc = &r["config"];
     let arch = match rc["architecture"].as_str().unwrap() {
         "llama" => Architecture::Llama,
+        "qwen2" => Architecture::Qwen2,
         _ => Architecture::Qwen3,
     };
     assert_eq!(c.architecture, arch);
@@ -157,6 +159,16 @@ fn tiny_qwen3_gguf_converts_tied_with_qk_norms_and_no_permutation() {
 }
 
 #[test]
+fn tiny_qwen2_gguf_converts_with_q_k_v_biases() {
+    let dir = scratch("gguf_tiny_qwen2");
+    let report = convert(&fixture("tiny-qwen2.gguf"), &dir, &[]).unwrap();
+    assert!(report.contains("qwen2: 2 layers, hidden 32, 4 heads (2 kv, dim 8)"), "{report}");
+    let c = check_checkpoint(&dir, &reference("tiny-qwen2"), 0.0);
+    assert!(c.tie_word_embeddings && c.bias.qkv && !c.bias.o);
+    check_runs(&dir, &c);
+}
+
+#[test]
 fn dtype_bf16_stores_bfloat16() {
     let dir = scratch("gguf_bf16");
     let report = convert(&fixture("tiny-qwen3.gguf"), &dir, &["--dtype", "bf16"]).unwrap();
@@ -225,7 +237,7 @@ fn corrupt_and_truncated_ggufs_are_clear_errors() {
     bad[at..at + 5].copy_from_slice(b"gemma");
     let err = convert_err("arch", &bad);
     assert!(
-        err.contains("architecture 'gemma' is not supported; supported: llama, qwen3"),
+        err.contains("architecture 'gemma' is not supported; supported: llama, qwen2, qwen3"),
         "{err}"
     );
 }

@@ -69,7 +69,7 @@ const LAYER_NAMES: [(&str, &str); 11] = [
 /// The HF name of a llama.cpp tensor name, when it has one.
 pub fn hf_name(gguf: &str) -> Option<String> {
     let (stem, suffix) = gguf.rsplit_once('.')?;
-    if suffix != "weight" {
+    if suffix != "weight" && suffix != "bias" {
         return None;
     }
     let hf = match stem {
@@ -84,7 +84,7 @@ pub fn hf_name(gguf: &str) -> Option<String> {
             format!("model.layers.{layer}.{hf}")
         }
     };
-    Some(format!("{hf}.weight"))
+    Some(format!("{hf}.{suffix}"))
 }
 
 /// llama.cpp's Q/K row order for `llama` (convert_hf_to_gguf.py's `permute`): within each head
@@ -128,10 +128,11 @@ pub fn model_config(g: &GgufFile) -> Result<ModelConfig> {
     let architecture = match arch_name {
         "llama" => Architecture::Llama,
         "qwen3" => Architecture::Qwen3,
+        "qwen2" => Architecture::Qwen2,
         other => {
             return Err(unsupported(
                 g,
-                format!("architecture '{other}' is not supported; supported: llama, qwen3"),
+                format!("architecture '{other}' is not supported; supported: llama, qwen2, qwen3"),
             ));
         }
     };
@@ -187,7 +188,8 @@ pub fn model_config(g: &GgufFile) -> Result<ModelConfig> {
         num_attention_heads,
         num_key_value_heads,
         head_dim,
-        bias: Biases::default(),
+        // Qwen2's q/k/v biases, which llama.cpp keeps as `attn_{q,k,v}.bias`.
+        bias: Biases { qkv: architecture == Architecture::Qwen2, ..Biases::default() },
         rms_norm_eps: m.opt_f32(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
         rope_theta: m.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
         rope_scaling: RopeScaling::None,
@@ -336,6 +338,7 @@ mod tests {
             ("blk.3.attn_k_norm.weight", "model.layers.3.self_attn.k_norm.weight"),
             ("blk.29.ffn_norm.weight", "model.layers.29.post_attention_layernorm.weight"),
             ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight"),
+            ("blk.0.attn_q.bias", "model.layers.0.self_attn.q_proj.bias"),
         ];
         for (gguf, hf) in cases {
             assert_eq!(hf_name(gguf).as_deref(), Some(hf), "{gguf}");
@@ -343,7 +346,7 @@ mod tests {
         for none in [
             "rope_freqs.weight",
             "blk.x.attn_q.weight",
-            "blk.0.attn_q.bias",
+            "blk.0.attn_q.scale",
             "blk.0.ffn_gate_exps.weight",
         ] {
             assert_eq!(hf_name(none), None, "{none}");
