@@ -270,6 +270,29 @@ impl ModelConfig {
                     .into(),
             ));
         }
+        // Keys that change the math of families not implemented here: refused, not ignored.
+        if let Some(Value::Array(types)) = obj.get("layer_types")
+            && let Some(other) = types.iter().find(|t| t.as_str() != Some("full_attention"))
+        {
+            return Err(f.err(format!(
+                "'layer_types' holds {other}: only full_attention layers are supported"
+            )));
+        }
+        for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+            if let Some(v) = obj.get(key).filter(|v| !v.is_null()) {
+                return Err(f.err(format!("'{key}': {v} is not supported (no soft-capping)")));
+            }
+        }
+        let partial = obj.get("partial_rotary_factor").or_else(|| {
+            ["rope_parameters", "rope_scaling"]
+                .iter()
+                .find_map(|k| obj.get(*k)?.get("partial_rotary_factor"))
+        });
+        if let Some(p) = partial.filter(|p| p.as_f64() != Some(1.0) && !p.is_null()) {
+            return Err(f.err(format!(
+                "'partial_rotary_factor': {p} is not supported (rotary embeddings over whole heads)"
+            )));
+        }
         // Newer transformers write `rope_parameters`, older `rope_theta` and `rope_scaling`.
         let rope = ["rope_parameters", "rope_scaling"]
             .into_iter()
@@ -650,6 +673,22 @@ mod tests {
         let mut v = qwen3_json();
         v["rope_scaling"] = json!({"rope_type": "longrope", "factor": 4.0});
         assert!(err(v).contains("'rope_scaling.rope_type' 'longrope' is not supported"));
+        for (key, value, want) in [
+            ("layer_types", json!(["full_attention", "sliding_attention"]), "'layer_types' holds"),
+            ("final_logit_softcapping", json!(30.0), "'final_logit_softcapping': 30.0 is not"),
+            ("partial_rotary_factor", json!(0.5), "'partial_rotary_factor': 0.5 is not"),
+            ("use_sliding_window", json!(true), "'use_sliding_window': true is not"),
+            ("mlp_bias", json!(true), "'mlp_bias': true is not supported for Qwen3ForCausalLM"),
+        ] {
+            let mut v = qwen3_json();
+            v[key] = value;
+            let e = err(v);
+            assert!(e.starts_with("ckpt/config.json: ") && e.contains(want), "{e}");
+        }
+        let mut v = qwen3_json();
+        v["layer_types"] = json!(vec!["full_attention"; 28]);
+        v["partial_rotary_factor"] = json!(1.0);
+        ModelConfig::from_json(&v, p).unwrap();
         for (q, want) in [
             (json!({"quant_method": "awq"}), "quant_method 'awq' is not supported"),
             (json!({"quant_method": "fp8", "fmt": "e5m2"}), "fmt \"e5m2\" is not supported"),
