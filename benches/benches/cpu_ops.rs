@@ -35,7 +35,7 @@ fn matmul(c: &mut Criterion) {
 
 fn attention(c: &mut Criterion) {
     let mut rng = Rng::new(2);
-    let s = AttentionShape { q_heads: 9, kv_heads: 3, head_dim: 64 };
+    let s = AttentionShape::new(9, 3, 64);
     let cu: Vec<usize> = (0..=4).map(|i| i * 256).collect();
     let q = rng.vec(TOKENS * 9 * 64, 1.0);
     let (k, v) = (rng.vec(TOKENS * 3 * 64, 1.0), rng.vec(TOKENS * 3 * 64, 1.0));

@@ -21,7 +21,10 @@ const HIDDEN: usize = 1024;
 const INTER: usize = 3072;
 const VOCAB: usize = 151_936;
 const HEAD_ROWS: usize = 1024;
-const SHAPE: AttentionShape = AttentionShape { q_heads: 16, kv_heads: 8, head_dim: 128 };
+/// Qwen3-0.6B's attention.
+fn shape() -> AttentionShape {
+    AttentionShape::new(16, 8, 128)
+}
 
 fn random(rng: &mut Rng, shape: &[usize], scale: f32, dtype: DType) -> Tensor {
     let data = rng.vec(shape.iter().product(), scale);
@@ -156,7 +159,7 @@ fn grouped(c: &mut Criterion) {
 
 fn attention(c: &mut Criterion) {
     let mut rng = Rng::new(2);
-    let AttentionShape { q_heads, kv_heads, head_dim: d } = SHAPE;
+    let AttentionShape { q_heads, kv_heads, head_dim: d, .. } = shape();
     let cu: Vec<usize> = (0..=SEQS).map(|i| i * SEQ_LEN).collect();
     // Causal: each sequence's L(L+1)/2 query-key pairs, 2 products of 2·d FLOP each.
     let pairs = SEQS * SEQ_LEN * (SEQ_LEN + 1) / 2;
@@ -169,13 +172,14 @@ fn attention(c: &mut Criterion) {
         let mut g = group(c, &format!("attention_{dtype}_32x512_h16_kv8_d128"));
         g.throughput(Throughput::Elements(fwd_flop));
         on_device(&mut g, "forward", || {
-            ops::attention_forward(&q, &k, &v, &cu, SHAPE).expect("attention");
+            ops::attention_forward(&q, &k, &v, &cu, shape()).expect("attention");
         });
-        let (out, lse) = ops::attention_forward(&q, &k, &v, &cu, SHAPE).expect("attention");
+        let (out, lse) = ops::attention_forward(&q, &k, &v, &cu, shape()).expect("attention");
         // The backward's five products against the forward's two.
         g.throughput(Throughput::Elements(fwd_flop * 5 / 2));
         on_device(&mut g, "backward", || {
-            ops::attention_backward(&d_out, &q, &k, &v, &out, &lse, &cu, SHAPE).expect("backward");
+            ops::attention_backward(&d_out, &q, &k, &v, &out, &lse, &cu, shape())
+                .expect("backward");
         });
         g.finish();
     }
@@ -253,20 +257,20 @@ fn rowwise(c: &mut Criterion) {
     g.finish();
 
     let mut g = group(c, "rope_bf16_16384x16x128");
-    let q = random(&mut rng, &[TOKENS, SHAPE.q_heads, SHAPE.head_dim], 1.0, DType::BF16);
-    let cos = random(&mut rng, &[TOKENS, SHAPE.head_dim / 2], 1.0, DType::F32);
-    let sin = random(&mut rng, &[TOKENS, SHAPE.head_dim / 2], 1.0, DType::F32);
+    let q = random(&mut rng, &[TOKENS, shape().q_heads, shape().head_dim], 1.0, DType::BF16);
+    let cos = random(&mut rng, &[TOKENS, shape().head_dim / 2], 1.0, DType::F32);
+    let sin = random(&mut rng, &[TOKENS, shape().head_dim / 2], 1.0, DType::F32);
     g.throughput(Throughput::Bytes(
-        (2 * TOKENS * HIDDEN * 2 * 2 + 2 * TOKENS * SHAPE.head_dim / 2 * 4) as u64,
+        (2 * TOKENS * HIDDEN * 2 * 2 + 2 * TOKENS * shape().head_dim / 2 * 4) as u64,
     ));
     on_device(&mut g, "forward", || {
         ops::rope(&q, &cos, &sin, false).expect("rope");
     });
     // Qwen3's q/k norms and both rotations in one launch (8 kv heads of k beside 16 of q).
-    let q2 = random(&mut rng, &[TOKENS, SHAPE.q_heads * SHAPE.head_dim], 1.0, DType::BF16);
-    let k = random(&mut rng, &[TOKENS, SHAPE.kv_heads * SHAPE.head_dim], 1.0, DType::BF16);
-    let qw = random(&mut rng, &[SHAPE.head_dim], 1.0, DType::F32);
-    let kw = random(&mut rng, &[SHAPE.head_dim], 1.0, DType::F32);
+    let q2 = random(&mut rng, &[TOKENS, shape().q_heads * shape().head_dim], 1.0, DType::BF16);
+    let k = random(&mut rng, &[TOKENS, shape().kv_heads * shape().head_dim], 1.0, DType::BF16);
+    let qw = random(&mut rng, &[shape().head_dim], 1.0, DType::F32);
+    let kw = random(&mut rng, &[shape().head_dim], 1.0, DType::F32);
     on_device(&mut g, "qk_norm_rope", || {
         ops::qk_norm_rope(&q2, &k, &qw, &kw, 1e-6, &cos, &sin).expect("qk_norm_rope");
     });
@@ -408,7 +412,8 @@ fn decode(c: &mut Criterion) {
     // Each sequence's 193 cached keys and values, read once per kv head.
     g.throughput(Throughput::Bytes((rows * 193 * kv_heads * d * 2 * 2) as u64));
     on_device(&mut g, "paged_attention", || {
-        ops::paged_attention(&q, &cache, 7, &plan, q_heads).expect("paged attention");
+        ops::paged_attention(&q, &cache, 7, &plan, q_heads, &shape().scores)
+            .expect("paged attention");
     });
     g.finish();
 }

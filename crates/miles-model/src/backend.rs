@@ -191,10 +191,11 @@ pub(crate) trait BackwardBackend: Backend {
         gate: &Self::Act,
         up: &Self::Act,
     ) -> Result<(Self::Act, Self::Act)>;
-    /// `(dq, dk, dv)` of the causal attention whose forward gave `out` and `lse`.
+    /// `(dq, dk, dv)` of layer `layer`'s causal attention whose forward gave `out` and `lse`.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
+        layer: usize,
         d_out: &Self::Act,
         q: &Self::Act,
         k: &Self::Act,
@@ -204,9 +205,9 @@ pub(crate) trait BackwardBackend: Backend {
     ) -> Result<(Self::Act, Self::Act, Self::Act)>;
 }
 
-/// `(q, k, v) → (attention output, log-sum-exp)`: where the training forward and the
+/// `(layer, q, k, v) → (attention output, log-sum-exp)`: where the training forward and the
 /// incremental step differ.
-pub(crate) type AttentionFn<'a, A> = dyn FnMut(&A, &A, &A) -> Result<(A, A)> + 'a;
+pub(crate) type AttentionFn<'a, A> = dyn FnMut(usize, &A, &A, &A) -> Result<(A, A)> + 'a;
 
 /// A linear's `N` parts, as [`Backend::linear`] returns them.
 pub(crate) fn take<const N: usize, A>(parts: Vec<A>) -> [A; N] {

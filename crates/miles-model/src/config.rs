@@ -470,6 +470,15 @@ impl ModelConfig {
         v
     }
 
+    /// The attention of decoder layer `layer`: its heads and how its scores are formed.
+    pub fn attention_shape(&self, _layer: usize) -> miles_tensor::cpu::AttentionShape {
+        miles_tensor::cpu::AttentionShape::new(
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+        )
+    }
+
     /// The rotary cos and sin tables `[positions × head_dim/2]` of `positions`, as transformers
     /// computes them for this config.
     pub fn rope_tables(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use miles_tensor::cpu::{self, AdamW, AttentionShape, PackedLinear, PagedRows, Transpose};
+use miles_tensor::cpu::{self, AdamW, PackedLinear, PagedRows, Transpose};
 use miles_tensor::{DType, Device, Tensor, ops};
 
 use crate::backend::{Backend, BackwardBackend, Linear, Norm};
@@ -584,15 +584,6 @@ impl DeviceModel {
         }
     }
 
-    fn attention_shape(&self) -> AttentionShape {
-        let c = &self.config;
-        AttentionShape {
-            q_heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
-        }
-    }
-
     /// Per response token logp and entropy at `temperature`, keeping the activations for
     /// [`DeviceModel::backward`].
     pub fn forward(&self, batch: &PackedBatch, temperature: f32) -> Result<Forward> {
@@ -622,8 +613,8 @@ impl DeviceModel {
             grads: None,
         };
         let mut x = ops::embedding_forward(self.weight(0), &batch.tokens)?;
-        let shape = self.attention_shape();
-        let mut attention = |q: &Tensor, k: &Tensor, v: &Tensor| {
+        let mut attention = |layer, q: &Tensor, k: &Tensor, v: &Tensor| {
+            let shape = c.attention_shape(layer);
             Ok(ops::attention_forward(q, k, v, &batch.cu_seqlens, shape)?)
         };
         let mut layers = Vec::new();
@@ -789,7 +780,8 @@ impl DeviceModel {
                 plan,
                 heads,
             )?;
-            let (attn, _) = ops::paged_attention(&q, kv.data(), layer, plan, heads)?;
+            let scores = c.attention_shape(layer).scores;
+            let (attn, _) = ops::paged_attention(&q, kv.data(), layer, plan, heads, &scores)?;
             let o = product(&attn, self.weight(l.linear(layer, Linear::O)[0]))?;
             let post = self.weight(l.norm(layer, Norm::Post));
             let [x_mid, n2, _] = ops::add_rmsnorm(&x, &o, post, eps)?;
@@ -817,10 +809,11 @@ impl DeviceModel {
         let c = &self.config;
         let dev = Dev { w: self.weights(), cos, sin, cu_seqlens: &[], grads: None };
         for layer in 0..c.num_hidden_layers {
-            let mut attention = |q: &Tensor, k: &Tensor, v: &Tensor| {
+            let mut attention = |layer, q: &Tensor, k: &Tensor, v: &Tensor| {
                 ops::paged_kv_write(kv.data_mut(), k, v, layer, plan)?;
                 let q_heads = c.num_attention_heads;
-                Ok(ops::paged_attention(q, kv.data(), layer, plan, q_heads)?)
+                let scores = c.attention_shape(layer).scores;
+                Ok(ops::paged_attention(q, kv.data(), layer, plan, q_heads, &scores)?)
             };
             let (out, a) = layer_forward(&dev, c, layer, x, &mut attention, None)?;
             x = out;
@@ -1524,6 +1517,7 @@ impl BackwardBackend for Dev<'_> {
 
     fn attention_backward(
         &self,
+        layer: usize,
         d_out: &Tensor,
         q: &Tensor,
         k: &Tensor,
@@ -1531,12 +1525,7 @@ impl BackwardBackend for Dev<'_> {
         out: &Tensor,
         lse: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let c = self.w.config;
-        let shape = AttentionShape {
-            q_heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
-        };
+        let shape = self.w.config.attention_shape(layer);
         Ok(ops::attention_backward(d_out, q, k, v, out, lse, self.cu_seqlens, shape)?)
     }
 }

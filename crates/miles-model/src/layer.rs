@@ -62,7 +62,7 @@ pub(crate) fn layer_forward<B: Backend>(
     let (n1, rstd1) = b.rmsnorm(layer, Norm::Input, &x)?;
     let [q, k, v] = take(b.linear(layer, Linear::Qkv, &n1)?);
     let (q, k, qk_norm) = b.qk_norm_rope(c, layer, q, k)?;
-    let (attn, lse) = attention(&q, &k, &v)?;
+    let (attn, lse) = attention(layer, &q, &k, &v)?;
     let [o] = take(b.linear(layer, Linear::O, &attn)?);
     let (x_mid, n2, rstd2) = b.add_rmsnorm(layer, Norm::Post, &x, &o)?;
     let (m, mlp) = match &c.moe {
@@ -115,7 +115,7 @@ pub(crate) fn layer_backward<B: BackwardBackend>(
 
     // Attention: x_mid = x_in + o(attn(rope(norm(q(n1))), rope(norm(k(n1))), v(n1))).
     let d_attn = b.linear_backward(layer, Linear::O, &[&dx], &a.attn)?;
-    let (dq, dk, dv) = b.attention_backward(&d_attn, &a.q, &a.k, &a.v, &a.attn, &a.lse)?;
+    let (dq, dk, dv) = b.attention_backward(layer, &d_attn, &a.q, &a.k, &a.v, &a.attn, &a.lse)?;
     let mut dq = b.rope(dq, nq, true)?;
     let mut dk = b.rope(dk, nkv, true)?;
     if let Some([q_pre, q_rstd, k_pre, k_rstd]) = &a.qk_norm {

@@ -24,15 +24,64 @@ pub const KEY_BLOCK: usize = 64;
 /// Query rows per forward / dq tile.
 pub(crate) const QUERY_BLOCK: usize = 64;
 
-/// Shapes of one attention call.
+/// Shapes of one attention call, and how its scores are formed.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
     pub q_heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    pub scores: Scores,
+}
+
+/// How a query's scores over its keys are formed: `(q · scale)·k`, soft-capped to
+/// `cap · tanh(s / cap)` when `softcap` is set (Gemma 2), over the last `window` keys only
+/// when it is set (sliding-window layers: key j is seen by query i when i − window < j ≤ i).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scores {
+    pub scale: f32,
+    pub softcap: Option<f32>,
+    pub window: Option<usize>,
+}
+
+impl Scores {
+    /// Plain causal attention over heads of `head_dim`: scale 1/√head_dim.
+    pub fn plain(head_dim: usize) -> Self {
+        Scores { scale: 1.0 / (head_dim as f32).sqrt(), softcap: None, window: None }
+    }
+
+    /// Whether the scores are plain scaled dot products over every earlier key.
+    pub fn is_plain_causal(&self) -> bool {
+        self.softcap.is_none() && self.window.is_none()
+    }
+
+    /// The first key a query that sees `visible` keys (of its sequence, causally) attends to.
+    pub fn first_key(&self, visible: usize) -> usize {
+        self.window.map_or(0, |w| visible.saturating_sub(w))
+    }
+
+    /// The score from the scaled dot product.
+    fn cap(&self, s: f32) -> f32 {
+        match self.softcap {
+            Some(c) => c * (s / c).tanh(),
+            None => s,
+        }
+    }
+
+    /// d(score)/d(scaled dot product), from the score: 1 − (score / cap)².
+    fn cap_grad(&self, score: f32) -> f32 {
+        match self.softcap {
+            Some(c) => 1.0 - (score / c) * (score / c),
+            None => 1.0,
+        }
+    }
 }
 
 impl AttentionShape {
+    /// Plain causal attention ([`Scores::plain`]).
+    pub fn new(q_heads: usize, kv_heads: usize, head_dim: usize) -> Self {
+        AttentionShape { q_heads, kv_heads, head_dim, scores: Scores::plain(head_dim) }
+    }
+
     pub(crate) fn check(
         &self,
         op: &'static str,
@@ -42,7 +91,7 @@ impl AttentionShape {
         v: usize,
         cu: &[usize],
     ) -> Result<()> {
-        let AttentionShape { q_heads, kv_heads, head_dim } = *self;
+        let AttentionShape { q_heads, kv_heads, head_dim, .. } = *self;
         ensure(kv_heads > 0 && q_heads.is_multiple_of(kv_heads), op, || {
             format!("{q_heads} query heads are not a multiple of {kv_heads} kv heads")
         })?;
@@ -132,33 +181,37 @@ pub(crate) fn tiles(cu_seqlens: &[usize], block: usize) -> Vec<Tile> {
     out
 }
 
-/// One query row attending over key blocks: `out_row = softmax(q·Kᵀ·scale)·V` over the first
-/// `visible` keys, returning the log-sum-exp. `block(b)` gives key block `b` of the row's kv
-/// head as `(kt, v)`: keys transposed (`kt[x * KEY_BLOCK + j]`) and values row by row
-/// (`v[j * v_stride + x]`). Training, prefill and decode all call this one function, so a
-/// token's attention output has the same bits whichever batch, packing or cache it came from.
+/// One query row attending over key blocks: `out_row = softmax(scores)·V` over its keys
+/// `first..visible` (of its sequence; [`Scores::first_key`]), returning the log-sum-exp.
+/// `block(b)` gives key block `b` of the row's kv head as `(kt, v)`: keys transposed
+/// (`kt[x * KEY_BLOCK + j]`) and values row by row (`v[j * v_stride + x]`). Training, prefill
+/// and decode all call this one function, so a token's attention output has the same bits
+/// whichever batch, packing or cache it came from.
 pub fn attend_row<'a>(
     out_row: &mut [f32],
     q_row: &[f32],
-    visible: usize,
+    (first, visible): (usize, usize),
+    scores: &Scores,
     v_stride: usize,
     block: impl Fn(usize) -> (&'a [f32], &'a [f32]),
 ) -> f32 {
     let d = q_row.len();
-    let qs = scaled(q_row, 1.0 / (d as f32).sqrt());
+    let qs = scaled(q_row, scores.scale);
     let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
     out_row.fill(0.0);
     let mut s = [0f32; KEY_BLOCK];
-    for b in 0..visible.div_ceil(KEY_BLOCK) {
+    for b in first / KEY_BLOCK..visible.div_ceil(KEY_BLOCK) {
         let (kt, v) = block(b);
+        let lo = first.saturating_sub(b * KEY_BLOCK);
         let n = KEY_BLOCK.min(visible - b * KEY_BLOCK);
         KeyTile::project(kt, &qs, &mut s);
-        let block_max = s[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        s[lo..n].iter_mut().for_each(|x| *x = scores.cap(*x));
+        let block_max = s[lo..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let new_m = m.max(block_max);
         let rescale = (m - new_m).exp();
         l *= rescale;
         out_row.iter_mut().for_each(|x| *x *= rescale);
-        for (jj, sj) in s[..n].iter().enumerate() {
+        for (jj, sj) in s[..n].iter().enumerate().skip(lo) {
             let p = (sj - new_m).exp();
             l += p;
             axpy(out_row, p, &v[jj * v_stride..][..d]);
@@ -179,7 +232,7 @@ pub fn attention_forward(
     cu_seqlens: &[usize],
     shape: AttentionShape,
 ) -> Result<()> {
-    let AttentionShape { q_heads, kv_heads, head_dim: d } = shape;
+    let AttentionShape { q_heads, kv_heads, head_dim: d, scores } = shape;
     let tokens = lse.len() / q_heads.max(1);
     shape.check("attention", tokens, q.len(), k.len(), v.len(), cu_seqlens)?;
     ensure(out.len() == q.len() && lse.len() == tokens * q_heads, "attention", || {
@@ -217,10 +270,12 @@ pub fn attention_forward(
             let mut acc = vec![0f32; (i1 - i0) * d];
             let mut row_lse = vec![0f32; i1 - i0];
             for (r, i) in (i0..i1).enumerate() {
+                let visible = i + 1 - a;
                 row_lse[r] = attend_row(
                     &mut acc[r * d..(r + 1) * d],
                     &q[(i * q_heads + h) * d..][..d],
-                    i + 1 - a,
+                    (scores.first_key(visible), visible),
+                    &scores,
                     v_stride,
                     |b| {
                         let j0 = key_tiles[b].j0;
@@ -313,8 +368,9 @@ pub(crate) fn check_paged(
 
 /// Attention of query rows over a paged KV cache (`cache` `[layout.rows() × head_dim]`, this
 /// step's keys already written): `out` `[rows × q_heads × head_dim]` and `lse`
-/// `[rows × q_heads]`. Each row runs [`attend_row`] over its key blocks as the training forward
-/// does, so its bits equal the packed forward's for the same token.
+/// `[rows × q_heads]`, the scores formed by `scores`. Each row runs [`attend_row`] over its
+/// key blocks as the training forward does, so its bits equal the packed forward's for the
+/// same token.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention_forward(
     out: &mut [f32],
@@ -325,6 +381,7 @@ pub fn paged_attention_forward(
     seqs: &[PagedRows],
     q_heads: usize,
     layout: PagedLayout,
+    scores: &Scores,
 ) -> Result<()> {
     const OP: &str = "paged_attention";
     let PagedLayout { kv_heads, head_dim: d, .. } = layout;
@@ -374,10 +431,12 @@ pub fn paged_attention_forward(
                 for r in 0..s.n {
                     let row = starts[i] + r;
                     let mut o = vec![0f32; d];
+                    let visible = s.pos0 + r + 1;
                     let l = attend_row(
                         &mut o,
                         &q[(row * q_heads + h) * d..][..d],
-                        s.pos0 + r + 1,
+                        (scores.first_key(visible), visible),
+                        scores,
                         d,
                         |b| (&cache[tiles[b].0..][..d * KEY_BLOCK], &cache[tiles[b].1..]),
                     );
@@ -410,7 +469,7 @@ pub fn attention_backward(
     cu_seqlens: &[usize],
     shape: AttentionShape,
 ) -> Result<()> {
-    let AttentionShape { q_heads, kv_heads, head_dim: d } = shape;
+    let AttentionShape { q_heads, kv_heads, head_dim: d, scores } = shape;
     let tokens = lse.len() / q_heads.max(1);
     shape.check("attention_backward", tokens, q.len(), k.len(), v.len(), cu_seqlens)?;
     ensure(
@@ -423,8 +482,10 @@ pub fn attention_backward(
         || format!("gradient buffers do not match q {} k {}", q.len(), k.len()),
     )?;
     let group = q_heads / kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = scores.scale;
     let q_scaled = scaled(q, scale);
+    // The keys `a + first_key(..)..=i` a query row `i` of the sequence starting at `a` sees.
+    let first_of = |a: usize, i: usize| a + scores.first_key(i + 1 - a);
     // delta[t, h] = dO·O, the softmax backward's row term.
     let delta: Vec<f32> =
         d_out.par_chunks(d).zip(out.par_chunks(d)).map(|(a, b)| dot(a, b)).collect();
@@ -439,18 +500,24 @@ pub fn attention_backward(
             let kvh = h / group;
             let mut dq_t = vec![0f32; (i1 - i0) * d];
             let (mut s, mut dp) = ([0f32; KEY_BLOCK], [0f32; KEY_BLOCK]);
-            let mut j0 = a;
+            // Key blocks anchored at the sequence start, from the first one a row sees.
+            let mut j0 = a + (first_of(a, i0) - a) / KEY_BLOCK * KEY_BLOCK;
             while j0 < i1 {
                 let tile = KeyTile::new(k, v, j0, KEY_BLOCK.min(i1 - j0), kvh, kv_heads, d);
                 for (r, i) in (i0.max(j0)..i1).map(|i| (i - i0, i)) {
                     let row = i * q_heads + h;
+                    let lo = first_of(a, i).saturating_sub(tile.j0);
                     let n = tile.len.min(i + 1 - tile.j0);
+                    if lo >= n {
+                        continue;
+                    }
                     KeyTile::project(&tile.kt, &q_scaled[row * d..][..d], &mut s);
                     KeyTile::project(&tile.vt, &d_out[row * d..][..d], &mut dp);
                     let dq_r = &mut dq_t[r * d..(r + 1) * d];
-                    for jj in 0..n {
-                        let p = (s[jj] - lse[row]).exp();
-                        let ds = p * (dp[jj] - delta[row]);
+                    for jj in lo..n {
+                        let score = scores.cap(s[jj]);
+                        let p = (score - lse[row]).exp();
+                        let ds = p * (dp[jj] - delta[row]) * scores.cap_grad(score);
                         axpy(dq_r, scale * ds, &k[((tile.j0 + jj) * kv_heads + kvh) * d..][..d]);
                     }
                 }
@@ -471,22 +538,28 @@ pub fn attention_backward(
         .collect();
     let kv_tiles: Vec<(Vec<f32>, Vec<f32>)> = work
         .par_iter()
-        .map(|&(kvh, (_, b, j0, j1))| {
+        .map(|&(kvh, (a, b, j0, j1))| {
             let tile = KeyTile::new(k, v, j0, j1 - j0, kvh, kv_heads, d);
             let (mut dk_t, mut dv_t) = (vec![0f32; tile.len * d], vec![0f32; tile.len * d]);
             let (mut s, mut dp) = ([0f32; KEY_BLOCK], [0f32; KEY_BLOCK]);
             for i in j0..b {
+                let lo = first_of(a, i).saturating_sub(j0);
                 let n = tile.len.min(i + 1 - j0);
+                if lo >= n {
+                    // Later queries see no key of this tile either.
+                    break;
+                }
                 for h in kvh * group..(kvh + 1) * group {
                     let row = i * q_heads + h;
                     let qv = &q[row * d..][..d];
                     let dov = &d_out[row * d..][..d];
                     KeyTile::project(&tile.kt, &q_scaled[row * d..][..d], &mut s);
                     KeyTile::project(&tile.vt, dov, &mut dp);
-                    for jj in 0..n {
-                        let p = (s[jj] - lse[row]).exp();
+                    for jj in lo..n {
+                        let score = scores.cap(s[jj]);
+                        let p = (score - lse[row]).exp();
                         axpy(&mut dv_t[jj * d..(jj + 1) * d], p, dov);
-                        let ds = p * (dp[jj] - delta[row]);
+                        let ds = p * (dp[jj] - delta[row]) * scores.cap_grad(score);
                         axpy(&mut dk_t[jj * d..(jj + 1) * d], scale * ds, qv);
                     }
                 }
@@ -509,29 +582,33 @@ mod tests {
     use super::*;
     use crate::testing::{Rng, check_gradient, dot as dot64};
 
-    /// Full-matrix softmax attention in f64, one sequence and head at a time.
+    /// Full-matrix softmax attention in f64, one sequence and head at a time, the scores
+    /// formed as `s.scores` says (scale, soft-cap, window).
     fn naive(q: &[f32], k: &[f32], v: &[f32], cu: &[usize], s: AttentionShape) -> Vec<f64> {
-        let AttentionShape { q_heads, kv_heads, head_dim: d } = s;
+        let AttentionShape { q_heads, kv_heads, head_dim: d, scores } = s;
         let mut out = vec![0f64; q.len()];
-        let scale = 1.0 / (d as f64).sqrt();
+        let scale = f64::from(scores.scale);
+        let cap = |x: f64| scores.softcap.map_or(x, |c| f64::from(c) * (x / f64::from(c)).tanh());
         for w in cu.windows(2) {
             for h in 0..q_heads {
                 let g = h / (q_heads / kv_heads);
                 for i in w[0]..w[1] {
-                    let scores: Vec<f64> = (w[0]..=i)
+                    let first =
+                        w[0] + scores.window.map_or(0, |n| (i + 1 - w[0]).saturating_sub(n));
+                    let scores: Vec<f64> = (first..=i)
                         .map(|j| {
-                            (0..d)
+                            cap((0..d)
                                 .map(|x| {
                                     f64::from(q[(i * q_heads + h) * d + x])
                                         * f64::from(k[(j * kv_heads + g) * d + x])
                                 })
                                 .sum::<f64>()
-                                * scale
+                                * scale)
                         })
                         .collect();
                     let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                     let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
-                    for (j, s) in (w[0]..=i).zip(&scores) {
+                    for (j, s) in (first..=i).zip(&scores) {
                         let p = (s - m).exp() / z;
                         for x in 0..d {
                             out[(i * q_heads + h) * d + x] +=
@@ -542,6 +619,21 @@ mod tests {
             }
         }
         out
+    }
+
+    /// The shapes with a sliding window (shorter than the sequences, not a multiple of the key
+    /// block), soft-capping and a scale of their own, alone and together.
+    fn shaped(base: AttentionShape) -> Vec<AttentionShape> {
+        let with = |scale, softcap, window| AttentionShape {
+            scores: Scores { scale, softcap, window },
+            ..base
+        };
+        vec![
+            with(0.3, None, Some(70)),
+            with(base.scores.scale, Some(1.5), None),
+            with(0.6, Some(2.0), Some(5)),
+            with(base.scores.scale, None, Some(1)),
+        ]
     }
 
     fn forward(
@@ -562,10 +654,14 @@ mod tests {
     fn matches_full_softmax_attention_on_packed_sequences() {
         let mut rng = Rng::new(5);
         // 150 tokens in one sequence spans several key blocks.
-        for (cu, s) in [
-            (vec![0, 5, 9, 21], AttentionShape { q_heads: 4, kv_heads: 2, head_dim: 8 }),
-            (vec![0, 150, 151], AttentionShape { q_heads: 3, kv_heads: 1, head_dim: 16 }),
-        ] {
+        let mut cases = vec![
+            (vec![0, 5, 9, 21], AttentionShape::new(4, 2, 8)),
+            (vec![0, 150, 151], AttentionShape::new(3, 1, 16)),
+        ];
+        for s in shaped(AttentionShape::new(3, 1, 16)) {
+            cases.push((vec![0, 150, 151, 200], s));
+        }
+        for (cu, s) in cases {
             let t = *cu.last().unwrap();
             let q = rng.vec(t * s.q_heads * s.head_dim, 1.0);
             let k = rng.vec(t * s.kv_heads * s.head_dim, 1.0);
@@ -580,7 +676,7 @@ mod tests {
 
     #[test]
     fn a_sequence_ignores_its_neighbours() {
-        let s = AttentionShape { q_heads: 2, kv_heads: 1, head_dim: 4 };
+        let s = AttentionShape::new(2, 1, 4);
         let mut rng = Rng::new(6);
         let (q, mut k, v) = (rng.vec(6 * 8, 1.0), rng.vec(6 * 4, 1.0), rng.vec(6 * 4, 1.0));
         let cu = [0, 3, 6];
@@ -593,7 +689,14 @@ mod tests {
 
     #[test]
     fn gradients_match_finite_differences() {
-        let s = AttentionShape { q_heads: 4, kv_heads: 2, head_dim: 4 };
+        let plain = AttentionShape::new(4, 2, 4);
+        for s in std::iter::once(plain).chain(shaped(plain)) {
+            // A window of 70 covers these sequences; 5 and 1 cut them.
+            gradients_of(s);
+        }
+    }
+
+    fn gradients_of(s: AttentionShape) {
         let cu = [0, 3, 8];
         let t = 8;
         let mut rng = Rng::new(7);
@@ -621,13 +724,13 @@ mod tests {
 
     #[test]
     fn bad_shapes_are_errors() {
-        let s = AttentionShape { q_heads: 3, kv_heads: 2, head_dim: 4 };
+        let s = AttentionShape::new(3, 2, 4);
         let mut out = vec![0.0; 12];
         let mut lse = vec![0.0; 3];
         let err =
             attention_forward(&mut out, &mut lse, &[0.0; 12], &[0.0; 8], &[0.0; 8], &[0, 1], s);
         assert!(err.unwrap_err().to_string().contains("multiple"));
-        let s = AttentionShape { q_heads: 2, kv_heads: 1, head_dim: 2 };
+        let s = AttentionShape::new(2, 1, 2);
         let mut lse = vec![0.0; 6];
         let err =
             attention_forward(&mut out, &mut lse, &[0.0; 12], &[0.0; 6], &[0.0; 6], &[0, 2], s);

@@ -10,7 +10,7 @@ mod optim;
 pub(crate) mod sample;
 
 pub use attention::{
-    AttentionShape, KEY_BLOCK, PagedLayout, PagedRows, attend_row, attention_backward,
+    AttentionShape, KEY_BLOCK, PagedLayout, PagedRows, Scores, attend_row, attention_backward,
     attention_forward, paged_attention_forward,
 };
 pub use elementwise::{

@@ -158,11 +158,11 @@ pub(crate) fn attention_forward(
     cu_seqlens: &[usize],
     shape: AttentionShape,
 ) -> Result<(Buffer, Buffer)> {
-    let AttentionShape { q_heads, kv_heads, head_dim: d } = shape;
+    let AttentionShape { q_heads, kv_heads, head_dim: d, scores } = shape;
     let tokens = *cu_seqlens.last().unwrap_or(&0);
     let mut lse = gpu.alloc::<f32>(tokens * q_heads)?;
     let (table, n) = tile_table(gpu, cu_seqlens, QUERY_BLOCK)?;
-    let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, 1.0 / (d as f32).sqrt());
+    let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, scores.scale);
     let out = per_float!("attention", (q, k, v), |T, f| {
         let mut out = gpu.alloc::<T>(q.len())?;
         if n > 0 {
@@ -190,13 +190,13 @@ pub(crate) fn attention_backward(
     cu_seqlens: &[usize],
     shape: AttentionShape,
 ) -> Result<(Buffer, Buffer, Buffer)> {
-    let AttentionShape { q_heads, kv_heads, head_dim: d } = shape;
+    let AttentionShape { q_heads, kv_heads, head_dim: d, scores } = shape;
     let tokens = *cu_seqlens.last().unwrap_or(&0);
     let rows = tokens * q_heads;
     let mut delta = gpu.alloc::<f32>(rows)?;
     let (q_table, nq) = tile_table(gpu, cu_seqlens, QUERY_BLOCK)?;
     let (k_table, nk) = tile_table(gpu, cu_seqlens, KEY_BLOCK)?;
-    let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, 1.0 / (d as f32).sqrt());
+    let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, scores.scale);
     let rows_l = rows as i64;
     // One warp per (token, head) row for delta.
     let delta_cfg = LaunchConfig {
@@ -371,6 +371,7 @@ pub(crate) fn paged_kv_write(
 }
 
 /// `(out, lse)` of [`crate::ops::paged_attention`]: bf16 at the tensor-core head sizes only.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_attention(
     gpu: &Arc<Gpu>,
     q: &DeviceData,
@@ -379,6 +380,7 @@ pub(crate) fn paged_attention(
     plan: &PagedPlanDevice,
     q_heads: usize,
     layout: PagedLayout,
+    scale: f32,
 ) -> Result<(Buffer, Buffer)> {
     let d = layout.head_dim;
     let (DeviceData::BF16(q), DeviceData::BF16(cache), true) = (q, cache, mma_head_dim(d)) else {
@@ -413,7 +415,7 @@ pub(crate) fn paged_attention(
         };
         let (name, cfg) = cfg;
         let (layer, layers) = (layer as i32, layout.layers as i32);
-        let (qh, kvh, scale) = (q_heads as i32, layout.kv_heads as i32, 1.0 / (d as f32).sqrt());
+        let (qh, kvh) = (q_heads as i32, layout.kv_heads as i32);
         launch!(
             gpu,
             "attention_mma",

@@ -42,10 +42,23 @@ fn device_ready(
             )
         },
     )?;
+    plain_on_cuda(op, &shape.scores)?;
     match &t.storage {
         Storage::Cuda(buffer) => Ok(buffer.gpu.clone()),
         _ => unreachable!("a device tensor"),
     }
+}
+
+/// The CUDA kernels form plain scaled scores over every earlier key: sliding windows and
+/// soft-capping run on the CPU only so far.
+#[cfg(feature = "cuda")]
+fn plain_on_cuda(op: &'static str, scores: &cpu::Scores) -> Result<()> {
+    ensure(scores.is_plain_causal(), op, || {
+        format!(
+            "sliding windows and soft-capped scores ({scores:?}) are not in the CUDA attention \
+             kernels yet: run this model with --device cpu"
+        )
+    })
 }
 
 /// `(out, lse)`: `out` shaped and typed like `q`, `lse` f32 `[tokens × q_heads]`. `q` holds
@@ -497,6 +510,7 @@ pub fn paged_attention(
     layer: usize,
     plan: &PagedPlan,
     q_heads: usize,
+    scores: &cpu::Scores,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "paged_attention";
     let device = same_device(OP, &[q, cache])?;
@@ -535,6 +549,7 @@ pub fn paged_attention(
                 &plan.seqs(),
                 q_heads,
                 layout,
+                scores,
             )?;
             Ok((
                 host_tensor(q.shape.clone(), out, q.dtype()),
@@ -547,6 +562,7 @@ pub fn paged_attention(
                 crate::Error::Device("paged_attention: the plan was made for the CPU".into())
             })?;
             let Storage::Cuda(buffer) = &q.storage else { unreachable!("a device tensor") };
+            plain_on_cuda(OP, scores)?;
             let (out, lse) = crate::cuda::paged_attention(
                 &buffer.gpu,
                 device_data(q),
@@ -555,6 +571,7 @@ pub fn paged_attention(
                 dp,
                 q_heads,
                 layout,
+                scores.scale,
             )?;
             Ok((
                 Tensor { shape: q.shape.clone(), storage: Storage::Cuda(out) },
@@ -583,7 +600,7 @@ mod tests {
     /// Packings with sequences shorter and longer than a key block, one empty, and lengths that
     /// are not multiples of the tiles.
     fn cases() -> Vec<(Vec<usize>, AttentionShape)> {
-        let s = |q_heads, kv_heads, head_dim| AttentionShape { q_heads, kv_heads, head_dim };
+        let s = AttentionShape::new;
         vec![
             (vec![0, 1], s(1, 1, 4)),
             (vec![0, 5, 5, 70, 200], s(4, 2, 16)),
@@ -666,7 +683,7 @@ mod tests {
     #[test]
     fn attention_is_batch_invariant_and_deterministic_on_every_device() {
         let mut rng = Rng::new(52);
-        let s = AttentionShape { q_heads: 8, kv_heads: 2, head_dim: 64 };
+        let s = AttentionShape::new(8, 2, 64);
         let lens = [150usize, 1, 64, 77];
         let seqs: Vec<[Vec<f32>; 4]> = lens.iter().map(|&n| inputs(&mut rng, &[0, n], s)).collect();
         for device in devices() {
@@ -726,12 +743,12 @@ mod tests {
     #[test]
     fn bad_attention_operands_are_errors() {
         let dev = Device::Cpu;
-        let s = AttentionShape { q_heads: 4, kv_heads: 3, head_dim: 2 };
+        let s = AttentionShape::new(4, 3, 2);
         let q = tensor(&[2, 8], &[0.5; 16], DType::F32, &dev);
         let k = tensor(&[2, 6], &[0.5; 12], DType::F32, &dev);
         let err = attention_forward(&q, &k, &k, &[0, 2], s).unwrap_err().to_string();
         assert!(err.contains("not a multiple"), "{err}");
-        let s = AttentionShape { q_heads: 4, kv_heads: 2, head_dim: 2 };
+        let s = AttentionShape::new(4, 2, 2);
         let k = tensor(&[2, 4], &[0.5; 8], DType::F32, &dev);
         assert!(attention_forward(&q, &k, &k, &[0, 3], s).is_err());
         let kb = tensor(&[2, 4], &[0.5; 8], DType::BF16, &dev);
@@ -757,8 +774,13 @@ mod tests {
                 Some(*a)
             }))
             .collect();
-        for d in [16usize, 64, 80, 128, 256] {
-            let s = AttentionShape { q_heads: 6, kv_heads: 2, head_dim: d };
+        let mut shapes: Vec<AttentionShape> =
+            [16usize, 64, 80, 128, 256].iter().map(|&d| AttentionShape::new(6, 2, d)).collect();
+        // A sliding window shorter than most sequences, soft-capped scores (CPU only so far).
+        let scores = cpu::Scores { scale: 0.2, softcap: Some(3.0), window: Some(70) };
+        shapes.push(AttentionShape { scores, ..AttentionShape::new(6, 2, 16) });
+        for s in shapes {
+            let d = s.head_dim;
             let [q, k, v, _] = inputs(&mut rng, &cu, s);
             let t = *cu.last().unwrap();
             let blocks_of = |n: usize| n.div_ceil(cpu::KEY_BLOCK);
@@ -786,10 +808,11 @@ mod tests {
                 .collect();
             for device in devices() {
                 for dtype in [DType::F32, DType::BF16] {
-                    if device != Device::Cpu && dtype == DType::F32 {
+                    if device != Device::Cpu && (dtype == DType::F32 || !s.scores.is_plain_causal())
+                    {
                         continue; // CUDA's paged kernel is the bf16 tensor-core one
                     }
-                    let what = format!("{device} {dtype} d{d}");
+                    let what = format!("{device} {dtype} d{d} {:?}", s.scores);
                     let dev = |x: &[f32], n: usize, rows: usize| {
                         tensor(&[rows, n * d], x, dtype, &device)
                     };
@@ -827,7 +850,8 @@ mod tests {
                             paged_kv_write(&mut cache, &kt, &vt, layer, &plan).unwrap();
                         }
                         let qt = dev(&gather(&q, 6), 6, rows);
-                        let (out, lse) = paged_attention(&qt, &cache, 0, &plan, 6).unwrap();
+                        let (out, lse) =
+                            paged_attention(&qt, &cache, 0, &plan, 6, &s.scores).unwrap();
                         let (out, lse) = (out.to_vec_f32().unwrap(), lse.to_vec_f32().unwrap());
                         let mut row = 0;
                         for (i, r) in &seqs {
