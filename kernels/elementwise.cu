@@ -29,8 +29,17 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < (n); \
          i += static_cast<size_t>(gridDim.x) * blockDim.x)
 
-// h = silu(gate) · up. VEC elements per step (VEC = 4 needs n % 4 == 0: aligned vector loads).
-template <typename T, int VEC>
+// The tanh-approximated GELU's √(2/π) and cubic coefficient (PyTorch's kBeta, kKappa).
+constexpr float GELU_BETA = 0.7978846f;
+constexpr float GELU_KAPPA = 0.044715f;
+
+__device__ __forceinline__ float gelu_tanh_inner(float g) {
+    return tanhf(GELU_BETA * (g + GELU_KAPPA * g * g * g));
+}
+
+// h = act(gate) · up, act SiLU (SwiGLU) or, with GELU, the tanh GELU (GeGLU). VEC elements
+// per step (VEC = 4 needs n % 4 == 0: aligned vector loads).
+template <typename T, int VEC, bool GELU = false>
 __device__ void swiglu_forward(T* h, const T* gate, const T* up, long long n) {
     GRID_STRIDE(v, static_cast<size_t>(n) / VEC) {
         const size_t i = v * VEC;
@@ -39,7 +48,11 @@ __device__ void swiglu_forward(T* h, const T* gate, const T* up, long long n) {
         miles::load<VEC>(up + i, u);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            out[j] = g[j] * sigmoid(g[j]) * u[j];
+            if (GELU) {
+                out[j] = 0.5f * g[j] * (1.0f + gelu_tanh_inner(g[j])) * u[j];
+            } else {
+                out[j] = g[j] * sigmoid(g[j]) * u[j];
+            }
         }
         miles::store<VEC>(h + i, out);
     }
@@ -91,7 +104,7 @@ __device__ void pick_row_dots(float* out, const T* a, const T* y, const int* pic
     }
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, bool GELU = false>
 __device__ void swiglu_backward(T* d_gate, T* d_up, const T* dh, const T* gate, const T* up,
                                 long long n) {
     GRID_STRIDE(v, static_cast<size_t>(n) / VEC) {
@@ -102,9 +115,17 @@ __device__ void swiglu_backward(T* d_gate, T* d_up, const T* dh, const T* gate, 
         miles::load<VEC>(dh + i, d);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const float s = sigmoid(g[j]);
-            du[j] = d[j] * g[j] * s;
-            dg[j] = d[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
+            if (GELU) {
+                const float t = gelu_tanh_inner(g[j]);
+                const float slope = 0.5f * (1.0f + t) + 0.5f * g[j] * (1.0f - t * t) * GELU_BETA *
+                                                            (1.0f + 3.0f * GELU_KAPPA * g[j] * g[j]);
+                du[j] = d[j] * (0.5f * g[j] * (1.0f + t));
+                dg[j] = d[j] * u[j] * slope;
+            } else {
+                const float s = sigmoid(g[j]);
+                du[j] = d[j] * g[j] * s;
+                dg[j] = d[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
+            }
         }
         miles::store<VEC>(d_up + i, du);
         miles::store<VEC>(d_gate + i, dg);
@@ -196,6 +217,14 @@ __device__ void embedding_backward(float* d_table, const T* d_out, const int* un
     extern "C" __global__ void swiglu_backward_##SUFFIX##_v##VEC(                              \
         T* d_gate, T* d_up, const T* dh, const T* gate, const T* up, long long n) {            \
         swiglu_backward<T, VEC>(d_gate, d_up, dh, gate, up, n);                                \
+    }                                                                                          \
+    extern "C" __global__ void geglu_forward_##SUFFIX##_v##VEC(T* h, const T* gate,            \
+                                                               const T* up, long long n) {     \
+        swiglu_forward<T, VEC, true>(h, gate, up, n);                                          \
+    }                                                                                          \
+    extern "C" __global__ void geglu_backward_##SUFFIX##_v##VEC(                               \
+        T* d_gate, T* d_up, const T* dh, const T* gate, const T* up, long long n) {            \
+        swiglu_backward<T, VEC, true>(d_gate, d_up, dh, gate, up, n);                          \
     }                                                                                          \
     extern "C" __global__ void add_##SUFFIX##_v##VEC(T* out, const T* a, const T* b,           \
                                                      long long n) {                            \

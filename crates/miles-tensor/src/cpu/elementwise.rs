@@ -236,33 +236,76 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// `h = silu(gate) · up`, elementwise.
-pub fn swiglu_forward(h: &mut [f32], gate: &[f32], up: &[f32]) -> Result<()> {
-    ensure(h.len() == gate.len() && h.len() == up.len(), "swiglu", || {
+/// The activation of a gated MLP's gate: SiLU (SwiGLU: Llama, Qwen) or the tanh-approximated
+/// GELU (GeGLU: Gemma's `gelu_pytorch_tanh`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    Silu,
+    GeluTanh,
+}
+
+/// √(2/π) and the cubic coefficient of the tanh-approximated GELU (PyTorch's kBeta, kKappa).
+const GELU_BETA: f32 = 0.797_884_6;
+const GELU_KAPPA: f32 = 0.044_715;
+
+impl Gate {
+    /// `act(g) · u`.
+    fn forward(self, g: f32, u: f32) -> f32 {
+        match self {
+            Gate::Silu => g * sigmoid(g) * u,
+            Gate::GeluTanh => {
+                let t = (GELU_BETA * (g + GELU_KAPPA * g * g * g)).tanh();
+                0.5 * g * (1.0 + t) * u
+            }
+        }
+    }
+
+    /// `(d_gate, d_up)` of [`Gate::forward`] for the gradient `dh`.
+    fn backward(self, dh: f32, g: f32, u: f32) -> (f32, f32) {
+        match self {
+            Gate::Silu => {
+                let s = sigmoid(g);
+                (dh * u * s * (1.0 + g * (1.0 - s)), dh * g * s)
+            }
+            Gate::GeluTanh => {
+                let t = (GELU_BETA * (g + GELU_KAPPA * g * g * g)).tanh();
+                let act = 0.5 * g * (1.0 + t);
+                let slope = 0.5 * (1.0 + t)
+                    + 0.5 * g * (1.0 - t * t) * GELU_BETA * (1.0 + 3.0 * GELU_KAPPA * g * g);
+                (dh * u * slope, dh * act)
+            }
+        }
+    }
+}
+
+/// `h = act(gate) · up`, elementwise.
+pub fn glu_forward(h: &mut [f32], gate: &[f32], up: &[f32], act: Gate) -> Result<()> {
+    ensure(h.len() == gate.len() && h.len() == up.len(), "glu", || {
         format!("h {} gate {} up {}", h.len(), gate.len(), up.len())
     })?;
     h.par_chunks_mut(16_384).zip(gate.par_chunks(16_384)).zip(up.par_chunks(16_384)).for_each(
         |((h, g), u)| {
             for ((h, g), u) in h.iter_mut().zip(g).zip(u) {
-                *h = g * sigmoid(*g) * u;
+                *h = act.forward(*g, *u);
             }
         },
     );
     Ok(())
 }
 
-/// Gradients of [`swiglu_forward`] with respect to `gate` and `up`.
-pub fn swiglu_backward(
+/// Gradients of [`glu_forward`] with respect to `gate` and `up`.
+pub fn glu_backward(
     d_gate: &mut [f32],
     d_up: &mut [f32],
     dh: &[f32],
     gate: &[f32],
     up: &[f32],
+    act: Gate,
 ) -> Result<()> {
     let n = dh.len();
     ensure(
         d_gate.len() == n && d_up.len() == n && gate.len() == n && up.len() == n,
-        "swiglu_backward",
+        "glu_backward",
         || {
             format!(
                 "dh {n} gate {} up {} d_gate {} d_up {}",
@@ -281,12 +324,26 @@ pub fn swiglu_backward(
         .zip(gate.par_chunks(C).zip(up.par_chunks(C)))
         .for_each(|(((dg, du), dh), (g, u))| {
             for i in 0..dh.len() {
-                let s = sigmoid(g[i]);
-                du[i] = dh[i] * g[i] * s;
-                dg[i] = dh[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+                (dg[i], du[i]) = act.backward(dh[i], g[i], u[i]);
             }
         });
     Ok(())
+}
+
+/// `h = silu(gate) · up`: [`glu_forward`] with SiLU.
+pub fn swiglu_forward(h: &mut [f32], gate: &[f32], up: &[f32]) -> Result<()> {
+    glu_forward(h, gate, up, Gate::Silu)
+}
+
+/// Gradients of [`swiglu_forward`] with respect to `gate` and `up`.
+pub fn swiglu_backward(
+    d_gate: &mut [f32],
+    d_up: &mut [f32],
+    dh: &[f32],
+    gate: &[f32],
+    up: &[f32],
+) -> Result<()> {
+    glu_backward(d_gate, d_up, dh, gate, up, Gate::Silu)
 }
 
 #[cfg(test)]
@@ -363,24 +420,35 @@ mod tests {
     }
 
     #[test]
-    fn swiglu_gradients() {
-        let mut rng = Rng::new(4);
-        let n = 40;
-        let mut gate = rng.vec(n, 2.0);
-        let mut up = rng.vec(n, 1.0);
-        let r = rng.vec(n, 1.0);
-        let f = |g: &[f32], u: &[f32]| {
-            let mut h = vec![0.0; n];
-            swiglu_forward(&mut h, g, u).unwrap();
-            h
-        };
-        let h = f(&gate, &up);
-        assert!((h[0] - gate[0] / (1.0 + (-gate[0]).exp()) * up[0]).abs() < 1e-6);
-        let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
-        swiglu_backward(&mut dg, &mut du, &r, &gate, &up).unwrap();
-        let uc = up.clone();
-        check_gradient("swiglu d_gate", &mut gate, &dg, n, |g| dot(&r, &f(g, &uc)));
-        let gc = gate.clone();
-        check_gradient("swiglu d_up", &mut up, &du, n, |u| dot(&r, &f(&gc, u)));
+    fn gated_mlp_gradients() {
+        for act in [Gate::Silu, Gate::GeluTanh] {
+            let mut rng = Rng::new(4);
+            let n = 40;
+            let mut gate = rng.vec(n, 2.0);
+            let mut up = rng.vec(n, 1.0);
+            let r = rng.vec(n, 1.0);
+            let f = |g: &[f32], u: &[f32]| {
+                let mut h = vec![0.0; n];
+                glu_forward(&mut h, g, u, act).unwrap();
+                h
+            };
+            let h = f(&gate, &up);
+            let g = f64::from(gate[0]);
+            let want = match act {
+                Gate::Silu => g / (1.0 + (-g).exp()),
+                // PyTorch's gelu(approximate="tanh").
+                Gate::GeluTanh => {
+                    let inner = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3));
+                    0.5 * g * (1.0 + inner.tanh())
+                }
+            };
+            assert!((f64::from(h[0]) - want * f64::from(up[0])).abs() < 1e-6, "{act:?}");
+            let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
+            glu_backward(&mut dg, &mut du, &r, &gate, &up, act).unwrap();
+            let uc = up.clone();
+            check_gradient("glu d_gate", &mut gate, &dg, n, |g| dot(&r, &f(g, &uc)));
+            let gc = gate.clone();
+            check_gradient("glu d_up", &mut up, &du, n, |u| dot(&r, &f(&gc, u)));
+        }
     }
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Buffer, DeviceData, Gpu, driver_error, dtype_mismatch, elementwise_launch};
+use crate::cpu::Gate;
 use crate::{Error, Result};
 
 fn wrap(gpu: &Arc<Gpu>, data: DeviceData) -> Buffer {
@@ -20,18 +21,26 @@ fn streaming(n: usize, names: [&'static str; 2]) -> (&'static str, LaunchConfig)
     (names[usize::from(v4)], elementwise_launch(if v4 { n / 4 } else { n }))
 }
 
-/// `h = silu(gate)·up` over `n` elements.
-pub(crate) fn swiglu_forward(
+/// `h = act(gate)·up` over `n` elements.
+pub(crate) fn glu_forward(
     gpu: &Arc<Gpu>,
     gate: &DeviceData,
     up: &DeviceData,
     n: usize,
+    act: Gate,
 ) -> Result<Buffer> {
     let n_i = n as i64;
-    let data = per_float!("swiglu", (gate, up), |T, f| {
+    let data = per_float!("glu", (gate, up), |T, f| {
         let mut h = gpu.alloc::<T>(n)?;
         if n > 0 {
-            let names = [kernel!(f, "swiglu_forward", "_v1"), kernel!(f, "swiglu_forward", "_v4")];
+            let names = match act {
+                Gate::Silu => {
+                    [kernel!(f, "swiglu_forward", "_v1"), kernel!(f, "swiglu_forward", "_v4")]
+                }
+                Gate::GeluTanh => {
+                    [kernel!(f, "geglu_forward", "_v1"), kernel!(f, "geglu_forward", "_v4")]
+                }
+            };
             let (k, cfg) = streaming(n, names);
             launch!(gpu, "elementwise", k, cfg, &mut h, gate, up, &n_i)?;
         }
@@ -109,20 +118,27 @@ pub(crate) fn pick_row_dots(
     Ok(host[..picks.len()].to_vec())
 }
 
-/// `(d_gate, d_up)` of [`swiglu_forward`] from `dh`.
-pub(crate) fn swiglu_backward(
+/// `(d_gate, d_up)` of [`glu_forward`] from `dh`.
+pub(crate) fn glu_backward(
     gpu: &Arc<Gpu>,
     dh: &DeviceData,
     gate: &DeviceData,
     up: &DeviceData,
     n: usize,
+    act: Gate,
 ) -> Result<(Buffer, Buffer)> {
     let n_i = n as i64;
-    let (dg, du) = per_float!("swiglu_backward", (dh, gate, up), |T, f| {
+    let (dg, du) = per_float!("glu_backward", (dh, gate, up), |T, f| {
         let (mut dg, mut du) = (gpu.alloc::<T>(n)?, gpu.alloc::<T>(n)?);
         if n > 0 {
-            let names =
-                [kernel!(f, "swiglu_backward", "_v1"), kernel!(f, "swiglu_backward", "_v4")];
+            let names = match act {
+                Gate::Silu => {
+                    [kernel!(f, "swiglu_backward", "_v1"), kernel!(f, "swiglu_backward", "_v4")]
+                }
+                Gate::GeluTanh => {
+                    [kernel!(f, "geglu_backward", "_v1"), kernel!(f, "geglu_backward", "_v4")]
+                }
+            };
             let (k, cfg) = streaming(n, names);
             launch!(gpu, "elementwise", k, cfg, &mut dg, &mut du, dh, gate, up, &n_i)?;
         }

@@ -36,27 +36,32 @@ fn same_shape(op: &'static str, tensors: &[&Tensor]) -> Result<()> {
     }
 }
 
-/// `h = silu(gate)·up`, element-wise; `gate` and `up` share shape and dtype.
-pub fn swiglu_forward(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    const OP: &str = "swiglu";
+/// `h = act(gate) · up` elementwise (`act`: SiLU for SwiGLU, tanh GELU for GeGLU).
+pub fn glu_forward(gate: &Tensor, up: &Tensor, act: cpu::Gate) -> Result<Tensor> {
+    const OP: &str = "glu";
     let device = same_device(OP, &[gate, up])?;
     floats_only(OP, &[gate, up])?;
     same_shape(OP, &[gate, up])?;
     match device {
         Device::Cpu => {
             let mut h = host_out(gate.len());
-            cpu::swiglu_forward(&mut h, &host_f32(gate), &host_f32(up))?;
+            cpu::glu_forward(&mut h, &host_f32(gate), &host_f32(up), act)?;
             Ok(host_tensor(gate.shape.clone(), h, gate.dtype()))
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             let (g, u) = (device_data(gate), device_data(up));
-            let h = crate::cuda::swiglu_forward(gpu_of(gate), g, u, gate.len())?;
+            let h = crate::cuda::glu_forward(gpu_of(gate), g, u, gate.len(), act)?;
             Ok(on_device(gate.shape.clone(), h))
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(crate::tensor::not_built()),
     }
+}
+
+/// `h = silu(gate) · up`: [`glu_forward`] with SiLU.
+pub fn swiglu_forward(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    glu_forward(gate, up, cpu::Gate::Silu)
 }
 
 /// [`swiglu_forward`] of the two halves of the stacked gate/up product `gu` `[rows × 2·inter]`
@@ -85,9 +90,14 @@ pub fn swiglu_stacked(gu: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `(d_gate, d_up)` of [`swiglu_forward`] from `dh`; all share shape and dtype.
-pub fn swiglu_backward(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "swiglu_backward";
+/// Gradients of [`glu_forward`] with respect to `gate` and `up`.
+pub fn glu_backward(
+    dh: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+    act: cpu::Gate,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "glu_backward";
     let device = same_device(OP, &[dh, gate, up])?;
     floats_only(OP, &[dh, gate, up])?;
     same_shape(OP, &[dh, gate, up])?;
@@ -95,19 +105,25 @@ pub fn swiglu_backward(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tenso
     match device {
         Device::Cpu => {
             let (mut dg, mut du) = (host_out(gate.len()), host_out(gate.len()));
-            cpu::swiglu_backward(&mut dg, &mut du, &host_f32(dh), &host_f32(gate), &host_f32(up))?;
+            let (d, g, u) = (host_f32(dh), host_f32(gate), host_f32(up));
+            cpu::glu_backward(&mut dg, &mut du, &d, &g, &u, act)?;
             let dtype = gate.dtype();
             Ok((host_tensor(shape.clone(), dg, dtype), host_tensor(shape, du, dtype)))
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             let (d, g, u) = (device_data(dh), device_data(gate), device_data(up));
-            let (dg, du) = crate::cuda::swiglu_backward(gpu_of(gate), d, g, u, gate.len())?;
+            let (dg, du) = crate::cuda::glu_backward(gpu_of(gate), d, g, u, gate.len(), act)?;
             Ok((on_device(shape.clone(), dg), on_device(shape, du)))
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(crate::tensor::not_built()),
     }
+}
+
+/// Gradients of [`swiglu_forward`]: [`glu_backward`] with SiLU.
+pub fn swiglu_backward(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+    glu_backward(dh, gate, up, cpu::Gate::Silu)
 }
 
 /// Rotate-half rotary embedding of `x [tokens × heads × head_dim]` with the f32 tables
@@ -665,7 +681,7 @@ mod tests {
     }
 
     #[test]
-    fn swiglu_matches_the_cpu_reference_on_every_device() {
+    fn gated_activations_match_the_cpu_reference_on_every_device() {
         let mut rng = Rng::new(41);
         for device in devices() {
             // 1000 takes the 4-wide kernels, the others the scalar ones.
@@ -674,18 +690,20 @@ mod tests {
                 for dtype in dtypes() {
                     let (g, u, d) =
                         (rounded(&gate, dtype), rounded(&up, dtype), rounded(&dh, dtype));
-                    let mut h = vec![0.0; n];
-                    cpu::swiglu_forward(&mut h, &g, &u).unwrap();
-                    let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
-                    cpu::swiglu_backward(&mut dg, &mut du, &d, &g, &u).unwrap();
-                    let t = |v: &[f32]| tensor(&[n], v, dtype, &device);
-                    let ht = swiglu_forward(&t(&gate), &t(&up)).unwrap();
-                    let (dgt, dut) = swiglu_backward(&t(&dh), &t(&gate), &t(&up)).unwrap();
-                    assert_eq!((ht.dtype(), ht.device()), (dtype, device));
-                    let what = |name: &str| format!("{device} {dtype} swiglu {name} n={n}");
-                    check(what("h"), &ht, &h, dtype);
-                    check(what("d_gate"), &dgt, &dg, dtype);
-                    check(what("d_up"), &dut, &du, dtype);
+                    for act in [cpu::Gate::Silu, cpu::Gate::GeluTanh] {
+                        let mut h = vec![0.0; n];
+                        cpu::glu_forward(&mut h, &g, &u, act).unwrap();
+                        let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
+                        cpu::glu_backward(&mut dg, &mut du, &d, &g, &u, act).unwrap();
+                        let t = |v: &[f32]| tensor(&[n], v, dtype, &device);
+                        let ht = glu_forward(&t(&gate), &t(&up), act).unwrap();
+                        let (dgt, dut) = glu_backward(&t(&dh), &t(&gate), &t(&up), act).unwrap();
+                        assert_eq!((ht.dtype(), ht.device()), (dtype, device));
+                        let what = |name: &str| format!("{device} {dtype} {act:?} {name} n={n}");
+                        check(what("h"), &ht, &h, dtype);
+                        check(what("d_gate"), &dgt, &dg, dtype);
+                        check(what("d_up"), &dut, &du, dtype);
+                    }
                 }
             }
         }
