@@ -292,6 +292,14 @@ __device__ void column_sums_acc(float* acc, const T* x, long long rows, int n) {
     acc[j] += sum;
 }
 
+// out = x · s, one scalar for every element (Gemma's scaled embedding and its gradient).
+template <typename T>
+__device__ void scale(T* out, const T* x, float s, long long n) {
+    GRID_STRIDE(i, static_cast<size_t>(n)) {
+        put(out, i, get(x, i) * s);
+    }
+}
+
 #define BIAS(T, SUFFIX)                                                                        \
     extern "C" __global__ void add_bias_##SUFFIX(T* out, const T* x, const T* bias,           \
                                                  long long total, int n) {                     \
@@ -300,6 +308,9 @@ __device__ void column_sums_acc(float* acc, const T* x, long long rows, int n) {
     extern "C" __global__ void column_sums_acc_##SUFFIX(float* acc, const T* x, long long rows, \
                                                         int n) {                               \
         column_sums_acc(acc, x, rows, n);                                                      \
+    }                                                                                          \
+    extern "C" __global__ void scale_##SUFFIX(T* out, const T* x, float s, long long n) {      \
+        scale(out, x, s, n);                                                                   \
     }
 
 BIAS(float, f32)

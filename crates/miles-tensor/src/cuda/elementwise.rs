@@ -223,6 +223,20 @@ pub(crate) fn add_bias(
     Ok(wrap(gpu, data))
 }
 
+/// `x · s` over `n` elements.
+pub(crate) fn scale(gpu: &Arc<Gpu>, x: &DeviceData, s: f32, n: usize) -> Result<Buffer> {
+    let n_i = n as i64;
+    let data = per_float!("scale", (x), |T, f| {
+        let mut out = gpu.alloc::<T>(n)?;
+        if n > 0 {
+            let k = kernel!(f, "scale");
+            launch!(gpu, "elementwise", k, elementwise_launch(n), &mut out, x, &s, &n_i)?;
+        }
+        DeviceData::from(out)
+    });
+    Ok(wrap(gpu, data))
+}
+
 /// `acc[j] += Σ_r x[r·n + j]` in row order, one thread a column.
 pub(crate) fn column_sums_acc(
     gpu: &Arc<Gpu>,

@@ -218,6 +218,25 @@ pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `x · s` elementwise in f32 arithmetic, in `x`'s dtype (Gemma's embedding times √hidden,
+/// and its gradient).
+pub fn scale(x: &Tensor, s: f32) -> Result<Tensor> {
+    floats_only("scale", &[x])?;
+    match x.device() {
+        Device::Cpu => {
+            let out = host_f32(x).iter().map(|v| v * s).collect();
+            Ok(host_tensor(x.shape.clone(), out, x.dtype()))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let out = crate::cuda::scale(gpu_of(x), device_data(x), s, x.len())?;
+            Ok(on_device(x.shape.clone(), out))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
 /// `acc[j] += Σ_r x[r][j]` over the rows of `x [rows × n]` in row order, into the f32 `acc
 /// [n]`: a linear's bias gradient.
 pub fn column_sums_acc(acc: &mut Tensor, x: &Tensor) -> Result<()> {
@@ -795,6 +814,14 @@ mod tests {
             }
             let x = tensor(&[2, 3], &[1.0; 6], DType::F32, &device);
             let e = add_bias(&x, &tensor(&[4], &[0.0; 4], DType::F32, &device)).unwrap_err();
+            assert!(e.to_string().contains("add_bias"), "{e}");
+            // A scalar scale: one f32 product and the dtype's rounding, the CPU's bits.
+            let v = rng.vec(1001, 3.0);
+            for dtype in dtypes() {
+                let want: Vec<f32> = rounded(&v, dtype).iter().map(|x| x * 33.941_125).collect();
+                let got = scale(&tensor(&[1001], &v, dtype, &device), 33.941_125).unwrap();
+                assert_eq!(got.to_vec_f32().unwrap(), round_out(&want, dtype), "{device} {dtype}");
+            }
             assert!(e.to_string().contains("add_bias"), "{e}");
         }
     }
