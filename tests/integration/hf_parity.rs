@@ -1,7 +1,7 @@
 //! Parity with HF transformers, the judge of model numerics: tiny random Qwen3 (tied head),
 //! Llama (untied) and Qwen3-MoE checkpoints written by transformers 5.17, and Qwen2 (q/k/v
-//! biases), Llama 3.1 (llama3 rope, attention and MLP biases) and Qwen3 with yarn rope written
-//! by transformers 5.25, with their logprobs, entropies and gradients
+//! biases), Llama 3.1 (llama3 rope, attention and MLP biases), Qwen3 with yarn rope and Gemma 3
+//! (text) written by transformers 5.25, with their logprobs, entropies and gradients
 //! (`tests/fixtures/make_hf_parity.py` and `make_hf_moe_parity.py` made them).
 
 use std::path::PathBuf;
@@ -45,6 +45,11 @@ fn llama31_with_llama3_rope_and_biases_matches_transformers() {
 #[test]
 fn qwen3_with_yarn_rope_and_attention_biases_matches_transformers() {
     check("qwen3_yarn");
+}
+
+#[test]
+fn gemma3_with_sliding_windows_and_sandwich_norms_matches_transformers() {
+    check("gemma3");
 }
 
 #[test]

@@ -11,6 +11,10 @@ pub enum ArchArg {
     Llama,
     /// Qwen3-MoE (Qwen3MoeForCausalLM): routed SwiGLU experts.
     Qwen3Moe,
+    /// Qwen2/Qwen2.5 (Qwen2ForCausalLM): biases on q, k and v.
+    Qwen2,
+    /// Gemma 3 text (Gemma3ForCausalLM): sliding-window layers, GeGLU, (1 + w) norms; CPU only.
+    Gemma3,
 }
 
 impl From<ArchArg> for Architecture {
@@ -19,6 +23,8 @@ impl From<ArchArg> for Architecture {
             ArchArg::Qwen3 => Architecture::Qwen3,
             ArchArg::Llama => Architecture::Llama,
             ArchArg::Qwen3Moe => Architecture::Qwen3Moe,
+            ArchArg::Qwen2 => Architecture::Qwen2,
+            ArchArg::Gemma3 => Architecture::Gemma3,
         }
     }
 }
@@ -34,8 +40,9 @@ pub struct InitModelArgs {
     /// Architecture; the published presets have their own.
     #[arg(long, value_enum)]
     pub arch: Option<ArchArg>,
-    /// Shape: tiny, tiny-h64 (tiny with heads of 64, for the GPU), qwen3-0.6b, qwen3-8b,
-    /// smollm2-135m or qwen3-30b-a3b-4l (Qwen3-30B-A3B's layers, 4 of its 48).
+    /// Shape: tiny, tiny-h64 (tiny with heads of 64), qwen3-0.6b, qwen3-8b, smollm2-135m,
+    /// qwen3-30b-a3b-4l (Qwen3-30B-A3B's layers, 4 of its 48), qwen2.5-0.5b, qwen2.5-1.5b or
+    /// llama3.2-1b.
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Checkpoint directory to write (created if missing).

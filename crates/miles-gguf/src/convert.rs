@@ -198,6 +198,7 @@ pub fn model_config(g: &GgufFile) -> Result<ModelConfig> {
         bos_token_id: m.opt_u32("tokenizer.ggml.bos_token_id")?,
         eos_token_ids: m.opt_u32("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
         moe: None,
+        gemma: None,
     };
     // miles-model's own checks (positive sizes, heads divisible, even head_dim, …).
     ModelConfig::from_json(&config.to_hf_json("float32"), &g.path).map_err(|e| {

@@ -19,13 +19,17 @@ pub(crate) enum Linear {
     ExpertDown(usize),
 }
 
-/// A layer's RMSNorms; `Q` and `K` (Qwen3) normalize each head of the queries and keys.
+/// A layer's RMSNorms: `Input` before the attention, `Post` before the MLP; `Q` and `K`
+/// (Qwen3, Gemma 3) normalize each head of the queries and keys; `AttnOut` and `MlpOut`
+/// (Gemma) normalize the attention's and the MLP's outputs before their residual adds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Norm {
     Input,
     Post,
     Q,
     K,
+    AttnOut,
+    MlpOut,
 }
 
 /// The forward primitives of one device. `Act` is an activation `[tokens × width]`.
@@ -35,9 +39,11 @@ pub(crate) trait Backend {
     fn rmsnorm(&self, layer: usize, norm: Norm, x: &Self::Act) -> Result<(Self::Act, Self::Act)>;
     /// `x·Wᵀ` for each part of the linear.
     fn linear(&self, layer: usize, linear: Linear, x: &Self::Act) -> Result<Vec<Self::Act>>;
-    /// Rotates `heads` heads of every token by its position (`inverse`: the backward).
-    fn rope(&self, x: Self::Act, heads: usize, inverse: bool) -> Result<Self::Act>;
-    fn swiglu(&self, gate: &Self::Act, up: &Self::Act) -> Result<Self::Act>;
+    /// Rotates `heads` heads of every token by its position, with layer `layer`'s rotary
+    /// (`inverse`: the backward).
+    fn rope(&self, layer: usize, x: Self::Act, heads: usize, inverse: bool) -> Result<Self::Act>;
+    /// The gated MLP's `act(gate) · up` (SwiGLU, or Gemma's GeGLU).
+    fn glu(&self, gate: &Self::Act, up: &Self::Act) -> Result<Self::Act>;
     fn add(&self, a: &Self::Act, b: &Self::Act) -> Result<Self::Act>;
 
     /// The values of `x` on the host (a sparse layer's router logits).
@@ -148,8 +154,8 @@ pub(crate) trait Backend {
         } else {
             (q, k, None)
         };
-        let q = self.rope(q, c.num_attention_heads, false)?;
-        let k = self.rope(k, c.num_key_value_heads, false)?;
+        let q = self.rope(layer, q, c.num_attention_heads, false)?;
+        let k = self.rope(layer, k, c.num_key_value_heads, false)?;
         Ok((q, k, qk_norm))
     }
 }
@@ -185,7 +191,7 @@ pub(crate) trait BackwardBackend: Backend {
     ) -> Result<()> {
         Err(crate::Error::Invalid("internal: this backend has no grouped expert products".into()))
     }
-    fn swiglu_backward(
+    fn glu_backward(
         &self,
         dh: &Self::Act,
         gate: &Self::Act,

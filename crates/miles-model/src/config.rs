@@ -17,6 +17,10 @@ pub enum Architecture {
     Qwen3Moe,
     /// `Qwen2ForCausalLM` (Qwen2, Qwen2.5): Llama's layout with biases on q, k and v.
     Qwen2,
+    /// `Gemma3ForCausalLM` (Gemma 3's text models): (1 + w) norms around attention and the
+    /// MLP, q/k norms, GeGLU, an embedding scaled by √hidden, sliding-window layers with a
+    /// rotary of their own ([`GemmaConfig`]).
+    Gemma3,
 }
 
 impl Architecture {
@@ -26,6 +30,7 @@ impl Architecture {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -35,11 +40,12 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Qwen3Moe => "qwen3_moe",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Gemma3 => "gemma3_text",
         }
     }
 
     pub fn has_qk_norm(self) -> bool {
-        matches!(self, Architecture::Qwen3 | Architecture::Qwen3Moe)
+        matches!(self, Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3)
     }
 }
 
@@ -50,6 +56,20 @@ pub struct Biases {
     pub qkv: bool,
     pub o: bool,
     pub mlp: bool,
+}
+
+/// What a Gemma model adds to a decoder (config.json's names).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GemmaConfig {
+    /// Queries are scaled by `query_pre_attn_scalar^-1/2` (not head_dim's).
+    pub query_pre_attn_scalar: f32,
+    pub sliding_window: usize,
+    /// Per layer: whether it attends over the last `sliding_window` keys only.
+    pub sliding: Vec<bool>,
+    /// The sliding layers' rotary (`rope_parameters.sliding_attention`, or
+    /// `rope_local_base_freq`); the full layers take the config's own.
+    pub local_rope_theta: f32,
+    pub local_rope_scaling: RopeScaling,
 }
 
 /// The mixture of experts of a `Qwen3MoeForCausalLM` (its config.json's names).
@@ -99,6 +119,8 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// The experts of a Qwen3-MoE model; `None` for dense ones.
     pub moe: Option<Box<MoeConfig>>,
+    /// Gemma's additions; `None` for every other family.
+    pub gemma: Option<Box<GemmaConfig>>,
 }
 
 struct Fields<'a> {
@@ -161,6 +183,63 @@ impl Fields<'_> {
 }
 
 impl Fields<'_> {
+    /// Gemma 3's additions; `local_rope` is the `sliding_attention` rope dictionary of a newer
+    /// config.json (older ones say `rope_local_base_freq`).
+    fn gemma(
+        &self,
+        local_rope: Option<(&str, &Value)>,
+        max_positions: usize,
+    ) -> Result<GemmaConfig> {
+        if self.opt_bool("use_bidirectional_attention")? == Some(true) {
+            return Err(self.err(
+                "'use_bidirectional_attention': true is not supported (causal attention only)"
+                    .into(),
+            ));
+        }
+        let layers = self.usize("num_hidden_layers")?;
+        let sliding = match self.obj.get("layer_types") {
+            Some(Value::Array(types)) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("sliding_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    _ => Err(self.err(format!(
+                        "'layer_types' holds {t}: only sliding_attention and full_attention"
+                    ))),
+                })
+                .collect::<Result<Vec<bool>>>()?,
+            _ => {
+                let pattern = self.opt_usize("sliding_window_pattern")?.unwrap_or(6).max(1);
+                (0..layers).map(|l| !(l + 1).is_multiple_of(pattern)).collect()
+            }
+        };
+        if sliding.len() != layers {
+            return Err(self.err(format!(
+                "'layer_types' lists {} layers; num_hidden_layers is {layers}",
+                sliding.len()
+            )));
+        }
+        let (local_rope_theta, local_rope_scaling) = match local_rope {
+            Some((key, Value::Object(r))) => (
+                r.get("rope_theta").and_then(Value::as_f64).map_or(10_000.0, |t| t as f32),
+                RopeScaling::from_json(Some((key, r)), max_positions).map_err(|m| self.err(m))?,
+            ),
+            Some((key, v)) => {
+                return Err(
+                    self.err(format!("'{key}.sliding_attention' must be an object, found {v}"))
+                );
+            }
+            None => (self.opt_f32("rope_local_base_freq")?.unwrap_or(10_000.0), RopeScaling::None),
+        };
+        Ok(GemmaConfig {
+            query_pre_attn_scalar: self.opt_f32("query_pre_attn_scalar")?.unwrap_or(256.0),
+            sliding_window: self.opt_usize("sliding_window")?.unwrap_or(4096).max(1),
+            sliding,
+            local_rope_theta,
+            local_rope_scaling,
+        })
+    }
+
     fn moe(&self) -> Result<MoeConfig> {
         let mlp_only_layers = match self.obj.get("mlp_only_layers") {
             None | Some(Value::Null) => Vec::new(),
@@ -238,17 +317,32 @@ impl ModelConfig {
             "LlamaForCausalLM" | "llama" => Architecture::Llama,
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Architecture::Qwen3Moe,
             "Qwen2ForCausalLM" | "qwen2" => Architecture::Qwen2,
+            "Gemma3ForCausalLM" | "gemma3_text" => Architecture::Gemma3,
+            "Gemma3ForConditionalGeneration" | "gemma3" => {
+                return Err(f.err(
+                    "Gemma3ForConditionalGeneration (text and images) is not supported: use a \
+                     text-only Gemma3ForCausalLM checkpoint (gemma-3-1b, or the text model \
+                     extracted)"
+                        .into(),
+                ));
+            }
             other => {
                 return Err(f.err(format!(
                     "architecture '{other}' is not supported; supported: Qwen3ForCausalLM, \
-                     Qwen2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM"
+                     Qwen2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM, Gemma3ForCausalLM"
                 )));
             }
         };
-        if let Some(act) = obj.get("hidden_act").and_then(Value::as_str)
-            && act != "silu"
+        let gemma = architecture == Architecture::Gemma3;
+        let (act_key, act_want) =
+            if gemma { ("hidden_activation", "gelu_pytorch_tanh") } else { ("hidden_act", "silu") };
+        if let Some(act) = obj.get(act_key).and_then(Value::as_str)
+            && act != act_want
         {
-            return Err(f.err(format!("hidden_act '{act}' is not supported (only silu)")));
+            return Err(f.err(format!(
+                "{act_key} '{act}' is not supported for {} (only {act_want})",
+                architecture.hf_class()
+            )));
         }
         let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
         let mlp_bias = f.opt_bool("mlp_bias")?.unwrap_or(false);
@@ -271,14 +365,20 @@ impl ModelConfig {
             ));
         }
         // Keys that change the math of families not implemented here: refused, not ignored.
-        if let Some(Value::Array(types)) = obj.get("layer_types")
+        if let Some(Value::Array(types)) = obj.get("layer_types").filter(|_| !gemma)
             && let Some(other) = types.iter().find(|t| t.as_str() != Some("full_attention"))
         {
             return Err(f.err(format!(
                 "'layer_types' holds {other}: only full_attention layers are supported"
             )));
         }
-        for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+        // (transformers' Gemma 3 reads attn_logit_softcapping but never applies it.)
+        let capped: &[&str] = if gemma {
+            &["final_logit_softcapping"]
+        } else {
+            &["attn_logit_softcapping", "final_logit_softcapping"]
+        };
+        for &key in capped {
             if let Some(v) = obj.get(key).filter(|v| !v.is_null()) {
                 return Err(f.err(format!("'{key}': {v} is not supported (no soft-capping)")));
             }
@@ -297,6 +397,13 @@ impl ModelConfig {
         let rope = ["rope_parameters", "rope_scaling"]
             .into_iter()
             .find_map(|key| obj.get(key).filter(|v| !v.is_null()).map(|v| (key, v)));
+        // Gemma 3 in newer transformers: one rope dictionary per layer type.
+        let nested = rope.and_then(|(key, r)| {
+            let full = r.get("full_attention").filter(|_| gemma)?;
+            Some((key, full, r.get("sliding_attention")))
+        });
+        let local_rope = nested.and_then(|(key, _, local)| Some((key, local?)));
+        let rope = nested.map(|(key, full, _)| (key, full)).or(rope);
         let rope = match rope {
             Some((key, Value::Object(r))) => Some((key, r)),
             Some((key, v)) => return Err(f.err(format!("'{key}' must be an object, found {v}"))),
@@ -311,6 +418,11 @@ impl ModelConfig {
         let rope_theta = match rope.and_then(|(_, r)| r.get("rope_theta")).and_then(Value::as_f64) {
             Some(t) => t as f32,
             None => f.opt_f32("rope_theta")?.unwrap_or(10_000.0),
+        };
+        let gemma = if gemma {
+            Some(Box::new(f.gemma(local_rope, max_position_embeddings)?))
+        } else {
+            None
         };
         let hidden_size = f.usize("hidden_size")?;
         let num_attention_heads = f.usize("num_attention_heads")?;
@@ -334,7 +446,8 @@ impl ModelConfig {
             rms_norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
-            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            // Gemma ties its head unless told otherwise.
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(gemma.is_some()),
             max_position_embeddings,
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,
@@ -342,6 +455,7 @@ impl ModelConfig {
                 Architecture::Qwen3Moe => Some(Box::new(f.moe()?)),
                 _ => None,
             },
+            gemma,
         };
         config.validate().map_err(|message| f.err(message))?;
         Ok(config)
@@ -448,6 +562,25 @@ impl ModelConfig {
         if c.architecture == Architecture::Qwen2 {
             v["use_sliding_window"] = json!(false);
         }
+        if let Some(g) = &c.gemma {
+            let obj = v.as_object_mut().expect("an object");
+            obj.remove("hidden_act");
+            v["hidden_activation"] = json!("gelu_pytorch_tanh");
+            v["query_pre_attn_scalar"] = json!(g.query_pre_attn_scalar);
+            v["sliding_window"] = json!(g.sliding_window);
+            v["layer_types"] = json!(
+                g.sliding
+                    .iter()
+                    .map(|&s| if s { "sliding_attention" } else { "full_attention" })
+                    .collect::<Vec<_>>()
+            );
+            v["rope_parameters"] = json!({
+                "full_attention": c.rope_scaling.to_json(c.rope_theta),
+                "sliding_attention": g.local_rope_scaling.to_json(g.local_rope_theta),
+            });
+            v["final_logit_softcapping"] = Value::Null;
+            v["attn_logit_softcapping"] = Value::Null;
+        }
         if let Some(m) = &c.moe {
             v["num_experts"] = json!(m.num_experts);
             v["num_experts_per_tok"] = json!(m.num_experts_per_tok);
@@ -471,12 +604,35 @@ impl ModelConfig {
     }
 
     /// The attention of decoder layer `layer`: its heads and how its scores are formed.
-    pub fn attention_shape(&self, _layer: usize) -> miles_tensor::cpu::AttentionShape {
-        miles_tensor::cpu::AttentionShape::new(
+    pub fn attention_shape(&self, layer: usize) -> miles_tensor::cpu::AttentionShape {
+        let mut shape = miles_tensor::cpu::AttentionShape::new(
             self.num_attention_heads,
             self.num_key_value_heads,
             self.head_dim,
-        )
+        );
+        if let Some(g) = &self.gemma {
+            shape.scores.scale = (f64::from(g.query_pre_attn_scalar).powf(-0.5)) as f32;
+            shape.scores.window = g.sliding[layer].then_some(g.sliding_window);
+        }
+        shape
+    }
+
+    /// The gated MLP's activation: Gemma's tanh GELU, SiLU elsewhere.
+    pub fn gate(&self) -> miles_tensor::cpu::Gate {
+        match self.gemma {
+            Some(_) => miles_tensor::cpu::Gate::GeluTanh,
+            None => miles_tensor::cpu::Gate::Silu,
+        }
+    }
+
+    /// Gemma's embedding scale, √hidden; 1 elsewhere.
+    pub fn embed_scale(&self) -> f32 {
+        if self.gemma.is_some() { (self.hidden_size as f64).sqrt() as f32 } else { 1.0 }
+    }
+
+    /// Whether layer `layer` rotates by the sliding layers' rotary (Gemma 3's local one).
+    pub fn local_rope(&self, layer: usize) -> bool {
+        self.gemma.as_ref().is_some_and(|g| g.sliding[layer])
     }
 
     /// The rotary cos and sin tables `[positions × head_dim/2]` of `positions`, as transformers
@@ -484,6 +640,13 @@ impl ModelConfig {
     pub fn rope_tables(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
         let (inv_freq, scale) = self.rope_scaling.frequencies(self.head_dim, self.rope_theta);
         miles_tensor::cpu::rope_tables(positions, &inv_freq, scale)
+    }
+
+    /// [`Self::rope_tables`] of the sliding layers' rotary, when the model has one of its own.
+    pub fn local_rope_tables(&self, positions: &[u32]) -> Option<(Vec<f32>, Vec<f32>)> {
+        let g = self.gemma.as_ref()?;
+        let (inv_freq, scale) = g.local_rope_scaling.frequencies(self.head_dim, g.local_rope_theta);
+        Some(miles_tensor::cpu::rope_tables(positions, &inv_freq, scale))
     }
 
     /// Parameters in the model (the tied head counted once), every expert included.
@@ -648,6 +811,23 @@ mod tests {
         missing.as_object_mut().unwrap().remove("moe_intermediate_size");
         let e = ModelConfig::from_json(&missing, Path::new("m.json")).unwrap_err().to_string();
         assert_eq!(e, "m.json: missing field 'moe_intermediate_size'");
+    }
+
+    #[test]
+    fn every_family_reads_back_the_config_it_writes() {
+        for arch in [
+            Architecture::Qwen3,
+            Architecture::Llama,
+            Architecture::Qwen3Moe,
+            Architecture::Qwen2,
+            Architecture::Gemma3,
+        ] {
+            let c = crate::presets::preset("tiny", Some(arch)).unwrap();
+            let back = ModelConfig::from_json(&c.to_hf_json("float32"), Path::new("c.json"));
+            assert_eq!(back.unwrap(), c, "{arch:?}");
+        }
+        let c = crate::presets::preset("llama3.2-1b", None).unwrap();
+        assert_eq!(ModelConfig::from_json(&c.to_hf_json("bfloat16"), Path::new("c")).unwrap(), c);
     }
 
     #[test]

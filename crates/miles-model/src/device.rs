@@ -84,11 +84,15 @@ impl Layout {
     }
 
     fn norm(&self, layer: usize, norm: Norm) -> usize {
+        // Gemma's post_attention_layernorm follows the attention; its MLP has norms of its own.
+        let gemma = self.per_layer[layer].contains_key("pre_feedforward_layernorm.weight");
         self.at(
             layer,
             match norm {
                 Norm::Input => "input_layernorm.weight",
-                Norm::Post => "post_attention_layernorm.weight",
+                Norm::Post if gemma => "pre_feedforward_layernorm.weight",
+                Norm::Post | Norm::AttnOut => "post_attention_layernorm.weight",
+                Norm::MlpOut => "post_feedforward_layernorm.weight",
                 Norm::Q => "self_attn.q_norm.weight",
                 Norm::K => "self_attn.k_norm.weight",
             },
@@ -227,6 +231,8 @@ pub struct DeviceModel {
     /// With FP8 on, per weight (in [`tensor_spec`] order) its E4M3 form when the forward's
     /// product reads it; empty otherwise.
     quantized: Vec<Option<ops::Fp8Matrix>>,
+    /// Gemma: f32 ones of the hidden and head widths, which its norms' weights are added to.
+    ones: Vec<Tensor>,
 }
 
 /// Ids of compute-copy sets, unique in the process.
@@ -241,6 +247,8 @@ pub struct Forward {
     temperature: f32,
     cos: Tensor,
     sin: Tensor,
+    /// The sliding layers' rotary tables, when they have their own (Gemma 3).
+    local: Option<(Tensor, Tensor)>,
     layers: Vec<LayerActivations<Tensor>>,
     x_final: Tensor,
     rstd_final: Tensor,
@@ -265,6 +273,20 @@ impl DeviceModel {
         }
         let c = &model.config;
         model.weights.check(c)?;
+        if c.gemma.is_some() && *device != Device::Cpu {
+            return Err(Error::Invalid(format!(
+                "{} runs on the CPU only so far (its sliding-window attention is not in the \
+                 CUDA kernels yet): use --device cpu",
+                c.architecture.hf_class()
+            )));
+        }
+        let ones = match &c.gemma {
+            Some(_) => [c.hidden_size, c.head_dim]
+                .iter()
+                .map(|&n| Tensor::from_f32(&[n], vec![1.0; n], device))
+                .collect::<std::result::Result<_, _>>()?,
+            None => Vec::new(),
+        };
         let spec = tensor_spec(c);
         let mut masters = Vec::with_capacity(spec.len());
         for ((_, shape), w) in spec.iter().zip(model.weights.tensors()) {
@@ -287,14 +309,16 @@ impl DeviceModel {
             buffers: 0,
             fp8: None,
             quantized: Vec::new(),
+            ones,
         };
         m.refresh_compute()?;
         m.stack_linears()?;
         // (Where the paged attention cannot run, neither can the decode path the check is for.)
         let decodes = ops::paged_attention_runs(device, dtype, c.head_dim);
-        // (The fused layers have no biases: a model with them steps one op at a time.)
-        let biased = c.bias != crate::Biases::default();
-        m.fused_decode = !m.stacked.is_empty() && decodes && !biased && m.check_fused_decode()?;
+        // (The fused layers have no biases nor Gemma's norms: such a model steps one op at a
+        // time.)
+        let plain = c.bias == crate::Biases::default() && c.gemma.is_none();
+        m.fused_decode = !m.stacked.is_empty() && decodes && plain && m.check_fused_decode()?;
         Ok(m)
     }
 
@@ -574,6 +598,7 @@ impl DeviceModel {
     fn weights(&self) -> DeviceWeights<'_> {
         DeviceWeights {
             config: &self.config,
+            ones: &self.ones,
             layout: &self.layout,
             masters: &self.masters,
             compute: &self.compute,
@@ -605,14 +630,16 @@ impl DeviceModel {
         let table = [t, c.head_dim / 2];
         let cos = Tensor::from_f32(&table, cos, &self.device)?;
         let sin = Tensor::from_f32(&table, sin, &self.device)?;
+        let local = self.local_rope_tensors(&batch.positions())?;
         let dev = Dev {
             w: self.training_weights(),
             cos: &cos,
             sin: &sin,
+            local: local.as_ref().map(|(c, s)| (c, s)),
             cu_seqlens: &batch.cu_seqlens,
             grads: None,
         };
-        let mut x = ops::embedding_forward(self.weight(0), &batch.tokens)?;
+        let mut x = self.embed(ops::embedding_forward(self.weight(0), &batch.tokens)?)?;
         let mut attention = |layer, q: &Tensor, k: &Tensor, v: &Tensor| {
             let shape = c.attention_shape(layer);
             Ok(ops::attention_forward(q, k, v, &batch.cu_seqlens, shape)?)
@@ -628,8 +655,8 @@ impl DeviceModel {
             }
             x = x_out;
         }
-        let final_w = self.weight(self.layout.final_norm());
-        let (nf, rstd_final) = ops::rmsnorm_forward(&x, final_w, c.rms_norm_eps)?;
+        let final_w = self.weights().norm(self.layout.final_norm())?;
+        let (nf, rstd_final) = ops::rmsnorm_forward(&x, &final_w, c.rms_norm_eps)?;
         let (rows, targets) = batch.response_rows();
         let rows: Vec<u32> = rows.into_iter().map(|r| r as u32).collect();
         // Every chunk is queued before the first result is copied back: one wait for the
@@ -653,6 +680,7 @@ impl DeviceModel {
             temperature,
             cos,
             sin,
+            local,
             layers,
             x_final: x,
             rstd_final,
@@ -689,7 +717,7 @@ impl DeviceModel {
         let positions: Vec<u32> = rows.iter().map(|r| r.position as u32).collect();
         let (cos, sin) = self.rope_tensors(&positions)?;
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
-        let x = ops::embedding_forward(self.weight(0), &tokens)?;
+        let x = self.embed(ops::embedding_forward(self.weight(0), &tokens)?)?;
         let plan = ops::PagedPlan::new(&seqs, layout, &self.device)?;
         match &self.config.moe {
             Some(m) => {
@@ -724,6 +752,28 @@ impl DeviceModel {
             Tensor::from_f32(&table, cos, &self.device)?,
             Tensor::from_f32(&table, sin, &self.device)?,
         ))
+    }
+
+    /// The sliding layers' rotary tables of `positions`, when they have their own (Gemma 3).
+    fn local_rope_tensors(&self, positions: &[u32]) -> Result<Option<(Tensor, Tensor)>> {
+        let Some((cos, sin)) = self.config.local_rope_tables(positions) else { return Ok(None) };
+        let table = [positions.len(), self.config.head_dim / 2];
+        Ok(Some((
+            Tensor::from_f32(&table, cos, &self.device)?,
+            Tensor::from_f32(&table, sin, &self.device)?,
+        )))
+    }
+
+    /// The embedded rows as the first layer takes them: Gemma's times √hidden (rounded to the
+    /// compute dtype first, as transformers does), others as they are. Also the backward's map
+    /// of their gradient (the same scale).
+    fn embed(&self, x: Tensor) -> Result<Tensor> {
+        let s = self.config.embed_scale();
+        if s == 1.0 {
+            return Ok(x);
+        }
+        let s = if self.dtype == DType::BF16 { half::bf16::from_f32(s).to_f32() } else { s };
+        Ok(ops::scale(&x, s)?)
     }
 
     /// The layers and the final norm of a step over the paged cache, from the embedded rows:
@@ -807,7 +857,11 @@ impl DeviceModel {
         mut routes: Option<&mut Vec<Vec<u32>>>,
     ) -> Result<Tensor> {
         let c = &self.config;
-        let dev = Dev { w: self.weights(), cos, sin, cu_seqlens: &[], grads: None };
+        let positions: Vec<u32> =
+            plan.seqs().iter().flat_map(|s| (s.pos0..s.pos0 + s.n).map(|p| p as u32)).collect();
+        let local = self.local_rope_tensors(&positions)?;
+        let local = local.as_ref().map(|(c, s)| (c, s));
+        let dev = Dev { w: self.weights(), cos, sin, local, cu_seqlens: &[], grads: None };
         for layer in 0..c.num_hidden_layers {
             let mut attention = |layer, q: &Tensor, k: &Tensor, v: &Tensor| {
                 ops::paged_kv_write(kv.data_mut(), k, v, layer, plan)?;
@@ -821,8 +875,8 @@ impl DeviceModel {
                 routes.push(r.experts.clone());
             }
         }
-        let final_w = self.weight(self.layout.final_norm());
-        Ok(ops::rmsnorm_forward(&x, final_w, c.rms_norm_eps)?.0)
+        let final_w = self.weights().norm(self.layout.final_norm())?;
+        Ok(ops::rmsnorm_forward(&x, &final_w, c.rms_norm_eps)?.0)
     }
 
     /// The LM head's f32 logits `[rows × vocab]` of final-normed hidden states, all rows.
@@ -956,7 +1010,15 @@ impl DeviceModel {
         let h = c.hidden_size;
         let (final_i, head_i) = (self.layout.final_norm(), self.layout.head());
         // The head, chunk by chunk: logits recomputed, never held for all rows.
-        let nf = ops::rmsnorm_forward(&fwd.x_final, self.weight(final_i), c.rms_norm_eps)?.0;
+        // The final norm's weight as the forward took it (Gemma's 1 + w made here, from the
+        // fields the gradients are borrowed beside below).
+        let master = &self.masters[final_i];
+        let made = match self.ones.iter().find(|o| o.len() == master.len()) {
+            Some(ones) => Some(ops::add(master, ones)?),
+            None => None,
+        };
+        let final_w = made.as_ref().unwrap_or(master);
+        let nf = ops::rmsnorm_forward(&fwd.x_final, final_w, c.rms_norm_eps)?.0;
         let mut d_nf = Tensor::zeros(&[t, h], self.dtype, &self.device)?;
         let chunk = self.head_chunk_rows();
         let chunks = fwd.rows.chunks(chunk).zip(fwd.targets.chunks(chunk));
@@ -982,7 +1044,6 @@ impl DeviceModel {
                 ops::matmul(&d_logits, Transpose::No, self.weight(head_i), Transpose::No)?;
             ops::scatter_rows(&mut d_nf, &d_hidden, rows)?;
         }
-        let final_w = &self.masters[final_i];
         let acc = &mut self.grads[final_i];
         let mut dx = ops::rmsnorm_backward_acc(acc, &d_nf, &fwd.x_final, final_w, &fwd.rstd_final)?;
         drop(d_nf);
@@ -992,6 +1053,7 @@ impl DeviceModel {
         let rollout_only = self.fp8.is_some_and(|f| f.rollout_only);
         let w = DeviceWeights {
             config: &self.config,
+            ones: &self.ones,
             layout: &self.layout,
             masters: &self.masters,
             compute: &self.compute,
@@ -1004,6 +1066,7 @@ impl DeviceModel {
             w,
             cos: &fwd.cos,
             sin: &fwd.sin,
+            local: fwd.local.as_ref().map(|(c, s)| (c, s)),
             cu_seqlens: &batch.cu_seqlens,
             grads: Some(&mut self.grads),
         };
@@ -1013,6 +1076,7 @@ impl DeviceModel {
             let grads = dev.grads.as_deref_mut().expect("the backward's gradients");
             ready(c.num_hidden_layers - layer, grads)?;
         }
+        let dx = self.embed(dx)?;
         ops::embedding_backward_acc(&mut self.grads[0], &dx, &batch.tokens)?;
         ready(c.num_hidden_layers + 1, &mut self.grads)
     }
@@ -1163,6 +1227,8 @@ impl DeviceModel {
 #[derive(Clone, Copy)]
 struct DeviceWeights<'a> {
     config: &'a ModelConfig,
+    /// Vectors of ones of the norms' widths, for Gemma's (1 + w); empty otherwise.
+    ones: &'a [Tensor],
     layout: &'a Layout,
     masters: &'a [Tensor],
     compute: &'a [Option<Tensor>],
@@ -1175,6 +1241,16 @@ struct DeviceWeights<'a> {
 impl<'a> DeviceWeights<'a> {
     fn weight(&self, index: usize) -> &'a Tensor {
         self.compute[index].as_ref().unwrap_or(&self.masters[index])
+    }
+
+    /// The weight norm `index` multiplies by: Gemma's `1 + w` (in f32, as transformers), else
+    /// `w`.
+    fn norm(&self, index: usize) -> Result<NormWeight<'a>> {
+        let w = self.weight(index);
+        match self.ones.iter().find(|o| o.len() == w.len()) {
+            Some(ones) => Ok(NormWeight::Made(ops::add(w, ones)?)),
+            None => Ok(NormWeight::Kept(w)),
+        }
     }
 
     /// `x·Wᵀ` of matrix `index` as the forward computes it: in FP8 when it is quantized,
@@ -1199,6 +1275,22 @@ impl<'a> DeviceWeights<'a> {
     }
 }
 
+/// A norm's weight: the stored one, or Gemma's `1 + w` made for this use.
+enum NormWeight<'a> {
+    Kept(&'a Tensor),
+    Made(Tensor),
+}
+
+impl std::ops::Deref for NormWeight<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        match self {
+            NormWeight::Kept(t) => t,
+            NormWeight::Made(t) => t,
+        }
+    }
+}
+
 /// The experts' outputs as one tensor, and each pick's row in it.
 fn stack_parts(parts: &[&Tensor], picks: &[(u32, u32)]) -> Result<(Tensor, Vec<u32>)> {
     let mut starts = Vec::with_capacity(parts.len());
@@ -1216,6 +1308,8 @@ struct Dev<'a> {
     w: DeviceWeights<'a>,
     cos: &'a Tensor,
     sin: &'a Tensor,
+    /// The sliding layers' rotary tables, when they have their own (Gemma 3).
+    local: Option<(&'a Tensor, &'a Tensor)>,
     cu_seqlens: &'a [usize],
     grads: Option<&'a mut Vec<Tensor>>,
 }
@@ -1235,6 +1329,14 @@ impl DeviceWeights<'_> {
 }
 
 impl Dev<'_> {
+    /// Layer `layer`'s rotary tables.
+    fn tables(&self, layer: usize) -> (&Tensor, &Tensor) {
+        match self.local {
+            Some(local) if self.w.config.local_rope(layer) => local,
+            _ => (self.cos, self.sin),
+        }
+    }
+
     /// `x·Wᵀ` of each of the linear's parts, without their biases.
     fn products(&self, layer: usize, linear: Linear, x: &Tensor) -> Result<Vec<Tensor>> {
         let parts = self.w.layout.linear(layer, linear);
@@ -1282,8 +1384,8 @@ impl Backend for Dev<'_> {
     type Act = Tensor;
 
     fn rmsnorm(&self, layer: usize, norm: Norm, x: &Tensor) -> Result<(Tensor, Tensor)> {
-        let w = self.w.weight(self.w.layout.norm(layer, norm));
-        Ok(ops::rmsnorm_forward(x, w, self.w.config.rms_norm_eps)?)
+        let w = self.w.norm(self.w.layout.norm(layer, norm))?;
+        Ok(ops::rmsnorm_forward(x, &w, self.w.config.rms_norm_eps)?)
     }
 
     fn linear(&self, layer: usize, linear: Linear, x: &Tensor) -> Result<Vec<Tensor>> {
@@ -1301,15 +1403,16 @@ impl Backend for Dev<'_> {
             })
             .collect()
     }
-    fn rope(&self, x: Tensor, heads: usize, inverse: bool) -> Result<Tensor> {
+    fn rope(&self, layer: usize, x: Tensor, heads: usize, inverse: bool) -> Result<Tensor> {
         let shape = x.shape().to_vec();
         let d = self.w.config.head_dim;
         let x = x.reshape(&[shape[0], heads, d])?;
-        Ok(ops::rope(&x, self.cos, self.sin, inverse)?.reshape(&shape)?)
+        let (cos, sin) = self.tables(layer);
+        Ok(ops::rope(&x, cos, sin, inverse)?.reshape(&shape)?)
     }
 
-    fn swiglu(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-        Ok(ops::swiglu_forward(gate, up)?)
+    fn glu(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        Ok(ops::glu_forward(gate, up, self.w.config.gate())?)
     }
 
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -1323,8 +1426,8 @@ impl Backend for Dev<'_> {
         a: &Tensor,
         b: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let w = self.w.weight(self.w.layout.norm(layer, norm));
-        let [sum, y, rstd] = ops::add_rmsnorm(a, b, w, self.w.config.rms_norm_eps)?;
+        let w = self.w.norm(self.w.layout.norm(layer, norm))?;
+        let [sum, y, rstd] = ops::add_rmsnorm(a, b, &w, self.w.config.rms_norm_eps)?;
         Ok((sum, y, rstd))
     }
 
@@ -1438,15 +1541,15 @@ impl Backend for Dev<'_> {
     ) -> Result<(Tensor, Tensor, Option<[Tensor; 4]>)> {
         if !c.architecture.has_qk_norm() {
             let (q, k) = (
-                self.rope(q, c.num_attention_heads, false)?,
-                self.rope(k, c.num_key_value_heads, false)?,
+                self.rope(layer, q, c.num_attention_heads, false)?,
+                self.rope(layer, k, c.num_key_value_heads, false)?,
             );
             return Ok((q, k, None));
         }
-        let w = |norm| self.w.weight(self.w.layout.norm(layer, norm));
-        let eps = c.rms_norm_eps;
+        let w = |norm| self.w.norm(self.w.layout.norm(layer, norm));
+        let (eps, (cos, sin)) = (c.rms_norm_eps, self.tables(layer));
         let [qo, q_rstd, ko, k_rstd] =
-            ops::qk_norm_rope(&q, &k, w(Norm::Q), w(Norm::K), eps, self.cos, self.sin)?;
+            ops::qk_norm_rope(&q, &k, &*w(Norm::Q)?, &*w(Norm::K)?, eps, cos, sin)?;
         Ok((qo, ko, Some([q, q_rstd, k, k_rstd])))
     }
 }
@@ -1461,8 +1564,8 @@ impl BackwardBackend for Dev<'_> {
         rstd: &Tensor,
     ) -> Result<Tensor> {
         let i = self.w.layout.norm(layer, norm);
-        let w = self.w.weight(i);
-        Ok(ops::rmsnorm_backward_acc(&mut self.grads()?[i], dy, x, w, rstd)?)
+        let w = self.w.norm(i)?;
+        Ok(ops::rmsnorm_backward_acc(&mut self.grads()?[i], dy, x, &w, rstd)?)
     }
 
     fn experts_wgrad(
@@ -1511,8 +1614,8 @@ impl BackwardBackend for Dev<'_> {
         dx.ok_or_else(|| Error::Invalid("internal: a linear without parts".into()))
     }
 
-    fn swiglu_backward(&self, dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
-        Ok(ops::swiglu_backward(dh, gate, up)?)
+    fn glu_backward(&self, dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(ops::glu_backward(dh, gate, up, self.w.config.gate())?)
     }
 
     fn attention_backward(
@@ -1724,7 +1827,7 @@ mod tests {
     /// fixtures, in f32, within the CPU's tolerances, on every device present.
     #[test]
     fn matches_transformers_in_f32_on_every_device() {
-        for name in ["qwen3", "llama", "qwen2", "llama31", "qwen3_yarn"] {
+        for name in ["qwen3", "llama", "qwen2", "llama31", "qwen3_yarn", "gemma3"] {
             let r = crate::testing::HfReference::load(&crate::testing::hf_fixture(name)).unwrap();
             for device in devices() {
                 let mut dm = DeviceModel::new(&r.model, &device, DType::F32).unwrap();

@@ -28,6 +28,9 @@ pub(crate) struct LayerActivations<A> {
     pub n2: A,
     pub rstd2: A,
     pub mlp: MlpActivations<A>,
+    /// Gemma's outputs of the attention and the MLP before their norms, with those norms'
+    /// rstd: `[o, o_rstd, m, m_rstd]`.
+    pub sandwich: Option<[A; 4]>,
 }
 
 /// The experts each token was routed to in the sparse layers of a forward, `[tokens × sparse
@@ -64,6 +67,13 @@ pub(crate) fn layer_forward<B: Backend>(
     let (q, k, qk_norm) = b.qk_norm_rope(c, layer, q, k)?;
     let (attn, lse) = attention(layer, &q, &k, &v)?;
     let [o] = take(b.linear(layer, Linear::O, &attn)?);
+    let sandwich = c.gemma.is_some();
+    let (o, o_kept) = if sandwich {
+        let (on, rstd) = b.rmsnorm(layer, Norm::AttnOut, &o)?;
+        (on, Some((o, rstd)))
+    } else {
+        (o, None)
+    };
     let (x_mid, n2, rstd2) = b.add_rmsnorm(layer, Norm::Post, &x, &o)?;
     let (m, mlp) = match &c.moe {
         Some(moe) if moe.is_sparse(layer) => {
@@ -72,14 +82,35 @@ pub(crate) fn layer_forward<B: Backend>(
         }
         _ => {
             let [gate, up] = take(b.linear(layer, Linear::GateUp, &n2)?);
-            let act = b.swiglu(&gate, &up)?;
+            let act = b.glu(&gate, &up)?;
             let [m] = take(b.linear(layer, Linear::Down, &act)?);
             (m, MlpActivations::Dense { gate, up, act })
         }
     };
+    let (m, sandwich) = match o_kept {
+        Some((o, o_rstd)) => {
+            let (mn, m_rstd) = b.rmsnorm(layer, Norm::MlpOut, &m)?;
+            (mn, Some([o, o_rstd, m, m_rstd]))
+        }
+        None => (m, None),
+    };
     let x_out = b.add(&x_mid, &m)?;
-    let a =
-        LayerActivations { x_in: x, n1, rstd1, qk_norm, q, k, v, attn, lse, x_mid, n2, rstd2, mlp };
+    let a = LayerActivations {
+        x_in: x,
+        n1,
+        rstd1,
+        qk_norm,
+        q,
+        k,
+        v,
+        attn,
+        lse,
+        x_mid,
+        n2,
+        rstd2,
+        mlp,
+        sandwich,
+    };
     Ok((x_out, a))
 }
 
@@ -95,16 +126,22 @@ pub(crate) fn layer_backward<B: BackwardBackend>(
     balance: Option<(f32, &BalanceStats)>,
 ) -> Result<B::Act> {
     let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-    // MLP: x_out = x_mid + down(swiglu(gate(n2), up(n2))), or the experts' sum.
+    // MLP: x_out = x_mid + down(glu(gate(n2), up(n2))), or the experts' sum, or (Gemma) its
+    // norm.
+    let d_m = match &a.sandwich {
+        Some([_, _, m, m_rstd]) => Some(b.rmsnorm_backward(layer, Norm::MlpOut, &dx, m, m_rstd)?),
+        None => None,
+    };
+    let d_m = d_m.as_ref().unwrap_or(&dx);
     let d_n2 = match (&a.mlp, &c.moe) {
         (MlpActivations::Dense { gate, up, act }, _) => {
-            let d_act = b.linear_backward(layer, Linear::Down, &[&dx], act)?;
-            let (d_gate, d_up) = b.swiglu_backward(&d_act, gate, up)?;
+            let d_act = b.linear_backward(layer, Linear::Down, &[d_m], act)?;
+            let (d_gate, d_up) = b.glu_backward(&d_act, gate, up)?;
             drop(d_act);
             b.linear_backward(layer, Linear::GateUp, &[&d_gate, &d_up], &a.n2)?
         }
         (MlpActivations::Sparse(m), Some(moe)) => {
-            moe_backward(b, moe, layer, m, &a.n2, c.hidden_size, &dx, balance)?
+            moe_backward(b, moe, layer, m, &a.n2, c.hidden_size, d_m, balance)?
         }
         (MlpActivations::Sparse(_), None) => {
             return Err(crate::Error::Invalid("internal: experts without a MoE config".into()));
@@ -113,11 +150,18 @@ pub(crate) fn layer_backward<B: BackwardBackend>(
     let d = b.rmsnorm_backward(layer, Norm::Post, &d_n2, &a.x_mid, &a.rstd2)?;
     let dx = b.add(&dx, &d)?;
 
-    // Attention: x_mid = x_in + o(attn(rope(norm(q(n1))), rope(norm(k(n1))), v(n1))).
-    let d_attn = b.linear_backward(layer, Linear::O, &[&dx], &a.attn)?;
+    // Attention: x_mid = x_in + o(attn(rope(norm(q(n1))), rope(norm(k(n1))), v(n1))), the
+    // output normed first in Gemma.
+    let d_o = match &a.sandwich {
+        Some([o, o_rstd, _, _]) => {
+            Some(b.rmsnorm_backward(layer, Norm::AttnOut, &dx, o, o_rstd)?)
+        }
+        None => None,
+    };
+    let d_attn = b.linear_backward(layer, Linear::O, &[d_o.as_ref().unwrap_or(&dx)], &a.attn)?;
     let (dq, dk, dv) = b.attention_backward(layer, &d_attn, &a.q, &a.k, &a.v, &a.attn, &a.lse)?;
-    let mut dq = b.rope(dq, nq, true)?;
-    let mut dk = b.rope(dk, nkv, true)?;
+    let mut dq = b.rope(layer, dq, nq, true)?;
+    let mut dk = b.rope(layer, dk, nkv, true)?;
     if let Some([q_pre, q_rstd, k_pre, k_rstd]) = &a.qk_norm {
         dq = b.rmsnorm_backward(layer, Norm::Q, &dq, q_pre, q_rstd)?;
         dk = b.rmsnorm_backward(layer, Norm::K, &dk, k_pre, k_rstd)?;

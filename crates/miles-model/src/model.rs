@@ -203,6 +203,7 @@ pub(crate) mod tests {
             bos_token_id: None,
             eos_token_ids: vec![],
             moe: None,
+            gemma: None,
         }
     }
 

@@ -343,7 +343,7 @@ pub(crate) fn moe_forward<B: Backend>(
         let product = |which, x, rows| b.experts_product(layer, which, x, rows, offsets, false);
         let gate = product(ExpertMatrix::Gate, x, Some(&order.tokens))?;
         let up = product(ExpertMatrix::Up, x, Some(&order.tokens))?;
-        let act = b.swiglu(&gate, &up)?;
+        let act = b.glu(&gate, &up)?;
         let y = product(ExpertMatrix::Down, &act, None)?;
         let out = b.pick_rows(&y, hidden, &order.rows_of_picks, &routing.weights, k)?;
         let experts = ExpertActs::Grouped { order, gate, up, act, y };
@@ -359,7 +359,7 @@ pub(crate) fn moe_forward<B: Backend>(
         let rows: Vec<u32> = picks.iter().map(|&p| p / k as u32).collect();
         let xe = b.gather_rows(x, hidden, &rows, None)?;
         let [gate, up] = take(b.linear(layer, Linear::ExpertGateUp(expert), &xe)?);
-        let act = b.swiglu(&gate, &up)?;
+        let act = b.glu(&gate, &up)?;
         let [y] = take(b.linear(layer, Linear::ExpertDown(expert), &act)?);
         for (r, &p) in picks.iter().enumerate() {
             slots[p as usize] = (runs.len() as u32, r as u32);
@@ -442,7 +442,7 @@ pub(crate) fn moe_backward<B: BackwardBackend>(
             let d_act = b.experts_product(layer, ExpertMatrix::Down, &d_y, None, offsets, true)?;
             b.experts_wgrad(layer, ExpertMatrix::Down, &d_y, act, None, offsets)?;
             drop(d_y);
-            let (d_gate, d_up) = b.swiglu_backward(&d_act, gate, up)?;
+            let (d_gate, d_up) = b.glu_backward(&d_act, gate, up)?;
             drop(d_act);
             let tokens = Some(order.tokens.as_slice());
             b.experts_wgrad(layer, ExpertMatrix::Gate, &d_gate, x, tokens, offsets)?;
@@ -481,7 +481,7 @@ fn per_expert_backward<B: BackwardBackend>(
         let d_y = b.gather_rows(d_out, hidden, &rows, Some(&scales))?;
         let down = Linear::ExpertDown(run.expert);
         let d_act = b.linear_backward(layer, down, &[&d_y], &run.act)?;
-        let (d_gate, d_up) = b.swiglu_backward(&d_act, &run.gate, &run.up)?;
+        let (d_gate, d_up) = b.glu_backward(&d_act, &run.gate, &run.up)?;
         let gate_up = Linear::ExpertGateUp(run.expert);
         d_xs.push(b.linear_backward(layer, gate_up, &[&d_gate, &d_up], &run.x)?);
     }

@@ -1,7 +1,9 @@
 //! Model shapes by name, for `miles init-model` and benchmarks.
 
 use crate::tokenizer::BYTE_TOKENIZER_SPECIALS;
-use crate::{Architecture, Biases, Error, ModelConfig, MoeConfig, Result, RopeScaling};
+use crate::{
+    Architecture, Biases, Error, GemmaConfig, ModelConfig, MoeConfig, Result, RopeScaling,
+};
 
 pub const PRESETS: [&str; 9] = [
     "tiny",
@@ -42,7 +44,8 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 4,
             num_key_value_heads: 2,
             head_dim: 16,
-            bias: Biases::default(),
+            // Qwen2's q/k/v biases go with the architecture.
+            bias: Biases { qkv: arch == Some(Architecture::Qwen2), ..Biases::default() },
             rms_norm_eps: 1e-6,
             rope_theta: 10_000.0,
             rope_scaling: RopeScaling::None,
@@ -59,6 +62,16 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                     decoder_sparse_step: 1,
                     mlp_only_layers: Vec::new(),
                     router_aux_loss_coef: 0.0,
+                })
+            }),
+            // Gemma 3: a sliding layer (window 8) before a full one, its own query scale.
+            gemma: (arch == Some(Architecture::Gemma3)).then(|| {
+                Box::new(GemmaConfig {
+                    query_pre_attn_scalar: 12.0,
+                    sliding_window: 8,
+                    sliding: vec![true, false],
+                    local_rope_theta: 10_000.0,
+                    local_rope_scaling: RopeScaling::None,
                 })
             }),
         },
@@ -81,6 +94,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             bos_token_id: None,
             eos_token_ids: vec![151_645],
             moe: None,
+            gemma: None,
         },
         // Qwen3-8B's published config.json (weight-bound decode benchmarks).
         "qwen3-8b" => ModelConfig {
@@ -101,6 +115,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             bos_token_id: None,
             eos_token_ids: vec![151_645],
             moe: None,
+            gemma: None,
         },
         // SmolLM2-135M's published config.json (Llama architecture).
         "smollm2-135m" => ModelConfig {
@@ -121,6 +136,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
             moe: None,
+            gemma: None,
         },
         // Qwen3-30B-A3B's published config.json with 4 of its 48 layers: the layers' shapes
         // for benchmarks (3.1 B parameters, 0.85 B active, 0.6 B of them the embedding and head).
@@ -150,6 +166,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 mlp_only_layers: Vec::new(),
                 router_aux_loss_coef: 0.0,
             })),
+            gemma: None,
         },
         // Qwen2.5-0.5B-Instruct's and Qwen2.5-1.5B-Instruct's published config.json.
         "qwen2.5-0.5b" | "qwen2.5-1.5b" => {
@@ -172,6 +189,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 bos_token_id: None,
                 eos_token_ids: vec![151_645],
                 moe: None,
+                gemma: None,
             }
         }
         // Llama-3.2-1B-Instruct's published config.json (llama3 rope scaling).
@@ -198,6 +216,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             bos_token_id: Some(128_000),
             eos_token_ids: vec![128_001, 128_008, 128_009],
             moe: None,
+            gemma: None,
         },
         other => {
             return Err(Error::Invalid(format!(

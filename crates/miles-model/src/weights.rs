@@ -29,6 +29,9 @@ pub struct LayerWeights {
     pub q_norm: Vec<f32>,
     pub k_norm: Vec<f32>,
     pub post_norm: Vec<f32>,
+    /// Gemma's norms before and after the MLP (its `post_norm` follows the attention).
+    pub pre_ff_norm: Vec<f32>,
+    pub post_ff_norm: Vec<f32>,
     pub gate_proj: Vec<f32>,
     pub gate_bias: Vec<f32>,
     pub up_proj: Vec<f32>,
@@ -83,6 +86,10 @@ pub fn tensor_spec(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             spec.push((format!("{p}self_attn.k_norm.weight"), vec![d]));
         }
         spec.push((format!("{p}post_attention_layernorm.weight"), vec![h]));
+        if c.gemma.is_some() {
+            spec.push((format!("{p}pre_feedforward_layernorm.weight"), vec![h]));
+            spec.push((format!("{p}post_feedforward_layernorm.weight"), vec![h]));
+        }
         match &c.moe {
             Some(m) if m.is_sparse(l) => {
                 let i = m.moe_intermediate_size;
@@ -115,7 +122,7 @@ macro_rules! layer_tensors {
             $($r)+ $l.input_norm, $($r)+ $l.q_proj, $($r)+ $l.q_bias, $($r)+ $l.k_proj,
             $($r)+ $l.k_bias, $($r)+ $l.v_proj, $($r)+ $l.v_bias, $($r)+ $l.o_proj,
             $($r)+ $l.o_bias, $($r)+ $l.q_norm, $($r)+ $l.k_norm, $($r)+ $l.post_norm,
-            $($r)+ $l.gate_proj, $($r)+ $l.gate_bias, $($r)+ $l.up_proj, $($r)+ $l.up_bias,
+            $($r)+ $l.pre_ff_norm, $($r)+ $l.post_ff_norm, $($r)+ $l.gate_proj, $($r)+ $l.gate_bias, $($r)+ $l.up_proj, $($r)+ $l.up_bias,
             $($r)+ $l.down_proj, $($r)+ $l.down_bias, $($r)+ $l.router,
         ]
     };
@@ -147,6 +154,8 @@ impl LayerWeights {
             "self_attn.q_norm.weight" => &mut self.q_norm,
             "self_attn.k_norm.weight" => &mut self.k_norm,
             "post_attention_layernorm.weight" => &mut self.post_norm,
+            "pre_feedforward_layernorm.weight" => &mut self.pre_ff_norm,
+            "post_feedforward_layernorm.weight" => &mut self.post_ff_norm,
             "mlp.gate_proj.weight" => &mut self.gate_proj,
             "mlp.gate_proj.bias" => &mut self.gate_bias,
             "mlp.up_proj.weight" => &mut self.up_proj,
@@ -216,12 +225,14 @@ impl Weights {
         Self::build(c, |_, shape| Ok(vec![0.0; numel(shape)])).expect("zeros cannot fail")
     }
 
-    /// HF-style initialization: normal(0, 0.02) matrices, unit norms, zero biases; seeded.
+    /// HF-style initialization: normal(0, 0.02) matrices, unit norms (Gemma's (1 + w): zero),
+    /// zero biases; seeded.
     pub fn random(c: &ModelConfig, seed: u64) -> Self {
         let mut rng = Rng::new(seed);
+        let unit = if c.gemma.is_some() { 0.0 } else { 1.0 };
         Self::build(c, |name, shape| {
             Ok(if is_norm(name) {
-                vec![1.0; numel(shape)]
+                vec![unit; numel(shape)]
             } else if name.ends_with(".bias") {
                 vec![0.0; numel(shape)]
             } else {

@@ -295,7 +295,8 @@ impl PagedPlan {
         self.rows
     }
 
-    fn seqs(&self) -> Vec<PagedRows<'_>> {
+    /// The plan's sequences: rows, first position and block table.
+    pub fn seqs(&self) -> Vec<PagedRows<'_>> {
         self.seqs.iter().map(|(n, pos0, table)| PagedRows { n: *n, pos0: *pos0, table }).collect()
     }
 }
