@@ -566,7 +566,9 @@ impl ModelConfig {
             let obj = v.as_object_mut().expect("an object");
             obj.remove("hidden_act");
             v["hidden_activation"] = json!("gelu_pytorch_tanh");
-            v["query_pre_attn_scalar"] = json!(g.query_pre_attn_scalar);
+            // (transformers wants an integer here, as the released configs have it.)
+            let q = g.query_pre_attn_scalar;
+            v["query_pre_attn_scalar"] = if q.fract() == 0.0 { json!(q as i64) } else { json!(q) };
             v["sliding_window"] = json!(g.sliding_window);
             v["layer_types"] = json!(
                 g.sliding
