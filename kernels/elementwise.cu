@@ -300,6 +300,23 @@ __device__ void scale(T* out, const T* x, float s, long long n) {
     }
 }
 
+// out = cap · tanh(x / cap) (Gemma 2's soft-capped logits), and its gradient from the output
+// y: dx = dy · (1 − (y / cap)²).
+template <typename T>
+__device__ void softcap(T* out, const T* x, float cap, long long n) {
+    GRID_STRIDE(i, static_cast<size_t>(n)) {
+        put(out, i, cap * tanhf(get(x, i) / cap));
+    }
+}
+
+template <typename T>
+__device__ void softcap_backward(T* dx, const T* dy, const T* y, float cap, long long n) {
+    GRID_STRIDE(i, static_cast<size_t>(n)) {
+        const float r = get(y, i) / cap;
+        put(dx, i, get(dy, i) * (1.0f - r * r));
+    }
+}
+
 #define BIAS(T, SUFFIX)                                                                        \
     extern "C" __global__ void add_bias_##SUFFIX(T* out, const T* x, const T* bias,           \
                                                  long long total, int n) {                     \
@@ -311,6 +328,13 @@ __device__ void scale(T* out, const T* x, float s, long long n) {
     }                                                                                          \
     extern "C" __global__ void scale_##SUFFIX(T* out, const T* x, float s, long long n) {      \
         scale(out, x, s, n);                                                                   \
+    }                                                                                          \
+    extern "C" __global__ void softcap_##SUFFIX(T* out, const T* x, float cap, long long n) {  \
+        softcap(out, x, cap, n);                                                               \
+    }                                                                                          \
+    extern "C" __global__ void softcap_backward_##SUFFIX(T* dx, const T* dy, const T* y,       \
+                                                         float cap, long long n) {             \
+        softcap_backward(dx, dy, y, cap, n);                                                   \
     }
 
 BIAS(float, f32)

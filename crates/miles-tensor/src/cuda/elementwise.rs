@@ -237,6 +237,38 @@ pub(crate) fn scale(gpu: &Arc<Gpu>, x: &DeviceData, s: f32, n: usize) -> Result<
     Ok(wrap(gpu, data))
 }
 
+/// `cap · tanh(x / cap)` over `n` elements, or with `dy`, the gradient `dy · (1 − (x/cap)²)`
+/// from softcap's output `x`.
+pub(crate) fn softcap(
+    gpu: &Arc<Gpu>,
+    x: &DeviceData,
+    dy: Option<&DeviceData>,
+    cap: f32,
+    n: usize,
+) -> Result<Buffer> {
+    let n_i = n as i64;
+    let data = match dy {
+        None => per_float!("softcap", (x), |T, f| {
+            let mut out = gpu.alloc::<T>(n)?;
+            if n > 0 {
+                let k = kernel!(f, "softcap");
+                launch!(gpu, "elementwise", k, elementwise_launch(n), &mut out, x, &cap, &n_i)?;
+            }
+            DeviceData::from(out)
+        }),
+        Some(dy) => per_float!("softcap_backward", (x, dy), |T, f| {
+            let mut out = gpu.alloc::<T>(n)?;
+            if n > 0 {
+                let k = kernel!(f, "softcap_backward");
+                let cfg = elementwise_launch(n);
+                launch!(gpu, "elementwise", k, cfg, &mut out, dy, x, &cap, &n_i)?;
+            }
+            DeviceData::from(out)
+        }),
+    };
+    Ok(wrap(gpu, data))
+}
+
 /// `acc[j] += Σ_r x[r·n + j]` in row order, one thread a column.
 pub(crate) fn column_sums_acc(
     gpu: &Arc<Gpu>,

@@ -237,6 +237,49 @@ pub fn scale(x: &Tensor, s: f32) -> Result<Tensor> {
     }
 }
 
+/// `cap · tanh(x / cap)` elementwise in f32 arithmetic, in `x`'s dtype (Gemma 2's
+/// soft-capped logits).
+pub fn softcap(x: &Tensor, cap: f32) -> Result<Tensor> {
+    floats_only("softcap", &[x])?;
+    match x.device() {
+        Device::Cpu => {
+            let out = host_f32(x).iter().map(|v| cap * (v / cap).tanh()).collect();
+            Ok(host_tensor(x.shape.clone(), out, x.dtype()))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let out = crate::cuda::softcap(gpu_of(x), device_data(x), None, cap, x.len())?;
+            Ok(on_device(x.shape.clone(), out))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
+/// The gradient through [`softcap`] from its output `y`: `dy · (1 − (y / cap)²)`; `dy` and
+/// `y` share shape and dtype.
+pub fn softcap_backward(dy: &Tensor, y: &Tensor, cap: f32) -> Result<Tensor> {
+    const OP: &str = "softcap_backward";
+    let device = same_device(OP, &[dy, y])?;
+    floats_only(OP, &[dy, y])?;
+    same_shape(OP, &[dy, y])?;
+    match device {
+        Device::Cpu => {
+            let grad = |(d, y): (&f32, &f32)| d * (1.0 - (y / cap) * (y / cap));
+            let out = host_f32(dy).iter().zip(host_f32(y).iter()).map(grad).collect();
+            Ok(host_tensor(dy.shape.clone(), out, dy.dtype()))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let (d, yd) = (device_data(dy), device_data(y));
+            let out = crate::cuda::softcap(gpu_of(dy), yd, Some(d), cap, dy.len())?;
+            Ok(on_device(dy.shape.clone(), out))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::tensor::not_built()),
+    }
+}
+
 /// `acc[j] += Σ_r x[r][j]` over the rows of `x [rows × n]` in row order, into the f32 `acc
 /// [n]`: a linear's bias gradient.
 pub fn column_sums_acc(acc: &mut Tensor, x: &Tensor) -> Result<()> {
@@ -815,6 +858,18 @@ mod tests {
             let x = tensor(&[2, 3], &[1.0; 6], DType::F32, &device);
             let e = add_bias(&x, &tensor(&[4], &[0.0; 4], DType::F32, &device)).unwrap_err();
             assert!(e.to_string().contains("add_bias"), "{e}");
+            // Soft-capping and its gradient against the formulas.
+            let (x, v) = (rng.vec(300, 40.0), rng.vec(300, 1.0));
+            let y = softcap(&tensor(&[300], &x, DType::F32, &device), 30.0).unwrap();
+            let dy = softcap_backward(&tensor(&[300], &v[..300], DType::F32, &device), &y, 30.0)
+                .unwrap();
+            let (y, dy) = (y.to_vec_f32().unwrap(), dy.to_vec_f32().unwrap());
+            for i in 0..300 {
+                let t = (f64::from(x[i]) / 30.0).tanh();
+                assert!((f64::from(y[i]) - 30.0 * t).abs() < 1e-4, "{device} softcap");
+                let want = f64::from(v[i]) * (1.0 - t * t);
+                assert!((f64::from(dy[i]) - want).abs() < 1e-4, "{device} softcap_backward");
+            }
             // A scalar scale: one f32 product and the dtype's rounding, the CPU's bits.
             let v = rng.vec(1001, 3.0);
             for dtype in dtypes() {

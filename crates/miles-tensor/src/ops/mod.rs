@@ -24,8 +24,8 @@ pub use attention::{
 pub use elementwise::{
     add, add_bias, column_sums_acc, concat_rows, copy_rows_within, embedding_backward,
     embedding_backward_acc, embedding_forward, embedding_forward_ids, gather_rows, glu_backward,
-    glu_forward, pick_row_dots, pick_rows_sum, rope, scale, scatter_rows, split_columns,
-    swiglu_backward, swiglu_forward, swiglu_stacked,
+    glu_forward, pick_row_dots, pick_rows_sum, rope, scale, scatter_rows, softcap,
+    softcap_backward, split_columns, swiglu_backward, swiglu_forward, swiglu_stacked,
 };
 pub use fp8::{
     Fp8Matrix, fp8_grouped_linear, fp8_grouped_supported, fp8_linear, fp8_linear_many,
