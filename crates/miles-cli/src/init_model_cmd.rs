@@ -13,6 +13,9 @@ pub enum ArchArg {
     Qwen3Moe,
     /// Qwen2/Qwen2.5 (Qwen2ForCausalLM): biases on q, k and v.
     Qwen2,
+    /// Gemma 2 (Gemma2ForCausalLM): Gemma 3 without q/k norms, soft-capped scores and logits;
+    /// CPU only.
+    Gemma2,
     /// Gemma 3 text (Gemma3ForCausalLM): sliding-window layers, GeGLU, (1 + w) norms; CPU only.
     Gemma3,
 }
@@ -24,6 +27,7 @@ impl From<ArchArg> for Architecture {
             ArchArg::Llama => Architecture::Llama,
             ArchArg::Qwen3Moe => Architecture::Qwen3Moe,
             ArchArg::Qwen2 => Architecture::Qwen2,
+            ArchArg::Gemma2 => Architecture::Gemma2,
             ArchArg::Gemma3 => Architecture::Gemma3,
         }
     }

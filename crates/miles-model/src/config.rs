@@ -17,6 +17,9 @@ pub enum Architecture {
     Qwen3Moe,
     /// `Qwen2ForCausalLM` (Qwen2, Qwen2.5): Llama's layout with biases on q, k and v.
     Qwen2,
+    /// `Gemma2ForCausalLM`: Gemma 3's layout without q/k norms, with soft-capped attention
+    /// scores and logits, one rotary for every layer.
+    Gemma2,
     /// `Gemma3ForCausalLM` (Gemma 3's text models): (1 + w) norms around attention and the
     /// MLP, q/k norms, GeGLU, an embedding scaled by √hidden, sliding-window layers with a
     /// rotary of their own ([`GemmaConfig`]).
@@ -30,6 +33,7 @@ impl Architecture {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Gemma2 => "Gemma2ForCausalLM",
             Architecture::Gemma3 => "Gemma3ForCausalLM",
         }
     }
@@ -40,6 +44,7 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Qwen3Moe => "qwen3_moe",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3_text",
         }
     }
@@ -67,9 +72,12 @@ pub struct GemmaConfig {
     /// Per layer: whether it attends over the last `sliding_window` keys only.
     pub sliding: Vec<bool>,
     /// The sliding layers' rotary (`rope_parameters.sliding_attention`, or
-    /// `rope_local_base_freq`); the full layers take the config's own.
+    /// `rope_local_base_freq`); the full layers take the config's own. Gemma 2: the same.
     pub local_rope_theta: f32,
     pub local_rope_scaling: RopeScaling,
+    /// Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`.
+    pub attn_softcap: Option<f32>,
+    pub final_softcap: Option<f32>,
 }
 
 /// The mixture of experts of a `Qwen3MoeForCausalLM` (its config.json's names).
@@ -187,9 +195,11 @@ impl Fields<'_> {
     /// config.json (older ones say `rope_local_base_freq`).
     fn gemma(
         &self,
+        architecture: Architecture,
         local_rope: Option<(&str, &Value)>,
         max_positions: usize,
     ) -> Result<GemmaConfig> {
+        let gemma2 = architecture == Architecture::Gemma2;
         if self.opt_bool("use_bidirectional_attention")? == Some(true) {
             return Err(self.err(
                 "'use_bidirectional_attention': true is not supported (causal attention only)"
@@ -209,7 +219,9 @@ impl Fields<'_> {
                 })
                 .collect::<Result<Vec<bool>>>()?,
             _ => {
-                let pattern = self.opt_usize("sliding_window_pattern")?.unwrap_or(6).max(1);
+                // Gemma 2 alternates, sliding first; Gemma 3 slides 5 layers in 6.
+                let default = if gemma2 { 2 } else { 6 };
+                let pattern = self.opt_usize("sliding_window_pattern")?.unwrap_or(default).max(1);
                 (0..layers).map(|l| !(l + 1).is_multiple_of(pattern)).collect()
             }
         };
@@ -231,12 +243,17 @@ impl Fields<'_> {
             }
             None => (self.opt_f32("rope_local_base_freq")?.unwrap_or(10_000.0), RopeScaling::None),
         };
+        let cap = |key: &str| -> Result<Option<f32>> {
+            Ok(if gemma2 { self.opt_f32(key)? } else { None })
+        };
         Ok(GemmaConfig {
             query_pre_attn_scalar: self.opt_f32("query_pre_attn_scalar")?.unwrap_or(256.0),
             sliding_window: self.opt_usize("sliding_window")?.unwrap_or(4096).max(1),
             sliding,
             local_rope_theta,
             local_rope_scaling,
+            attn_softcap: cap("attn_logit_softcapping")?,
+            final_softcap: cap("final_logit_softcapping")?,
         })
     }
 
@@ -318,6 +335,7 @@ impl ModelConfig {
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Architecture::Qwen3Moe,
             "Qwen2ForCausalLM" | "qwen2" => Architecture::Qwen2,
             "Gemma3ForCausalLM" | "gemma3_text" => Architecture::Gemma3,
+            "Gemma2ForCausalLM" | "gemma2" => Architecture::Gemma2,
             "Gemma3ForConditionalGeneration" | "gemma3" => {
                 return Err(f.err(
                     "Gemma3ForConditionalGeneration (text and images) is not supported: use a \
@@ -329,11 +347,12 @@ impl ModelConfig {
             other => {
                 return Err(f.err(format!(
                     "architecture '{other}' is not supported; supported: Qwen3ForCausalLM, \
-                     Qwen2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM, Gemma3ForCausalLM"
+                     Qwen2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, \
+                     Gemma3ForCausalLM"
                 )));
             }
         };
-        let gemma = architecture == Architecture::Gemma3;
+        let gemma = matches!(architecture, Architecture::Gemma2 | Architecture::Gemma3);
         let (act_key, act_want) =
             if gemma { ("hidden_activation", "gelu_pytorch_tanh") } else { ("hidden_act", "silu") };
         if let Some(act) = obj.get(act_key).and_then(Value::as_str)
@@ -372,8 +391,11 @@ impl ModelConfig {
                 "'layer_types' holds {other}: only full_attention layers are supported"
             )));
         }
-        // (transformers' Gemma 3 reads attn_logit_softcapping but never applies it.)
-        let capped: &[&str] = if gemma {
+        // (Gemma 2 applies both caps; transformers' Gemma 3 reads attn_logit_softcapping but
+        // never applies it, and its final cap is not implemented here.)
+        let capped: &[&str] = if architecture == Architecture::Gemma2 {
+            &[]
+        } else if gemma {
             &["final_logit_softcapping"]
         } else {
             &["attn_logit_softcapping", "final_logit_softcapping"]
@@ -420,7 +442,12 @@ impl ModelConfig {
             None => f.opt_f32("rope_theta")?.unwrap_or(10_000.0),
         };
         let gemma = if gemma {
-            Some(Box::new(f.gemma(local_rope, max_position_embeddings)?))
+            let mut g = f.gemma(architecture, local_rope, max_position_embeddings)?;
+            if architecture == Architecture::Gemma2 {
+                // One rotary for every layer.
+                (g.local_rope_theta, g.local_rope_scaling) = (rope_theta, rope_scaling.clone());
+            }
+            Some(Box::new(g))
         } else {
             None
         };
@@ -580,8 +607,11 @@ impl ModelConfig {
                 "full_attention": c.rope_scaling.to_json(c.rope_theta),
                 "sliding_attention": g.local_rope_scaling.to_json(g.local_rope_theta),
             });
-            v["final_logit_softcapping"] = Value::Null;
-            v["attn_logit_softcapping"] = Value::Null;
+            v["final_logit_softcapping"] = json!(g.final_softcap);
+            v["attn_logit_softcapping"] = json!(g.attn_softcap);
+            if c.architecture == Architecture::Gemma2 {
+                v["rope_parameters"] = c.rope_scaling.to_json(c.rope_theta);
+            }
         }
         if let Some(m) = &c.moe {
             v["num_experts"] = json!(m.num_experts);
@@ -615,6 +645,7 @@ impl ModelConfig {
         if let Some(g) = &self.gemma {
             shape.scores.scale = (f64::from(g.query_pre_attn_scalar).powf(-0.5)) as f32;
             shape.scores.window = g.sliding[layer].then_some(g.sliding_window);
+            shape.scores.softcap = g.attn_softcap;
         }
         shape
     }
@@ -822,6 +853,7 @@ mod tests {
             Architecture::Llama,
             Architecture::Qwen3Moe,
             Architecture::Qwen2,
+            Architecture::Gemma2,
             Architecture::Gemma3,
         ] {
             let c = crate::presets::preset("tiny", Some(arch)).unwrap();

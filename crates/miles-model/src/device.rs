@@ -883,7 +883,11 @@ impl DeviceModel {
     #[cfg(feature = "cuda")]
     pub(crate) fn head_all(&self, hidden: &Tensor) -> Result<Tensor> {
         let head = self.weight(self.layout.head());
-        Ok(ops::matmul_f32_out(hidden, Transpose::No, head, Transpose::Yes)?)
+        let logits = ops::matmul_f32_out(hidden, Transpose::No, head, Transpose::Yes)?;
+        Ok(match self.final_softcap() {
+            Some(cap) => ops::softcap(&logits, cap)?,
+            None => logits,
+        })
     }
 
     #[cfg(feature = "cuda")]
@@ -924,9 +928,18 @@ impl DeviceModel {
     }
 
     /// f32 logits `[rows × vocab]` of the final-normed hidden states at `rows`.
+    /// Gemma 2's final soft-cap is applied here, before the temperature.
     fn head_logits(&self, nf: &Tensor, rows: &[u32]) -> Result<Tensor> {
         let h = ops::gather_rows(nf, rows)?;
-        self.weights().product_f32(&h, self.layout.head())
+        let logits = self.weights().product_f32(&h, self.layout.head())?;
+        Ok(match self.final_softcap() {
+            Some(cap) => ops::softcap(&logits, cap)?,
+            None => logits,
+        })
+    }
+
+    fn final_softcap(&self) -> Option<f32> {
+        self.config.gemma.as_ref().and_then(|g| g.final_softcap)
     }
 
     /// Sets every gradient to zero (allocating them on first use: a model that only scores
@@ -1031,7 +1044,14 @@ impl DeviceModel {
             let dl = Tensor::from_f32(&[n], d_logp[at..at + n].to_vec(), &self.device)?;
             let de = Tensor::from_f32(&[n], d_entropy[at..at + n].to_vec(), &self.device)?;
             let t = fwd.temperature;
-            let d_logits = ops::logprob_rows_backward(&logits, targets, t, &dl, &de, self.dtype)?;
+            let d_logits = match self.final_softcap() {
+                Some(cap) => {
+                    let capped = ops::softcap(&logits, cap)?;
+                    let d = ops::logprob_rows_backward(&capped, targets, t, &dl, &de, DType::F32)?;
+                    ops::softcap_backward(&d, &capped, cap)?.to_dtype(self.dtype)?
+                }
+                None => ops::logprob_rows_backward(&logits, targets, t, &dl, &de, self.dtype)?,
+            };
             drop(logits);
             ops::matmul_acc(
                 &mut self.grads[head_i],
@@ -1827,7 +1847,7 @@ mod tests {
     /// fixtures, in f32, within the CPU's tolerances, on every device present.
     #[test]
     fn matches_transformers_in_f32_on_every_device() {
-        for name in ["qwen3", "llama", "qwen2", "llama31", "qwen3_yarn", "gemma3"] {
+        for name in ["qwen3", "llama", "qwen2", "llama31", "qwen3_yarn", "gemma3", "gemma2"] {
             let r = crate::testing::HfReference::load(&crate::testing::hf_fixture(name)).unwrap();
             for device in devices() {
                 let mut dm = DeviceModel::new(&r.model, &device, DType::F32).unwrap();

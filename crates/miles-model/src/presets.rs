@@ -65,13 +65,17 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 })
             }),
             // Gemma 3: a sliding layer (window 8) before a full one, its own query scale.
-            gemma: (arch == Some(Architecture::Gemma3)).then(|| {
+            // (Gemma 2 soft-caps its scores and logits and has one rotary.)
+            gemma: matches!(arch, Some(Architecture::Gemma2 | Architecture::Gemma3)).then(|| {
+                let gemma2 = arch == Some(Architecture::Gemma2);
                 Box::new(GemmaConfig {
                     query_pre_attn_scalar: 12.0,
                     sliding_window: 8,
                     sliding: vec![true, false],
                     local_rope_theta: 10_000.0,
                     local_rope_scaling: RopeScaling::None,
+                    attn_softcap: gemma2.then_some(5.0),
+                    final_softcap: gemma2.then_some(3.0),
                 })
             }),
         },
