@@ -16,6 +16,10 @@
 // memory is read 4 floats at a time (head_dim a multiple of 4; key rows padded by 4 floats so
 // the lanes' 16-byte reads of different keys fall in different banks); a lane keeps dimensions
 // 4·lane.. and 128 + 4·lane.. (head_dim ≤ 256).
+//
+// Scores as cpu::Scores forms them: the scaled product, soft-capped to cap · tanh(s / cap) when
+// cap > 0, over keys j of a query i with i − window < j ≤ i when window > 0; blocks before a
+// row's window are skipped, as the CPU skips them.
 #include "common.cuh"
 
 namespace {
@@ -36,6 +40,24 @@ __device__ __forceinline__ float f32(float x) { return x; }
 __device__ __forceinline__ float f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ void put(float* p, float x) { *p = x; }
 __device__ __forceinline__ void put(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+
+// The scores' form: see the top of the file.
+struct Scoring {
+    float scale, cap;
+    int window;
+    // A score from the scaled product.
+    __device__ __forceinline__ float form(float s) const {
+        return cap > 0.0f ? cap * tanhf(s / cap) : s;
+    }
+    // d(score)/d(scaled product), from the score.
+    __device__ __forceinline__ float slope(float score) const {
+        return cap > 0.0f ? 1.0f - (score / cap) * (score / cap) : 1.0f;
+    }
+    // The first key (of its sequence) that a query seeing `visible` keys attends to.
+    __device__ __forceinline__ int first(int visible) const {
+        return window > 0 ? max(0, visible - window) : 0;
+    }
+};
 
 // Keys j0..j0+n of kv head `kvh` into ks (row stride d+PAD) and, when vs is given, the values
 // with row stride vstride.
@@ -99,7 +121,7 @@ __device__ __forceinline__ void put4(T* row, const float* acc, float mul, int la
 
 template <typename T>
 __device__ void forward(T* out, float* lse, const T* q, const T* k, const T* v, const int* tiles,
-                        int q_heads, int kv_heads, int d, float scale) {
+                        int q_heads, int kv_heads, int d, Scoring sc) {
     extern __shared__ float smem[];
     float* ks = smem;                       // [KB][d+PAD]
     float* vs = ks + KB * (d + PAD);        // [KB][d]
@@ -121,7 +143,7 @@ __device__ void forward(T* out, float* lse, const T* q, const T* k, const T* v, 
         for (int c = 0; c < MAXC; ++c) acc[r][c] = 0.0f;
     }
     const int blocks = (i1 - a + KB - 1) / KB;
-    for (int b = 0; b < blocks; ++b) {
+    for (int b = sc.first(i0 + 1 - a) / KB; b < blocks; ++b) {
         const int j0 = a + b * KB;
         __syncthreads();  // the previous block's readers are done
         load_block(ks, vs, d, k, v, j0, min(KB, i1 - j0), kv_heads, kvh, d);
@@ -130,23 +152,28 @@ __device__ void forward(T* out, float* lse, const T* q, const T* k, const T* v, 
         for (int r = 0; r < ROWS_PER_WARP; ++r) {
             const int i = i0 + warp + r * WARPS;
             const int visible = i + 1 - a;
-            if (i >= i1 || visible <= b * KB) continue;  // uniform across the warp
+            const int lo = sc.first(visible) - b * KB;  // the block's first key this row sees
+            // Uniform across the warp: no row, or the block is past the row or before its window.
+            if (i >= i1 || visible <= b * KB || lo >= KB) continue;
             const int n = min(KB, visible - b * KB);
             const T* qi = q + ((size_t)i * q_heads + h) * d;
-            for (int x = lane; x < d; x += 32) qs[x] = f32(qi[x]) * scale;
+            for (int x = lane; x < d; x += 32) qs[x] = f32(qi[x]) * sc.scale;
             __syncwarp();
-            const float s0 = lane < n ? dot_in_order(qs, ks + lane * (d + PAD), d) : -INFINITY;
-            const float s1 =
-                lane + 32 < n ? dot_in_order(qs, ks + (lane + 32) * (d + PAD), d) : -INFINITY;
+            const float s0 = lane < n && lane >= lo
+                                 ? sc.form(dot_in_order(qs, ks + lane * (d + PAD), d))
+                                 : -INFINITY;
+            const float s1 = lane + 32 < n && lane + 32 >= lo
+                                 ? sc.form(dot_in_order(qs, ks + (lane + 32) * (d + PAD), d))
+                                 : -INFINITY;
             __syncwarp();  // qs is rewritten by the next row
             const float new_m = fmaxf(m[r], miles::warp_max(fmaxf(s0, s1)));
             const float rescale = expf(m[r] - new_m);
             l[r] *= rescale;
 #pragma unroll
             for (int c = 0; c < MAXC; ++c) acc[r][c] *= rescale;
-            const float p0 = lane < n ? expf(s0 - new_m) : 0.0f;
-            const float p1 = lane + 32 < n ? expf(s1 - new_m) : 0.0f;
-            for (int jj = 0; jj < n; ++jj) {
+            const float p0 = lane < n && lane >= lo ? expf(s0 - new_m) : 0.0f;
+            const float p1 = lane + 32 < n && lane + 32 >= lo ? expf(s1 - new_m) : 0.0f;
+            for (int jj = max(lo, 0); jj < n; ++jj) {
                 const float p = __shfl_sync(FULL, jj < 32 ? p0 : p1, jj & 31);
                 l[r] += p;
                 axpy4(acc[r], p, vs + jj * d, lane, d);
@@ -182,7 +209,7 @@ __device__ void delta(float* out, const T* d_out, const T* o, long rows, int d) 
 template <typename T>
 __device__ void backward_dq(T* dq, const T* d_out, const T* q, const T* k, const T* v,
                             const float* lse, const float* delta, const int* tiles, int q_heads,
-                            int kv_heads, int d, float scale) {
+                            int kv_heads, int d, Scoring sc) {
     extern __shared__ float smem[];
     float* ks = smem;                       // [KB][d+PAD]
     float* vs = ks + KB * (d + PAD);        // [KB][d+PAD]
@@ -202,7 +229,7 @@ __device__ void backward_dq(T* dq, const T* d_out, const T* q, const T* k, const
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) acc[r][c] = 0.0f;
     const int blocks = (i1 - a + KB - 1) / KB;
-    for (int b = 0; b < blocks; ++b) {
+    for (int b = sc.first(i0 + 1 - a) / KB; b < blocks; ++b) {
         const int j0 = a + b * KB;
         __syncthreads();
         load_block(ks, vs, d + PAD, k, v, j0, min(KB, i1 - j0), kv_heads, kvh, d);
@@ -211,28 +238,33 @@ __device__ void backward_dq(T* dq, const T* d_out, const T* q, const T* k, const
         for (int r = 0; r < ROWS_PER_WARP; ++r) {
             const int i = i0 + warp + r * WARPS;
             const int visible = i + 1 - a;
-            if (i >= i1 || visible <= b * KB) continue;
+            const int lo = sc.first(visible) - b * KB;
+            if (i >= i1 || visible <= b * KB || lo >= KB) continue;
             const int n = min(KB, visible - b * KB);
             const size_t row = (size_t)i * q_heads + h;
             for (int x = lane; x < d; x += 32) {
-                qs[x] = f32(q[row * d + x]) * scale;
+                qs[x] = f32(q[row * d + x]) * sc.scale;
                 dos[x] = f32(d_out[row * d + x]);
             }
             __syncwarp();
             const float lse_r = lse[row];
             const float delta_r = delta[row];
             float ds0 = 0.0f, ds1 = 0.0f;
-            if (lane < n) {
-                const float p = expf(dot_in_order(qs, ks + lane * (d + PAD), d) - lse_r);
-                ds0 = p * (dot_in_order(dos, vs + lane * (d + PAD), d) - delta_r);
+            if (lane < n && lane >= lo) {
+                const float score = sc.form(dot_in_order(qs, ks + lane * (d + PAD), d));
+                const float p = expf(score - lse_r);
+                ds0 = p * (dot_in_order(dos, vs + lane * (d + PAD), d) - delta_r) *
+                      sc.slope(score);
             }
-            if (lane + 32 < n) {
-                const float p = expf(dot_in_order(qs, ks + (lane + 32) * (d + PAD), d) - lse_r);
-                ds1 = p * (dot_in_order(dos, vs + (lane + 32) * (d + PAD), d) - delta_r);
+            if (lane + 32 < n && lane + 32 >= lo) {
+                const float score = sc.form(dot_in_order(qs, ks + (lane + 32) * (d + PAD), d));
+                const float p = expf(score - lse_r);
+                ds1 = p * (dot_in_order(dos, vs + (lane + 32) * (d + PAD), d) - delta_r) *
+                      sc.slope(score);
             }
             __syncwarp();
-            for (int jj = 0; jj < n; ++jj) {
-                const float g = scale * __shfl_sync(FULL, jj < 32 ? ds0 : ds1, jj & 31);
+            for (int jj = max(lo, 0); jj < n; ++jj) {
+                const float g = sc.scale * __shfl_sync(FULL, jj < 32 ? ds0 : ds1, jj & 31);
                 axpy4(acc[r], g, ks + jj * (d + PAD), lane, d);
             }
         }
@@ -251,7 +283,7 @@ __device__ void backward_dq(T* dq, const T* d_out, const T* q, const T* k, const
 template <typename T>
 __device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T* k, const T* v,
                               const float* lse, const float* delta, const int* tiles,
-                              int q_heads, int kv_heads, int d, float scale) {
+                              int q_heads, int kv_heads, int d, Scoring sc) {
     extern __shared__ float smem[];
     float* ks = smem;                       // [KB][d+PAD]
     float* vs = ks + KB * (d + PAD);        // [KB][d+PAD]
@@ -262,8 +294,10 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T*
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int j0 = tiles[3 * blockIdx.x + 2];
-    const int end = tiles[3 * blockIdx.x + 1];
-    const int len = min(KB, end - j0);
+    const int len = min(KB, tiles[3 * blockIdx.x + 1] - j0);
+    // The queries that see a key of the block: up to the sequence's end, or the window's.
+    const int end = sc.window > 0 ? min(tiles[3 * blockIdx.x + 1], j0 + len - 1 + sc.window)
+                                  : tiles[3 * blockIdx.x + 1];
     const int kvh = blockIdx.y;
     const int group = q_heads / kv_heads;
 
@@ -295,10 +329,13 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T*
             const int i = j0 + pair / group;
             const size_t row = (size_t)i * q_heads + kvh * group + pair % group;
             float p = 0.0f, ds = 0.0f;
-            if (jj < min(len, i + 1 - j0)) {
-                const float s = dot_in_order(qst + pp * d, ks + jj * (d + PAD), d, scale);
+            // Keys j0 + jj with i − window < j0 + jj ≤ i.
+            if (jj < min(len, i + 1 - j0) && (sc.window <= 0 || j0 + jj > i - sc.window)) {
+                const float s = sc.form(
+                    dot_in_order(qst + pp * d, ks + jj * (d + PAD), d, sc.scale));
                 p = expf(s - lse[row]);
-                ds = p * (dot_in_order(dost + pp * d, vs + jj * (d + PAD), d) - delta[row]);
+                ds = p * (dot_in_order(dost + pp * d, vs + jj * (d + PAD), d) - delta[row]) *
+                     sc.slope(s);
             }
             ps[pp * KB + jj] = p;
             dss[pp * KB + jj] = ds;
@@ -306,13 +343,15 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T*
         __syncthreads();
         // Phase B: this warp's keys, dimensions along the lanes, pairs in order.
         for (int pp = 0; pp < np; ++pp) {
-            const int n = min(len, j0 + (p0 + pp) / group + 1 - j0);
+            const int i = j0 + (p0 + pp) / group;
+            const int n = min(len, i + 1 - j0);
+            const int lo = sc.window > 0 ? i + 1 - sc.window - j0 : 0;  // may be negative
 #pragma unroll
             for (int kk = 0; kk < KEYS_PER_WARP; ++kk) {
                 const int jj = warp * KEYS_PER_WARP + kk;
-                if (jj >= n) continue;
+                if (jj >= n || jj < lo) continue;
                 axpy4(av[kk], ps[pp * KB + jj], dost + pp * d, lane, d);
-                axpy4(ak[kk], scale * dss[pp * KB + jj], qst + pp * d, lane, d);
+                axpy4(ak[kk], sc.scale * dss[pp * KB + jj], qst + pp * d, lane, d);
             }
         }
     }
@@ -331,8 +370,8 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T*
 #define ATTENTION_KERNELS(SUFFIX, T)                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_forward_##SUFFIX(            \
         T* out, float* lse, const T* q, const T* k, const T* v, const int* tiles, int q_heads,   \
-        int kv_heads, int d, float scale) {                                                      \
-        forward(out, lse, q, k, v, tiles, q_heads, kv_heads, d, scale);                          \
+        int kv_heads, int d, float scale, float cap, int window) {                               \
+        forward(out, lse, q, k, v, tiles, q_heads, kv_heads, d, {scale, cap, window});           \
     }                                                                                            \
     extern "C" __global__ void attention_delta_##SUFFIX(float* out, const T* d_out, const T* o,  \
                                                         long rows, int d) {                      \
@@ -340,13 +379,17 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* d_out, const T* q, const T*
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_dq_##SUFFIX(                 \
         T* dq, const T* d_out, const T* q, const T* k, const T* v, const float* lse,             \
-        const float* delta, const int* tiles, int q_heads, int kv_heads, int d, float scale) {   \
-        backward_dq(dq, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, d, scale);         \
+        const float* delta, const int* tiles, int q_heads, int kv_heads, int d, float scale,     \
+        float cap, int window) {                                                                 \
+        backward_dq(dq, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, d,                 \
+                    {scale, cap, window});                                                       \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_dkdv_##SUFFIX(               \
         T* dk, T* dv, const T* d_out, const T* q, const T* k, const T* v, const float* lse,      \
-        const float* delta, const int* tiles, int q_heads, int kv_heads, int d, float scale) {   \
-        backward_dkdv(dk, dv, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, d, scale);   \
+        const float* delta, const int* tiles, int q_heads, int kv_heads, int d, float scale,     \
+        float cap, int window) {                                                                 \
+        backward_dkdv(dk, dv, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, d,           \
+                      {scale, cap, window});                                                     \
     }
 
 ATTENTION_KERNELS(f32, float)

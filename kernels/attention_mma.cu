@@ -11,6 +11,11 @@
 // tile it occupies, nor on how many rows share its tile (a decode step with one query row in a
 // tile gives the same bits). Blocks past a row's diagonal add exact zeros.
 //
+// How scores are formed (cpu::Scores): scale · q·k, soft-capped to cap · tanh(s / cap) when
+// cap > 0 (Gemma 2), over the keys j of a query i with i − window < j ≤ i when window > 0
+// (sliding layers). Blocks wholly outside a row's keys add exact zeros to it (the online
+// softmax's rescale is then 1), so the kernels skip them without changing a bit.
+//
 // Layout as attention.cu: q [tokens × q_heads × D], k and v [tokens × kv_heads × D], bf16; lse
 // f32 [tokens × q_heads] (natural log of the scaled scores' sum of exponentials); `tiles` holds
 // [sequence start, sequence end, tile start] per tile. Grid (tiles, heads), 4 warps per block.
@@ -131,6 +136,29 @@ __device__ __forceinline__ float quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
+// The scores' form: see the top of the file.
+struct Scoring {
+    float scale, cap;
+    int window;
+    // The exponent's factor and the unit of lse: capped scores are formed already scaled.
+    __device__ __forceinline__ float unit() const { return cap > 0.0f ? 1.0f : scale; }
+    // A score from the raw product q·k (scaled only when capped: see unit()).
+    __device__ __forceinline__ float form(float s) const {
+        return cap > 0.0f ? cap * tanhf(s * (scale / cap)) : s;
+    }
+    // d(score)/d(scale · q·k), from the formed score.
+    __device__ __forceinline__ float slope(float score) const {
+        return cap > 0.0f ? 1.0f - (score / cap) * (score / cap) : 1.0f;
+    }
+    __device__ __forceinline__ bool sees(int i, int j) const {
+        return j <= i && (window <= 0 || j > i - window);
+    }
+    // The first key a query at position i sees (0 without a window).
+    __device__ __forceinline__ int first(int i) const {
+        return window > 0 ? max(0, i + 1 - window) : 0;
+    }
+};
+
 // A query tile of the forward: rows q0 .. q0 + n of q (and of out, lse), one sequence's
 // positions pos0 .. pos0 + n, seeing keys 0 .. pos0 + n.
 struct QueryTile {
@@ -178,8 +206,9 @@ struct PagedKeys {
 template <int D>
 __device__ __forceinline__ void block_step(float (*acc)[4], float* m, float* l, const bf16* qs,
                                            int row0, const bf16* ks, const bf16* vs, int j0,
-                                           int pa, int pb, float sl2) {
+                                           int pa, int pb, Scoring sc) {
     const int t = threadIdx.x & 3;
+    const float sl2 = sc.unit() * LOG2E;
     float s[KB / 8][4];
     scores<D, KB / 8>(s, qs, row0, ks);
     float mx[2] = {-INFINITY, -INFINITY};
@@ -189,7 +218,7 @@ __device__ __forceinline__ void block_step(float (*acc)[4], float* m, float* l, 
         for (int e = 0; e < 4; ++e) {
             const int j = j0 + nt * 8 + 2 * t + (e & 1);
             const int i = e < 2 ? pa : pb;
-            if (j > i) s[nt][e] = -INFINITY;
+            s[nt][e] = sc.sees(i, j) ? sc.form(s[nt][e]) : -INFINITY;
             mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
         }
     }
@@ -223,7 +252,7 @@ __device__ __forceinline__ void block_step(float (*acc)[4], float* m, float* l, 
 
 template <int D, class Keys>
 __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Keys keys,
-                        int q_heads, int kv_heads, float scale) {
+                        int q_heads, int kv_heads, Scoring sc) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [QB][D+SKEW]
     bf16* kv = qs + QB * (D + SKEW);                  // 2 × ([KB][D+SKEW] keys, then values)
@@ -233,7 +262,6 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Ke
     const int h = blockIdx.y;
     const int kvh = h / (q_heads / kv_heads);
     const size_t q_stride = (size_t)q_heads * D;
-    const float sl2 = scale * LOG2E;
     // Block b's keys and values go to buffer b % 2; block b + 1 loads while b is computed.
     auto load_block = [&](int b) {
         const bf16 *kb, *vb;
@@ -245,8 +273,10 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Ke
         load_rows_async<D>(ks + KB * (D + SKEW), vb, rs, KB, valid);
     };
 
+    // The first block that the tile's first row sees.
+    const int b0 = sc.first(pos0) / KB;
     load_rows_async<D>(qs, q + (size_t)tile.q0 * q_stride + h * D, q_stride, QB, n);
-    load_block(0);
+    load_block(b0);
     commit();
     // This warp's rows are 16·warp + g and + 8 of the tile, at positions pa and pb.
     const int row0 = warp * 16;
@@ -257,7 +287,7 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Ke
     for (int nn = 0; nn < D / 8; ++nn) acc[nn][0] = acc[nn][1] = acc[nn][2] = acc[nn][3] = 0.0f;
 
     const int blocks = (kv_len + KB - 1) / KB;
-    for (int b = 0; b < blocks; ++b) {
+    for (int b = b0; b < blocks; ++b) {
         const int j0 = b * KB;
         if (b + 1 < blocks) {
             load_block(b + 1);
@@ -269,9 +299,10 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Ke
         __syncthreads();  // block b (and the queries) are in shared memory for every thread
         const bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
         const bf16* vs = ks + KB * (D + SKEW);
-        // Else this warp has no rows, or every row is before the block.
-        if (row0 < n && j0 <= pos0 + row0 + 15) {
-            block_step<D>(acc, m, l, qs, row0, ks, vs, j0, pa, pb, sl2);
+        // Else this warp has no rows, or every row is before the block or past its window.
+        if (row0 < n && j0 <= pos0 + row0 + 15 &&
+            (sc.window <= 0 || j0 + KB - 1 > pos0 + row0 + 15 - sc.window)) {
+            block_step<D>(acc, m, l, qs, row0, ks, vs, j0, pa, pb, sc);
         }
         __syncthreads();  // buffer b % 2 is free for block b + 2
     }
@@ -287,7 +318,7 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Ke
             *reinterpret_cast<__nv_bfloat162*>(out + row * D + nn * 8 + 2 * t) =
                 __floats2bfloat162_rn(acc[nn][2 * r] * inv, acc[nn][2 * r + 1] * inv);
         }
-        if (t == 0) lse[row] = m[r] * scale + logf(sum);
+        if (t == 0) lse[row] = m[r] * sc.unit() + logf(sum);
     }
 }
 
@@ -298,7 +329,7 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Ke
 // instead of four warps per query head.
 template <int D>
 __device__ void decode(bf16* out, float* lse, const bf16* q, int q0, int pos0, PagedKeys keys,
-                       int q_heads, int kv_heads, float scale) {
+                       int q_heads, int kv_heads, Scoring sc) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [16][D+SKEW]
     bf16* kv = qs + 16 * (D + SKEW);                  // 2 × ([KB][D+SKEW] keys, then values)
@@ -306,7 +337,6 @@ __device__ void decode(bf16* out, float* lse, const bf16* q, int q0, int pos0, P
     const int g = lane >> 2, t = lane & 3;
     const int kvh = blockIdx.y, group = q_heads / kv_heads;
     const int kv_len = pos0 + 1;
-    const float sl2 = scale * LOG2E;
     auto load_block = [&](int b) {
         const bf16 *kb, *vb;
         size_t rs;
@@ -318,14 +348,15 @@ __device__ void decode(bf16* out, float* lse, const bf16* q, int q0, int pos0, P
     };
     // The group's heads are consecutive in q's row q0.
     load_rows_async<D, 32>(qs, q + ((size_t)q0 * q_heads + kvh * group) * D, D, 16, group);
-    load_block(0);
+    const int b0 = sc.first(pos0) / KB;
+    load_block(b0);
     commit();
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float acc[D / 8][4];
 #pragma unroll
     for (int nn = 0; nn < D / 8; ++nn) acc[nn][0] = acc[nn][1] = acc[nn][2] = acc[nn][3] = 0.0f;
     const int blocks = (kv_len + KB - 1) / KB;
-    for (int b = 0; b < blocks; ++b) {
+    for (int b = b0; b < blocks; ++b) {
         if (b + 1 < blocks) {
             load_block(b + 1);
             commit();
@@ -335,7 +366,7 @@ __device__ void decode(bf16* out, float* lse, const bf16* q, int q0, int pos0, P
         }
         __syncwarp();  // block b (and the queries) are in shared memory for every lane
         const bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
-        block_step<D>(acc, m, l, qs, 0, ks, ks + KB * (D + SKEW), b * KB, pos0, pos0, sl2);
+        block_step<D>(acc, m, l, qs, 0, ks, ks + KB * (D + SKEW), b * KB, pos0, pos0, sc);
         __syncwarp();  // buffer b % 2 is free for block b + 2
     }
 #pragma unroll
@@ -350,16 +381,16 @@ __device__ void decode(bf16* out, float* lse, const bf16* q, int q0, int pos0, P
             *reinterpret_cast<__nv_bfloat162*>(out + row * D + nn * 8 + 2 * t) =
                 __floats2bfloat162_rn(acc[nn][2 * r] * inv, acc[nn][2 * r + 1] * inv);
         }
-        if (t == 0) lse[row] = m[r] * scale + logf(sum);
+        if (t == 0) lse[row] = m[r] * sc.unit() + logf(sum);
     }
 }
 
 // dq for a tile of query rows of one head: Σ over visible keys, block by block, of
-// scale · ds · k with ds = p ⊙ (dO·vᵀ − delta) and p recomputed from lse.
+// scale · ds · k with ds = p ⊙ (dO·vᵀ − delta) ⊙ slope and p recomputed from lse.
 template <int D>
 __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf16* k,
                             const bf16* v, const float* lse, const float* delta, const int* tiles,
-                            int q_heads, int kv_heads, float scale) {
+                            int q_heads, int kv_heads, Scoring sc) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);  // [QB][D+SKEW]
     bf16* dos = qs + QB * (D + SKEW);                 // [QB][D+SKEW]
@@ -372,7 +403,7 @@ __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf
     const int h = blockIdx.y;
     const int kvh = h / (q_heads / kv_heads);
     const size_t q_stride = (size_t)q_heads * D, kv_stride = (size_t)kv_heads * D;
-    const float sl2 = scale * LOG2E;
+    const float sl2 = sc.unit() * LOG2E;
     // As the forward: block b in buffer b % 2, block b + 1 loading while b is computed.
     auto load_block = [&](int b) {
         const int j0 = a + b * KB;
@@ -385,7 +416,8 @@ __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf
 
     load_rows_async<D>(qs, q + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
     load_rows_async<D>(dos, d_out + (size_t)i0 * q_stride + h * D, q_stride, QB, i1 - i0);
-    load_block(0);
+    const int b0 = sc.first(i0 - a) / KB;
+    load_block(b0);
     commit();
     const int row0 = warp * 16;
     const int ia = i0 + row0 + g, ib = ia + 8;
@@ -402,7 +434,7 @@ __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf
     for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
     const int blocks = (i1 - a + KB - 1) / KB;
-    for (int b = 0; b < blocks; ++b) {
+    for (int b = b0; b < blocks; ++b) {
         const int j0 = a + b * KB;
         if (b + 1 < blocks) {
             load_block(b + 1);
@@ -414,7 +446,8 @@ __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf
         __syncthreads();
         const bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
         const bf16* vs = ks + KB * (D + SKEW);
-        if (j0 <= i0 + row0 + 15) {
+        if (j0 <= i0 + row0 + 15 &&
+            (sc.window <= 0 || j0 + KB - 1 > i0 + row0 + 15 - sc.window)) {
             float s[KB / 8][4], dp[KB / 8][4];
             scores<D, KB / 8>(s, qs, row0, ks);
             scores<D, KB / 8>(dp, dos, row0, vs);
@@ -425,8 +458,13 @@ __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf
                     const int j = j0 + nt * 8 + 2 * t + (e & 1);
                     const int r = e >> 1;
                     const int i = r == 0 ? ia : ib;
-                    const float p = j > i || i >= i1 ? 0.0f : exp2f(s[nt][e] * sl2 - lse2[r]);
-                    s[nt][e] = p * (dp[nt][e] - del[r]);
+                    if (!sc.sees(i, j) || i >= i1) {
+                        s[nt][e] = 0.0f;
+                        continue;
+                    }
+                    const float score = sc.form(s[nt][e]);
+                    const float p = exp2f(score * sl2 - lse2[r]);
+                    s[nt][e] = p * (dp[nt][e] - del[r]) * sc.slope(score);
                 }
             }
             accumulate<D, KB / 8>(acc, s, ks);
@@ -441,7 +479,7 @@ __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf
 #pragma unroll
         for (int nn = 0; nn < D / 8; ++nn) {
             *reinterpret_cast<__nv_bfloat162*>(dq + row * D + nn * 8 + 2 * t) =
-                __floats2bfloat162_rn(acc[nn][2 * r] * scale, acc[nn][2 * r + 1] * scale);
+                __floats2bfloat162_rn(acc[nn][2 * r] * sc.scale, acc[nn][2 * r + 1] * sc.scale);
         }
     }
 }
@@ -452,7 +490,7 @@ __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf
 template <int D>
 __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16* q, const bf16* k,
                               const bf16* v, const float* lse, const float* delta,
-                              const int* tiles, int q_heads, int kv_heads, float scale) {
+                              const int* tiles, int q_heads, int kv_heads, Scoring sc) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* ks = reinterpret_cast<bf16*>(smem_raw);  // [KB][D+SKEW]
     bf16* vs = ks + KB * (D + SKEW);                  // [KB][D+SKEW]
@@ -461,12 +499,14 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int j0 = tiles[3 * blockIdx.x + 2];
-    const int end = tiles[3 * blockIdx.x + 1];
-    const int len = min(KB, end - j0);
+    const int len = min(KB, tiles[3 * blockIdx.x + 1] - j0);
+    // The queries that see a key of the block: up to the sequence's end, or the window's.
+    const int end = sc.window > 0 ? min(tiles[3 * blockIdx.x + 1], j0 + len - 1 + sc.window)
+                                  : tiles[3 * blockIdx.x + 1];
     const int kvh = blockIdx.y;
     const int group = q_heads / kv_heads;
     const size_t q_stride = (size_t)q_heads * D, kv_stride = (size_t)kv_heads * D;
-    const float sl2 = scale * LOG2E;
+    const float sl2 = sc.unit() * LOG2E;
     // Step c covers head kvh·group + c / chunks, queries j0 + (c % chunks)·QC onwards; its rows
     // go to buffer c % 2 (cp.async), its lse and delta there too (plain stores, made visible by
     // the barrier that starts step c).
@@ -515,7 +555,8 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
         const bf16* dos = qs + QC * (D + SKEW);
         const float* lse2 = stats + (c & 1) * 2 * QC;
         const float* del = lse2 + QC;
-        if (c0 + QC - 1 >= j0 + key0) {  // else every query of the chunk is before these keys
+        // Else every query of the chunk is before these keys, or past their window.
+        if (c0 + QC - 1 >= j0 + key0 && (sc.window <= 0 || c0 < j0 + key0 + 15 + sc.window)) {
             float s[QC / 8][4], dp[QC / 8][4];
             scores<D, QC / 8>(s, ks, key0, qs);
             scores<D, QC / 8>(dp, vs, key0, dos);
@@ -526,10 +567,14 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
                     const int cc = nt * 8 + 2 * t + (e & 1);
                     const int i = c0 + cc;
                     const int j = e < 2 ? ja : jb;
-                    const float p =
-                        i < j || cc >= n ? 0.0f : exp2f(s[nt][e] * sl2 - lse2[cc]);
+                    if (!sc.sees(i, j) || cc >= n) {
+                        s[nt][e] = dp[nt][e] = 0.0f;
+                        continue;
+                    }
+                    const float score = sc.form(s[nt][e]);
+                    const float p = exp2f(score * sl2 - lse2[cc]);
                     s[nt][e] = p;
-                    dp[nt][e] = p * (dp[nt][e] - del[cc]);
+                    dp[nt][e] = p * (dp[nt][e] - del[cc]) * sc.slope(score);
                 }
             }
             accumulate<D, QC / 8>(av, s, dos);
@@ -545,7 +590,7 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
 #pragma unroll
         for (int nn = 0; nn < D / 8; ++nn) {
             *reinterpret_cast<__nv_bfloat162*>(dk + at + nn * 8 + 2 * t) =
-                __floats2bfloat162_rn(ak[nn][2 * r] * scale, ak[nn][2 * r + 1] * scale);
+                __floats2bfloat162_rn(ak[nn][2 * r] * sc.scale, ak[nn][2 * r + 1] * sc.scale);
             *reinterpret_cast<__nv_bfloat162*>(dv + at + nn * 8 + 2 * t) =
                 __floats2bfloat162_rn(av[nn][2 * r], av[nn][2 * r + 1]);
         }
@@ -559,39 +604,44 @@ __device__ void backward_dkdv(bf16* dk, bf16* dv, const bf16* d_out, const bf16*
 #define ATTENTION_MMA_KERNELS(D)                                                                 \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_forward_d##D(            \
         bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const int* tiles,    \
-        int q_heads, int kv_heads, int /* d: D */, float scale) {                                \
+        int q_heads, int kv_heads, int /* d: D */, float scale, float cap, int window) {         \
         const int* tl = tiles + 3 * blockIdx.x;                                                  \
         const int end = min(tl[2] + QB, tl[1]);                                                  \
         const QueryTile tile = {tl[2], end - tl[2], tl[2] - tl[0]};                              \
         const PackedKeys keys = {k, v, (size_t)kv_heads * D, tl[0]};                             \
-        forward<D>(out, lse, q, tile, keys, q_heads, kv_heads, scale);                           \
+        forward<D>(out, lse, q, tile, keys, q_heads, kv_heads, {scale, cap, window});            \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_paged_d##D(              \
         bf16* out, float* lse, const bf16* q, const bf16* cache, const int* tiles,               \
-        const int* tables, int layer, int layers, int q_heads, int kv_heads, float scale) {      \
+        const int* tables, int layer, int layers, int q_heads, int kv_heads, float scale,        \
+        float cap, int window) {                                                                 \
         const int* tl = tiles + 4 * blockIdx.x;                                                  \
         const QueryTile tile = {tl[0], tl[1], tl[2]};                                            \
         const PagedKeys keys = {cache, tables + tl[3], layer, layers, kv_heads};                 \
-        forward<D>(out, lse, q, tile, keys, q_heads, kv_heads, scale);                           \
+        forward<D>(out, lse, q, tile, keys, q_heads, kv_heads, {scale, cap, window});            \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32) attention_decode_paged_d##D(                 \
+    extern "C" __global__ void __launch_bounds__(32) attention_decode_paged_d##D(                \
         bf16* out, float* lse, const bf16* q, const bf16* cache, const int* tiles,               \
-        const int* tables, int layer, int layers, int q_heads, int kv_heads, float scale) {      \
+        const int* tables, int layer, int layers, int q_heads, int kv_heads, float scale,        \
+        float cap, int window) {                                                                 \
         const int* tl = tiles + 4 * blockIdx.x;                                                  \
         const PagedKeys keys = {cache, tables + tl[3], layer, layers, kv_heads};                 \
-        decode<D>(out, lse, q, tl[0], tl[2], keys, q_heads, kv_heads, scale);                    \
+        decode<D>(out, lse, q, tl[0], tl[2], keys, q_heads, kv_heads,                            \
+                  {scale, cap, window});                                                         \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_dq_d##D(                 \
         bf16* dq, const bf16* d_out, const bf16* q, const bf16* k, const bf16* v,                \
         const float* lse, const float* delta, const int* tiles, int q_heads, int kv_heads,       \
-        int /* d: D */, float scale) {                                                           \
-        backward_dq<D>(dq, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, scale);         \
+        int /* d: D */, float scale, float cap, int window) {                                    \
+        backward_dq<D>(dq, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads,                 \
+                       {scale, cap, window});                                                    \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_mma_dkdv_d##D(               \
         bf16* dk, bf16* dv, const bf16* d_out, const bf16* q, const bf16* k, const bf16* v,      \
         const float* lse, const float* delta, const int* tiles, int q_heads, int kv_heads,       \
-        int /* d: D */, float scale) {                                                           \
-        backward_dkdv<D>(dk, dv, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads, scale);   \
+        int /* d: D */, float scale, float cap, int window) {                                    \
+        backward_dkdv<D>(dk, dv, d_out, q, k, v, lse, delta, tiles, q_heads, kv_heads,           \
+                         {scale, cap, window});                                                  \
     }
 
 // Every head size that is a multiple of 16 up to 256 (the host's by_head_dim! lists them).

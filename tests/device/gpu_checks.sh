@@ -5,7 +5,7 @@
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
 #                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
-#                                  dp|fp8|fp8-bench|fp8-addition|all]
+#                                  dp|fp8|fp8-bench|fp8-addition|families|families-bench|all]
 # Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
 # packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
 # is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
@@ -245,6 +245,51 @@ if [ "$what" = resume ]; then
     done
     grep -h "resumed from" /tmp/resume-$model-resumed.log | head -1
   done | tee "$OUT/resume.txt"
+fi
+if [ "$what" = families ]; then
+  # Issue 29, acceptance 2: random-init Qwen2.5-0.5B and Gemma-3-1B shapes train on the GPU with
+  # rollout logprobs equal to training's (the gap exactly 0 at every iteration) and resume
+  # exactly: 4 iterations straight against killed after iteration 3 (checkpoint at 2) and
+  # resumed. (The straight run's iteration-2 checkpoint is dropped: a 1B model's is 12 GB.)
+  for preset in ${FAMILIES:-qwen2.5-0.5b gemma3-1b}; do
+    d=/tmp/fam-$preset
+    rm -rf $d
+    $miles init-model --preset $preset --dtype bf16 --out $d/hf | tail -1
+    cp target/gpu/smollm2-tokenizer/* $d/hf/
+    flags="--device cuda --hf-checkpoint $d/hf --prompt-data .cache/addition/train.jsonl \
+      --input-key prompt --label-key label --apply-chat-template --rm-type math \
+      --rollout-max-response-len 32 --num-rollout 4 --save-interval 2 --rollout-batch-size 8 \
+      --n-samples-per-prompt 4 --num-steps-per-rollout 2"
+    run() { $miles train $flags --save $d/$1 --load $d/$1 --run-dir $d/$1 > $d/$1.log 2>&1; }
+    run straight; rm -rf $d/straight/iter_0000002
+    MILES_FAULT=abort-after-rollout:3 run resumed; run resumed
+    for f in model.safetensors optimizer.safetensors trainer_state.json; do
+      cmp -s $d/straight/iter_0000004/$f $d/resumed/iter_0000004/$f \
+        && echo "$preset $f: identical" || echo "$preset $f: DIFFERS"
+    done
+    python3 - $d/straight/metrics.jsonl $preset <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+gaps = [r["train/train_rollout_logprob_abs_diff"] for r in rows
+        if "train/train_rollout_logprob_abs_diff" in r]
+print(f"{sys.argv[2]}: logprob gap {gaps} (exactly 0 on {sum(g == 0 for g in gaps)}/{len(gaps)})")
+PY
+    tail -1 $d/straight.log; grep -h "resumed from" $d/resumed.log | head -1
+    rm -rf $d
+  done 2>&1 | tee "$OUT/families.txt"
+fi
+if [ "$what" = families-bench ]; then
+  # Issue 29, acceptance 4: train, logprob and rollout of the family presets beside HF.
+  for preset in ${FAMILIES:-qwen2.5-0.5b llama3.2-1b}; do
+    for w in logprob train; do
+      timeout 300 $miles bench $w --device cuda --preset $preset --batch 32 --seq-len 512 \
+        --steps 5 --warmup 2 | tee -a "$OUT/families-bench.jsonl"
+    done
+    timeout 300 $miles bench rollout --device cuda --preset $preset --batch 64 --prompt-len 64 \
+      --new-tokens 256 | tee -a "$OUT/families-bench.jsonl"
+    timeout 400 python3 tests/device/hf_families.py --model $preset --gen-batch 64 \
+      --prompt-len 64 --new-tokens 256 2>/dev/null | tee -a "$OUT/families-bench.jsonl"
+  done
 fi
 if [ "$what" = resume-random ]; then
   # Exact resume on the GPU without SmolLM2's GGUF (issue 27): a random SmolLM2-shaped model on

@@ -149,15 +149,13 @@ fn continuous_batching_gives_each_sample_what_it_gets_alone() {
 #[test]
 fn rollout_logprobs_equal_the_scorers_bit_for_bit() {
     // Gemma 3's sliding window (8) is shorter than most of these sequences.
-    for arch in
-        [
-            Architecture::Qwen3,
-            Architecture::Llama,
-            Architecture::Qwen2,
-            Architecture::Gemma2,
-            Architecture::Gemma3,
-        ]
-    {
+    for arch in [
+        Architecture::Qwen3,
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Gemma2,
+        Architecture::Gemma3,
+    ] {
         let m = model(arch, 3);
         let p = params(30);
         let mut e = engine(&m, EngineConfig { max_running: 5, ..EngineConfig::default() });

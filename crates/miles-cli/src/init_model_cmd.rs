@@ -13,10 +13,9 @@ pub enum ArchArg {
     Qwen3Moe,
     /// Qwen2/Qwen2.5 (Qwen2ForCausalLM): biases on q, k and v.
     Qwen2,
-    /// Gemma 2 (Gemma2ForCausalLM): Gemma 3 without q/k norms, soft-capped scores and logits;
-    /// CPU only.
+    /// Gemma 2 (Gemma2ForCausalLM): Gemma 3 without q/k norms, soft-capped scores and logits.
     Gemma2,
-    /// Gemma 3 text (Gemma3ForCausalLM): sliding-window layers, GeGLU, (1 + w) norms; CPU only.
+    /// Gemma 3 text (Gemma3ForCausalLM): sliding-window layers, GeGLU, (1 + w) norms.
     Gemma3,
 }
 
@@ -45,8 +44,8 @@ pub struct InitModelArgs {
     #[arg(long, value_enum)]
     pub arch: Option<ArchArg>,
     /// Shape: tiny, tiny-h64 (tiny with heads of 64), qwen3-0.6b, qwen3-8b, smollm2-135m,
-    /// qwen3-30b-a3b-4l (Qwen3-30B-A3B's layers, 4 of its 48), qwen2.5-0.5b, qwen2.5-1.5b or
-    /// llama3.2-1b.
+    /// qwen3-30b-a3b-4l (Qwen3-30B-A3B's layers, 4 of its 48), qwen2.5-0.5b, qwen2.5-1.5b,
+    /// llama3.2-1b, gemma3-1b or gemma2-2b.
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Checkpoint directory to write (created if missing).

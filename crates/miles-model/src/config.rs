@@ -675,9 +675,13 @@ impl ModelConfig {
         miles_tensor::cpu::rope_tables(positions, &inv_freq, scale)
     }
 
-    /// [`Self::rope_tables`] of the sliding layers' rotary, when the model has one of its own.
+    /// [`Self::rope_tables`] of the sliding layers' rotary, when the model has one of its own
+    /// (not Gemma 2's, the same as the others').
     pub fn local_rope_tables(&self, positions: &[u32]) -> Option<(Vec<f32>, Vec<f32>)> {
         let g = self.gemma.as_ref()?;
+        if (g.local_rope_theta, &g.local_rope_scaling) == (self.rope_theta, &self.rope_scaling) {
+            return None;
+        }
         let (inv_freq, scale) = g.local_rope_scaling.frequencies(self.head_dim, g.local_rope_theta);
         Some(miles_tensor::cpu::rope_tables(positions, &inv_freq, scale))
     }
@@ -709,8 +713,10 @@ impl ModelConfig {
             }
             _ => 3 * h * c.intermediate_size + mlp_bias,
         };
+        // Gemma's norms after attention and around the MLP: four a layer.
+        let norms = if c.gemma.is_some() { 4 * h } else { 2 * h };
         let layers: usize =
-            (0..c.num_hidden_layers).map(|l| attn + attn_bias + qk_norm + mlp(l) + 2 * h).sum();
+            (0..c.num_hidden_layers).map(|l| attn + attn_bias + qk_norm + mlp(l) + norms).sum();
         let head = if c.tie_word_embeddings { 0 } else { c.vocab_size * h };
         c.vocab_size * h + layers + h + head
     }

@@ -94,6 +94,8 @@ struct DecodeGraph {
     ids: Tensor,
     cos: Tensor,
     sin: Tensor,
+    /// The sliding layers' own rotary tables (Gemma 3).
+    local: Option<(Tensor, Tensor)>,
     plan: ops::PagedPlan,
     uniforms: Tensor,
     tokens: Tensor,
@@ -184,6 +186,11 @@ impl DeviceModel {
         let half = [g.rows, c.head_dim / 2];
         g.cos.copy_from(&Tensor::from_f32(&half, cos, &cpu)?)?;
         g.sin.copy_from(&Tensor::from_f32(&half, sin, &cpu)?)?;
+        if let (Some((lc, ls)), Some((cos, sin))) = (&mut g.local, c.local_rope_tables(&positions))
+        {
+            lc.copy_from(&Tensor::from_f32(&half, cos, &cpu)?)?;
+            ls.copy_from(&Tensor::from_f32(&half, sin, &cpu)?)?;
+        }
         let seqs: Vec<PagedRows> =
             rows.iter().map(|r| PagedRows { n: 1, pos0: r.position, table: r.blocks }).collect();
         g.plan.load_decode(&seqs)?;
@@ -222,6 +229,13 @@ impl DeviceModel {
             ids: Tensor::zeros(&[rows], DType::I32, &device)?,
             cos: Tensor::zeros(&half, DType::F32, &device)?,
             sin: Tensor::zeros(&half, DType::F32, &device)?,
+            local: match c.local_rope_tables(&[]) {
+                Some(_) => Some((
+                    Tensor::zeros(&half, DType::F32, &device)?,
+                    Tensor::zeros(&half, DType::F32, &device)?,
+                )),
+                None => None,
+            },
             plan,
             uniforms: Tensor::zeros(&[rows, 2], DType::I32, &device)?,
             tokens: Tensor::zeros(&[rows], DType::I32, &device)?,
@@ -255,8 +269,9 @@ impl DeviceModel {
         params: SampleParams,
         kv: &mut KvCache,
     ) -> Result<()> {
-        let x = ops::embedding_forward_ids(self.embedding(), &g.ids)?;
-        let hidden = self.step_layers(x, &g.cos, &g.sin, &g.plan, kv)?;
+        let x = self.embed(ops::embedding_forward_ids(self.embedding(), &g.ids)?)?;
+        let local = g.local.as_ref().map(|(c, s)| (c, s));
+        let hidden = self.step_layers(x, (&g.cos, &g.sin), local, &g.plan, kv)?;
         let logits = self.head_all(&hidden)?;
         drop(hidden);
         let t = params.temperature;

@@ -273,13 +273,6 @@ impl DeviceModel {
         }
         let c = &model.config;
         model.weights.check(c)?;
-        if c.gemma.is_some() && *device != Device::Cpu {
-            return Err(Error::Invalid(format!(
-                "{} runs on the CPU only so far (its sliding-window attention is not in the \
-                 CUDA kernels yet): use --device cpu",
-                c.architecture.hf_class()
-            )));
-        }
         let ones = match &c.gemma {
             Some(_) => [c.hidden_size, c.head_dim]
                 .iter()
@@ -549,7 +542,7 @@ impl DeviceModel {
             let plan = ops::PagedPlan::new(&seqs, a.layout(), &self.device)?;
             let x = || ops::embedding_forward(self.weight(0), &tokens);
             let fused = self.decode_layers(x()?, &cos, &sin, &plan, a)?;
-            let apart = self.layers_one_by_one(x()?, &cos, &sin, &plan, b, None)?;
+            let apart = self.layers_one_by_one(x()?, (&cos, &sin), None, &plan, b, None)?;
             if bits(&fused)? != bits(&apart)? || bits(a.data())? != bits(b.data())? {
                 if std::env::var_os("MILES_GEMM_LOG").is_some() {
                     eprintln!("fused decode layers differ from the layers one by one: not used");
@@ -718,16 +711,24 @@ impl DeviceModel {
         let (cos, sin) = self.rope_tensors(&positions)?;
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let x = self.embed(ops::embedding_forward(self.weight(0), &tokens)?)?;
+        let local = self.local_rope_tensors(&positions)?;
+        let local = local.as_ref().map(|(c, s)| (c, s));
         let plan = ops::PagedPlan::new(&seqs, layout, &self.device)?;
         match &self.config.moe {
             Some(m) => {
                 let mut per_layer = Vec::new();
-                let hidden =
-                    self.layers_one_by_one(x, &cos, &sin, &plan, kv, Some(&mut per_layer))?;
+                let hidden = self.layers_one_by_one(
+                    x,
+                    (&cos, &sin),
+                    local,
+                    &plan,
+                    kv,
+                    Some(&mut per_layer),
+                )?;
                 let experts: Vec<&[u32]> = per_layer.iter().map(Vec::as_slice).collect();
                 Ok((hidden, crate::moe::interleave(&experts, m.num_experts_per_tok)))
             }
-            None => Ok((self.step_layers(x, &cos, &sin, &plan, kv)?, Vec::new())),
+            None => Ok((self.step_layers(x, (&cos, &sin), local, &plan, kv)?, Vec::new())),
         }
     }
 
@@ -755,7 +756,7 @@ impl DeviceModel {
     }
 
     /// The sliding layers' rotary tables of `positions`, when they have their own (Gemma 3).
-    fn local_rope_tensors(&self, positions: &[u32]) -> Result<Option<(Tensor, Tensor)>> {
+    pub(crate) fn local_rope_tensors(&self, positions: &[u32]) -> Result<Option<(Tensor, Tensor)>> {
         let Some((cos, sin)) = self.config.local_rope_tables(positions) else { return Ok(None) };
         let table = [positions.len(), self.config.head_dim / 2];
         Ok(Some((
@@ -767,7 +768,7 @@ impl DeviceModel {
     /// The embedded rows as the first layer takes them: Gemma's times √hidden (rounded to the
     /// compute dtype first, as transformers does), others as they are. Also the backward's map
     /// of their gradient (the same scale).
-    fn embed(&self, x: Tensor) -> Result<Tensor> {
+    pub(crate) fn embed(&self, x: Tensor) -> Result<Tensor> {
         let s = self.config.embed_scale();
         if s == 1.0 {
             return Ok(x);
@@ -779,18 +780,20 @@ impl DeviceModel {
     /// The layers and the final norm of a step over the paged cache, from the embedded rows:
     /// [`Self::decode_layers`] where the stacked copies serve the step's rows, else
     /// [`Self::layers_one_by_one`]; the same bits either way.
+    /// `rope` holds every layer's rotary tables, `local` the sliding layers' own where they
+    /// have them.
     pub(crate) fn step_layers(
         &self,
         x: Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        rope: (&Tensor, &Tensor),
+        local: Option<(&Tensor, &Tensor)>,
         plan: &ops::PagedPlan,
         kv: &mut KvCache,
     ) -> Result<Tensor> {
         if self.fused_decode && x.shape()[0] <= STACK_MAX_ROWS {
-            self.decode_layers(x, cos, sin, plan, kv)
+            self.decode_layers(x, rope.0, rope.1, plan, kv)
         } else {
-            self.layers_one_by_one(x, cos, sin, plan, kv, None)
+            self.layers_one_by_one(x, rope, local, plan, kv, None)
         }
     }
 
@@ -850,17 +853,13 @@ impl DeviceModel {
     pub(crate) fn layers_one_by_one(
         &self,
         mut x: Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        local: Option<(&Tensor, &Tensor)>,
         plan: &ops::PagedPlan,
         kv: &mut KvCache,
         mut routes: Option<&mut Vec<Vec<u32>>>,
     ) -> Result<Tensor> {
         let c = &self.config;
-        let positions: Vec<u32> =
-            plan.seqs().iter().flat_map(|s| (s.pos0..s.pos0 + s.n).map(|p| p as u32)).collect();
-        let local = self.local_rope_tensors(&positions)?;
-        let local = local.as_ref().map(|(c, s)| (c, s));
         let dev = Dev { w: self.weights(), cos, sin, local, cu_seqlens: &[], grads: None };
         for layer in 0..c.num_hidden_layers {
             let mut attention = |layer, q: &Tensor, k: &Tensor, v: &Tensor| {
@@ -2117,7 +2116,7 @@ mod invariance {
                 let x = || ops::embedding_forward(dm.weight(0), &tokens).unwrap();
                 let [a, b] = &mut caches;
                 let fused = dm.decode_layers(x(), &cos, &sin, &plan, a).unwrap();
-                let apart = dm.layers_one_by_one(x(), &cos, &sin, &plan, b, None).unwrap();
+                let apart = dm.layers_one_by_one(x(), (&cos, &sin), None, &plan, b, None).unwrap();
                 let bits = |t: &Tensor| -> Vec<u32> {
                     t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
                 };

@@ -5,7 +5,7 @@ use crate::{
     Architecture, Biases, Error, GemmaConfig, ModelConfig, MoeConfig, Result, RopeScaling,
 };
 
-pub const PRESETS: [&str; 9] = [
+pub const PRESETS: [&str; 11] = [
     "tiny",
     "tiny-h64",
     "qwen3-0.6b",
@@ -15,6 +15,8 @@ pub const PRESETS: [&str; 9] = [
     "qwen2.5-0.5b",
     "qwen2.5-1.5b",
     "llama3.2-1b",
+    "gemma3-1b",
+    "gemma2-2b",
 ];
 
 /// The configuration of preset `name`. `tiny` takes any architecture (default Qwen3; with
@@ -222,6 +224,45 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             moe: None,
             gemma: None,
         },
+        // gemma-3-1b-it's and gemma-2-2b-it's published config.json: heads of 256, every 6th
+        // layer global (Gemma 3) or every 2nd (Gemma 2).
+        "gemma3-1b" | "gemma2-2b" => {
+            let three = name == "gemma3-1b";
+            let layers = 26;
+            let pattern = if three { 6 } else { 2 };
+            ModelConfig {
+                architecture: fixed(if three {
+                    Architecture::Gemma3
+                } else {
+                    Architecture::Gemma2
+                })?,
+                vocab_size: if three { 262_144 } else { 256_000 },
+                hidden_size: if three { 1152 } else { 2304 },
+                intermediate_size: if three { 6912 } else { 9216 },
+                num_hidden_layers: layers,
+                num_attention_heads: if three { 4 } else { 8 },
+                num_key_value_heads: if three { 1 } else { 4 },
+                head_dim: 256,
+                bias: Biases::default(),
+                rms_norm_eps: 1e-6,
+                rope_theta: if three { 1_000_000.0 } else { 10_000.0 },
+                rope_scaling: RopeScaling::None,
+                tie_word_embeddings: true,
+                max_position_embeddings: if three { 32_768 } else { 8192 },
+                bos_token_id: Some(2),
+                eos_token_ids: vec![1, if three { 106 } else { 107 }],
+                moe: None,
+                gemma: Some(Box::new(GemmaConfig {
+                    query_pre_attn_scalar: 256.0,
+                    sliding_window: if three { 512 } else { 4096 },
+                    sliding: (0..layers).map(|l| !(l + 1).is_multiple_of(pattern)).collect(),
+                    local_rope_theta: 10_000.0,
+                    local_rope_scaling: RopeScaling::None,
+                    attn_softcap: (!three).then_some(50.0),
+                    final_softcap: (!three).then_some(30.0),
+                })),
+            }
+        }
         other => {
             return Err(Error::Invalid(format!(
                 "unknown preset '{other}'; presets: {}",
@@ -246,6 +287,8 @@ mod tests {
         assert_eq!(preset("qwen2.5-0.5b", None).unwrap().num_parameters(), 494_032_768);
         assert_eq!(preset("qwen2.5-1.5b", None).unwrap().num_parameters(), 1_543_714_304);
         assert_eq!(preset("llama3.2-1b", None).unwrap().num_parameters(), 1_235_814_400);
+        assert_eq!(preset("gemma3-1b", None).unwrap().num_parameters(), 999_885_952);
+        assert_eq!(preset("gemma2-2b", None).unwrap().num_parameters(), 2_614_341_888);
         assert_eq!(
             preset("tiny", Some(Architecture::Llama)).unwrap().architecture,
             Architecture::Llama

@@ -118,11 +118,19 @@ fn score(
 /// Test 1 on CUDA: rollout logprobs equal the scorer's bit for bit under several packings,
 /// with prefix sharing, continuous batching and top-k/top-p sampling; Qwen3-MoE too (8
 /// experts, top-2: every expert in one grouped product per matrix), its samples carrying
-/// their routing records.
+/// their routing records; Qwen2's biases, Gemma's sliding windows (8 keys, shorter than the
+/// prompts) and Gemma 2's soft-capped scores and logits.
 #[test]
 fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
     let Some(device) = cuda() else { return };
-    for arch in [Architecture::Qwen3, Architecture::Llama, Architecture::Qwen3Moe] {
+    for arch in [
+        Architecture::Qwen3,
+        Architecture::Llama,
+        Architecture::Qwen3Moe,
+        Architecture::Qwen2,
+        Architecture::Gemma2,
+        Architecture::Gemma3,
+    ] {
         let m = model(arch, 3);
         let p = params(40);
         let (dm, mut e) = engine(

@@ -54,6 +54,17 @@ impl Scores {
         self.softcap.is_none() && self.window.is_none()
     }
 
+    /// A cap is positive and finite, a window at least one key.
+    pub(crate) fn check(&self, op: &'static str) -> Result<()> {
+        ensure(
+            self.softcap.is_none_or(|c| c.is_finite() && c > 0.0)
+                && self.window.is_none_or(|w| w > 0)
+                && self.scale.is_finite(),
+            op,
+            || format!("{self:?}: the scale and cap must be finite, the cap and window positive"),
+        )
+    }
+
     /// The first key a query that sees `visible` keys (of its sequence, causally) attends to.
     pub fn first_key(&self, visible: usize) -> usize {
         self.window.map_or(0, |w| visible.saturating_sub(w))
@@ -91,7 +102,8 @@ impl AttentionShape {
         v: usize,
         cu: &[usize],
     ) -> Result<()> {
-        let AttentionShape { q_heads, kv_heads, head_dim, .. } = *self;
+        let AttentionShape { q_heads, kv_heads, head_dim, scores } = *self;
+        scores.check(op)?;
         ensure(kv_heads > 0 && q_heads.is_multiple_of(kv_heads), op, || {
             format!("{q_heads} query heads are not a multiple of {kv_heads} kv heads")
         })?;

@@ -10,7 +10,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Buffer, DeviceData, Float, Gpu, driver_error};
 use crate::cpu::attention::{QUERY_BLOCK, tiles};
-use crate::cpu::{AttentionShape, PagedLayout, PagedRows};
+use crate::cpu::{AttentionShape, PagedLayout, PagedRows, Scores};
 use crate::{Error, Result};
 
 /// Threads per block of the tile kernels (8 warps; 4 for the tensor-core ones), and the
@@ -28,6 +28,12 @@ const PAIRS: usize = 16;
 pub(crate) const MAX_HEAD_DIM: usize = 256;
 /// Padding of a key row in shared memory (floats).
 const PAD: usize = 4;
+
+/// The kernels' `(scale, cap, window)` arguments: a cap or window of 0 is none.
+fn scoring(s: &Scores) -> (f32, f32, i32) {
+    let window = s.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+    (s.scale, s.softcap.unwrap_or(0.0), window)
+}
 
 /// `[sequence start, sequence end, tile start]` per tile of `block` rows, on the device.
 fn tile_table(gpu: &Gpu, cu_seqlens: &[usize], block: usize) -> Result<(CudaSlice<i32>, u32)> {
@@ -162,13 +168,15 @@ pub(crate) fn attention_forward(
     let tokens = *cu_seqlens.last().unwrap_or(&0);
     let mut lse = gpu.alloc::<f32>(tokens * q_heads)?;
     let (table, n) = tile_table(gpu, cu_seqlens, QUERY_BLOCK)?;
-    let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, scores.scale);
+    let (qh, kvh, di) = (q_heads as i32, kv_heads as i32, d as i32);
+    let (scale, cap, window) = scoring(&scores);
     let out = per_float!("attention", (q, k, v), |T, f| {
         let mut out = gpu.alloc::<T>(q.len())?;
         if n > 0 {
             let (module, name, cfg) = pass_launch(gpu, f, Pass::Forward, d, (n, q_heads))?;
             launch!(
-                gpu, module, name, cfg, &mut out, &mut lse, q, k, v, &table, &qh, &kvh, &di, &scale
+                gpu, module, name, cfg, &mut out, &mut lse, q, k, v, &table, &qh, &kvh, &di,
+                &scale, &cap, &window
             )?;
         }
         DeviceData::from(out)
@@ -196,7 +204,8 @@ pub(crate) fn attention_backward(
     let mut delta = gpu.alloc::<f32>(rows)?;
     let (q_table, nq) = tile_table(gpu, cu_seqlens, QUERY_BLOCK)?;
     let (k_table, nk) = tile_table(gpu, cu_seqlens, KEY_BLOCK)?;
-    let (qh, kvh, di, scale) = (q_heads as i32, kv_heads as i32, d as i32, scores.scale);
+    let (qh, kvh, di) = (q_heads as i32, kv_heads as i32, d as i32);
+    let (scale, cap, window) = scoring(&scores);
     let rows_l = rows as i64;
     // One warp per (token, head) row for delta.
     let delta_cfg = LaunchConfig {
@@ -213,12 +222,12 @@ pub(crate) fn attention_backward(
             let (module, name, cfg) = pass_launch(gpu, f, Pass::Dq, d, (nq, q_heads))?;
             launch!(
                 gpu, module, name, cfg, &mut dq, d_out, q, k, v, lse, &delta, &q_table, &qh, &kvh,
-                &di, &scale
+                &di, &scale, &cap, &window
             )?;
             let (module, name, cfg) = pass_launch(gpu, f, Pass::Dkdv, d, (nk, kv_heads))?;
             launch!(
                 gpu, module, name, cfg, &mut dk, &mut dv, d_out, q, k, v, lse, &delta, &k_table,
-                &qh, &kvh, &di, &scale
+                &qh, &kvh, &di, &scale, &cap, &window
             )?;
         }
         (DeviceData::from(dq), DeviceData::from(dk), DeviceData::from(dv))
@@ -380,7 +389,7 @@ pub(crate) fn paged_attention(
     plan: &PagedPlanDevice,
     q_heads: usize,
     layout: PagedLayout,
-    scale: f32,
+    scores: &Scores,
 ) -> Result<(Buffer, Buffer)> {
     let d = layout.head_dim;
     let (DeviceData::BF16(q), DeviceData::BF16(cache), true) = (q, cache, mma_head_dim(d)) else {
@@ -416,6 +425,7 @@ pub(crate) fn paged_attention(
         let (name, cfg) = cfg;
         let (layer, layers) = (layer as i32, layout.layers as i32);
         let (qh, kvh) = (q_heads as i32, layout.kv_heads as i32);
+        let (scale, cap, window) = scoring(scores);
         launch!(
             gpu,
             "attention_mma",
@@ -431,7 +441,9 @@ pub(crate) fn paged_attention(
             &layers,
             &qh,
             &kvh,
-            &scale
+            &scale,
+            &cap,
+            &window
         )?;
     }
     let wrap = |data| Buffer { gpu: gpu.clone(), data };

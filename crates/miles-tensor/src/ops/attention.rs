@@ -42,23 +42,10 @@ fn device_ready(
             )
         },
     )?;
-    plain_on_cuda(op, &shape.scores)?;
     match &t.storage {
         Storage::Cuda(buffer) => Ok(buffer.gpu.clone()),
         _ => unreachable!("a device tensor"),
     }
-}
-
-/// The CUDA kernels form plain scaled scores over every earlier key: sliding windows and
-/// soft-capping run on the CPU only so far.
-#[cfg(feature = "cuda")]
-fn plain_on_cuda(op: &'static str, scores: &cpu::Scores) -> Result<()> {
-    ensure(scores.is_plain_causal(), op, || {
-        format!(
-            "sliding windows and soft-capped scores ({scores:?}) are not in the CUDA attention \
-             kernels yet: run this model with --device cpu"
-        )
-    })
 }
 
 /// `(out, lse)`: `out` shaped and typed like `q`, `lse` f32 `[tokens × q_heads]`. `q` holds
@@ -518,6 +505,7 @@ pub fn paged_attention(
     floats_only(OP, &[q, cache])?;
     let (layout, rows) = (plan.layout, plan.rows);
     let d = layout.head_dim;
+    scores.check(OP)?;
     ensure(
         layer < layout.layers
             && q.dtype() == cache.dtype()
@@ -563,7 +551,6 @@ pub fn paged_attention(
                 crate::Error::Device("paged_attention: the plan was made for the CPU".into())
             })?;
             let Storage::Cuda(buffer) = &q.storage else { unreachable!("a device tensor") };
-            plain_on_cuda(OP, scores)?;
             let (out, lse) = crate::cuda::paged_attention(
                 &buffer.gpu,
                 device_data(q),
@@ -572,7 +559,7 @@ pub fn paged_attention(
                 dp,
                 q_heads,
                 layout,
-                scores.scale,
+                scores,
             )?;
             Ok((
                 Tensor { shape: q.shape.clone(), storage: Storage::Cuda(out) },
@@ -598,11 +585,26 @@ mod tests {
     }
     use crate::rng::Rng;
 
+    /// `shape` with its scores scaled by `scale`, capped at `cap`, over a `window`.
+    fn scored(
+        shape: AttentionShape,
+        scale: f32,
+        cap: Option<f32>,
+        window: Option<usize>,
+    ) -> AttentionShape {
+        AttentionShape { scores: cpu::Scores { scale, softcap: cap, window }, ..shape }
+    }
+
     /// Packings with sequences shorter and longer than a key block, one empty, and lengths that
-    /// are not multiples of the tiles.
+    /// are not multiples of the tiles; sliding windows (shorter than some sequences, longer
+    /// than a key block or not) and soft-capped scores.
     fn cases() -> Vec<(Vec<usize>, AttentionShape)> {
         let s = AttentionShape::new;
         vec![
+            (vec![0, 5, 5, 70, 200], scored(s(4, 2, 16), 0.2, Some(3.0), Some(70))),
+            (vec![0, 37, 170], scored(s(8, 4, 128), 0.09, None, Some(33))),
+            (vec![0, 300], scored(s(2, 1, 256), 0.2, Some(1.5), Some(130))),
+            (vec![0, 90, 91], scored(s(4, 2, 48), 0.15, Some(2.0), None)),
             (vec![0, 1], s(1, 1, 4)),
             (vec![0, 5, 5, 70, 200], s(4, 2, 16)),
             (vec![0, 64, 129, 130], s(6, 3, 64)),
@@ -684,9 +686,15 @@ mod tests {
     #[test]
     fn attention_is_batch_invariant_and_deterministic_on_every_device() {
         let mut rng = Rng::new(52);
-        let s = AttentionShape::new(8, 2, 64);
+        let plain = AttentionShape::new(8, 2, 64);
+        for s in [plain, scored(plain, 0.1, Some(2.5), Some(40))] {
+            batch_invariant_and_deterministic(&mut rng, s);
+        }
+    }
+
+    fn batch_invariant_and_deterministic(rng: &mut Rng, s: AttentionShape) {
         let lens = [150usize, 1, 64, 77];
-        let seqs: Vec<[Vec<f32>; 4]> = lens.iter().map(|&n| inputs(&mut rng, &[0, n], s)).collect();
+        let seqs: Vec<[Vec<f32>; 4]> = lens.iter().map(|&n| inputs(rng, &[0, n], s)).collect();
         for device in devices() {
             for dtype in [DType::F32, DType::BF16] {
                 let run = |order: &[usize]| {
@@ -729,11 +737,11 @@ mod tests {
                     .collect();
                 for order in [vec![0, 1, 2, 3], vec![3, 2, 1, 0], vec![2, 0]] {
                     let (cu, out) = run(&order);
-                    assert_eq!(run(&order).1, out, "{device} {dtype}: two runs differ");
+                    assert_eq!(run(&order).1, out, "{device} {dtype} {s:?}: two runs differ");
                     for &i in &order {
                         assert!(
                             rows(&cu, &order, i, &out) == alone[i],
-                            "{device} {dtype}: sequence {i} in {order:?} differs from alone"
+                            "{device} {dtype} {s:?}: sequence {i} in {order:?} differs"
                         );
                     }
                 }
@@ -777,9 +785,11 @@ mod tests {
             .collect();
         let mut shapes: Vec<AttentionShape> =
             [16usize, 64, 80, 128, 256].iter().map(|&d| AttentionShape::new(6, 2, d)).collect();
-        // A sliding window shorter than most sequences, soft-capped scores (CPU only so far).
-        let scores = cpu::Scores { scale: 0.2, softcap: Some(3.0), window: Some(70) };
-        shapes.push(AttentionShape { scores, ..AttentionShape::new(6, 2, 16) });
+        // Sliding windows shorter than most sequences (a key block's length or not), soft-capped
+        // scores: Gemma's layers.
+        shapes.push(scored(AttentionShape::new(6, 2, 16), 0.2, Some(3.0), Some(70)));
+        shapes.push(scored(AttentionShape::new(6, 2, 256), 0.06, None, Some(64)));
+        shapes.push(scored(AttentionShape::new(6, 2, 32), 0.1, Some(2.0), Some(5)));
         for s in shapes {
             let d = s.head_dim;
             let [q, k, v, _] = inputs(&mut rng, &cu, s);
@@ -809,8 +819,7 @@ mod tests {
                 .collect();
             for device in devices() {
                 for dtype in [DType::F32, DType::BF16] {
-                    if device != Device::Cpu && (dtype == DType::F32 || !s.scores.is_plain_causal())
-                    {
+                    if device != Device::Cpu && dtype == DType::F32 {
                         continue; // CUDA's paged kernel is the bf16 tensor-core one
                     }
                     let what = format!("{device} {dtype} d{d} {:?}", s.scores);
