@@ -16,6 +16,16 @@ pub fn load_model(dir: &Path) -> anyhow::Result<Model> {
     Ok(Model::new(config, weights))
 }
 
+/// `--apply-chat-template-kwargs`: a JSON object of extra chat template variables.
+pub fn chat_kwargs(flag: Option<&str>) -> anyhow::Result<serde_json::Value> {
+    let Some(text) = flag else { return Ok(serde_json::Value::Null) };
+    match serde_json::from_str(text) {
+        Ok(v @ serde_json::Value::Object(_)) => Ok(v),
+        Ok(other) => anyhow::bail!("--apply-chat-template-kwargs: a JSON object, not {other}"),
+        Err(e) => anyhow::bail!("--apply-chat-template-kwargs: not JSON ({e}): {text}"),
+    }
+}
+
 /// `--device`: cpu, cuda or cuda:N.
 pub fn parse_device(s: &str) -> Result<Device, String> {
     s.parse().map_err(|e: miles_tensor::Error| e.to_string())
@@ -83,5 +93,21 @@ impl EngineArgs {
         }
         let dtype = if device == Device::Cpu { DType::F32 } else { self.dtype.dtype() };
         Ok(DeviceModel::new(model, &device, dtype)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_kwargs_are_a_json_object_or_a_clear_error() {
+        let v = chat_kwargs(Some(r#"{"enable_thinking": false}"#)).unwrap();
+        assert_eq!(v["enable_thinking"], false);
+        assert!(chat_kwargs(None).unwrap().is_null());
+        for (bad, says) in [("[1]", "a JSON object"), ("{oops", "not JSON")] {
+            let e = chat_kwargs(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("--apply-chat-template-kwargs") && e.contains(says), "{e}");
+        }
     }
 }

@@ -11,7 +11,7 @@ use miles_data::{Dataset, Keys};
 use miles_model::{PackedBatch, Tokenizer};
 use miles_rollout::{Engine, EngineConfig, Progress, kv_cache_budget};
 
-use crate::common::{EngineArgs, load_model};
+use crate::common::{EngineArgs, chat_kwargs, load_model};
 use crate::generate_output::{Output, read_kept};
 
 #[derive(Debug, Args)]
@@ -34,6 +34,9 @@ pub struct GenerateArgs {
     /// Render prompts through the tokenizer's chat template (generation prompt appended).
     #[arg(long)]
     pub apply_chat_template: bool,
+    /// Extra variables of the chat template, a JSON object (`'{"enable_thinking": false}'`).
+    #[arg(long)]
+    pub apply_chat_template_kwargs: Option<String>,
     #[arg(long, default_value_t = 1)]
     pub n_samples_per_prompt: usize,
     #[arg(long, default_value_t = 1024)]
@@ -186,6 +189,7 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let tok = Tokenizer::load(dir).with_context(|| {
         format!("--hf-checkpoint {}: generate needs a tokenizer", dir.display())
     })?;
+    let tok = tok.with_chat_kwargs(chat_kwargs(args.apply_chat_template_kwargs.as_deref())?)?;
     let prompts = load_prompts(args, &tok)?;
     let n = args.n_samples_per_prompt;
     let groups: Vec<Vec<Sample>> = prompts

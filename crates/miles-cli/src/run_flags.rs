@@ -141,6 +141,13 @@ pub const FLAGS: &[Flag] = &[
     optional(DATA, "label-key", Ty::Str, "Key of the label (the reward's reference) in each line."),
     optional(DATA, "metadata-key", Ty::Str, "Key of per-prompt metadata (any JSON) in each line."),
     switch(DATA, "apply-chat-template", "Render prompts through the tokenizer's chat template."),
+    optional(
+        DATA,
+        "apply-chat-template-kwargs",
+        Ty::Str,
+        "Extra variables of the chat template, a JSON object (e.g. '{\"enable_thinking\": \
+         false}' for Qwen3, tools, date_string).",
+    ),
     switch(DATA, "rollout-shuffle", "Shuffle the prompt data (seeded by --rollout-seed)."),
     optional(
         DATA,

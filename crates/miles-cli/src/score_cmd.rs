@@ -6,7 +6,7 @@ use clap::Args;
 use miles_model::{DeviceModel, Model, PackedBatch, Tokenizer};
 use miles_tensor::{DType, Device};
 
-use crate::common::{DTypeArg, load_model, parse_device};
+use crate::common::{DTypeArg, chat_kwargs, load_model, parse_device};
 use serde_json::Value;
 
 use crate::jsonl;
@@ -29,6 +29,9 @@ pub struct ScoreArgs {
     /// Render prompts through the tokenizer's chat template (generation prompt appended).
     #[arg(long)]
     pub apply_chat_template: bool,
+    /// Extra variables of the chat template, a JSON object (`'{"enable_thinking": false}'`).
+    #[arg(long)]
+    pub apply_chat_template_kwargs: Option<String>,
     /// Temperature of the distribution the logprobs are taken from (the rollout's).
     #[arg(long = "rollout-temperature", default_value_t = 1.0)]
     pub temperature: f32,
@@ -164,8 +167,11 @@ pub fn run(args: &ScoreArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         ((0..c.num_hidden_layers).filter(|&l| m.is_sparse(l)).count(), m.num_experts_per_tok)
     });
     let scorer = Scorer::new(model, args)?;
-    let tokenizer =
-        if dir.join("tokenizer.json").exists() { Some(Tokenizer::load(dir)?) } else { None };
+    let kwargs = chat_kwargs(args.apply_chat_template_kwargs.as_deref())?;
+    let tokenizer = match dir.join("tokenizer.json").exists() {
+        true => Some(Tokenizer::load(dir)?.with_chat_kwargs(kwargs)?),
+        false => None,
+    };
     let items: Vec<Item> = lines
         .iter()
         .map(|l| tokenize(l.number, &l.object, args, &tokenizer))

@@ -16,7 +16,7 @@ use miles_train::advantage::AdvantageConfig;
 use miles_train::rl::{self, Record, Setup};
 use serde_json::Value;
 
-use crate::common::{launch, load_model};
+use crate::common::{chat_kwargs, launch, load_model};
 use crate::run_flags::{TrainArgs, build_run_config};
 use crate::{demo, linked};
 
@@ -253,6 +253,8 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
     let tokenizer = Tokenizer::load(&dir).with_context(|| {
         format!("--hf-checkpoint {}: training needs a tokenizer", dir.display())
     })?;
+    let tokenizer =
+        tokenizer.with_chat_kwargs(chat_kwargs(cfg.apply_chat_template_kwargs.as_deref())?)?;
     let train_data = load_data(&prompts, &cfg, "prompt-data")?;
     let eval_data = cfg
         .eval_prompt_data

@@ -208,6 +208,8 @@ pub struct RunConfig {
     pub label_key: Option<String>,
     pub metadata_key: Option<String>,
     pub apply_chat_template: bool,
+    /// A JSON object of extra chat template variables (`{"enable_thinking": false}`).
+    pub apply_chat_template_kwargs: Option<String>,
     pub rollout_shuffle: bool,
     pub num_rollout: Option<usize>,
     pub num_epoch: Option<usize>,
@@ -357,6 +359,7 @@ impl Default for RunConfig {
             label_key: None,
             metadata_key: None,
             apply_chat_template: false,
+            apply_chat_template_kwargs: None,
             rollout_shuffle: false,
             num_rollout: None,
             num_epoch: None,

@@ -7,6 +7,7 @@
 //! and yields the gradient of every weight. Losses live in host math elsewhere.
 
 mod backend;
+pub mod chat_template;
 pub mod config;
 mod decode;
 pub mod device;

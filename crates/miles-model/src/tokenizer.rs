@@ -1,10 +1,11 @@
 //! `tokenizer.json` through the `tokenizers` crate, and chat templates from
-//! `tokenizer_config.json` rendered with minijinja the way transformers renders them.
+//! `tokenizer_config.json` (rendered by [`crate::chat_template`]).
 
 use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
+use crate::chat_template::{CHATML_TEMPLATE, ChatRequest, render_chat_template};
 use crate::{Error, Result};
 
 /// A checkpoint's tokenizer and chat template.
@@ -14,6 +15,8 @@ pub struct Tokenizer {
     chat_template: Option<String>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// Extra variables of every rendering ([`Tokenizer::with_chat_kwargs`]).
+    chat_kwargs: Value,
     path: PathBuf,
 }
 
@@ -60,8 +63,21 @@ impl Tokenizer {
             chat_template,
             bos_token: token_text(config.get("bos_token")),
             eos_token: token_text(config.get("eos_token")),
+            chat_kwargs: Value::Null,
             path,
         })
+    }
+
+    /// The tokenizer with `kwargs` (a JSON object: `enable_thinking`, `tools`, …) passed to
+    /// its chat template at every rendering (`--apply-chat-template-kwargs`).
+    pub fn with_chat_kwargs(mut self, kwargs: Value) -> Result<Self> {
+        if !matches!(kwargs, Value::Object(_) | Value::Null) {
+            return Err(Error::Invalid(format!(
+                "--apply-chat-template-kwargs must be a JSON object, found {kwargs}"
+            )));
+        }
+        self.chat_kwargs = kwargs;
+        Ok(self)
     }
 
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (BOS).
@@ -117,7 +133,8 @@ impl Tokenizer {
 
     /// Renders the chat template over `messages` (a JSON array of `{"role", "content"}`), with
     /// transformers' variables: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
-    /// and `raise_exception`. The result is text; encode it without adding special tokens.
+    /// `tools`, the tokenizer's chat kwargs. The result is text; encode it without adding
+    /// special tokens.
     pub fn apply_chat_template(
         &self,
         messages: &Value,
@@ -129,48 +146,16 @@ impl Tokenizer {
                 self.path.display()
             ))
         })?;
-        render_chat_template(
-            template,
+        let request = ChatRequest {
             messages,
             add_generation_prompt,
-            self.bos_token.as_deref(),
-            self.eos_token.as_deref(),
-        )
+            bos_token: self.bos_token.as_deref(),
+            eos_token: self.eos_token.as_deref(),
+            kwargs: &self.chat_kwargs,
+        };
+        render_chat_template(template, &request)
     }
 }
-
-/// Renders an HF chat template.
-pub fn render_chat_template(
-    template: &str,
-    messages: &Value,
-    add_generation_prompt: bool,
-    bos_token: Option<&str>,
-    eos_token: Option<&str>,
-) -> Result<String> {
-    let mut env = minijinja::Environment::new();
-    // HF templates call Python string methods (.strip(), .startswith(), …).
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        },
-    );
-    env.add_template("chat", template)
-        .map_err(|e| Error::Invalid(format!("chat template does not parse: {e}")))?;
-    let ctx = minijinja::context! {
-        messages => minijinja::Value::from_serialize(messages),
-        add_generation_prompt => add_generation_prompt,
-        bos_token => bos_token.unwrap_or(""),
-        eos_token => eos_token.unwrap_or(""),
-    };
-    env.get_template("chat")
-        .and_then(|t| t.render(ctx))
-        .map_err(|e| Error::Invalid(format!("chat template failed: {e}")))
-}
-
-/// ChatML, the template of the project's own tokenizer (and of Qwen and SmolLM2).
-pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}";
 
 /// The special tokens of the project's byte-level tokenizer, after the 256 byte tokens.
 pub const BYTE_TOKENIZER_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -277,17 +262,12 @@ mod tests {
         let ids = tok.encode(&text, false).unwrap();
         assert_eq!(ids[0], 257);
         assert_eq!(tok.decode(&ids, true).unwrap(), "user\nhi\nassistant\n");
-    }
-
-    #[test]
-    fn hf_style_templates_with_python_methods_render() {
-        let template = "{%- if messages[0]['role'] == 'system' %}{{ bos_token + messages[0]['content'].strip() }}{%- endif %}{%- for m in messages[1:] %}{% if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}[{{ m['role'] }}]{{ m['content'] | trim }}{% if loop.last and add_generation_prompt %}[assistant]{% endif %}{%- endfor %}";
-        let messages = json!([{"role": "system", "content": "  Be brief. "}, {"role": "user", "content": " 2+2? "}]);
-        let out = render_chat_template(template, &messages, true, Some("<s>"), None).unwrap();
-        assert_eq!(out, "<s>Be brief.[user]2+2?[assistant]");
-        let bad = json!([{"role": "system", "content": "x"}, {"role": "tool", "content": "y"}]);
-        let err = render_chat_template(template, &bad, false, None, None).unwrap_err().to_string();
-        assert!(err.contains("bad role"), "{err}");
+        // Extra variables reach the template; a non-object is refused by its flag's name.
+        let mut tok = tok.with_chat_kwargs(json!({"suffix": "!"})).unwrap();
+        tok.chat_template = Some("{{ messages[0]['content'] }}{{ suffix }}".into());
+        assert_eq!(tok.apply_chat_template(&messages, true).unwrap(), "hi!");
+        let err = tok.with_chat_kwargs(json!(3)).err().unwrap().to_string();
+        assert!(err.contains("--apply-chat-template-kwargs"), "{err}");
     }
 
     #[test]
