@@ -281,7 +281,9 @@ fi
 if [ "$what" = families-bench ]; then
   # Issue 29, acceptance 4: train, logprob and rollout of the family presets beside HF.
   for preset in ${FAMILIES:-qwen2.5-0.5b llama3.2-1b}; do
-    for w in logprob train; do
+    # (GLM-4-9B's training state, 150 GB with AdamW in f32, fits on no single GPU here.)
+    works="logprob train"; [ $preset = glm4-9b ] && works=logprob
+    for w in $works; do
       timeout 300 $miles bench $w --device cuda --preset $preset --batch 32 --seq-len 512 \
         --steps 5 --warmup 2 | tee -a "$OUT/families-bench.jsonl"
     done

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The HF transformers peer (../shared/bench/hf_baseline.py, packed as target/gpu/) at the shapes
 of the model-family presets: its own measurements, with its table of shapes widened to Qwen2.5,
-Llama 3.2 and Gemma 3 (their published config.json values, as crates/miles-model/src/presets.rs
+Llama 3.2, Gemma 3 and GLM-4 (their published config.json values, as crates/miles-model/src/presets.rs
 holds them). Random-init weights in bf16, one JSON line per measurement.
 
   python3 tests/device/hf_families.py --model qwen2.5-0.5b [hf_baseline.py's flags]
@@ -19,6 +19,8 @@ import hf_baseline  # noqa: E402
 from transformers import (  # noqa: E402
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Glm4Config,
+    Glm4ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -42,6 +44,10 @@ FAMILIES = {
         hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
         num_key_value_heads=1, head_dim=256, vocab_size=262144, query_pre_attn_scalar=256,
         sliding_window=512, tie_word_embeddings=True), 1e6, None),
+    "glm4-9b": (Glm4Config, Glm4ForCausalLM, dict(
+        hidden_size=4096, intermediate_size=13696, num_hidden_layers=40, num_attention_heads=32,
+        num_key_value_heads=2, head_dim=128, vocab_size=151552, partial_rotary_factor=0.5,
+        attention_bias=True, rms_norm_eps=1e-5, tie_word_embeddings=False), 1e4, None),
 }
 
 

@@ -17,6 +17,9 @@ pub enum ArchArg {
     Gemma2,
     /// Gemma 3 text (Gemma3ForCausalLM): sliding-window layers, GeGLU, (1 + w) norms.
     Gemma3,
+    /// GLM-4 (Glm4ForCausalLM): q/k/v biases, norms after attention and the MLP, a rotary over
+    /// half of each head.
+    Glm4,
 }
 
 impl From<ArchArg> for Architecture {
@@ -28,6 +31,7 @@ impl From<ArchArg> for Architecture {
             ArchArg::Qwen2 => Architecture::Qwen2,
             ArchArg::Gemma2 => Architecture::Gemma2,
             ArchArg::Gemma3 => Architecture::Gemma3,
+            ArchArg::Glm4 => Architecture::Glm4,
         }
     }
 }
@@ -45,7 +49,7 @@ pub struct InitModelArgs {
     pub arch: Option<ArchArg>,
     /// Shape: tiny, tiny-h64 (tiny with heads of 64), qwen3-0.6b, qwen3-8b, smollm2-135m,
     /// qwen3-30b-a3b-4l (Qwen3-30B-A3B's layers, 4 of its 48), qwen2.5-0.5b, qwen2.5-1.5b,
-    /// llama3.2-1b, gemma3-1b or gemma2-2b.
+    /// llama3.2-1b, gemma3-1b, gemma2-2b or glm4-9b.
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Checkpoint directory to write (created if missing).

@@ -188,6 +188,7 @@ pub fn model_config(g: &GgufFile) -> Result<ModelConfig> {
         num_attention_heads,
         num_key_value_heads,
         head_dim,
+        rotary_dim: head_dim,
         // Qwen2's q/k/v biases, which llama.cpp keeps as `attn_{q,k,v}.bias`.
         bias: Biases { qkv: architecture == Architecture::Qwen2, ..Biases::default() },
         rms_norm_eps: m.opt_f32(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),

@@ -24,6 +24,11 @@ pub enum Architecture {
     /// MLP, q/k norms, GeGLU, an embedding scaled by √hidden, sliding-window layers with a
     /// rotary of their own ([`GemmaConfig`]).
     Gemma3,
+    /// `Glm4ForCausalLM` (GLM-4-0414, dense): Llama's layout with q/k/v biases, norms after
+    /// attention and after the MLP as Gemma has them (plain w, not 1 + w), and a rotary over
+    /// part of each head (`partial_rotary_factor`, 0.5) whose pairs are interleaved; its files
+    /// fuse gate and up (see [`crate::weights::file_tensors`]).
+    Glm4,
 }
 
 impl Architecture {
@@ -35,6 +40,7 @@ impl Architecture {
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Gemma2 => "Gemma2ForCausalLM",
             Architecture::Gemma3 => "Gemma3ForCausalLM",
+            Architecture::Glm4 => "Glm4ForCausalLM",
         }
     }
 
@@ -46,6 +52,7 @@ impl Architecture {
             Architecture::Qwen2 => "qwen2",
             Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3_text",
+            Architecture::Glm4 => "glm4",
         }
     }
 
@@ -116,6 +123,9 @@ pub struct ModelConfig {
     pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
     pub head_dim: usize,
+    /// The dimensions of a head the rotary turns (`head_dim · partial_rotary_factor`); the
+    /// rest pass through. `head_dim` except in GLM-4.
+    pub rotary_dim: usize,
     pub bias: Biases,
     pub rms_norm_eps: f32,
     pub rope_theta: f32,
@@ -336,6 +346,7 @@ impl ModelConfig {
             "Qwen2ForCausalLM" | "qwen2" => Architecture::Qwen2,
             "Gemma3ForCausalLM" | "gemma3_text" => Architecture::Gemma3,
             "Gemma2ForCausalLM" | "gemma2" => Architecture::Gemma2,
+            "Glm4ForCausalLM" | "glm4" => Architecture::Glm4,
             "Gemma3ForConditionalGeneration" | "gemma3" => {
                 return Err(f.err(
                     "Gemma3ForConditionalGeneration (text and images) is not supported: use a \
@@ -348,7 +359,7 @@ impl ModelConfig {
                 return Err(f.err(format!(
                     "architecture '{other}' is not supported; supported: Qwen3ForCausalLM, \
                      Qwen2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, \
-                     Gemma3ForCausalLM"
+                     Gemma3ForCausalLM, Glm4ForCausalLM"
                 )));
             }
         };
@@ -363,11 +374,14 @@ impl ModelConfig {
                 architecture.hf_class()
             )));
         }
-        let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
+        let glm = architecture == Architecture::Glm4;
+        let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(glm);
         let mlp_bias = f.opt_bool("mlp_bias")?.unwrap_or(false);
         let bias = match architecture {
             // transformers' Qwen2 has q/k/v biases whatever the config says.
             Architecture::Qwen2 => Biases { qkv: true, o: false, mlp: false },
+            // GLM-4's o_proj has none.
+            Architecture::Glm4 => Biases { qkv: attention_bias, o: false, mlp: false },
             _ => Biases { qkv: attention_bias, o: attention_bias, mlp: mlp_bias },
         };
         if mlp_bias && architecture != Architecture::Llama {
@@ -410,9 +424,18 @@ impl ModelConfig {
                 .iter()
                 .find_map(|k| obj.get(*k)?.get("partial_rotary_factor"))
         });
-        if let Some(p) = partial.filter(|p| p.as_f64() != Some(1.0) && !p.is_null()) {
+        // transformers' GLM-4 turns half of each head unless told otherwise.
+        let partial = match partial.filter(|p| !p.is_null()) {
+            None => glm.then_some(0.5),
+            Some(p) => Some(p.as_f64().ok_or_else(|| {
+                f.err(format!("'partial_rotary_factor' must be a number, found {p}"))
+            })?),
+        };
+        if let Some(p) = partial.filter(|&p| p != 1.0 && !glm) {
             return Err(f.err(format!(
-                "'partial_rotary_factor': {p} is not supported (rotary embeddings over whole heads)"
+                "'partial_rotary_factor': {p} is not supported for {} (rotary embeddings over \
+                 whole heads; GLM-4's partial one is implemented)",
+                architecture.hf_class()
             )));
         }
         // Newer transformers write `rope_parameters`, older `rope_theta` and `rope_scaling`.
@@ -460,6 +483,8 @@ impl ModelConfig {
             None if num_attention_heads > 0 => hidden_size / num_attention_heads,
             None => 0,
         };
+        // (int(head_dim · factor), as transformers rounds it.)
+        let rotary_dim = partial.map_or(head_dim, |p| (head_dim as f64 * p) as usize);
         let config = ModelConfig {
             architecture,
             vocab_size: f.usize("vocab_size")?,
@@ -469,6 +494,7 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
+            rotary_dim,
             bias,
             rms_norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta,
@@ -510,6 +536,13 @@ impl ModelConfig {
         }
         if !c.head_dim.is_multiple_of(2) {
             return Err(format!("head_dim {} must be even for rotary embeddings", c.head_dim));
+        }
+        if !(c.rotary_dim.is_multiple_of(2) && (2..=c.head_dim).contains(&c.rotary_dim)) {
+            return Err(format!(
+                "partial_rotary_factor gives a rotary over {} of head_dim {} dimensions: it must \
+                 be even and between 2 and head_dim",
+                c.rotary_dim, c.head_dim
+            ));
         }
         if !(c.rms_norm_eps > 0.0 && c.rope_theta > 0.0) {
             return Err("rms_norm_eps and rope_theta must be positive".into());
@@ -589,6 +622,14 @@ impl ModelConfig {
         if c.architecture == Architecture::Qwen2 {
             v["use_sliding_window"] = json!(false);
         }
+        if c.architecture == Architecture::Glm4 {
+            let p = c.rotary_dim as f64 / c.head_dim as f64;
+            v["partial_rotary_factor"] = json!(p);
+            v["rope_parameters"]["partial_rotary_factor"] = json!(p);
+            // (transformers' default, 151329, is past a small vocabulary; its embedding would
+            // zero that row's gradient, which this trainer does not.)
+            v["pad_token_id"] = Value::Null;
+        }
         if let Some(g) = &c.gemma {
             let obj = v.as_object_mut().expect("an object");
             obj.remove("hidden_act");
@@ -658,6 +699,12 @@ impl ModelConfig {
         }
     }
 
+    /// Whether the attention's and the MLP's outputs are normed before the residual adds
+    /// (Gemma, GLM-4).
+    pub fn sandwich_norms(&self) -> bool {
+        self.gemma.is_some() || self.architecture == Architecture::Glm4
+    }
+
     /// Gemma's embedding scale, √hidden; 1 elsewhere.
     pub fn embed_scale(&self) -> f32 {
         if self.gemma.is_some() { (self.hidden_size as f64).sqrt() as f32 } else { 1.0 }
@@ -671,8 +718,24 @@ impl ModelConfig {
     /// The rotary cos and sin tables `[positions × head_dim/2]` of `positions`, as transformers
     /// computes them for this config.
     pub fn rope_tables(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
-        let (inv_freq, scale) = self.rope_scaling.frequencies(self.head_dim, self.rope_theta);
-        miles_tensor::cpu::rope_tables(positions, &inv_freq, scale)
+        self.tables(&self.rope_scaling, self.rope_theta, positions)
+    }
+
+    /// The tables of one rotary; past `rotary_dim` (a partial rotary) the pairs get cos 1 and
+    /// sin 0, which the rotation passes through unchanged.
+    fn tables(&self, scaling: &RopeScaling, theta: f32, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
+        let (inv_freq, scale) = scaling.frequencies(self.rotary_dim, theta);
+        let (cos, sin) = miles_tensor::cpu::rope_tables(positions, &inv_freq, scale);
+        let (turned, half) = (self.rotary_dim / 2, self.head_dim / 2);
+        if turned == half {
+            return (cos, sin);
+        }
+        let pad = |t: Vec<f32>, rest: f32| -> Vec<f32> {
+            t.chunks(turned.max(1))
+                .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(rest, half - turned)))
+                .collect()
+        };
+        (pad(cos, 1.0), pad(sin, 0.0))
     }
 
     /// [`Self::rope_tables`] of the sliding layers' rotary, when the model has one of its own
@@ -682,8 +745,7 @@ impl ModelConfig {
         if (g.local_rope_theta, &g.local_rope_scaling) == (self.rope_theta, &self.rope_scaling) {
             return None;
         }
-        let (inv_freq, scale) = g.local_rope_scaling.frequencies(self.head_dim, g.local_rope_theta);
-        Some(miles_tensor::cpu::rope_tables(positions, &inv_freq, scale))
+        Some(self.tables(&g.local_rope_scaling, g.local_rope_theta, positions))
     }
 
     /// Parameters in the model (the tied head counted once), every expert included.
@@ -713,8 +775,8 @@ impl ModelConfig {
             }
             _ => 3 * h * c.intermediate_size + mlp_bias,
         };
-        // Gemma's norms after attention and around the MLP: four a layer.
-        let norms = if c.gemma.is_some() { 4 * h } else { 2 * h };
+        // Gemma's and GLM-4's norms after attention and around the MLP: four a layer.
+        let norms = if c.sandwich_norms() { 4 * h } else { 2 * h };
         let layers: usize =
             (0..c.num_hidden_layers).map(|l| attn + attn_bias + qk_norm + mlp(l) + norms).sum();
         let head = if c.tie_word_embeddings { 0 } else { c.vocab_size * h };
@@ -861,6 +923,7 @@ mod tests {
             Architecture::Qwen2,
             Architecture::Gemma2,
             Architecture::Gemma3,
+            Architecture::Glm4,
         ] {
             let c = crate::presets::preset("tiny", Some(arch)).unwrap();
             let back = ModelConfig::from_json(&c.to_hf_json("float32"), Path::new("c.json"));

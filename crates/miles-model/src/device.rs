@@ -84,7 +84,8 @@ impl Layout {
     }
 
     fn norm(&self, layer: usize, norm: Norm) -> usize {
-        // Gemma's post_attention_layernorm follows the attention; its MLP has norms of its own.
+        // Gemma's post_attention_layernorm follows the attention; its MLP has norms of its own
+        // (GLM-4's the same, under these names in memory).
         let gemma = self.per_layer[layer].contains_key("pre_feedforward_layernorm.weight");
         self.at(
             layer,
@@ -310,7 +311,7 @@ impl DeviceModel {
         let decodes = ops::paged_attention_runs(device, dtype, c.head_dim);
         // (The fused layers have no biases nor Gemma's norms: such a model steps one op at a
         // time.)
-        let plain = c.bias == crate::Biases::default() && c.gemma.is_none();
+        let plain = c.bias == crate::Biases::default() && !c.sandwich_norms();
         m.fused_decode = !m.stacked.is_empty() && decodes && plain && m.check_fused_decode()?;
         Ok(m)
     }
@@ -1846,7 +1847,8 @@ mod tests {
     /// fixtures, in f32, within the CPU's tolerances, on every device present.
     #[test]
     fn matches_transformers_in_f32_on_every_device() {
-        for name in ["qwen3", "llama", "qwen2", "llama31", "qwen3_yarn", "gemma3", "gemma2"] {
+        for name in ["qwen3", "llama", "qwen2", "llama31", "qwen3_yarn", "gemma3", "gemma2", "glm4"]
+        {
             let r = crate::testing::HfReference::load(&crate::testing::hf_fixture(name)).unwrap();
             for device in devices() {
                 let mut dm = DeviceModel::new(&r.model, &device, DType::F32).unwrap();

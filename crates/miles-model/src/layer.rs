@@ -28,7 +28,7 @@ pub(crate) struct LayerActivations<A> {
     pub n2: A,
     pub rstd2: A,
     pub mlp: MlpActivations<A>,
-    /// Gemma's outputs of the attention and the MLP before their norms, with those norms'
+    /// Gemma's (and GLM-4's) outputs of the attention and the MLP before their norms, with those norms'
     /// rstd: `[o, o_rstd, m, m_rstd]`.
     pub sandwich: Option<[A; 4]>,
 }
@@ -67,7 +67,7 @@ pub(crate) fn layer_forward<B: Backend>(
     let (q, k, qk_norm) = b.qk_norm_rope(c, layer, q, k)?;
     let (attn, lse) = attention(layer, &q, &k, &v)?;
     let [o] = take(b.linear(layer, Linear::O, &attn)?);
-    let sandwich = c.gemma.is_some();
+    let sandwich = c.sandwich_norms();
     let (o, o_kept) = if sandwich {
         let (on, rstd) = b.rmsnorm(layer, Norm::AttnOut, &o)?;
         (on, Some((o, rstd)))
@@ -126,8 +126,8 @@ pub(crate) fn layer_backward<B: BackwardBackend>(
     balance: Option<(f32, &BalanceStats)>,
 ) -> Result<B::Act> {
     let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-    // MLP: x_out = x_mid + down(glu(gate(n2), up(n2))), or the experts' sum, or (Gemma) its
-    // norm.
+    // MLP: x_out = x_mid + down(glu(gate(n2), up(n2))), or the experts' sum, or (Gemma,
+    // GLM-4) its norm.
     let d_m = match &a.sandwich {
         Some([_, _, m, m_rstd]) => Some(b.rmsnorm_backward(layer, Norm::MlpOut, &dx, m, m_rstd)?),
         None => None,
@@ -151,7 +151,7 @@ pub(crate) fn layer_backward<B: BackwardBackend>(
     let dx = b.add(&dx, &d)?;
 
     // Attention: x_mid = x_in + o(attn(rope(norm(q(n1))), rope(norm(k(n1))), v(n1))), the
-    // output normed first in Gemma.
+    // output normed first in Gemma and GLM-4.
     let d_o = match &a.sandwich {
         Some([o, o_rstd, _, _]) => {
             Some(b.rmsnorm_backward(layer, Norm::AttnOut, &dx, o, o_rstd)?)

@@ -12,6 +12,7 @@ pub mod config;
 mod decode;
 pub mod device;
 mod error;
+pub mod file_layout;
 pub mod kv;
 mod layer;
 pub mod model;

@@ -194,6 +194,7 @@ pub(crate) mod tests {
             num_attention_heads: 4,
             num_key_value_heads: 2,
             head_dim: 4,
+            rotary_dim: 4,
             bias: Biases::default(),
             rms_norm_eps: 1e-6,
             rope_theta: 10_000.0,

@@ -5,7 +5,7 @@ use crate::{
     Architecture, Biases, Error, GemmaConfig, ModelConfig, MoeConfig, Result, RopeScaling,
 };
 
-pub const PRESETS: [&str; 11] = [
+pub const PRESETS: [&str; 12] = [
     "tiny",
     "tiny-h64",
     "qwen3-0.6b",
@@ -17,6 +17,7 @@ pub const PRESETS: [&str; 11] = [
     "llama3.2-1b",
     "gemma3-1b",
     "gemma2-2b",
+    "glm4-9b",
 ];
 
 /// The configuration of preset `name`. `tiny` takes any architecture (default Qwen3; with
@@ -25,7 +26,8 @@ pub const PRESETS: [&str; 11] = [
 /// for another is an error.
 pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
     if name == "tiny-h64" {
-        return Ok(ModelConfig { head_dim: 64, ..preset("tiny", arch)? });
+        let c = preset("tiny", arch)?;
+        return Ok(ModelConfig { head_dim: 64, rotary_dim: 64 * c.rotary_dim / c.head_dim, ..c });
     }
     let fixed = |own: Architecture| match arch {
         Some(a) if a != own => Err(Error::Invalid(format!(
@@ -35,6 +37,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
         ))),
         _ => Ok(own),
     };
+    let glm = arch == Some(Architecture::Glm4);
     let c = match name {
         // Sized for tests and the CPU demo; its vocabulary is the project's byte tokenizer.
         "tiny" => ModelConfig {
@@ -46,8 +49,10 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 4,
             num_key_value_heads: 2,
             head_dim: 16,
-            // Qwen2's q/k/v biases go with the architecture.
-            bias: Biases { qkv: arch == Some(Architecture::Qwen2), ..Biases::default() },
+            // GLM-4 turns half of each head.
+            rotary_dim: if glm { 8 } else { 16 },
+            // Qwen2's and GLM-4's q/k/v biases go with the architecture.
+            bias: Biases { qkv: glm || arch == Some(Architecture::Qwen2), ..Biases::default() },
             rms_norm_eps: 1e-6,
             rope_theta: 10_000.0,
             rope_scaling: RopeScaling::None,
@@ -91,6 +96,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 16,
             num_key_value_heads: 8,
             head_dim: 128,
+            rotary_dim: 128,
             bias: Biases::default(),
             rms_norm_eps: 1e-6,
             rope_theta: 1_000_000.0,
@@ -112,6 +118,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 32,
             num_key_value_heads: 8,
             head_dim: 128,
+            rotary_dim: 128,
             bias: Biases::default(),
             rms_norm_eps: 1e-6,
             rope_theta: 1_000_000.0,
@@ -133,6 +140,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 9,
             num_key_value_heads: 3,
             head_dim: 64,
+            rotary_dim: 64,
             bias: Biases::default(),
             rms_norm_eps: 1e-5,
             rope_theta: 100_000.0,
@@ -155,6 +163,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 32,
             num_key_value_heads: 4,
             head_dim: 128,
+            rotary_dim: 128,
             bias: Biases::default(),
             rms_norm_eps: 1e-6,
             rope_theta: 1_000_000.0,
@@ -186,6 +195,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 num_attention_heads: if small { 14 } else { 12 },
                 num_key_value_heads: 2,
                 head_dim: if small { 64 } else { 128 },
+                rotary_dim: if small { 64 } else { 128 },
                 bias: Biases { qkv: true, o: false, mlp: false },
                 rms_norm_eps: 1e-6,
                 rope_theta: 1_000_000.0,
@@ -208,6 +218,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             num_attention_heads: 32,
             num_key_value_heads: 8,
             head_dim: 64,
+            rotary_dim: 64,
             bias: Biases::default(),
             rms_norm_eps: 1e-5,
             rope_theta: 500_000.0,
@@ -243,6 +254,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 num_attention_heads: if three { 4 } else { 8 },
                 num_key_value_heads: if three { 1 } else { 4 },
                 head_dim: 256,
+                rotary_dim: 256,
                 bias: Biases::default(),
                 rms_norm_eps: 1e-6,
                 rope_theta: if three { 1_000_000.0 } else { 10_000.0 },
@@ -263,6 +275,28 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 })),
             }
         }
+        // GLM-4-9B-0414's published config.json.
+        "glm4-9b" => ModelConfig {
+            architecture: fixed(Architecture::Glm4)?,
+            vocab_size: 151_552,
+            hidden_size: 4096,
+            intermediate_size: 13_696,
+            num_hidden_layers: 40,
+            num_attention_heads: 32,
+            num_key_value_heads: 2,
+            head_dim: 128,
+            rotary_dim: 64,
+            bias: Biases { qkv: true, o: false, mlp: false },
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_scaling: RopeScaling::None,
+            tie_word_embeddings: false,
+            max_position_embeddings: 32_768,
+            bos_token_id: None,
+            eos_token_ids: vec![151_329, 151_336, 151_338],
+            moe: None,
+            gemma: None,
+        },
         other => {
             return Err(Error::Invalid(format!(
                 "unknown preset '{other}'; presets: {}",
@@ -289,6 +323,8 @@ mod tests {
         assert_eq!(preset("llama3.2-1b", None).unwrap().num_parameters(), 1_235_814_400);
         assert_eq!(preset("gemma3-1b", None).unwrap().num_parameters(), 999_885_952);
         assert_eq!(preset("gemma2-2b", None).unwrap().num_parameters(), 2_614_341_888);
+        // GLM-4-9B-0414: 9.40 B (its four norms a layer and q/k/v biases counted).
+        assert_eq!(preset("glm4-9b", None).unwrap().num_parameters(), 9_400_279_040);
         assert_eq!(
             preset("tiny", Some(Architecture::Llama)).unwrap().architecture,
             Architecture::Llama

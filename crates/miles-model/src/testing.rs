@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 
 use miles_tensor::{DType, Device};
 
-use crate::weights::{TensorFiles, tensor_spec};
+use crate::file_layout::file_tensors;
+use crate::weights::TensorFiles;
 use crate::{DeviceModel, Model, ModelConfig, PackedBatch, Result, Weights};
 
 /// `model` on the CPU in f32: the reference every other device and dtype is checked against.
@@ -76,8 +77,8 @@ impl HfReference {
             assert!((c - d).abs() <= 1e-5, "{what}: entropy[{k}] {c} vs transformers {d}");
         }
         let c = &self.model.config;
-        for ((tensor, shape), ours) in tensor_spec(c).iter().zip(grads.tensors()) {
-            let theirs = self.files.f32(&format!("grad.{tensor}"), shape).expect("fixture grad");
+        for (tensor, shape, ours) in file_tensors(c, grads) {
+            let theirs = self.files.f32(&format!("grad.{tensor}"), &shape).expect("fixture grad");
             let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
             let diff: Vec<f32> = ours.iter().zip(&theirs).map(|(a, b)| a - b).collect();
             let rel = norm(&diff) / norm(&theirs).max(1e-12);

@@ -86,7 +86,8 @@ pub fn tensor_spec(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             spec.push((format!("{p}self_attn.k_norm.weight"), vec![d]));
         }
         spec.push((format!("{p}post_attention_layernorm.weight"), vec![h]));
-        if c.gemma.is_some() {
+        // (GLM-4's norms in the same places go by Gemma's names here: see file_layout.)
+        if c.sandwich_norms() {
             spec.push((format!("{p}pre_feedforward_layernorm.weight"), vec![h]));
             spec.push((format!("{p}post_feedforward_layernorm.weight"), vec![h]));
         }
@@ -194,10 +195,10 @@ impl Weights {
 
 impl Weights {
     /// Builds weights whose tensor `k` of [`tensor_spec`] is `make(name, shape)`.
-    fn build(
+    pub(crate) fn build<E>(
         c: &ModelConfig,
-        mut make: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>,
-    ) -> Result<Self> {
+        mut make: impl FnMut(&str, &[usize]) -> std::result::Result<Vec<f32>, E>,
+    ) -> std::result::Result<Self, E> {
         let mut w = Weights {
             embed: Vec::new(),
             layers: (0..c.num_hidden_layers)
@@ -222,7 +223,8 @@ impl Weights {
 
     /// Zeros of every shape: the gradient buffers.
     pub fn zeros(c: &ModelConfig) -> Self {
-        Self::build(c, |_, shape| Ok(vec![0.0; numel(shape)])).expect("zeros cannot fail")
+        Self::build(c, |_, shape| Ok::<_, Error>(vec![0.0; numel(shape)]))
+            .expect("zeros cannot fail")
     }
 
     /// HF-style initialization: normal(0, 0.02) matrices, unit norms (Gemma's (1 + w): zero),
@@ -231,7 +233,7 @@ impl Weights {
         let mut rng = Rng::new(seed);
         let unit = if c.gemma.is_some() { 0.0 } else { 1.0 };
         Self::build(c, |name, shape| {
-            Ok(if is_norm(name) {
+            Ok::<_, Error>(if is_norm(name) {
                 vec![unit; numel(shape)]
             } else if name.ends_with(".bias") {
                 vec![0.0; numel(shape)]
@@ -302,7 +304,7 @@ impl Weights {
     pub fn load(dir: &Path, c: &ModelConfig) -> Result<Self> {
         let files = TensorFiles::open(dir)?;
         files.check_counts(c, &crate::config::config_path(dir))?;
-        Self::build(c, |name, shape| files.f32(name, shape))
+        crate::file_layout::weights_from_files(c, |name, shape| files.f32(name, shape))
     }
 
     /// Writes `dir/model.safetensors` (or shards of at most `max_shard_bytes` plus the index)
@@ -325,12 +327,11 @@ impl Weights {
         };
         std::fs::create_dir_all(dir)
             .map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
-        let spec = tensor_spec(c);
-        let tensors = self.tensors();
+        let tensors = crate::file_layout::file_tensors(c, self);
         // Group tensors into shards in order.
         let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
         let mut bytes = 0usize;
-        for (k, t) in tensors.iter().enumerate() {
+        for (k, (_, _, t)) in tensors.iter().enumerate() {
             let size = t.len() * elem;
             if bytes > 0 && bytes + size > max_shard_bytes {
                 shards.push(Vec::new());
@@ -351,7 +352,10 @@ impl Weights {
         for (s, members) in shards.iter().enumerate() {
             let encoded: Vec<(String, Vec<usize>, Vec<u8>)> = members
                 .iter()
-                .map(|&k| (spec[k].0.clone(), spec[k].1.clone(), encode(tensors[k], dtype)))
+                .map(|&k| {
+                    let (name, shape, data) = &tensors[k];
+                    (name.clone(), shape.clone(), encode(data, dtype))
+                })
                 .collect();
             let views = encoded
                 .iter()
@@ -366,11 +370,11 @@ impl Weights {
             safetensors::serialize_to_file(views, Some(metadata), &path)
                 .map_err(|e| Error::Invalid(format!("{}: {e}", path.display())))?;
             for &k in members {
-                weight_map.insert(spec[k].0.clone(), file_name(s));
+                weight_map.insert(tensors[k].0.clone(), file_name(s));
             }
         }
         if n > 1 {
-            let total: usize = tensors.iter().map(|t| t.len() * elem).sum();
+            let total: usize = tensors.iter().map(|t| t.2.len() * elem).sum();
             let index =
                 serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
             let path = dir.join("model.safetensors.index.json");

@@ -130,6 +130,7 @@ fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
         Architecture::Qwen2,
         Architecture::Gemma2,
         Architecture::Gemma3,
+        Architecture::Glm4,
     ] {
         let m = model(arch, 3);
         let p = params(40);

@@ -45,7 +45,7 @@ use std::path::{Path, PathBuf};
 
 use miles_core::Quantizer;
 use miles_model::config::config_path;
-use miles_model::weights::tensor_spec;
+use miles_model::file_layout::{file_name, file_tensors, weights_from_files};
 use miles_model::{ModelConfig, Weights};
 use miles_tensor::cpu::AdamW;
 use safetensors::tensor::View;
@@ -296,14 +296,11 @@ pub struct Fp8Export<'a> {
     pub names: Vec<String>,
 }
 
-/// The tensors of `w` named `<prefix><hf name>`.
+/// The tensors of `w` named `<prefix><file name>` (as HF files hold them: file_layout).
 fn named<'a>(config: &ModelConfig, w: &'a Weights, prefix: &str) -> NamedViews<'a> {
-    tensor_spec(config)
+    file_tensors(config, w)
         .into_iter()
-        .zip(w.tensors())
-        .map(|((name, shape), data)| {
-            (format!("{prefix}{name}"), TensorView::F32 { shape, data: Cow::Borrowed(data) })
-        })
+        .map(|(name, shape, data)| (format!("{prefix}{name}"), TensorView::F32 { shape, data }))
         .collect()
 }
 
@@ -342,7 +339,9 @@ fn write_config_and_model(
     let mut tensors = named(config, weights, "");
     if let Some(fp8) = fp8 {
         let kept;
-        (tensors, kept) = quantized(tensors, fp8)?;
+        // (Named as the files name them: GLM-4's gate and up are one tensor there.)
+        let names: Vec<String> = fp8.names.iter().map(|n| file_name(config, n)).collect();
+        (tensors, kept) = quantized(tensors, fp8, &names)?;
         json["quantization_config"] = serde_json::json!({
             "quant_method": "fp8",
             "fmt": "e4m3",
@@ -357,18 +356,19 @@ fn write_config_and_model(
     write_tensors(&dir.join(MODEL_FILE), tensors, pt_metadata())
 }
 
-/// `tensors` with `fp8.names` quantized (each preceded by its `_scale_inv`), and the modules
-/// of the linear layers left unquantized (LM head, routers, layers kept in bf16).
+/// `tensors` with `names` quantized by `fp8` (each preceded by its `_scale_inv`), and the
+/// modules of the linear layers left unquantized (LM head, routers, layers kept in bf16).
 fn quantized<'a>(
     tensors: NamedViews<'a>,
     fp8: &Fp8Export<'_>,
+    names: &[String],
 ) -> Result<(NamedViews<'a>, Vec<String>)> {
     let (mut out, mut kept) = (Vec::with_capacity(tensors.len()), Vec::new());
     for (name, view) in tensors {
         let TensorView::F32 { shape, data } = &view else {
             unreachable!("named() gives f32 views")
         };
-        if !fp8.names.contains(&name) {
+        if !names.contains(&name) {
             if shape.len() == 2 && name != "model.embed_tokens.weight" {
                 kept.push(name.trim_end_matches(".weight").to_string());
             }
@@ -610,14 +610,13 @@ fn weights_from(
     config: &ModelConfig,
     prefix: &str,
 ) -> Result<Weights> {
-    let mut w = Weights::zeros(config);
-    for ((name, shape), slot) in tensor_spec(config).iter().zip(w.tensors_mut()) {
+    weights_from_files(config, |name, shape| {
         let full = format!("{prefix}{name}");
         let view = st.tensor(&full).map_err(|e| match e {
             SafeTensorError::TensorNotFound(_) => at(path, format!("tensor '{full}' is missing")),
             other => at(path, format!("tensor '{full}': {other}")),
         })?;
-        if view.dtype() != Dtype::F32 || view.shape() != shape.as_slice() {
+        if view.dtype() != Dtype::F32 || view.shape() != shape {
             return Err(at(
                 path,
                 format!(
@@ -627,13 +626,12 @@ fn weights_from(
                 ),
             ));
         }
-        *slot = view
+        Ok(view
             .data()
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-    }
-    Ok(w)
+            .collect())
+    })
 }
 
 /// Writes a plain HF model directory (`config.json`, `model.safetensors` in F32 or, with
