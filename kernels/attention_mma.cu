@@ -144,7 +144,7 @@ struct Scoring {
     __device__ __forceinline__ float unit() const { return cap > 0.0f ? 1.0f : scale; }
     // A score from the raw product q·k (scaled only when capped: see unit()).
     __device__ __forceinline__ float form(float s) const {
-        return cap > 0.0f ? cap * tanhf(s * (scale / cap)) : s;
+        return cap > 0.0f ? __fmul_rn(cap, tanhf(__fmul_rn(s, scale / cap))) : s;
     }
     // d(score)/d(scale · q·k), from the formed score.
     __device__ __forceinline__ float slope(float score) const {
@@ -228,23 +228,23 @@ __device__ __forceinline__ void block_step(float (*acc)[4], float* m, float* l, 
         const float new_m = fmaxf(m[r], quad_max(mx[r]));
         // A row that has seen no key yet keeps m = -inf: exponents from 0 then.
         const float use = new_m == -INFINITY ? 0.0f : new_m;
-        const float alpha = exp2f((m[r] - use) * sl2);
-        l[r] *= alpha;
+        const float alpha = exp2f(__fmul_rn(m[r] - use, sl2));
+        l[r] = __fmul_rn(l[r], alpha);
 #pragma unroll
         for (int nn = 0; nn < D / 8; ++nn) {
-            acc[nn][2 * r] *= alpha;
-            acc[nn][2 * r + 1] *= alpha;
+            acc[nn][2 * r] = __fmul_rn(acc[nn][2 * r], alpha);
+            acc[nn][2 * r + 1] = __fmul_rn(acc[nn][2 * r + 1], alpha);
         }
         m[r] = new_m;
-        base[r] = use * sl2;
+        base[r] = __fmul_rn(use, sl2);
     }
 #pragma unroll
     for (int nt = 0; nt < KB / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const float p = exp2f(s[nt][e] * sl2 - base[e >> 1]);
+            const float p = exp2f(__fmaf_rn(s[nt][e], sl2, -base[e >> 1]));
             s[nt][e] = p;
-            l[e >> 1] += p;
+            l[e >> 1] = __fadd_rn(l[e >> 1], p);
         }
     }
     accumulate<D, KB / 8>(acc, s, vs);
@@ -301,7 +301,7 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Ke
         const bf16* vs = ks + KB * (D + SKEW);
         // Else this warp has no rows, or every row is before the block or past its window.
         if (row0 < n && j0 <= pos0 + row0 + 15 &&
-            (sc.window <= 0 || j0 + KB - 1 > pos0 + row0 + 15 - sc.window)) {
+            (sc.window <= 0 || j0 + KB - 1 > pos0 + row0 - sc.window)) {
             block_step<D>(acc, m, l, qs, row0, ks, vs, j0, pa, pb, sc);
         }
         __syncthreads();  // buffer b % 2 is free for block b + 2
@@ -316,9 +316,10 @@ __device__ void forward(bf16* out, float* lse, const bf16* q, QueryTile tile, Ke
 #pragma unroll
         for (int nn = 0; nn < D / 8; ++nn) {
             *reinterpret_cast<__nv_bfloat162*>(out + row * D + nn * 8 + 2 * t) =
-                __floats2bfloat162_rn(acc[nn][2 * r] * inv, acc[nn][2 * r + 1] * inv);
+                __floats2bfloat162_rn(__fmul_rn(acc[nn][2 * r], inv),
+                                      __fmul_rn(acc[nn][2 * r + 1], inv));
         }
-        if (t == 0) lse[row] = m[r] * sc.unit() + logf(sum);
+        if (t == 0) lse[row] = __fmaf_rn(m[r], sc.unit(), logf(sum));
     }
 }
 
@@ -379,9 +380,10 @@ __device__ void decode(bf16* out, float* lse, const bf16* q, int q0, int pos0, P
 #pragma unroll
         for (int nn = 0; nn < D / 8; ++nn) {
             *reinterpret_cast<__nv_bfloat162*>(out + row * D + nn * 8 + 2 * t) =
-                __floats2bfloat162_rn(acc[nn][2 * r] * inv, acc[nn][2 * r + 1] * inv);
+                __floats2bfloat162_rn(__fmul_rn(acc[nn][2 * r], inv),
+                                      __fmul_rn(acc[nn][2 * r + 1], inv));
         }
-        if (t == 0) lse[row] = m[r] * sc.unit() + logf(sum);
+        if (t == 0) lse[row] = __fmaf_rn(m[r], sc.unit(), logf(sum));
     }
 }
 
@@ -447,7 +449,7 @@ __device__ void backward_dq(bf16* dq, const bf16* d_out, const bf16* q, const bf
         const bf16* ks = kv + (b & 1) * 2 * KB * (D + SKEW);
         const bf16* vs = ks + KB * (D + SKEW);
         if (j0 <= i0 + row0 + 15 &&
-            (sc.window <= 0 || j0 + KB - 1 > i0 + row0 + 15 - sc.window)) {
+            (sc.window <= 0 || j0 + KB - 1 > i0 + row0 - sc.window)) {
             float s[KB / 8][4], dp[KB / 8][4];
             scores<D, KB / 8>(s, qs, row0, ks);
             scores<D, KB / 8>(dp, dos, row0, vs);
