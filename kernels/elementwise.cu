@@ -277,19 +277,36 @@ __device__ void add_bias(T* out, const T* x, const T* bias, long long total, int
     }
 }
 
-// acc[j] += Σ_r x[r·n + j], summed in row order (the CPU reference's): a bias's gradient, one
-// thread a column.
+// A bias's gradient acc[j] += Σ_r x[r·n + j] in two passes, in the CPU reference's order
+// (cpu::column_sums_acc): part[c·n + j] sums run c of COLUMN_SUM_ROWS rows in row order, one
+// thread a (run, column), then acc[j] += the runs' sums in order.
+constexpr int COLUMN_SUM_ROWS = 256;
+
 template <typename T>
-__device__ void column_sums_acc(float* acc, const T* x, long long rows, int n) {
+__device__ void column_run_sums(float* part, const T* x, long long rows, int n) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= n) {
         return;
     }
+    const long long r0 = static_cast<long long>(blockIdx.y) * COLUMN_SUM_ROWS;
+    const long long r1 = min(rows, r0 + COLUMN_SUM_ROWS);
     float sum = 0.0f;
-    for (long long r = 0; r < rows; ++r) {
+    for (long long r = r0; r < r1; ++r) {
         sum += get(x, static_cast<size_t>(r) * n + j);
     }
-    acc[j] += sum;
+    part[static_cast<size_t>(blockIdx.y) * n + j] = sum;
+}
+
+extern "C" __global__ void column_runs_acc(float* acc, const float* part, int runs, int n) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) {
+        return;
+    }
+    float total = 0.0f;
+    for (int c = 0; c < runs; ++c) {
+        total += part[static_cast<size_t>(c) * n + j];
+    }
+    acc[j] += total;
 }
 
 // out = x · s, one scalar for every element (Gemma's scaled embedding and its gradient).
@@ -322,10 +339,10 @@ __device__ void softcap_backward(T* dx, const T* dy, const T* y, float cap, long
                                                  long long total, int n) {                     \
         add_bias(out, x, bias, total, n);                                                      \
     }                                                                                          \
-    extern "C" __global__ void column_sums_acc_##SUFFIX(float* acc, const T* x, long long rows, \
-                                                        int n) {                               \
-        column_sums_acc(acc, x, rows, n);                                                      \
-    }                                                                                          \
+    extern "C" __global__ void column_run_sums_##SUFFIX(float* part, const T* x, long long rows, \
+                                                        int n) {                                \
+        column_run_sums(part, x, rows, n);                                                      \
+    }                                                                                           \
     extern "C" __global__ void scale_##SUFFIX(T* out, const T* x, float s, long long n) {      \
         scale(out, x, s, n);                                                                   \
     }                                                                                          \

@@ -142,16 +142,27 @@ pub fn rmsnorm_backward(
     Ok(())
 }
 
-/// `acc[j] += Σ_r x[r·n + j]`, each column summed in row order then added (a bias's
-/// gradient; the CUDA kernel's order).
+/// Rows a column sum adds in one run: the CUDA kernel spreads these runs over its threads.
+pub const COLUMN_SUM_ROWS: usize = 256;
+
+/// `acc[j] += Σ_r x[r·n + j]` (a bias's gradient): each run of [`COLUMN_SUM_ROWS`] rows summed
+/// in row order, the runs' sums added in order, then added to `acc` (the CUDA kernel's order).
 pub fn column_sums_acc(acc: &mut [f32], x: &[f32]) {
     let n = acc.len();
-    for (j, a) in acc.iter_mut().enumerate() {
-        let mut sum = 0.0f32;
-        for row in x.chunks_exact(n) {
-            sum += row[j];
+    let mut total = vec![0.0f32; n];
+    for chunk in x.chunks(n * COLUMN_SUM_ROWS) {
+        let mut part = vec![0.0f32; n];
+        for row in chunk.chunks_exact(n) {
+            for (p, v) in part.iter_mut().zip(row) {
+                *p += v;
+            }
         }
-        *a += sum;
+        for (t, p) in total.iter_mut().zip(&part) {
+            *t += p;
+        }
+    }
+    for (a, t) in acc.iter_mut().zip(&total) {
+        *a += t;
     }
 }
 

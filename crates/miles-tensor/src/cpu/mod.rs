@@ -14,9 +14,9 @@ pub use attention::{
     attention_forward, paged_attention_forward,
 };
 pub use elementwise::{
-    Gate, column_sums_acc, embedding_backward, embedding_forward, glu_backward, glu_forward,
-    rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_inv_freq, rope_tables,
-    swiglu_backward, swiglu_forward,
+    COLUMN_SUM_ROWS, Gate, column_sums_acc, embedding_backward, embedding_forward, glu_backward,
+    glu_forward, rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_inv_freq,
+    rope_tables, swiglu_backward, swiglu_forward,
 };
 pub use fp8::{
     E4M3_MAX, FP8_BLOCK, dequantize_blocks, e4m3_to_f32, f32_to_e4m3, fp8_linear, quantize_blocks,

@@ -269,7 +269,8 @@ pub(crate) fn softcap(
     Ok(wrap(gpu, data))
 }
 
-/// `acc[j] += Σ_r x[r·n + j]` in row order, one thread a column.
+/// `acc[j] += Σ_r x[r·n + j]` in `cpu::column_sums_acc`'s order: runs of rows summed by a
+/// thread each (a grid of runs × columns), then the runs' sums added in order.
 pub(crate) fn column_sums_acc(
     gpu: &Arc<Gpu>,
     acc: &mut CudaSlice<f32>,
@@ -277,19 +278,32 @@ pub(crate) fn column_sums_acc(
     rows: usize,
     n: usize,
 ) -> Result<()> {
-    if n == 0 {
+    let runs = rows.div_ceil(crate::cpu::COLUMN_SUM_ROWS);
+    if n == 0 || runs == 0 {
         return Ok(());
     }
-    let (rows_i, n_i) = (rows as i64, n as i32);
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(128) as u32, 1, 1),
+    if runs > 65_535 {
+        return Err(Error::Shape {
+            op: "column_sums_acc",
+            message: format!(
+                "{rows} rows: at most {} on CUDA",
+                65_535 * crate::cpu::COLUMN_SUM_ROWS
+            ),
+        });
+    }
+    let mut part = gpu.alloc::<f32>(runs * n)?;
+    let (rows_i, n_i, runs_i) = (rows as i64, n as i32, runs as i32);
+    let columns = n.div_ceil(128) as u32;
+    let cfg = |runs: usize| LaunchConfig {
+        grid_dim: (columns, runs as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
     per_float!("column_sums_acc", (x), |T, f| {
-        let k = kernel!(f, "column_sums_acc");
-        launch!(gpu, "elementwise", k, cfg, acc, x, &rows_i, &n_i)
-    })
+        let k = kernel!(f, "column_run_sums");
+        launch!(gpu, "elementwise", k, cfg(runs), &mut part, x, &rows_i, &n_i)
+    })?;
+    launch!(gpu, "elementwise", "column_runs_acc", cfg(1), acc, &part, &runs_i, &n_i)
 }
 
 /// Threads per block of the row kernels: whole warps, at most 256, a function of `hidden` alone.

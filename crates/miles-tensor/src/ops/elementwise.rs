@@ -834,7 +834,7 @@ mod tests {
     fn a_bias_and_its_gradient_have_the_cpus_bits_on_every_device() {
         let mut rng = Rng::new(47);
         for device in devices() {
-            for (rows, n) in [(1, 3), (17, 241), (300, 64)] {
+            for (rows, n) in [(1, 3), (17, 241), (300, 64), (777, 130)] {
                 let (x, b, g0) = (rng.vec(rows * n, 1.0), rng.vec(n, 1.0), rng.vec(n, 1.0));
                 for dtype in dtypes() {
                     let (xr, br) = (rounded(&x, dtype), rounded(&b, dtype));
@@ -847,7 +847,7 @@ mod tests {
                     .unwrap();
                     let what = format!("{device} {dtype} add_bias {rows}×{n}");
                     assert_eq!(y.to_vec_f32().unwrap(), round_out(&want, dtype), "{what}");
-                    // The gradient: columns summed in row order into an f32 accumulator.
+                    // The gradient: runs of rows summed in row order, then the runs in order.
                     let mut want = g0.clone();
                     cpu::column_sums_acc(&mut want, &xr);
                     let mut acc = tensor(&[n], &g0, DType::F32, &device);
