@@ -82,7 +82,8 @@ pub struct GemmaConfig {
     /// `rope_local_base_freq`); the full layers take the config's own. Gemma 2: the same.
     pub local_rope_theta: f32,
     pub local_rope_scaling: RopeScaling,
-    /// Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`.
+    /// Gemma 2's `attn_logit_softcapping`, and `final_logit_softcapping` (Gemma 2; Gemma 3 when
+    /// its config sets one).
     pub attn_softcap: Option<f32>,
     pub final_softcap: Option<f32>,
 }
@@ -253,8 +254,14 @@ impl Fields<'_> {
             }
             None => (self.opt_f32("rope_local_base_freq")?.unwrap_or(10_000.0), RopeScaling::None),
         };
-        let cap = |key: &str| -> Result<Option<f32>> {
-            Ok(if gemma2 { self.opt_f32(key)? } else { None })
+        let cap = |key: &str, read: bool| -> Result<Option<f32>> {
+            let cap = if read { self.opt_f32(key)? } else { None };
+            match cap {
+                Some(c) if !(c > 0.0 && c.is_finite()) => {
+                    Err(self.err(format!("'{key}' must be a positive number, found {c}")))
+                }
+                _ => Ok(cap),
+            }
         };
         Ok(GemmaConfig {
             query_pre_attn_scalar: self.opt_f32("query_pre_attn_scalar")?.unwrap_or(256.0),
@@ -262,8 +269,8 @@ impl Fields<'_> {
             sliding,
             local_rope_theta,
             local_rope_scaling,
-            attn_softcap: cap("attn_logit_softcapping")?,
-            final_softcap: cap("final_logit_softcapping")?,
+            attn_softcap: cap("attn_logit_softcapping", gemma2)?,
+            final_softcap: cap("final_logit_softcapping", true)?,
         })
     }
 
@@ -405,15 +412,10 @@ impl ModelConfig {
                 "'layer_types' holds {other}: only full_attention layers are supported"
             )));
         }
-        // (Gemma 2 applies both caps; transformers' Gemma 3 reads attn_logit_softcapping but
-        // never applies it, and its final cap is not implemented here.)
-        let capped: &[&str] = if architecture == Architecture::Gemma2 {
-            &[]
-        } else if gemma {
-            &["final_logit_softcapping"]
-        } else {
-            &["attn_logit_softcapping", "final_logit_softcapping"]
-        };
+        // (Gemma 2 applies both caps, Gemma 3 the final one: transformers' Gemma 3 reads
+        // attn_logit_softcapping but never applies it, so neither is it here.)
+        let capped: &[&str] =
+            if gemma { &[] } else { &["attn_logit_softcapping", "final_logit_softcapping"] };
         for &key in capped {
             if let Some(v) = obj.get(key).filter(|v| !v.is_null()) {
                 return Err(f.err(format!("'{key}': {v} is not supported (no soft-capping)")));
@@ -912,6 +914,19 @@ mod tests {
         missing.as_object_mut().unwrap().remove("moe_intermediate_size");
         let e = ModelConfig::from_json(&missing, Path::new("m.json")).unwrap_err().to_string();
         assert_eq!(e, "m.json: missing field 'moe_intermediate_size'");
+    }
+
+    #[test]
+    fn gemma3_applies_a_final_cap_and_ignores_the_attention_cap_as_transformers_does() {
+        let c = crate::presets::preset("tiny", Some(Architecture::Gemma3)).unwrap();
+        let mut v = c.to_hf_json("float32");
+        v["final_logit_softcapping"] = json!(30.0);
+        v["attn_logit_softcapping"] = json!(50.0);
+        let g = ModelConfig::from_json(&v, Path::new("c.json")).unwrap().gemma.unwrap();
+        assert_eq!((g.final_softcap, g.attn_softcap), (Some(30.0), None));
+        v["final_logit_softcapping"] = json!(-1.0);
+        let e = ModelConfig::from_json(&v, Path::new("c.json")).unwrap_err().to_string();
+        assert!(e.contains("'final_logit_softcapping' must be a positive number"), "{e}");
     }
 
     #[test]
