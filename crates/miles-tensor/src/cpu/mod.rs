@@ -8,6 +8,7 @@ mod logprob;
 mod matmul;
 mod optim;
 pub(crate) mod sample;
+mod speculative;
 
 pub use attention::{
     AttentionShape, KEY_BLOCK, PagedLayout, PagedRows, Scores, attend_row, attention_backward,
@@ -29,7 +30,8 @@ pub use logprob::{
 };
 pub use matmul::{Transpose, matmul};
 pub use optim::{AdamW, clip_scale, global_norm, sum_squares};
-pub use sample::{MASS_BITS, sample_mass, sample_row, sample_rows};
+pub use sample::{MASS_BITS, draw, kept_masses, sample_mass, sample_row, sample_rows};
+pub use speculative::{StepUniforms, Verdict, accept_draft, residual_draw, verify_chain};
 
 /// Lanes of the partial sums in [`dot`].
 const DOT_LANES: usize = 16;

@@ -69,6 +69,13 @@ pub fn sample_row(
     top_p: f32,
     u: f64,
 ) -> Option<u32> {
+    draw(&kept_masses(logits, temperature, top_k, top_p)?, u)
+}
+
+/// The distribution [`sample_row`] draws from: each token's integer mass (exp of its tempered
+/// logit less the row's best, in units of 2^-[`MASS_BITS`]), 0 for the tokens top-k and top-p
+/// drop. None when a tempered logit is NaN or +inf or all are -inf.
+pub fn kept_masses(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) -> Option<Vec<u64>> {
     let z: Vec<f32> = logits.iter().map(|x| x / temperature).collect();
     if z.iter().any(|v| v.is_nan() || *v == f32::INFINITY) {
         return None;
@@ -77,11 +84,9 @@ pub fn sample_row(
     if m == f32::NEG_INFINITY {
         return None;
     }
-    let w: Vec<u64> = z.iter().map(|&v| sample_mass(v - m)).collect();
+    let mut w: Vec<u64> = z.iter().map(|&v| sample_mass(v - m)).collect();
     let vocab = z.len();
     let by_k = top_k > 0 && top_k < vocab;
-    // Kept: the rank keys at or above `threshold` (all without one).
-    let mut threshold = None;
     if by_k || top_p < 1.0 {
         let mut keys: Vec<u64> = z.iter().enumerate().map(|(i, &v)| rank_key(v, i)).collect();
         if by_k {
@@ -104,16 +109,29 @@ pub fn sample_row(
                 })
                 .count();
         }
-        threshold = Some(keys[n - 1]);
+        // Kept: the rank keys at or above the last kept one.
+        let threshold = keys[n - 1];
+        for (i, w) in w.iter_mut().enumerate() {
+            if rank_key(z[i], i) < threshold {
+                *w = 0;
+            }
+        }
     }
-    let kept = |i: usize| threshold.is_none_or(|t| rank_key(z[i], i) >= t);
-    let total: u64 = (0..vocab).filter(|&i| kept(i)).map(|i| w[i]).sum();
+    Some(w)
+}
+
+/// The token at `u` in [0, 1) of the distribution of integer masses `w` (the first whose
+/// running sum passes floor(u · total)); None when every mass is 0.
+pub fn draw(w: &[u64], u: f64) -> Option<u32> {
+    let total: u64 = w.iter().sum();
+    if total == 0 {
+        return None;
+    }
     let target = ((u * total as f64).floor() as u64).min(total - 1);
     let mut cum = 0;
-    (0..vocab)
-        .filter(|&i| kept(i))
-        .find(|&i| {
-            cum += w[i];
+    w.iter()
+        .position(|&m| {
+            cum += m;
             cum > target
         })
         .map(|i| i as u32)
