@@ -11,6 +11,7 @@ pub mod chat_template;
 pub mod config;
 mod decode;
 pub mod device;
+pub mod draft;
 mod error;
 pub mod file_layout;
 pub mod kv;

@@ -130,8 +130,18 @@ macro_rules! layer_tensors {
 }
 
 impl LayerWeights {
+    /// The layer's tensors in [`tensor_spec`] order, absent ones left out.
+    pub fn tensors(&self) -> Vec<&Vec<f32>> {
+        let mut out: Vec<&Vec<f32>> =
+            layer_tensors!(self, &).into_iter().filter(|t| !t.is_empty()).collect();
+        for e in &self.experts {
+            out.extend([&e.gate_proj, &e.up_proj, &e.down_proj]);
+        }
+        out
+    }
+
     /// The tensor of HF name `name` within a layer (`self_attn.q_proj.weight`, …).
-    fn slot(&mut self, name: &str) -> Option<&mut Vec<f32>> {
+    pub(crate) fn slot(&mut self, name: &str) -> Option<&mut Vec<f32>> {
         if let Some(rest) = name.strip_prefix("mlp.experts.") {
             let (e, part) = rest.split_once('.')?;
             let e = self.experts.get_mut(e.parse::<usize>().ok()?)?;
@@ -275,10 +285,7 @@ impl Weights {
     pub fn tensors(&self) -> Vec<&Vec<f32>> {
         let mut out = vec![&self.embed];
         for l in &self.layers {
-            out.extend(layer_tensors!(l, &).into_iter().filter(|t| !t.is_empty()));
-            for e in &l.experts {
-                out.extend([&e.gate_proj, &e.up_proj, &e.down_proj]);
-            }
+            out.extend(l.tensors());
         }
         out.push(&self.final_norm);
         out.extend(self.lm_head.as_ref());

@@ -1,0 +1,309 @@
+//! The draft of speculative rollouts: one MTP layer, as DeepSeek-V3 and MiMo train theirs. At
+//! position t it reads the policy's last hidden state h_t and the embedding of token t + 1
+//! (both detached), each through an RMSNorm of its own; a projection of the two concatenated
+//! (2·hidden → hidden) feeds one decoder layer of the policy's shape, whose output, normed,
+//! goes through the policy's LM head (shared, detached) to predict token t + 2.
+//!
+//! Checkpoints come in DeepSeek-V3's names (`model.layers.{N}.enorm`, `hnorm`, `eh_proj`,
+//! `shared_head.norm` and the layer's own, N the policy's layer count) or MiMo's
+//! (`model.mtp_layers.0.token_layernorm`, `hidden_layernorm`, `input_proj`, `final_layernorm`);
+//! DeepSeek concatenates [embedding, hidden], MiMo [hidden, embedding]. Their copies of the
+//! embedding and head, where present, are checked against the policy's vocabulary and not
+//! used: the draft shares the policy's.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::Path;
+
+use miles_tensor::rng::Rng;
+use safetensors::{Dtype, tensor::TensorView};
+
+use crate::file_layout::FileTensor;
+use crate::weights::{LayerWeights, TensorFiles, Weights, tensor_spec};
+use crate::{Architecture, Error, ModelConfig, Result};
+
+/// Whose names and concatenation order a draft's checkpoint has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftFormat {
+    /// `model.layers.{N}.…`, input `[embedding, hidden]`.
+    DeepSeek,
+    /// `model.mtp_layers.0.…`, input `[hidden, embedding]`.
+    MiMo,
+}
+
+/// One MTP layer's weights (f32 masters), for a policy of config `policy`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Draft {
+    pub format: DraftFormat,
+    /// The RMSNorms of the embedding and of the policy's hidden state.
+    pub token_norm: Vec<f32>,
+    pub hidden_norm: Vec<f32>,
+    /// `[hidden × 2·hidden]`, over the concatenation in `format`'s order.
+    pub proj: Vec<f32>,
+    pub layer: LayerWeights,
+    /// The norm before the policy's head.
+    pub final_norm: Vec<f32>,
+}
+
+/// The draft's decoder layer as a one-layer model of the policy's shape (dense, attending over
+/// the whole sequence).
+pub fn draft_layer_config(policy: &ModelConfig) -> Result<ModelConfig> {
+    if policy.architecture == Architecture::Glm4 {
+        return Err(Error::Invalid(
+            "a speculative draft for GLM-4 is not supported (drafts have Llama's layer)".into(),
+        ));
+    }
+    let mut c = policy.clone();
+    c.num_hidden_layers = 1;
+    c.moe = None;
+    if let Some(g) = c.gemma.as_mut() {
+        g.sliding = vec![false];
+    }
+    Ok(c)
+}
+
+/// Names of the draft's own tensors (not its layer's) in `format`, in the order
+/// [`Draft::own`] lists them, under the layer prefix.
+fn own_names(format: DraftFormat) -> [&'static str; 4] {
+    match format {
+        DraftFormat::DeepSeek => {
+            ["enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"]
+        }
+        DraftFormat::MiMo => [
+            "token_layernorm.weight",
+            "hidden_layernorm.weight",
+            "input_proj.weight",
+            "final_layernorm.weight",
+        ],
+    }
+}
+
+/// The prefix of the draft's tensors: DeepSeek's sits after the policy's layers.
+fn prefix(format: DraftFormat, policy: &ModelConfig) -> String {
+    match format {
+        DraftFormat::DeepSeek => format!("model.layers.{}.", policy.num_hidden_layers),
+        DraftFormat::MiMo => "model.mtp_layers.0.".into(),
+    }
+}
+
+impl Draft {
+    /// HF-style initialization (normal(0, 0.02) matrices, unit norms, zero biases; Gemma's
+    /// (1 + w) norms zero), seeded.
+    pub fn random(policy: &ModelConfig, format: DraftFormat, seed: u64) -> Result<Self> {
+        let c = draft_layer_config(policy)?;
+        let layer = Weights::random(&c, seed).layers.remove(0);
+        let h = policy.hidden_size;
+        let unit = if policy.gemma.is_some() { 0.0 } else { 1.0 };
+        Ok(Draft {
+            format,
+            token_norm: vec![unit; h],
+            hidden_norm: vec![unit; h],
+            proj: Rng::new(seed ^ 0x6d74_7064_7261_6674).vec(2 * h * h, 0.02),
+            layer,
+            final_norm: vec![unit; h],
+        })
+    }
+
+    fn own(&self) -> [&Vec<f32>; 4] {
+        [&self.token_norm, &self.hidden_norm, &self.proj, &self.final_norm]
+    }
+
+    /// Every tensor with its checkpoint name and shape: the draft's own, then its layer's.
+    pub fn named(&self, policy: &ModelConfig) -> Result<Vec<FileTensor<'_>>> {
+        let c = draft_layer_config(policy)?;
+        let (h, p) = (policy.hidden_size, prefix(self.format, policy));
+        let shapes = [vec![h], vec![h], vec![h, 2 * h], vec![h]];
+        let mut out: Vec<FileTensor<'_>> = own_names(self.format)
+            .iter()
+            .zip(shapes)
+            .zip(self.own())
+            .map(|((n, s), t)| (format!("{p}{n}"), s, Cow::Borrowed(&t[..])))
+            .collect();
+        let layer_spec = tensor_spec(&c).into_iter().filter_map(|(name, shape)| {
+            Some((name.strip_prefix("model.layers.0.")?.to_string(), shape))
+        });
+        for ((rest, shape), t) in layer_spec.zip(self.layer.tensors()) {
+            out.push((format!("{p}{rest}"), shape, Cow::Borrowed(&t[..])));
+        }
+        Ok(out)
+    }
+
+    /// Reads a draft from `dir` (`model.safetensors` or shards with their index) in either
+    /// format, for `policy`; a tensor of the wrong shape (another hidden size or vocabulary)
+    /// or missing is an error naming it.
+    pub fn load(dir: &Path, policy: &ModelConfig) -> Result<Self> {
+        let files = TensorFiles::open(dir)?;
+        let names = files.names();
+        let format = if names.iter().any(|n| n.starts_with("model.mtp_layers.0.")) {
+            DraftFormat::MiMo
+        } else if names.iter().any(|n| n.ends_with(".eh_proj.weight")) {
+            DraftFormat::DeepSeek
+        } else {
+            return Err(Error::Config {
+                path: dir.to_path_buf(),
+                message:
+                    "no MTP layer found: expected DeepSeek-V3's model.layers.N.eh_proj.weight \
+                          or MiMo's model.mtp_layers.0.input_proj.weight"
+                        .into(),
+            });
+        };
+        // DeepSeek's layer index is the policy's layer count; a checkpoint of the draft alone
+        // may hold it at another index: take the one there.
+        let p = match format {
+            DraftFormat::MiMo => prefix(format, policy),
+            DraftFormat::DeepSeek => {
+                let proj = names.iter().find(|n| n.ends_with(".eh_proj.weight")).expect("found");
+                proj.trim_end_matches("eh_proj.weight").to_string()
+            }
+        };
+        let h = policy.hidden_size;
+        let mismatch = |name: &str, message: String| -> Result<()> {
+            Err(Error::Tensor { path: dir.to_path_buf(), tensor: name.into(), message })
+        };
+        // The shared copies a DeepSeek MTP layer carries: the policy's vocabulary and width.
+        for copy in ["embed_tokens.weight", "shared_head.head.weight"] {
+            let name = format!("{p}{copy}");
+            if let Ok(shape) = files.shape(&name)
+                && shape != [policy.vocab_size, h]
+            {
+                mismatch(
+                    &name,
+                    format!(
+                        "shape {shape:?}, but the policy's vocabulary and hidden size are \
+                         [{}, {h}]: a draft of another model",
+                        policy.vocab_size
+                    ),
+                )?;
+            }
+        }
+        let [tn, hn, proj, fnorm] = own_names(format).map(|n| format!("{p}{n}"));
+        let proj_shape = files.shape(&proj)?;
+        if proj_shape != [h, 2 * h] {
+            mismatch(
+                &proj,
+                format!(
+                    "shape {proj_shape:?}, expected [{h}, {}]: the draft's hidden size differs \
+                     from the policy's hidden_size {h}",
+                    2 * h
+                ),
+            )?;
+        }
+        let c = draft_layer_config(policy)?;
+        let mut layer = LayerWeights::default();
+        for (name, shape) in tensor_spec(&c) {
+            let Some(rest) = name.strip_prefix("model.layers.0.") else { continue };
+            let slot = layer.slot(rest).expect("tensor_spec names a layer tensor");
+            *slot = files.f32(&format!("{p}{rest}"), &shape)?;
+        }
+        Ok(Draft {
+            format,
+            token_norm: files.f32(&tn, &[h])?,
+            hidden_norm: files.f32(&hn, &[h])?,
+            proj: files.f32(&proj, &[h, 2 * h])?,
+            layer,
+            final_norm: files.f32(&fnorm, &[h])?,
+        })
+    }
+
+    /// Writes `dir/model.safetensors` (f32) in the draft's format.
+    pub fn save(&self, dir: &Path, policy: &ModelConfig) -> Result<()> {
+        std::fs::create_dir_all(dir)
+            .map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
+        let named = self.named(policy)?;
+        let bytes: Vec<Vec<u8>> = named
+            .iter()
+            .map(|(_, _, t)| t.iter().flat_map(|v| v.to_le_bytes()).collect())
+            .collect();
+        let views = named
+            .iter()
+            .zip(&bytes)
+            .map(|((name, shape, _), data)| {
+                let view = TensorView::new(Dtype::F32, shape.clone(), data)
+                    .map_err(|e| Error::Invalid(format!("draft tensor {name}: {e}")))?;
+                Ok((name.clone(), view))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let path = dir.join("model.safetensors");
+        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+        safetensors::serialize_to_file(views, Some(metadata), &path)
+            .map_err(|e| Error::Invalid(format!("{}: {e}", path.display())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets::preset;
+
+    fn temp(tag: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("miles-draft-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn drafts_round_trip_in_both_formats_bit_for_bit() {
+        for arch in [Architecture::Qwen3, Architecture::Qwen2, Architecture::Gemma3] {
+            let policy = preset("tiny", Some(arch)).unwrap();
+            for format in [DraftFormat::DeepSeek, DraftFormat::MiMo] {
+                let d = Draft::random(&policy, format, 3).unwrap();
+                assert_eq!(d.proj.len(), 2 * 64 * 64);
+                let dir = temp(&format!("{arch:?}-{format:?}"));
+                d.save(&dir, &policy).unwrap();
+                let back = Draft::load(&dir, &policy).unwrap();
+                assert_eq!(back, d, "{arch:?} {format:?}");
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+        // DeepSeek's names sit after the policy's layers.
+        let policy = preset("tiny", None).unwrap();
+        let d = Draft::random(&policy, DraftFormat::DeepSeek, 1).unwrap();
+        let names: Vec<String> = d.named(&policy).unwrap().into_iter().map(|t| t.0).collect();
+        assert!(names.contains(&"model.layers.2.eh_proj.weight".to_string()), "{names:?}");
+        assert!(names.contains(&"model.layers.2.self_attn.q_norm.weight".to_string()));
+    }
+
+    #[test]
+    fn a_draft_of_another_width_or_vocabulary_is_refused_naming_the_tensor() {
+        let policy = preset("tiny", None).unwrap();
+        let dir = temp("mismatch");
+        Draft::random(&policy, DraftFormat::DeepSeek, 1).unwrap().save(&dir, &policy).unwrap();
+        let wider = ModelConfig { hidden_size: 96, ..policy.clone() };
+        let e = Draft::load(&dir, &wider).unwrap_err().to_string();
+        assert!(e.contains("tensor 'model.layers.2.eh_proj.weight'"), "{e}");
+        assert!(e.contains("differs from the policy's hidden_size 96"), "{e}");
+        let e = Draft::load(&dir.join("nowhere"), &policy).unwrap_err().to_string();
+        assert!(e.contains("nowhere"), "{e}");
+        // A DeepSeek layer's copy of the head with another vocabulary.
+        let d = Draft::random(&policy, DraftFormat::DeepSeek, 1).unwrap();
+        let head = vec![0.0f32; 100 * 64];
+        let mut named = d.named(&policy).unwrap();
+        named.push(("model.layers.2.shared_head.head.weight".into(), vec![100, 64], head.into()));
+        let bytes: Vec<Vec<u8>> =
+            named.iter().map(|t| t.2.iter().flat_map(|v| v.to_le_bytes()).collect()).collect();
+        let views: Vec<(String, TensorView<'_>)> = named
+            .iter()
+            .zip(&bytes)
+            .map(|(t, b)| (t.0.clone(), TensorView::new(Dtype::F32, t.1.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        let e = Draft::load(&dir, &policy).unwrap_err().to_string();
+        assert!(e.contains("shared_head.head.weight") && e.contains("another model"), "{e}");
+        // No MTP layer at all.
+        policy_checkpoint(&dir, &policy);
+        let e = Draft::load(&dir, &policy).unwrap_err().to_string();
+        assert!(e.contains("no MTP layer found"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn policy_checkpoint(dir: &Path, policy: &ModelConfig) {
+        Weights::random(policy, 0).save(dir, policy, Dtype::F32, usize::MAX).unwrap();
+    }
+
+    #[test]
+    fn glm4_policies_get_a_clear_refusal() {
+        let policy = preset("tiny", Some(Architecture::Glm4)).unwrap();
+        let e = Draft::random(&policy, DraftFormat::DeepSeek, 0).unwrap_err().to_string();
+        assert!(e.contains("GLM-4 is not supported"), "{e}");
+    }
+}
