@@ -234,6 +234,9 @@ pub struct DeviceModel {
     quantized: Vec<Option<ops::Fp8Matrix>>,
     /// Gemma: f32 ones of the hidden and head widths, which its norms' weights are added to.
     ones: Vec<Tensor>,
+    /// Per weight (in [`tensor_spec`] order): left as it is by AdamW and out of the gradient
+    /// norm ([`DeviceModel::freeze`]); a frozen head gets no gradient at all.
+    frozen: Vec<bool>,
 }
 
 /// Ids of compute-copy sets, unique in the process.
@@ -259,6 +262,12 @@ pub struct Forward {
 }
 
 impl Forward {
+    /// The last layer's output before the final norm, `[tokens × hidden]`: the state a
+    /// speculative draft reads.
+    pub fn hidden(&self) -> &Tensor {
+        &self.x_final
+    }
+
     /// The experts each token was routed to in the sparse layers, `[tokens × sparse layers ×
     /// top_k]` (the layout of `Sample::rollout_routed_experts`); `None` for a dense model.
     pub fn routed_experts(&self) -> Option<Vec<u16>> {
@@ -304,6 +313,7 @@ impl DeviceModel {
             fp8: None,
             quantized: Vec::new(),
             ones,
+            frozen: vec![false; spec.len()],
         };
         m.refresh_compute()?;
         m.stack_linears()?;
@@ -606,16 +616,44 @@ impl DeviceModel {
     /// Per response token logp and entropy at `temperature`, keeping the activations for
     /// [`DeviceModel::backward`].
     pub fn forward(&self, batch: &PackedBatch, temperature: f32) -> Result<Forward> {
-        self.run(batch, temperature, true)
+        self.run(batch, temperature, true, None)
+    }
+
+    /// [`DeviceModel::forward`] from `input` `[tokens × hidden]` (compute dtype) in place of
+    /// the embedded tokens: a model fed by another's states (a speculative draft). The
+    /// batch's tokens still give the targets; [`DeviceModel::backward_to_input`] is its
+    /// backward.
+    pub fn forward_from(
+        &self,
+        batch: &PackedBatch,
+        temperature: f32,
+        input: Tensor,
+    ) -> Result<Forward> {
+        let want = [batch.tokens.len(), self.config.hidden_size];
+        if input.shape() != want || input.dtype() != self.dtype {
+            return Err(Error::Invalid(format!(
+                "forward_from: the input is {:?} {:?}, the batch wants {want:?} in {:?}",
+                input.dtype(),
+                input.shape(),
+                self.dtype
+            )));
+        }
+        self.run(batch, temperature, true, Some(input))
     }
 
     /// Per response token logp and entropy, keeping nothing.
     pub fn logprobs(&self, batch: &PackedBatch, temperature: f32) -> Result<(Vec<f32>, Vec<f32>)> {
-        let f = self.run(batch, temperature, false)?;
+        let f = self.run(batch, temperature, false, None)?;
         Ok((f.logp, f.entropy))
     }
 
-    fn run(&self, batch: &PackedBatch, temperature: f32, keep: bool) -> Result<Forward> {
+    fn run(
+        &self,
+        batch: &PackedBatch,
+        temperature: f32,
+        keep: bool,
+        input: Option<Tensor>,
+    ) -> Result<Forward> {
         let c = &self.config;
         batch.validate(c.vocab_size)?;
         crate::model::check_temperature(temperature)?;
@@ -633,7 +671,10 @@ impl DeviceModel {
             cu_seqlens: &batch.cu_seqlens,
             grads: None,
         };
-        let mut x = self.embed(ops::embedding_forward(self.weight(0), &batch.tokens)?)?;
+        let mut x = match input {
+            Some(x) => x,
+            None => self.embed(ops::embedding_forward(self.weight(0), &batch.tokens)?)?,
+        };
         let mut attention = |layer, q: &Tensor, k: &Tensor, v: &Tensor| {
             let shape = c.attention_shape(layer);
             Ok(ops::attention_forward(q, k, v, &batch.cu_seqlens, shape)?)
@@ -1010,6 +1051,35 @@ impl DeviceModel {
         d_entropy: &[f32],
         ready: &mut dyn FnMut(usize, &mut [Tensor]) -> Result<()>,
     ) -> Result<()> {
+        let dx = self.backward_layers(fwd, batch, d_logp, d_entropy, ready)?;
+        let dx = self.embed(dx)?;
+        ops::embedding_backward_acc(&mut self.grads[0], &dx, &batch.tokens)?;
+        ready(self.config.num_hidden_layers + 1, &mut self.grads)
+    }
+
+    /// The backward of [`DeviceModel::forward_from`]: every weight's gradient added as
+    /// [`DeviceModel::backward`] adds them, but none through the embedding; returns the
+    /// gradient of the input.
+    pub fn backward_to_input(
+        &mut self,
+        fwd: &Forward,
+        batch: &PackedBatch,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+    ) -> Result<Tensor> {
+        self.backward_layers(fwd, batch, d_logp, d_entropy, &mut |_, _| Ok(()))
+    }
+
+    /// The head, the final norm and the layers of the backward, from the last; returns the
+    /// gradient of the first layer's input.
+    fn backward_layers(
+        &mut self,
+        fwd: &Forward,
+        batch: &PackedBatch,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+        ready: &mut dyn FnMut(usize, &mut [Tensor]) -> Result<()>,
+    ) -> Result<Tensor> {
         let c = &self.config;
         let t = batch.tokens.len();
         if fwd.layers.len() != c.num_hidden_layers || fwd.tokens != t {
@@ -1053,13 +1123,15 @@ impl DeviceModel {
                 None => ops::logprob_rows_backward(&logits, targets, t, &dl, &de, self.dtype)?,
             };
             drop(logits);
-            ops::matmul_acc(
-                &mut self.grads[head_i],
-                &d_logits,
-                Transpose::Yes,
-                &hidden,
-                Transpose::No,
-            )?;
+            if !self.frozen[head_i] {
+                ops::matmul_acc(
+                    &mut self.grads[head_i],
+                    &d_logits,
+                    Transpose::Yes,
+                    &hidden,
+                    Transpose::No,
+                )?;
+            }
             let d_hidden =
                 ops::matmul(&d_logits, Transpose::No, self.weight(head_i), Transpose::No)?;
             ops::scatter_rows(&mut d_nf, &d_hidden, rows)?;
@@ -1096,9 +1168,7 @@ impl DeviceModel {
             let grads = dev.grads.as_deref_mut().expect("the backward's gradients");
             ready(c.num_hidden_layers - layer, grads)?;
         }
-        let dx = self.embed(dx)?;
-        ops::embedding_backward_acc(&mut self.grads[0], &dx, &batch.tokens)?;
-        ready(c.num_hidden_layers + 1, &mut self.grads)
+        Ok(dx)
     }
 
     /// The f32 gradients, for a collective that sums them over the ranks of a run in place
@@ -1143,8 +1213,23 @@ impl DeviceModel {
 
     /// The global L2 norm of the gradients (f64 sums of squares per tensor, in order).
     pub fn grad_norm(&self) -> Result<f64> {
-        let grads: Vec<&Tensor> = self.grads.iter().collect();
+        let grads: Vec<&Tensor> =
+            self.grads.iter().zip(&self.frozen).filter(|(_, f)| !**f).map(|(g, _)| g).collect();
         Ok(ops::sum_squares_multi(&grads)?.sqrt())
+    }
+
+    /// Keeps the weights named (HF names, as [`tensor_spec`] gives them) as they are: AdamW
+    /// leaves them and the gradient norm leaves their gradients out. A speculative draft shares
+    /// the policy's head this way, detached.
+    pub fn freeze(&mut self, names: &[&str]) -> Result<()> {
+        let spec = tensor_spec(&self.config);
+        for name in names {
+            let i = spec.iter().position(|(n, _)| n == name).ok_or_else(|| {
+                Error::Invalid(format!("freeze: the model has no weight '{name}'"))
+            })?;
+            self.frozen[i] = true;
+        }
+        Ok(())
     }
 
     /// Clips the gradients to `clip_grad` (global norm; 0: off) and applies one AdamW step
@@ -1170,7 +1255,9 @@ impl DeviceModel {
             .zip(&self.grads)
             .zip(moments.m.iter_mut().zip(&mut moments.v))
             .zip(&mut self.compute)
-            .map(|(((param, grad), (m, v)), copy)| ops::AdamWTensors {
+            .zip(&self.frozen)
+            .filter(|(_, frozen)| !**frozen)
+            .map(|((((param, grad), (m, v)), copy), _)| ops::AdamWTensors {
                 param,
                 m,
                 v,
@@ -1668,6 +1755,92 @@ mod tests {
             Err(e) => println!("skipping CUDA: {e}"),
         }
         devices
+    }
+
+    /// A model fed its own embedded tokens through `forward_from` has `forward`'s bits, and
+    /// `backward_to_input` followed by the embedding's backward gives `backward`'s gradients;
+    /// the input's gradient matches finite differences (CPU, f32).
+    #[test]
+    fn a_model_fed_states_runs_and_differentiates_as_from_tokens() {
+        for device in devices() {
+            for config in [tiny(Architecture::Qwen3, true), tiny(Architecture::Llama, false)] {
+                let m = model(config, 5);
+                let b = batch();
+                let mut dm = DeviceModel::new(&m, &device, DType::F32).unwrap();
+                let input = || {
+                    let x = ops::embedding_forward(dm.weight(0), &b.tokens).unwrap();
+                    dm.embed(x).unwrap()
+                };
+                let (want, from) =
+                    (dm.forward(&b, 0.9).unwrap(), dm.forward_from(&b, 0.9, input()).unwrap());
+                assert_eq!((&from.logp, &from.entropy), (&want.logp, &want.entropy));
+                let mut rng = Rng::new(8);
+                let (ga, gb) = (rng.vec(want.logp.len(), 1.0), rng.vec(want.logp.len(), 1.0));
+                dm.backward(&want, &b, &ga, &gb).unwrap();
+                let whole = dm.grads_to_host().unwrap();
+                dm.zero_grads().unwrap();
+                let dx = dm.backward_to_input(&from, &b, &ga, &gb).unwrap();
+                let dx = dm.embed(dx).unwrap();
+                ops::embedding_backward_acc(&mut dm.grads[0], &dx, &b.tokens).unwrap();
+                assert_eq!(dm.grads_to_host().unwrap(), whole, "{device}");
+            }
+        }
+        // The input's gradient against finite differences of the same loss.
+        let m = model(tiny(Architecture::Qwen3, true), 6);
+        let b = batch();
+        let mut dm = DeviceModel::new(&m, &Device::Cpu, DType::F32).unwrap();
+        let (h, t) = (m.config.hidden_size, b.tokens.len());
+        let mut x = Rng::new(4).vec(t * h, 1.0);
+        let fwd =
+            dm.forward_from(&b, 0.9, Tensor::from_f32(&[t, h], x.clone(), &Device::Cpu).unwrap());
+        let fwd = fwd.unwrap();
+        let mut rng = Rng::new(9);
+        let (ga, gb) = (rng.vec(fwd.logp.len(), 1.0), rng.vec(fwd.logp.len(), 1.0));
+        let dx = dm.backward_to_input(&fwd, &b, &ga, &gb).unwrap().to_vec_f32().unwrap();
+        miles_tensor::testing::check_gradient("input", &mut x, &dx, 40, |x| {
+            let input = Tensor::from_f32(&[t, h], x.to_vec(), &Device::Cpu).unwrap();
+            let f = dm.forward_from(&b, 0.9, input).unwrap();
+            dot(&f.logp, &ga) + dot(&f.entropy, &gb)
+        });
+        // A wrong input shape is an error naming the call.
+        let bad = Tensor::from_f32(&[t, h + 1], vec![0.0; t * (h + 1)], &Device::Cpu).unwrap();
+        let Err(e) = dm.forward_from(&b, 0.9, bad) else { panic!("a wrong input shape ran") };
+        assert!(e.to_string().contains("forward_from"), "{e}");
+    }
+
+    fn dot(a: &[f32], b: &[f32]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum()
+    }
+
+    /// Frozen weights keep their values through AdamW and stay out of the gradient norm; a
+    /// frozen head gets no gradient.
+    #[test]
+    fn frozen_weights_are_left_as_they_are() {
+        for device in devices() {
+            let m = model(tiny(Architecture::Llama, false), 2);
+            let b = batch();
+            let mut dm = DeviceModel::new(&m, &device, DType::F32).unwrap();
+            let e = dm.freeze(&["lm_head.nothing"]).unwrap_err().to_string();
+            assert!(e.contains("no weight 'lm_head.nothing'"), "{e}");
+            dm.freeze(&["lm_head.weight", "model.layers.0.input_layernorm.weight"]).unwrap();
+            let f = dm.forward(&b, 1.0).unwrap();
+            let ones = vec![1.0; f.logp.len()];
+            dm.backward(&f, &b, &ones, &ones).unwrap();
+            let grads = dm.grads_to_host().unwrap();
+            assert!(grads.lm_head.as_ref().unwrap().iter().all(|g| *g == 0.0));
+            let frozen_norm = &grads.layers[0].input_norm;
+            let all: f64 =
+                grads.tensors().iter().flat_map(|t| t.iter()).map(|g| f64::from(*g).powi(2)).sum();
+            let out: f64 = frozen_norm.iter().map(|g| f64::from(*g).powi(2)).sum();
+            assert!(out > 0.0);
+            assert!(((all - out).sqrt() - dm.grad_norm().unwrap()).abs() < 1e-6 * all.sqrt());
+            let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+            dm.adamw_step(&hyper, 0.0).unwrap();
+            let after = dm.to_weights().unwrap();
+            assert_eq!(after.lm_head, m.weights.lm_head, "{device}");
+            assert_eq!(after.layers[0].input_norm, m.weights.layers[0].input_norm);
+            assert_ne!(after.layers[0].q_proj, m.weights.layers[0].q_proj);
+        }
     }
 
     /// max |a − b| over max |b|.
