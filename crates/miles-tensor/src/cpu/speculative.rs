@@ -6,6 +6,8 @@
 //! speculative rollout samples the policy's distribution whatever the draft proposes. Masses
 //! are at most 2^40 and a vocabulary at most 2^24 tokens, so every product below fits in u128.
 
+use crate::{Result, ensure};
+
 /// Whether draft token `x`, drawn from masses `q`, is kept against the policy's masses `p`,
 /// at uniform `u` in [0, 1): always when P(x) ≥ Q(x), else with probability P(x)/Q(x). A
 /// token the draft could not have drawn (Q(x) = 0) is never kept.
@@ -58,33 +60,45 @@ pub struct StepUniforms {
 
 /// Verifies `drafts` (k tokens, draft i drawn from `q[i]`) against the policy's masses at the
 /// k + 1 positions (`p[i]` is the distribution of the token at chain position i, given the
-/// drafts before it). `u[i]` are position i's uniforms (k + 1 of them).
-pub fn verify_chain(p: &[Vec<u64>], q: &[Vec<u64>], drafts: &[u32], u: &[StepUniforms]) -> Verdict {
+/// drafts before it). `u[i]` are position i's uniforms (k + 1 of them). An error when the
+/// counts disagree or a policy row has no mass.
+pub fn verify_chain(
+    p: &[Vec<u64>],
+    q: &[Vec<u64>],
+    drafts: &[u32],
+    u: &[StepUniforms],
+) -> Result<Verdict> {
+    const OP: &str = "verify_chain";
     let k = drafts.len();
-    assert!(
-        p.len() == k + 1 && q.len() == k && u.len() == k + 1,
-        "verify_chain: {k} drafts want {} policy rows, {k} draft rows and {} uniforms; got \
-         {}, {}, {}",
-        k + 1,
-        k + 1,
-        p.len(),
-        q.len(),
-        u.len()
-    );
+    ensure(p.len() == k + 1 && q.len() == k && u.len() == k + 1, OP, || {
+        format!(
+            "{k} drafts want {} policy rows, {k} draft rows and {} uniforms; got {}, {}, {}",
+            k + 1,
+            k + 1,
+            p.len(),
+            q.len(),
+            u.len()
+        )
+    })?;
+    let no_mass = || crate::Error::Shape { op: OP, message: "a policy row has no mass".into() };
     let mut tokens = Vec::with_capacity(k + 1);
     for i in 0..k {
-        let x = drafts[i];
-        if accept_draft(&p[i], &q[i], x as usize, u[i].accept) {
-            tokens.push(x);
+        let x = drafts[i] as usize;
+        ensure(x < p[i].len() && p[i].len() == q[i].len(), OP, || {
+            format!("draft {x} against rows of {} and {} tokens", p[i].len(), q[i].len())
+        })?;
+        if accept_draft(&p[i], &q[i], x, u[i].accept) {
+            tokens.push(drafts[i]);
             continue;
         }
-        let own = residual_draw(&p[i], &q[i], u[i].draw)
-            .expect("a rejected draft leaves the policy mass the draft under-proposed");
-        tokens.push(own);
-        return Verdict { accepted: i, tokens };
+        // (No residual mass only when the draft's row is the policy's and the draft was not
+        // drawn from it: then the policy's own draw.)
+        let own = residual_draw(&p[i], &q[i], u[i].draw).or_else(|| super::draw(&p[i], u[i].draw));
+        tokens.push(own.ok_or_else(no_mass)?);
+        return Ok(Verdict { accepted: i, tokens });
     }
-    tokens.push(super::draw(&p[k], u[k].draw).expect("the policy's row has mass"));
-    Verdict { accepted: k, tokens }
+    tokens.push(super::draw(&p[k], u[k].draw).ok_or_else(no_mass)?);
+    Ok(Verdict { accepted: k, tokens })
 }
 
 fn total(w: &[u64]) -> u128 {
@@ -155,7 +169,8 @@ mod tests {
                     StepUniforms { accept: uniform(&mut rng), draw: uniform(&mut rng) },
                     StepUniforms { accept: 0.0, draw: uniform(&mut rng) },
                 ];
-                let v = verify_chain(&[p.clone(), p.clone()], std::slice::from_ref(&q), &[x], &u);
+                let v = verify_chain(&[p.clone(), p.clone()], std::slice::from_ref(&q), &[x], &u)
+                    .unwrap();
                 kept += v.accepted;
                 counts[v.tokens[0] as usize] += 1;
             }
@@ -193,7 +208,7 @@ mod tests {
                 .map(|_| StepUniforms { accept: uniform(&mut rng), draw: uniform(&mut rng) })
                 .collect();
             let p = [p0.clone(), p1[a as usize].clone(), p2[b as usize].clone()];
-            let v = verify_chain(&p, &[q0.clone(), q1[a as usize].clone()], &[a, b], &u);
+            let v = verify_chain(&p, &[q0.clone(), q1[a as usize].clone()], &[a, b], &u).unwrap();
             // The second token when the first draft was rejected: the plain draw after it.
             let second = if v.tokens.len() >= 2 {
                 v.tokens[1]
@@ -231,8 +246,10 @@ mod tests {
             let u: Vec<StepUniforms> = (0..4)
                 .map(|_| StepUniforms { accept: uniform(&mut rng), draw: uniform(&mut rng) })
                 .collect();
-            let v = verify_chain(&p, &q, &drafts, &u);
+            let v = verify_chain(&p, &q, &drafts, &u).unwrap();
             assert_eq!(v, Verdict { accepted: 1, tokens: vec![best[0], best[1]] });
+            let e = verify_chain(&p[..2], &q, &drafts, &u).unwrap_err().to_string();
+            assert!(e.contains("3 drafts want 4 policy rows"), "{e}");
         }
     }
 
