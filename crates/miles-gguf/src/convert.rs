@@ -200,6 +200,7 @@ pub fn model_config(g: &GgufFile) -> Result<ModelConfig> {
         eos_token_ids: m.opt_u32("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
         moe: None,
         gemma: None,
+        mtp_input: false,
     };
     // miles-model's own checks (positive sizes, heads divisible, even head_dim, …).
     ModelConfig::from_json(&config.to_hf_json("float32"), &g.path).map_err(|e| {

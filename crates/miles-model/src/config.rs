@@ -140,6 +140,10 @@ pub struct ModelConfig {
     pub moe: Option<Box<MoeConfig>>,
     /// Gemma's additions; `None` for every other family.
     pub gemma: Option<Box<GemmaConfig>>,
+    /// A speculative draft ([`crate::draft`]): its layers take the policy's hidden states and
+    /// the next tokens' embeddings, each normed, through two projections (`mtp.*` weights),
+    /// instead of the embedded tokens. Never set by a config.json.
+    pub mtp_input: bool,
 }
 
 struct Fields<'a> {
@@ -511,6 +515,7 @@ impl ModelConfig {
                 _ => None,
             },
             gemma,
+            mtp_input: false,
         };
         config.validate().map_err(|message| f.err(message))?;
         Ok(config)

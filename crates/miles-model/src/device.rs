@@ -47,13 +47,18 @@ struct Layout {
     per_layer: Vec<HashMap<String, usize>>,
     final_norm: usize,
     head: usize,
+    /// A draft's input stage, in [`crate::weights::MTP_INPUT`]'s order (empty elsewhere).
+    mtp: Vec<usize>,
 }
 
 impl Layout {
     fn new(c: &ModelConfig) -> Layout {
         let mut per_layer = vec![HashMap::new(); c.num_hidden_layers];
-        let (mut final_norm, mut head) = (0, 0);
+        let (mut final_norm, mut head, mut mtp) = (0, 0, Vec::new());
         for (i, (name, _)) in tensor_spec(c).into_iter().enumerate() {
+            if name.starts_with("mtp.") {
+                mtp.push(i);
+            }
             let layer = name.strip_prefix("model.layers.").and_then(|rest| rest.split_once('.'));
             match (layer, name.as_str()) {
                 (Some((l, rest)), _) => {
@@ -71,6 +76,7 @@ impl Layout {
             per_layer,
             final_norm,
             head,
+            mtp,
         }
     }
 
@@ -259,6 +265,19 @@ pub struct Forward {
     rows: Vec<u32>,
     targets: Vec<u32>,
     tokens: usize,
+    /// A draft's input stage as [`DeviceModel::forward_draft`] formed it.
+    draft: Option<DraftInput>,
+}
+
+/// What a draft's input stage keeps for its backward: the next tokens' embeddings and the
+/// policy's states, normed (`a`, `b`) with their rstd.
+struct DraftInput {
+    embedded: Tensor,
+    hidden: Tensor,
+    a: Tensor,
+    a_rstd: Tensor,
+    b: Tensor,
+    b_rstd: Tensor,
 }
 
 impl Forward {
@@ -315,6 +334,12 @@ impl DeviceModel {
             ones,
             frozen: vec![false; spec.len()],
         };
+        if c.mtp_input {
+            // A draft reads the policy's embedding and head, detached.
+            m.frozen[0] = true;
+            let head = m.layout.head();
+            m.frozen[head] = true;
+        }
         m.refresh_compute()?;
         m.stack_linears()?;
         // (Where the paged attention cannot run, neither can the decode path the check is for.)
@@ -641,6 +666,43 @@ impl DeviceModel {
         self.run(batch, temperature, true, Some(input))
     }
 
+    /// A speculative draft's forward ([`ModelConfig::mtp_input`]): at each position the
+    /// batch's token (the policy's next token) embedded and normed, and `hidden` (the policy's
+    /// [`Forward::hidden`] there, `[tokens × hidden]`) normed, each through its half of the
+    /// projection, summed, into the layers; targets the batch's next tokens.
+    pub fn forward_draft(
+        &self,
+        batch: &PackedBatch,
+        temperature: f32,
+        hidden: Tensor,
+    ) -> Result<Forward> {
+        let c = &self.config;
+        if !c.mtp_input {
+            return Err(Error::Invalid("forward_draft: this model is not a draft".into()));
+        }
+        let t = batch.tokens.len();
+        if hidden.shape() != [t, c.hidden_size] || hidden.dtype() != self.dtype {
+            return Err(Error::Invalid(format!(
+                "forward_draft: the policy's states are {:?} {:?}, the batch wants {:?} in {:?}",
+                hidden.dtype(),
+                hidden.shape(),
+                [t, c.hidden_size],
+                self.dtype
+            )));
+        }
+        batch.validate(c.vocab_size)?;
+        let w = self.weights();
+        let [tn, hn, tp, hp] = [0, 1, 2, 3].map(|k| self.layout.mtp[k]);
+        let embedded = self.embed(ops::embedding_forward(self.weight(0), &batch.tokens)?)?;
+        let (a, a_rstd) = ops::rmsnorm_forward(&embedded, &*w.norm(tn)?, c.rms_norm_eps)?;
+        let (b, b_rstd) = ops::rmsnorm_forward(&hidden, &*w.norm(hn)?, c.rms_norm_eps)?;
+        let mut x = ops::matmul(&a, Transpose::No, self.weight(tp), Transpose::Yes)?;
+        ops::matmul_acc(&mut x, &b, Transpose::No, self.weight(hp), Transpose::Yes)?;
+        let mut f = self.run(batch, temperature, true, Some(x))?;
+        f.draft = Some(DraftInput { embedded, hidden, a, a_rstd, b, b_rstd });
+        Ok(f)
+    }
+
     /// Per response token logp and entropy, keeping nothing.
     pub fn logprobs(&self, batch: &PackedBatch, temperature: f32) -> Result<(Vec<f32>, Vec<f32>)> {
         let f = self.run(batch, temperature, false, None)?;
@@ -722,6 +784,7 @@ impl DeviceModel {
             rows,
             targets,
             tokens: t,
+            draft: None,
         })
     }
 
@@ -1037,7 +1100,8 @@ impl DeviceModel {
             own.sort_unstable();
             own
         });
-        std::iter::once(first).chain(layers).chain([vec![0]]).collect()
+        let input = std::iter::once(0).chain(l.mtp.iter().copied()).collect();
+        std::iter::once(first).chain(layers).chain([input]).collect()
     }
 
     /// [`DeviceModel::backward`], calling `ready(g, grads)` as soon as the ops that finish group
@@ -1068,6 +1132,40 @@ impl DeviceModel {
         d_entropy: &[f32],
     ) -> Result<Tensor> {
         self.backward_layers(fwd, batch, d_logp, d_entropy, &mut |_, _| Ok(()))
+    }
+
+    /// The backward of [`DeviceModel::forward_draft`]: the gradients of the layers, the final
+    /// norm and the input stage (none for the policy's embedding, head and states).
+    pub fn backward_draft(
+        &mut self,
+        fwd: &Forward,
+        batch: &PackedBatch,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+    ) -> Result<()> {
+        let Some(input) = &fwd.draft else {
+            return Err(Error::Invalid(
+                "backward_draft needs the activations of forward_draft()".into(),
+            ));
+        };
+        let dx = self.backward_layers(fwd, batch, d_logp, d_entropy, &mut |_, _| Ok(()))?;
+        let [tn, hn, tp, hp] = [0, 1, 2, 3].map(|k| self.layout.mtp[k]);
+        for (proj, norm, normed, rstd, x) in [
+            (tp, tn, &input.a, &input.a_rstd, &input.embedded),
+            (hp, hn, &input.b, &input.b_rstd, &input.hidden),
+        ] {
+            ops::matmul_acc(&mut self.grads[proj], &dx, Transpose::Yes, normed, Transpose::No)?;
+            let d_normed = ops::matmul(&dx, Transpose::No, self.weight(proj), Transpose::No)?;
+            // The norm's weight as the forward took it (Gemma's 1 + w made here).
+            let master = &self.masters[norm];
+            let made = match self.ones.iter().find(|o| o.len() == master.len()) {
+                Some(ones) => Some(ops::add(master, ones)?),
+                None => None,
+            };
+            let w = made.as_ref().unwrap_or(master);
+            ops::rmsnorm_backward_acc(&mut self.grads[norm], &d_normed, x, w, rstd)?;
+        }
+        Ok(())
     }
 
     /// The head, the final norm and the layers of the backward, from the last; returns the

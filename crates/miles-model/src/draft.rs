@@ -45,9 +45,10 @@ pub struct Draft {
     pub final_norm: Vec<f32>,
 }
 
-/// The draft's decoder layer as a one-layer model of the policy's shape (dense, attending over
-/// the whole sequence).
-pub fn draft_layer_config(policy: &ModelConfig) -> Result<ModelConfig> {
+/// The draft as a model: one decoder layer of the policy's shape (dense, attending over the
+/// whole sequence) fed by the input stage ([`ModelConfig::mtp_input`]), with the policy's
+/// embedding and head.
+pub fn draft_config(policy: &ModelConfig) -> Result<ModelConfig> {
     if policy.architecture == Architecture::Glm4 {
         return Err(Error::Invalid(
             "a speculative draft for GLM-4 is not supported (drafts have Llama's layer)".into(),
@@ -56,6 +57,7 @@ pub fn draft_layer_config(policy: &ModelConfig) -> Result<ModelConfig> {
     let mut c = policy.clone();
     c.num_hidden_layers = 1;
     c.moe = None;
+    c.mtp_input = true;
     if let Some(g) = c.gemma.as_mut() {
         g.sliding = vec![false];
     }
@@ -90,7 +92,7 @@ impl Draft {
     /// HF-style initialization (normal(0, 0.02) matrices, unit norms, zero biases; Gemma's
     /// (1 + w) norms zero), seeded.
     pub fn random(policy: &ModelConfig, format: DraftFormat, seed: u64) -> Result<Self> {
-        let c = draft_layer_config(policy)?;
+        let c = draft_config(policy)?;
         let layer = Weights::random(&c, seed).layers.remove(0);
         let h = policy.hidden_size;
         let unit = if policy.gemma.is_some() { 0.0 } else { 1.0 };
@@ -110,7 +112,7 @@ impl Draft {
 
     /// Every tensor with its checkpoint name and shape: the draft's own, then its layer's.
     pub fn named(&self, policy: &ModelConfig) -> Result<Vec<FileTensor<'_>>> {
-        let c = draft_layer_config(policy)?;
+        let c = draft_config(policy)?;
         let (h, p) = (policy.hidden_size, prefix(self.format, policy));
         let shapes = [vec![h], vec![h], vec![h, 2 * h], vec![h]];
         let mut out: Vec<FileTensor<'_>> = own_names(self.format)
@@ -126,6 +128,63 @@ impl Draft {
             out.push((format!("{p}{rest}"), shape, Cow::Borrowed(&t[..])));
         }
         Ok(out)
+    }
+
+    /// The draft as a model of [`draft_config`]: the policy's embedding and head (copies,
+    /// which the model keeps frozen), the input stage with the projection split into the
+    /// halves that take the embedding and the policy's states, the layer, the final norm.
+    pub fn model_weights(&self, policy: &ModelConfig, policy_weights: &Weights) -> Result<Weights> {
+        let h = policy.hidden_size;
+        let (token, hidden) = self.proj_halves(h);
+        Ok(Weights {
+            embed: policy_weights.embed.clone(),
+            mtp: vec![self.token_norm.clone(), self.hidden_norm.clone(), token, hidden],
+            layers: vec![self.layer.clone()],
+            final_norm: self.final_norm.clone(),
+            lm_head: policy_weights.lm_head.clone(),
+        })
+    }
+
+    /// The draft of a model of [`draft_config`]'s weights (after training), in `format`.
+    pub fn from_model_weights(format: DraftFormat, w: &Weights) -> Result<Self> {
+        let ([tn, hn, token, hidden], [layer]) = (&w.mtp[..], &w.layers[..]) else {
+            return Err(Error::Invalid(
+                "not a draft's weights: no input stage or not one layer".into(),
+            ));
+        };
+        let h = tn.len();
+        let mut proj = vec![0.0; 2 * h * h];
+        let (t_at, h_at) = Self::halves_at(format, h);
+        for i in 0..h {
+            let row = &mut proj[i * 2 * h..(i + 1) * 2 * h];
+            row[t_at..t_at + h].copy_from_slice(&token[i * h..(i + 1) * h]);
+            row[h_at..h_at + h].copy_from_slice(&hidden[i * h..(i + 1) * h]);
+        }
+        Ok(Draft {
+            format,
+            token_norm: tn.clone(),
+            hidden_norm: hn.clone(),
+            proj,
+            layer: layer.clone(),
+            final_norm: w.final_norm.clone(),
+        })
+    }
+
+    /// Where the embedding's and the states' columns start in a row of the projection.
+    fn halves_at(format: DraftFormat, h: usize) -> (usize, usize) {
+        match format {
+            DraftFormat::DeepSeek => (0, h),
+            DraftFormat::MiMo => (h, 0),
+        }
+    }
+
+    /// The projection's `[h × h]` halves over the embedding and over the policy's states.
+    fn proj_halves(&self, h: usize) -> (Vec<f32>, Vec<f32>) {
+        let (t_at, h_at) = Self::halves_at(self.format, h);
+        let half = |at: usize| -> Vec<f32> {
+            self.proj.chunks(2 * h).flat_map(|row| row[at..at + h].iter().copied()).collect()
+        };
+        (half(t_at), half(h_at))
     }
 
     /// Reads a draft from `dir` (`model.safetensors` or shards with their index) in either
@@ -188,7 +247,7 @@ impl Draft {
                 ),
             )?;
         }
-        let c = draft_layer_config(policy)?;
+        let c = draft_config(policy)?;
         let mut layer = LayerWeights::default();
         for (name, shape) in tensor_spec(&c) {
             let Some(rest) = name.strip_prefix("model.layers.0.") else { continue };
@@ -298,6 +357,81 @@ mod tests {
 
     fn policy_checkpoint(dir: &Path, policy: &ModelConfig) {
         Weights::random(policy, 0).save(dir, policy, Dtype::F32, usize::MAX).unwrap();
+    }
+
+    /// The draft on the CPU in f32: every trainable tensor's gradient (the input stage, the
+    /// layer, the final norm) against finite differences of the same loss, the policy's
+    /// embedding and head frozen (no gradient, unchanged by AdamW), and the model's weights
+    /// back to the same draft in both formats.
+    #[test]
+    fn the_drafts_gradients_match_finite_differences() {
+        use crate::model::tests::{batch, model, tiny};
+        use crate::{DeviceModel, Model};
+        use miles_tensor::testing::{check_gradient, dot};
+        use miles_tensor::{DType, Device, Tensor};
+        for (arch, tie) in [(Architecture::Qwen3, true), (Architecture::Llama, false)] {
+            let policy = model(tiny(arch, tie), 4);
+            let pc = &policy.config;
+            let c = draft_config(pc).unwrap();
+            let mut w = Draft::random(pc, DraftFormat::MiMo, 2)
+                .unwrap()
+                .model_weights(pc, &policy.weights)
+                .unwrap();
+            // Away from the init's unit norms and small matrices, as the policy's (so every
+            // path matters); the policy's embedding and head as they are.
+            let mut rng = Rng::new(6);
+            let shared = [w.embed.clone(), w.lm_head.clone().unwrap_or_default()];
+            for t in w.tensors_mut().into_iter().filter(|t| !shared.contains(*t)) {
+                t.iter_mut().for_each(|v| {
+                    *v = if *v == 1.0 { 1.0 + 0.3 * rng.normal() } else { 0.4 * rng.normal() }
+                });
+            }
+            let draft = Draft::from_model_weights(DraftFormat::MiMo, &w).unwrap();
+            assert_eq!(draft.model_weights(pc, &policy.weights).unwrap(), w);
+            let mut dm =
+                DeviceModel::new(&Model::new(c.clone(), w.clone()), &Device::Cpu, DType::F32)
+                    .unwrap();
+            let b = batch();
+            let (t, h) = (b.tokens.len(), pc.hidden_size);
+            let hidden = rng.vec(t * h, 1.0);
+            let states = || Tensor::from_f32(&[t, h], hidden.clone(), &Device::Cpu).unwrap();
+            let fwd = dm.forward_draft(&b, 0.8, states()).unwrap();
+            let (ga, gb) = (rng.vec(fwd.logp.len(), 1.0), rng.vec(fwd.logp.len(), 1.0));
+            dm.backward_draft(&fwd, &b, &ga, &gb).unwrap();
+            let grads = dm.grads_to_host().unwrap();
+            assert!(grads.embed.iter().all(|g| *g == 0.0), "{arch:?}: the embedding is frozen");
+            if let Some(head) = &grads.lm_head {
+                assert!(head.iter().all(|g| *g == 0.0), "{arch:?}: the head is frozen");
+            }
+            let spec = tensor_spec(&c);
+            for (k, (name, _)) in spec.iter().enumerate() {
+                if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+                    continue;
+                }
+                let analytic = grads.tensors()[k].clone();
+                let mut probe = w.clone();
+                let mut x = probe.tensors()[k].clone();
+                check_gradient(name, &mut x, &analytic, 12, |x| {
+                    *probe.tensors_mut()[k] = x.to_vec();
+                    dm.set_weights(&probe).unwrap();
+                    let f = dm.forward_draft(&b, 0.8, states()).unwrap();
+                    dot(&ga, &f.logp) + dot(&gb, &f.entropy)
+                });
+            }
+            // AdamW moves the draft's own tensors only.
+            dm.set_weights(&w).unwrap();
+            let hyper = miles_tensor::cpu::AdamW {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.99,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            };
+            dm.adamw_step(&hyper, 1.0).unwrap();
+            let after = dm.to_weights().unwrap();
+            assert_eq!((&after.embed, &after.lm_head), (&w.embed, &w.lm_head));
+            assert_ne!(after.mtp, w.mtp);
+        }
     }
 
     #[test]

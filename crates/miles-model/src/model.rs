@@ -205,6 +205,7 @@ pub(crate) mod tests {
             eos_token_ids: vec![],
             moe: None,
             gemma: None,
+            mtp_input: false,
         }
     }
 

@@ -85,6 +85,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                     final_softcap: gemma2.then_some(3.0),
                 })
             }),
+            mtp_input: false,
         },
         // Qwen3-0.6B's published config.json.
         "qwen3-0.6b" => ModelConfig {
@@ -107,6 +108,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             eos_token_ids: vec![151_645],
             moe: None,
             gemma: None,
+            mtp_input: false,
         },
         // Qwen3-8B's published config.json (weight-bound decode benchmarks).
         "qwen3-8b" => ModelConfig {
@@ -129,6 +131,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             eos_token_ids: vec![151_645],
             moe: None,
             gemma: None,
+            mtp_input: false,
         },
         // SmolLM2-135M's published config.json (Llama architecture).
         "smollm2-135m" => ModelConfig {
@@ -151,6 +154,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             eos_token_ids: vec![2],
             moe: None,
             gemma: None,
+            mtp_input: false,
         },
         // Qwen3-30B-A3B's published config.json with 4 of its 48 layers: the layers' shapes
         // for benchmarks (3.1 B parameters, 0.85 B active, 0.6 B of them the embedding and head).
@@ -182,6 +186,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 router_aux_loss_coef: 0.0,
             })),
             gemma: None,
+            mtp_input: false,
         },
         // Qwen2.5-0.5B-Instruct's and Qwen2.5-1.5B-Instruct's published config.json.
         "qwen2.5-0.5b" | "qwen2.5-1.5b" => {
@@ -206,6 +211,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 eos_token_ids: vec![151_645],
                 moe: None,
                 gemma: None,
+                mtp_input: false,
             }
         }
         // Llama-3.2-1B-Instruct's published config.json (llama3 rope scaling).
@@ -234,6 +240,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             eos_token_ids: vec![128_001, 128_008, 128_009],
             moe: None,
             gemma: None,
+            mtp_input: false,
         },
         // gemma-3-1b-it's and gemma-2-2b-it's published config.json: heads of 256, every 6th
         // layer global (Gemma 3) or every 2nd (Gemma 2).
@@ -273,6 +280,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                     attn_softcap: (!three).then_some(50.0),
                     final_softcap: (!three).then_some(30.0),
                 })),
+                mtp_input: false,
             }
         }
         // GLM-4-9B-0414's published config.json.
@@ -296,6 +304,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             eos_token_ids: vec![151_329, 151_336, 151_338],
             moe: None,
             gemma: None,
+            mtp_input: false,
         },
         other => {
             return Err(Error::Invalid(format!(

@@ -55,17 +55,34 @@ pub struct ExpertWeights {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Weights {
     pub embed: Vec<f32>,
+    /// A draft's input stage, [`MTP_INPUT`]'s tensors in order (empty in other models).
+    pub mtp: Vec<Vec<f32>>,
     pub layers: Vec<LayerWeights>,
     pub final_norm: Vec<f32>,
     /// `None` when the head is tied to the embedding.
     pub lm_head: Option<Vec<f32>>,
 }
 
+/// A draft's input stage ([`crate::draft`]), in [`tensor_spec`] order: the norms of the next
+/// tokens' embeddings and of the policy's hidden states, and the projection's halves that
+/// take them (`[hidden × hidden]` each).
+pub const MTP_INPUT: [&str; 4] = [
+    "mtp.token_norm.weight",
+    "mtp.hidden_norm.weight",
+    "mtp.token_proj.weight",
+    "mtp.hidden_proj.weight",
+];
+
 /// HF name and shape of every tensor, in the order of [`Weights::tensors`].
 pub fn tensor_spec(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let (h, d, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
     let (q, kv) = (c.num_attention_heads * d, c.num_key_value_heads * d);
     let mut spec = vec![("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h])];
+    if c.mtp_input {
+        for (name, shape) in MTP_INPUT.iter().zip([vec![h], vec![h], vec![h, h], vec![h, h]]) {
+            spec.push((name.to_string(), shape));
+        }
+    }
     // A projection's weight, then its bias when it has one.
     let linear = |spec: &mut Vec<_>, name: String, (rows, cols), bias: bool| {
         spec.push((format!("{name}.weight"), vec![rows, cols]));
@@ -193,6 +210,10 @@ impl Weights {
         match name {
             "model.embed_tokens.weight" => Some(&mut self.embed),
             "model.norm.weight" => Some(&mut self.final_norm),
+            _ if name.starts_with("mtp.") => {
+                let k = MTP_INPUT.iter().position(|n| *n == name)?;
+                self.mtp.get_mut(k)
+            }
             "lm_head.weight" => self.lm_head.as_mut(),
             _ => {
                 let rest = name.strip_prefix("model.layers.")?;
@@ -211,6 +232,7 @@ impl Weights {
     ) -> std::result::Result<Self, E> {
         let mut w = Weights {
             embed: Vec::new(),
+            mtp: if c.mtp_input { vec![Vec::new(); MTP_INPUT.len()] } else { Vec::new() },
             layers: (0..c.num_hidden_layers)
                 .map(|l| LayerWeights {
                     experts: match &c.moe {
@@ -284,6 +306,7 @@ impl Weights {
     /// Every tensor, in [`tensor_spec`] order.
     pub fn tensors(&self) -> Vec<&Vec<f32>> {
         let mut out = vec![&self.embed];
+        out.extend(&self.mtp);
         for l in &self.layers {
             out.extend(l.tensors());
         }
@@ -295,6 +318,7 @@ impl Weights {
     /// Every tensor mutably, in [`tensor_spec`] order.
     pub fn tensors_mut(&mut self) -> Vec<&mut Vec<f32>> {
         let mut out = vec![&mut self.embed];
+        out.extend(&mut self.mtp);
         for l in &mut self.layers {
             out.extend(layer_tensors!(l, &mut).into_iter().filter(|t| !t.is_empty()));
             for e in &mut l.experts {
