@@ -27,7 +27,7 @@ pub enum Architecture {
     /// `Glm4ForCausalLM` (GLM-4-0414, dense): Llama's layout with q/k/v biases, norms after
     /// attention and after the MLP as Gemma has them (plain w, not 1 + w), and a rotary over
     /// part of each head (`partial_rotary_factor`, 0.5) whose pairs are interleaved; its files
-    /// fuse gate and up (see [`crate::weights::file_tensors`]).
+    /// fuse gate and up (see [`crate::file_layout::file_tensors`]).
     Glm4,
 }
 

@@ -281,12 +281,6 @@ struct DraftInput {
 }
 
 impl Forward {
-    /// The last layer's output before the final norm, `[tokens × hidden]`: the state a
-    /// speculative draft reads.
-    pub fn hidden(&self) -> &Tensor {
-        &self.x_final
-    }
-
     /// The experts each token was routed to in the sparse layers, `[tokens × sparse layers ×
     /// top_k]` (the layout of `Sample::rollout_routed_experts`); `None` for a dense model.
     pub fn routed_experts(&self) -> Option<Vec<u16>> {
@@ -668,7 +662,7 @@ impl DeviceModel {
 
     /// A speculative draft's forward ([`ModelConfig::mtp_input`]): at each position the
     /// batch's token (the policy's next token) embedded and normed, and `hidden` (the policy's
-    /// [`Forward::hidden`] there, `[tokens × hidden]`) normed, each through its half of the
+    /// [`DeviceModel::head_states`] there, `[tokens × hidden]`) normed, each through its half of the
     /// projection, summed, into the layers; targets the batch's next tokens.
     pub fn forward_draft(
         &self,
@@ -677,30 +671,45 @@ impl DeviceModel {
         hidden: Tensor,
     ) -> Result<Forward> {
         let c = &self.config;
-        if !c.mtp_input {
-            return Err(Error::Invalid("forward_draft: this model is not a draft".into()));
-        }
-        let t = batch.tokens.len();
-        if hidden.shape() != [t, c.hidden_size] || hidden.dtype() != self.dtype {
+        batch.validate(c.vocab_size)?;
+        let (x, input) = self.draft_input(&batch.tokens, &hidden)?;
+        let mut f = self.run(batch, temperature, true, Some(x))?;
+        f.draft = Some(DraftInput { hidden, ..input });
+        Ok(f)
+    }
+
+    /// A draft's input stage: `tokens` embedded and `states` (`[tokens × hidden]`), each
+    /// normed and through its half of the projection, summed; with what its backward keeps
+    /// (`hidden` there a placeholder the caller fills).
+    fn draft_input(&self, tokens: &[u32], states: &Tensor) -> Result<(Tensor, DraftInput)> {
+        let c = &self.config;
+        let want = [tokens.len(), c.hidden_size];
+        if !c.mtp_input || states.shape() != want || states.dtype() != self.dtype {
             return Err(Error::Invalid(format!(
-                "forward_draft: the policy's states are {:?} {:?}, the batch wants {:?} in {:?}",
-                hidden.dtype(),
-                hidden.shape(),
-                [t, c.hidden_size],
+                "a draft's step: the model {} a draft; the states are {:?} {:?}, the rows want \
+                 {want:?} in {:?}",
+                if c.mtp_input { "is" } else { "is not" },
+                states.dtype(),
+                states.shape(),
                 self.dtype
             )));
         }
-        batch.validate(c.vocab_size)?;
         let w = self.weights();
         let [tn, hn, tp, hp] = [0, 1, 2, 3].map(|k| self.layout.mtp[k]);
-        let embedded = self.embed(ops::embedding_forward(self.weight(0), &batch.tokens)?)?;
+        let embedded = self.embed(ops::embedding_forward(self.weight(0), tokens)?)?;
         let (a, a_rstd) = ops::rmsnorm_forward(&embedded, &*w.norm(tn)?, c.rms_norm_eps)?;
-        let (b, b_rstd) = ops::rmsnorm_forward(&hidden, &*w.norm(hn)?, c.rms_norm_eps)?;
-        let mut x = ops::matmul(&a, Transpose::No, self.weight(tp), Transpose::Yes)?;
-        ops::matmul_acc(&mut x, &b, Transpose::No, self.weight(hp), Transpose::Yes)?;
-        let mut f = self.run(batch, temperature, true, Some(x))?;
-        f.draft = Some(DraftInput { embedded, hidden, a, a_rstd, b, b_rstd });
-        Ok(f)
+        let (b, b_rstd) = ops::rmsnorm_forward(states, &*w.norm(hn)?, c.rms_norm_eps)?;
+        let mut x = w.product(&a, tp)?;
+        x = ops::add(&x, &w.product(&b, hp)?)?;
+        let hidden = Tensor::zeros(&[0], DType::F32, &self.device)?;
+        Ok((x, DraftInput { embedded, hidden, a, a_rstd, b, b_rstd }))
+    }
+
+    /// The states the head reads, final-normed, `[tokens × hidden]`: what a speculative draft
+    /// takes from the policy (as [`DeviceModel::step`] returns them, with the same bits).
+    pub fn head_states(&self, fwd: &Forward) -> Result<Tensor> {
+        let final_w = self.weights().norm(self.layout.final_norm())?;
+        Ok(ops::rmsnorm_forward(&fwd.x_final, &final_w, self.config.rms_norm_eps)?.0)
     }
 
     /// Per response token logp and entropy, keeping nothing.
@@ -800,8 +809,36 @@ impl DeviceModel {
     /// [`DeviceModel::step`], and the experts each row was routed to in the sparse layers
     /// (empty for a dense model).
     pub fn step_routed(&self, rows: &[StepRow], kv: &mut KvCache) -> Result<(Tensor, Vec<u16>)> {
-        let layout = kv.layout();
         self.check_step_tokens(rows)?;
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let x = self.embed(ops::embedding_forward(self.weight(0), &tokens)?)?;
+        self.step_from(rows, x, kv)
+    }
+
+    /// A speculative draft's incremental step ([`DeviceModel::forward_draft`] over the paged
+    /// cache): each row's token and `states` row (the policy's, or the draft's own from the
+    /// step before, as [`DeviceModel::step`] returns them) through the input stage, then the
+    /// layer; returns the final-normed states, each row with the bits of `forward_draft`'s.
+    pub fn step_draft(
+        &self,
+        rows: &[StepRow],
+        states: &Tensor,
+        kv: &mut KvCache,
+    ) -> Result<Tensor> {
+        self.check_step_tokens(rows)?;
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let (x, _) = self.draft_input(&tokens, states)?;
+        Ok(self.step_from(rows, x, kv)?.0)
+    }
+
+    /// The layers and the final norm of a step from the rows' inputs `x`.
+    fn step_from(
+        &self,
+        rows: &[StepRow],
+        x: Tensor,
+        kv: &mut KvCache,
+    ) -> Result<(Tensor, Vec<u16>)> {
+        let layout = kv.layout();
         // Runs of rows of one sequence at consecutive positions.
         let mut seqs: Vec<PagedRows> = Vec::new();
         for row in rows {
@@ -814,8 +851,6 @@ impl DeviceModel {
         }
         let positions: Vec<u32> = rows.iter().map(|r| r.position as u32).collect();
         let (cos, sin) = self.rope_tensors(&positions)?;
-        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
-        let x = self.embed(ops::embedding_forward(self.weight(0), &tokens)?)?;
         let local = self.local_rope_tensors(&positions)?;
         let local = local.as_ref().map(|(c, s)| (c, s));
         let plan = ops::PagedPlan::new(&seqs, layout, &self.device)?;

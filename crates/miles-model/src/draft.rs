@@ -1,8 +1,15 @@
 //! The draft of speculative rollouts: one MTP layer, as DeepSeek-V3 and MiMo train theirs. At
-//! position t it reads the policy's last hidden state h_t and the embedding of token t + 1
-//! (both detached), each through an RMSNorm of its own; a projection of the two concatenated
-//! (2·hidden → hidden) feeds one decoder layer of the policy's shape, whose output, normed,
-//! goes through the policy's LM head (shared, detached) to predict token t + 2.
+//! position t it reads the policy's state there (final-normed, the one its head reads, as
+//! SGLang hands it to a NextN draft: [`DeviceModel::head_states`]) and the embedding of token
+//! t + 1 (both detached), each through an RMSNorm of its own; a projection of the two
+//! concatenated (2·hidden → hidden) feeds one decoder layer of the policy's shape, whose
+//! output, normed, goes through the policy's LM head (shared, detached) to predict token
+//! t + 2. Chained, the draft's next step reads its own normed output in place of the
+//! policy's state.
+//!
+//! On a device the draft is a model of [`draft_config`] ([`Draft::model_weights`]):
+//! [`DeviceModel::forward_draft`] and [`DeviceModel::backward_draft`] train it,
+//! [`DeviceModel::step_draft`] proposes over the paged cache with the forward's bits.
 //!
 //! Checkpoints come in DeepSeek-V3's names (`model.layers.{N}.enorm`, `hnorm`, `eh_proj`,
 //! `shared_head.norm` and the layer's own, N the policy's layer count) or MiMo's
@@ -18,6 +25,8 @@ use std::path::Path;
 use miles_tensor::rng::Rng;
 use safetensors::{Dtype, tensor::TensorView};
 
+#[cfg(doc)]
+use crate::DeviceModel;
 use crate::file_layout::FileTensor;
 use crate::weights::{LayerWeights, TensorFiles, Weights, tensor_spec};
 use crate::{Architecture, Error, ModelConfig, Result};
@@ -431,6 +440,68 @@ mod tests {
             let after = dm.to_weights().unwrap();
             assert_eq!((&after.embed, &after.lm_head), (&w.embed, &w.lm_head));
             assert_ne!(after.mtp, w.mtp);
+        }
+    }
+
+    /// The draft's incremental steps over the paged cache (a prompt, then a row at a time)
+    /// give each row the bits of its forward over the whole sequences, in f32 and bf16.
+    #[test]
+    fn draft_steps_have_the_bits_of_the_drafts_forward() {
+        use crate::model::tests::{batch, model, tiny};
+        use crate::{DeviceModel, KvCache, Model, StepRow};
+        use miles_tensor::{DType, Device, Tensor};
+        let policy = model(tiny(Architecture::Qwen3, true), 3);
+        let pc = &policy.config;
+        let w = Draft::random(pc, DraftFormat::DeepSeek, 5)
+            .unwrap()
+            .model_weights(pc, &policy.weights)
+            .unwrap();
+        let c = draft_config(pc).unwrap();
+        for dtype in [DType::F32, DType::BF16] {
+            let dm =
+                DeviceModel::new(&Model::new(c.clone(), w.clone()), &Device::Cpu, dtype).unwrap();
+            let b = batch();
+            let (t, h) = (b.tokens.len(), pc.hidden_size);
+            let states = Tensor::from_f32(&[t, h], Rng::new(2).vec(t * h, 1.0), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let f = dm.forward_draft(&b, 1.0, states.to_dtype(dtype).unwrap()).unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
+            };
+            let want = bits(&dm.head_states(&f).unwrap());
+            let all = bits(&states);
+            let mut kv = KvCache::new(&c, 4, &Device::Cpu, dtype).unwrap();
+            for (s, w0) in b.cu_seqlens.windows(2).enumerate() {
+                let (start, n) = (w0[0], w0[1] - w0[0]);
+                let table = [s as crate::BlockId];
+                // The prompt (all but the last two), then one row a step.
+                let mut cuts = vec![(0, n - 2)];
+                cuts.extend((n - 2..n).map(|p| (p, p + 1)));
+                for (p0, p1) in cuts {
+                    let rows: Vec<StepRow> = (p0..p1)
+                        .map(|p| StepRow {
+                            token: b.tokens[start + p],
+                            position: p,
+                            blocks: &table,
+                        })
+                        .collect();
+                    let picked: Vec<f32> = all[(start + p0) * h..(start + p1) * h]
+                        .iter()
+                        .map(|&x| f32::from_bits(x))
+                        .collect();
+                    let rows_states = Tensor::from_f32(&[p1 - p0, h], picked, &Device::Cpu)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap();
+                    let got = bits(&dm.step_draft(&rows, &rows_states, &mut kv).unwrap());
+                    assert!(
+                        got == want[(start + p0) * h..(start + p1) * h],
+                        "{dtype}: sequence {s} rows {p0}..{p1}"
+                    );
+                }
+            }
         }
     }
 
