@@ -1344,6 +1344,43 @@ impl DeviceModel {
         })
     }
 
+    /// Copies the weights `names` (the same names in both models) from `other`, on the same
+    /// device in the same dtype: masters and compute copies in place (CUDA graphs captured
+    /// over them stay valid), the CPU's packed forms rebuilt. A speculative draft refreshes its
+    /// frozen copies of the policy's embedding and head this way after each policy step.
+    pub fn copy_weights_from(&mut self, other: &DeviceModel, names: &[&str]) -> Result<()> {
+        if (other.device, other.dtype) != (self.device, self.dtype) {
+            return Err(Error::Invalid(format!(
+                "copy_weights_from: a model on {} in {} into one on {} in {}",
+                other.device, other.dtype, self.device, self.dtype
+            )));
+        }
+        let (mine, theirs) = (tensor_spec(&self.config), tensor_spec(&other.config));
+        for name in names {
+            let find = |spec: &[(String, Vec<usize>)]| spec.iter().position(|(n, _)| n == name);
+            let (Some(i), Some(j)) = (find(&mine), find(&theirs)) else {
+                return Err(Error::Invalid(format!(
+                    "copy_weights_from: '{name}' is not a weight of both models"
+                )));
+            };
+            if mine[i].1 != theirs[j].1 {
+                return Err(Error::Invalid(format!(
+                    "copy_weights_from: '{name}' is {:?} here and {:?} there",
+                    mine[i].1, theirs[j].1
+                )));
+            }
+            self.masters[i].copy_from(&other.masters[j])?;
+            if let (Some(copy), Some(from)) = (self.compute[i].as_mut(), other.compute[j].as_ref())
+            {
+                copy.copy_from(from)?;
+            }
+            if self.packed.get(i).is_some_and(Option::is_some) {
+                self.packed[i] = Some(ops::pack_linear(&[&self.masters[i]])?);
+            }
+        }
+        Ok(())
+    }
+
     /// The global L2 norm of the gradients (f64 sums of squares per tensor, in order).
     pub fn grad_norm(&self) -> Result<f64> {
         let grads: Vec<&Tensor> =

@@ -505,6 +505,47 @@ mod tests {
         }
     }
 
+    /// After the policy changes, the draft's copies of its embedding and head follow it by
+    /// `copy_weights_from`: the draft then scores as one built afresh from the new weights.
+    #[test]
+    fn a_draft_follows_its_policys_embedding_and_head() {
+        use crate::model::tests::{batch, model, tiny};
+        use crate::{DeviceModel, Model};
+        use miles_tensor::{DType, Device, Tensor};
+        for dtype in [DType::F32, DType::BF16] {
+            let (old, new) = (
+                model(tiny(Architecture::Llama, false), 1),
+                model(tiny(Architecture::Llama, false), 2),
+            );
+            let pc = &old.config;
+            let draft = Draft::random(pc, DraftFormat::DeepSeek, 3).unwrap();
+            let c = draft_config(pc).unwrap();
+            let on = |w: Weights| {
+                DeviceModel::new(&Model::new(c.clone(), w), &Device::Cpu, dtype).unwrap()
+            };
+            let mut dm = on(draft.model_weights(pc, &old.weights).unwrap());
+            let fresh = on(draft.model_weights(pc, &new.weights).unwrap());
+            let policy = DeviceModel::new(&new, &Device::Cpu, dtype).unwrap();
+            dm.copy_weights_from(&policy, &["model.embed_tokens.weight", "lm_head.weight"])
+                .unwrap();
+            let b = batch();
+            let (t, h) = (b.tokens.len(), pc.hidden_size);
+            let states = || {
+                Tensor::from_f32(&[t, h], Rng::new(2).vec(t * h, 1.0), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+            };
+            let (got, want) = (
+                dm.forward_draft(&b, 1.0, states()).unwrap(),
+                fresh.forward_draft(&b, 1.0, states()).unwrap(),
+            );
+            assert_eq!((got.logp, got.entropy), (want.logp, want.entropy), "{dtype}");
+            let e = dm.copy_weights_from(&policy, &["model.layers.1.mlp.up_proj.weight"]);
+            assert!(e.unwrap_err().to_string().contains("not a weight of both models"));
+        }
+    }
+
     #[test]
     fn glm4_policies_get_a_clear_refusal() {
         let policy = preset("tiny", Some(Architecture::Glm4)).unwrap();
