@@ -245,6 +245,15 @@ pub struct DeviceModel {
     frozen: Vec<bool>,
 }
 
+/// Gemma's norm weight 1 + w, made in f32 from the stored `master` when `ones` has its
+/// width; `None` for every other family (their `ones` are empty).
+fn gemma_norm(master: &Tensor, ones: &[Tensor]) -> Result<Option<Tensor>> {
+    match ones.iter().find(|o| o.len() == master.len()) {
+        Some(ones) => Ok(Some(ops::add(master, ones)?)),
+        None => Ok(None),
+    }
+}
+
 /// Ids of compute-copy sets, unique in the process.
 static NEXT_BUFFERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -1193,10 +1202,7 @@ impl DeviceModel {
             let d_normed = ops::matmul(&dx, Transpose::No, self.weight(proj), Transpose::No)?;
             // The norm's weight as the forward took it (Gemma's 1 + w made here).
             let master = &self.masters[norm];
-            let made = match self.ones.iter().find(|o| o.len() == master.len()) {
-                Some(ones) => Some(ops::add(master, ones)?),
-                None => None,
-            };
+            let made = gemma_norm(master, &self.ones)?;
             let w = made.as_ref().unwrap_or(master);
             ops::rmsnorm_backward_acc(&mut self.grads[norm], &d_normed, x, w, rstd)?;
         }
@@ -1229,10 +1235,7 @@ impl DeviceModel {
         // The final norm's weight as the forward took it (Gemma's 1 + w made here, from the
         // fields the gradients are borrowed beside below).
         let master = &self.masters[final_i];
-        let made = match self.ones.iter().find(|o| o.len() == master.len()) {
-            Some(ones) => Some(ops::add(master, ones)?),
-            None => None,
-        };
+        let made = gemma_norm(master, &self.ones)?;
         let final_w = made.as_ref().unwrap_or(master);
         let nf = ops::rmsnorm_forward(&fwd.x_final, final_w, c.rms_norm_eps)?.0;
         let mut d_nf = Tensor::zeros(&[t, h], self.dtype, &self.device)?;
@@ -1524,10 +1527,10 @@ impl<'a> DeviceWeights<'a> {
     /// `w`.
     fn norm(&self, index: usize) -> Result<NormWeight<'a>> {
         let w = self.weight(index);
-        match self.ones.iter().find(|o| o.len() == w.len()) {
-            Some(ones) => Ok(NormWeight::Made(ops::add(w, ones)?)),
-            None => Ok(NormWeight::Kept(w)),
-        }
+        Ok(match gemma_norm(w, self.ones)? {
+            Some(made) => NormWeight::Made(made),
+            None => NormWeight::Kept(w),
+        })
     }
 
     /// `x·Wᵀ` of matrix `index` as the forward computes it: in FP8 when it is quantized,
