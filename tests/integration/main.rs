@@ -9,4 +9,5 @@ mod registry;
 mod reward_cmd;
 mod rollout;
 mod slime_conformance;
+mod speculative;
 mod train;

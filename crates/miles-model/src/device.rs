@@ -1075,6 +1075,20 @@ impl DeviceModel {
         Ok(out)
     }
 
+    /// f32 logits `[rows × vocab]` of the final-normed hidden states at `rows` (as
+    /// [`DeviceModel::step`] returns them), in chunks of rows as [`DeviceModel::sample`] takes
+    /// them: each row's the bits `sample` and the scorer see (a speculative step verifies with
+    /// them).
+    pub fn logits(&self, hidden: &Tensor, rows: &[u32]) -> Result<Tensor> {
+        let chunk = self.head_chunk_rows();
+        if rows.len() <= chunk {
+            return self.head_logits(hidden, rows);
+        }
+        let parts: Vec<Tensor> =
+            rows.chunks(chunk).map(|r| self.head_logits(hidden, r)).collect::<Result<_>>()?;
+        Ok(ops::concat_rows(&parts.iter().collect::<Vec<_>>())?)
+    }
+
     /// f32 logits `[rows × vocab]` of the final-normed hidden states at `rows`.
     /// Gemma 2's final soft-cap is applied here, before the temperature.
     fn head_logits(&self, nf: &Tensor, rows: &[u32]) -> Result<Tensor> {

@@ -29,7 +29,7 @@ use safetensors::{Dtype, tensor::TensorView};
 use crate::DeviceModel;
 use crate::file_layout::FileTensor;
 use crate::weights::{LayerWeights, TensorFiles, Weights, tensor_spec};
-use crate::{Architecture, Error, ModelConfig, Result};
+use crate::{Architecture, Error, ModelConfig, PackedBatch, Result};
 
 /// Whose names and concatenation order a draft's checkpoint has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +52,39 @@ pub struct Draft {
     pub layer: LayerWeights,
     /// The norm before the policy's head.
     pub final_norm: Vec<f32>,
+}
+
+/// What a draft trains on for a policy's packed batch ([`DraftBatch::of`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftBatch {
+    /// Each kept sequence less its first token, with the same prompt length: the draft at
+    /// position t reads token t + 1, and its targets are the response tokens from the second
+    /// on (miles' loss mask shifted by one).
+    pub batch: PackedBatch,
+    /// The policy's rows whose states the draft reads, in the draft batch's token order: each
+    /// kept sequence's positions but its last.
+    pub state_rows: Vec<u32>,
+    /// The policy batch's sequences kept: those with at least two response tokens.
+    pub sequences: Vec<usize>,
+}
+
+impl DraftBatch {
+    /// The draft's batch for `batch`; `None` when no sequence has two response tokens.
+    pub fn of(batch: &PackedBatch) -> Option<DraftBatch> {
+        let mut seqs = Vec::new();
+        let mut sequences = Vec::new();
+        let mut state_rows = Vec::new();
+        for (s, (w, &p)) in batch.cu_seqlens.windows(2).zip(&batch.prompt_lens).enumerate() {
+            if w[1] - w[0] < p + 2 {
+                continue;
+            }
+            seqs.push((batch.tokens[w[0] + 1..w[1]].to_vec(), p));
+            state_rows.extend(w[0] as u32..w[1] as u32 - 1);
+            sequences.push(s);
+        }
+        let batch = PackedBatch::new(&seqs).ok().filter(|_| !seqs.is_empty())?;
+        Some(DraftBatch { batch, state_rows, sequences })
+    }
 }
 
 /// The draft as a model: one decoder layer of the policy's shape (dense, attending over the
@@ -544,6 +577,31 @@ mod tests {
             let e = dm.copy_weights_from(&policy, &["model.layers.1.mlp.up_proj.weight"]);
             assert!(e.unwrap_err().to_string().contains("not a weight of both models"));
         }
+    }
+
+    /// The draft's batch: each sequence with two response tokens or more, less its first
+    /// token; the targets are the response from its second token on, read from the states of
+    /// the positions before.
+    #[test]
+    fn a_draft_batch_shifts_each_sequence_by_one() {
+        let b = PackedBatch::new(&[
+            (vec![1, 2, 3, 4, 5], 2),
+            (vec![6, 7, 8], 2),
+            (vec![9, 10, 11, 12], 1),
+        ])
+        .unwrap();
+        let d = DraftBatch::of(&b).unwrap();
+        assert_eq!(d.sequences, [0, 2]);
+        assert_eq!(d.batch.tokens, [2, 3, 4, 5, 10, 11, 12]);
+        assert_eq!(d.batch.prompt_lens, [2, 1]);
+        assert_eq!(d.state_rows, [0, 1, 2, 3, 8, 9, 10]);
+        // Targets: the responses' second tokens on (4, 5 and 11, 12), each read at the row of
+        // the token two before it, whose policy state is state_rows[row].
+        let (rows, targets) = d.batch.response_rows();
+        assert_eq!(targets, [4, 5, 11, 12]);
+        let states: Vec<u32> = rows.iter().map(|&r| d.state_rows[r]).collect();
+        assert_eq!(states, [1, 2, 8, 9]);
+        assert!(DraftBatch::of(&PackedBatch::new(&[(vec![1, 2, 3], 2)]).unwrap()).is_none());
     }
 
     #[test]

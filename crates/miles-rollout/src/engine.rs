@@ -20,6 +20,9 @@ use crate::blocks::BlockAllocator;
 use crate::policy::{DrawRequest, Policy, model_error};
 use crate::sampler::{Draw, uniform};
 
+mod speculative;
+use speculative::{DraftFeed, SpecCounts};
+
 /// Limits of the engine (flags `--rollout-kv-cache-mb`, `--rollout-max-running`,
 /// `--rollout-max-prefill-tokens`, `--rollout-max-prompt-len`).
 #[derive(Debug, Clone)]
@@ -37,6 +40,9 @@ pub struct EngineConfig {
     /// Prefill tokens per step when set (SGLang's `--chunked-prefill-size`): a longer prompt is
     /// prefilled over several steps, beside the decode rows of the others.
     pub chunked_prefill_size: Option<usize>,
+    /// Draft tokens proposed per verification when the engine has a draft
+    /// ([`Engine::with_draft`]; SGLang's `--speculative-num-steps`).
+    pub speculative_steps: usize,
 }
 
 impl Default for EngineConfig {
@@ -48,6 +54,7 @@ impl Default for EngineConfig {
             max_prompt_len: None,
             cuda_graphs: true,
             chunked_prefill_size: None,
+            speculative_steps: 0,
         }
     }
 }
@@ -70,6 +77,8 @@ pub struct EngineStats {
     pub decode_seconds: f64,
     /// Seconds from the first `generate` call's start to its first sampled token.
     pub first_token_seconds: Option<f64>,
+    /// Speculative decoding: verifications, draft tokens proposed and kept.
+    pub spec: SpecCounts,
 }
 
 /// Progress reported after every step, with the groups it completed.
@@ -116,6 +125,9 @@ struct Seq {
     routes: Vec<u16>,
     blocks: Vec<BlockId>,
     admitted: u64,
+    /// What its draft has not seen yet (speculative decoding; `None` until prefilled).
+    feed: Option<DraftFeed>,
+    spec: SpecCounts,
 }
 
 impl Seq {
@@ -160,9 +172,34 @@ impl Engine {
         Ok(Engine { policy, tokenizer, config, stats, weight_version: 0 })
     }
 
+    /// A speculative engine: `draft` (a one-layer MTP draft of `model`,
+    /// [`miles_model::draft`]) proposes `config.speculative_steps` tokens per sequence and
+    /// step, which one forward of the policy verifies; its keys and values take a cache of
+    /// their own beside the policy's, in the same blocks and the same budget.
+    pub fn with_draft(
+        model: &DeviceModel,
+        draft: &DeviceModel,
+        tokenizer: Option<Tokenizer>,
+        config: EngineConfig,
+    ) -> crate::Result<Self> {
+        speculative::check_draft(model, draft, config.speculative_steps)?;
+        let policy = Policy::with_draft(model, draft, config.kv_cache_bytes, config.cuda_graphs)?;
+        let stats = EngineStats { total_blocks: policy.num_blocks(), ..EngineStats::default() };
+        Ok(Engine { policy, tokenizer, config, stats, weight_version: 0 })
+    }
+
     /// The engine with `model` lent to it: the [`Rollout`] of a loop that owns its model.
     pub fn lend<'a>(&'a mut self, model: &'a DeviceModel) -> Lent<'a> {
-        Lent { engine: self, model }
+        Lent { engine: self, model, draft: None }
+    }
+
+    /// [`Engine::lend`] with the draft of a speculative engine ([`Engine::with_draft`]).
+    pub fn lend_with_draft<'a>(
+        &'a mut self,
+        model: &'a DeviceModel,
+        draft: &'a DeviceModel,
+    ) -> Lent<'a> {
+        Lent { engine: self, model, draft: Some(draft) }
     }
 
     /// The model's weights changed (a trainer's step, or new weights set from elsewhere):
@@ -228,7 +265,33 @@ impl Engine {
         params: &SamplingParams,
         progress: &mut dyn FnMut(Progress<'_>),
     ) -> crate::Result<Vec<Vec<Sample>>> {
+        self.generate_speculative(model, None, groups, params, progress)
+    }
+
+    /// [`Engine::generate_with_progress`] with the draft of a speculative engine: each step
+    /// the draft proposes and the policy verifies, so a sequence advances by one to
+    /// `speculative_steps + 1` tokens, distributed as the policy's own draws and with its
+    /// logprobs ([`miles_tensor::cpu::verify_chain`]).
+    pub fn generate_speculative(
+        &mut self,
+        model: &DeviceModel,
+        draft: Option<&DeviceModel>,
+        groups: Vec<Vec<Sample>>,
+        params: &SamplingParams,
+        progress: &mut dyn FnMut(Progress<'_>),
+    ) -> crate::Result<Vec<Vec<Sample>>> {
         self.policy.check(model)?;
+        match draft {
+            Some(d) => self.policy.check_draft(d)?,
+            None if self.policy.has_draft() => {
+                return Err(crate::Error::Invalid(
+                    "rollout engine: a speculative engine generates with its draft \
+                     (Engine::lend_with_draft, Engine::generate_speculative)"
+                        .into(),
+                ));
+            }
+            None => {}
+        }
         check_params(params)?;
         if self.config.chunked_prefill_size == Some(0) {
             return Err(crate::Error::config("rollout-chunked-prefill-size", "must be at least 1"));
@@ -245,7 +308,7 @@ impl Engine {
         let preempted_before = self.stats.preemptions;
         let mut admissions = 0u64;
         while run.remaining > 0 {
-            self.grow(&mut run);
+            self.grow(&mut run, params);
             let admitted = self.admit(&mut run, &mut admissions);
             let chunk = self.chunk(&run, &admitted);
             if run.running.is_empty() && admitted.is_empty() && chunk.is_none() {
@@ -257,11 +320,14 @@ impl Engine {
             let prefilling = run.prefilling.as_ref().map(|(unit, _)| unit);
             let in_chunk = prefilling.zip(chunk.clone());
             let chunked = in_chunk.as_ref().map(|(_, c)| c.clone());
-            let (mut draws, routes) =
-                self.step(model, &run.running, &admitted, in_chunk, params)?;
+            let out = match draft {
+                Some(d) => self.spec_step((model, d), &run.running, &admitted, in_chunk, params)?,
+                None => self.step(model, &run.running, &admitted, in_chunk, params)?,
+            };
+            let StepOut { mut draws, routes, running_rows, feeds } = out;
             let mut admitted = admitted;
             if !routes.is_empty() {
-                record_routes(&routes, &mut run, &mut admitted, chunked);
+                record_routes(&routes, &mut run, &mut admitted, chunked, &running_rows, &draws);
             }
             let seconds = step_start.elapsed().as_secs_f64();
             let prefilled: usize = admitted.iter().map(|u| u[0].tokens.len()).sum::<usize>()
@@ -273,9 +339,11 @@ impl Engine {
             }
             self.stats.first_token_seconds.get_or_insert(start.elapsed().as_secs_f64());
             self.stats.steps += 1;
-            self.stats.decode_tokens += run.running.len();
+            self.stats.decode_tokens += running_rows.iter().sum::<usize>();
             self.stats.prefill_tokens += prefilled;
-            let in_step = draws.iter().map(Vec::len).sum::<usize>();
+            // Sequences: one per running, one per admitted member (a chunk's only at its end).
+            let in_step =
+                run.running.len() + draws[run.running.len()..].iter().map(Vec::len).sum::<usize>();
             // A chunked prompt's last chunk: its samples have drawn their first tokens.
             let mut units = admitted;
             if let Some(c) = chunk {
@@ -289,13 +357,19 @@ impl Engine {
             }
             let (running_draws, unit_draws) = draws.split_at(run.running.len());
             let running = std::mem::take(&mut run.running);
+            let mut feeds = feeds.into_iter();
             let mut next: Vec<Seq> = Vec::new();
-            for (seq, draw) in running.into_iter().zip(running_draws) {
-                next.extend(run.advance(self, seq, draw[0], &eos, params));
+            for (mut seq, draws) in running.into_iter().zip(running_draws) {
+                if let Some(f) = feeds.next() {
+                    seq.spec.add(f.counts, &mut self.stats.spec);
+                    seq.feed = f.feed;
+                }
+                next.extend(run.advance_by(self, seq, draws, &eos, params));
             }
             for (unit, draws) in units.into_iter().zip(unit_draws) {
                 let seqs = self.fork(unit)?;
-                for (seq, draw) in seqs.into_iter().zip(draws) {
+                for (mut seq, draw) in seqs.into_iter().zip(draws) {
+                    seq.feed = feeds.next().and_then(|f| f.feed);
                     next.extend(run.advance(self, seq, *draw, &eos, params));
                 }
             }
@@ -314,17 +388,18 @@ impl Engine {
 
     /// Gives every running sequence the block its next position needs, preempting the most
     /// recently admitted sequences when the cache is full.
-    fn grow(&mut self, run: &mut Run) {
+    fn grow(&mut self, run: &mut Run, params: &SamplingParams) {
         let mut i = 0;
         while i < run.running.len() {
-            let needs = run.running[i].tokens.len() - 1 == run.running[i].blocks.len() * KEY_BLOCK;
+            // Positions up to the newest token's plus the draft tokens verified after it.
+            let s = &run.running[i];
+            let needs = s.tokens.len() + self.lookahead(s, params) > s.blocks.len() * KEY_BLOCK;
             if !needs {
                 i += 1;
                 continue;
             }
             if let Some(b) = run.blocks.allocate() {
                 run.running[i].blocks.push(b);
-                i += 1;
                 continue;
             }
             // Newest first; it may be the sequence asking, which then waits too.
@@ -332,6 +407,7 @@ impl Engine {
             run.blocks.release(&victim.blocks);
             let mut victim = victim;
             victim.blocks.clear();
+            victim.feed = None;
             run.waiting.push_front(vec![victim]);
             self.stats.preemptions += 1;
         }
@@ -439,7 +515,6 @@ impl Engine {
     /// One forward over the running sequences' next positions and the admitted prompts;
     /// returns the draws, one list per running sequence (of one) then per admitted unit, and
     /// the rows' routed experts ([`Policy::step`]).
-    #[allow(clippy::type_complexity)]
     fn step(
         &mut self,
         model: &DeviceModel,
@@ -447,7 +522,7 @@ impl Engine {
         admitted: &[Unit],
         chunk: Option<(&Unit, std::ops::Range<usize>)>,
         params: &SamplingParams,
-    ) -> crate::Result<(Vec<Vec<Option<Draw>>>, Vec<u16>)> {
+    ) -> crate::Result<StepOut> {
         let mut rows: Vec<StepRow> = Vec::new();
         let mut draws: Vec<DrawRequest> = Vec::new();
         let mut sizes: Vec<usize> = Vec::new();
@@ -480,8 +555,24 @@ impl Engine {
         }
         let (drawn, routes) = self.policy.step(model, &rows, &draws, params)?;
         let mut drawn = drawn.into_iter();
-        Ok((sizes.iter().map(|&n| drawn.by_ref().take(n).collect()).collect(), routes))
+        Ok(StepOut {
+            draws: sizes.iter().map(|&n| drawn.by_ref().take(n).collect()).collect(),
+            routes,
+            running_rows: vec![1; running.len()],
+            feeds: Vec::new(),
+        })
     }
+}
+
+/// What one step gave: draws, one list per running sequence then per admitted unit (a
+/// speculative step's running sequences may have several); the rows' routed experts and the
+/// rows each running sequence had; for a speculative step, what each running sequence and
+/// then each member of an admitted unit feeds its draft next.
+struct StepOut {
+    draws: Vec<Vec<Option<Draw>>>,
+    routes: Vec<u16>,
+    running_rows: Vec<usize>,
+    feeds: Vec<speculative::Fed>,
 }
 
 /// Hands a step's routed experts (`[rows × width]`, rows in [`Engine::step`]'s order) to the
@@ -493,14 +584,23 @@ fn record_routes(
     run: &mut Run,
     admitted: &mut [Unit],
     chunk: Option<std::ops::Range<usize>>,
+    running_rows: &[usize],
+    draws: &[Vec<Option<Draw>>],
 ) {
-    let rows = run.running.len()
+    let rows = running_rows.iter().sum::<usize>()
         + admitted.iter().map(|u| u[0].tokens.len()).sum::<usize>()
         + chunk.as_ref().map_or(0, ExactSizeIterator::len);
     let width = routes.len() / rows.max(1);
     let mut at = routes.chunks(width.max(1));
-    for seq in &mut run.running {
-        seq.routes.extend(at.next().expect("a row per running sequence"));
+    // A running sequence's rows are its positions from its newest token's on; those whose
+    // tokens it keeps (one per draw) are recorded.
+    for ((seq, &n), drawn) in run.running.iter_mut().zip(running_rows).zip(draws) {
+        for r in 0..n {
+            let row = at.next().expect("a row per running position");
+            if r < drawn.len() {
+                seq.routes.extend(row);
+            }
+        }
     }
     for unit in admitted.iter_mut() {
         let lead = &mut unit[0];
@@ -588,6 +688,8 @@ impl Run {
                             routes: Vec::new(),
                             blocks: Vec::new(),
                             admitted: 0,
+                            feed: None,
+                            spec: SpecCounts::default(),
                         };
                         samples.push(s);
                         run.remaining += 1;
@@ -631,6 +733,22 @@ impl Run {
             total_blocks: self.blocks.num_used() + self.blocks.num_free(),
             groups_done: done.into_iter().map(|g| (g, self.out[g].as_slice())).collect(),
         }
+    }
+
+    /// Appends a step's draws in order, until the sequence finishes.
+    fn advance_by(
+        &mut self,
+        engine: &Engine,
+        seq: Seq,
+        draws: &[Option<Draw>],
+        eos: &[u32],
+        params: &SamplingParams,
+    ) -> Option<Seq> {
+        let mut seq = Some(seq);
+        for &d in draws {
+            seq = self.advance(engine, seq?, d, eos, params);
+        }
+        seq
     }
 
     /// Appends a draw; a finished sequence frees its blocks and fills its sample.
@@ -780,6 +898,9 @@ impl Engine {
         s.loss_mask.truncate(earlier);
         s.loss_mask.resize(response.len(), 1);
         s.rollout_routed_experts = self.routed_experts(&seq);
+        if self.policy.has_draft() {
+            seq.spec.write(&mut s.metadata);
+        }
         s.tokens = seq.tokens;
         s.rollout_log_probs = seq.logprobs;
         s.status = status;
@@ -795,7 +916,9 @@ impl Engine {
         let c = self.policy.config();
         let moe = c.moe.as_ref()?;
         let layers = (0..c.num_hidden_layers).filter(|&l| moe.is_sparse(l)).count();
-        let ids = seq.routes.clone();
+        // A speculative step may have run positions past the token the sequence stopped at.
+        let mut ids = seq.routes.clone();
+        ids.truncate((seq.tokens.len() - 1) * layers * moe.num_experts_per_tok);
         debug_assert_eq!(ids.len(), (seq.tokens.len() - 1) * layers * moe.num_experts_per_tok);
         Some(RoutedExperts { num_layers: layers, top_k: moe.num_experts_per_tok, ids })
     }
@@ -830,6 +953,7 @@ fn check_params(p: &SamplingParams) -> crate::Result<()> {
 pub struct Lent<'a> {
     engine: &'a mut Engine,
     model: &'a DeviceModel,
+    draft: Option<&'a DeviceModel>,
 }
 
 impl Rollout for Lent<'_> {
@@ -838,7 +962,7 @@ impl Rollout for Lent<'_> {
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
     ) -> crate::Result<Vec<Vec<Sample>>> {
-        self.engine.generate(self.model, groups, params)
+        self.engine.generate_speculative(self.model, self.draft, groups, params, &mut |_| {})
     }
 
     fn set_weight_version(&mut self, version: u64) {

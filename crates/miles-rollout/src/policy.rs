@@ -9,7 +9,7 @@ use miles_model::{
     BlockId, DecodeGraphs, DeviceModel, KvCache, ModelConfig, SampleParams, StepRow,
 };
 use miles_tensor::cpu::KEY_BLOCK;
-use miles_tensor::{DType, Device};
+use miles_tensor::{DType, Device, Tensor};
 
 use crate::sampler::Draw;
 
@@ -76,12 +76,35 @@ pub struct Policy {
     pub(crate) graphs: Option<DecodeGraphs>,
     graphs_of: u64,
     use_graphs: bool,
+    /// A speculative draft's own cache ([`Policy::with_draft`]): its one layer's keys and
+    /// values under the same block tables as the policy's.
+    draft: Option<(ModelConfig, KvCache)>,
 }
 
 impl Policy {
     /// A KV cache of `kv_bytes` for `model`, on its device in its compute dtype; decode steps
     /// replayed as CUDA graphs when `graphs`.
     pub fn new(model: &DeviceModel, kv_bytes: usize, graphs: bool) -> crate::Result<Self> {
+        Self::build(model, None, kv_bytes, graphs)
+    }
+
+    /// [`Policy::new`] with a speculative draft's cache beside the policy's: the same blocks
+    /// in each, so `kv_bytes` pays for both.
+    pub fn with_draft(
+        model: &DeviceModel,
+        draft: &DeviceModel,
+        kv_bytes: usize,
+        graphs: bool,
+    ) -> crate::Result<Self> {
+        Self::build(model, Some(draft), kv_bytes, graphs)
+    }
+
+    fn build(
+        model: &DeviceModel,
+        draft: Option<&DeviceModel>,
+        kv_bytes: usize,
+        graphs: bool,
+    ) -> crate::Result<Self> {
         let d = model.config.head_dim;
         if !miles_tensor::ops::paged_attention_runs(&model.device(), model.dtype(), d) {
             return Err(crate::Error::Invalid(format!(
@@ -91,10 +114,30 @@ impl Policy {
                 model.dtype()
             )));
         }
-        let per_block = KvCache::bytes_per_block(&model.config, model.dtype());
+        if let Some(dr) = draft
+            && (dr.device() != model.device() || dr.dtype() != model.dtype())
+        {
+            return Err(crate::Error::Invalid(format!(
+                "rollout engine: the draft is on {} in {}, the policy on {} in {}",
+                dr.device(),
+                dr.dtype(),
+                model.device(),
+                model.dtype()
+            )));
+        }
+        let draft_per_block =
+            draft.map_or(0, |dr| KvCache::bytes_per_block(&dr.config, dr.dtype()));
+        let per_block = KvCache::bytes_per_block(&model.config, model.dtype()) + draft_per_block;
         let blocks = blocks_in(kv_bytes, per_block)?;
         let kv = KvCache::new(&model.config, blocks, &model.device(), model.dtype())
             .map_err(model_error)?;
+        let draft = match draft {
+            Some(dr) => Some((
+                dr.config.clone(),
+                KvCache::new(&dr.config, blocks, &dr.device(), dr.dtype()).map_err(model_error)?,
+            )),
+            None => None,
+        };
         // A mixture of experts routes on the host between layers: no graph can hold a step.
         let use_graphs = graphs && model.config.moe.is_none();
         Ok(Policy {
@@ -105,6 +148,7 @@ impl Policy {
             graphs: None,
             graphs_of: 0,
             use_graphs,
+            draft,
         })
     }
 
@@ -179,9 +223,57 @@ impl Policy {
         Ok((drawn.collect(), routes))
     }
 
-    /// Copies every layer of block `src` into `dst`.
+    /// Copies every layer of block `src` into `dst` (the draft's too).
     pub fn copy_block(&mut self, src: BlockId, dst: BlockId) -> crate::Result<()> {
+        if let Some((_, kv)) = &mut self.draft {
+            kv.copy_block(src, dst).map_err(model_error)?;
+        }
         self.kv.copy_block(src, dst).map_err(model_error)
+    }
+
+    /// Whether a draft's cache is kept ([`Policy::with_draft`]).
+    pub fn has_draft(&self) -> bool {
+        self.draft.is_some()
+    }
+
+    /// Refuses a draft other than the one the draft's cache was built for.
+    pub fn check_draft(&self, draft: &DeviceModel) -> crate::Result<()> {
+        match &self.draft {
+            Some((config, _)) if *config == draft.config && draft.device() == self.device => Ok(()),
+            Some(_) => Err(crate::Error::Invalid(
+                "rollout engine: the draft lent to it is not the one its draft cache was built \
+                 for; build an engine for that draft"
+                    .into(),
+            )),
+            None => Err(crate::Error::Invalid(
+                "rollout engine: it was built without a draft (Engine::with_draft speculates)"
+                    .into(),
+            )),
+        }
+    }
+
+    /// The policy's forward over `rows` (keys and values into its cache): the final-normed
+    /// states and the rows' routed experts, no draws (a speculative step verifies them).
+    pub fn verify_step(
+        &mut self,
+        model: &DeviceModel,
+        rows: &[StepRow],
+    ) -> crate::Result<(Tensor, Vec<u16>)> {
+        model.step_routed(rows, &mut self.kv).map_err(model_error)
+    }
+
+    /// The draft's step over `rows` fed `states` (its keys and values into its own cache):
+    /// its final-normed states ([`DeviceModel::step_draft`]).
+    pub fn draft_step(
+        &mut self,
+        draft: &DeviceModel,
+        rows: &[StepRow],
+        states: &Tensor,
+    ) -> crate::Result<Tensor> {
+        let Some((_, kv)) = &mut self.draft else {
+            return Err(crate::Error::Invalid("rollout engine: no draft cache".into()));
+        };
+        draft.step_draft(rows, states, kv).map_err(model_error)
     }
 }
 
