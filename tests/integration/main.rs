@@ -9,5 +9,6 @@ mod registry;
 mod reward_cmd;
 mod rollout;
 mod slime_conformance;
+#[cfg(feature = "eagle-spec")]
 mod speculative;
 mod train;

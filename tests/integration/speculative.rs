@@ -10,6 +10,7 @@ use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::{AdamW, kept_masses};
 use miles_tensor::ops;
 use miles_tensor::rng::Rng;
+use std::sync::Arc;
 
 /// A tiny random model whose distributions are far from uniform.
 fn model(arch: Architecture, seed: u64) -> Model {
@@ -123,7 +124,7 @@ fn greedy_speculative_decoding_gives_the_plain_tokens() {
         // Trained on the policy's continuations, the draft is right often, not always.
         warm_up(&policy, &mut d, &plain.concat(), 8);
         for steps in [1, 3, 6] {
-            let config = EngineConfig { speculative_steps: steps, ..config.clone() };
+            let config = EngineConfig { speculator: Some(speculator(steps)), ..config.clone() };
             let mut e = spec_engine(&policy, &d, config);
             let spec =
                 e.generate_speculative(&policy, Some(&d), input.clone(), &p, &mut |_| {}).unwrap();
@@ -143,7 +144,7 @@ fn greedy_speculative_decoding_gives_the_plain_tokens() {
         let tight = EngineConfig {
             kv_cache_bytes: 4 * per_block,
             chunked_prefill_size: Some(20),
-            speculative_steps: 3,
+            speculator: Some(speculator(3)),
             ..EngineConfig::default()
         };
         // Three samples of prompts that grow past a block each.
@@ -166,7 +167,8 @@ fn speculative_logprobs_equal_the_scorers_bit_for_bit() {
         let policy = on_cpu(&m);
         let d = draft(&m, 9);
         let p = params(30, 0);
-        let config = EngineConfig { max_running: 5, speculative_steps: 3, ..Default::default() };
+        let config =
+            EngineConfig { max_running: 5, speculator: Some(speculator(3)), ..Default::default() };
         let mut e = spec_engine(&policy, &d, config);
         let samples = e
             .generate_speculative(&policy, Some(&d), groups(3, &[7, 66, 2], 10), &p, &mut |_| {})
@@ -228,7 +230,8 @@ fn sampled_speculative_tokens_follow_the_policy() {
     let n = 6000;
     let input = groups(n, &[9], 23);
     let prompt = input[0][0].tokens.clone();
-    let config = EngineConfig { max_running: 512, speculative_steps: 2, ..Default::default() };
+    let config =
+        EngineConfig { max_running: 512, speculator: Some(speculator(2)), ..Default::default() };
     // A draft that proposes well enough that its drafts are often kept and often not.
     let mut warm = p.clone();
     warm.max_new_tokens = 12;
@@ -277,7 +280,7 @@ fn sampled_speculative_tokens_follow_the_policy() {
     }
 }
 
-/// A draft of another shape, a step count out of range, and an engine used without its draft
+/// A draft of another shape, an engine without a scheme, and an engine used without its draft
 /// are refused with what to do.
 #[test]
 fn bad_drafts_and_settings_are_refused() {
@@ -294,10 +297,8 @@ fn bad_drafts_and_settings_are_refused() {
     assert!(e.contains("hidden size"), "{e}");
     let e = err(Engine::with_draft(&policy, &policy, None, config(3)));
     assert!(e.contains("not an MTP draft"), "{e}");
-    for steps in [0, 17] {
-        let e = err(Engine::with_draft(&policy, &d, None, config(steps)));
-        assert!(e.contains("sglang-speculative-num-steps"), "{e}");
-    }
+    let e = err(Engine::with_draft(&policy, &d, None, EngineConfig::default()));
+    assert!(e.contains("sglang-speculative-algorithm"), "{e}");
     let mut e = Engine::with_draft(&policy, &d, None, config(3)).unwrap();
     let p = params(4, 0);
     let msg = e.generate(&policy, groups(1, &[3], 1), &p).unwrap_err().to_string();
@@ -315,6 +316,13 @@ fn bad_drafts_and_settings_are_refused() {
     assert!(msg.contains("built without a draft"), "{msg}");
 }
 
+/// The `eagle-spec` plugin's chain of `steps` drafts.
+fn speculator(steps: usize) -> Arc<dyn miles_core::Speculator> {
+    miles_cli::linked::plugins();
+    let config = serde_json::json!({ "num_steps": steps });
+    Arc::from(miles_core::registry::create_speculator("eagle-spec", &config).unwrap())
+}
+
 fn config(steps: usize) -> EngineConfig {
-    EngineConfig { speculative_steps: steps, ..EngineConfig::default() }
+    EngineConfig { speculator: Some(speculator(steps)), ..EngineConfig::default() }
 }

@@ -189,7 +189,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         max_prompt_len: None,
         cuda_graphs: !args.engine.disable_cuda_graph,
         chunked_prefill_size: args.engine.chunked_prefill_size,
-        speculative_steps: 0,
+        speculator: None,
     };
     let mut rng = Rng::new(args.seed + 1);
     let groups: Vec<Vec<Sample>> = (0..args.batch)

@@ -12,6 +12,8 @@ pub const FEATURES: &[&str] = &[
     "r3",
     #[cfg(feature = "fp8")]
     "fp8",
+    #[cfg(feature = "eagle-spec")]
+    "eagle-spec",
     #[cfg(feature = "cuda")]
     "cuda",
 ];
@@ -25,6 +27,8 @@ pub fn plugins() -> Vec<&'static Plugin> {
         &miles_plugin_r3::PLUGIN,
         #[cfg(feature = "fp8")]
         &miles_plugin_fp8::PLUGIN,
+        #[cfg(feature = "eagle-spec")]
+        &miles_plugin_eagle_spec::PLUGIN,
     ];
     let builtin = miles_rewards::BUILTIN.iter().chain(miles_train::advantage::BUILTIN);
     let all: Vec<&'static Plugin> = builtin.chain(features).copied().collect();

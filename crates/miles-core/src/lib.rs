@@ -17,6 +17,7 @@ mod replay;
 mod reward;
 mod rollout;
 mod sample;
+mod speculate;
 
 pub use advantage::{Advantage, AdvantageOutput, SequenceScore};
 pub use correction::{Correction, CorrectionInput, CorrectionOutput};
@@ -27,6 +28,7 @@ pub use replay::{ROUTER_CHOOSES, RoutingReplay};
 pub use reward::{Reward, RewardError, RewardValue};
 pub use rollout::{Rollout, SamplingParams};
 pub use sample::{Message, Prompt, RoutedExperts, Sample, Status};
+pub use speculate::Speculator;
 
 /// Re-exported so plugin crates register with the same `inventory` this crate collects from.
 pub use inventory;

@@ -29,7 +29,9 @@ use std::fmt;
 
 use serde::Serialize;
 
-use crate::{Advantage, Correction, Error, Quantizer, Result, Reward, Rollout, RoutingReplay};
+use crate::{
+    Advantage, Correction, Error, Quantizer, Result, Reward, Rollout, RoutingReplay, Speculator,
+};
 
 /// A plugin's configuration: the JSON object the driver builds from flags or the config file.
 pub type PluginConfig = serde_json::Value;
@@ -44,16 +46,18 @@ pub enum PluginKind {
     Quantizer,
     Correction,
     Replay,
+    Speculator,
 }
 
 impl PluginKind {
-    pub const ALL: [PluginKind; 6] = [
+    pub const ALL: [PluginKind; 7] = [
         PluginKind::Rollout,
         PluginKind::Reward,
         PluginKind::Advantage,
         PluginKind::Quantizer,
         PluginKind::Correction,
         PluginKind::Replay,
+        PluginKind::Speculator,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -64,6 +68,7 @@ impl PluginKind {
             PluginKind::Quantizer => "quantizer",
             PluginKind::Correction => "correction",
             PluginKind::Replay => "replay",
+            PluginKind::Speculator => "speculator",
         }
     }
 }
@@ -83,6 +88,7 @@ pub enum Factory {
     Quantizer(fn(&PluginConfig) -> Result<Box<dyn Quantizer>>),
     Correction(fn(&PluginConfig) -> Result<Box<dyn Correction>>),
     Replay(fn(&PluginConfig) -> Result<Box<dyn RoutingReplay>>),
+    Speculator(fn(&PluginConfig) -> Result<Box<dyn Speculator>>),
 }
 
 /// A statically linked plugin.
@@ -103,6 +109,7 @@ impl Plugin {
             Factory::Quantizer(_) => PluginKind::Quantizer,
             Factory::Correction(_) => PluginKind::Correction,
             Factory::Replay(_) => PluginKind::Replay,
+            Factory::Speculator(_) => PluginKind::Speculator,
         }
     }
 }
@@ -184,6 +191,14 @@ pub fn create_correction(name: &str, config: &PluginConfig) -> Result<Box<dyn Co
 pub fn create_replay(name: &str, config: &PluginConfig) -> Result<Box<dyn RoutingReplay>> {
     create(PluginKind::Replay, name, config, |f| match f {
         Factory::Replay(make) => Some(make),
+        _ => None,
+    })
+}
+
+/// Instantiates the speculative decoding scheme `name` (`eagle-spec`).
+pub fn create_speculator(name: &str, config: &PluginConfig) -> Result<Box<dyn Speculator>> {
+    create(PluginKind::Speculator, name, config, |f| match f {
+        Factory::Speculator(make) => Some(make),
         _ => None,
     })
 }

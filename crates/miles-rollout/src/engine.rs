@@ -10,9 +10,10 @@
 //! counter-based, so resuming changes no bit of its result).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Instant;
 
-use miles_core::{Prompt, Rollout, RoutedExperts, Sample, SamplingParams, Status};
+use miles_core::{Prompt, Rollout, RoutedExperts, Sample, SamplingParams, Speculator, Status};
 use miles_model::{BlockId, DeviceModel, StepRow, Tokenizer};
 use miles_tensor::cpu::KEY_BLOCK;
 
@@ -40,9 +41,9 @@ pub struct EngineConfig {
     /// Prefill tokens per step when set (SGLang's `--chunked-prefill-size`): a longer prompt is
     /// prefilled over several steps, beside the decode rows of the others.
     pub chunked_prefill_size: Option<usize>,
-    /// Draft tokens proposed per verification when the engine has a draft
-    /// ([`Engine::with_draft`]; SGLang's `--speculative-num-steps`).
-    pub speculative_steps: usize,
+    /// The speculative scheme of an engine with a draft ([`Engine::with_draft`]): how many
+    /// tokens the draft proposes and which a verification keeps (the `eagle-spec` plugin).
+    pub speculator: Option<Arc<dyn Speculator>>,
 }
 
 impl Default for EngineConfig {
@@ -54,7 +55,7 @@ impl Default for EngineConfig {
             max_prompt_len: None,
             cuda_graphs: true,
             chunked_prefill_size: None,
-            speculative_steps: 0,
+            speculator: None,
         }
     }
 }
@@ -173,16 +174,16 @@ impl Engine {
     }
 
     /// A speculative engine: `draft` (a one-layer MTP draft of `model`,
-    /// [`miles_model::draft`]) proposes `config.speculative_steps` tokens per sequence and
-    /// step, which one forward of the policy verifies; its keys and values take a cache of
-    /// their own beside the policy's, in the same blocks and the same budget.
+    /// [`miles_model::draft`]) proposes the `config.speculator`'s number of tokens per
+    /// sequence and step, which one forward of the policy verifies; its keys and values take
+    /// a cache of their own beside the policy's, in the same blocks and the same budget.
     pub fn with_draft(
         model: &DeviceModel,
         draft: &DeviceModel,
         tokenizer: Option<Tokenizer>,
         config: EngineConfig,
     ) -> crate::Result<Self> {
-        speculative::check_draft(model, draft, config.speculative_steps)?;
+        speculative::check_draft(model, draft, config.speculator.as_deref())?;
         let policy = Policy::with_draft(model, draft, config.kv_cache_bytes, config.cuda_graphs)?;
         let stats = EngineStats { total_blocks: policy.num_blocks(), ..EngineStats::default() };
         Ok(Engine { policy, tokenizer, config, stats, weight_version: 0 })
@@ -271,7 +272,7 @@ impl Engine {
     /// [`Engine::generate_with_progress`] with the draft of a speculative engine: each step
     /// the draft proposes and the policy verifies, so a sequence advances by one to
     /// `speculative_steps + 1` tokens, distributed as the policy's own draws and with its
-    /// logprobs ([`miles_tensor::cpu::verify_chain`]).
+    /// logprobs ([`Speculator::verify`]).
     pub fn generate_speculative(
         &mut self,
         model: &DeviceModel,

@@ -1,7 +1,7 @@
 //! Speculative decoding (EAGLE's chain drafting with an MTP draft, as SGLang runs it with
 //! `--speculative-eagle-topk 1`): each step the draft proposes up to `k` tokens per running
 //! sequence, the policy runs its newest token and the k drafts in one forward over the paged
-//! cache, and [`verify_chain`] keeps a prefix of the drafts and draws one token of the
+//! cache, and the speculator (the `eagle-spec` plugin) keeps a prefix of the drafts and draws one token of the
 //! policy's own, so a sequence advances by 1 to k + 1 tokens.
 //!
 //! - The draft at position t reads the policy's final-normed state there and the token at
@@ -11,16 +11,16 @@
 //!   its own states for the chain; cached entries past a sequence's newest position are never
 //!   read before they are written again, so rejected drafts need no rollback.
 //! - Exact sampling: drafts are drawn from the draft's distribution at the run's temperature,
-//!   top-k and top-p, and [`verify_chain`] keeps or replaces them so that every token is
+//!   top-k and top-p, and the verification keeps or replaces them so that every token is
 //!   distributed as the policy's (greedy decoding gives exactly the plain tokens). Uniforms
 //!   are counter-based, keyed by (seed, sample, response position) in three streams: the
 //!   draft's draws, the acceptance tests and the policy's draws (the plain sampler's stream).
 //! - Exact logprobs: a kept token's logprob is taken from the verification forward's row,
 //!   through the same batch-invariant kernels and [`ops::logprob_rows`] as a plain step.
 
-use miles_core::SamplingParams;
+use miles_core::{SamplingParams, Speculator};
 use miles_model::{DeviceModel, StepRow};
-use miles_tensor::cpu::{StepUniforms, draw, kept_masses, verify_chain};
+use miles_tensor::cpu::{draw, kept_masses};
 use miles_tensor::{Tensor, ops};
 use serde_json::Value;
 
@@ -32,9 +32,6 @@ use crate::sampler::{Draw, uniform};
 /// seed itself, as plain decoding does).
 const DRAFT_STREAM: u64 = 0x6472_6166_745f_7371;
 const ACCEPT_STREAM: u64 = 0x6163_6365_7074_5f71;
-
-/// The most draft tokens per verification (SGLang's `--speculative-num-steps`).
-pub const MAX_STEPS: usize = 16;
 
 /// What a sequence's draft has not seen yet: the policy's final-normed states at positions
 /// `from` up to its newest token's (exclusive), `[rows × hidden]`.
@@ -80,16 +77,17 @@ pub(super) struct Fed {
     pub(super) counts: SpecCounts,
 }
 
-/// Refuses a draft that cannot propose for `model`, or a step count out of range.
+/// Refuses a draft that cannot propose for `model`, or an engine without a scheme.
 pub(super) fn check_draft(
     model: &DeviceModel,
     draft: &DeviceModel,
-    steps: usize,
+    speculator: Option<&dyn Speculator>,
 ) -> crate::Result<()> {
-    if !(1..=MAX_STEPS).contains(&steps) {
+    if speculator.is_none_or(|s| s.num_steps() == 0) {
         return Err(crate::Error::config(
-            "sglang-speculative-num-steps",
-            format!("{steps}: a speculative engine proposes 1 to {MAX_STEPS} tokens a step"),
+            "sglang-speculative-algorithm",
+            "a speculative engine needs its scheme (EngineConfig::speculator, the eagle-spec \
+             plugin) proposing at least one token",
         ));
     }
     let (p, d) = (&model.config, &draft.config);
@@ -125,7 +123,7 @@ impl Engine {
             return 0;
         }
         let left = params.max_new_tokens.saturating_sub(seq.response_len() + 1);
-        self.config.speculative_steps.min(left)
+        self.config.speculator.as_ref().map_or(0, |s| s.num_steps()).min(left)
     }
 
     /// One speculative step: the draft proposes for every running sequence, then one forward
@@ -188,7 +186,8 @@ impl Engine {
                         kept_masses(l, t, params.top_k, params.top_p)
                     })
                     .collect();
-                let tokens = verify(seq, prop, masses, params)?;
+                let speculator = self.config.speculator.as_deref().expect("checked at build");
+                let tokens = verify(speculator, seq, prop, masses, params)?;
                 targets[row..row + tokens.len()].copy_from_slice(&tokens);
                 kept.push(tokens);
                 row += n;
@@ -334,10 +333,11 @@ impl Engine {
     }
 }
 
-/// The tokens `seq` keeps from its proposal: the drafts [`verify_chain`] accepts, then the
+/// The tokens `seq` keeps from its proposal: the drafts the speculator accepts, then the
 /// policy's own; over the leading rows whose masses exist (empty when the first has none:
 /// non-finite logits).
 fn verify(
+    speculator: &dyn Speculator,
     seq: &Seq,
     prop: &Proposal,
     masses: Vec<Option<Vec<u64>>>,
@@ -350,14 +350,13 @@ fn verify(
     let k = p.len() - 1;
     let (drafts, q) = (&prop.tokens[..k], &prop.masses[..k]);
     let r0 = seq.response_len() as u64;
-    let u: Vec<StepUniforms> = (0..=k as u64)
-        .map(|i| StepUniforms {
-            accept: uniform(params.seed ^ ACCEPT_STREAM, seq.key, r0 + i),
-            draw: uniform(params.seed, seq.key, r0 + i),
+    let u: Vec<(f64, f64)> = (0..=k as u64)
+        .map(|i| {
+            let accept = uniform(params.seed ^ ACCEPT_STREAM, seq.key, r0 + i);
+            (accept, uniform(params.seed, seq.key, r0 + i))
         })
         .collect();
-    let verdict = verify_chain(&p, q, drafts, &u).map_err(|e| model_error(e.into()))?;
-    Ok(verdict.tokens)
+    speculator.verify(&p, q, drafts, &u)
 }
 
 fn sample_params(p: &SamplingParams) -> miles_model::SampleParams {
