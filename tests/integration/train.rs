@@ -276,6 +276,44 @@ fn a_moe_run_with_replay_resumes_exactly() {
     }
 }
 
+/// A speculative run whose draft trains online (from scratch) resumes to the same bytes, the
+/// draft and its moments included; its rollout logprobs are the trainer's bit for bit, and it
+/// reports the draft's loss and acceptance, which rise as the draft learns.
+#[cfg(feature = "eagle-spec")]
+#[test]
+fn a_speculative_run_with_mtp_training_resumes_exactly() {
+    let flags = format!(
+        "{SHORT} --sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2 \
+         --enable-mtp-training --mtp-loss-scaling-factor 0.2"
+    );
+    let draft = [
+        "ref.safetensors",
+        "draft/model.safetensors",
+        "draft/exp_avg/model.safetensors",
+        "draft/exp_avg_sq/model.safetensors",
+        "draft/optimizer.json",
+    ];
+    let dir = check_exact_resume_with("train_spec_resume", &flags, &draft, &[]);
+    let records = iteration_records(&dir);
+    for r in &records {
+        assert_eq!(r["train/train_rollout_logprob_abs_diff"], 0.0, "{r}");
+        assert!(r["train/mtp_loss"].as_f64().unwrap() > 0.0, "{r}");
+        let rate = r["rollout/spec_accept_rate"].as_f64().unwrap();
+        let length = r["rollout/spec_accept_length"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&rate) && (1.0..=3.0).contains(&length), "{r}");
+    }
+    // The draft learns from scratch during the warm-up's supervised steps.
+    let sft: Vec<f64> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).unwrap()["sft/mtp_loss"].as_f64())
+        .collect();
+    assert_eq!(sft.len(), 40);
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (early, late) = (mean(&sft[..5]), mean(&sft[35..]));
+    assert!(late < 0.5 * early, "the draft learns: MTP loss {early} then {late}");
+}
+
 /// The records of a run's iterations.
 fn iteration_records(dir: &Path) -> Vec<Value> {
     std::fs::read_to_string(dir.join("metrics.jsonl"))
@@ -735,6 +773,44 @@ fn checkpoint_and_prompts(dir: &Path, prompts: &str) -> (String, String) {
     let data = dir.join("prompts.jsonl");
     std::fs::write(&data, prompts).unwrap();
     (ckpt.to_str().unwrap().to_string(), data.to_str().unwrap().to_string())
+}
+
+/// Speculative flags without their partners, a draft of another model and a plugin setting
+/// out of range are refused naming the flag, the file and the tensor.
+#[cfg(feature = "eagle-spec")]
+#[test]
+fn bad_speculative_settings_and_drafts_are_named() {
+    use miles_model::draft::{Draft, DraftFormat};
+    let dir = scratch("train_bad_drafts");
+    let (ckpt, data) = checkpoint_and_prompts(&dir, "{\"input\": \"1+1=\", \"label\": \"2\"}\n");
+    let base = format!(
+        "--hf-checkpoint {ckpt} --prompt-data {data} --label-key label --rm-type exact_match \
+         --num-rollout 1 --rollout-max-response-len 4"
+    );
+    let e = train(&base, &["--sglang-speculative-algorithm", "EAGLE"]).unwrap_err();
+    assert!(e.contains("--sglang-speculative-algorithm") && e.contains("needs a draft"), "{e}");
+    let e = train(&base, &["--sglang-speculative-num-steps", "2"]).unwrap_err();
+    assert!(e.contains("--sglang-speculative-num-steps") && e.contains("only with"), "{e}");
+    let spec = ["--sglang-speculative-algorithm", "EAGLE", "--enable-mtp-training"];
+    let e = train(&base, &[&spec[..], &["--sglang-speculative-eagle-topk", "2"]].concat());
+    assert!(e.as_ref().unwrap_err().contains("sglang-speculative-eagle-topk"), "{e:?}");
+    // A draft of a wider model.
+    let mut wide = miles_model::presets::preset("tiny", None).unwrap();
+    wide.hidden_size *= 2;
+    let draft_dir = dir.join("wide_draft");
+    Draft::random(&wide, DraftFormat::DeepSeek, 1).unwrap().save(&draft_dir, &wide).unwrap();
+    let path = draft_dir.to_str().unwrap();
+    let e = train(&base, &[&spec[..2], &["--sglang-speculative-draft-model-path", path]].concat())
+        .unwrap_err();
+    assert!(e.contains("--sglang-speculative-draft-model-path") && e.contains("eh_proj"), "{e}");
+    assert!(e.contains("hidden size"), "{e}");
+    // And a run that speculates with the checkpoint's own draft, written by a first run.
+    let save = dir.join("run");
+    let out = train(&base, &[&spec[..], &["--save", save.to_str().unwrap()]].concat()).unwrap();
+    let draft = save.join("iter_0000001/draft");
+    let path = draft.to_str().unwrap();
+    let more = [&spec[..2], &["--sglang-speculative-draft-model-path", path]].concat();
+    assert!(train(&base, &more).is_ok(), "{out}");
 }
 
 #[test]

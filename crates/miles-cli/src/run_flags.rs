@@ -68,6 +68,7 @@ const LOSS: &str = "Loss";
 const TIS: &str = "Off-policy correction (tis plugin)";
 const OPTIM: &str = "Optimizer and schedule";
 const LOW: &str = "Low precision (fp8 plugin)";
+const SPEC: &str = "Speculative rollouts (eagle-spec plugin)";
 
 const fn switch(section: &'static str, key: &'static str, help: &'static str) -> Flag {
     Flag { key, kind: Kind::Switch, ty: Ty::Bool, section, help }
@@ -503,6 +504,48 @@ pub const FLAGS: &[Flag] = &[
         "num-layers-at-end-in-bf16",
         Ty::UInt,
         "With --fp8-format: the last N decoder layers stay in bf16.",
+    ),
+    // Speculative rollouts.
+    optional(
+        SPEC,
+        "sglang-speculative-algorithm",
+        Ty::Enum(&["EAGLE", "NEXTN"]),
+        "Roll out speculatively: an MTP draft proposes, the policy verifies; tokens and \
+         logprobs stay the policy's (SGLang's flag; the eagle-spec plugin).",
+    ),
+    optional(SPEC, "sglang-speculative-num-steps", Ty::UInt, "Draft tokens per verification (3)."),
+    optional(SPEC, "sglang-speculative-eagle-topk", Ty::UInt, "Drafts per position: 1 (a chain)."),
+    optional(
+        SPEC,
+        "sglang-speculative-num-draft-tokens",
+        Ty::UInt,
+        "Tokens one verification checks: num-steps + 1 for a chain.",
+    ),
+    optional(
+        SPEC,
+        "sglang-speculative-draft-model-path",
+        Ty::Path,
+        "The draft: an MTP layer's safetensors in DeepSeek-V3's or MiMo's names (a checkpoint's \
+         draft/ directory is one).",
+    ),
+    switch(
+        SPEC,
+        "sglang-enable-draft-weights-cpu-backup",
+        "Accepted for SGLang's scripts: the draft stays in the trainer's process and checkpoints \
+         hold it.",
+    ),
+    switch(
+        SPEC,
+        "enable-mtp-training",
+        "Train the draft during RL on the rollouts' responses (its cross-entropy from their \
+         second token), so it keeps up with the policy; train/mtp_loss.",
+    ),
+    optional(SPEC, "mtp-num-layers", Ty::UInt, "MTP layers of the draft: 1."),
+    value(
+        SPEC,
+        "mtp-loss-scaling-factor",
+        Ty::Float,
+        "Weight of the MTP loss in each step's loss (0.1).",
     ),
 ];
 

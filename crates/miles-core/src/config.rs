@@ -52,6 +52,14 @@ pub enum Fp8Format {
     E4m3,
 }
 
+/// `--sglang-speculative-algorithm`: SGLang's EAGLE with a one-layer MTP draft (its `NEXTN`
+/// is the same); EAGLE3's multi-layer draft is not implemented.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SpeculativeAlgorithm {
+    #[serde(rename = "EAGLE", alias = "NEXTN")]
+    Eagle,
+}
+
 /// `--fp8-recipe`: how FP8 values are scaled. `blockwise`: 128 × 128 weight blocks and
 /// 1 × 128 activation groups with f32 scales (DeepSeek-V3's, miles' on Hopper).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -339,6 +347,29 @@ pub struct RunConfig {
     pub fp8_recipe: Option<Fp8Recipe>,
     pub num_layers_at_start_in_bf16: usize,
     pub num_layers_at_end_in_bf16: usize,
+
+    // Speculative rollouts and MTP training (the eagle-spec plugin).
+    /// SGLang's `--speculative-algorithm`: `EAGLE` (or `NEXTN`) rolls out speculatively with
+    /// an MTP draft.
+    pub sglang_speculative_algorithm: Option<SpeculativeAlgorithm>,
+    /// Draft tokens per verification (default 3).
+    pub sglang_speculative_num_steps: Option<usize>,
+    /// Drafts per step: 1 (a chain).
+    pub sglang_speculative_eagle_topk: Option<usize>,
+    /// Tokens a verification checks: num-steps + 1 for a chain.
+    pub sglang_speculative_num_draft_tokens: Option<usize>,
+    /// The draft's checkpoint: DeepSeek-V3's or MiMo's MTP layer in safetensors.
+    pub sglang_speculative_draft_model_path: Option<PathBuf>,
+    /// SGLang keeps a host copy of the draft's weights; here the draft never leaves the
+    /// trainer's process and checkpoints hold it, so the flag is accepted for the scripts.
+    pub sglang_enable_draft_weights_cpu_backup: bool,
+    /// Trains the draft during RL: its cross-entropy on the rollout's responses, from their
+    /// second token (miles' loss mask shifted), added to every optimizer step.
+    pub enable_mtp_training: bool,
+    /// MTP layers of the draft (Megatron's flag); 1 is what is implemented.
+    pub mtp_num_layers: Option<usize>,
+    /// The MTP loss's weight in the step's loss (Megatron's default 0.1).
+    pub mtp_loss_scaling_factor: f32,
 }
 
 impl Default for RunConfig {
@@ -444,6 +475,15 @@ impl Default for RunConfig {
             fp8_recipe: None,
             num_layers_at_start_in_bf16: 0,
             num_layers_at_end_in_bf16: 0,
+            sglang_speculative_algorithm: None,
+            sglang_speculative_num_steps: None,
+            sglang_speculative_eagle_topk: None,
+            sglang_speculative_num_draft_tokens: None,
+            sglang_speculative_draft_model_path: None,
+            sglang_enable_draft_weights_cpu_backup: false,
+            enable_mtp_training: false,
+            mtp_num_layers: None,
+            mtp_loss_scaling_factor: 0.1,
         }
     }
 }
@@ -502,6 +542,7 @@ impl RunConfig {
         })?;
         self.validate_correction()?;
         self.validate_fp8()?;
+        self.validate_speculative()?;
         check(self.opsm_delta.is_finite(), "opsm-delta", || {
             format!("{} is not finite", self.opsm_delta)
         })?;
@@ -547,7 +588,53 @@ impl RunConfig {
         Ok(())
     }
 
-    /// The off-policy correction's flags: ranges, and the combinations slime refuses.
+    /// The speculative flags go together: the chain's settings with an algorithm, an
+    /// algorithm with a draft to run (a checkpoint, or one trained from scratch), one MTP
+    /// layer. (The plugin checks the algorithm's own settings.)
+    fn validate_speculative(&self) -> Result<()> {
+        let on = self.sglang_speculative_algorithm.is_some();
+        for (key, given) in [
+            ("sglang-speculative-num-steps", self.sglang_speculative_num_steps.is_some()),
+            ("sglang-speculative-eagle-topk", self.sglang_speculative_eagle_topk.is_some()),
+            (
+                "sglang-speculative-num-draft-tokens",
+                self.sglang_speculative_num_draft_tokens.is_some(),
+            ),
+            ("sglang-enable-draft-weights-cpu-backup", self.sglang_enable_draft_weights_cpu_backup),
+        ] {
+            check(on || !given, key, || {
+                "takes effect only with --sglang-speculative-algorithm EAGLE".into()
+            })?;
+        }
+        let has_draft = self.sglang_speculative_draft_model_path.is_some();
+        check(
+            !on || has_draft || self.enable_mtp_training,
+            "sglang-speculative-algorithm",
+            || {
+                "needs a draft: --sglang-speculative-draft-model-path DIR (an MTP layer's \
+             safetensors), or --enable-mtp-training to train one from scratch during the run"
+                    .into()
+            },
+        )?;
+        check(
+            !has_draft || on || self.enable_mtp_training,
+            "sglang-speculative-draft-model-path",
+            || "is used with --sglang-speculative-algorithm EAGLE or --enable-mtp-training".into(),
+        )?;
+        if let Some(n) = self.mtp_num_layers {
+            check(n == 1, "mtp-num-layers", || {
+                format!("{n}: the draft is one MTP layer (DeepSeek-V3's and MiMo's); give 1")
+            })?;
+            check(on || self.enable_mtp_training, "mtp-num-layers", || {
+                "takes effect with --enable-mtp-training or --sglang-speculative-algorithm".into()
+            })?;
+        }
+        let f = self.mtp_loss_scaling_factor;
+        check(f.is_finite() && f >= 0.0, "mtp-loss-scaling-factor", || {
+            format!("{f} must be a number >= 0")
+        })
+    }
+
     /// The FP8 flags go together: a recipe or bf16 layers only with a format.
     fn validate_fp8(&self) -> Result<()> {
         let off = self.fp8_format.is_none();
@@ -565,6 +652,7 @@ impl RunConfig {
         Ok(())
     }
 
+    /// The off-policy correction's flags: ranges, and the combinations slime refuses.
     fn validate_correction(&self) -> Result<()> {
         check(self.tis_clip > 0.0, "tis-clip", || format!("{} must be > 0", self.tis_clip))?;
         if let Some(low) = self.tis_clip_low {
@@ -703,6 +791,36 @@ mod tests {
         assert_eq!(c.kl_loss_type, KlLossType::K1);
         let err = RunConfig::from_json(serde_json::json!({"rollout-batchsize": 4})).unwrap_err();
         assert!(err.to_string().contains("rollout-batchsize"), "{err}");
+    }
+
+    /// The speculative flags go together, and each refusal names its flag.
+    #[test]
+    fn speculative_flags_need_their_partners() {
+        let c = |json: serde_json::Value| RunConfig::from_json(json).unwrap().validate();
+        let bad = |json: serde_json::Value| c(json).unwrap_err().to_string();
+        let e = bad(serde_json::json!({"sglang-speculative-algorithm": "EAGLE"}));
+        assert!(e.starts_with("--sglang-speculative-algorithm:") && e.contains("needs a draft"));
+        c(serde_json::json!({"sglang-speculative-algorithm": "NEXTN", "enable-mtp-training": true}))
+            .unwrap();
+        c(serde_json::json!({
+            "sglang-speculative-algorithm": "EAGLE",
+            "sglang-speculative-draft-model-path": "/d",
+            "sglang-speculative-num-steps": 2,
+            "mtp-num-layers": 1,
+        }))
+        .unwrap();
+        for key in ["sglang-speculative-num-steps", "sglang-speculative-num-draft-tokens"] {
+            let e = bad(serde_json::json!({ key: 3, "enable-mtp-training": true }));
+            assert!(e.starts_with(&format!("--{key}:")) && e.contains("only with"), "{e}");
+        }
+        let e = bad(serde_json::json!({"sglang-speculative-draft-model-path": "/d"}));
+        assert!(e.starts_with("--sglang-speculative-draft-model-path:"), "{e}");
+        let e = bad(serde_json::json!({"enable-mtp-training": true, "mtp-num-layers": 2}));
+        assert!(e.starts_with("--mtp-num-layers:") && e.contains("give 1"), "{e}");
+        let e = bad(serde_json::json!({"mtp-loss-scaling-factor": -1.0}));
+        assert!(e.starts_with("--mtp-loss-scaling-factor:"), "{e}");
+        let e = RunConfig::from_json(serde_json::json!({"sglang-speculative-algorithm": "EAGLE3"}));
+        assert!(e.unwrap_err().to_string().contains("EAGLE3"));
     }
 
     #[test]

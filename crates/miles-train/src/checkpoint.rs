@@ -13,6 +13,12 @@
 //!                                       metadata (`"step"`)
 //!     trainer_state.json                the loop's own state (opaque JSON), pretty-printed
 //!     <name>.safetensors                extra weight sets (e.g. `ref`, a frozen reference), F32
+//!     draft/                            a speculative draft's MTP layer (`model.safetensors` in
+//!                                       its DeepSeek-V3 or MiMo names: a draft directory
+//!                                       `--sglang-speculative-draft-model-path` reads), its
+//!                                       AdamW moments as drafts of the same names in
+//!                                       `exp_avg/` and `exp_avg_sq/`, the step count in
+//!                                       `optimizer.json`
 //! ```
 //!
 //! Weights, moments and the step are stored exactly (F32, no rounding), so a resumed run takes
@@ -45,6 +51,7 @@ use std::path::{Path, PathBuf};
 
 use miles_core::Quantizer;
 use miles_model::config::config_path;
+use miles_model::draft::Draft;
 use miles_model::file_layout::{file_name, file_tensors, weights_from_files};
 use miles_model::{ModelConfig, Weights};
 use miles_tensor::cpu::AdamW;
@@ -136,7 +143,22 @@ pub struct CheckpointRef<'a> {
     pub tokenizer_dir: Option<&'a Path>,
     /// Further weight sets of the same shapes, saved as `<name>.safetensors`.
     pub extra: &'a [(&'a str, &'a Weights)],
+    /// The speculative draft, when the run has one.
+    pub draft: Option<&'a DraftState>,
 }
+
+/// A speculative draft as a checkpoint holds it: its MTP layer, and once trained its AdamW
+/// moments (drafts of the same shape) and step count.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftState {
+    pub draft: Draft,
+    pub moments: Option<(Draft, Draft, u64)>,
+}
+
+/// The draft's directory in a checkpoint, and its parts there.
+pub const DRAFT_DIR: &str = "draft";
+const DRAFT_MOMENTS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+const DRAFT_OPTIMIZER: &str = "optimizer.json";
 
 /// A checkpoint read back by [`load`].
 #[derive(Debug, Clone)]
@@ -150,6 +172,8 @@ pub struct Loaded {
     pub state: serde_json::Value,
     /// The extra weight sets asked for, in the order asked.
     pub extra: Vec<(String, Weights)>,
+    /// The speculative draft, when the checkpoint has one.
+    pub draft: Option<DraftState>,
 }
 
 /// `iter_0000010`: the directory name of an iteration (7 digits, as slime writes them).
@@ -472,6 +496,9 @@ pub fn save(root: &Path, iteration: u64, ckpt: &CheckpointRef) -> Result<PathBuf
         let path = tmp.join(format!("{name}.safetensors"));
         write_tensors(&path, named(config, w, ""), pt_metadata())?;
     }
+    if let Some(draft) = ckpt.draft {
+        save_draft(&tmp.join(DRAFT_DIR), config, draft)?;
+    }
     let state_path = tmp.join(STATE_FILE);
     let mut text = serde_json::to_string_pretty(ckpt.state)
         .map_err(|e| at(&state_path, format!("cannot encode the trainer state: {e}")))?;
@@ -482,6 +509,46 @@ pub fn save(root: &Path, iteration: u64, ckpt: &CheckpointRef) -> Result<PathBuf
     commit_dir(&tmp, &dst)?;
     write_pointer(root, iteration)?;
     Ok(dst)
+}
+
+/// Writes a draft's directory (see the module docs), every file and directory synced.
+fn save_draft(dir: &Path, policy: &ModelConfig, d: &DraftState) -> Result<()> {
+    let write = |dir: &Path, draft: &Draft| -> Result<()> {
+        draft.save(dir, policy)?;
+        sync_file(&dir.join(MODEL_FILE))?;
+        sync_dir(dir)
+    };
+    write(dir, &d.draft)?;
+    if let Some((m, v, steps)) = &d.moments {
+        for (name, moment) in DRAFT_MOMENTS.iter().zip([m, v]) {
+            write(&dir.join(name), moment)?;
+        }
+        let text = serde_json::json!({ STEP_KEY: steps }).to_string();
+        write_synced(&dir.join(DRAFT_OPTIMIZER), text.as_bytes())?;
+    }
+    sync_dir(dir)
+}
+
+/// Reads a checkpoint's draft directory, when there is one.
+fn load_draft(dir: &Path, policy: &ModelConfig) -> Result<Option<DraftState>> {
+    if !dir.join(MODEL_FILE).exists() {
+        return Ok(None);
+    }
+    let draft = Draft::load(dir, policy)?;
+    let path = dir.join(DRAFT_OPTIMIZER);
+    if !path.exists() {
+        return Ok(Some(DraftState { draft, moments: None }));
+    }
+    let text = String::from_utf8(read_required(&path, "the draft's step count")?)
+        .map_err(|e| at(&path, format!("not UTF-8 text: {e}")))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| at(&path, format!("not valid JSON: {e}")))?;
+    let steps = json[STEP_KEY]
+        .as_u64()
+        .ok_or_else(|| at(&path, format!("expected {{\"{STEP_KEY}\": <n>}}, found {text}")))?;
+    let m = Draft::load(&dir.join(DRAFT_MOMENTS[0]), policy)?;
+    let v = Draft::load(&dir.join(DRAFT_MOMENTS[1]), policy)?;
+    Ok(Some(DraftState { draft, moments: Some((m, v, steps)) }))
 }
 
 /// Points `<root>/latest_checkpointed_iteration.txt` at `iteration`, atomically and durably.
@@ -569,7 +636,8 @@ pub fn load_iteration(
         let st = parse_safetensors(&path, &bytes)?;
         extra.push((name.to_string(), weights_from(&st, &path, &config, "")?));
     }
-    Ok(Loaded { iteration, dir, config, weights, optimizer, state, extra })
+    let draft = load_draft(&dir.join(DRAFT_DIR), &config)?;
+    Ok(Loaded { iteration, dir, config, weights, optimizer, state, extra, draft })
 }
 
 /// The directory of `iteration`: `iter_…`, or its `.old` copy when a re-save of it crashed

@@ -64,6 +64,7 @@ impl Run {
             state,
             tokenizer_dir: None,
             extra: &[],
+            draft: None,
         };
         save(root, iteration, &ckpt)
     }
@@ -80,6 +81,36 @@ fn names_in(dir: &Path) -> Vec<String> {
         .collect();
     v.sort();
     v
+}
+
+/// A speculative draft and its moments are saved in the draft's own format (a directory
+/// `--sglang-speculative-draft-model-path` reads) and load back bit for bit; a checkpoint
+/// without one loads without one.
+#[test]
+fn a_draft_and_its_moments_round_trip() {
+    use miles_model::draft::{Draft, DraftFormat};
+    let tmp = TempDir::new("draft");
+    let run = Run::new(1);
+    let drafts: Vec<Draft> =
+        (0..3).map(|seed| Draft::random(&run.config, DraftFormat::MiMo, seed).unwrap()).collect();
+    let state = DraftState {
+        draft: drafts[0].clone(),
+        moments: Some((drafts[1].clone(), drafts[2].clone(), 5)),
+    };
+    let ckpt = CheckpointRef {
+        config: &run.config,
+        weights: &run.weights,
+        optimizer: &run.opt,
+        state: &json!({}),
+        tokenizer_dir: None,
+        extra: &[],
+        draft: Some(&state),
+    };
+    let dir = save(&tmp.0, 3, &ckpt).unwrap();
+    assert_eq!(Draft::load(&dir.join(DRAFT_DIR), &run.config).unwrap(), drafts[0]);
+    assert_eq!(load(&tmp.0, HYPER, 1.0, &[]).unwrap().draft, Some(state));
+    run.save(&tmp.0, 4, &json!({})).unwrap();
+    assert_eq!(load(&tmp.0, HYPER, 1.0, &[]).unwrap().draft, None);
 }
 
 /// GLM-4's files differ from memory (fused gate_up, renamed norms, q/k rows reordered): the
@@ -123,6 +154,7 @@ fn round_trip_is_bit_identical_and_resume_continues_exactly() {
         state: &state,
         tokenizer_dir: Some(&tok),
         extra: &extra,
+        draft: None,
     };
     let dir = save(&root, 10, &ckpt).unwrap();
     assert_eq!(dir, root.join("iter_0000010"));
@@ -326,6 +358,7 @@ fn bad_arguments_are_refused_before_anything_is_written() {
             state: &state,
             tokenizer_dir: None,
             extra: &extra,
+            draft: None,
         };
         let err = save(&root, 1, &ckpt).unwrap_err().to_string();
         assert!(err.contains(&format!("'{name}'")), "{err}");
@@ -339,6 +372,7 @@ fn bad_arguments_are_refused_before_anything_is_written() {
         state: &state,
         tokenizer_dir: None,
         extra: &[],
+        draft: None,
     };
     let err = save(&root, 1, &ckpt).unwrap_err().to_string();
     assert!(err.contains("the weights"), "{err}");

@@ -1,18 +1,22 @@
 //! Where the policy lives during a run: the actor (the policy, which it trains in place and
 //! lends to the rollout engine) and the frozen KL reference, on the run's device.
 
+use std::sync::Arc;
+
 use anyhow::{Context, bail};
-use miles_core::Rollout;
 use miles_core::config::RunConfig;
+use miles_core::{Rollout, Speculator};
+use miles_model::draft::{Draft, DraftFormat, draft_config};
 use miles_model::{DeviceModel, Fp8Layers, Model, Tokenizer, Weights};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
 use miles_tensor::{DType, Device};
 
 use super::adamw;
-use super::step::{Learner, StepOutcome, StepSpec, train_step};
+use super::step::{Learner, Mtp, StepOutcome, StepSpec, train_step};
 use crate::Optimizer;
 use crate::batch::{self, TrainSample};
+use crate::checkpoint::DraftState;
 use crate::dist::Dist;
 
 /// The compute dtype on `device`: f32 on the CPU (its batch-invariant kernels), bf16 on a GPU.
@@ -43,6 +47,28 @@ pub(super) struct Actor {
     hyper: AdamW,
     clip: f64,
     device: Device,
+    /// The speculative draft (`--sglang-speculative-algorithm`, `--enable-mtp-training`).
+    draft: Option<DraftActor>,
+}
+
+/// The draft beside the policy on its device: lent to the engine with the policy when the run
+/// speculates, trained by each optimizer step with `--enable-mtp-training`; its copies of the
+/// policy's embedding and head follow the policy after every step.
+struct DraftActor {
+    model: DeviceModel,
+    format: DraftFormat,
+    speculate: bool,
+    /// The MTP loss's weight, when trained.
+    train: Option<f32>,
+}
+
+/// The policy's tensors a draft keeps frozen copies of.
+fn shared_names(config: &miles_model::ModelConfig) -> Vec<&'static str> {
+    let mut names = vec!["model.embed_tokens.weight"];
+    if !config.tie_word_embeddings {
+        names.push("lm_head.weight");
+    }
+    names
 }
 
 impl Actor {
@@ -55,6 +81,7 @@ impl Actor {
         (device, fp8): (Device, Option<Fp8Layers>),
         cfg: &RunConfig,
         (engine_config, tokenizer): (EngineConfig, &Tokenizer),
+        (draft, speculator): (Option<DraftState>, Option<Arc<dyn Speculator>>),
         dist: Option<&Dist>,
     ) -> anyhow::Result<Self> {
         let mut dm = DeviceModel::new(policy, &device, compute_dtype(device))?;
@@ -96,14 +123,28 @@ impl Actor {
                 );
             }
         }
-        let engine = Engine::new(&dm, Some(tokenizer.clone()), engine_config)?;
+        let draft = match draft {
+            Some(start) => Some(DraftActor::new(&dm, start, cfg, speculator.is_some(), dist)?),
+            None => None,
+        };
+        let tokenizer = Some(tokenizer.clone());
+        let engine = match (&draft, speculator) {
+            (Some(d), Some(s)) if d.speculate => {
+                let config = EngineConfig { speculator: Some(s), ..engine_config };
+                Engine::with_draft(&dm, &d.model, tokenizer, config)?
+            }
+            _ => Engine::new(&dm, tokenizer, engine_config)?,
+        };
         let (hyper, clip) = (adamw(cfg, cfg.lr), f64::from(cfg.clip_grad));
-        Ok(Actor { model: dm, engine, hyper, clip, device })
+        Ok(Actor { model: dm, engine, hyper, clip, device, draft })
     }
 
-    /// The rollout engine with the policy lent to it.
+    /// The rollout engine with the policy lent to it (and the draft, when speculating).
     pub(super) fn rollout(&mut self) -> impl Rollout + '_ {
-        self.engine.lend(&self.model)
+        match self.draft.as_ref().filter(|d| d.speculate) {
+            Some(d) => self.engine.lend_with_draft(&self.model, &d.model),
+            None => self.engine.lend(&self.model),
+        }
     }
 
     /// The policy under the current weights.
@@ -117,8 +158,16 @@ impl Actor {
         part: &[TrainSample],
         spec: StepSpec,
     ) -> anyhow::Result<StepOutcome> {
-        let mut learner = Learner::new(&mut self.model, self.hyper, self.clip)?;
-        train_step(&mut learner, part, spec)
+        let mtp = self.draft.as_mut().and_then(|d| Some(Mtp::new(&mut d.model, d.train?)));
+        let mut learner = Learner::new(&mut self.model, self.hyper, self.clip, mtp)?;
+        let outcome = train_step(&mut learner, part, spec)?;
+        if outcome.applied.is_some()
+            && let Some(d) = &mut self.draft
+        {
+            // The draft reads the new embedding and head from now on.
+            d.model.copy_weights_from(&self.model, &shared_names(&self.model.config))?;
+        }
+        Ok(outcome)
     }
 
     /// Optimizer steps taken (the learning-rate schedule's position).
@@ -157,9 +206,55 @@ impl Actor {
         Ok((dm.to_weights()?, optimizer))
     }
 
+    /// The draft's MTP layer and AdamW state for a checkpoint, on the host (moments as drafts
+    /// of the same shape, with the step count); `None` without a draft.
+    pub(super) fn draft_parts(&self) -> anyhow::Result<Option<DraftState>> {
+        let Some(d) = &self.draft else { return Ok(None) };
+        let draft = Draft::from_model_weights(d.format, &d.model.to_weights()?)?;
+        let moments = match d.model.moments_to_host()? {
+            Some((m, v, steps)) => Some((
+                Draft::from_model_weights(d.format, &m)?,
+                Draft::from_model_weights(d.format, &v)?,
+                steps,
+            )),
+            None => None,
+        };
+        Ok(Some(DraftState { draft, moments }))
+    }
+
     /// The GPU, for the memory and MFU figures; `None` on the CPU.
     pub(super) fn gpu(&self) -> Option<Device> {
         (self.device != Device::Cpu).then_some(self.device)
+    }
+}
+
+impl DraftActor {
+    /// `start` as a draft of the policy `dm` on its device (the policy's embedding and head
+    /// copied in), broadcast from rank 0 over several processes; its moments restored.
+    fn new(
+        dm: &DeviceModel,
+        start: DraftState,
+        cfg: &RunConfig,
+        speculate: bool,
+        dist: Option<&Dist>,
+    ) -> anyhow::Result<Self> {
+        let pc = &dm.config;
+        let policy_head = dm.to_weights()?;
+        let weights = start.draft.model_weights(pc, &policy_head)?;
+        let model = Model::new(draft_config(pc)?, weights);
+        let mut draft = DeviceModel::new(&model, &dm.device(), dm.dtype())?;
+        if let Some(d) = dist {
+            d.broadcast_weights(&mut draft)?;
+        }
+        if let Some((m, v, steps)) = start.moments.filter(|m| m.2 > 0) {
+            let lm_head = policy_head.lm_head.as_ref().map(|h| vec![0.0; h.len()]);
+            let zeros =
+                Weights { embed: vec![0.0; policy_head.embed.len()], lm_head, ..policy_head };
+            let (m, v) = (m.model_weights(pc, &zeros)?, v.model_weights(pc, &zeros)?);
+            draft.set_moments(&m, &v, steps)?;
+        }
+        let train = cfg.enable_mtp_training.then_some(cfg.mtp_loss_scaling_factor);
+        Ok(DraftActor { model: draft, format: start.draft.format, speculate, train })
     }
 }
 

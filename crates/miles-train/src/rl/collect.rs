@@ -175,6 +175,9 @@ struct Tally {
     first_error: Option<String>,
     /// The engine's share of the rollout time (the rest: prompts, rewards, batching).
     generate_time: f64,
+    /// Speculative rollouts: verifications, draft tokens proposed and kept (the samples'
+    /// `spec_verify_ct`, `spec_draft_token_num`, `spec_accept_token_num`).
+    spec: [usize; 3],
 }
 
 impl Tally {
@@ -184,6 +187,13 @@ impl Tally {
         self.samples += group.len();
         self.truncated += group.iter().filter(|s| s.status == Status::Truncated).count();
         self.response_tokens += group.iter().map(|s| s.response_length).sum::<usize>();
+        for s in group {
+            let keys = ["spec_verify_ct", "spec_draft_token_num", "spec_accept_token_num"];
+            for (sum, key) in self.spec.iter_mut().zip(keys) {
+                *sum +=
+                    s.metadata.get(key).and_then(serde_json::Value::as_u64).unwrap_or(0) as usize;
+            }
+        }
         let live: Vec<f32> = rewards.iter().flatten().copied().collect();
         self.rewards.extend(&live);
         let spread = live.iter().any(|&r| r != live[0]);
@@ -204,6 +214,9 @@ impl Tally {
             self.zero_std as f64,
             self.failed as f64,
             kept as f64,
+            self.spec[0] as f64,
+            self.spec[1] as f64,
+            self.spec[2] as f64,
         ];
         if let Some(d) = dist {
             d.sum(&mut sums)?;
@@ -217,7 +230,18 @@ impl Tally {
             zero_std,
             failed,
             kept_all,
+            verifies,
+            drafted,
+            accepted,
         ] = sums;
+        if verifies > 0.0 {
+            // miles' names: kept drafts per draft, and tokens per verification.
+            record.insert("rollout/spec_accept_rate".into(), json!(accepted / drafted.max(1.0)));
+            record.insert(
+                "rollout/spec_accept_length".into(),
+                json!((accepted + verifies) / verifies),
+            );
+        }
         record.insert("rollout/raw_reward".into(), json!(reward_sum / rewards.max(1.0)));
         record.insert(
             "rollout/response_len/mean".into(),

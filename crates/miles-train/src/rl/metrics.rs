@@ -100,6 +100,8 @@ pub(super) struct StepSums {
     pub(super) lr: f32,
     pub(super) router_aux_loss: Option<f64>,
     pub(super) routing: Option<RoutingMismatch>,
+    /// The draft's MTP loss and gradient norm, summed over the steps.
+    pub(super) mtp: Option<(f64, f64)>,
 }
 
 impl StepSums {
@@ -114,6 +116,10 @@ impl StepSums {
         }
         if let Some(m) = &s.routing {
             self.routing.get_or_insert_default().merge(m);
+        }
+        if let Some((loss, norm)) = s.mtp {
+            let sum = self.mtp.get_or_insert((0.0, 0.0));
+            *sum = (sum.0 + loss, sum.1 + norm);
         }
     }
 
@@ -132,6 +138,10 @@ impl StepSums {
         record.insert("train/lr".into(), json!(self.lr));
         if let Some(aux) = self.router_aux_loss {
             record.insert("train/router_aux_loss".into(), json!(aux / k));
+        }
+        if let Some((loss, norm)) = self.mtp {
+            record.insert("train/mtp_loss".into(), json!(loss / k));
+            record.insert("train/mtp_grad_norm".into(), json!(norm / k));
         }
         // Of the (token, sparse layer) pairs with a rollout record: how often training's own
         // top-k differs from the rollout's experts, and how often the experts it used do

@@ -41,8 +41,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, anyhow, bail};
 use miles_core::config::{LossType, RunConfig};
-use miles_core::{Advantage, Correction, Quantizer, Reward, RoutingReplay};
+use miles_core::{Advantage, Correction, Quantizer, Reward, RoutingReplay, Speculator};
 use miles_data::{Cursor, DataSource, Dataset};
+use miles_model::draft::{Draft, DraftFormat};
 use miles_model::{Model, Tokenizer, Weights};
 use miles_rollout::EngineConfig;
 use miles_tensor::Device;
@@ -83,6 +84,8 @@ pub struct Setup {
     /// `--hf-checkpoint` is an FP8 model: without `--fp8-format` the run is rollout-only FP8
     /// (miles' default for such a checkpoint).
     pub fp8_checkpoint: bool,
+    /// The `eagle-spec` plugin, with `--sglang-speculative-algorithm`.
+    pub speculator: Option<Box<dyn Speculator>>,
     pub run_dir: PathBuf,
 }
 
@@ -159,6 +162,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         replay,
         quantizer,
         fp8_checkpoint,
+        speculator,
         run_dir,
     } = setup;
     cfg.validate()?;
@@ -218,10 +222,14 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         Ok(())
     };
     let start = Start { cfg: &cfg, needs_ref, hyper };
+    let saved_draft = resumed.as_ref().and_then(|l| l.draft.clone());
     let (policy, optimizer, state, reference) = start.run(model, resumed, &mut data)?;
+    let draft = draft_start(&cfg, &policy.config, saved_draft)?;
     let engine = (engine_config(&cfg), &tokenizer);
     let fp8 = actor::fp8_layers(&cfg, fp8_checkpoint);
-    let mut actor = Actor::new(&policy, &optimizer, (device, fp8), &cfg, engine, dist.as_ref())?;
+    let speculation = (draft, speculator.map(std::sync::Arc::from));
+    let mut actor =
+        Actor::new(&policy, &optimizer, (device, fp8), &cfg, engine, speculation, dist.as_ref())?;
     drop(policy);
     if resumed_from.is_none() && cfg.sft_warmup_steps > 0 {
         sft_warmup(&cfg, &mut actor, &tokenizer, eos, &data, &mut emit)?;
@@ -340,6 +348,29 @@ impl Start<'_> {
         };
         Ok((model, optimizer, state, None))
     }
+}
+
+/// Where the run's draft starts, when it has one (speculative rollouts or MTP training): the
+/// checkpoint's on resume, else `--sglang-speculative-draft-model-path`, else a fresh one
+/// (HF's initialization, seeded by `--seed`) that MTP training teaches from scratch.
+fn draft_start(
+    cfg: &RunConfig,
+    policy: &miles_model::ModelConfig,
+    saved: Option<checkpoint::DraftState>,
+) -> anyhow::Result<Option<checkpoint::DraftState>> {
+    if cfg.sglang_speculative_algorithm.is_none() && !cfg.enable_mtp_training {
+        return Ok(None);
+    }
+    if let Some(saved) = saved {
+        return Ok(Some(saved));
+    }
+    let draft = match &cfg.sglang_speculative_draft_model_path {
+        Some(dir) => Draft::load(dir, policy)
+            .with_context(|| format!("--sglang-speculative-draft-model-path {}", dir.display()))?,
+        None => Draft::random(policy, DraftFormat::DeepSeek, cfg.seed)
+            .context("--enable-mtp-training: a fresh draft for this policy")?,
+    };
+    Ok(Some(checkpoint::DraftState { draft, moments: None }))
 }
 
 /// The rollout engine's settings of the run.

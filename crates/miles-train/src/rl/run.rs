@@ -352,6 +352,7 @@ impl Run<'_> {
             };
             let state_json = serde_json::to_value(state)?;
             let (weights, optimizer) = actor.checkpoint_parts()?;
+            let draft = actor.draft_parts()?;
             checkpoint::save(
                 save_dir,
                 state.iteration as u64,
@@ -362,6 +363,7 @@ impl Run<'_> {
                     state: &state_json,
                     tokenizer_dir: self.tokenizer_dir,
                     extra,
+                    draft: draft.as_ref(),
                 },
             )
             .with_context(|| format!("--save {}", save_dir.display()))?;

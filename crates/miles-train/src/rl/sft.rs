@@ -99,6 +99,9 @@ pub(super) fn sft_warmup(
         if let Some(r) = result {
             record.insert("sft/loss".into(), json!(r.loss));
             record.insert("sft/grad_norm".into(), json!(r.grad_norm));
+            if let Some((loss, _)) = r.mtp {
+                record.insert("sft/mtp_loss".into(), json!(loss));
+            }
         }
         record.insert("sft/step_time".into(), json!(started.elapsed().as_secs_f64()));
         emit(record)?;

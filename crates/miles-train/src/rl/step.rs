@@ -1,8 +1,10 @@
 //! Step 4: one optimizer step over a part of the batch, through a [`Learner`].
 
+use miles_model::draft::DraftBatch;
 use miles_model::moe::RoutingMismatch;
 use miles_model::{DeviceModel, Forward, PackedBatch};
 use miles_tensor::cpu::AdamW;
+use miles_tensor::ops;
 
 use super::actor::aux_coef;
 use crate::batch::{self, TrainSample, concat};
@@ -76,6 +78,9 @@ pub(super) struct StepResult {
     /// The load-balancing loss of a mixture of experts (unweighted).
     pub(super) router_aux_loss: Option<f64>,
     pub(super) routing: Option<RoutingMismatch>,
+    /// The draft's MTP loss (its mean cross-entropy per kept token, unscaled) and gradient
+    /// norm, with `--enable-mtp-training`.
+    pub(super) mtp: Option<(f64, f64)>,
 }
 
 impl StepResult {
@@ -148,17 +153,94 @@ pub(super) struct Learner<'a> {
     clip_grad: f64,
     /// The gradient sums the step's last backward started.
     sums: Option<GradBuckets>,
+    /// The speculative draft trained beside the policy (`--enable-mtp-training`).
+    mtp: Option<Mtp<'a>>,
+}
+
+/// The draft's part of a step: its MTP loss on the step's responses, from the policy's
+/// states of the step's own forward (detached), added with weight `scale`; the draft has its
+/// own AdamW state under the step's hyper-parameters.
+pub(super) struct Mtp<'a> {
+    pub(super) draft: &'a mut DeviceModel,
+    pub(super) scale: f32,
+    /// The step's masked cross-entropy so far (summed), and its kept tokens (all ranks').
+    loss: f64,
+    tokens: f64,
+}
+
+impl<'a> Mtp<'a> {
+    pub(super) fn new(draft: &'a mut DeviceModel, scale: f32) -> Self {
+        Mtp { draft, scale, loss: 0.0, tokens: 0.0 }
+    }
+
+    /// The tokens the draft is trained on in `part`: each response's kept tokens from its
+    /// second on (miles' MTP loss mask: the response's, shifted by one).
+    fn kept_tokens(part: &[TrainSample]) -> f64 {
+        let shifted = |s: &TrainSample| s.loss_mask.iter().skip(1).filter(|&&m| m != 0).count();
+        part.iter().map(shifted).sum::<usize>() as f64
+    }
+
+    /// Adds the draft's gradient for micro-batch `mb` (packed as `batch`), given the policy's
+    /// forward over it.
+    fn accumulate(
+        &mut self,
+        policy: &DeviceModel,
+        fwd: &Forward,
+        batch: &PackedBatch,
+        mb: &[TrainSample],
+    ) -> anyhow::Result<()> {
+        let Some(d) = DraftBatch::of(batch) else { return Ok(()) };
+        let states = ops::gather_rows(&policy.head_states(fwd)?, &d.state_rows)?;
+        let f = self.draft.forward_draft(&d.batch, 1.0, states)?;
+        let mask: Vec<f32> = d
+            .sequences
+            .iter()
+            .flat_map(|&s| mb[s].loss_mask[1..].iter().map(|&m| f32::from(m)))
+            .collect();
+        let per_token = -self.scale / self.tokens.max(1.0) as f32;
+        let d_logp: Vec<f32> = mask.iter().map(|m| m * per_token).collect();
+        self.loss -= f.logp.iter().zip(&mask).map(|(lp, m)| f64::from(lp * m)).sum::<f64>();
+        self.draft.backward_draft(&f, &d.batch, &d_logp, &vec![0.0; d_logp.len()])?;
+        Ok(())
+    }
+
+    /// Sums the draft's gradients and loss over the ranks, then its AdamW step at `lr`: the
+    /// loss per kept token and the gradient norm (the step skipped, the loss still reported,
+    /// when the gradient is not finite).
+    fn apply(
+        &mut self,
+        hyper: &AdamW,
+        clip_grad: f64,
+        dist: Option<&Dist>,
+    ) -> anyhow::Result<(f64, f64)> {
+        if let Some(d) = dist {
+            d.finish_grads(d.grad_buckets(self.draft), self.draft)?;
+            let mut loss = [self.loss];
+            d.sum(&mut loss)?;
+            self.loss = loss[0];
+        }
+        let loss = self.loss / self.tokens.max(1.0);
+        let norm = self.draft.grad_norm()?;
+        if !norm.is_finite() {
+            return Ok((loss, norm));
+        }
+        Ok((loss, self.draft.adamw_step(hyper, clip_grad)?.0))
+    }
 }
 
 impl<'a> Learner<'a> {
-    /// A step's learner: the gradients start at zero.
+    /// A step's learner: the gradients start at zero (the draft's too).
     pub(super) fn new(
         model: &'a mut DeviceModel,
         hyper: AdamW,
         clip_grad: f64,
+        mut mtp: Option<Mtp<'a>>,
     ) -> anyhow::Result<Self> {
         model.zero_grads()?;
-        Ok(Learner { model, hyper, clip_grad, sums: None })
+        if let Some(m) = &mut mtp {
+            m.draft.zero_grads()?;
+        }
+        Ok(Learner { model, hyper, clip_grad, sums: None, mtp })
     }
 
     /// Adds the gradient of the loss whose derivatives these are. `last` (a run over several
@@ -232,6 +314,13 @@ pub(super) fn train_step(
         }
         None => weight(part),
     };
+    if let Some(mtp) = &mut learner.mtp {
+        let mut n = [Mtp::kept_tokens(part)];
+        if let Some(d) = dist {
+            d.sum(&mut n)?;
+        }
+        mtp.tokens = n[0];
+    }
     let mut finite = true;
     let mut total = StepResult {
         loss: 0.0,
@@ -239,6 +328,7 @@ pub(super) fn train_step(
         grad_norm: 0.0,
         router_aux_loss: None,
         routing: None,
+        mtp: None,
     };
     let mut seen = Vec::with_capacity(part.len());
     let micro_batches = part.len().div_ceil(micro.max(1));
@@ -262,6 +352,9 @@ pub(super) fn train_step(
                 return Ok(StepOutcome { applied: None, logp: seen });
             }
             break;
+        }
+        if let Some(mtp) = &mut learner.mtp {
+            mtp.accumulate(learner.model, &fwd, &batch, mb)?;
         }
         let share = weight(mb) / whole;
         let coef = aux_coef(&learner.model.config);
@@ -299,5 +392,9 @@ pub(super) fn train_step(
         return Ok(StepOutcome { applied: None, logp: seen });
     }
     total.grad_norm = learner.apply(lr)?;
+    let (hyper, clip) = (AdamW { lr, ..learner.hyper }, learner.clip_grad);
+    if let Some(mtp) = &mut learner.mtp {
+        total.mtp = Some(mtp.apply(&hyper, clip, dist)?);
+    }
     Ok(StepOutcome { applied: Some(total), logp: seen })
 }
