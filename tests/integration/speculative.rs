@@ -3,12 +3,11 @@
 //! scorer's bit for bit, and bad drafts or settings are refused.
 
 use miles_core::{Sample, SamplingParams};
-use miles_model::draft::{Draft, DraftBatch, DraftFormat, draft_config};
+use miles_model::draft::{Draft, DraftFormat, draft_config, fit_draft};
 use miles_model::testing::on_cpu;
 use miles_model::{Architecture, DeviceModel, KvCache, Model, PackedBatch, Weights, presets};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::{AdamW, kept_masses};
-use miles_tensor::ops;
 use miles_tensor::rng::Rng;
 use std::sync::Arc;
 
@@ -41,24 +40,12 @@ fn draft(policy: &Model, seed: u64) -> DeviceModel {
     on_cpu(&Model::new(draft_config(pc).unwrap(), w))
 }
 
-/// Trains `draft` on the policy's `samples` (its cross-entropy on their responses from the
-/// second token on, as MTP training does), `steps` AdamW steps over all of them.
+/// Trains `draft` on the policy's `samples` ([`fit_draft`]), `steps` AdamW steps.
 fn warm_up(policy: &DeviceModel, draft: &mut DeviceModel, samples: &[Sample], steps: usize) {
     let seqs: Vec<(Vec<u32>, usize)> =
         samples.iter().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
-    let batch = PackedBatch::new(&seqs).unwrap();
-    let states = policy.head_states(&policy.forward(&batch, 1.0).unwrap()).unwrap();
-    let d = DraftBatch::of(&batch).unwrap();
-    let states = ops::gather_rows(&states, &d.state_rows).unwrap();
     let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
-    for _ in 0..steps {
-        draft.zero_grads().unwrap();
-        let x = ops::gather_rows(&states, &(0..d.state_rows.len() as u32).collect::<Vec<_>>());
-        let f = draft.forward_draft(&d.batch, 1.0, x.unwrap()).unwrap();
-        let n = f.logp.len();
-        draft.backward_draft(&f, &d.batch, &vec![-1.0 / n as f32; n], &vec![0.0; n]).unwrap();
-        draft.adamw_step(&hyper, 1.0).unwrap();
-    }
+    fit_draft(policy, draft, &PackedBatch::new(&seqs).unwrap(), steps, &hyper).unwrap().unwrap();
 }
 
 fn groups(n: usize, lens: &[usize], seed: u64) -> Vec<Vec<Sample>> {

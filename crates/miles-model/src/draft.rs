@@ -25,11 +25,9 @@ use std::path::Path;
 use miles_tensor::rng::Rng;
 use safetensors::{Dtype, tensor::TensorView};
 
-#[cfg(doc)]
-use crate::DeviceModel;
 use crate::file_layout::FileTensor;
 use crate::weights::{LayerWeights, TensorFiles, Weights, tensor_spec};
-use crate::{Architecture, Error, ModelConfig, PackedBatch, Result};
+use crate::{Architecture, DeviceModel, Error, ModelConfig, PackedBatch, Result};
 
 /// Whose names and concatenation order a draft's checkpoint has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +83,34 @@ impl DraftBatch {
         let batch = PackedBatch::new(&seqs).ok().filter(|_| !seqs.is_empty())?;
         Some(DraftBatch { batch, state_rows, sequences })
     }
+}
+
+/// Supervised steps of `draft` (a model of [`draft_config`]) on `batch`, sequences of the
+/// policy's: its cross-entropy on the responses from their second token, read from the
+/// policy's states of one forward; `steps` AdamW steps of `hyper` over the whole batch. The
+/// mean loss of the last step (`None` when no response has two tokens).
+pub fn fit_draft(
+    policy: &DeviceModel,
+    draft: &mut DeviceModel,
+    batch: &PackedBatch,
+    steps: usize,
+    hyper: &miles_tensor::cpu::AdamW,
+) -> Result<Option<f64>> {
+    let Some(d) = DraftBatch::of(batch) else { return Ok(None) };
+    let states = policy.head_states(&policy.forward(batch, 1.0)?)?;
+    let states = miles_tensor::ops::gather_rows(&states, &d.state_rows)?;
+    let all: Vec<u32> = (0..d.state_rows.len() as u32).collect();
+    let mut loss = None;
+    for _ in 0..steps {
+        draft.zero_grads()?;
+        let f =
+            draft.forward_draft(&d.batch, 1.0, miles_tensor::ops::gather_rows(&states, &all)?)?;
+        let n = f.logp.len();
+        loss = Some(-f.logp.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64);
+        draft.backward_draft(&f, &d.batch, &vec![-1.0 / n as f32; n], &vec![0.0; n])?;
+        draft.adamw_step(hyper, 1.0)?;
+    }
+    Ok(loss)
 }
 
 /// The draft as a model: one decoder layer of the policy's shape (dense, attending over the

@@ -428,3 +428,75 @@ fn fp8_rollout_logprobs_equal_the_scorers_bit_for_bit() {
         }
     }
 }
+
+/// A chain of `.0` drafts under speculative sampling's rule (what the `eagle-spec` plugin
+/// applies, through the same reference).
+#[derive(Debug)]
+struct Chain(usize);
+
+impl miles_core::Speculator for Chain {
+    fn num_steps(&self) -> usize {
+        self.0
+    }
+
+    fn verify(
+        &self,
+        p: &[Vec<u64>],
+        q: &[Vec<u64>],
+        drafts: &[u32],
+        uniforms: &[(f64, f64)],
+    ) -> miles_core::Result<Vec<u32>> {
+        let u: Vec<miles_tensor::cpu::StepUniforms> = uniforms
+            .iter()
+            .map(|&(accept, draw)| miles_tensor::cpu::StepUniforms { accept, draw })
+            .collect();
+        let verdict = miles_tensor::cpu::verify_chain(p, q, drafts, &u)
+            .map_err(|e| miles_core::Error::Invalid(e.to_string()))?;
+        Ok(verdict.tokens)
+    }
+}
+
+/// Test 5 on CUDA: speculative rollouts (a draft fitted on the policy's greedy samples, so
+/// it is often right) give the plain engine's greedy tokens and logprobs (its
+/// decode steps CUDA graphs), and sampled, logprobs equal to the device scorer's bit for bit.
+#[test]
+fn speculative_rollouts_on_cuda_keep_the_policys_tokens_and_logprobs() {
+    use miles_model::draft::{Draft, DraftFormat, draft_config, fit_draft};
+    let Some(device) = cuda() else { return };
+    for arch in [Architecture::Qwen3, Architecture::Llama, Architecture::Gemma2] {
+        let m = model(arch, 3);
+        let vocab = m.config.vocab_size;
+        let config = EngineConfig { max_running: 5, ..EngineConfig::default() };
+        let (dm, mut plain) = engine(&m, &device, DType::BF16, config.clone());
+        let greedy = SamplingParams { top_k: 1, ..params(40) };
+        let want = plain.generate(&dm, groups(2, 5, vocab), &greedy).unwrap();
+        let pc = &m.config;
+        let w = Draft::random(pc, DraftFormat::DeepSeek, 4).unwrap().model_weights(pc, &m.weights);
+        let draft = Model::new(draft_config(pc).unwrap(), w.unwrap());
+        let mut d = DeviceModel::new(&draft, &device, DType::BF16).unwrap();
+        let seqs: Vec<(Vec<u32>, usize)> =
+            want.iter().flatten().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
+        let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
+        fit_draft(&dm, &mut d, &PackedBatch::new(&seqs).unwrap(), 10, &hyper).unwrap();
+        let speculator = Some(std::sync::Arc::new(Chain(3)) as _);
+        let mut e =
+            Engine::with_draft(&dm, &d, None, EngineConfig { speculator, ..config }).unwrap();
+        let got = e
+            .generate_speculative(&dm, Some(&d), groups(2, 5, vocab), &greedy, &mut |_| {})
+            .unwrap();
+        assert_eq!(results(&got), results(&want), "{arch:?}: greedy");
+        let c = e.stats().spec;
+        assert!(c.accepted > 0, "{arch:?}: {c:?}");
+        let p = params(40);
+        let samples = e
+            .generate_speculative(&dm, Some(&d), groups(2, 6, vocab), &p, &mut |_| {})
+            .unwrap()
+            .concat();
+        let order: Vec<usize> = (0..samples.len()).collect();
+        let scored = score(&dm, &samples, &order, samples.len(), p.temperature);
+        for (i, s) in samples.iter().enumerate() {
+            let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|x| x.to_bits()).collect() };
+            assert_eq!(bits(&scored[i]), bits(&s.rollout_log_probs), "{arch:?}: sample {i}");
+        }
+    }
+}
