@@ -5,7 +5,8 @@
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
 #                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
-#                                  dp|fp8|fp8-bench|fp8-addition|families|families-bench|all]
+#                                  dp|fp8|fp8-bench|fp8-addition|families|families-bench|
+#                                  spec-addition|all]
 # Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
 # packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
 # is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
@@ -277,6 +278,26 @@ PY
     tail -1 $d/straight.log; grep -h "resumed from" $d/resumed.log | head -1
     rm -rf $d
   done 2>&1 | tee "$OUT/families.txt"
+fi
+if [ "$what" = spec-addition ]; then
+  # Issue 30: the addition example plainly and with speculative rollouts (an MTP draft trained
+  # online from scratch, --sglang-speculative-num-steps STEPS), ROLLOUTS iterations each, in one
+  # call: the engine's throughput, the draft's acceptance along the run, held-out accuracy and
+  # the rollout/trainer logprob gap (0 on every iteration in both).
+  [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
+    $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
+  for arm in plain spec; do
+    flags=""
+    [ $arm = spec ] && flags="--sglang-speculative-algorithm EAGLE \
+      --sglang-speculative-num-steps ${STEPS:-3} --enable-mtp-training --mtp-loss-scaling-factor 0.2"
+    rm -rf /tmp/add-$arm
+    timeout ${LIMIT:-270} $miles train --config examples/addition-smollm2.toml \
+      --hf-checkpoint /tmp/smollm2 --num-rollout ${ROLLOUTS:-100} --run-dir /tmp/add-$arm \
+      --save /tmp/add-$arm/ckpt --save-hf /tmp/add-$arm/hf $flags | tail -1
+    cp /tmp/add-$arm/metrics.jsonl "$OUT/spec-addition-$arm.jsonl"
+  done
+  python3 tests/device/spec_summary.py "$OUT/spec-addition-plain.jsonl" \
+    "$OUT/spec-addition-spec.jsonl" | tee "$OUT/spec-addition.txt"
 fi
 if [ "$what" = families-bench ]; then
   # Issue 29, acceptance 4: train, logprob and rollout of the family presets beside HF.

@@ -22,6 +22,7 @@ use miles_core::{SamplingParams, Speculator};
 use miles_model::{DeviceModel, StepRow};
 use miles_tensor::cpu::{draw, kept_masses};
 use miles_tensor::{Tensor, ops};
+use rayon::prelude::*;
 use serde_json::Value;
 
 use super::{Engine, Seq, StepOut, Unit};
@@ -175,19 +176,15 @@ impl Engine {
             let logits = model.logits(&hidden, &all).map_err(model_error)?;
             let host = logits.to_vec_f32().map_err(|e| model_error(e.into()))?;
             let vocab = model.config.vocab_size;
+            let mut masses = host_masses(&host, vocab, params).into_iter();
             let mut targets = vec![0u32; verified];
             let mut kept = Vec::with_capacity(running.len());
             let mut row = 0;
             for (seq, prop) in running.iter().zip(&proposals) {
                 let n = prop.tokens.len() + 1;
-                let masses: Vec<Option<Vec<u64>>> = (row..row + n)
-                    .map(|r| {
-                        let l = &host[r * vocab..(r + 1) * vocab];
-                        kept_masses(l, t, params.top_k, params.top_p)
-                    })
-                    .collect();
                 let speculator = self.config.speculator.as_deref().expect("checked at build");
-                let tokens = verify(speculator, seq, prop, masses, params)?;
+                let rows = masses.by_ref().take(n).collect();
+                let tokens = verify(speculator, seq, prop, rows, params)?;
                 targets[row..row + tokens.len()].copy_from_slice(&tokens);
                 kept.push(tokens);
                 row += n;
@@ -291,18 +288,18 @@ impl Engine {
         }
         let x = ops::concat_rows(&states).map_err(|e| model_error(e.into()))?;
         let mut h = self.policy.draft_step(draft, &rows, &x)?;
-        let (t, vocab) = (params.temperature, draft.config.vocab_size);
+        let vocab = draft.config.vocab_size;
         for j in 0.. {
             let logits = draft.logits(&h, &last).map_err(model_error)?;
             let host = logits.to_vec_f32().map_err(|e| model_error(e.into()))?;
+            let masses = host_masses(&host, vocab, params);
             let mut next = Vec::new();
             let mut from = Vec::new();
-            for (a, &i) in active.iter().enumerate() {
+            for ((a, &i), q) in active.iter().enumerate().zip(masses) {
                 let seq = &running[i];
-                let l = &host[a * vocab..(a + 1) * vocab];
                 let u =
                     uniform(params.seed ^ DRAFT_STREAM, seq.key, (seq.response_len() + j) as u64);
-                let Some(q) = kept_masses(l, t, params.top_k, params.top_p) else { continue };
+                let Some(q) = q else { continue };
                 let Some(token) = draw(&q, u) else { continue };
                 out[i].tokens.push(token);
                 out[i].masses.push(q);
@@ -357,6 +354,11 @@ fn verify(
         })
         .collect();
     speculator.verify(&p, q, drafts, &u)
+}
+
+/// The sampler's masses of each row of host logits `[rows × vocab]` (rows in parallel).
+fn host_masses(logits: &[f32], vocab: usize, p: &SamplingParams) -> Vec<Option<Vec<u64>>> {
+    logits.par_chunks(vocab).map(|l| kept_masses(l, p.temperature, p.top_k, p.top_p)).collect()
 }
 
 fn sample_params(p: &SamplingParams) -> miles_model::SampleParams {
