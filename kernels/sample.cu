@@ -15,6 +15,9 @@
 //  - the draw: kept masses summed per warp segment of ids, then the block scans the segment
 //    that holds the target, a few ids per thread, in id order.
 // Histograms use shared-memory atomics on integers: the same sums whatever the order.
+//
+// spec_verify_f32 verifies speculative drafts on the same masses (one block per chain of
+// drafts): cpu::verify_chain's rule, its 128-bit products and their f64 roundings included.
 #include <climits>
 
 #include "common.cuh"
@@ -29,12 +32,15 @@ __device__ __forceinline__ int digit_shift(int level) { return level == 0 ? 21 :
 __device__ __forceinline__ int digit_width(int level) { return level == 2 ? 10 : 11; }
 constexpr unsigned ALL = 0xffffffffu;
 using u64 = unsigned long long;
+using u128 = unsigned __int128;
 
 struct Shared {
     unsigned count[BINS];
     u64 mass[BINS];
     u64 seg[WARPS];  // per-warp-segment sums of find_first
     u64 scan64[WARPS];
+    u128 seg128[WARPS];  // the same for 128-bit weights (speculative residuals)
+    u128 scan128[WARPS];
     unsigned scan32[WARPS];
     float fscratch[32];
     int pick;  // the chosen digit, then the found id
@@ -97,10 +103,25 @@ __device__ __forceinline__ u64 row_mass(const Row& row, float z) {
     return mass(__fsub_rn(z, row.m));
 }
 
+// Warp shuffles of the sum types (a 128-bit value as its two halves).
+__device__ __forceinline__ u64 shfl_xor(u64 v, int o) { return __shfl_xor_sync(ALL, v, o); }
+__device__ __forceinline__ u128 shfl_xor(u128 v, int o) {
+    const u64 lo = __shfl_xor_sync(ALL, static_cast<u64>(v), o);
+    const u64 hi = __shfl_xor_sync(ALL, static_cast<u64>(v >> 64), o);
+    return (static_cast<u128>(hi) << 64) | lo;
+}
+__device__ __forceinline__ unsigned shfl_up(unsigned v, int o) { return __shfl_up_sync(ALL, v, o); }
+__device__ __forceinline__ u64 shfl_up(u64 v, int o) { return __shfl_up_sync(ALL, v, o); }
+__device__ __forceinline__ u128 shfl_up(u128 v, int o) {
+    const u64 lo = __shfl_up_sync(ALL, static_cast<u64>(v), o);
+    const u64 hi = __shfl_up_sync(ALL, static_cast<u64>(v >> 64), o);
+    return (static_cast<u128>(hi) << 64) | lo;
+}
+
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(ALL, v, o);
+    for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o);
     return v;
 }
 
@@ -123,7 +144,7 @@ __device__ T block_exclusive_scan(T v, T* scratch) {
     T incl = v;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        const T n = __shfl_up_sync(ALL, incl, o);
+        const T n = shfl_up(incl, o);
         if (lane >= o) incl += n;
     }
     __syncthreads();  // earlier readers of scratch are done
@@ -139,31 +160,40 @@ __device__ __forceinline__ int segment_len(int vocab) {
     return ((vocab + WARPS - 1) / WARPS + 31) / 32 * 32;
 }
 
-// Σ weight(i) over the row, leaving each warp segment's sum in s.seg (for find_first).
+// The scratch of the segment sums and scans of each weight type.
+__device__ __forceinline__ u64* seg_of(Shared& s, u64) { return s.seg; }
+__device__ __forceinline__ u128* seg_of(Shared& s, u128) { return s.seg128; }
+__device__ __forceinline__ u64* scan_of(Shared& s, u64) { return s.scan64; }
+__device__ __forceinline__ u128* scan_of(Shared& s, u128) { return s.scan128; }
+
+// Σ weight(i) over the row, leaving each warp segment's sum in the scratch (for find_first).
 template <typename W>
-__device__ u64 segment_sums(int vocab, W weight, Shared& s) {
+__device__ auto segment_sums(int vocab, W weight, Shared& s) -> decltype(weight(0)) {
+    using T = decltype(weight(0));
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, len = segment_len(vocab);
     const int lo = min(warp * len, vocab), hi = min(lo + len, vocab);
-    u64 sum = 0;
+    T sum = 0;
     for (int i = lo + lane; i < hi; i += 32) sum += weight(i);
-    return block_sum(sum, s.seg);
+    return block_sum(sum, seg_of(s, T{}));
 }
 
 // The first id i with Σ_{j ≤ i} weight(j) > target (< the total), after segment_sums with the
 // same weights: the segment that holds it is split into runs of consecutive ids, one per
 // thread, scanned over the block; the thread whose run crosses the target walks it.
 template <typename W>
-__device__ int find_first(int vocab, W weight, u64 target, Shared& s) {
+__device__ int find_first(int vocab, W weight, decltype(weight(0)) target, Shared& s) {
+    using T = decltype(weight(0));
+    const T* seg = seg_of(s, T{});
     const int len = segment_len(vocab);
-    u64 before = 0;
+    T before = 0;
     int w = 0;
-    for (; w < WARPS - 1 && before + s.seg[w] <= target; ++w) before += s.seg[w];
+    for (; w < WARPS - 1 && before + seg[w] <= target; ++w) before += seg[w];
     const int lo = min(w * len, vocab), hi = min(lo + len, vocab);
     const int per = (len + THREADS - 1) / THREADS;
     const int tlo = min(lo + static_cast<int>(threadIdx.x) * per, hi), thi = min(tlo + per, hi);
-    u64 mine = 0;
+    T mine = 0;
     for (int i = tlo; i < thi; ++i) mine += weight(i);
-    u64 cum = before + block_exclusive_scan(mine, s.scan64);
+    T cum = before + block_exclusive_scan(mine, scan_of(s, T{}));
     if (cum <= target && target < cum + mine) {
         for (int i = tlo; i < thi; ++i) {
             cum += weight(i);
@@ -289,6 +319,65 @@ __device__ Cut top_p_cut(const Row& row, float top_p, Cut cut, Shared& s) {
     return {prefix, prefix == cut.v ? cut.idc : INT_MAX};
 }
 
+// The row's max z and its kept set (temperature, top-k, top-p) into row.m and cut; false when a
+// tempered logit is NaN or +inf or all are −inf (cpu::kept_masses gives None).
+__device__ bool kept_set(Row& row, int top_k, float top_p, Shared& s, Cut& cut) {
+    const bool by_k = top_k > 0 && top_k < row.vocab;
+    for (int b = threadIdx.x; b < BINS; b += THREADS) s.count[b] = 0;
+    __syncthreads();
+    int bad = 0;
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < row.vocab; i += THREADS) {
+        const float z = row.z(i);
+        bad |= isnan(z) || z == INFINITY;
+        m = fmaxf(m, z);
+        // top-k's first histogram (counts need no max) in the same pass
+        if (by_k) atomicAdd(&s.count[rank_bits(z) >> digit_shift(0)], 1u);
+    }
+    row.m = miles::block_max(m, s.fscratch);
+    if (__syncthreads_or(bad) || row.m == -INFINITY) return false;
+    cut = {0u, INT_MAX};  // rank bits are never 0 (that would be a NaN): all kept
+    if (by_k) cut = top_k_cut(row, static_cast<unsigned>(top_k), s);
+    if (top_p < 1.0f) cut = top_p_cut(row, top_p, cut, s);
+    return true;
+}
+
+__device__ __forceinline__ u64 kept_mass(const Row& row, Cut cut, int i) {
+    const float z = row.z(i);
+    return cut.keeps(rank_bits(z), i) ? row_mass(row, z) : 0;
+}
+
+// The token at u of the kept masses (cpu::draw): the first whose running sum passes
+// floor(u · total).
+__device__ int draw_kept(const Row& row, Cut cut, double u, Shared& s) {
+    auto w = [&](int i) -> u64 { return kept_mass(row, cut, i); };
+    const u64 total = segment_sums(row.vocab, w, s);
+    const u64 target =
+        min(static_cast<u64>(floor(__dmul_rn(u, __ull2double_rn(total)))), total - 1);
+    return find_first(row.vocab, w, target, s);
+}
+
+// x rounded to the nearest double, ties to even (Rust's `x as f64`).
+__device__ double u128_to_double(u128 x) {
+    const u64 hi = static_cast<u64>(x >> 64);
+    if (hi == 0) return __ull2double_rn(static_cast<u64>(x));
+    const int lz = __clzll(hi);
+    const u128 n = x << lz;  // the top bit at 127
+    const u64 top = static_cast<u64>(n >> 64), rest = static_cast<u64>(n);
+    u64 mant = top >> 11;  // 53 bits
+    const u64 round = top & 0x7ffu;
+    if (round > 0x400u || (round == 0x400u && (rest != 0 || (mant & 1)))) ++mant;
+    return ldexp(__ull2double_rn(mant), 75 - lz);
+}
+
+// A non-negative integral double as a u128 (Rust's `d as u128`).
+__device__ u128 double_to_u128(double d) {
+    if (d < 18446744073709551616.0) return static_cast<u128>(__double2ull_rz(d));
+    int e;
+    const double f = frexp(d, &e);  // d = f · 2^e, f in [0.5, 1)
+    return static_cast<u128>(__double2ull_rz(ldexp(f, 53))) << (e - 53);
+}
+
 }  // namespace
 
 // tokens[r]: the token drawn from row r with uniform uniforms[r] in [0, 1), or −1 when a
@@ -299,33 +388,93 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     __shared__ Shared s;
     const size_t r = blockIdx.x;
     Row row = {logits + r * vocab, vocab, t, -INFINITY};
-    const bool by_k = top_k > 0 && top_k < vocab;
-    for (int b = threadIdx.x; b < BINS; b += THREADS) s.count[b] = 0;
-    __syncthreads();
-    int bad = 0;
-    float m = -INFINITY;
-    for (int i = threadIdx.x; i < vocab; i += THREADS) {
-        const float z = row.z(i);
-        bad |= isnan(z) || z == INFINITY;
-        m = fmaxf(m, z);
-        // top-k's first histogram (counts need no max) in the same pass
-        if (by_k) atomicAdd(&s.count[rank_bits(z) >> digit_shift(0)], 1u);
-    }
-    row.m = miles::block_max(m, s.fscratch);
-    if (__syncthreads_or(bad) || row.m == -INFINITY) {
+    Cut cut;
+    if (!kept_set(row, top_k, top_p, s, cut)) {
         if (threadIdx.x == 0) tokens[r] = -1;
         return;
     }
-    Cut cut = {0u, INT_MAX};  // rank bits are never 0 (that would be a NaN): all kept
-    if (by_k) cut = top_k_cut(row, static_cast<unsigned>(top_k), s);
-    if (top_p < 1.0f) cut = top_p_cut(row, top_p, cut, s);
-    auto kept_mass = [&](int i) -> u64 {
-        const float z = row.z(i);
-        return cut.keeps(rank_bits(z), i) ? row_mass(row, z) : 0;
-    };
-    const u64 total = segment_sums(vocab, kept_mass, s);
-    const u64 target = min(
-        static_cast<u64>(floor(__dmul_rn(uniforms[r], __ull2double_rn(total)))), total - 1);
-    const int token = find_first(vocab, kept_mass, target, s);
+    const int token = draw_kept(row, cut, uniforms[r], s);
     if (threadIdx.x == 0) tokens[r] = token;
+}
+
+// Speculative verification, one block per chain c: chains[3c..] = (first policy row, first
+// draft row, drafts k); the policy rows p_logits[p0 .. p0 + k] and the draft rows
+// q_logits[q0 .. q0 + k) (f32, [· × vocab]), drafts[c · stride ..] and per policy row i the
+// (accept, draw) uniforms at uniforms[2 (c · (stride + 1) + i) ..]. Into tokens[c · (stride + 1)
+// ..] the kept drafts and the policy's own token, their number into counts[c]: cpu's
+// verify_chain over the leading policy rows with masses (and the draft rows with masses).
+extern "C" __global__ void __launch_bounds__(THREADS)
+    spec_verify_f32(int* tokens, int* counts, const float* p_logits, const float* q_logits,
+                    const int* chains, const int* drafts, const double* uniforms, int stride,
+                    int vocab, float t, int top_k, float top_p) {
+    __shared__ Shared s;
+    const int c = blockIdx.x;
+    const size_t p0 = chains[3 * c], q0 = chains[3 * c + 1];
+    int k = chains[3 * c + 2];
+    int* out = tokens + static_cast<size_t>(c) * (stride + 1);
+    const double* u = uniforms + 2 * static_cast<size_t>(c) * (stride + 1);
+    auto prow = [&](int i) -> Row { return {p_logits + (p0 + i) * vocab, vocab, t, -INFINITY}; };
+    auto qrow = [&](int i) -> Row { return {q_logits + (q0 + i) * vocab, vocab, t, -INFINITY}; };
+    // The leading policy rows with masses, and the draft rows before them with masses.
+    int g = 0;
+    for (Cut cut; g <= k; ++g) {
+        Row row = prow(g);
+        if (!kept_set(row, top_k, top_p, s, cut)) break;
+    }
+    int n = 0;
+    if (g > 0) {
+        k = g - 1;
+        for (int i = 0; i < k; ++i) {
+            Row row = qrow(i);
+            Cut cut;
+            if (!kept_set(row, top_k, top_p, s, cut)) k = i;
+        }
+        for (int i = 0;; ++i) {
+            Row pr = prow(i);
+            Cut pc;
+            kept_set(pr, top_k, top_p, s, pc);
+            if (i == k) {  // every draft kept: the policy's draw after them
+                const int token = draw_kept(pr, pc, u[2 * i + 1], s);
+                if (threadIdx.x == 0) out[n] = token;
+                ++n;
+                break;
+            }
+            Row qr = qrow(i);
+            Cut qc;
+            kept_set(qr, top_k, top_p, s, qc);
+            auto wp = [&](int j) -> u64 { return kept_mass(pr, pc, j); };
+            auto wq = [&](int j) -> u64 { return kept_mass(qr, qc, j); };
+            const u64 total_p = segment_sums(vocab, wp, s), total_q = segment_sums(vocab, wq, s);
+            const int x = drafts[static_cast<size_t>(c) * stride + i];
+            const u128 num = static_cast<u128>(wp(x)) * total_q;
+            const u128 den = static_cast<u128>(wq(x)) * total_p;
+            const bool keep = den != 0 && (num >= den || u[2 * i] < __ddiv_rn(u128_to_double(num),
+                                                                              u128_to_double(den)));
+            if (keep) {
+                if (threadIdx.x == 0) out[n] = x;
+                ++n;
+                continue;
+            }
+            // The policy's mass the draft under-proposed: max(0, P − Q) in units of
+            // 1 / (W_p · W_q); when there is none, the policy's own draw.
+            auto wr = [&](int j) -> u128 {
+                const u128 a = static_cast<u128>(wp(j)) * total_q;
+                const u128 b = static_cast<u128>(wq(j)) * total_p;
+                return a > b ? a - b : 0;
+            };
+            const u128 sum = segment_sums(vocab, wr, s);
+            int token;
+            if (sum == 0) {
+                token = draw_kept(pr, pc, u[2 * i + 1], s);
+            } else {
+                const double scaled = floor(__dmul_rn(u[2 * i + 1], u128_to_double(sum)));
+                const u128 at = double_to_u128(scaled), target = at < sum - 1 ? at : sum - 1;
+                token = find_first(vocab, wr, target, s);
+            }
+            if (threadIdx.x == 0) out[n] = token;
+            ++n;
+            break;
+        }
+    }
+    if (threadIdx.x == 0) counts[c] = n;
 }

@@ -138,6 +138,44 @@ mod tests {
         assert!(err(json!({"steps": 3})).contains("unknown field"));
     }
 
+    /// The rule is the one the engine applies on its device ([`miles_tensor::ops::speculative_verify`]):
+    /// the same tokens from the same logits, drafts near and far from the policy's rows.
+    #[test]
+    fn the_engine_verifies_by_this_rule() {
+        use miles_tensor::cpu::kept_masses;
+        use miles_tensor::ops::{DraftChain, speculative_verify};
+        use miles_tensor::rng::Rng;
+        use miles_tensor::{Device, Tensor};
+        let (vocab, k, t) = (300, 3, 0.9);
+        let spec = EagleSpec::from_config(&json!({"num_steps": k})).unwrap();
+        let mut rng = Rng::new(5);
+        let (mut differ, mut all_kept) = (false, false);
+        for c in 0..40 {
+            let p: Vec<f32> = rng.vec((k + 1) * vocab, 2.0);
+            let noise = if c % 2 == 0 { 0.2 } else { 2.0 };
+            let q: Vec<f32> = p[..k * vocab].iter().map(|x| x + noise * rng.normal()).collect();
+            let pm: Vec<Vec<u64>> =
+                p.chunks(vocab).map(|r| kept_masses(r, t, 0, 1.0).unwrap()).collect();
+            let qm: Vec<Vec<u64>> =
+                q.chunks(vocab).map(|r| kept_masses(r, t, 0, 1.0).unwrap()).collect();
+            let drafts: Vec<u32> = qm
+                .iter()
+                .map(|w| miles_tensor::cpu::draw(w, f64::from(rng.uniform(0.0, 1.0))).unwrap())
+                .collect();
+            let u: Vec<(f64, f64)> = (0..=k)
+                .map(|_| (f64::from(rng.uniform(0.0, 1.0)), f64::from(rng.uniform(0.0, 1.0))))
+                .collect();
+            let want = spec.verify(&pm, &qm, &drafts, &u).unwrap();
+            let on = |v: Vec<f32>, rows| Tensor::from_f32(&[rows, vocab], v, &Device::Cpu).unwrap();
+            let chain = DraftChain { p_row: 0, q_row: 0, drafts: drafts.clone(), uniforms: u };
+            let got = speculative_verify(&on(p, k + 1), &on(q, k), &[chain], t, 0, 1.0).unwrap();
+            assert_eq!(got[0], want, "chain {c}");
+            differ |= want[..want.len() - 1] != drafts[..want.len() - 1] || want.len() < k + 1;
+            all_kept |= want.len() == k + 1;
+        }
+        assert!(differ && all_kept);
+    }
+
     /// Greedy verification keeps the drafts that are the policy's best and replaces the first
     /// that is not by the policy's best.
     #[test]

@@ -1,8 +1,9 @@
 //! Speculative decoding (EAGLE's chain drafting with an MTP draft, as SGLang runs it with
 //! `--speculative-eagle-topk 1`): each step the draft proposes up to `k` tokens per running
 //! sequence, the policy runs its newest token and the k drafts in one forward over the paged
-//! cache, and the speculator (the `eagle-spec` plugin) keeps a prefix of the drafts and draws one token of the
-//! policy's own, so a sequence advances by 1 to k + 1 tokens.
+//! cache, and [`ops::speculative_verify`] (the `eagle-spec` plugin's rule, on the device)
+//! keeps a prefix of the drafts and draws one token of the policy's own, so a sequence
+//! advances by 1 to k + 1 tokens. Logits stay on the device: token ids go to the host.
 //!
 //! - The draft at position t reads the policy's final-normed state there and the token at
 //!   t + 1, and guesses the token at t + 2; its keys and values go to a cache of its own under
@@ -20,9 +21,8 @@
 
 use miles_core::{SamplingParams, Speculator};
 use miles_model::{DeviceModel, StepRow};
-use miles_tensor::cpu::{draw, kept_masses};
-use miles_tensor::{Tensor, ops};
-use rayon::prelude::*;
+use miles_tensor::Tensor;
+use miles_tensor::ops::{self, DraftChain};
 use serde_json::Value;
 
 use super::{Engine, Seq, StepOut, Unit};
@@ -108,11 +108,12 @@ pub(super) fn check_draft(
     Ok(())
 }
 
-/// A sequence's proposal: the draft tokens and the masses each was drawn from.
+/// A sequence's proposal: the draft tokens, and where the draft's logits they were drawn
+/// from start in the step's table of them.
 #[derive(Clone, Default)]
 struct Proposal {
     tokens: Vec<u32>,
-    masses: Vec<Vec<u64>>,
+    q_row: usize,
 }
 
 impl Engine {
@@ -139,7 +140,7 @@ impl Engine {
         params: &SamplingParams,
     ) -> crate::Result<StepOut> {
         let ks: Vec<usize> = running.iter().map(|s| self.lookahead(s, params)).collect();
-        let proposals = self.propose(draft, running, &ks, params)?;
+        let (proposals, q) = self.propose(draft, running, &ks, params)?;
         let mut rows: Vec<StepRow> = Vec::new();
         let mut running_rows = Vec::with_capacity(running.len());
         for (seq, prop) in running.iter().zip(&proposals) {
@@ -174,20 +175,17 @@ impl Engine {
         if verified > 0 {
             let all: Vec<u32> = (0..verified as u32).collect();
             let logits = model.logits(&hidden, &all).map_err(model_error)?;
-            let host = logits.to_vec_f32().map_err(|e| model_error(e.into()))?;
-            let vocab = model.config.vocab_size;
-            let mut masses = host_masses(&host, vocab, params).into_iter();
+            let chains = chains(running, &proposals, params);
+            let q = match q {
+                Some(q) => q,
+                // No drafts at all: an empty draft table of the vocabulary's width.
+                None => ops::gather_rows(&logits, &[]).map_err(|e| model_error(e.into()))?,
+            };
+            let kept = ops::speculative_verify(&logits, &q, &chains, t, params.top_k, params.top_p)
+                .map_err(|e| model_error(e.into()))?;
             let mut targets = vec![0u32; verified];
-            let mut kept = Vec::with_capacity(running.len());
-            let mut row = 0;
-            for (seq, prop) in running.iter().zip(&proposals) {
-                let n = prop.tokens.len() + 1;
-                let speculator = self.config.speculator.as_deref().expect("checked at build");
-                let rows = masses.by_ref().take(n).collect();
-                let tokens = verify(speculator, seq, prop, rows, params)?;
-                targets[row..row + tokens.len()].copy_from_slice(&tokens);
-                kept.push(tokens);
-                row += n;
+            for (chain, tokens) in chains.iter().zip(&kept) {
+                targets[chain.p_row..chain.p_row + tokens.len()].copy_from_slice(tokens);
             }
             let logp = ops::logprob_rows(&logits, &targets, t)
                 .and_then(|(lp, _)| lp.to_vec_f32())
@@ -258,20 +256,22 @@ impl Engine {
     }
 
     /// The draft's chains: up to `ks[i]` tokens for running sequence i, each drawn from the
-    /// draft's distribution; shorter where the draft's logits are not finite.
+    /// draft's distribution (shorter where the draft's logits are not finite); and the draft's
+    /// logits of every draft token, each proposal's rows consecutive in its order (the
+    /// proposals' [`Proposal::q_row`]), on the device.
     fn propose(
         &mut self,
         draft: &DeviceModel,
         running: &[Seq],
         ks: &[usize],
         params: &SamplingParams,
-    ) -> crate::Result<Vec<Proposal>> {
+    ) -> crate::Result<(Vec<Proposal>, Option<Tensor>)> {
         let mut out: Vec<Proposal> = vec![Proposal::default(); running.len()];
         // The first round feeds each proposing sequence the states its draft has not seen,
         // ending at its newest token's row.
         let mut active: Vec<usize> = (0..running.len()).filter(|&i| ks[i] > 0).collect();
         if active.is_empty() {
-            return Ok(out);
+            return Ok((out, None));
         }
         let mut rows: Vec<StepRow> = Vec::new();
         let mut states: Vec<&Tensor> = Vec::new();
@@ -288,26 +288,35 @@ impl Engine {
         }
         let x = ops::concat_rows(&states).map_err(|e| model_error(e.into()))?;
         let mut h = self.policy.draft_step(draft, &rows, &x)?;
-        let vocab = draft.config.vocab_size;
+        // Each round's logits, and where each proposal's rows are in them.
+        let mut rounds: Vec<Tensor> = Vec::new();
+        let mut at: Vec<Vec<u32>> = vec![Vec::new(); running.len()];
+        let mut offset = 0u32;
         for j in 0.. {
             let logits = draft.logits(&h, &last).map_err(model_error)?;
-            let host = logits.to_vec_f32().map_err(|e| model_error(e.into()))?;
-            let masses = host_masses(&host, vocab, params);
+            let u: Vec<f64> = active
+                .iter()
+                .map(|&i| {
+                    let seq = &running[i];
+                    uniform(params.seed ^ DRAFT_STREAM, seq.key, (seq.response_len() + j) as u64)
+                })
+                .collect();
+            let (t, k, p) = (params.temperature, params.top_k, params.top_p);
+            let drawn =
+                ops::sample_rows(&logits, t, k, p, &u).map_err(|e| model_error(e.into()))?;
             let mut next = Vec::new();
             let mut from = Vec::new();
-            for ((a, &i), q) in active.iter().enumerate().zip(masses) {
-                let seq = &running[i];
-                let u =
-                    uniform(params.seed ^ DRAFT_STREAM, seq.key, (seq.response_len() + j) as u64);
-                let Some(q) = q else { continue };
-                let Some(token) = draw(&q, u) else { continue };
+            for ((a, &i), token) in active.iter().enumerate().zip(drawn) {
+                let Some(token) = token else { continue };
                 out[i].tokens.push(token);
-                out[i].masses.push(q);
+                at[i].push(offset + a as u32);
                 if ks[i] > j + 1 {
                     next.push(i);
                     from.push(last[a]);
                 }
             }
+            offset += active.len() as u32;
+            rounds.push(logits);
             if next.is_empty() {
                 break;
             }
@@ -326,39 +335,40 @@ impl Engine {
             last = (0..next.len() as u32).collect();
             active = next;
         }
-        Ok(out)
+        let all = ops::concat_rows(&rounds.iter().collect::<Vec<_>>())
+            .map_err(|e| model_error(e.into()))?;
+        let mut order = Vec::new();
+        for (prop, rows) in out.iter_mut().zip(&at) {
+            prop.q_row = order.len();
+            order.extend(rows);
+        }
+        let q = ops::gather_rows(&all, &order).map_err(|e| model_error(e.into()))?;
+        Ok((out, Some(q)))
     }
 }
 
-/// The tokens `seq` keeps from its proposal: the drafts the speculator accepts, then the
-/// policy's own; over the leading rows whose masses exist (empty when the first has none:
-/// non-finite logits).
-fn verify(
-    speculator: &dyn Speculator,
-    seq: &Seq,
-    prop: &Proposal,
-    masses: Vec<Option<Vec<u64>>>,
-    params: &SamplingParams,
-) -> crate::Result<Vec<u32>> {
-    let p: Vec<Vec<u64>> = masses.into_iter().map_while(|m| m).collect();
-    if p.is_empty() {
-        return Ok(Vec::new());
-    }
-    let k = p.len() - 1;
-    let (drafts, q) = (&prop.tokens[..k], &prop.masses[..k]);
-    let r0 = seq.response_len() as u64;
-    let u: Vec<(f64, f64)> = (0..=k as u64)
-        .map(|i| {
-            let accept = uniform(params.seed ^ ACCEPT_STREAM, seq.key, r0 + i);
-            (accept, uniform(params.seed, seq.key, r0 + i))
+/// The verification of each running sequence's proposal: its policy rows in the step (its
+/// newest token's, then one per draft), the draft's rows, and the uniforms of each position:
+/// the acceptance test's in its own stream, the draw's the plain sampler's.
+fn chains(running: &[Seq], proposals: &[Proposal], params: &SamplingParams) -> Vec<DraftChain> {
+    let mut p_row = 0;
+    running
+        .iter()
+        .zip(proposals)
+        .map(|(seq, prop)| {
+            let r0 = seq.response_len() as u64;
+            let uniforms = (0..=prop.tokens.len() as u64)
+                .map(|i| {
+                    let accept = uniform(params.seed ^ ACCEPT_STREAM, seq.key, r0 + i);
+                    (accept, uniform(params.seed, seq.key, r0 + i))
+                })
+                .collect();
+            let chain =
+                DraftChain { p_row, q_row: prop.q_row, drafts: prop.tokens.clone(), uniforms };
+            p_row += prop.tokens.len() + 1;
+            chain
         })
-        .collect();
-    speculator.verify(&p, q, drafts, &u)
-}
-
-/// The sampler's masses of each row of host logits `[rows × vocab]` (rows in parallel).
-fn host_masses(logits: &[f32], vocab: usize, p: &SamplingParams) -> Vec<Option<Vec<u64>>> {
-    logits.par_chunks(vocab).map(|l| kept_masses(l, p.temperature, p.top_k, p.top_p)).collect()
+        .collect()
 }
 
 fn sample_params(p: &SamplingParams) -> miles_model::SampleParams {

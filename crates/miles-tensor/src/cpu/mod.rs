@@ -31,7 +31,9 @@ pub use logprob::{
 pub use matmul::{Transpose, matmul};
 pub use optim::{AdamW, clip_scale, global_norm, sum_squares};
 pub use sample::{MASS_BITS, draw, kept_masses, sample_mass, sample_row, sample_rows};
-pub use speculative::{StepUniforms, Verdict, accept_draft, residual_draw, verify_chain};
+pub use speculative::{
+    StepUniforms, Verdict, accept_draft, residual_draw, verify_chain, verify_logits,
+};
 
 /// Lanes of the partial sums in [`dot`].
 const DOT_LANES: usize = 16;

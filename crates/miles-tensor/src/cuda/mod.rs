@@ -31,7 +31,7 @@ pub(crate) use ops::{
     rmsnorm_forward,
 };
 pub(crate) use optim::{AdamWSlot, adamw, adamw_multi, sum_squares, sum_squares_multi};
-pub(crate) use sample::{sample_rows, sample_rows_on_device};
+pub(crate) use sample::{sample_rows, sample_rows_on_device, spec_verify};
 
 use crate::tensor::Storage;
 use crate::{DType, Error, Result};

@@ -94,6 +94,108 @@ pub fn sample_rows_ids(
     }
 }
 
+/// One chain of draft tokens to verify ([`speculative_verify`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftChain {
+    /// The policy's rows of the chain: `p_row ..= p_row + drafts.len()` (each the distribution
+    /// of the token at its position, given the drafts before it).
+    pub p_row: usize,
+    /// The draft's rows the drafts were drawn from: `q_row .. q_row + drafts.len()`.
+    pub q_row: usize,
+    pub drafts: Vec<u32>,
+    /// Per policy row, the (accept, draw) uniforms in [0, 1).
+    pub uniforms: Vec<(f64, f64)>,
+}
+
+/// Speculative sampling's verification of each chain, on the policy's logits `p` and the
+/// draft's `q` (f32 `[rows × vocab]`, one device) at `temperature`, `top_k`, `top_p`: the
+/// drafts kept, then one token of the policy's own, distributed as the sampler's draws
+/// ([`cpu::verify_logits`] is the definition; every device gives its tokens). Copied to the
+/// host.
+pub fn speculative_verify(
+    p: &Tensor,
+    q: &Tensor,
+    chains: &[DraftChain],
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+) -> Result<Vec<Vec<u32>>> {
+    const OP: &str = "speculative_verify";
+    dtype_is(OP, "p", p, DType::F32)?;
+    dtype_is(OP, "q", q, DType::F32)?;
+    super::same_device(OP, &[p, q])?;
+    let vocab = p.shape.get(1).copied().unwrap_or(0);
+    ensure(
+        p.shape.len() == 2
+            && q.shape.len() == 2
+            && q.shape[1] == vocab
+            && vocab > 0
+            && vocab <= i32::MAX as usize,
+        OP,
+        || format!("policy logits {:?} beside draft logits {:?}", p.shape, q.shape),
+    )?;
+    for (c, ch) in chains.iter().enumerate() {
+        let k = ch.drafts.len();
+        ensure(
+            ch.p_row + k < p.shape[0]
+                && ch.q_row + k <= q.shape[0]
+                && ch.uniforms.len() == k + 1
+                && ch.drafts.iter().all(|&x| (x as usize) < vocab),
+            OP,
+            || {
+                format!(
+                    "chain {c}: {k} drafts (the largest {:?}) from policy row {} and draft row                      {} with {} uniform pairs, over {:?} and {:?}",
+                    ch.drafts.iter().max(),
+                    ch.p_row,
+                    ch.q_row,
+                    ch.uniforms.len(),
+                    p.shape,
+                    q.shape
+                )
+            },
+        )?;
+        let flat: Vec<f64> = ch.uniforms.iter().flat_map(|&(a, d)| [a, d]).collect();
+        cpu::sample::check_sampling(OP, temperature, top_p, &flat)?;
+    }
+    match (&p.storage, &q.storage) {
+        (Storage::F32(pv), Storage::F32(qv)) => chains
+            .iter()
+            .map(|ch| {
+                let u: Vec<cpu::StepUniforms> = ch
+                    .uniforms
+                    .iter()
+                    .map(|&(accept, draw)| cpu::StepUniforms { accept, draw })
+                    .collect();
+                let rows = (ch.p_row, ch.q_row);
+                cpu::verify_logits((pv, qv), vocab, rows, &ch.drafts, &u, temperature, top_k, top_p)
+            })
+            .collect(),
+        #[cfg(feature = "cuda")]
+        (
+            Storage::Cuda(crate::cuda::Buffer { gpu, data: crate::cuda::DeviceData::F32(ps) }),
+            Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::F32(qs), .. }),
+        ) => {
+            let stride = chains.iter().map(|c| c.drafts.len()).max().unwrap_or(0);
+            let mut meta = Vec::with_capacity(3 * chains.len());
+            let mut drafts = vec![0i32; chains.len() * stride];
+            let mut uniforms = vec![0.0f64; 2 * chains.len() * (stride + 1)];
+            for (c, ch) in chains.iter().enumerate() {
+                meta.extend([ch.p_row as i32, ch.q_row as i32, ch.drafts.len() as i32]);
+                for (i, &x) in ch.drafts.iter().enumerate() {
+                    drafts[c * stride + i] = x as i32;
+                }
+                for (i, &(a, d)) in ch.uniforms.iter().enumerate() {
+                    let at = 2 * (c * (stride + 1) + i);
+                    uniforms[at..at + 2].copy_from_slice(&[a, d]);
+                }
+            }
+            let how = (temperature, top_k, top_p);
+            crate::cuda::spec_verify(gpu, (ps, qs), vocab, how, &meta, &drafts, &uniforms, stride)
+        }
+        _ => unreachable!("f32 logits on one device (checked above)"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,6 +313,90 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Speculative verification on every device gives the CPU definition's tokens: drafts
+    /// from draft rows near the policy's (mostly kept), far from them (mostly replaced), equal
+    /// to them (all kept), tokens the draft could not have drawn, a policy row with a NaN
+    /// inside a chain (cut there) and one without mass first (no token), under top-k and top-p.
+    #[test]
+    fn speculative_verify_matches_the_cpu_definition_on_every_device() {
+        let mut rng = Rng::new(91);
+        for device in devices() {
+            for vocab in [1000, 151_936] {
+                let (mut p, mut q, mut chains) = (Vec::new(), Vec::new(), Vec::new());
+                for c in 0..24 {
+                    let k = c % 5;
+                    let (p_row, q_row) = (p.len() / vocab, q.len() / vocab);
+                    let base: Vec<f32> = rng.vec(vocab * (k + 1), 3.0);
+                    p.extend(&base);
+                    let noise = [0.0f32, 0.3, 3.0][c % 3];
+                    for (i, x) in base.iter().enumerate().take(vocab * k) {
+                        q.push(x + noise * rng.normal() + if i % 7 == 0 { noise } else { 0.0 });
+                    }
+                    if c == 8 {
+                        p[(p_row + 2) * vocab + 17] = f32::NAN;
+                    }
+                    if c == 9 {
+                        p[p_row * vocab..(p_row + 1) * vocab].fill(f32::NEG_INFINITY);
+                    }
+                    let drafts = (0..k)
+                        .map(|i| {
+                            let row = &q[(q_row + i) * vocab..(q_row + i + 1) * vocab];
+                            match c % 4 {
+                                3 => rng.below(vocab) as u32,
+                                _ => cpu::sample_row(
+                                    row,
+                                    0.8,
+                                    0,
+                                    1.0,
+                                    rng.next_u64() as f64 / 2f64.powi(64),
+                                )
+                                .unwrap_or(0),
+                            }
+                        })
+                        .collect();
+                    let uniforms = (0..=k)
+                        .map(|_| {
+                            (f64::from(rng.uniform(0.0, 1.0)), f64::from(rng.uniform(0.0, 1.0)))
+                        })
+                        .collect();
+                    chains.push(DraftChain { p_row, q_row, drafts, uniforms });
+                }
+                let (np, nq) = (p.len() / vocab, q.len() / vocab);
+                let pt = tensor(&[np, vocab], &p, DType::F32, &device);
+                let qt = tensor(&[nq, vocab], &q, DType::F32, &device);
+                let (mut kept, mut replaced) = (0, 0);
+                for (t, top_k, top_p) in [(0.8f32, 0, 1.0f32), (1.0, 50, 1.0), (0.7, 0, 0.9)] {
+                    let got = speculative_verify(&pt, &qt, &chains, t, top_k, top_p).unwrap();
+                    for (c, ch) in chains.iter().enumerate() {
+                        let u: Vec<cpu::StepUniforms> = ch
+                            .uniforms
+                            .iter()
+                            .map(|&(accept, draw)| cpu::StepUniforms { accept, draw })
+                            .collect();
+                        let want = cpu::verify_logits(
+                            (&p, &q),
+                            vocab,
+                            (ch.p_row, ch.q_row),
+                            &ch.drafts,
+                            &u,
+                            t,
+                            top_k,
+                            top_p,
+                        )
+                        .unwrap();
+                        let what = format!("{device} vocab {vocab} T={t} k={top_k} p={top_p}");
+                        assert_eq!(got[c], want, "{what}: chain {c}");
+                        let same = want.iter().zip(&ch.drafts).take_while(|(a, b)| a == b).count();
+                        kept += same;
+                        replaced += usize::from(same < ch.drafts.len() && want.len() > same);
+                    }
+                    assert!(got[9].is_empty() && got[8].len() <= 2, "{got:?}");
+                }
+                assert!(kept > 20 && replaced > 10, "{device}: {kept} kept, {replaced} replaced");
             }
         }
     }
