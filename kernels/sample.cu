@@ -342,6 +342,19 @@ __device__ bool kept_set(Row& row, int top_k, float top_p, Shared& s, Cut& cut) 
     return true;
 }
 
+// Whether the row has masses (kept_set's test, without its cuts).
+__device__ bool has_mass(const Row& row, Shared& s) {
+    int bad = 0;
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < row.vocab; i += THREADS) {
+        const float z = row.z(i);
+        bad |= isnan(z) || z == INFINITY;
+        m = fmaxf(m, z);
+    }
+    m = miles::block_max(m, s.fscratch);
+    return !__syncthreads_or(bad) && m != -INFINITY;
+}
+
 __device__ __forceinline__ u64 kept_mass(const Row& row, Cut cut, int i) {
     const float z = row.z(i);
     return cut.keeps(rank_bits(z), i) ? row_mass(row, z) : 0;
@@ -417,17 +430,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     auto qrow = [&](int i) -> Row { return {q_logits + (q0 + i) * vocab, vocab, t, -INFINITY}; };
     // The leading policy rows with masses, and the draft rows before them with masses.
     int g = 0;
-    for (Cut cut; g <= k; ++g) {
-        Row row = prow(g);
-        if (!kept_set(row, top_k, top_p, s, cut)) break;
-    }
+    while (g <= k && has_mass(prow(g), s)) ++g;
     int n = 0;
     if (g > 0) {
         k = g - 1;
         for (int i = 0; i < k; ++i) {
-            Row row = qrow(i);
-            Cut cut;
-            if (!kept_set(row, top_k, top_p, s, cut)) k = i;
+            if (!has_mass(qrow(i), s)) k = i;
         }
         for (int i = 0;; ++i) {
             Row pr = prow(i);
