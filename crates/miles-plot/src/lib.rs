@@ -259,7 +259,14 @@ pub const CHARTS: &[ChartSpec] = &[
     ChartSpec {
         file: "loss.png",
         title: "Loss",
-        keys: &["train/loss", "train/pg_loss", "sft/loss"],
+        keys: &["train/loss", "train/pg_loss", "sft/loss", "train/mtp_loss"],
+        prefix: None,
+        x: XAxis::Step,
+    },
+    ChartSpec {
+        file: "spec_accept.png",
+        title: "Speculative drafts kept (ratio)",
+        keys: &["rollout/spec_accept_rate"],
         prefix: None,
         x: XAxis::Step,
     },

@@ -138,6 +138,7 @@ fn synthetic_run() -> String {
             let eval = 0.05 + 0.6 * t;
             line.push_str(&format!(r#", "eval/reward": {eval}, "eval/pass@1": {}"#, eval * 0.9));
         }
+        line.push_str(&format!(r#", "rollout/spec_accept_rate": {}"#, 0.7 + 0.1 * wiggle));
         line.push('}');
         lines.push(line);
     }
@@ -145,7 +146,7 @@ fn synthetic_run() -> String {
 }
 
 /// Every chart's file but truncated.png, in [`CHARTS`] order.
-const ALL_BUT_TRUNCATED: [&str; 8] = [
+const ALL_BUT_TRUNCATED: [&str; 9] = [
     "reward.png",
     "eval_time.png",
     "kl.png",
@@ -154,6 +155,7 @@ const ALL_BUT_TRUNCATED: [&str; 8] = [
     "entropy.png",
     "step_time.png",
     "loss.png",
+    "spec_accept.png",
 ];
 
 fn decode(path: &Path) -> (u32, u32, Vec<u8>) {
