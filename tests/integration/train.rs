@@ -390,6 +390,17 @@ fn processes_train_as_one(
     two
 }
 
+/// Speculative rollouts with a draft trained online run over two processes as in one: the
+/// draft starts as rank 0's, its gradients and MTP loss are summed over the ranks, and the
+/// samples, acceptance and losses are the one process's.
+#[cfg(feature = "eagle-spec")]
+#[test]
+fn two_processes_speculate_and_train_the_draft_as_one() {
+    let flags = "--sglang-speculative-algorithm EAGLE --enable-mtp-training";
+    let metrics = ["train/mtp_loss", "rollout/spec_accept_rate", "rollout/spec_accept_length"];
+    processes_train_as_one("train_two_processes_spec", 2, flags, &[], &metrics);
+}
+
 /// What needs the whole batch works over two processes as in one: advantages whitened over
 /// every rank's samples (REINFORCE++'s own whitening, then `--normalize-advantages`), TIS's
 /// batch normalization by the whole batch's mean weight, and the TIS/MIS metrics averaged over
