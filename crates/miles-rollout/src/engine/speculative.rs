@@ -176,12 +176,9 @@ impl Engine {
             let all: Vec<u32> = (0..verified as u32).collect();
             let logits = model.logits(&hidden, &all).map_err(model_error)?;
             let chains = chains(running, &proposals, params);
-            let q = match q {
-                Some(q) => q,
-                // No drafts at all: an empty draft table of the vocabulary's width.
-                None => ops::gather_rows(&logits, &[]).map_err(|e| model_error(e.into()))?,
-            };
-            let kept = ops::speculative_verify(&logits, &q, &chains, t, params.top_k, params.top_p)
+            // Without drafts no draft row is read: the policy's rows stand in for the table.
+            let q = q.as_ref().unwrap_or(&logits);
+            let kept = ops::speculative_verify(&logits, q, &chains, t, params.top_k, params.top_p)
                 .map_err(|e| model_error(e.into()))?;
             let mut targets = vec![0u32; verified];
             for (chain, tokens) in chains.iter().zip(&kept) {
@@ -341,6 +338,9 @@ impl Engine {
         for (prop, rows) in out.iter_mut().zip(&at) {
             prop.q_row = order.len();
             order.extend(rows);
+        }
+        if order.is_empty() {
+            return Ok((out, None));
         }
         let q = ops::gather_rows(&all, &order).map_err(|e| model_error(e.into()))?;
         Ok((out, Some(q)))
