@@ -286,18 +286,25 @@ if [ "$what" = spec-addition ]; then
   # the rollout/trainer logprob gap (0 on every iteration in both).
   [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
     $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
-  for arm in plain spec; do
-    flags=""
-    [ $arm = spec ] && flags="--sglang-speculative-algorithm EAGLE \
-      --sglang-speculative-num-steps ${STEPS:-3} --enable-mtp-training --mtp-loss-scaling-factor 0.2"
+  # ARMS picks the runs; `frozen` speculates with the spec run's draft as it was at iteration
+  # FROZEN_AT (the spec run saves every 10 iterations), untrained after.
+  spec="--sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps ${STEPS:-3}"
+  for arm in ${ARMS:-plain spec}; do
+    case $arm in
+      plain) flags="" ;;
+      spec) flags="$spec --enable-mtp-training --mtp-loss-scaling-factor 0.2 --save-interval 10" ;;
+      frozen) flags="$spec --sglang-speculative-draft-model-path \
+        /tmp/add-spec/ckpt/iter_$(printf %07d ${FROZEN_AT:-20})/draft" ;;
+    esac
     rm -rf /tmp/add-$arm
     timeout ${LIMIT:-270} $miles train --config examples/addition-smollm2.toml \
       --hf-checkpoint /tmp/smollm2 --num-rollout ${ROLLOUTS:-100} --run-dir /tmp/add-$arm \
       --save /tmp/add-$arm/ckpt --save-hf /tmp/add-$arm/hf $flags | tail -1
     cp /tmp/add-$arm/metrics.jsonl "$OUT/spec-addition-$arm.jsonl"
   done
-  python3 tests/device/spec_summary.py "$OUT/spec-addition-plain.jsonl" \
-    "$OUT/spec-addition-spec.jsonl" | tee "$OUT/spec-addition.txt"
+  python3 tests/device/spec_summary.py "$OUT"/spec-addition-plain.jsonl \
+    "$OUT"/spec-addition-spec.jsonl $(ls "$OUT"/spec-addition-frozen.jsonl 2>/dev/null) \
+    | tee "$OUT/spec-addition.txt"
 fi
 if [ "$what" = families-bench ]; then
   # Issue 29, acceptance 4: train, logprob and rollout of the family presets beside HF.

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Plain and speculative runs of one example side by side (gpu_checks.sh spec-addition): the
 engine's generated tokens per second of generate time, per block of 10 iterations, with the
-draft's acceptance (rollout/spec_accept_rate, spec_accept_length) and MTP loss, held-out
-accuracy where evaluated, and the rollout/trainer logprob gap.
+online draft's acceptance (rollout/spec_accept_rate, spec_accept_length) and MTP loss, a frozen
+draft's acceptance when its run is given, held-out accuracy where evaluated, and the
+rollout/trainer logprob gap of each run.
 
-  python3 tests/device/spec_summary.py plain/metrics.jsonl spec/metrics.jsonl
+  python3 tests/device/spec_summary.py plain.jsonl spec.jsonl [frozen.jsonl]
 """
 import json, sys
 
@@ -13,27 +14,35 @@ def load(path):
     return [r for r in map(json.loads, open(path)) if "perf/rollout_generate_time" in r]
 
 
-def block_stats(rows):
+def tokens_per_s(rows):
     gen = sum(r["perf/rollout_generate_time"] for r in rows)
-    toks = sum(r["rollout/generated_tokens"] for r in rows)
-    mean = lambda k: (sum(r[k] for r in rows if k in r) / max(1, sum(k in r for r in rows)))
+    return sum(r["rollout/generated_tokens"] for r in rows) / max(gen, 1e-9)
+
+
+def mean(rows, key):
+    vals = [r[key] for r in rows if key in r]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def last_eval(rows):
     evals = [r["eval/pass@1"] for r in rows if "eval/pass@1" in r]
-    return toks / max(gen, 1e-9), mean, evals
+    return f"{evals[-1]:.3f}" if evals else "-"
 
 
-plain, spec = load(sys.argv[1]), load(sys.argv[2])
-print("iters     plain tok/s  spec tok/s  ratio  accept_rate  accept_len  mtp_loss  eval plain/spec")
+runs = [load(p) for p in sys.argv[1:]]
+plain, spec = runs[0], runs[1]
+frozen = runs[2] if len(runs) > 2 else []
+print("iters      plain tok/s  spec tok/s  ratio  accept  accept_len  mtp_loss  frozen accept"
+      "  eval plain/spec/frozen")
 for start in range(0, min(len(plain), len(spec)), 10):
-    p, s = plain[start:start + 10], spec[start:start + 10]
-    tp, _, ep = block_stats(p)
-    ts, m, es = block_stats(s)
-    ev = f"{ep[-1]:.3f}/{es[-1]:.3f}" if ep and es else "-"
+    p, s, f = plain[start:start + 10], spec[start:start + 10], frozen[start:start + 10]
+    tp, ts = tokens_per_s(p), tokens_per_s(s)
     print(f"{start + 1:4d}-{start + len(s):<4d}  {tp:11.0f}  {ts:10.0f}  {ts / tp:5.2f}"
-          f"  {m('rollout/spec_accept_rate'):11.3f}  {m('rollout/spec_accept_length'):10.2f}"
-          f"  {m('train/mtp_loss'):8.3f}  {ev}")
-for name, rows in (("plain", plain), ("spec", spec)):
-    tp, _, _ = block_stats(rows)
+          f"  {mean(s, 'rollout/spec_accept_rate'):6.3f}  {mean(s, 'rollout/spec_accept_length'):10.2f}"
+          f"  {mean(s, 'train/mtp_loss'):8.3f}  {mean(f, 'rollout/spec_accept_rate'):13.3f}"
+          f"  {last_eval(p)}/{last_eval(s)}/{last_eval(f)}")
+for name, rows in zip(("plain", "spec", "frozen"), runs):
     gaps = [r["train/train_rollout_logprob_abs_diff"] for r in rows
             if "train/train_rollout_logprob_abs_diff" in r]
-    print(f"{name}: {len(rows)} iterations, {tp:.0f} generated tok/s of generate time, "
-          f"logprob gap exactly 0 on {sum(g == 0 for g in gaps)} of {len(gaps)}")
+    print(f"{name}: {len(rows)} iterations, {tokens_per_s(rows):.0f} generated tok/s of generate "
+          f"time, logprob gap exactly 0 on {sum(g == 0 for g in gaps)} of {len(gaps)}")
