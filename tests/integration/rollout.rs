@@ -13,16 +13,21 @@ use miles_tensor::rng::Rng;
 use miles_train::batch::{self, TrainSample};
 
 /// A tiny random model whose distributions are far from uniform, so sampling paths differ.
-fn model(arch: Architecture, seed: u64) -> Model {
+pub(crate) fn model(arch: Architecture, seed: u64) -> Model {
     let config = presets::preset("tiny", Some(arch)).unwrap();
     let mut w = Weights::random(&config, seed);
-    let mut rng = Rng::new(seed + 100);
-    for t in w.tensors_mut() {
+    perturb(w.tensors_mut(), seed + 100);
+    Model::new(config, w)
+}
+
+/// Moves random weights away from their initialization (unit norms around 1, the rest wider).
+pub(crate) fn perturb(tensors: Vec<&mut Vec<f32>>, seed: u64) {
+    let mut rng = Rng::new(seed);
+    for t in tensors {
         for v in t.iter_mut() {
             *v = if *v == 1.0 { 1.0 + 0.2 * rng.normal() } else { 0.15 * rng.normal() };
         }
     }
-    Model::new(config, w)
 }
 
 fn tokenizer(name: &str) -> Tokenizer {
@@ -35,9 +40,13 @@ fn tokenizer(name: &str) -> Tokenizer {
 const PROMPT_LENS: [usize; 6] = [5, 64, 70, 13, 128, 1];
 
 fn groups(n: usize, seed: u64) -> Vec<Vec<Sample>> {
+    groups_of(n, &PROMPT_LENS, seed)
+}
+
+/// `n` samples of each random prompt of the lengths `lens`, indexed in order.
+pub(crate) fn groups_of(n: usize, lens: &[usize], seed: u64) -> Vec<Vec<Sample>> {
     let mut rng = Rng::new(seed);
-    PROMPT_LENS
-        .iter()
+    lens.iter()
         .enumerate()
         .map(|(g, &len)| {
             let tokens: Vec<u32> = (0..len).map(|_| rng.below(256) as u32).collect();

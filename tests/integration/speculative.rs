@@ -6,27 +6,11 @@ use miles_core::{Sample, SamplingParams};
 use miles_model::draft::{Draft, DraftFormat, draft_config, fit_draft};
 use miles_model::testing::on_cpu;
 use miles_model::{Architecture, DeviceModel, KvCache, Model, PackedBatch, Weights, presets};
+
+use crate::rollout::{groups_of, model, perturb};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::{AdamW, kept_masses};
-use miles_tensor::rng::Rng;
 use std::sync::Arc;
-
-/// A tiny random model whose distributions are far from uniform.
-fn model(arch: Architecture, seed: u64) -> Model {
-    let config = presets::preset("tiny", Some(arch)).unwrap();
-    let mut w = Weights::random(&config, seed);
-    perturb(w.tensors_mut(), seed + 100);
-    Model::new(config, w)
-}
-
-fn perturb(tensors: Vec<&mut Vec<f32>>, seed: u64) {
-    let mut rng = Rng::new(seed);
-    for t in tensors {
-        for v in t.iter_mut() {
-            *v = if *v == 1.0 { 1.0 + 0.2 * rng.normal() } else { 0.15 * rng.normal() };
-        }
-    }
-}
 
 /// A random MTP draft of `policy` (its embedding and head the policy's), on the CPU.
 fn draft(policy: &Model, seed: u64) -> DeviceModel {
@@ -46,24 +30,6 @@ fn warm_up(policy: &DeviceModel, draft: &mut DeviceModel, samples: &[Sample], st
         samples.iter().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
     let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
     fit_draft(policy, draft, &PackedBatch::new(&seqs).unwrap(), steps, &hyper).unwrap().unwrap();
-}
-
-fn groups(n: usize, lens: &[usize], seed: u64) -> Vec<Vec<Sample>> {
-    let mut rng = Rng::new(seed);
-    lens.iter()
-        .enumerate()
-        .map(|(g, &len)| {
-            let tokens: Vec<u32> = (0..len).map(|_| rng.below(256) as u32).collect();
-            (0..n)
-                .map(|i| Sample {
-                    group_index: g,
-                    index: g * n + i,
-                    tokens: tokens.clone(),
-                    ..Sample::default()
-                })
-                .collect()
-        })
-        .collect()
 }
 
 fn params(max_new: usize, top_k: usize) -> SamplingParams {
@@ -102,7 +68,7 @@ fn greedy_speculative_decoding_gives_the_plain_tokens() {
         let policy = on_cpu(&m);
         let mut d = draft(&m, 4);
         let p = params(40, 1);
-        let input = groups(2, &lens, 5);
+        let input = groups_of(2, &lens, 5);
         let config = EngineConfig { max_running: 5, ..EngineConfig::default() };
         let plain = Engine::new(&policy, None, config.clone())
             .unwrap()
@@ -135,7 +101,7 @@ fn greedy_speculative_decoding_gives_the_plain_tokens() {
             ..EngineConfig::default()
         };
         // Three samples of prompts that grow past a block each.
-        let input = groups(3, &[50, 40], 7);
+        let input = groups_of(3, &[50, 40], 7);
         let plain =
             Engine::new(&policy, None, config).unwrap().generate(&policy, input.clone(), &p);
         let mut e = spec_engine(&policy, &d, tight);
@@ -158,7 +124,7 @@ fn speculative_logprobs_equal_the_scorers_bit_for_bit() {
             EngineConfig { max_running: 5, speculator: Some(speculator(3)), ..Default::default() };
         let mut e = spec_engine(&policy, &d, config);
         let samples = e
-            .generate_speculative(&policy, Some(&d), groups(3, &[7, 66, 2], 10), &p, &mut |_| {})
+            .generate_speculative(&policy, Some(&d), groups_of(3, &[7, 66, 2], 10), &p, &mut |_| {})
             .unwrap()
             .concat();
         let seqs: Vec<(Vec<u32>, usize)> =
@@ -215,7 +181,7 @@ fn sampled_speculative_tokens_follow_the_policy() {
     p.temperature = 2.0;
     p.top_p = 1.0;
     let n = 6000;
-    let input = groups(n, &[9], 23);
+    let input = groups_of(n, &[9], 23);
     let prompt = input[0][0].tokens.clone();
     let config =
         EngineConfig { max_running: 512, speculator: Some(speculator(2)), ..Default::default() };
@@ -224,7 +190,7 @@ fn sampled_speculative_tokens_follow_the_policy() {
     warm.max_new_tokens = 12;
     let own = Engine::new(&policy, None, config.clone())
         .unwrap()
-        .generate(&policy, groups(64, &[9], 23), &warm)
+        .generate(&policy, groups_of(64, &[9], 23), &warm)
         .unwrap();
     warm_up(&policy, &mut d, &own[0], 200);
     let mut e = spec_engine(&policy, &d, config.clone());
@@ -288,16 +254,22 @@ fn bad_drafts_and_settings_are_refused() {
     assert!(e.contains("sglang-speculative-algorithm"), "{e}");
     let mut e = Engine::with_draft(&policy, &d, None, config(3)).unwrap();
     let p = params(4, 0);
-    let msg = e.generate(&policy, groups(1, &[3], 1), &p).unwrap_err().to_string();
+    let msg = e.generate(&policy, groups_of(1, &[3], 1), &p).unwrap_err().to_string();
     assert!(msg.contains("generates with its draft"), "{msg}");
     let msg = e
-        .generate_speculative(&policy, Some(&draft(&other, 4)), groups(1, &[3], 1), &p, &mut |_| {})
+        .generate_speculative(
+            &policy,
+            Some(&draft(&other, 4)),
+            groups_of(1, &[3], 1),
+            &p,
+            &mut |_| {},
+        )
         .unwrap_err()
         .to_string();
     assert!(msg.contains("not the one its draft cache was built for"), "{msg}");
     let mut plain = Engine::new(&policy, None, EngineConfig::default()).unwrap();
     let msg = plain
-        .generate_speculative(&policy, Some(&d), groups(1, &[3], 1), &p, &mut |_| {})
+        .generate_speculative(&policy, Some(&d), groups_of(1, &[3], 1), &p, &mut |_| {})
         .unwrap_err()
         .to_string();
     assert!(msg.contains("built without a draft"), "{msg}");

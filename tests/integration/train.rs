@@ -796,7 +796,8 @@ fn bad_speculative_settings_and_drafts_are_named() {
     let (ckpt, data) = checkpoint_and_prompts(&dir, "{\"input\": \"1+1=\", \"label\": \"2\"}\n");
     let base = format!(
         "--hf-checkpoint {ckpt} --prompt-data {data} --label-key label --rm-type exact_match \
-         --num-rollout 1 --rollout-max-response-len 4"
+         --num-rollout 1 --rollout-max-response-len 4 --run-dir {}",
+        dir.join("runs").display()
     );
     let e = train(&base, &["--sglang-speculative-algorithm", "EAGLE"]).unwrap_err();
     assert!(e.contains("--sglang-speculative-algorithm") && e.contains("needs a draft"), "{e}");
