@@ -429,33 +429,6 @@ fn fp8_rollout_logprobs_equal_the_scorers_bit_for_bit() {
     }
 }
 
-/// A chain of `.0` drafts under speculative sampling's rule (what the `eagle-spec` plugin
-/// applies, through the same reference).
-#[derive(Debug)]
-struct Chain(usize);
-
-impl miles_core::Speculator for Chain {
-    fn num_steps(&self) -> usize {
-        self.0
-    }
-
-    fn verify(
-        &self,
-        p: &[Vec<u64>],
-        q: &[Vec<u64>],
-        drafts: &[u32],
-        uniforms: &[(f64, f64)],
-    ) -> miles_core::Result<Vec<u32>> {
-        let u: Vec<miles_tensor::cpu::StepUniforms> = uniforms
-            .iter()
-            .map(|&(accept, draw)| miles_tensor::cpu::StepUniforms { accept, draw })
-            .collect();
-        let verdict = miles_tensor::cpu::verify_chain(p, q, drafts, &u)
-            .map_err(|e| miles_core::Error::Invalid(e.to_string()))?;
-        Ok(verdict.tokens)
-    }
-}
-
 /// Test 5 on CUDA: speculative rollouts (a draft fitted on the policy's greedy samples, so
 /// it is often right) give the plain engine's greedy tokens and logprobs (its
 /// decode steps CUDA graphs), and sampled, logprobs equal to the device scorer's bit for bit.
@@ -478,7 +451,9 @@ fn speculative_rollouts_on_cuda_keep_the_policys_tokens_and_logprobs() {
             want.iter().flatten().map(|s| (s.tokens.clone(), s.prompt_length().unwrap())).collect();
         let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
         fit_draft(&dm, &mut d, &PackedBatch::new(&seqs).unwrap(), 10, &hyper).unwrap();
-        let speculator = Some(std::sync::Arc::new(Chain(3)) as _);
+        let settings = serde_json::json!({ "num_steps": 3 });
+        let chain = miles_plugin_eagle_spec::EagleSpec::from_config(&settings).unwrap();
+        let speculator = Some(std::sync::Arc::new(chain) as _);
         let mut e =
             Engine::with_draft(&dm, &d, None, EngineConfig { speculator, ..config }).unwrap();
         let got = e
