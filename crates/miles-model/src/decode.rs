@@ -7,13 +7,19 @@
 //! sequences are padding on the cache's scratch block. The graph replays the eager step's
 //! kernels on the same per-row data, so the tokens and logprob bits are the eager step's.
 //!
+//! A speculative step's verification is captured the same way ([`DeviceModel::step_states`]):
+//! its rows (a sequence's newest token and its drafts at consecutive positions) are run as
+//! decode rows, each attending to the cache up to its own position after every row's keys
+//! and values are written, and the graph leaves the final-normed states instead of draws.
+//!
 //! Without CUDA (the CPU's tensor ops, or a build without the feature) [`DeviceModel::decode`]
-//! runs the eager step.
+//! and [`DeviceModel::step_states`] run the eager step.
 
+use miles_tensor::Tensor;
 #[cfg(feature = "cuda")]
 use miles_tensor::cpu::PagedRows;
 #[cfg(feature = "cuda")]
-use miles_tensor::{DType, Device, Tensor, ops};
+use miles_tensor::{DType, Device, ops};
 
 use crate::{DeviceModel, Error, KvCache, Result, SampleParams, StepRow};
 
@@ -23,9 +29,10 @@ fn bucket(rows: usize) -> usize {
     if rows <= 256 { rows.next_power_of_two() } else { rows.div_ceil(128) * 128 }
 }
 
-/// The captured decode steps of one sampling configuration and block-table width.
+/// The captured decode steps of one sampling configuration (draws), or of steps that leave
+/// the final-normed states (`params` `None`), and of one block-table width.
 pub struct DecodeGraphs {
-    params: SampleParams,
+    params: Option<SampleParams>,
     /// Blocks per sequence the captured plans hold.
     #[cfg(feature = "cuda")]
     stride: usize,
@@ -34,7 +41,17 @@ pub struct DecodeGraphs {
 }
 
 impl DecodeGraphs {
+    /// Steps that draw a token per row with `params`.
     pub fn new(params: SampleParams) -> Self {
+        Self::of(Some(params))
+    }
+
+    /// Steps that leave the rows' final-normed states ([`DeviceModel::step_states`]).
+    pub fn states() -> Self {
+        Self::of(None)
+    }
+
+    fn of(params: Option<SampleParams>) -> Self {
         DecodeGraphs {
             params,
             #[cfg(feature = "cuda")]
@@ -44,7 +61,8 @@ impl DecodeGraphs {
         }
     }
 
-    pub fn params(&self) -> SampleParams {
+    /// The draws' sampling configuration; `None` for steps that leave states.
+    pub fn params(&self) -> Option<SampleParams> {
         self.params
     }
 
@@ -97,9 +115,24 @@ struct DecodeGraph {
     /// The sliding layers' own rotary tables (Gemma 3).
     local: Option<(Tensor, Tensor)>,
     plan: ops::PagedPlan,
+    out: Outputs,
+}
+
+/// A draw per row: the uniform numbers in, the tokens and their logprobs out.
+#[cfg(feature = "cuda")]
+struct DrawBuffers {
+    params: SampleParams,
     uniforms: Tensor,
     tokens: Tensor,
     logp: Tensor,
+}
+
+/// What a captured step leaves in its buffers.
+#[cfg(feature = "cuda")]
+enum Outputs {
+    Draws(Box<DrawBuffers>),
+    /// The final-normed states `[rows × hidden]`.
+    States(Tensor),
 }
 
 impl DeviceModel {
@@ -113,6 +146,9 @@ impl DeviceModel {
         uniforms: &[f64],
         kv: &mut KvCache,
     ) -> Result<Vec<Option<(u32, f32)>>> {
+        let Some(params) = graphs.params else {
+            return Err(Error::Invalid("decode: these graphs leave states, not draws".into()));
+        };
         if rows.len() != uniforms.len() {
             return Err(Error::Invalid(format!(
                 "{} decode rows with {} uniform numbers",
@@ -122,21 +158,55 @@ impl DeviceModel {
         }
         #[cfg(feature = "cuda")]
         if matches!(self.device(), Device::Cuda(_)) && self.dtype() == DType::BF16 {
-            return self.decode_graph(graphs, rows, uniforms, kv);
+            let g = self.replay(graphs, rows, uniforms, kv)?;
+            let Outputs::Draws(d) = &g.out else { unreachable!("draw graphs") };
+            let (tokens, logp) = (d.tokens.to_vec_i32()?, d.logp.to_vec_f32()?);
+            return Ok(tokens[..rows.len()]
+                .iter()
+                .zip(&logp)
+                .map(|(&t, &lp)| u32::try_from(t).ok().map(|t| (t, lp)))
+                .collect());
         }
         let hidden = self.step(rows, kv)?;
         let picks: Vec<u32> = (0..rows.len() as u32).collect();
-        self.sample(&hidden, &picks, graphs.params, uniforms)
+        self.sample(&hidden, &picks, params, uniforms)
     }
 
-    #[cfg(feature = "cuda")]
-    fn decode_graph(
+    /// [`DeviceModel::step`] over rows that each attend to the cache up to their own position
+    /// (a sequence's rows at consecutive positions, or rows of distinct sequences), through a
+    /// captured graph on CUDA: the final-normed states `[rows × hidden]`, with the eager
+    /// step's bits. The graph's padding rows may follow the step's (the tensor has at least
+    /// `rows.len()` rows). Dense models only: a mixture of experts routes on the host.
+    pub fn step_states(
         &self,
         graphs: &mut DecodeGraphs,
         rows: &[StepRow],
+        kv: &mut KvCache,
+    ) -> Result<Tensor> {
+        if graphs.params.is_some() {
+            return Err(Error::Invalid("step_states: these graphs draw, not leave states".into()));
+        }
+        #[cfg(feature = "cuda")]
+        if matches!(self.device(), Device::Cuda(_)) && self.dtype() == DType::BF16 {
+            let g = self.replay(graphs, rows, &[], kv)?;
+            let Outputs::States(states) = &g.out else { unreachable!("state graphs") };
+            let mut copy = Tensor::zeros(states.shape(), states.dtype(), &self.device())?;
+            copy.copy_from(states)?;
+            return Ok(copy);
+        }
+        self.step(rows, kv)
+    }
+
+    /// Loads the step into its bucket's buffers and replays the bucket's graph (capturing it
+    /// first when new): the step's outputs are then in the graph's buffers.
+    #[cfg(feature = "cuda")]
+    fn replay<'g>(
+        &self,
+        graphs: &'g mut DecodeGraphs,
+        rows: &[StepRow],
         uniforms: &[f64],
         kv: &mut KvCache,
-    ) -> Result<Vec<Option<(u32, f32)>>> {
+    ) -> Result<&'g DecodeGraph> {
         self.check_step_tokens(rows)?;
         // Tables wider than the captured plans': capture again, twice as wide.
         let widest = rows.iter().map(|r| r.blocks.len()).max().unwrap_or(1);
@@ -151,7 +221,7 @@ impl DeviceModel {
                 self.load_inputs(g, rows, uniforms)?;
                 match &g.graph {
                     Some(graph) => graph.launch()?,
-                    None => self.decode_body(g, graphs.params, kv)?,
+                    None => self.decode_body(g, kv)?,
                 }
                 i
             }
@@ -161,14 +231,7 @@ impl DeviceModel {
                 graphs.graphs.len() - 1
             }
         };
-        let g = &graphs.graphs[index];
-        let tokens = g.tokens.to_vec_i32()?;
-        let logp = g.logp.to_vec_f32()?;
-        Ok(tokens[..rows.len()]
-            .iter()
-            .zip(&logp)
-            .map(|(&t, &lp)| u32::try_from(t).ok().map(|t| (t, lp)))
-            .collect())
+        Ok(&graphs.graphs[index])
     }
 
     /// Writes a step's inputs into the graph's buffers (padding rows: token 0 at position 0 of
@@ -194,6 +257,7 @@ impl DeviceModel {
         let seqs: Vec<PagedRows> =
             rows.iter().map(|r| PagedRows { n: 1, pos0: r.position, table: r.blocks }).collect();
         g.plan.load_decode(&seqs)?;
+        let Outputs::Draws(d) = &mut g.out else { return Ok(()) };
         // The uniforms' f64 bits as i32 pairs: the sampler reads them as doubles.
         let mut bits: Vec<i32> = uniforms
             .iter()
@@ -203,7 +267,7 @@ impl DeviceModel {
             })
             .collect();
         bits.resize(2 * g.rows, 0);
-        g.uniforms.copy_from(&Tensor::from_i32(&[g.rows, 2], bits, &cpu)?)?;
+        d.uniforms.copy_from(&Tensor::from_i32(&[g.rows, 2], bits, &cpu)?)?;
         Ok(())
     }
 
@@ -214,7 +278,7 @@ impl DeviceModel {
         &self,
         rows: usize,
         stride: usize,
-        params: SampleParams,
+        params: Option<SampleParams>,
         step: &[StepRow],
         uniforms: &[f64],
         kv: &mut KvCache,
@@ -237,14 +301,22 @@ impl DeviceModel {
                 None => None,
             },
             plan,
-            uniforms: Tensor::zeros(&[rows, 2], DType::I32, &device)?,
-            tokens: Tensor::zeros(&[rows], DType::I32, &device)?,
-            logp: Tensor::zeros(&[rows], DType::F32, &device)?,
+            out: match params {
+                Some(params) => Outputs::Draws(Box::new(DrawBuffers {
+                    params,
+                    uniforms: Tensor::zeros(&[rows, 2], DType::I32, &device)?,
+                    tokens: Tensor::zeros(&[rows], DType::I32, &device)?,
+                    logp: Tensor::zeros(&[rows], DType::F32, &device)?,
+                })),
+                None => {
+                    Outputs::States(Tensor::zeros(&[rows, c.hidden_size], self.dtype(), &device)?)
+                }
+            },
         };
         self.load_inputs(&mut g, step, uniforms)?;
-        self.decode_body(&mut g, params, kv)?;
+        self.decode_body(&mut g, kv)?;
         let body = || {
-            self.decode_body(&mut g, params, kv).map_err(|e| match e {
+            self.decode_body(&mut g, kv).map_err(|e| match e {
                 Error::Op(e) => e,
                 other => miles_tensor::Error::Device(other.to_string()),
             })
@@ -263,22 +335,21 @@ impl DeviceModel {
 
     /// The step on the graph's buffers: what is captured.
     #[cfg(feature = "cuda")]
-    fn decode_body(
-        &self,
-        g: &mut DecodeGraph,
-        params: SampleParams,
-        kv: &mut KvCache,
-    ) -> Result<()> {
+    fn decode_body(&self, g: &mut DecodeGraph, kv: &mut KvCache) -> Result<()> {
         let x = self.embed(ops::embedding_forward_ids(self.embedding(), &g.ids)?)?;
         let local = g.local.as_ref().map(|(c, s)| (c, s));
         let hidden = self.step_layers(x, (&g.cos, &g.sin), local, &g.plan, kv)?;
-        let logits = self.head_all(&hidden)?;
-        drop(hidden);
-        let t = params.temperature;
-        let tokens = ops::sample_rows_ids(&logits, t, params.top_k, params.top_p, &g.uniforms)?;
-        let (logp, _) = ops::logprob_rows_ids(&logits, &tokens, t)?;
-        g.tokens.copy_from(&tokens)?;
-        g.logp.copy_from(&logp)?;
+        match &mut g.out {
+            Outputs::States(states) => states.copy_from(&hidden)?,
+            Outputs::Draws(d) => {
+                let logits = self.head_all(&hidden)?;
+                drop(hidden);
+                let (t, k, p) = (d.params.temperature, d.params.top_k, d.params.top_p);
+                let drawn = ops::sample_rows_ids(&logits, t, k, p, &d.uniforms)?;
+                d.tokens.copy_from(&drawn)?;
+                d.logp.copy_from(&ops::logprob_rows_ids(&logits, &drawn, t)?.0)?;
+            }
+        }
         Ok(())
     }
 }

@@ -74,6 +74,8 @@ pub struct Policy {
     /// Captured decode steps of the current sampling parameters, over the compute copies
     /// named by `graphs_of` ([`DeviceModel::buffers_id`]).
     pub(crate) graphs: Option<DecodeGraphs>,
+    /// Captured speculative verifications (steps that leave states), over the same copies.
+    verify_graphs: Option<DecodeGraphs>,
     graphs_of: u64,
     use_graphs: bool,
     /// A speculative draft's own cache ([`Policy::with_draft`]): its one layer's keys and
@@ -146,6 +148,7 @@ impl Policy {
             dtype: model.dtype(),
             kv,
             graphs: None,
+            verify_graphs: None,
             graphs_of: 0,
             use_graphs,
             draft,
@@ -206,12 +209,11 @@ impl Policy {
             && rows.len() == draws.len()
             && draws.iter().enumerate().all(|(i, d)| d.0 == i);
         let (drawn, routes) = if decode {
-            let fresh = self.graphs_of != model.buffers_id();
+            self.refresh_graphs(model);
             let graphs = match &mut self.graphs {
-                Some(g) if g.params() == how && !fresh => g,
+                Some(g) if g.params() == Some(how) => g,
                 slot => slot.insert(DecodeGraphs::new(how)),
             };
-            self.graphs_of = model.buffers_id();
             let drawn = model.decode(graphs, rows, &uniforms, &mut self.kv).map_err(model_error)?;
             (drawn, Vec::new())
         } else {
@@ -221,6 +223,16 @@ impl Policy {
         };
         let drawn = drawn.into_iter().map(|d| d.map(|(token, logprob)| Draw { token, logprob }));
         Ok((drawn.collect(), routes))
+    }
+
+    /// Drops the captured graphs when `model`'s compute copies are not those they were
+    /// captured over.
+    fn refresh_graphs(&mut self, model: &DeviceModel) {
+        if self.graphs_of != model.buffers_id() {
+            self.graphs = None;
+            self.verify_graphs = None;
+            self.graphs_of = model.buffers_id();
+        }
     }
 
     /// Copies every layer of block `src` into `dst` (the draft's too).
@@ -254,12 +266,21 @@ impl Policy {
 
     /// The policy's forward over `rows` (keys and values into its cache): the final-normed
     /// states and the rows' routed experts, no draws (a speculative step verifies them).
+    /// `drafts_only` steps (every sequence's newest token and its drafts, no prompt) replay a
+    /// captured graph; its states may have padding rows after the step's.
     pub fn verify_step(
         &mut self,
         model: &DeviceModel,
         rows: &[StepRow],
+        drafts_only: bool,
     ) -> crate::Result<(Tensor, Vec<u16>)> {
-        model.step_routed(rows, &mut self.kv).map_err(model_error)
+        if !(self.use_graphs && drafts_only) {
+            return model.step_routed(rows, &mut self.kv).map_err(model_error);
+        }
+        self.refresh_graphs(model);
+        let graphs = self.verify_graphs.get_or_insert_with(DecodeGraphs::states);
+        let states = model.step_states(graphs, rows, &mut self.kv).map_err(model_error)?;
+        Ok((states, Vec::new()))
     }
 
     /// The draft's step over `rows` fed `states` (its keys and values into its own cache):

@@ -19,6 +19,8 @@
 //! - Exact logprobs: a kept token's logprob is taken from the verification forward's row,
 //!   through the same batch-invariant kernels and [`ops::logprob_rows`] as a plain step.
 
+use std::sync::Arc;
+
 use miles_core::{SamplingParams, Speculator};
 use miles_model::{DeviceModel, StepRow};
 use miles_tensor::Tensor;
@@ -35,10 +37,12 @@ const DRAFT_STREAM: u64 = 0x6472_6166_745f_7371;
 const ACCEPT_STREAM: u64 = 0x6163_6365_7074_5f71;
 
 /// What a sequence's draft has not seen yet: the policy's final-normed states at positions
-/// `from` up to its newest token's (exclusive), `[rows × hidden]`.
+/// `from` up to its newest token's (exclusive): rows `rows` of a step's states, which the
+/// step's sequences share (one gather feeds them all).
 pub(crate) struct DraftFeed {
     from: usize,
-    states: Tensor,
+    states: Arc<Tensor>,
+    rows: std::ops::Range<u32>,
 }
 
 /// A sequence's speculative counts (SGLang's `spec_verify_ct` in `meta_info`, and the draft
@@ -168,10 +172,12 @@ impl Engine {
                 rows.push(StepRow { token: lead.tokens[p], position: p, blocks: &lead.blocks });
             }
         }
-        let (hidden, routes) = self.policy.verify_step(model, &rows)?;
+        let drafts_only = prompts.is_empty();
+        let (hidden, routes) = self.policy.verify_step(model, &rows, drafts_only)?;
         let mut draws = Vec::new();
         let mut feeds = Vec::new();
         let t = params.temperature;
+        let hidden = Arc::new(hidden);
         if verified > 0 {
             let all: Vec<u32> = (0..verified as u32).collect();
             let logits = model.logits(&hidden, &all).map_err(model_error)?;
@@ -201,10 +207,10 @@ impl Engine {
                 }
                 // Its draft next reads the policy's states at the positions kept.
                 let p = seq.tokens.len() - 1;
-                let rows: Vec<u32> = (row..row + tokens.len().max(1)).map(|r| r as u32).collect();
-                let states = ops::gather_rows(&hidden, &rows).map_err(|e| model_error(e.into()))?;
+                let rows = row as u32..(row + tokens.len().max(1)) as u32;
+                let feed = DraftFeed { from: p, states: hidden.clone(), rows };
                 let counts = SpecCounts { verifies: usize::from(drafted > 0), drafted, accepted };
-                feeds.push(Fed { feed: Some(DraftFeed { from: p, states }), counts });
+                feeds.push(Fed { feed: Some(feed), counts });
                 draws.push(drawn);
                 row += drafted + 1;
             }
@@ -238,10 +244,9 @@ impl Engine {
                     .collect(),
             );
             for _ in unit {
-                let states =
-                    ops::gather_rows(&hidden, &[last]).map_err(|e| model_error(e.into()))?;
-                let feed = Some(DraftFeed { from: len - 1, states });
-                feeds.push(Fed { feed, counts: SpecCounts::default() });
+                let feed =
+                    DraftFeed { from: len - 1, states: hidden.clone(), rows: last..last + 1 };
+                feeds.push(Fed { feed: Some(feed), counts: SpecCounts::default() });
             }
         }
         if !draft_rows.is_empty() {
@@ -271,7 +276,10 @@ impl Engine {
             return Ok((out, None));
         }
         let mut rows: Vec<StepRow> = Vec::new();
-        let mut states: Vec<&Tensor> = Vec::new();
+        // The feeds' states: the distinct step tensors they are rows of, and the rows.
+        let mut sources: Vec<&Arc<Tensor>> = Vec::new();
+        let mut offsets: Vec<u32> = Vec::new();
+        let mut picks: Vec<u32> = Vec::new();
         let mut last: Vec<u32> = Vec::new();
         for &i in &active {
             let seq = &running[i];
@@ -280,10 +288,25 @@ impl Engine {
             for t in feed.from..p {
                 rows.push(StepRow { token: seq.tokens[t + 1], position: t, blocks: &seq.blocks });
             }
-            states.push(&feed.states);
+            let source = match sources.iter().position(|s| Arc::ptr_eq(s, &feed.states)) {
+                Some(s) => s,
+                None => {
+                    let rows_before = offsets.last().map_or(0, |&o| o)
+                        + sources.last().map_or(0, |s| s.shape()[0] as u32);
+                    sources.push(&feed.states);
+                    offsets.push(rows_before);
+                    sources.len() - 1
+                }
+            };
+            picks.extend(feed.rows.clone().map(|r| offsets[source] + r));
             last.push((rows.len() - 1) as u32);
         }
-        let x = ops::concat_rows(&states).map_err(|e| model_error(e.into()))?;
+        let x = match sources[..] {
+            [one] => ops::gather_rows(one, &picks),
+            _ => ops::concat_rows(&sources.iter().map(|s| s.as_ref()).collect::<Vec<_>>())
+                .and_then(|all| ops::gather_rows(&all, &picks)),
+        }
+        .map_err(|e| model_error(e.into()))?;
         let mut h = self.policy.draft_step(draft, &rows, &x)?;
         // Each round's logits, and where each proposal's rows are in them.
         let mut rounds: Vec<Tensor> = Vec::new();
