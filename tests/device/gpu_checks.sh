@@ -6,7 +6,7 @@
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
 #                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
 #                                  dp|fp8|fp8-bench|fp8-addition|families|families-bench|
-#                                  spec-addition|all]
+#                                  spec-addition|spec-gsm8k|all]
 # Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
 # packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
 # is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
@@ -279,13 +279,16 @@ PY
     rm -rf $d
   done 2>&1 | tee "$OUT/families.txt"
 fi
-if [ "$what" = spec-addition ]; then
-  # Issue 30: the addition example plainly and with speculative rollouts (an MTP draft trained
-  # online from scratch, --sglang-speculative-num-steps STEPS), ROLLOUTS iterations each, in one
-  # call: the engine's throughput, the draft's acceptance along the run, held-out accuracy and
-  # the rollout/trainer logprob gap (0 on every iteration in both).
+if [ "$what" = spec-addition ] || [ "$what" = spec-gsm8k ]; then
+  # Issue 30: the addition (or GSM8K) example plainly and with speculative rollouts (an MTP
+  # draft trained online from scratch, --sglang-speculative-num-steps STEPS), ROLLOUTS
+  # iterations each, in one call: the engine's throughput, the draft's acceptance along the
+  # run, held-out accuracy and the rollout/trainer logprob gap (0 on every iteration in both).
   [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
     $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
+  example="--config examples/addition-smollm2.toml"
+  [ "$what" = spec-gsm8k ] && example="--config examples/gsm8k-smollm2.toml \
+    --prompt-data target/gpu/gsm8k/train.jsonl --eval-prompt-data target/gpu/gsm8k/test.jsonl"
   # ARMS picks the runs; `frozen` speculates with the spec run's draft as it was at iteration
   # FROZEN_AT (the spec run saves every 10 iterations), untrained after.
   spec="--sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps ${STEPS:-3}"
@@ -294,17 +297,16 @@ if [ "$what" = spec-addition ]; then
       plain) flags="" ;;
       spec) flags="$spec --enable-mtp-training --mtp-loss-scaling-factor 0.2 --save-interval 10" ;;
       frozen) flags="$spec --sglang-speculative-draft-model-path \
-        /tmp/add-spec/ckpt/iter_$(printf %07d ${FROZEN_AT:-20})/draft" ;;
+        /tmp/$what-spec/ckpt/iter_$(printf %07d ${FROZEN_AT:-20})/draft" ;;
     esac
-    rm -rf /tmp/add-$arm
-    timeout ${LIMIT:-270} $miles train --config examples/addition-smollm2.toml \
-      --hf-checkpoint /tmp/smollm2 --num-rollout ${ROLLOUTS:-100} --run-dir /tmp/add-$arm \
-      --save /tmp/add-$arm/ckpt --save-hf /tmp/add-$arm/hf $flags | tail -1
-    cp /tmp/add-$arm/metrics.jsonl "$OUT/spec-addition-$arm.jsonl"
+    rm -rf /tmp/$what-$arm
+    timeout ${LIMIT:-270} $miles train $example --hf-checkpoint /tmp/smollm2 \
+      --num-rollout ${ROLLOUTS:-100} --run-dir /tmp/$what-$arm --save /tmp/$what-$arm/ckpt \
+      --save-hf /tmp/$what-$arm/hf ${SPEC_FLAGS:-} $flags | tail -1
+    cp /tmp/$what-$arm/metrics.jsonl "$OUT/$what-$arm.jsonl"
   done
-  python3 tests/device/spec_summary.py "$OUT"/spec-addition-plain.jsonl \
-    "$OUT"/spec-addition-spec.jsonl $(ls "$OUT"/spec-addition-frozen.jsonl 2>/dev/null) \
-    | tee "$OUT/spec-addition.txt"
+  python3 tests/device/spec_summary.py "$OUT"/$what-plain.jsonl "$OUT"/$what-spec.jsonl \
+    $(ls "$OUT"/$what-frozen.jsonl 2>/dev/null) | tee "$OUT/$what.txt"
 fi
 if [ "$what" = families-bench ]; then
   # Issue 29, acceptance 4: train, logprob and rollout of the family presets beside HF.

@@ -115,7 +115,18 @@ struct DecodeGraph {
     /// The sliding layers' own rotary tables (Gemma 3).
     local: Option<(Tensor, Tensor)>,
     plan: ops::PagedPlan,
+    /// A speculative draft's input states `[rows × hidden]` ([`DeviceModel::step_draft`]).
+    states_in: Option<Tensor>,
     out: Outputs,
+}
+
+/// A step's inputs beside its rows: a uniform number per row (steps that draw), a draft's
+/// states (a draft's steps).
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy)]
+struct Inputs<'a> {
+    uniforms: &'a [f64],
+    states: Option<&'a Tensor>,
 }
 
 /// A draw per row: the uniform numbers in, the tokens and their logprobs out.
@@ -158,7 +169,7 @@ impl DeviceModel {
         }
         #[cfg(feature = "cuda")]
         if matches!(self.device(), Device::Cuda(_)) && self.dtype() == DType::BF16 {
-            let g = self.replay(graphs, rows, uniforms, kv)?;
+            let g = self.replay(graphs, rows, Inputs { uniforms, states: None }, kv)?;
             let Outputs::Draws(d) = &g.out else { unreachable!("draw graphs") };
             let (tokens, logp) = (d.tokens.to_vec_i32()?, d.logp.to_vec_f32()?);
             return Ok(tokens[..rows.len()]
@@ -173,28 +184,42 @@ impl DeviceModel {
     }
 
     /// [`DeviceModel::step`] over rows that each attend to the cache up to their own position
-    /// (a sequence's rows at consecutive positions, or rows of distinct sequences), through a
-    /// captured graph on CUDA: the final-normed states `[rows × hidden]`, with the eager
-    /// step's bits. The graph's padding rows may follow the step's (the tensor has at least
-    /// `rows.len()` rows). Dense models only: a mixture of experts routes on the host.
+    /// (a sequence's rows at consecutive positions, or rows of distinct sequences), or with
+    /// `states` a draft's [`DeviceModel::step_draft`], through a captured graph on CUDA: the
+    /// final-normed states `[rows × hidden]`, with the eager step's bits. The graph's padding
+    /// rows may follow the step's (the tensor has at least `rows.len()` rows). Dense models
+    /// only: a mixture of experts routes on the host.
     pub fn step_states(
         &self,
         graphs: &mut DecodeGraphs,
         rows: &[StepRow],
+        states: Option<&Tensor>,
         kv: &mut KvCache,
     ) -> Result<Tensor> {
         if graphs.params.is_some() {
             return Err(Error::Invalid("step_states: these graphs draw, not leave states".into()));
         }
+        if let Some(s) = states
+            && s.shape().first() != Some(&rows.len())
+        {
+            return Err(Error::Invalid(format!(
+                "step_states: {} rows with states {:?}",
+                rows.len(),
+                s.shape()
+            )));
+        }
         #[cfg(feature = "cuda")]
         if matches!(self.device(), Device::Cuda(_)) && self.dtype() == DType::BF16 {
-            let g = self.replay(graphs, rows, &[], kv)?;
+            let g = self.replay(graphs, rows, Inputs { uniforms: &[], states }, kv)?;
             let Outputs::States(states) = &g.out else { unreachable!("state graphs") };
             let mut copy = Tensor::zeros(states.shape(), states.dtype(), &self.device())?;
             copy.copy_from(states)?;
             return Ok(copy);
         }
-        self.step(rows, kv)
+        match states {
+            Some(states) => self.step_draft(rows, states, kv),
+            None => self.step(rows, kv),
+        }
     }
 
     /// Loads the step into its bucket's buffers and replays the bucket's graph (capturing it
@@ -204,7 +229,7 @@ impl DeviceModel {
         &self,
         graphs: &'g mut DecodeGraphs,
         rows: &[StepRow],
-        uniforms: &[f64],
+        inputs: Inputs,
         kv: &mut KvCache,
     ) -> Result<&'g DecodeGraph> {
         self.check_step_tokens(rows)?;
@@ -218,7 +243,7 @@ impl DeviceModel {
         let index = match graphs.graphs.iter().position(|g| g.rows == b) {
             Some(i) => {
                 let g = &mut graphs.graphs[i];
-                self.load_inputs(g, rows, uniforms)?;
+                self.load_inputs(g, rows, inputs)?;
                 match &g.graph {
                     Some(graph) => graph.launch()?,
                     None => self.decode_body(g, kv)?,
@@ -226,7 +251,7 @@ impl DeviceModel {
                 i
             }
             None => {
-                let g = self.capture_decode(b, graphs.stride, graphs.params, rows, uniforms, kv)?;
+                let g = self.capture_decode(b, graphs.stride, graphs.params, rows, inputs, kv)?;
                 graphs.graphs.push(g);
                 graphs.graphs.len() - 1
             }
@@ -235,9 +260,22 @@ impl DeviceModel {
     }
 
     /// Writes a step's inputs into the graph's buffers (padding rows: token 0 at position 0 of
-    /// the scratch block, uniform 0).
+    /// the scratch block, uniform 0, the first row's states).
     #[cfg(feature = "cuda")]
-    fn load_inputs(&self, g: &mut DecodeGraph, rows: &[StepRow], uniforms: &[f64]) -> Result<()> {
+    fn load_inputs(&self, g: &mut DecodeGraph, rows: &[StepRow], inputs: Inputs) -> Result<()> {
+        match (&mut g.states_in, inputs.states) {
+            (Some(buffer), Some(states)) => {
+                let mut picks: Vec<u32> = (0..rows.len() as u32).collect();
+                picks.resize(g.rows, 0);
+                buffer.copy_from(&ops::gather_rows(states, &picks)?)?;
+            }
+            (None, None) => {}
+            _ => {
+                return Err(Error::Invalid(
+                    "a captured step: a draft's steps take states, a policy's do not".into(),
+                ));
+            }
+        }
         let cpu = Device::Cpu;
         let mut ids: Vec<i32> = rows.iter().map(|r| r.token as i32).collect();
         ids.resize(g.rows, 0);
@@ -259,7 +297,8 @@ impl DeviceModel {
         g.plan.load_decode(&seqs)?;
         let Outputs::Draws(d) = &mut g.out else { return Ok(()) };
         // The uniforms' f64 bits as i32 pairs: the sampler reads them as doubles.
-        let mut bits: Vec<i32> = uniforms
+        let mut bits: Vec<i32> = inputs
+            .uniforms
             .iter()
             .flat_map(|u| {
                 let b = u.to_bits();
@@ -280,7 +319,7 @@ impl DeviceModel {
         stride: usize,
         params: Option<SampleParams>,
         step: &[StepRow],
-        uniforms: &[f64],
+        inputs: Inputs,
         kv: &mut KvCache,
     ) -> Result<DecodeGraph> {
         let (c, device) = (&self.config, self.device());
@@ -301,6 +340,10 @@ impl DeviceModel {
                 None => None,
             },
             plan,
+            states_in: match inputs.states {
+                Some(_) => Some(Tensor::zeros(&[rows, c.hidden_size], self.dtype(), &device)?),
+                None => None,
+            },
             out: match params {
                 Some(params) => Outputs::Draws(Box::new(DrawBuffers {
                     params,
@@ -313,7 +356,7 @@ impl DeviceModel {
                 }
             },
         };
-        self.load_inputs(&mut g, step, uniforms)?;
+        self.load_inputs(&mut g, step, inputs)?;
         self.decode_body(&mut g, kv)?;
         let body = || {
             self.decode_body(&mut g, kv).map_err(|e| match e {
@@ -336,7 +379,10 @@ impl DeviceModel {
     /// The step on the graph's buffers: what is captured.
     #[cfg(feature = "cuda")]
     fn decode_body(&self, g: &mut DecodeGraph, kv: &mut KvCache) -> Result<()> {
-        let x = self.embed(ops::embedding_forward_ids(self.embedding(), &g.ids)?)?;
+        let mut x = self.embed(ops::embedding_forward_ids(self.embedding(), &g.ids)?)?;
+        if let Some(states) = &g.states_in {
+            x = self.draft_mix(x, states)?.0;
+        }
         let local = g.local.as_ref().map(|(c, s)| (c, s));
         let hidden = self.step_layers(x, (&g.cos, &g.sin), local, &g.plan, kv)?;
         match &mut g.out {

@@ -280,7 +280,7 @@ pub struct Forward {
 
 /// What a draft's input stage keeps for its backward: the next tokens' embeddings and the
 /// policy's states, normed (`a`, `b`) with their rstd.
-struct DraftInput {
+pub(crate) struct DraftInput {
     embedded: Tensor,
     hidden: Tensor,
     a: Tensor,
@@ -703,9 +703,18 @@ impl DeviceModel {
                 self.dtype
             )));
         }
-        let w = self.weights();
-        let [tn, hn, tp, hp] = [0, 1, 2, 3].map(|k| self.layout.mtp[k]);
         let embedded = self.embed(ops::embedding_forward(self.weight(0), tokens)?)?;
+        self.draft_mix(embedded, states)
+    }
+
+    /// [`Self::draft_input`] from the embedded tokens (a captured step embeds on the device).
+    pub(crate) fn draft_mix(
+        &self,
+        embedded: Tensor,
+        states: &Tensor,
+    ) -> Result<(Tensor, DraftInput)> {
+        let (c, w) = (&self.config, self.weights());
+        let [tn, hn, tp, hp] = [0, 1, 2, 3].map(|k| self.layout.mtp[k]);
         let (a, a_rstd) = ops::rmsnorm_forward(&embedded, &*w.norm(tn)?, c.rms_norm_eps)?;
         let (b, b_rstd) = ops::rmsnorm_forward(states, &*w.norm(hn)?, c.rms_norm_eps)?;
         let mut x = w.product(&a, tp)?;

@@ -212,7 +212,7 @@ impl Engine {
     /// Device seconds of one replay of each captured decode step, `(rows, seconds)`
     /// ([`miles_model::DecodeGraphs::replay_seconds`]); empty without graphs. For benchmarks.
     pub fn decode_replay_seconds(&self, iters: u64) -> crate::Result<Vec<(usize, f64)>> {
-        match &self.policy.graphs {
+        match &self.policy.graphs.graphs {
             Some(g) => g.replay_seconds(iters).map_err(model_error),
             None => Ok(Vec::new()),
         }

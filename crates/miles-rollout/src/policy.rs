@@ -62,6 +62,30 @@ pub(crate) fn model_error(e: miles_model::Error) -> crate::Error {
     crate::Error::Invalid(format!("rollout engine: {e}"))
 }
 
+/// Steps captured as CUDA graphs over one model's compute copies (named by `of`,
+/// [`DeviceModel::buffers_id`]).
+#[derive(Default)]
+pub(crate) struct Captured {
+    pub(crate) graphs: Option<DecodeGraphs>,
+    of: u64,
+}
+
+impl Captured {
+    /// The graphs of `model`'s steps drawing with `params` (leaving states with `None`):
+    /// the ones kept when they were captured over its copies for those, else new ones.
+    fn over(&mut self, model: &DeviceModel, params: Option<SampleParams>) -> &mut DecodeGraphs {
+        let stale = self.graphs.as_ref().is_some_and(|g| g.params() != params);
+        if stale || self.of != model.buffers_id() {
+            self.graphs = None;
+            self.of = model.buffers_id();
+        }
+        self.graphs.get_or_insert_with(|| match params {
+            Some(params) => DecodeGraphs::new(params),
+            None => DecodeGraphs::states(),
+        })
+    }
+}
+
 /// The KV cache on a model's device, and the decode steps captured over that model. The model
 /// itself is lent for each step: the trainer owns it (zero-copy weight sync), so the cache
 /// checks that a lent model is the one it was built for.
@@ -71,12 +95,11 @@ pub struct Policy {
     device: Device,
     dtype: DType,
     kv: KvCache,
-    /// Captured decode steps of the current sampling parameters, over the compute copies
-    /// named by `graphs_of` ([`DeviceModel::buffers_id`]).
-    pub(crate) graphs: Option<DecodeGraphs>,
-    /// Captured speculative verifications (steps that leave states), over the same copies.
-    verify_graphs: Option<DecodeGraphs>,
-    graphs_of: u64,
+    /// Captured decode steps of the current sampling parameters.
+    pub(crate) graphs: Captured,
+    /// Captured speculative steps: the policy's verifications and the draft's proposals.
+    verify_graphs: Captured,
+    draft_graphs: Captured,
     use_graphs: bool,
     /// A speculative draft's own cache ([`Policy::with_draft`]): its one layer's keys and
     /// values under the same block tables as the policy's.
@@ -147,9 +170,9 @@ impl Policy {
             device: model.device(),
             dtype: model.dtype(),
             kv,
-            graphs: None,
-            verify_graphs: None,
-            graphs_of: 0,
+            graphs: Captured::default(),
+            verify_graphs: Captured::default(),
+            draft_graphs: Captured::default(),
             use_graphs,
             draft,
         })
@@ -209,11 +232,7 @@ impl Policy {
             && rows.len() == draws.len()
             && draws.iter().enumerate().all(|(i, d)| d.0 == i);
         let (drawn, routes) = if decode {
-            self.refresh_graphs(model);
-            let graphs = match &mut self.graphs {
-                Some(g) if g.params() == Some(how) => g,
-                slot => slot.insert(DecodeGraphs::new(how)),
-            };
+            let graphs = self.graphs.over(model, Some(how));
             let drawn = model.decode(graphs, rows, &uniforms, &mut self.kv).map_err(model_error)?;
             (drawn, Vec::new())
         } else {
@@ -223,16 +242,6 @@ impl Policy {
         };
         let drawn = drawn.into_iter().map(|d| d.map(|(token, logprob)| Draw { token, logprob }));
         Ok((drawn.collect(), routes))
-    }
-
-    /// Drops the captured graphs when `model`'s compute copies are not those they were
-    /// captured over.
-    fn refresh_graphs(&mut self, model: &DeviceModel) {
-        if self.graphs_of != model.buffers_id() {
-            self.graphs = None;
-            self.verify_graphs = None;
-            self.graphs_of = model.buffers_id();
-        }
     }
 
     /// Copies every layer of block `src` into `dst` (the draft's too).
@@ -277,24 +286,30 @@ impl Policy {
         if !(self.use_graphs && drafts_only) {
             return model.step_routed(rows, &mut self.kv).map_err(model_error);
         }
-        self.refresh_graphs(model);
-        let graphs = self.verify_graphs.get_or_insert_with(DecodeGraphs::states);
-        let states = model.step_states(graphs, rows, &mut self.kv).map_err(model_error)?;
+        let graphs = self.verify_graphs.over(model, None);
+        let states = model.step_states(graphs, rows, None, &mut self.kv).map_err(model_error)?;
         Ok((states, Vec::new()))
     }
 
     /// The draft's step over `rows` fed `states` (its keys and values into its own cache):
-    /// its final-normed states ([`DeviceModel::step_draft`]).
+    /// its final-normed states ([`DeviceModel::step_draft`]). `proposal` steps (at most the
+    /// verification's rows, no prompt) replay a captured graph; their states may have padding
+    /// rows after the step's.
     pub fn draft_step(
         &mut self,
         draft: &DeviceModel,
         rows: &[StepRow],
         states: &Tensor,
+        proposal: bool,
     ) -> crate::Result<Tensor> {
         let Some((_, kv)) = &mut self.draft else {
             return Err(crate::Error::Invalid("rollout engine: no draft cache".into()));
         };
-        draft.step_draft(rows, states, kv).map_err(model_error)
+        if !(self.use_graphs && proposal) {
+            return draft.step_draft(rows, states, kv).map_err(model_error);
+        }
+        let graphs = self.draft_graphs.over(draft, None);
+        draft.step_states(graphs, rows, Some(states), kv).map_err(model_error)
     }
 }
 

@@ -252,7 +252,7 @@ impl Engine {
         if !draft_rows.is_empty() {
             let states =
                 ops::gather_rows(&hidden, &draft_states).map_err(|e| model_error(e.into()))?;
-            self.policy.draft_step(draft, &draft_rows, &states)?;
+            self.policy.draft_step(draft, &draft_rows, &states, false)?;
         }
         Ok(StepOut { draws, routes, running_rows, feeds })
     }
@@ -307,7 +307,7 @@ impl Engine {
                 .and_then(|all| ops::gather_rows(&all, &picks)),
         }
         .map_err(|e| model_error(e.into()))?;
-        let mut h = self.policy.draft_step(draft, &rows, &x)?;
+        let mut h = self.policy.draft_step(draft, &rows, &x, true)?;
         // Each round's logits, and where each proposal's rows are in them.
         let mut rounds: Vec<Tensor> = Vec::new();
         let mut at: Vec<Vec<u32>> = vec![Vec::new(); running.len()];
@@ -351,7 +351,7 @@ impl Engine {
                 })
                 .collect();
             let x = ops::gather_rows(&h, &from).map_err(|e| model_error(e.into()))?;
-            h = self.policy.draft_step(draft, &rows, &x)?;
+            h = self.policy.draft_step(draft, &rows, &x, true)?;
             last = (0..next.len() as u32).collect();
             active = next;
         }
