@@ -295,7 +295,7 @@ if [ "$what" = spec-addition ] || [ "$what" = spec-gsm8k ]; then
   for arm in ${ARMS:-plain spec}; do
     case $arm in
       plain) flags="" ;;
-      spec) flags="$spec --enable-mtp-training --mtp-loss-scaling-factor 0.2 --save-interval 10" ;;
+      spec) flags="$spec --enable-mtp-training --mtp-loss-scaling-factor 0.2 ${MTP_LR:+--mtp-lr $MTP_LR} --save-interval 10" ;;
       frozen) flags="$spec --sglang-speculative-draft-model-path \
         /tmp/$what-spec/ckpt/iter_$(printf %07d ${FROZEN_AT:-20})/draft" ;;
     esac

@@ -284,7 +284,7 @@ fn a_moe_run_with_replay_resumes_exactly() {
 fn a_speculative_run_with_mtp_training_resumes_exactly() {
     let flags = format!(
         "{SHORT} --sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2 \
-         --enable-mtp-training --mtp-loss-scaling-factor 0.2"
+         --enable-mtp-training --mtp-loss-scaling-factor 0.2 --mtp-lr 2e-3"
     );
     let draft = [
         "ref.safetensors",
@@ -803,6 +803,8 @@ fn bad_speculative_settings_and_drafts_are_named() {
     assert!(e.contains("--sglang-speculative-algorithm") && e.contains("needs a draft"), "{e}");
     let e = train(&base, &["--sglang-speculative-num-steps", "2"]).unwrap_err();
     assert!(e.contains("--sglang-speculative-num-steps") && e.contains("only with"), "{e}");
+    let e = train(&base, &["--mtp-lr", "1e-3"]).unwrap_err();
+    assert!(e.contains("--mtp-lr") && e.contains("--enable-mtp-training"), "{e}");
     let spec = ["--sglang-speculative-algorithm", "EAGLE", "--enable-mtp-training"];
     let e = train(&base, &[&spec[..], &["--sglang-speculative-eagle-topk", "2"]].concat());
     assert!(e.as_ref().unwrap_err().contains("sglang-speculative-eagle-topk"), "{e:?}");

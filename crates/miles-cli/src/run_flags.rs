@@ -547,6 +547,13 @@ pub const FLAGS: &[Flag] = &[
         Ty::Float,
         "Weight of the MTP loss in each step's loss (0.1).",
     ),
+    optional(
+        SPEC,
+        "mtp-lr",
+        Ty::Float,
+        "The draft's own learning rate, constant (default: the policy's --lr and schedule); a \
+         draft trained from scratch needs a larger one to keep up.",
+    ),
 ];
 
 /// The row of `key` (kebab-case).

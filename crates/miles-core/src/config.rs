@@ -370,6 +370,9 @@ pub struct RunConfig {
     pub mtp_num_layers: Option<usize>,
     /// The MTP loss's weight in the step's loss (Megatron's default 0.1).
     pub mtp_loss_scaling_factor: f32,
+    /// The draft's own learning rate, constant (default: the policy's, on its schedule). A
+    /// draft trained from scratch keeps up with the policy only at a larger one.
+    pub mtp_lr: Option<f32>,
 }
 
 impl Default for RunConfig {
@@ -484,6 +487,7 @@ impl Default for RunConfig {
             enable_mtp_training: false,
             mtp_num_layers: None,
             mtp_loss_scaling_factor: 0.1,
+            mtp_lr: None,
         }
     }
 }
@@ -632,7 +636,14 @@ impl RunConfig {
         let f = self.mtp_loss_scaling_factor;
         check(f.is_finite() && f >= 0.0, "mtp-loss-scaling-factor", || {
             format!("{f} must be a number >= 0")
-        })
+        })?;
+        if let Some(lr) = self.mtp_lr {
+            check(lr.is_finite() && lr > 0.0, "mtp-lr", || format!("{lr} must be a number > 0"))?;
+            check(self.enable_mtp_training, "mtp-lr", || {
+                "is the draft's learning rate: it takes effect with --enable-mtp-training".into()
+            })?;
+        }
+        Ok(())
     }
 
     /// The FP8 flags go together: a recipe or bf16 layers only with a format.

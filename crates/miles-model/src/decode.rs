@@ -212,9 +212,7 @@ impl DeviceModel {
         if matches!(self.device(), Device::Cuda(_)) && self.dtype() == DType::BF16 {
             let g = self.replay(graphs, rows, Inputs { uniforms: &[], states }, kv)?;
             let Outputs::States(states) = &g.out else { unreachable!("state graphs") };
-            let mut copy = Tensor::zeros(states.shape(), states.dtype(), &self.device())?;
-            copy.copy_from(states)?;
-            return Ok(copy);
+            return Ok(states.try_clone()?);
         }
         match states {
             Some(states) => self.step_draft(rows, states, kv),

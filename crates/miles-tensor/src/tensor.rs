@@ -412,6 +412,14 @@ impl Tensor {
         }
     }
 
+    /// A copy on the same device (a new buffer; `Clone` is not implemented because a device
+    /// copy can fail).
+    pub fn try_clone(&self) -> Result<Tensor> {
+        let mut copy = Tensor::zeros(&self.shape, self.dtype(), &self.device())?;
+        copy.copy_from(self)?;
+        Ok(copy)
+    }
+
     /// The same elements seen with another shape of as many elements (no copy).
     pub fn reshape(self, shape: &[usize]) -> Result<Tensor> {
         check_len(shape, self.len())?;

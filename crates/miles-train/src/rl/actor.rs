@@ -58,8 +58,15 @@ struct DraftActor {
     model: DeviceModel,
     format: DraftFormat,
     speculate: bool,
-    /// The MTP loss's weight, when trained.
-    train: Option<f32>,
+    /// How it is trained, when it is.
+    train: Option<DraftTraining>,
+}
+
+/// `--mtp-loss-scaling-factor` and `--mtp-lr`.
+#[derive(Clone, Copy)]
+struct DraftTraining {
+    scale: f32,
+    lr: Option<f32>,
 }
 
 /// The policy's tensors a draft keeps frozen copies of.
@@ -158,7 +165,10 @@ impl Actor {
         part: &[TrainSample],
         spec: StepSpec,
     ) -> anyhow::Result<StepOutcome> {
-        let mtp = self.draft.as_mut().and_then(|d| Some(Mtp::new(&mut d.model, d.train?)));
+        let mtp = self.draft.as_mut().and_then(|d| {
+            let train = d.train?;
+            Some(Mtp::new(&mut d.model, train.scale, train.lr))
+        });
         let mut learner = Learner::new(&mut self.model, self.hyper, self.clip, mtp)?;
         let outcome = train_step(&mut learner, part, spec)?;
         if outcome.applied.is_some()
@@ -253,7 +263,9 @@ impl DraftActor {
             let (m, v) = (m.model_weights(pc, &zeros)?, v.model_weights(pc, &zeros)?);
             draft.set_moments(&m, &v, steps)?;
         }
-        let train = cfg.enable_mtp_training.then_some(cfg.mtp_loss_scaling_factor);
+        let train = cfg
+            .enable_mtp_training
+            .then_some(DraftTraining { scale: cfg.mtp_loss_scaling_factor, lr: cfg.mtp_lr });
         Ok(DraftActor { model: draft, format: start.draft.format, speculate, train })
     }
 }

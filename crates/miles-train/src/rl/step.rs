@@ -159,18 +159,19 @@ pub(super) struct Learner<'a> {
 
 /// The draft's part of a step: its MTP loss on the step's responses, from the policy's
 /// states of the step's own forward (detached), added with weight `scale`; the draft has its
-/// own AdamW state under the step's hyper-parameters.
+/// own AdamW state under the step's hyper-parameters (at its own `lr` when set).
 pub(super) struct Mtp<'a> {
     pub(super) draft: &'a mut DeviceModel,
-    pub(super) scale: f32,
+    scale: f32,
+    lr: Option<f32>,
     /// The step's masked cross-entropy so far (summed), and its kept tokens (all ranks').
     loss: f64,
     tokens: f64,
 }
 
 impl<'a> Mtp<'a> {
-    pub(super) fn new(draft: &'a mut DeviceModel, scale: f32) -> Self {
-        Mtp { draft, scale, loss: 0.0, tokens: 0.0 }
+    pub(super) fn new(draft: &'a mut DeviceModel, scale: f32, lr: Option<f32>) -> Self {
+        Mtp { draft, scale, lr, loss: 0.0, tokens: 0.0 }
     }
 
     /// The tokens the draft is trained on in `part`: each response's kept tokens from its
@@ -191,12 +192,12 @@ impl<'a> Mtp<'a> {
     ) -> anyhow::Result<()> {
         let Some(d) = DraftBatch::of(batch) else { return Ok(()) };
         let states = ops::gather_rows(&policy.head_states(fwd)?, &d.state_rows)?;
-        let f = self.draft.forward_draft(&d.batch, 1.0, states)?;
         let mask: Vec<f32> = d
             .sequences
             .iter()
             .flat_map(|&s| mb[s].loss_mask[1..].iter().map(|&m| f32::from(m)))
             .collect();
+        let f = self.draft.forward_draft(&d.batch, 1.0, states)?;
         let per_token = -self.scale / self.tokens.max(1.0) as f32;
         let d_logp: Vec<f32> = mask.iter().map(|m| m * per_token).collect();
         self.loss -= f.logp.iter().zip(&mask).map(|(lp, m)| f64::from(lp * m)).sum::<f64>();
@@ -220,11 +221,12 @@ impl<'a> Mtp<'a> {
             self.loss = loss[0];
         }
         let loss = self.loss / self.tokens.max(1.0);
+        let hyper = AdamW { lr: self.lr.unwrap_or(hyper.lr), ..*hyper };
         let norm = self.draft.grad_norm()?;
         if !norm.is_finite() {
             return Ok((loss, norm));
         }
-        Ok((loss, self.draft.adamw_step(hyper, clip_grad)?.0))
+        Ok((loss, self.draft.adamw_step(&hyper, clip_grad)?.0))
     }
 }
 
