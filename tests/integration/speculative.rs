@@ -285,3 +285,54 @@ fn speculator(steps: usize) -> Arc<dyn miles_core::Speculator> {
 fn config(steps: usize) -> EngineConfig {
     EngineConfig { speculator: Some(speculator(steps)), ..EngineConfig::default() }
 }
+
+/// `miles generate` speculates with a draft's safetensors: greedy, the plain run's tokens;
+/// sampled, rollout logprobs the scorer's bit for bit and the acceptance reported; each
+/// speculative flag without its partner is refused by name.
+#[test]
+fn generate_speculates_with_a_drafts_checkpoint() {
+    let dir = miles_tests::scratch("generate_speculative");
+    let ckpt = dir.join("ckpt").display().to_string();
+    miles_tests::miles(&["init-model", "--preset", "tiny", "--out", &ckpt, "--seed", "3"]).unwrap();
+    let config = presets::preset("tiny", None).unwrap();
+    let draft_dir = dir.join("draft");
+    Draft::random(&config, DraftFormat::DeepSeek, 1).unwrap().save(&draft_dir, &config).unwrap();
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(&prompts, "{\"input\": \"1+1=\"}\n{\"input\": \"a long prompt 7+8=\"}\n")
+        .unwrap();
+    let draft = draft_dir.display().to_string();
+    let spec = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-draft-model-path"];
+    let generate = |name: &str, more: &[&str]| {
+        let out = dir.join(name);
+        let mut args = vec!["generate", "--hf-checkpoint", &ckpt, "--prompt-data"];
+        let (p, o) = (prompts.display().to_string(), out.display().to_string());
+        args.extend([p.as_str(), "--n-samples-per-prompt", "4", "--rollout-max-response-len"]);
+        args.extend(["16", "--output", o.as_str()]);
+        args.extend(more);
+        let report = miles_tests::miles(&args)?;
+        let samples: Vec<Sample> = std::fs::read_to_string(&out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        Ok::<_, String>((report, samples))
+    };
+    let tokens = |s: &[Sample]| s.iter().map(|s| s.tokens.clone()).collect::<Vec<_>>();
+    let (_, plain) = generate("plain.jsonl", &["--rollout-top-k", "1"]).unwrap();
+    let greedy = [&spec[..], &[&draft, "--rollout-top-k", "1"]].concat();
+    let (report, fast) = generate("spec.jsonl", &greedy).unwrap();
+    assert_eq!(tokens(&fast), tokens(&plain), "{report}");
+    assert!(report.contains("draft tokens accepted"), "{report}");
+    let sampled = [&spec[..], &[&draft, "--check-logprobs", "--sglang-speculative-num-steps", "2"]];
+    let (report, _) = generate("sampled.jsonl", &sampled.concat()).unwrap();
+    assert!(report.contains("bit for bit on 8 of 8 samples"), "{report}");
+    for (flags, named) in [
+        (&spec[..2], "--sglang-speculative-draft-model-path"),
+        (&["--sglang-speculative-draft-model-path", &draft][..], "--sglang-speculative-algorithm"),
+        (&["--sglang-speculative-num-steps", "2"][..], "--sglang-speculative-num-steps"),
+        (&["--sglang-speculative-algorithm", "EAGLE3"][..], "EAGLE3"),
+    ] {
+        let e = generate("bad.jsonl", flags).unwrap_err();
+        assert!(e.contains(named), "{flags:?}: {e}");
+    }
+}

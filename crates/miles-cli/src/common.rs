@@ -6,10 +6,35 @@ use std::path::Path;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use miles_core::Speculator;
+use miles_core::config::SpeculativeAlgorithm;
 use miles_model::{DeviceModel, Model, ModelConfig, Weights};
 use miles_tensor::{DType, Device};
 
 /// An HF checkpoint directory: config.json and the safetensors weights.
+/// SGLang's speculative settings, as `miles train` and `miles generate` take them.
+pub struct SpecFlags {
+    pub algorithm: Option<SpeculativeAlgorithm>,
+    pub num_steps: Option<usize>,
+    pub eagle_topk: Option<usize>,
+    pub num_draft_tokens: Option<usize>,
+}
+
+/// The `eagle-spec` plugin with `--sglang-speculative-algorithm`, its settings checked there.
+pub fn speculator(flags: &SpecFlags) -> anyhow::Result<Option<Box<dyn Speculator>>> {
+    let Some(algorithm) = flags.algorithm else { return Ok(None) };
+    crate::linked::plugins();
+    let settings = serde_json::json!({
+        "algorithm": algorithm,
+        "num_steps": flags.num_steps,
+        "eagle_topk": flags.eagle_topk,
+        "num_draft_tokens": flags.num_draft_tokens,
+    });
+    let s = miles_core::registry::create_speculator("eagle-spec", &settings)
+        .context("--sglang-speculative-algorithm")?;
+    Ok(Some(s))
+}
+
 pub fn load_model(dir: &Path) -> anyhow::Result<Model> {
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
     let weights = Weights::load(dir, &config)?;

@@ -6,12 +6,14 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
+use miles_core::config::SpeculativeAlgorithm;
 use miles_core::{Sample, SamplingParams, Status};
 use miles_data::{Dataset, Keys};
-use miles_model::{PackedBatch, Tokenizer};
+use miles_model::draft::{Draft, draft_config};
+use miles_model::{DeviceModel, Model, PackedBatch, Tokenizer};
 use miles_rollout::{Engine, EngineConfig, Progress, kv_cache_budget};
 
-use crate::common::{EngineArgs, chat_kwargs, load_model};
+use crate::common::{EngineArgs, SpecFlags, chat_kwargs, load_model, speculator};
 use crate::generate_output::{Output, read_kept};
 
 #[derive(Debug, Args)]
@@ -68,6 +70,23 @@ pub struct GenerateArgs {
     pub rollout_kv_cache_fraction: Option<f64>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// Speculative decoding (the eagle-spec plugin): EAGLE (or NEXTN) with the MTP draft of
+    /// --sglang-speculative-draft-model-path; the tokens are distributed as without it.
+    #[arg(long, value_name = "NAME", value_parser = parse_algorithm)]
+    pub sglang_speculative_algorithm: Option<SpeculativeAlgorithm>,
+    /// The draft: an MTP layer's safetensors (DeepSeek-V3's or MiMo's names; a `miles train`
+    /// checkpoint's draft/).
+    #[arg(long, value_name = "DIR")]
+    pub sglang_speculative_draft_model_path: Option<PathBuf>,
+    /// Draft tokens proposed per step (3).
+    #[arg(long, value_name = "N")]
+    pub sglang_speculative_num_steps: Option<usize>,
+    /// Chain drafting only: 1.
+    #[arg(long, value_name = "N")]
+    pub sglang_speculative_eagle_topk: Option<usize>,
+    /// Tokens verified per step: steps + 1.
+    #[arg(long, value_name = "N")]
+    pub sglang_speculative_num_draft_tokens: Option<usize>,
     /// After generating, score every sample with the same model as the trainer would (packed
     /// forward) and report whether the rollout logprobs equal it bit for bit.
     #[arg(long)]
@@ -200,6 +219,13 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         })
         .collect();
     let device = args.engine.device;
+    let speculator = speculator(&SpecFlags {
+        algorithm: args.sglang_speculative_algorithm,
+        num_steps: args.sglang_speculative_num_steps,
+        eagle_topk: args.sglang_speculative_eagle_topk,
+        num_draft_tokens: args.sglang_speculative_num_draft_tokens,
+    })?;
+    let draft = place_draft(args, &model, speculator.is_some())?;
     let model = args.engine.place(&model)?;
     let kv_cache_bytes =
         kv_cache_budget(args.rollout_kv_cache_mb, args.rollout_kv_cache_fraction, &device)?;
@@ -209,6 +235,7 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         max_prompt_len: args.rollout_max_prompt_len,
         cuda_graphs: !args.engine.disable_cuda_graph,
         chunked_prefill_size: args.engine.chunked_prefill_size,
+        speculator: speculator.map(std::sync::Arc::from),
         ..EngineConfig::default()
     };
     let params = SamplingParams {
@@ -237,8 +264,11 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let started = Instant::now();
     let t = params.temperature;
     let mut reporter = Reporter::new(kv_cache_bytes >> 20, config.max_running);
-    let mut engine = Engine::new(&model, Some(tok), config)?;
-    let new = engine.generate_with_progress(&model, todo, &params, &mut |p| {
+    let mut engine = match &draft {
+        Some(d) => Engine::with_draft(&model, d, Some(tok), config)?,
+        None => Engine::new(&model, Some(tok), config)?,
+    };
+    let new = engine.generate_speculative(&model, draft.as_ref(), todo, &params, &mut |p| {
         for (_, group) in &p.groups_done {
             output.append(group);
         }
@@ -273,10 +303,65 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         count(Status::Failed),
         args.output.display()
     )?;
+    if draft.is_some() {
+        let c = stats.spec;
+        writeln!(
+            out,
+            "speculative: {} of {} draft tokens accepted ({:.3}), {:.2} tokens per verification",
+            c.accepted,
+            c.drafted,
+            c.accepted as f64 / c.drafted.max(1) as f64,
+            (c.accepted + c.verifies) as f64 / c.verifies.max(1) as f64
+        )?;
+    }
     if let Some(check) = check {
         writeln!(out, "{check}")?;
     }
     Ok(())
+}
+
+fn parse_algorithm(s: &str) -> Result<SpeculativeAlgorithm, String> {
+    serde_json::from_value(serde_json::Value::from(s))
+        .map_err(|_| format!("{s}: EAGLE (or NEXTN, the same) is the algorithm implemented"))
+}
+
+/// The draft of `--sglang-speculative-draft-model-path` for `model`, on the engine's device,
+/// when speculating; refuses one flag without the other.
+fn place_draft(
+    args: &GenerateArgs,
+    model: &Model,
+    speculating: bool,
+) -> anyhow::Result<Option<DeviceModel>> {
+    let Some(dir) = &args.sglang_speculative_draft_model_path else {
+        if speculating {
+            bail!(
+                "--sglang-speculative-algorithm: needs --sglang-speculative-draft-model-path \
+                 (an MTP layer's safetensors, such as a miles train checkpoint's draft/)"
+            );
+        }
+        if args.sglang_speculative_num_steps.is_some()
+            || args.sglang_speculative_eagle_topk.is_some()
+            || args.sglang_speculative_num_draft_tokens.is_some()
+        {
+            bail!(
+                "--sglang-speculative-num-steps and its partners take effect only with \
+                   --sglang-speculative-algorithm EAGLE"
+            );
+        }
+        return Ok(None);
+    };
+    if !speculating {
+        bail!(
+            "--sglang-speculative-draft-model-path: given without \
+             --sglang-speculative-algorithm EAGLE, which speculates with it"
+        );
+    }
+    let context = || format!("--sglang-speculative-draft-model-path {}", dir.display());
+    let pc = &model.config;
+    let draft = Draft::load(dir, pc).with_context(context)?;
+    let weights = draft.model_weights(pc, &model.weights).with_context(context)?;
+    let config = draft_config(pc).with_context(context)?;
+    Ok(Some(args.engine.place(&Model::new(config, weights))?))
 }
 
 /// Scores the generated samples with `score` (packed batches of up to 8192 tokens) and says

@@ -53,7 +53,7 @@ pub enum Command {
     /// Per-token logprobs and entropy of prompt/response pairs under a checkpoint, as JSONL.
     Score(ScoreArgs),
     /// Generate responses to JSONL prompts with the embedded rollout engine; one Sample per line.
-    Generate(GenerateArgs),
+    Generate(Box<GenerateArgs>),
     /// Benchmarks of whole paths, one JSON line each.
     #[command(subcommand)]
     Bench(BenchCommand),

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use miles_core::config::{AdvantageEstimator, DeviceSpec, DistBackend, RunConfig};
-use miles_core::{Correction, Quantizer, Reward, RoutingReplay, Speculator, registry};
+use miles_core::{Correction, Quantizer, Reward, RoutingReplay, registry};
 use miles_data::{Dataset, Keys};
 use miles_model::Tokenizer;
 use miles_plugin_abi::host::DynamicReward;
@@ -16,7 +16,7 @@ use miles_train::advantage::AdvantageConfig;
 use miles_train::rl::{self, Record, Setup};
 use serde_json::Value;
 
-use crate::common::{chat_kwargs, launch, load_model};
+use crate::common::{SpecFlags, chat_kwargs, launch, load_model};
 use crate::run_flags::{TrainArgs, build_run_config};
 use crate::{demo, linked};
 
@@ -170,21 +170,6 @@ fn check_gpus(cfg: &RunConfig, gpus: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The `eagle-spec` plugin with `--sglang-speculative-algorithm`, its settings checked there.
-fn make_speculator(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Speculator>>> {
-    let Some(algorithm) = cfg.sglang_speculative_algorithm else { return Ok(None) };
-    linked::plugins();
-    let settings = serde_json::json!({
-        "algorithm": algorithm,
-        "num_steps": cfg.sglang_speculative_num_steps,
-        "eagle_topk": cfg.sglang_speculative_eagle_topk,
-        "num_draft_tokens": cfg.sglang_speculative_num_draft_tokens,
-    });
-    let s = registry::create_speculator("eagle-spec", &settings)
-        .context("--sglang-speculative-algorithm")?;
-    Ok(Some(s))
-}
-
 /// The `r3` plugin with `--use-rollout-routing-replay`.
 fn make_replay(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn RoutingReplay>>> {
     if !cfg.use_rollout_routing_replay {
@@ -227,7 +212,12 @@ pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
     let correction = make_correction(&cfg)?;
     let replay = make_replay(&cfg)?;
     let quantizer = make_quantizer(&cfg)?;
-    let speculator = make_speculator(&cfg)?;
+    let speculator = crate::common::speculator(&SpecFlags {
+        algorithm: cfg.sglang_speculative_algorithm,
+        num_steps: cfg.sglang_speculative_num_steps,
+        eagle_topk: cfg.sglang_speculative_eagle_topk,
+        num_draft_tokens: cfg.sglang_speculative_num_draft_tokens,
+    })?;
     if demo::is_demo(&cfg) {
         let run_dir = run_dir(&cfg, "demo");
         let tok_dir = run_dir.join("tokenizer");
