@@ -307,6 +307,21 @@ if [ "$what" = spec-addition ] || [ "$what" = spec-gsm8k ]; then
   done
   python3 tests/device/spec_summary.py "$OUT"/$what-plain.jsonl "$OUT"/$what-spec.jsonl \
     $(ls "$OUT"/$what-frozen.jsonl 2>/dev/null) | tee "$OUT/$what.txt"
+  # The speed in one command's terms: the spec run's final policy generates for held-out
+  # prompts without and with its draft (the same distribution, so the same lengths expected).
+  hf=$(ls -d /tmp/$what-spec/hf/iter_* | tail -1)
+  draft=$(ls -d /tmp/$what-spec/ckpt/iter_*/draft | tail -1)
+  gen="--input-key prompt --prompt-data .cache/addition/test.jsonl --n-samples-per-prompt 16 \
+    --rollout-max-response-len 64"
+  [ "$what" = spec-gsm8k ] && gen="--input-key question --prompt-data \
+    target/gpu/gsm8k/test.jsonl@[0:64] --n-samples-per-prompt 4 --rollout-max-response-len 512"
+  for arm in plain spec plain spec; do
+    extra=""
+    [ $arm = spec ] && extra="$spec --sglang-speculative-draft-model-path $draft"
+    echo "$arm: $($miles generate --device cuda --hf-checkpoint $hf $gen --apply-chat-template \
+      --rollout-max-running 128 --output /tmp/gen-$arm.jsonl --check-logprobs $extra | tr '\n' ' ')" \
+      | tee -a "$OUT/$what-generate.txt"
+  done
 fi
 if [ "$what" = families-bench ]; then
   # Issue 29, acceptance 4: train, logprob and rollout of the family presets beside HF.
