@@ -3,6 +3,7 @@
 pub(crate) mod attention;
 mod elementwise;
 mod fp8;
+mod int4;
 mod linear;
 mod logprob;
 mod matmul;
@@ -22,6 +23,10 @@ pub use elementwise::{
 pub use fp8::{
     E4M3_MAX, FP8_BLOCK, dequantize_blocks, e4m3_to_f32, f32_to_e4m3, fp8_linear, quantize_blocks,
     quantize_rows,
+};
+pub use int4::{
+    INT4_MAX, dequantize_int4, fake_quantize_int4, int4_scales, pack_int4, quantize_int4,
+    unpack_int4,
 };
 pub use linear::{PackedLinear, linear_forward, linear_reference};
 pub use logprob::{
