@@ -22,7 +22,7 @@ fn invalid(message: String) -> Error {
 
 /// Refuses a group that does not tile the rows of `len` weights `cols` wide.
 fn check_groups(len: usize, cols: usize, group: usize) -> Result<()> {
-    if group == 0 || cols == 0 || cols % group != 0 || len % cols != 0 {
+    if group == 0 || cols == 0 || !cols.is_multiple_of(group) || !len.is_multiple_of(cols) {
         return Err(invalid(format!(
             "{len} weights in rows of {cols}: groups of {group} inputs must divide the row"
         )));
@@ -79,7 +79,7 @@ pub fn fake_quantize_int4(w: &[f32], cols: usize, group: usize) -> Result<Vec<f3
 
 /// compressed-tensors' `weight_packed` of levels in rows of `cols` (a multiple of 8).
 pub fn pack_int4(q: &[i8], cols: usize) -> Result<Vec<i32>> {
-    if cols == 0 || cols % PER_WORD != 0 || q.len() % cols != 0 {
+    if cols == 0 || !cols.is_multiple_of(PER_WORD) || !q.len().is_multiple_of(cols) {
         return Err(invalid(format!(
             "{} levels in rows of {cols}: packing takes rows of a multiple of 8",
             q.len()
@@ -99,7 +99,7 @@ pub fn pack_int4(q: &[i8], cols: usize) -> Result<Vec<i32>> {
 /// The levels of `weight_packed` for a `[rows × cols]` weight; a nibble of 0 (level −8, which
 /// the symmetric format never writes) or a length that is not the shape's is an error.
 pub fn unpack_int4(packed: &[i32], rows: usize, cols: usize) -> Result<Vec<i8>> {
-    if cols % PER_WORD != 0 || packed.len() != rows * cols / PER_WORD {
+    if !cols.is_multiple_of(PER_WORD) || packed.len() != rows * cols / PER_WORD {
         return Err(invalid(format!(
             "weight_packed holds {} int32 and the shape [{rows}, {cols}] needs {} (8 levels each)",
             packed.len(),
