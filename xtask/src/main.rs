@@ -8,8 +8,14 @@ use clap::{Parser, Subcommand};
 /// Plugin names users pass to `--features`, and the driver's cargo feature each one turns on.
 /// Only plugins whose crate exists are offered; a test checks this against the driver's
 /// `Cargo.toml`.
-const PLUGINS: &[(&str, &str)] =
-    &[("tis", "tis"), ("r3", "r3"), ("fp8", "fp8"), ("eagle-spec", "eagle-spec"), ("cuda", "cuda")];
+const PLUGINS: &[(&str, &str)] = &[
+    ("tis", "tis"),
+    ("r3", "r3"),
+    ("fp8", "fp8"),
+    ("eagle-spec", "eagle-spec"),
+    ("int4-qat", "int4-qat"),
+    ("cuda", "cuda"),
+];
 
 /// Names in [`PLUGINS`] that switch on a backend rather than link a plugin: `miles plugins` does
 /// not list them, `miles --version` does. `cuda` needs nvcc (`cargo xtask cuda-setup`).

@@ -14,6 +14,8 @@ pub const FEATURES: &[&str] = &[
     "fp8",
     #[cfg(feature = "eagle-spec")]
     "eagle-spec",
+    #[cfg(feature = "int4-qat")]
+    "int4-qat",
     #[cfg(feature = "cuda")]
     "cuda",
 ];
@@ -29,6 +31,8 @@ pub fn plugins() -> Vec<&'static Plugin> {
         &miles_plugin_fp8::PLUGIN,
         #[cfg(feature = "eagle-spec")]
         &miles_plugin_eagle_spec::PLUGIN,
+        #[cfg(feature = "int4-qat")]
+        &miles_plugin_int4_qat::PLUGIN,
     ];
     let builtin = miles_rewards::BUILTIN.iter().chain(miles_train::advantage::BUILTIN);
     let all: Vec<&'static Plugin> = builtin.chain(features).copied().collect();

@@ -11,7 +11,7 @@ mod advantage;
 pub mod config;
 mod correction;
 mod error;
-mod quantizer;
+pub mod quantizer;
 pub mod registry;
 mod replay;
 mod reward;

@@ -33,6 +33,14 @@ pub struct Quantized {
     pub scales: Vec<f32>,
 }
 
+/// Whether miles quantizes the weight `name` (an HF tensor name): the attention projections,
+/// the MLP and every expert; not the embeddings, the norms, the LM head or a MoE router.
+pub fn quantizes(name: &str) -> bool {
+    let Some(stem) = name.strip_suffix(".weight") else { return false };
+    let linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+    stem.starts_with("model.layers.") && linear.iter().any(|l| stem.ends_with(l))
+}
+
 /// Maps weights to a low-precision form and back, for low-precision rollout (weight sync) and
 /// quantization-aware training.
 ///

@@ -64,13 +64,8 @@ impl Fp8 {
     }
 }
 
-/// Whether miles quantizes the weight `name` (an HF tensor name): the attention projections,
-/// the MLP and every expert; not the embeddings, the norms, the LM head or a MoE router.
-pub fn quantizes(name: &str) -> bool {
-    let Some(stem) = name.strip_suffix(".weight") else { return false };
-    let linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
-    stem.starts_with("model.layers.") && linear.iter().any(|l| stem.ends_with(l))
-}
+/// Whether miles quantizes the weight `name`: the shared rule of the low-precision plugins.
+pub use miles_core::quantizer::quantizes;
 
 impl Quantizer for Fp8 {
     fn format(&self) -> QuantFormat {
