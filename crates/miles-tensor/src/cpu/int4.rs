@@ -5,7 +5,8 @@
 //! Fifteen levels, symmetric: −8 is never produced.
 //!
 //! Packed, as compressed-tensors writes `weight_packed`: q + 8 as an unsigned nibble, eight
-//! of a row's consecutive nibbles in one int32, the first in the lowest bits.
+//! of a row's consecutive nibbles in one int32, the first in the lowest bits; a row whose
+//! length is not a multiple of 8 ends in a word padded with zero nibbles.
 
 use crate::{Error, Result};
 
@@ -77,15 +78,13 @@ pub fn fake_quantize_int4(w: &[f32], cols: usize, group: usize) -> Result<Vec<f3
     dequantize_int4(&q, &scales, group)
 }
 
-/// compressed-tensors' `weight_packed` of levels in rows of `cols` (a multiple of 8).
+/// compressed-tensors' `weight_packed` of levels in rows of `cols`: ⌈cols / 8⌉ words a row.
 pub fn pack_int4(q: &[i8], cols: usize) -> Result<Vec<i32>> {
-    if cols == 0 || !cols.is_multiple_of(PER_WORD) || !q.len().is_multiple_of(cols) {
-        return Err(invalid(format!(
-            "{} levels in rows of {cols}: packing takes rows of a multiple of 8",
-            q.len()
-        )));
+    if cols == 0 || !q.len().is_multiple_of(cols) {
+        return Err(invalid(format!("{} levels in rows of {cols}", q.len())));
     }
-    Ok(q.chunks(PER_WORD)
+    Ok(q.chunks(cols)
+        .flat_map(|row| row.chunks(PER_WORD))
         .map(|eight| {
             let word = eight
                 .iter()
@@ -96,23 +95,26 @@ pub fn pack_int4(q: &[i8], cols: usize) -> Result<Vec<i32>> {
         .collect())
 }
 
-/// The levels of `weight_packed` for a `[rows × cols]` weight; a nibble of 0 (level −8, which
-/// the symmetric format never writes) or a length that is not the shape's is an error.
+/// The levels of `weight_packed` for a `[rows × cols]` weight; a level −8 (a zero nibble
+/// inside the row, which the symmetric format never writes) or a length that is not the
+/// shape's is an error.
 pub fn unpack_int4(packed: &[i32], rows: usize, cols: usize) -> Result<Vec<i8>> {
-    if !cols.is_multiple_of(PER_WORD) || packed.len() != rows * cols / PER_WORD {
+    let per_row = cols.div_ceil(PER_WORD);
+    if packed.len() != rows * per_row {
         return Err(invalid(format!(
             "weight_packed holds {} int32 and the shape [{rows}, {cols}] needs {} (8 levels each)",
             packed.len(),
-            rows * cols.div_ceil(PER_WORD)
+            rows * per_row
         )));
     }
     let mut q = Vec::with_capacity(rows * cols);
-    for (i, &word) in packed.iter().enumerate() {
-        for n in 0..PER_WORD {
-            let nibble = ((word as u32) >> (4 * n)) & 0xF;
+    for (r, row) in packed.chunks(per_row.max(1)).enumerate().take(rows) {
+        for c in 0..cols {
+            let nibble = ((row[c / PER_WORD] as u32) >> (4 * (c % PER_WORD))) & 0xF;
             if nibble == 0 {
                 return Err(invalid(format!(
-                    "weight_packed word {i} holds level -8, which symmetric INT4 never writes"
+                    "weight_packed row {r} column {c} holds level -8, which symmetric INT4 \
+                     never writes"
                 )));
             }
             q.push(nibble as i8 - 8);
@@ -160,6 +162,12 @@ mod tests {
         let mut rng = Rng::new(5);
         let many: Vec<i8> = (0..4 * 16).map(|_| rng.below(15) as i8 - 7).collect();
         assert_eq!(unpack_int4(&pack_int4(&many, 16).unwrap(), 4, 16).unwrap(), many);
+        // Rows of 12: two words each, the second padded with zero nibbles.
+        let rows12 = &many[..24];
+        let packed = pack_int4(rows12, 12).unwrap();
+        assert_eq!(packed.len(), 4);
+        assert_eq!(packed[1] as u32 >> 16, 0);
+        assert_eq!(unpack_int4(&packed, 2, 12).unwrap(), rows12);
     }
 
     #[test]
@@ -167,10 +175,10 @@ mod tests {
         let err = |r: Result<Vec<f32>>| r.unwrap_err().to_string();
         assert!(err(fake_quantize_int4(&[0.0; 96], 96, 64)).contains("groups of 64"));
         assert!(err(fake_quantize_int4(&[0.0; 10], 4, 4)).contains("rows of 4"));
-        assert!(pack_int4(&[0; 12], 12).unwrap_err().to_string().contains("multiple of 8"));
+        assert!(pack_int4(&[0; 12], 5).unwrap_err().to_string().contains("rows of 5"));
         let short = unpack_int4(&[0x1111_1111], 2, 8).unwrap_err().to_string();
         assert!(short.contains("needs 2"), "{short}");
         let minus8 = unpack_int4(&[0x1111_1110], 1, 8).unwrap_err().to_string();
-        assert!(minus8.contains("level -8"), "{minus8}");
+        assert!(minus8.contains("row 0 column 0 holds level -8"), "{minus8}");
     }
 }
