@@ -92,6 +92,68 @@ fn qwen3_moe_matches_transformers() {
     assert_eq!(ours, theirs);
 }
 
+/// A compressed-tensors `pack-quantized` INT4 checkpoint (`tests/fixtures/int4/qwen3`, the tiny
+/// Qwen3 quantized in groups of 32 by `make_int4_checkpoint.py` with numpy) loads dequantized:
+/// every projection is miles' fake quantization of the f32 weight bit for bit (two
+/// implementations of the recipe and the packing agree), the rest as stored. A scale that does
+/// not tile the row, packed words of another dtype, a missing shape, or a scheme other than
+/// symmetric INT4 groups are errors naming the tensor or field.
+#[test]
+fn an_int4_checkpoint_loads_dequantized_with_the_codecs_bits() {
+    use miles_tensor::cpu::fake_quantize_int4;
+    let int4 = miles_tests::workspace_root().join("tests/fixtures/int4/qwen3");
+    let config = ModelConfig::from_file(&int4.join("config.json")).unwrap();
+    let loaded = miles_model::Weights::load(&int4, &config).unwrap();
+    let original = miles_model::Weights::load(&fixture("qwen3"), &config).unwrap();
+    let spec = miles_model::weights::tensor_spec(&config);
+    let pairs = loaded.tensors().into_iter().zip(original.tensors());
+    let mut quantized = 0;
+    for ((name, shape), (got, f32s)) in spec.iter().zip(pairs) {
+        if name.starts_with("model.layers.") && name.ends_with("_proj.weight") {
+            assert_eq!(*got, fake_quantize_int4(f32s, shape[1], 32).unwrap(), "{name}");
+            assert_ne!(got, f32s, "{name} was quantized");
+            quantized += 1;
+        } else {
+            assert_eq!(got, f32s, "{name}");
+        }
+    }
+    assert_eq!(quantized, 14);
+
+    // Copies with one thing changed: a header entry, or the config's scheme.
+    let dir = miles_tests::scratch("int4_bad_tensors");
+    let bytes = std::fs::read(int4.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let rewrite = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
+        let mut h = header.as_object().unwrap().clone();
+        edit(&mut h);
+        let mut text = serde_json::to_vec(&h).unwrap();
+        text.resize(text.len().next_multiple_of(8), b' ');
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend(text);
+        out.extend(&bytes[8 + n..]);
+        std::fs::write(dir.join("model.safetensors"), out).unwrap();
+        miles_model::Weights::load(&dir, &config).unwrap_err().to_string()
+    };
+    let w = "model.layers.0.mlp.down_proj.weight";
+    // The scale's 256 values as [128, 2]: not one row of scales per weight row.
+    let e = rewrite(&|h| h[&format!("{w}_scale")]["shape"] = serde_json::json!([128, 2]));
+    assert!(e.contains(&format!("{w}_scale")) && e.contains("groups divide the row"), "{e}");
+    let e = rewrite(&|h| h[&format!("{w}_packed")]["dtype"] = "F32".into());
+    assert!(e.contains(&format!("{w}_packed")) && e.contains("expected I32"), "{e}");
+    let e = rewrite(&|h| {
+        let v = h.remove(&format!("{w}_shape")).unwrap();
+        h.insert("moved".into(), v);
+    });
+    assert!(e.contains(&format!("tensor '{w}_shape': missing")), "{e}");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(int4.join("config.json")).unwrap()).unwrap();
+    c["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 8.into();
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    let e = ModelConfig::from_file(&dir.join("config.json")).unwrap_err().to_string();
+    assert!(e.contains("config_groups.group_0.weights.num_bits 8 is not supported"), "{e}");
+}
+
 /// An FP8 checkpoint as DeepSeek-V3 and Qwen3 release them (`tests/fixtures/fp8/qwen3`, the
 /// tiny Qwen3 above quantized by `make_fp8_checkpoint.py` with numpy and ml_dtypes) loads
 /// dequantized: every matrix is q · s with the very codes and scales miles-rs' own codec gives

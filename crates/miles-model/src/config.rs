@@ -796,10 +796,13 @@ impl ModelConfig {
 /// dequantized; any other is refused, naming the field.
 fn check_quantization(q: &Value) -> std::result::Result<(), String> {
     let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("(none)");
+    if method == "compressed-tensors" {
+        return check_compressed_tensors(q);
+    }
     if method != "fp8" {
         return Err(format!(
-            "quant_method '{method}' is not supported: only fp8 checkpoints (E4M3 in 128×128 \
-             blocks) load"
+            "quant_method '{method}' is not supported: fp8 checkpoints (E4M3 in 128×128 \
+             blocks) and compressed-tensors' pack-quantized INT4 load"
         ));
     }
     if let Some(fmt) = q.get("fmt").filter(|v| !v.is_null())
@@ -816,6 +819,51 @@ fn check_quantization(q: &Value) -> std::result::Result<(), String> {
         && scheme != "dynamic"
     {
         return Err(format!("activation_scheme {scheme} is not supported: only \"dynamic\""));
+    }
+    Ok(())
+}
+
+/// compressed-tensors' `pack-quantized` INT4 weights (W4A16: symmetric integer groups, no
+/// activation quantization), which load dequantized.
+fn check_compressed_tensors(q: &Value) -> std::result::Result<(), String> {
+    let format = q.get("format").and_then(Value::as_str).unwrap_or("(none)");
+    if format != "pack-quantized" {
+        return Err(format!("format '{format}' is not supported: only \"pack-quantized\" (INT4)"));
+    }
+    let Some(groups) = q.get("config_groups").and_then(Value::as_object) else {
+        return Err("config_groups: missing (the quantization scheme of each group)".into());
+    };
+    for (name, group) in groups {
+        let at = |field: &str| format!("config_groups.{name}.{field}");
+        let w = &group["weights"];
+        let want = [
+            ("num_bits", json!(4)),
+            ("type", json!("int")),
+            ("symmetric", json!(true)),
+            ("strategy", json!("group")),
+        ];
+        for (field, value) in want {
+            if w[field] != value {
+                return Err(format!(
+                    "{} {} is not supported: INT4 weights are {value} (symmetric integer groups)",
+                    at(&format!("weights.{field}")),
+                    w[field]
+                ));
+            }
+        }
+        if w["group_size"].as_u64().is_none_or(|g| g == 0) {
+            return Err(format!(
+                "{} {}: a group size > 0",
+                at("weights.group_size"),
+                w["group_size"]
+            ));
+        }
+        if !group["input_activations"].is_null() {
+            return Err(format!(
+                "{} is set: only weight-only INT4 (W4A16) loads",
+                at("input_activations")
+            ));
+        }
     }
     Ok(())
 }

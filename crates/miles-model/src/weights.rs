@@ -549,6 +549,10 @@ impl TensorFiles {
     /// The tensor `name` as f32 (from F32, BF16, F16, or F8_E4M3 with its block scales),
     /// checked against `shape`.
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let packed = format!("{name}_packed");
+        if !self.location.contains_key(name) && self.location.contains_key(&packed) {
+            return self.int4(name, shape);
+        }
         let (path, view) = self.view(name)?;
         let err = |message: String| Error::Tensor {
             path: path.to_path_buf(),
@@ -592,6 +596,65 @@ impl TensorFiles {
         let blocks = [rows.div_ceil(cpu::FP8_BLOCK), cols.div_ceil(cpu::FP8_BLOCK)];
         let scales = self.f32(&format!("{name}_scale_inv"), &blocks)?;
         Ok(cpu::dequantize_blocks(codes, &scales, rows, cols))
+    }
+
+    /// A compressed-tensors `pack-quantized` matrix: `<name>_packed` (int32 words of eight
+    /// INT4 levels), `<name>_scale` (one per group of a row) and `<name>_shape`, dequantized to
+    /// f32 (w = q · s); the group size is the row over the scales per row.
+    fn int4(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (path, _) = self.view(&format!("{name}_packed"))?;
+        let err = |tensor: String, message: String| Error::Tensor {
+            path: path.to_path_buf(),
+            tensor,
+            message,
+        };
+        let &[rows, cols] = shape else {
+            return Err(err(name.into(), format!("INT4 is read for matrices, not {shape:?}")));
+        };
+        let stored = self.ints(&format!("{name}_shape"))?;
+        if stored != [rows as i64, cols as i64] {
+            return Err(err(format!("{name}_shape"), format!("{stored:?}, expected {shape:?}")));
+        }
+        let (_, packed) = self.i32(&format!("{name}_packed"))?;
+        let scale = format!("{name}_scale");
+        let scale_shape = self.shape(&scale)?;
+        let groups = match scale_shape[..] {
+            [r, g] if r == rows && g > 0 && cols.is_multiple_of(g) => g,
+            _ => {
+                return Err(err(
+                    scale,
+                    format!(
+                        "shape {scale_shape:?}: a [{rows}, groups] scale whose groups divide the \
+                         row of {cols}"
+                    ),
+                ));
+            }
+        };
+        let scales = self.f32(&scale, &scale_shape)?;
+        let named = |e: miles_tensor::Error| err(format!("{name}_packed"), e.to_string());
+        let q = cpu::unpack_int4(&packed, rows, cols).map_err(named)?;
+        cpu::dequantize_int4(&q, &scales, cols / groups).map_err(named)
+    }
+
+    /// The integer tensor `name` (I32 or I64) as i64.
+    fn ints(&self, name: &str) -> Result<Vec<i64>> {
+        let (path, view) = self.view(name)?;
+        let data = view.data();
+        match view.dtype() {
+            Dtype::I32 => Ok(data
+                .chunks_exact(4)
+                .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+                .collect()),
+            Dtype::I64 => Ok(data
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .collect()),
+            other => Err(Error::Tensor {
+                path: path.to_path_buf(),
+                tensor: name.into(),
+                message: format!("dtype {other:?}, expected I32 or I64"),
+            }),
+        }
     }
 
     /// The tensor `name` as i32 with its shape.
