@@ -309,7 +309,7 @@ if [ "$what" = spec-addition ] || [ "$what" = spec-gsm8k ]; then
     $(ls "$OUT"/$what-frozen.jsonl 2>/dev/null) | tee "$OUT/$what.txt"
   # The speed in one command's terms: the spec run's final policy generates for held-out
   # prompts without and with its draft (the same distribution, so the same lengths expected).
-  hf=$(ls -d /tmp/$what-spec/hf/iter_* | tail -1)
+  hf=$(dirname "$(find /tmp/$what-spec/hf -name config.json | sort | tail -1)")
   draft=$(ls -d /tmp/$what-spec/ckpt/iter_*/draft | tail -1)
   gen="--input-key prompt --prompt-data .cache/addition/test.jsonl --n-samples-per-prompt 16 \
     --rollout-max-response-len 64"
