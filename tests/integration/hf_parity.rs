@@ -92,6 +92,23 @@ fn qwen3_moe_matches_transformers() {
     assert_eq!(ours, theirs);
 }
 
+/// A safetensors header, as JSON.
+type Header = serde_json::Map<String, serde_json::Value>;
+
+/// Writes `dir/model.safetensors`: `src`'s with its header edited by `edit` (the data as is).
+fn rewrite_header(src: &std::path::Path, dir: &std::path::Path, edit: &dyn Fn(&mut Header)) {
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: Header = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    edit(&mut header);
+    let mut text = serde_json::to_vec(&header).unwrap();
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(dir.join("model.safetensors"), out).unwrap();
+}
+
 /// A compressed-tensors `pack-quantized` INT4 checkpoint (`tests/fixtures/int4/qwen3`, the tiny
 /// Qwen3 quantized in groups of 32 by `make_int4_checkpoint.py` with numpy) loads dequantized:
 /// every projection is miles' fake quantization of the f32 weight bit for bit (two
@@ -121,18 +138,8 @@ fn an_int4_checkpoint_loads_dequantized_with_the_codecs_bits() {
 
     // Copies with one thing changed: a header entry, or the config's scheme.
     let dir = miles_tests::scratch("int4_bad_tensors");
-    let bytes = std::fs::read(int4.join("model.safetensors")).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let rewrite = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
-        let mut h = header.as_object().unwrap().clone();
-        edit(&mut h);
-        let mut text = serde_json::to_vec(&h).unwrap();
-        text.resize(text.len().next_multiple_of(8), b' ');
-        let mut out = (text.len() as u64).to_le_bytes().to_vec();
-        out.extend(text);
-        out.extend(&bytes[8 + n..]);
-        std::fs::write(dir.join("model.safetensors"), out).unwrap();
+    let rewrite = |edit: &dyn Fn(&mut Header)| {
+        rewrite_header(&int4, &dir, edit);
         miles_model::Weights::load(&dir, &config).unwrap_err().to_string()
     };
     let w = "model.layers.0.mlp.down_proj.weight";
@@ -184,19 +191,9 @@ fn an_fp8_checkpoint_loads_dequantized_with_the_codecs_bits() {
 
     // The header of a copy rewritten: one scale's shape, then its name.
     let dir = miles_tests::scratch("fp8_bad_scales");
-    let bytes = std::fs::read(fp8.join("model.safetensors")).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     let scale = "model.layers.0.self_attn.q_proj.weight_scale_inv";
-    let rewrite = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
-        let mut h = header.as_object().unwrap().clone();
-        edit(&mut h);
-        let mut text = serde_json::to_vec(&h).unwrap();
-        text.resize(text.len().next_multiple_of(8), b' ');
-        let mut out = (text.len() as u64).to_le_bytes().to_vec();
-        out.extend(text);
-        out.extend(&bytes[8 + n..]);
-        std::fs::write(dir.join("model.safetensors"), out).unwrap();
+    let rewrite = |edit: &dyn Fn(&mut Header)| {
+        rewrite_header(&fp8, &dir, edit);
         miles_model::Weights::load(&dir, &config).unwrap_err().to_string()
     };
     let e = rewrite(&|h| h[scale]["shape"] = serde_json::json!([1]));
