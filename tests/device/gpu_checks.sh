@@ -305,8 +305,10 @@ if [ "$what" = spec-addition ] || [ "$what" = spec-gsm8k ]; then
       --save-hf /tmp/$what-$arm/hf ${SPEC_FLAGS:-} $flags | tail -1
     cp /tmp/$what-$arm/metrics.jsonl "$OUT/$what-$arm.jsonl"
   done
-  python3 tests/device/spec_summary.py "$OUT"/$what-plain.jsonl "$OUT"/$what-spec.jsonl \
-    $(ls "$OUT"/$what-frozen.jsonl 2>/dev/null) | tee "$OUT/$what.txt"
+  # (Arms run by an earlier call on this warm machine are read from /tmp.)
+  python3 tests/device/spec_summary.py /tmp/$what-plain/metrics.jsonl \
+    /tmp/$what-spec/metrics.jsonl $(ls /tmp/$what-frozen/metrics.jsonl 2>/dev/null) \
+    | tee "$OUT/$what.txt"
   # The speed in one command's terms: the spec run's final policy generates for held-out
   # prompts without and with its draft (the same distribution, so the same lengths expected).
   hf=$(dirname "$(find /tmp/$what-spec/hf -name config.json | sort | tail -1)")
