@@ -169,6 +169,18 @@ pub struct Fp8Layers {
     pub rollout_only: bool,
 }
 
+/// INT4 quantization-aware training (the `int4-qat` plugin, `--int4-qat`): the forward of
+/// every quantizable linear (or of the routed experts only) reads miles' fake-quantized
+/// weights ([`cpu::fake_quantize_int4`]: groups of `group_size` inputs), made from the f32
+/// masters at every optimizer step; the rollout and the training forward read the same
+/// values, so their logprobs stay equal bit for bit, and the backward passes the gradient
+/// straight through to the masters. On the CPU in f32 only so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Int4Layers {
+    pub group_size: usize,
+    pub experts_only: bool,
+}
+
 /// The indices (in [`tensor_spec`] order) of the matrices FP8 quantizes: every projection
 /// and expert of the layers not kept (not the router, the embedding or the head).
 fn fp8_matrices(config: &ModelConfig, layout: &Layout, f: Fp8Layers) -> Vec<usize> {
@@ -185,6 +197,17 @@ fn fp8_matrices(config: &ModelConfig, layout: &Layout, f: Fp8Layers) -> Vec<usiz
         }
     }
     out
+}
+
+/// The indices of the matrices INT4 QAT fake-quantizes: every layer's projections and experts,
+/// or the routed experts only.
+fn int4_matrices(config: &ModelConfig, layout: &Layout, q: Int4Layers) -> Vec<usize> {
+    let all = fp8_matrices(config, layout, Fp8Layers::default());
+    if !q.experts_only {
+        return all;
+    }
+    let spec = tensor_spec(config);
+    all.into_iter().filter(|&i| spec[i].0.contains(".mlp.experts.")).collect()
 }
 
 /// The HF names of the weights FP8 quantizes in `config`'s model (what an FP8 checkpoint
@@ -238,6 +261,9 @@ pub struct DeviceModel {
     /// With FP8 on, per weight (in [`tensor_spec`] order) its E4M3 form when the forward's
     /// product reads it; empty otherwise.
     quantized: Vec<Option<ops::Fp8Matrix>>,
+    /// INT4 QAT, when on ([`DeviceModel::set_int4`]): its matrices' compute copies hold the
+    /// fake-quantized weights.
+    int4: Option<Int4Layers>,
     /// Gemma: f32 ones of the hidden and head widths, which its norms' weights are added to.
     ones: Vec<Tensor>,
     /// Per weight (in [`tensor_spec`] order): left as it is by AdamW and out of the gradient
@@ -334,6 +360,7 @@ impl DeviceModel {
             buffers: 0,
             fp8: None,
             quantized: Vec::new(),
+            int4: None,
             ones,
             frozen: vec![false; spec.len()],
         };
@@ -396,6 +423,55 @@ impl DeviceModel {
         self.repack()
     }
 
+    /// Turns INT4 QAT on (or off with `None`): the forward reads the fake-quantized weights of
+    /// the matrices it covers from now on, made again after every AdamW step. Refused beside
+    /// FP8, off the CPU's f32, and where a group does not divide a matrix's rows.
+    pub fn set_int4(&mut self, int4: Option<Int4Layers>) -> Result<()> {
+        if let Some(q) = int4 {
+            if self.fp8.is_some() {
+                return Err(Error::Invalid(
+                    "--int4-qat with FP8: one quantization of the weights at a time".into(),
+                ));
+            }
+            if self.device != Device::Cpu || self.dtype != DType::F32 {
+                return Err(Error::Invalid(format!(
+                    "--int4-qat: fake quantization runs on the CPU in f32 in this build (its \
+                     {} kernels are not written yet); use --device cpu",
+                    self.device
+                )));
+            }
+            let spec = tensor_spec(&self.config);
+            for i in int4_matrices(&self.config, &self.layout, q) {
+                let (name, shape) = &spec[i];
+                if !shape[1].is_multiple_of(q.group_size) {
+                    return Err(Error::Invalid(format!(
+                        "--int4-group-size {}: does not divide the {} inputs of {name}",
+                        q.group_size, shape[1]
+                    )));
+                }
+            }
+        }
+        self.int4 = int4;
+        self.refresh_compute()
+    }
+
+    /// Whether INT4 QAT is on, and how.
+    pub fn int4(&self) -> Option<Int4Layers> {
+        self.int4
+    }
+
+    /// Writes the fake-quantized weights of INT4 QAT's matrices into their compute copies.
+    fn fake_quantize(&mut self) -> Result<()> {
+        let Some(q) = self.int4 else { return Ok(()) };
+        for i in int4_matrices(&self.config, &self.layout, q) {
+            let master = &self.masters[i];
+            let shape = master.shape().to_vec();
+            let values = cpu::fake_quantize_int4(&master.to_vec_f32()?, shape[1], q.group_size)?;
+            self.compute[i] = Some(Tensor::from_f32(&shape, values, &self.device)?);
+        }
+        Ok(())
+    }
+
     /// The HF names of the weights the FP8 forward reads in E4M3 (what an FP8 export
     /// quantizes).
     pub fn fp8_weight_names(&self) -> Vec<String> {
@@ -450,6 +526,7 @@ impl DeviceModel {
             })
             .collect::<Result<_>>()?;
         self.buffers = NEXT_BUFFERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.fake_quantize()?;
         self.quantized.clear();
         self.quantize()?;
         self.repack()
@@ -473,7 +550,7 @@ impl DeviceModel {
         for layer in 0..stacks {
             let stack = |linear| {
                 let parts = self.layout.linear(layer, linear);
-                let parts: Vec<&Tensor> = parts.iter().map(|&i| &self.masters[i]).collect();
+                let parts: Vec<&Tensor> = parts.iter().map(|&i| self.weight(i)).collect();
                 pack(&parts)
             };
             let dense = self.config.moe.as_ref().is_none_or(|m| !m.is_sparse(layer));
@@ -495,7 +572,8 @@ impl DeviceModel {
                 // Every matrix but an embedding that is not also the head.
                 let product = m.shape().len() == 2 && (i != 0 || head == 0);
                 let fp8 = unified && self.quantized.get(i).is_some_and(Option::is_some);
-                (product && !in_stack[i] && !fp8).then(|| pack(&[m])).transpose()
+                // (INT4 QAT's matrices pack their fake-quantized compute copies.)
+                (product && !in_stack[i] && !fp8).then(|| pack(&[self.weight(i)])).transpose()
             })
             .collect::<Result<_>>()?;
         Ok(())
@@ -1458,11 +1536,13 @@ impl DeviceModel {
                 m,
                 v,
                 grad,
-                copy: copy.as_mut(),
+                // (An f32 model's only copies are INT4 QAT's, made again below.)
+                copy: copy.as_mut().filter(|c| c.dtype() != DType::F32),
             })
             .collect();
         ops::adamw_multi(hyper, moments.step, scale, &mut parts)?;
         drop(parts);
+        self.fake_quantize()?;
         self.quantize()?;
         self.repack()?;
         self.refresh_stacked()?;
@@ -2228,6 +2308,73 @@ mod tests {
                 r.assert_matches(&format!("{device} {name}"), &logp, &entropy, &grads);
             }
         }
+    }
+
+    /// INT4 QAT: the forward reads the fake-quantized weights (a model built from them
+    /// computes the same logp bit for bit), before and after an AdamW step, while the masters
+    /// stay unquantized; with `experts_only` the dense projections are left as they are. A
+    /// group that does not divide a row, and FP8 beside it, are refused by flag.
+    #[test]
+    fn int4_qat_forwards_the_fake_quantized_weights() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let widen = |mut c: ModelConfig| {
+            (c.hidden_size, c.intermediate_size, c.head_dim) = (64, 96, 16);
+            if let Some(m) = c.moe.as_mut() {
+                m.moe_intermediate_size = 32;
+            }
+            c
+        };
+        for (config, experts_only) in [
+            (widen(tiny(Architecture::Qwen3, true)), false),
+            (widen(tiny_moe(true, 0.0)), false),
+            (widen(tiny_moe(true, 0.0)), true),
+        ] {
+            let arch = config.architecture;
+            let q = Int4Layers { group_size: 32, experts_only };
+            let covered: Vec<String> = fp8_weight_names(&config, Fp8Layers::default())
+                .into_iter()
+                .filter(|n| !experts_only || n.contains(".mlp.experts."))
+                .collect();
+            // The same model with its covered weights fake-quantized on the host.
+            let fake = |m: &Model| {
+                let mut f = m.clone();
+                let spec = tensor_spec(&f.config);
+                for ((name, shape), t) in spec.iter().zip(f.weights.tensors_mut()) {
+                    if covered.contains(name) {
+                        *t = cpu::fake_quantize_int4(t, shape[1], 32).unwrap();
+                    }
+                }
+                f
+            };
+            let m = model(config, 5);
+            let b = batch();
+            let mut dm = on_cpu(&m);
+            dm.set_int4(Some(q)).unwrap();
+            let got = dm.forward(&b, 1.0).unwrap();
+            let want = on_cpu(&fake(&m)).forward(&b, 1.0).unwrap();
+            assert_eq!(bits(&got.logp), bits(&want.logp), "{arch:?} {experts_only}");
+            let mut rng = Rng::new(4);
+            let (ga, gb) = (rng.vec(got.logp.len(), 1.0), rng.vec(got.logp.len(), 1.0));
+            dm.backward(&got, &b, &ga, &gb).unwrap();
+            let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 };
+            dm.adamw_step(&hyper, 1.0).unwrap();
+            let stepped = Model::new(m.config.clone(), dm.to_weights().unwrap());
+            // The masters stay unquantized: the first covered weight differs from its INT4 form.
+            let spec = tensor_spec(&m.config);
+            let first = spec.iter().position(|(n, _)| *n == covered[0]).unwrap();
+            let master = stepped.weights.tensors()[first];
+            assert_ne!(bits(master), bits(fake(&stepped).weights.tensors()[first]));
+            let got = dm.forward(&b, 1.0).unwrap();
+            let want = on_cpu(&fake(&stepped)).forward(&b, 1.0).unwrap();
+            assert_eq!(bits(&got.logp), bits(&want.logp), "{arch:?} {experts_only} after AdamW");
+        }
+        let mut dm = on_cpu(&model(tiny(Architecture::Qwen3, true), 5));
+        let e = dm.set_int4(Some(Int4Layers { group_size: 128, experts_only: false }));
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("--int4-group-size 128: does not divide"), "{e}");
+        dm.set_fp8(Some(Fp8Layers::default())).unwrap();
+        let e = dm.set_int4(Some(Int4Layers { group_size: 8, experts_only: false }));
+        assert!(e.unwrap_err().to_string().contains("one quantization"));
     }
 
     /// The tiny models widened so that every FP8 product has partial 128-blocks on both sides

@@ -26,7 +26,7 @@ pub mod weights;
 
 pub use config::{Architecture, Biases, GemmaConfig, ModelConfig, MoeConfig};
 pub use decode::DecodeGraphs;
-pub use device::{DeviceModel, Forward, Fp8Layers, SampleParams, fp8_weight_names};
+pub use device::{DeviceModel, Forward, Fp8Layers, Int4Layers, SampleParams, fp8_weight_names};
 pub use error::{Error, Result};
 pub use kv::{BlockId, KvCache};
 pub use model::{Model, PackedBatch, RoutedBatch, StepRow};
