@@ -67,7 +67,7 @@ const ADVANTAGE: &str = "Advantage";
 const LOSS: &str = "Loss";
 const TIS: &str = "Off-policy correction (tis plugin)";
 const OPTIM: &str = "Optimizer and schedule";
-const LOW: &str = "Low precision (fp8 plugin)";
+const LOW: &str = "Low precision (fp8 and int4-qat plugins)";
 const SPEC: &str = "Speculative rollouts (eagle-spec plugin)";
 
 const fn switch(section: &'static str, key: &'static str, help: &'static str) -> Flag {
@@ -504,6 +504,26 @@ pub const FLAGS: &[Flag] = &[
         "num-layers-at-end-in-bf16",
         Ty::UInt,
         "With --fp8-format: the last N decoder layers stay in bf16.",
+    ),
+    switch(
+        LOW,
+        "int4-qat",
+        "INT4 quantization-aware training (the int4-qat plugin; miles' \
+         OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1 says the same): the rollout and the training forward \
+         read every linear layer's weights fake-quantized in symmetric groups, made from the \
+         f32 masters at every step, so their logprobs stay equal; gradients pass straight \
+         through. On the CPU so far.",
+    ),
+    value(
+        LOW,
+        "int4-group-size",
+        Ty::UInt,
+        "With --int4-qat: inputs per group, 128 or 32 (OPEN_TRAINING_INT4_GROUP_SIZE).",
+    ),
+    switch(
+        LOW,
+        "int4-experts-only",
+        "With --int4-qat: quantize the routed experts only, as miles does.",
     ),
     // Speculative rollouts.
     optional(

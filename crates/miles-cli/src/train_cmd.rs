@@ -136,7 +136,44 @@ fn make_correction(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Correction>
 /// With `--fp8-format`, the `fp8` plugin (which this build must link), having checked the format;
 /// Transformer Engine's `NVTE_FP8_BLOCK_SCALING_FP32_SCALES` is accepted when it asks for f32
 /// scales, the only kind here (power-of-two scales are not implemented).
+/// miles' switches of INT4 QAT, read as `--int4-qat` and `--int4-group-size` (a flag given
+/// with another value wins over the variable).
+const INT4_FLAG: &str = "OPEN_TRAINING_INT4_FAKE_QAT_FLAG";
+const INT4_GROUP: &str = "OPEN_TRAINING_INT4_GROUP_SIZE";
+
+/// Applies miles' INT4 environment variables (their values given) to `cfg`.
+fn int4_env(
+    cfg: &mut RunConfig,
+    flag: Option<String>,
+    group: Option<String>,
+) -> anyhow::Result<()> {
+    match flag.as_deref().map(str::trim) {
+        None | Some("" | "0" | "false" | "False") => {}
+        Some("1" | "true" | "True") => cfg.int4_qat = true,
+        Some(v) => bail!("{INT4_FLAG}={v}: set it to 1 (or 0), or use --int4-qat"),
+    }
+    if let Some(v) = group {
+        let g: usize = v.trim().parse().map_err(|_| {
+            anyhow::anyhow!("{INT4_GROUP}={v}: a group size, 128 or 32 (or --int4-group-size)")
+        })?;
+        if cfg.int4_group_size == RunConfig::default().int4_group_size {
+            cfg.int4_group_size = g;
+        }
+    }
+    Ok(())
+}
+
+/// The run's quantizer: the `int4-qat` plugin with `--int4-qat`, `fp8` with `--fp8-format`.
 fn make_quantizer(cfg: &RunConfig) -> anyhow::Result<Option<Box<dyn Quantizer>>> {
+    if cfg.int4_qat {
+        linked::plugins();
+        let settings = serde_json::json!({
+            "group_size": cfg.int4_group_size,
+            "experts_only": cfg.int4_experts_only,
+        });
+        let q = registry::create_quantizer("int4-qat", &settings).context("--int4-qat")?;
+        return Ok(Some(q));
+    }
     let Some(format) = cfg.fp8_format else { return Ok(None) };
     linked::plugins();
     let fmt = serde_json::to_value(format)?;
@@ -203,7 +240,9 @@ fn load_data(spec: &str, cfg: &RunConfig, flag: &str) -> anyhow::Result<Dataset>
 }
 
 /// Everything the loop needs, from the configuration.
-pub fn setup(cfg: RunConfig) -> anyhow::Result<Setup> {
+pub fn setup(mut cfg: RunConfig) -> anyhow::Result<Setup> {
+    let var = |name| std::env::var(name).ok();
+    int4_env(&mut cfg, var(INT4_FLAG), var(INT4_GROUP))?;
     for warning in cfg.warnings() {
         eprintln!("warning: {warning}");
     }
@@ -402,6 +441,23 @@ pub fn run(args: &TrainArgs, out: &mut dyn Write) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn mileses_int4_variables_read_as_the_flags() {
+        let read = |flag: Option<&str>, group: Option<&str>, cfg: &mut RunConfig| {
+            super::int4_env(cfg, flag.map(String::from), group.map(String::from))
+        };
+        let mut cfg = RunConfig::default();
+        read(Some("1"), Some("32"), &mut cfg).unwrap();
+        assert!(cfg.int4_qat && cfg.int4_group_size == 32);
+        let mut cfg = RunConfig { int4_group_size: 32, ..RunConfig::default() };
+        read(Some("0"), Some("128"), &mut cfg).unwrap();
+        assert!(!cfg.int4_qat && cfg.int4_group_size == 32, "the flag wins");
+        let e = read(Some("yes"), None, &mut cfg).unwrap_err().to_string();
+        assert!(e.contains("OPEN_TRAINING_INT4_FAKE_QAT_FLAG=yes"), "{e}");
+        let e = read(None, Some("x"), &mut cfg).unwrap_err().to_string();
+        assert!(e.contains("OPEN_TRAINING_INT4_GROUP_SIZE=x"), "{e}");
+    }
+
     use super::*;
 
     /// More processes than GPUs under `--device cuda` is an error before any starts, naming

@@ -347,6 +347,13 @@ pub struct RunConfig {
     pub fp8_recipe: Option<Fp8Recipe>,
     pub num_layers_at_start_in_bf16: usize,
     pub num_layers_at_end_in_bf16: usize,
+    /// INT4 quantization-aware training (the `int4-qat` plugin; miles'
+    /// `OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1`): the forward reads fake-quantized weights.
+    pub int4_qat: bool,
+    /// Inputs per INT4 group: 128 or 32 (miles' `OPEN_TRAINING_INT4_GROUP_SIZE`).
+    pub int4_group_size: usize,
+    /// INT4 QAT on the routed experts only (miles' choice), not every linear layer.
+    pub int4_experts_only: bool,
 
     // Speculative rollouts and MTP training (the eagle-spec plugin).
     /// SGLang's `--speculative-algorithm`: `EAGLE` (or `NEXTN`) rolls out speculatively with
@@ -478,6 +485,9 @@ impl Default for RunConfig {
             fp8_recipe: None,
             num_layers_at_start_in_bf16: 0,
             num_layers_at_end_in_bf16: 0,
+            int4_qat: false,
+            int4_group_size: 128,
+            int4_experts_only: false,
             sglang_speculative_algorithm: None,
             sglang_speculative_num_steps: None,
             sglang_speculative_eagle_topk: None,
@@ -546,6 +556,7 @@ impl RunConfig {
         })?;
         self.validate_correction()?;
         self.validate_fp8()?;
+        self.validate_int4()?;
         self.validate_speculative()?;
         check(self.opsm_delta.is_finite(), "opsm-delta", || {
             format!("{} is not finite", self.opsm_delta)
@@ -644,6 +655,27 @@ impl RunConfig {
             })?;
         }
         Ok(())
+    }
+
+    /// INT4 QAT's flags go together, its groups are miles' sizes, and it is the only
+    /// quantization of the weights.
+    fn validate_int4(&self) -> Result<()> {
+        let g = self.int4_group_size;
+        check(matches!(g, 32 | 128), "int4-group-size", || format!("{g}: groups are 128 or 32"))?;
+        if !self.int4_qat {
+            check(g == 128 && !self.int4_experts_only, "int4-group-size", || {
+                "and --int4-experts-only take effect with --int4-qat".into()
+            })?;
+            return Ok(());
+        }
+        check(self.fp8_format.is_none(), "int4-qat", || {
+            "with --fp8-format: one quantization of the weights at a time".into()
+        })?;
+        check(self.save_hf.is_none(), "int4-qat", || {
+            "with --save-hf: the compressed-tensors INT4 export is not written yet; --save keeps \
+             the f32 masters and the run"
+                .into()
+        })
     }
 
     /// The FP8 flags go together: a recipe or bf16 layers only with a format.

@@ -7,7 +7,7 @@ use anyhow::{Context, bail};
 use miles_core::config::RunConfig;
 use miles_core::{Rollout, Speculator};
 use miles_model::draft::{Draft, DraftFormat, draft_config};
-use miles_model::{DeviceModel, Fp8Layers, Model, Tokenizer, Weights};
+use miles_model::{DeviceModel, Fp8Layers, Int4Layers, Model, Tokenizer, Weights};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
 use miles_tensor::{DType, Device};
@@ -35,6 +35,14 @@ pub(super) fn fp8_layers(cfg: &RunConfig, fp8_checkpoint: bool) -> Option<Fp8Lay
         rollout_only: cfg.fp8_format.is_none(),
     };
     (cfg.fp8_format.is_some() || fp8_checkpoint).then_some(layers)
+}
+
+/// INT4 QAT as the run asks for it (`--int4-qat`), for the policy and the reference alike.
+pub(super) fn int4_layers(cfg: &RunConfig) -> Option<Int4Layers> {
+    cfg.int4_qat.then_some(Int4Layers {
+        group_size: cfg.int4_group_size,
+        experts_only: cfg.int4_experts_only,
+    })
 }
 
 /// The policy during a run: a `DeviceModel` (f32 masters, the forward's compute copies,
@@ -101,6 +109,7 @@ impl Actor {
             );
         }
         dm.set_fp8(fp8).context("FP8")?;
+        dm.set_int4(int4_layers(cfg)).context("--int4-qat")?;
         if let Some(d) = dist {
             d.broadcast_weights(&mut dm)?;
         }
@@ -278,16 +287,18 @@ pub(super) struct Reference {
 }
 
 impl Reference {
-    /// `weights` as the reference on `device`, in FP8 as the policy when `fp8` says so.
+    /// `weights` as the reference on `device`, in FP8 or INT4 QAT as the policy when `fp8`
+    /// or `int4` says so.
     pub(super) fn new(
         config: &miles_model::ModelConfig,
         weights: Weights,
         device: Device,
-        fp8: Option<Fp8Layers>,
+        (fp8, int4): (Option<Fp8Layers>, Option<Int4Layers>),
     ) -> anyhow::Result<Reference> {
         let model = Model::new(config.clone(), weights);
         let mut dm = DeviceModel::new(&model, &device, compute_dtype(device))?;
         dm.set_fp8(fp8)?;
+        dm.set_int4(int4)?;
         Ok(Reference { model: dm, weights: model.weights })
     }
 

@@ -166,6 +166,12 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         run_dir,
     } = setup;
     cfg.validate()?;
+    if cfg.int4_qat && quantizer.is_none() {
+        bail!(
+            "--int4-qat: the run has no int4-qat plugin (build with `cargo xtask build --features \
+             int4-qat`)"
+        );
+    }
     if cfg.fp8_format.is_some() && quantizer.is_none() {
         bail!(
             "--fp8-format: the run has no fp8 plugin (build with `cargo xtask build --features fp8`)"
@@ -242,7 +248,8 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     };
     // (In rollout-only FP8 the reference, which only scores, computes without it.)
     let fp8 = fp8.filter(|f| !f.rollout_only);
-    let reference = reference.map(|w| Reference::new(&config, w, device, fp8)).transpose()?;
+    let quant = (fp8, actor::int4_layers(&cfg));
+    let reference = reference.map(|w| Reference::new(&config, w, device, quant)).transpose()?;
     // A test hook: the separate old-logprob forward even where the step's own would do, to
     // show both give the same bits.
     let separate_old = std::env::var_os("MILES_SEPARATE_OLD_LOGPROBS").is_some();
