@@ -1227,7 +1227,7 @@ fn int4_qat_demo_runs_learn_with_rollout_logprobs_equal_to_trainings() {
     assert!(e.contains("--int4-group-size") && e.contains("with --int4-qat"), "{e}");
     let e = refused(&[on.clone(), ("int4-group-size", Value::from(64))]);
     assert!(e.contains("--int4-group-size") && e.contains("128 or 32"), "{e}");
-    let e = refused(&[on.clone()]);
+    let e = refused(std::slice::from_ref(&on));
     assert!(e.contains("--int4-group-size 128: does not divide"), "{e}");
     let e = refused(&[on.clone(), ("fp8-format", Value::from("e4m3"))]);
     assert!(e.contains("--int4-qat") && e.contains("one quantization"), "{e}");
