@@ -1188,9 +1188,10 @@ fn fp8_demo_runs_learn_with_rollout_logprobs_equal_to_trainings() {
 
 /// INT4 QAT on the CPU (`--int4-qat --int4-group-size 32`, miles' recipe): rollout and
 /// training logprobs are equal bit for bit on every iteration, and the demo policy, every
-/// linear of it fake-quantized to 15 levels, still learns the addition table. Its flags
-/// without their partner, a group that does not divide a row, FP8 beside it and an export it
-/// cannot write yet are refused by name.
+/// linear of it fake-quantized to 15 levels, still learns the addition table; its `--save-hf`
+/// is compressed-tensors INT4 that loads back to the weights the forward read. Its flags
+/// without their partner, a group that does not divide a row and FP8 beside it are refused by
+/// name.
 #[cfg(feature = "int4-qat")]
 #[test]
 fn int4_qat_demo_runs_learn_with_rollout_logprobs_equal_to_trainings() {
@@ -1199,10 +1200,26 @@ fn int4_qat_demo_runs_learn_with_rollout_logprobs_equal_to_trainings() {
         ("run-dir", Value::from(dir.to_str().unwrap())),
         ("int4-qat", Value::from(true)),
         ("int4-group-size", Value::from(32)),
+        ("save-hf", Value::from(dir.join("hf").to_str().unwrap())),
     ]);
     let setup = train_cmd::setup(train_cmd::run_config(&args).unwrap()).unwrap();
     let mut records = Vec::new();
-    rl::train(setup, &mut |r| records.push(r.clone())).unwrap();
+    let summary = rl::train(setup, &mut |r| records.push(r.clone())).unwrap();
+    // The export is compressed-tensors INT4 and loads back to the very weights the forward
+    // read: the masters fake-quantized.
+    let hf = dir.join("hf");
+    let config = miles_model::ModelConfig::from_file(&hf.join("config.json")).unwrap();
+    let loaded = miles_model::Weights::load(&hf, &config).unwrap();
+    let spec = miles_model::weights::tensor_spec(&config);
+    let pairs = loaded.tensors().into_iter().zip(summary.weights.tensors());
+    for ((name, shape), (got, master)) in spec.iter().zip(pairs) {
+        let want = if name.starts_with("model.layers.") && name.ends_with("_proj.weight") {
+            miles_tensor::cpu::fake_quantize_int4(master, shape[1], 32).unwrap()
+        } else {
+            master.clone()
+        };
+        assert_eq!(*got, want, "{name}");
+    }
     let rl: Vec<&Record> =
         records.iter().filter(|r| r.get("rollout/raw_reward").is_some()).collect();
     assert_eq!(rl.len(), 200);
@@ -1229,10 +1246,8 @@ fn int4_qat_demo_runs_learn_with_rollout_logprobs_equal_to_trainings() {
     assert!(e.contains("--int4-group-size") && e.contains("128 or 32"), "{e}");
     let e = refused(std::slice::from_ref(&on));
     assert!(e.contains("--int4-group-size 128: does not divide"), "{e}");
-    let e = refused(&[on.clone(), ("fp8-format", Value::from("e4m3"))]);
+    let e = refused(&[on, ("fp8-format", Value::from("e4m3"))]);
     assert!(e.contains("--int4-qat") && e.contains("one quantization"), "{e}");
-    let e = refused(&[on, ("save-hf", Value::from(dir.join("hf").to_str().unwrap()))]);
-    assert!(e.contains("--int4-qat") && e.contains("export is not written yet"), "{e}");
 }
 
 /// Rollout-only FP8, miles' default for an FP8 checkpoint: `miles convert fp8` writes

@@ -6,7 +6,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use miles_core::registry;
 use miles_gguf::OutputDtype;
 use miles_model::Fp8Layers;
-use miles_train::checkpoint::{Fp8Export, export_hf};
+use miles_train::checkpoint::{QuantExport, export_hf};
 
 use crate::common::load_model;
 
@@ -66,7 +66,7 @@ fn fp8(args: &Fp8Args, out: &mut dyn Write) -> anyhow::Result<()> {
         .context("convert fp8 (build with the fp8 plugin: cargo xtask build --features fp8)")?;
     let names = miles_model::fp8_weight_names(&model.config, Fp8Layers::default());
     let tokenizer = src.join("tokenizer.json").is_file().then_some(src.as_path());
-    let fp8 = Fp8Export { quantizer: &*quantizer, names };
+    let fp8 = QuantExport { quantizer: &*quantizer, names };
     export_hf(&args.out, &model.config, &model.weights, tokenizer, Some(&fp8))
         .with_context(|| format!("convert fp8: writing {}", args.out.display()))?;
     writeln!(

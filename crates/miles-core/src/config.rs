@@ -670,11 +670,6 @@ impl RunConfig {
         }
         check(self.fp8_format.is_none(), "int4-qat", || {
             "with --fp8-format: one quantization of the weights at a time".into()
-        })?;
-        check(self.save_hf.is_none(), "int4-qat", || {
-            "with --save-hf: the compressed-tensors INT4 export is not written yet; --save keeps \
-             the f32 masters and the run"
-                .into()
         })
     }
 

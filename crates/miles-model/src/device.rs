@@ -455,6 +455,16 @@ impl DeviceModel {
         self.refresh_compute()
     }
 
+    /// The HF names of the weights INT4 QAT covers (what its export packs).
+    pub fn int4_weight_names(&self) -> Vec<String> {
+        let Some(q) = self.int4 else { return Vec::new() };
+        let spec = tensor_spec(&self.config);
+        int4_matrices(&self.config, &self.layout, q)
+            .into_iter()
+            .map(|i| spec[i].0.clone())
+            .collect()
+    }
+
     /// Whether INT4 QAT is on, and how.
     pub fn int4(&self) -> Option<Int4Layers> {
         self.int4

@@ -276,20 +276,28 @@ fn commit_dir(tmp: &Path, dst: &Path) -> Result<()> {
 /// An F32 tensor for safetensors, encoded only when written (one tensor in memory at a time).
 /// A tensor as written: f32 values, or FP8 E4M3 codes.
 enum TensorView<'a> {
-    F32 { shape: Vec<usize>, data: Cow<'a, [f32]> },
-    F8E4M3 { shape: Vec<usize>, codes: Vec<u8> },
+    F32 {
+        shape: Vec<usize>,
+        data: Cow<'a, [f32]>,
+    },
+    /// Little-endian bytes of another dtype (E4M3 codes, INT4 words, shapes).
+    Raw {
+        dtype: Dtype,
+        shape: Vec<usize>,
+        bytes: Vec<u8>,
+    },
 }
 
 impl View for TensorView<'_> {
     fn dtype(&self) -> Dtype {
         match self {
             TensorView::F32 { .. } => Dtype::F32,
-            TensorView::F8E4M3 { .. } => Dtype::F8_E4M3,
+            TensorView::Raw { dtype, .. } => *dtype,
         }
     }
     fn shape(&self) -> &[usize] {
         match self {
-            TensorView::F32 { shape, .. } | TensorView::F8E4M3 { shape, .. } => shape,
+            TensorView::F32 { shape, .. } | TensorView::Raw { shape, .. } => shape,
         }
     }
     fn data(&self) -> Cow<'_, [u8]> {
@@ -297,13 +305,13 @@ impl View for TensorView<'_> {
             TensorView::F32 { data, .. } => {
                 Cow::Owned(data.iter().flat_map(|v| v.to_le_bytes()).collect())
             }
-            TensorView::F8E4M3 { codes, .. } => Cow::Borrowed(codes),
+            TensorView::Raw { bytes, .. } => Cow::Borrowed(bytes),
         }
     }
     fn data_len(&self) -> usize {
         match self {
             TensorView::F32 { data, .. } => data.len() * 4,
-            TensorView::F8E4M3 { codes, .. } => codes.len(),
+            TensorView::Raw { bytes, .. } => bytes.len(),
         }
     }
 }
@@ -315,7 +323,7 @@ type NamedViews<'a> = Vec<(String, TensorView<'a>)>;
 /// forward reads) as E4M3 codes with their `<name>_scale_inv` blocks, quantized by the fp8
 /// plugin's host reference (the device's codes, bit for bit), and config.json's
 /// `quantization_config` saying so, as DeepSeek-V3's checkpoints and SGLang/vLLM have it.
-pub struct Fp8Export<'a> {
+pub struct QuantExport<'a> {
     pub quantizer: &'a dyn Quantizer,
     pub names: Vec<String>,
 }
@@ -356,23 +364,35 @@ fn write_config_and_model(
     dir: &Path,
     config: &ModelConfig,
     weights: &Weights,
-    fp8: Option<&Fp8Export<'_>>,
+    quant: Option<&QuantExport<'_>>,
 ) -> Result<()> {
     let path = config_path(dir);
     let mut json = config.to_hf_json("float32");
     let mut tensors = named(config, weights, "");
-    if let Some(fp8) = fp8 {
+    if let Some(quant) = quant {
         let kept;
         // (Named as the files name them: GLM-4's gate and up are one tensor there.)
-        let names: Vec<String> = fp8.names.iter().map(|n| file_name(config, n)).collect();
-        (tensors, kept) = quantized(tensors, fp8, &names)?;
-        json["quantization_config"] = serde_json::json!({
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": fp8.quantizer.format().block,
-            "modules_to_not_convert": kept,
-        });
+        let names: Vec<String> = quant.names.iter().map(|n| file_name(config, n)).collect();
+        let format = quant.quantizer.format();
+        json["quantization_config"] = match format.name.as_str() {
+            "fp8_e4m3" => {
+                (tensors, kept) = quantized(tensors, quant, &names)?;
+                serde_json::json!({
+                    "quant_method": "fp8",
+                    "fmt": "e4m3",
+                    "activation_scheme": "dynamic",
+                    "weight_block_size": format.block,
+                    "modules_to_not_convert": kept,
+                })
+            }
+            "int4_packed" => {
+                (tensors, kept) = quantized(tensors, quant, &names)?;
+                compressed_tensors_config(format.block[1], kept)
+            }
+            other => {
+                return Err(Error::Invalid(format!("no export writes the {other} format")));
+            }
+        };
     }
     let text = serde_json::to_string_pretty(&json)
         .map_err(|e| at(&path, format!("cannot encode the config: {e}")))?;
@@ -380,11 +400,42 @@ fn write_config_and_model(
     write_tensors(&dir.join(MODEL_FILE), tensors, pt_metadata())
 }
 
-/// `tensors` with `names` quantized by `fp8` (each preceded by its `_scale_inv`), and the
-/// modules of the linear layers left unquantized (LM head, routers, layers kept in bf16).
+/// compressed-tensors' `quantization_config` of symmetric INT4 groups of `group` inputs,
+/// weights only, with the modules `ignore`d (what vLLM and SGLang read).
+fn compressed_tensors_config(group: usize, ignore: Vec<String>) -> serde_json::Value {
+    serde_json::json!({
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": true,
+                    "strategy": "group",
+                    "group_size": group,
+                    "dynamic": false,
+                    "actorder": null,
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                    "block_structure": null,
+                },
+                "input_activations": null,
+                "output_activations": null,
+            }
+        },
+        "ignore": ignore,
+    })
+}
+
+/// `tensors` with `names` quantized (FP8: the E4M3 codes, each preceded by its
+/// `_scale_inv`; INT4: compressed-tensors' `_packed`, `_scale` and `_shape`), and the modules
+/// of the linear layers left unquantized (LM head, routers, layers kept out).
 fn quantized<'a>(
     tensors: NamedViews<'a>,
-    fp8: &Fp8Export<'_>,
+    quant: &QuantExport<'_>,
     names: &[String],
 ) -> Result<(NamedViews<'a>, Vec<String>)> {
     let (mut out, mut kept) = (Vec::with_capacity(tensors.len()), Vec::new());
@@ -399,24 +450,47 @@ fn quantized<'a>(
             out.push((name, view));
             continue;
         }
-        let q = fp8
+        let q = quant
             .quantizer
             .quantize(&miles_core::WeightView { name: &name, shape, data })
-            .map_err(|e| Error::Invalid(format!("FP8 export of {name}: {e}")))?;
+            .map_err(|e| Error::Invalid(format!("{} export of {name}: {e}", q_name(quant))))?;
         let [br, bc] = q.format.block;
         let scales = vec![shape[0].div_ceil(br), shape[1].div_ceil(bc)];
         let shape = shape.clone();
+        if q.format.bits == 4 {
+            let (rows, cols) = (shape[0], shape[1]);
+            let packed = vec![rows, cols.div_ceil(8)];
+            let dims: Vec<u8> =
+                [rows as i64, cols as i64].iter().flat_map(|d| d.to_le_bytes()).collect();
+            out.push((
+                format!("{name}_packed"),
+                TensorView::Raw { dtype: Dtype::I32, shape: packed, bytes: q.data },
+            ));
+            out.push((
+                format!("{name}_scale"),
+                TensorView::F32 { shape: scales, data: q.scales.into() },
+            ));
+            out.push((
+                format!("{name}_shape"),
+                TensorView::Raw { dtype: Dtype::I64, shape: vec![2], bytes: dims },
+            ));
+            continue;
+        }
         out.push((
             format!("{name}_scale_inv"),
             TensorView::F32 { shape: scales, data: q.scales.into() },
         ));
-        out.push((name, TensorView::F8E4M3 { shape, codes: q.data }));
+        out.push((name, TensorView::Raw { dtype: Dtype::F8_E4M3, shape, bytes: q.data }));
     }
     // A tied head has no tensor of its own, but the module is there and stays unconverted.
     if !kept.iter().any(|k| k == "lm_head") {
         kept.insert(0, "lm_head".into());
     }
     Ok((out, kept))
+}
+
+fn q_name(quant: &QuantExport<'_>) -> &'static str {
+    if quant.quantizer.format().bits == 4 { "INT4" } else { "FP8" }
 }
 
 fn copy_tokenizer(from: &Path, dir: &Path) -> Result<()> {
@@ -703,20 +777,21 @@ fn weights_from(
 }
 
 /// Writes a plain HF model directory (`config.json`, `model.safetensors` in F32 or, with
-/// `fp8`, in DeepSeek-V3's FP8 format, the tokenizer files) at `dir`, replacing one there:
+/// `quant`, its matrices in DeepSeek-V3's FP8 format or compressed-tensors' INT4
+/// `pack-quantized`, the tokenizer files) at `dir`, replacing one there:
 /// written beside it as `.<name>.tmp` and renamed.
 pub fn export_hf(
     dir: &Path,
     config: &ModelConfig,
     weights: &Weights,
     tokenizer_dir: Option<&Path>,
-    fp8: Option<&Fp8Export<'_>>,
+    quant: Option<&QuantExport<'_>>,
 ) -> Result<()> {
     check_shapes(config, weights, "the weights")?;
     let tmp = beside(dir, ".tmp")?;
     create_dirs(&parent_of(dir))?;
     fresh_tmp_dir(&tmp)?;
-    write_config_and_model(&tmp, config, weights, fp8)?;
+    write_config_and_model(&tmp, config, weights, quant)?;
     if let Some(from) = tokenizer_dir {
         copy_tokenizer(from, &tmp)?;
     }

@@ -124,10 +124,17 @@ impl Run<'_> {
         }
         let weights = actor.weights()?;
         if let Some(dir) = self.cfg.save_hf.as_ref().filter(|_| self.root()) {
-            let fp8 = self.quantizer.filter(|_| actor.model().fp8().is_some()).map(|q| {
-                checkpoint::Fp8Export { quantizer: q, names: actor.model().fp8_weight_names() }
-            });
-            checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir, fp8.as_ref())
+            let model = actor.model();
+            let names = match (model.fp8(), model.int4()) {
+                (Some(_), _) => Some(model.fp8_weight_names()),
+                (_, Some(_)) => Some(model.int4_weight_names()),
+                _ => None,
+            };
+            let quant = self
+                .quantizer
+                .zip(names)
+                .map(|(quantizer, names)| checkpoint::QuantExport { quantizer, names });
+            checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir, quant.as_ref())
                 .with_context(|| format!("--save-hf {}", dir.display()))?;
         }
         Ok(Summary {
