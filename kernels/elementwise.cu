@@ -174,12 +174,13 @@ __device__ void add(T* out, const T* a, const T* b, long long n) {
     }
 }
 
-// out[t] = table[ids[t]]: block t copies one row (ids checked on the host), VEC elements at a
-// time (VEC = 4 needs hidden % 4 == 0; bf16 → f32 → bf16 is exact, so it is a copy).
+// out[t] = table[ids[t]]: block t copies one row (ids checked on the host; a negative one, a
+// sampler's none, reads row 0), VEC elements at a time (VEC = 4 needs hidden % 4 == 0; bf16 →
+// f32 → bf16 is exact, so it is a copy).
 template <typename T, int VEC>
 __device__ void embedding_forward(T* out, const T* table, const int* ids, int hidden) {
     const size_t t = blockIdx.x;
-    const size_t row = static_cast<size_t>(ids[t]) * hidden;
+    const size_t row = static_cast<size_t>(max(ids[t], 0)) * hidden;
     for (int i = threadIdx.x * VEC; i < hidden; i += blockDim.x * VEC) {
         float v[VEC];
         miles::load<VEC>(table + row + i, v);

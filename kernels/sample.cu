@@ -410,24 +410,32 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     if (threadIdx.x == 0) tokens[r] = token;
 }
 
-// Speculative verification, one block per chain c: chains[3c..] = (first policy row, first
-// draft row, drafts k); the policy rows p_logits[p0 .. p0 + k] and the draft rows
-// q_logits[q0 .. q0 + k) (f32, [· × vocab]), drafts[c · stride ..] and per policy row i the
-// (accept, draw) uniforms at uniforms[2 (c · (stride + 1) + i) ..]. Into tokens[c · (stride + 1)
-// ..] the kept drafts and the policy's own token, their number into counts[c]: cpu's
-// verify_chain over the leading policy rows with masses (and the draft rows with masses).
+// Speculative verification, one block per chain c: chains[3c..] = (first policy row p0, first
+// draft row q0, drafts k); chain position i's policy row p_logits[p0 + i·p_step] (i ≤ k), its
+// draft row q_logits[q0 + i·q_step] (i < k) (f32, [· × vocab]), draft i the input token of the
+// next policy row (drafts[p0 + (i + 1)·p_step]; the chain ends before one outside the
+// vocabulary), and per policy row i the (accept, draw) uniforms at
+// uniforms[2 (c · (stride + 1) + i) ..]. The kept drafts and the policy's own token go to
+// tokens[p0 + n·p_step] (their chain rows), their number n to counts[c]: cpu's verify_chain over
+// the leading policy rows with masses (and the draft rows with masses).
 extern "C" __global__ void __launch_bounds__(THREADS)
     spec_verify_f32(int* tokens, int* counts, const float* p_logits, const float* q_logits,
                     const int* chains, const int* drafts, const double* uniforms, int stride,
-                    int vocab, float t, int top_k, float top_p) {
+                    int p_step, int q_step, int vocab, float t, int top_k, float top_p) {
     __shared__ Shared s;
     const int c = blockIdx.x;
     const size_t p0 = chains[3 * c], q0 = chains[3 * c + 1];
     int k = chains[3 * c + 2];
-    int* out = tokens + static_cast<size_t>(c) * (stride + 1);
     const double* u = uniforms + 2 * static_cast<size_t>(c) * (stride + 1);
-    auto prow = [&](int i) -> Row { return {p_logits + (p0 + i) * vocab, vocab, t, -INFINITY}; };
-    auto qrow = [&](int i) -> Row { return {q_logits + (q0 + i) * vocab, vocab, t, -INFINITY}; };
+    auto prow_at = [&](int i) -> size_t { return p0 + static_cast<size_t>(i) * p_step; };
+    auto prow = [&](int i) -> Row { return {p_logits + prow_at(i) * vocab, vocab, t, -INFINITY}; };
+    auto qrow = [&](int i) -> Row {
+        return {q_logits + (q0 + static_cast<size_t>(i) * q_step) * vocab, vocab, t, -INFINITY};
+    };
+    auto draft = [&](int i) -> int { return drafts[prow_at(i + 1)]; };
+    for (int i = 0; i < k; ++i) {
+        if (draft(i) < 0 || draft(i) >= vocab) k = i;
+    }
     // The leading policy rows with masses, and the draft rows before them with masses.
     int g = 0;
     while (g <= k && has_mass(prow(g), s)) ++g;
@@ -443,7 +451,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             kept_set(pr, top_k, top_p, s, pc);
             if (i == k) {  // every draft kept: the policy's draw after them
                 const int token = draw_kept(pr, pc, u[2 * i + 1], s);
-                if (threadIdx.x == 0) out[n] = token;
+                if (threadIdx.x == 0) tokens[prow_at(n)] = token;
                 ++n;
                 break;
             }
@@ -453,13 +461,13 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             auto wp = [&](int j) -> u64 { return kept_mass(pr, pc, j); };
             auto wq = [&](int j) -> u64 { return kept_mass(qr, qc, j); };
             const u64 total_p = segment_sums(vocab, wp, s), total_q = segment_sums(vocab, wq, s);
-            const int x = drafts[static_cast<size_t>(c) * stride + i];
+            const int x = draft(i);
             const u128 num = static_cast<u128>(wp(x)) * total_q;
             const u128 den = static_cast<u128>(wq(x)) * total_p;
             const bool keep = den != 0 && (num >= den || u[2 * i] < __ddiv_rn(u128_to_double(num),
                                                                               u128_to_double(den)));
             if (keep) {
-                if (threadIdx.x == 0) out[n] = x;
+                if (threadIdx.x == 0) tokens[prow_at(n)] = x;
                 ++n;
                 continue;
             }
@@ -479,7 +487,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 const u128 at = double_to_u128(scaled), target = at < sum - 1 ? at : sum - 1;
                 token = find_first(vocab, wr, target, s);
             }
-            if (threadIdx.x == 0) out[n] = token;
+            if (threadIdx.x == 0) tokens[prow_at(n)] = token;
             ++n;
             break;
         }

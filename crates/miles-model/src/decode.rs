@@ -121,12 +121,13 @@ struct DecodeGraph {
 }
 
 /// A step's inputs beside its rows: a uniform number per row (steps that draw), a draft's
-/// states (a draft's steps).
+/// states (a draft's steps), the rows' tokens on the device (in place of the rows' own).
 #[cfg(feature = "cuda")]
 #[derive(Clone, Copy)]
 struct Inputs<'a> {
     uniforms: &'a [f64],
     states: Option<&'a Tensor>,
+    ids: Option<&'a Tensor>,
 }
 
 /// A draw per row: the uniform numbers in, the tokens and their logprobs out.
@@ -169,7 +170,7 @@ impl DeviceModel {
         }
         #[cfg(feature = "cuda")]
         if matches!(self.device(), Device::Cuda(_)) && self.dtype() == DType::BF16 {
-            let g = self.replay(graphs, rows, Inputs { uniforms, states: None }, kv)?;
+            let g = self.replay(graphs, rows, Inputs { uniforms, states: None, ids: None }, kv)?;
             let Outputs::Draws(d) = &g.out else { unreachable!("draw graphs") };
             let (tokens, logp) = (d.tokens.to_vec_i32()?, d.logp.to_vec_f32()?);
             return Ok(tokens[..rows.len()]
@@ -187,13 +188,15 @@ impl DeviceModel {
     /// (a sequence's rows at consecutive positions, or rows of distinct sequences), or with
     /// `states` a draft's [`DeviceModel::step_draft`], through a captured graph on CUDA: the
     /// final-normed states `[rows × hidden]`, with the eager step's bits. The graph's padding
-    /// rows may follow the step's (the tensor has at least `rows.len()` rows). Dense models
-    /// only: a mixture of experts routes on the host.
+    /// rows may follow the step's (the tensor has at least `rows.len()` rows). With `ids`
+    /// (i32 `[rows × 1]` on the model's device, a sampler's draws: -1 reads as token 0) the
+    /// rows' tokens are those, never read to the host on a GPU. Dense models only: a mixture
+    /// of experts routes on the host.
     pub fn step_states(
         &self,
         graphs: &mut DecodeGraphs,
         rows: &[StepRow],
-        states: Option<&Tensor>,
+        (states, ids): (Option<&Tensor>, Option<&Tensor>),
         kv: &mut KvCache,
     ) -> Result<Tensor> {
         if graphs.params.is_some() {
@@ -208,12 +211,29 @@ impl DeviceModel {
                 s.shape()
             )));
         }
+        if let Some(ids) = ids
+            && ids.shape() != [rows.len(), 1]
+        {
+            return Err(Error::Invalid(format!(
+                "step_states: {} rows with ids {:?}",
+                rows.len(),
+                ids.shape()
+            )));
+        }
         #[cfg(feature = "cuda")]
         if matches!(self.device(), Device::Cuda(_)) && self.dtype() == DType::BF16 {
-            let g = self.replay(graphs, rows, Inputs { uniforms: &[], states }, kv)?;
+            let g = self.replay(graphs, rows, Inputs { uniforms: &[], states, ids }, kv)?;
             let Outputs::States(states) = &g.out else { unreachable!("state graphs") };
             return Ok(states.try_clone()?);
         }
+        let read;
+        let rows = match ids {
+            Some(ids) => {
+                read = StepRow::with_tokens(rows, &ids.to_vec_i32()?);
+                &read[..]
+            }
+            None => rows,
+        };
         match states {
             Some(states) => self.step_draft(rows, states, kv),
             None => self.step(rows, kv),
@@ -275,9 +295,17 @@ impl DeviceModel {
             }
         }
         let cpu = Device::Cpu;
-        let mut ids: Vec<i32> = rows.iter().map(|r| r.token as i32).collect();
-        ids.resize(g.rows, 0);
-        g.ids.copy_from(&Tensor::from_i32(&[g.rows], ids, &cpu)?)?;
+        match inputs.ids {
+            Some(ids) => {
+                let pad = Tensor::zeros(&[g.rows - rows.len(), 1], DType::I32, &self.device())?;
+                g.ids.copy_from(&ops::concat_rows(&[ids, &pad])?)?;
+            }
+            None => {
+                let mut ids: Vec<i32> = rows.iter().map(|r| r.token as i32).collect();
+                ids.resize(g.rows, 0);
+                g.ids.copy_from(&Tensor::from_i32(&[g.rows], ids, &cpu)?)?;
+            }
+        }
         let mut positions: Vec<u32> = rows.iter().map(|r| r.position as u32).collect();
         positions.resize(g.rows, 0);
         let c = &self.config;
@@ -294,17 +322,9 @@ impl DeviceModel {
             rows.iter().map(|r| PagedRows { n: 1, pos0: r.position, table: r.blocks }).collect();
         g.plan.load_decode(&seqs)?;
         let Outputs::Draws(d) = &mut g.out else { return Ok(()) };
-        // The uniforms' f64 bits as i32 pairs: the sampler reads them as doubles.
-        let mut bits: Vec<i32> = inputs
-            .uniforms
-            .iter()
-            .flat_map(|u| {
-                let b = u.to_bits();
-                [b as u32 as i32, (b >> 32) as u32 as i32]
-            })
-            .collect();
-        bits.resize(2 * g.rows, 0);
-        d.uniforms.copy_from(&Tensor::from_i32(&[g.rows, 2], bits, &cpu)?)?;
+        let mut uniforms = inputs.uniforms.to_vec();
+        uniforms.resize(g.rows, 0.0);
+        d.uniforms.copy_from(&ops::uniform_bits(&uniforms, &cpu)?)?;
         Ok(())
     }
 

@@ -176,6 +176,18 @@ pub struct StepRow<'a> {
     pub blocks: &'a [BlockId],
 }
 
+impl<'a> StepRow<'a> {
+    /// `rows` with their first `ids.len()` tokens replaced by `ids` (a sampler's draws read
+    /// back; -1, none, as token 0).
+    pub fn with_tokens(rows: &[StepRow<'a>], ids: &[i32]) -> Vec<StepRow<'a>> {
+        let mut out = rows.to_vec();
+        for (r, &id) in out.iter_mut().zip(ids) {
+            r.token = id.max(0) as u32;
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

@@ -274,42 +274,63 @@ impl Policy {
     }
 
     /// The policy's forward over `rows` (keys and values into its cache): the final-normed
-    /// states and the rows' routed experts, no draws (a speculative step verifies them).
-    /// `drafts_only` steps (every sequence's newest token and its drafts, no prompt) replay a
-    /// captured graph; its states may have padding rows after the step's.
+    /// states and the rows' routed experts, no draws (a speculative step verifies them). The
+    /// first rows' tokens may be `ids` on the device (`[n × 1]`, a draft's draws) in place of
+    /// their own. `drafts_only` steps (every sequence's newest token and its drafts, no
+    /// prompt) replay a captured graph; its states may have padding rows after the step's.
     pub fn verify_step(
         &mut self,
         model: &DeviceModel,
         rows: &[StepRow],
+        ids: Option<&Tensor>,
         drafts_only: bool,
     ) -> crate::Result<(Tensor, Vec<u16>)> {
         if !(self.use_graphs && drafts_only) {
-            return model.step_routed(rows, &mut self.kv).map_err(model_error);
+            let read = read_tokens(rows, ids)?;
+            return model.step_routed(&read, &mut self.kv).map_err(model_error);
         }
         let graphs = self.verify_graphs.over(model, None);
-        let states = model.step_states(graphs, rows, None, &mut self.kv).map_err(model_error)?;
+        let states =
+            model.step_states(graphs, rows, (None, ids), &mut self.kv).map_err(model_error)?;
         Ok((states, Vec::new()))
     }
 
-    /// The draft's step over `rows` fed `states` (its keys and values into its own cache):
-    /// its final-normed states ([`DeviceModel::step_draft`]). `proposal` steps (at most the
-    /// verification's rows, no prompt) replay a captured graph; their states may have padding
-    /// rows after the step's.
+    /// The draft's step over `rows` fed `states` (its keys and values into its own cache),
+    /// the rows' tokens `ids` on the device when given: its final-normed states
+    /// ([`DeviceModel::step_draft`]). `proposal` steps (at most the verification's rows, no
+    /// prompt) replay a captured graph; their states may have padding rows after the step's.
     pub fn draft_step(
         &mut self,
         draft: &DeviceModel,
         rows: &[StepRow],
-        states: &Tensor,
+        (states, ids): (&Tensor, Option<&Tensor>),
         proposal: bool,
     ) -> crate::Result<Tensor> {
         let Some((_, kv)) = &mut self.draft else {
             return Err(crate::Error::Invalid("rollout engine: no draft cache".into()));
         };
         if !(self.use_graphs && proposal) {
-            return draft.step_draft(rows, states, kv).map_err(model_error);
+            let read = read_tokens(rows, ids)?;
+            return draft.step_draft(&read, states, kv).map_err(model_error);
         }
         let graphs = self.draft_graphs.over(draft, None);
-        draft.step_states(graphs, rows, Some(states), kv).map_err(model_error)
+        draft.step_states(graphs, rows, (Some(states), ids), kv).map_err(model_error)
+    }
+
+    /// The block that padding rows of a step read and write (never a sequence's).
+    pub fn scratch_block(&self) -> BlockId {
+        self.kv.scratch_block()
+    }
+}
+
+/// `rows` with their first tokens read from `ids` (an eager step reads them on the host).
+fn read_tokens<'a>(rows: &[StepRow<'a>], ids: Option<&Tensor>) -> crate::Result<Vec<StepRow<'a>>> {
+    match ids {
+        Some(ids) => {
+            let ids = ids.to_vec_i32().map_err(|e| model_error(e.into()))?;
+            Ok(StepRow::with_tokens(rows, &ids))
+        }
+        None => Ok(rows.to_vec()),
     }
 }
 

@@ -167,9 +167,14 @@ mod tests {
                 .collect();
             let want = spec.verify(&pm, &qm, &drafts, &u).unwrap();
             let on = |v: Vec<f32>, rows| Tensor::from_f32(&[rows, vocab], v, &Device::Cpu).unwrap();
-            let chain = DraftChain { p_row: 0, q_row: 0, drafts: drafts.clone(), uniforms: u };
-            let got = speculative_verify(&on(p, k + 1), &on(q, k), &[chain], t, 0, 1.0).unwrap();
-            assert_eq!(got[0], want, "chain {c}");
+            // The drafts are the policy's input tokens at the rows after the first.
+            let ids = std::iter::once(0).chain(drafts.iter().map(|&x| x as i32)).collect();
+            let ids = Tensor::from_i32(&[k + 1], ids, &Device::Cpu).unwrap();
+            let chain = [DraftChain { p_row: 0, q_row: 0, len: k, uniforms: u }];
+            let out =
+                speculative_verify(&on(p, k + 1), &on(q, k), &ids, &chain, (1, 1), (t, 0, 1.0))
+                    .unwrap();
+            assert_eq!(out.to_host(&chain, 1).unwrap()[0], want, "chain {c}");
             differ |= want[..want.len() - 1] != drafts[..want.len() - 1] || want.len() < k + 1;
             all_kept |= want.len() == k + 1;
         }

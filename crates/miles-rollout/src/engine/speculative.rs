@@ -42,7 +42,7 @@ const ACCEPT_STREAM: u64 = 0x6163_6365_7074_5f71;
 pub(crate) struct DraftFeed {
     from: usize,
     states: Arc<Tensor>,
-    rows: std::ops::Range<u32>,
+    rows: Vec<u32>,
 }
 
 /// A sequence's speculative counts (SGLang's `spec_verify_ct` in `meta_info`, and the draft
@@ -112,14 +112,6 @@ pub(super) fn check_draft(
     Ok(())
 }
 
-/// A sequence's proposal: the draft tokens, and where the draft's logits they were drawn
-/// from start in the step's table of them.
-#[derive(Clone, Default)]
-struct Proposal {
-    tokens: Vec<u32>,
-    q_row: usize,
-}
-
 impl Engine {
     /// Draft tokens verified after `seq`'s newest token this step: the configured count,
     /// fewer near its length limit (the step keeps at most drafts + 1 tokens), none without a
@@ -135,6 +127,12 @@ impl Engine {
     /// One speculative step: the draft proposes for every running sequence, then one forward
     /// of the policy over the running sequences' newest tokens and drafts, the admitted
     /// prompts and the chunk verifies and draws; the draft is fed the prompts' states.
+    ///
+    /// The drafts stay on the device from the draft's sampler to the verification: the
+    /// step's rows are laid out round by round (row `j · n + c` is running sequence c's
+    /// position j after its newest token; padding where it proposes fewer), so each round's
+    /// draws are the next rows' tokens as they are, and the host reads the verified tokens
+    /// and their logprobs once, at the end.
     pub(super) fn spec_step(
         &mut self,
         (model, draft): (&DeviceModel, &DeviceModel),
@@ -143,19 +141,32 @@ impl Engine {
         chunk: Option<(&Unit, std::ops::Range<usize>)>,
         params: &SamplingParams,
     ) -> crate::Result<StepOut> {
+        let n = running.len();
         let ks: Vec<usize> = running.iter().map(|s| self.lookahead(s, params)).collect();
-        let (proposals, q) = self.propose(draft, running, &ks, params)?;
+        let rounds = ks.iter().copied().max().unwrap_or(0);
+        let scratch = [self.policy.scratch_block()];
+        let pad = StepRow { token: 0, position: 0, blocks: &scratch };
+        let proposed = self.propose(draft, running, &ks, pad, params)?;
         let mut rows: Vec<StepRow> = Vec::new();
-        let mut running_rows = Vec::with_capacity(running.len());
-        for (seq, prop) in running.iter().zip(&proposals) {
-            let p = seq.tokens.len() - 1;
-            rows.push(StepRow { token: seq.tokens[p], position: p, blocks: &seq.blocks });
-            for (j, &token) in prop.tokens.iter().enumerate() {
-                rows.push(StepRow { token, position: p + 1 + j, blocks: &seq.blocks });
+        for j in 0..=rounds {
+            for (seq, &k) in running.iter().zip(&ks) {
+                let p = seq.tokens.len() - 1;
+                let row = StepRow { token: seq.tokens[p], position: p + j, blocks: &seq.blocks };
+                rows.push(if j <= k { row } else { pad });
             }
-            running_rows.push(prop.tokens.len() + 1);
         }
         let verified = rows.len();
+        // The verified rows' tokens: the newest ones, then each round's draws.
+        let device = model.device();
+        let ids = if n > 0 {
+            let newest = running.iter().map(|s| s.tokens[s.tokens.len() - 1] as i32).collect();
+            let newest = Tensor::from_i32(&[n, 1], newest, &device).map_err(tensor_error)?;
+            let parts: Vec<&Tensor> =
+                std::iter::once(&newest).chain(proposed.iter().map(|(d, _)| d)).collect();
+            Some(ops::concat_rows(&parts).map_err(tensor_error)?)
+        } else {
+            None
+        };
         // The prompts: (rows' start, their unit, the positions run).
         let mut prompts: Vec<(usize, &Unit, std::ops::Range<usize>)> = Vec::new();
         for unit in admitted {
@@ -173,46 +184,57 @@ impl Engine {
             }
         }
         let drafts_only = prompts.is_empty();
-        let (hidden, routes) = self.policy.verify_step(model, &rows, drafts_only)?;
+        let (hidden, routes) = self.policy.verify_step(model, &rows, ids.as_ref(), drafts_only)?;
+        let routes = chain_order(routes, &ks, verified, rows.len());
         let mut draws = Vec::new();
         let mut feeds = Vec::new();
         let t = params.temperature;
         let hidden = Arc::new(hidden);
-        if verified > 0 {
+        if let Some(ids) = &ids {
             let all: Vec<u32> = (0..verified as u32).collect();
             let logits = model.logits(&hidden, &all).map_err(model_error)?;
-            let chains = chains(running, &proposals, params);
+            let chains = chains(running, &ks, params);
             // Without drafts no draft row is read: the policy's rows stand in for the table.
-            let q = q.as_ref().unwrap_or(&logits);
-            let kept = ops::speculative_verify(&logits, q, &chains, t, params.top_k, params.top_p)
-                .map_err(|e| model_error(e.into()))?;
-            let mut targets = vec![0u32; verified];
-            for (chain, tokens) in chains.iter().zip(&kept) {
-                targets[chain.p_row..chain.p_row + tokens.len()].copy_from_slice(tokens);
-            }
-            let logp = ops::logprob_rows(&logits, &targets, t)
-                .and_then(|(lp, _)| lp.to_vec_f32())
-                .map_err(|e| model_error(e.into()))?;
-            let mut row = 0;
-            for ((seq, prop), tokens) in running.iter().zip(&proposals).zip(kept) {
-                let drafted = prop.tokens.len();
+            let q = match &proposed[..] {
+                [] => None,
+                rounds => {
+                    let all: Vec<&Tensor> = rounds.iter().map(|(_, q)| q).collect();
+                    Some(ops::concat_rows(&all).map_err(tensor_error)?)
+                }
+            };
+            let how = (t, params.top_k, params.top_p);
+            let out = ops::speculative_verify(
+                &logits,
+                q.as_ref().unwrap_or(&logits),
+                ids,
+                &chains,
+                (n, n),
+                how,
+            )
+            .map_err(tensor_error)?;
+            let (logp, _) = ops::logprob_rows_ids(&logits, &out.tokens, t).map_err(tensor_error)?;
+            // The step's one wait for the device.
+            let kept = out.to_host(&chains, n).map_err(tensor_error)?;
+            let logp = logp.to_vec_f32().map_err(tensor_error)?;
+            let ids = ids.to_vec_i32().map_err(tensor_error)?;
+            for (c, (seq, tokens)) in running.iter().zip(kept).enumerate() {
+                let drafted = (1..=ks[c]).take_while(|j| ids[c + j * n] >= 0).count();
                 let accepted = tokens.len().saturating_sub(1).min(drafted);
                 let mut drawn: Vec<Option<Draw>> = tokens
                     .iter()
                     .enumerate()
-                    .map(|(j, &token)| Some(Draw { token, logprob: logp[row + j] }))
+                    .map(|(j, &token)| Some(Draw { token, logprob: logp[c + j * n] }))
                     .collect();
                 if tokens.is_empty() {
                     drawn.push(None);
                 }
                 // Its draft next reads the policy's states at the positions kept.
                 let p = seq.tokens.len() - 1;
-                let rows = row as u32..(row + tokens.len().max(1)) as u32;
+                let rows = (0..tokens.len().max(1)).map(|j| (c + j * n) as u32).collect();
                 let feed = DraftFeed { from: p, states: hidden.clone(), rows };
                 let counts = SpecCounts { verifies: usize::from(drafted > 0), drafted, accepted };
                 feeds.push(Fed { feed: Some(feed), counts });
                 draws.push(drawn);
-                row += drafted + 1;
             }
         }
         // The prompts: their members draw from the last prompt row, and the draft reads the
@@ -244,45 +266,43 @@ impl Engine {
                     .collect(),
             );
             for _ in unit {
-                let feed =
-                    DraftFeed { from: len - 1, states: hidden.clone(), rows: last..last + 1 };
+                let feed = DraftFeed { from: len - 1, states: hidden.clone(), rows: vec![last] };
                 feeds.push(Fed { feed: Some(feed), counts: SpecCounts::default() });
             }
         }
         if !draft_rows.is_empty() {
-            let states =
-                ops::gather_rows(&hidden, &draft_states).map_err(|e| model_error(e.into()))?;
-            self.policy.draft_step(draft, &draft_rows, &states, false)?;
+            let states = ops::gather_rows(&hidden, &draft_states).map_err(tensor_error)?;
+            self.policy.draft_step(draft, &draft_rows, (&states, None), false)?;
         }
+        let running_rows = ks.iter().map(|k| k + 1).collect();
         Ok(StepOut { draws, routes, running_rows, feeds })
     }
 
-    /// The draft's chains: up to `ks[i]` tokens for running sequence i, each drawn from the
-    /// draft's distribution (shorter where the draft's logits are not finite); and the draft's
-    /// logits of every draft token, each proposal's rows consecutive in its order (the
-    /// proposals' [`Proposal::q_row`]), on the device.
+    /// The draft's chains, round by round: up to `ks[c]` tokens for running sequence c, each
+    /// drawn from the draft's distribution, as `[n × 1]` i32 draws (-1 where the draft's
+    /// logits have no mass; rows past a sequence's count are padding) beside the draft's
+    /// logits `[n × vocab]` they were drawn from; all on the device, nothing read back.
     fn propose(
         &mut self,
         draft: &DeviceModel,
         running: &[Seq],
         ks: &[usize],
+        pad: StepRow,
         params: &SamplingParams,
-    ) -> crate::Result<(Vec<Proposal>, Option<Tensor>)> {
-        let mut out: Vec<Proposal> = vec![Proposal::default(); running.len()];
+    ) -> crate::Result<Vec<(Tensor, Tensor)>> {
+        let rounds = ks.iter().copied().max().unwrap_or(0);
+        if rounds == 0 {
+            return Ok(Vec::new());
+        }
         // The first round feeds each proposing sequence the states its draft has not seen,
         // ending at its newest token's row.
-        let mut active: Vec<usize> = (0..running.len()).filter(|&i| ks[i] > 0).collect();
-        if active.is_empty() {
-            return Ok((out, None));
-        }
         let mut rows: Vec<StepRow> = Vec::new();
         // The feeds' states: the distinct step tensors they are rows of, and the rows.
         let mut sources: Vec<&Arc<Tensor>> = Vec::new();
         let mut offsets: Vec<u32> = Vec::new();
         let mut picks: Vec<u32> = Vec::new();
-        let mut last: Vec<u32> = Vec::new();
-        for &i in &active {
-            let seq = &running[i];
+        let mut from = vec![0u32; running.len()];
+        for (c, seq) in running.iter().enumerate().filter(|&(c, _)| ks[c] > 0) {
             let feed = seq.feed.as_ref().expect("a proposing sequence has a feed");
             let p = seq.tokens.len() - 1;
             for t in feed.from..p {
@@ -298,100 +318,94 @@ impl Engine {
                     sources.len() - 1
                 }
             };
-            picks.extend(feed.rows.clone().map(|r| offsets[source] + r));
-            last.push((rows.len() - 1) as u32);
+            picks.extend(feed.rows.iter().map(|r| offsets[source] + r));
+            from[c] = (rows.len() - 1) as u32;
         }
         let x = match sources[..] {
             [one] => ops::gather_rows(one, &picks),
             _ => ops::concat_rows(&sources.iter().map(|s| s.as_ref()).collect::<Vec<_>>())
                 .and_then(|all| ops::gather_rows(&all, &picks)),
         }
-        .map_err(|e| model_error(e.into()))?;
-        let mut h = self.policy.draft_step(draft, &rows, &x, true)?;
-        // Each round's logits, and where each proposal's rows are in them.
-        let mut rounds: Vec<Tensor> = Vec::new();
-        let mut at: Vec<Vec<u32>> = vec![Vec::new(); running.len()];
-        let mut offset = 0u32;
-        for j in 0.. {
-            let logits = draft.logits(&h, &last).map_err(model_error)?;
-            let u: Vec<f64> = active
+        .map_err(tensor_error)?;
+        let mut h = self.policy.draft_step(draft, &rows, (&x, None), true)?;
+        let (device, n) = (draft.device(), running.len());
+        let mut out = Vec::with_capacity(rounds);
+        for j in 0..rounds {
+            let logits = draft.logits(&h, &from).map_err(model_error)?;
+            let u: Vec<f64> = running
                 .iter()
-                .map(|&i| {
-                    let seq = &running[i];
-                    uniform(params.seed ^ DRAFT_STREAM, seq.key, (seq.response_len() + j) as u64)
-                })
+                .map(|s| uniform(params.seed ^ DRAFT_STREAM, s.key, (s.response_len() + j) as u64))
                 .collect();
+            let bits = ops::uniform_bits(&u, &device).map_err(tensor_error)?;
             let (t, k, p) = (params.temperature, params.top_k, params.top_p);
-            let drawn =
-                ops::sample_rows(&logits, t, k, p, &u).map_err(|e| model_error(e.into()))?;
-            let mut next = Vec::new();
-            let mut from = Vec::new();
-            for ((a, &i), token) in active.iter().enumerate().zip(drawn) {
-                let Some(token) = token else { continue };
-                out[i].tokens.push(token);
-                at[i].push(offset + a as u32);
-                if ks[i] > j + 1 {
-                    next.push(i);
-                    from.push(last[a]);
-                }
+            let drawn = ops::sample_rows_ids(&logits, t, k, p, &bits)
+                .and_then(|d| d.reshape(&[n, 1]))
+                .map_err(tensor_error)?;
+            if j + 1 < rounds {
+                // The chain's next round: each drafted token at the position after the last,
+                // fed the draft's own state there.
+                let rows: Vec<StepRow> = running
+                    .iter()
+                    .zip(ks)
+                    .map(|(seq, &k)| match k > j + 1 {
+                        true => StepRow {
+                            token: 0,
+                            position: seq.tokens.len() - 1 + j,
+                            blocks: &seq.blocks,
+                        },
+                        false => pad,
+                    })
+                    .collect();
+                let x = ops::gather_rows(&h, &from).map_err(tensor_error)?;
+                h = self.policy.draft_step(draft, &rows, (&x, Some(&drawn)), true)?;
+                from = (0..n as u32).collect();
             }
-            offset += active.len() as u32;
-            rounds.push(logits);
-            if next.is_empty() {
-                break;
-            }
-            // The chain's next round: each drafted token at the position after the last,
-            // fed the draft's own state there.
-            let rows: Vec<StepRow> = next
-                .iter()
-                .map(|&i| {
-                    let seq = &running[i];
-                    let token = *out[i].tokens.last().expect("drafted above");
-                    StepRow { token, position: seq.tokens.len() - 1 + j, blocks: &seq.blocks }
-                })
-                .collect();
-            let x = ops::gather_rows(&h, &from).map_err(|e| model_error(e.into()))?;
-            h = self.policy.draft_step(draft, &rows, &x, true)?;
-            last = (0..next.len() as u32).collect();
-            active = next;
+            out.push((drawn, logits));
         }
-        let all = ops::concat_rows(&rounds.iter().collect::<Vec<_>>())
-            .map_err(|e| model_error(e.into()))?;
-        let mut order = Vec::new();
-        for (prop, rows) in out.iter_mut().zip(&at) {
-            prop.q_row = order.len();
-            order.extend(rows);
-        }
-        if order.is_empty() {
-            return Ok((out, None));
-        }
-        let q = ops::gather_rows(&all, &order).map_err(|e| model_error(e.into()))?;
-        Ok((out, Some(q)))
+        Ok(out)
     }
 }
 
-/// The verification of each running sequence's proposal: its policy rows in the step (its
-/// newest token's, then one per draft), the draft's rows, and the uniforms of each position:
+/// The verification of each running sequence's proposal: its policy rows and the draft's
+/// rows start at its index (round by round, `n` apart), with the uniforms of each position:
 /// the acceptance test's in its own stream, the draw's the plain sampler's.
-fn chains(running: &[Seq], proposals: &[Proposal], params: &SamplingParams) -> Vec<DraftChain> {
-    let mut p_row = 0;
+fn chains(running: &[Seq], ks: &[usize], params: &SamplingParams) -> Vec<DraftChain> {
     running
         .iter()
-        .zip(proposals)
-        .map(|(seq, prop)| {
+        .zip(ks)
+        .enumerate()
+        .map(|(c, (seq, &k))| {
             let r0 = seq.response_len() as u64;
-            let uniforms = (0..=prop.tokens.len() as u64)
+            let uniforms = (0..=k as u64)
                 .map(|i| {
                     let accept = uniform(params.seed ^ ACCEPT_STREAM, seq.key, r0 + i);
                     (accept, uniform(params.seed, seq.key, r0 + i))
                 })
                 .collect();
-            let chain =
-                DraftChain { p_row, q_row: prop.q_row, drafts: prop.tokens.clone(), uniforms };
-            p_row += prop.tokens.len() + 1;
-            chain
+            DraftChain { p_row: c, q_row: c, len: k, uniforms }
         })
         .collect()
+}
+
+/// A mixture of experts' routes of a speculative step (`[rows × width]`) from its row order
+/// (round by round, with padding) to the scheduler's: each running sequence's rows (its
+/// newest token's, then its drafts'), then the prompts' rows; padding dropped.
+fn chain_order(routes: Vec<u16>, ks: &[usize], verified: usize, rows: usize) -> Vec<u16> {
+    if routes.is_empty() {
+        return routes;
+    }
+    let (n, width) = (ks.len(), routes.len() / rows);
+    let row = |r: usize| &routes[r * width..(r + 1) * width];
+    let mut out = Vec::with_capacity(routes.len());
+    for (c, &k) in ks.iter().enumerate() {
+        (0..=k).for_each(|j| out.extend_from_slice(row(c + j * n)));
+    }
+    (verified..rows).for_each(|r| out.extend_from_slice(row(r)));
+    out
+}
+
+fn tensor_error(e: miles_tensor::Error) -> crate::Error {
+    model_error(e.into())
 }
 
 fn sample_params(p: &SamplingParams) -> miles_model::SampleParams {

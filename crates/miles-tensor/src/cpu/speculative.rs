@@ -101,31 +101,44 @@ pub fn verify_chain(
     Ok(Verdict { accepted: k, tokens })
 }
 
-/// [`verify_chain`] on raw logits, as the engine verifies: the policy's rows
-/// `p[p_row ..= p_row + k]` and the draft's `q[q_row .. q_row + k]` (`[· × vocab]`) become the
-/// sampler's masses at `temperature`, `top_k`, `top_p` ([`kept_masses`](super::kept_masses));
-/// the chain is cut before the first policy row without mass (and before a draft row without
-/// mass): its tokens are those of the rows before, none when the first has none.
+/// [`verify_chain`] on raw logits, as the engine verifies: the policy's rows `p_rows` (k + 1
+/// of them, position i's distribution at row `p_rows[i]`) and the draft's `q_rows` (k) of
+/// `p` and `q` (`[· × vocab]`) become the sampler's masses at `temperature`, `top_k`, `top_p`
+/// ([`kept_masses`](super::kept_masses)); the chain is cut before the first policy row without
+/// mass (and before a draft row without mass): its tokens are those of the rows before, none
+/// when the first has none.
 #[allow(clippy::too_many_arguments)]
 pub fn verify_logits(
     (p, q): (&[f32], &[f32]),
     vocab: usize,
-    (p_row, q_row): (usize, usize),
+    (p_rows, q_rows): (&[usize], &[usize]),
     drafts: &[u32],
     u: &[StepUniforms],
     temperature: f32,
     top_k: usize,
     top_p: f32,
 ) -> Result<Vec<u32>> {
+    ensure(
+        p_rows.len() == drafts.len() + 1 && q_rows.len() == drafts.len(),
+        "verify_logits",
+        || {
+            format!(
+                "{} drafts with {} policy rows and {} draft rows",
+                drafts.len(),
+                p_rows.len(),
+                q_rows.len()
+            )
+        },
+    )?;
     let masses = |rows: &[f32], r: usize| {
         super::kept_masses(&rows[r * vocab..(r + 1) * vocab], temperature, top_k, top_p)
     };
-    let mut pm: Vec<Vec<u64>> = (0..=drafts.len()).map_while(|i| masses(p, p_row + i)).collect();
+    let mut pm: Vec<Vec<u64>> = p_rows.iter().map_while(|&r| masses(p, r)).collect();
     if pm.is_empty() {
         return Ok(Vec::new());
     }
     let k = pm.len() - 1;
-    let qm: Vec<Vec<u64>> = (0..k).map_while(|i| masses(q, q_row + i)).collect();
+    let qm: Vec<Vec<u64>> = q_rows[..k].iter().map_while(|&r| masses(q, r)).collect();
     pm.truncate(qm.len() + 1);
     let k = qm.len();
     Ok(verify_chain(&pm, &qm, &drafts[..k], &u[..=k])?.tokens)

@@ -497,6 +497,7 @@ pub(crate) fn concat_rows(gpu: &Arc<Gpu>, parts: &[&DeviceData]) -> Result<Buffe
     Ok(match parts.first() {
         Some(DeviceData::F32(_)) => run!(f32, DeviceData::F32),
         Some(DeviceData::BF16(_)) => run!(u16, DeviceData::BF16),
+        Some(DeviceData::I32(_)) => run!(i32, DeviceData::I32),
         _ => return Err(dtype_mismatch("concat_rows")),
     })
 }

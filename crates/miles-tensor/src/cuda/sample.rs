@@ -84,67 +84,59 @@ fn launch_sample<U: cudarc::driver::DeviceRepr>(
 }
 
 /// One speculative verification per chain of `kernels/sample.cu`'s `spec_verify_f32`:
-/// `chains` (first policy row, first draft row, drafts), `drafts` and the (accept, draw)
-/// uniforms laid out with `stride` drafts per chain; the kept tokens of each chain.
-#[allow(clippy::too_many_arguments)]
+/// `chains` (first policy row, first draft row, drafts), the drafts at the policy rows after
+/// each chain row (`drafts`, one per policy row), the (accept, draw) uniforms laid out with
+/// `stride` drafts per chain, chain rows `p_step` and `q_step` apart: the tokens each chain
+/// gives (their counts, and the tokens at the chain's policy rows of a zeroed `[rows]`).
 pub(crate) fn spec_verify(
     gpu: &Arc<Gpu>,
-    (p, q): (&CudaSlice<f32>, &CudaSlice<f32>),
-    vocab: usize,
+    (p, q, drafts): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<i32>),
+    (rows, vocab): (usize, usize),
     (temperature, top_k, top_p): (f32, usize, f32),
     chains: &[i32],
-    drafts: &[i32],
     uniforms: &[f64],
-    stride: usize,
-) -> Result<Vec<Vec<u32>>> {
+    (stride, p_step, q_step): (usize, usize, usize),
+) -> Result<(Buffer, Buffer)> {
     let n = chains.len() / 3;
-    if n == 0 {
-        return Ok(Vec::new());
-    }
-    let stream = gpu.stream();
-    let htod = |e| driver_error("copy to device", e);
-    let (chains_d, drafts_d) = (stream.clone_htod(chains).map_err(htod)?, {
-        // A chain of no drafts still passes a valid pointer.
-        let padded: Vec<i32> = if drafts.is_empty() { vec![0] } else { drafts.to_vec() };
-        stream.clone_htod(&padded).map_err(htod)?
-    });
-    let u = stream.clone_htod(uniforms).map_err(htod)?;
-    let mut tokens = gpu.alloc::<i32>(n * (stride + 1))?;
-    let mut counts = gpu.alloc::<i32>(n)?;
-    let cfg = LaunchConfig {
-        grid_dim: (n as u32, 1, 1),
-        block_dim: (SAMPLE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
+    let mut tokens = match Buffer::zeros(gpu, crate::DType::I32, rows.max(1))?.data {
+        DeviceData::I32(t) => t,
+        _ => unreachable!("an i32 buffer"),
     };
-    let (stride_i, vocab_i) = (stride as i32, vocab as i32);
-    let top_k_i = if top_k < vocab { top_k as i32 } else { 0 };
-    launch!(
-        gpu,
-        "sample",
-        "spec_verify_f32",
-        cfg,
-        &mut tokens,
-        &mut counts,
-        p,
-        q,
-        &chains_d,
-        &drafts_d,
-        &u,
-        &stride_i,
-        &vocab_i,
-        &temperature,
-        &top_k_i,
-        &top_p
-    )?;
-    let dtoh = |e| driver_error("copy to host", e);
-    let tokens = stream.clone_dtoh(&tokens).map_err(dtoh)?;
-    let counts = stream.clone_dtoh(&counts).map_err(dtoh)?;
-    Ok(counts
-        .iter()
-        .enumerate()
-        .map(|(c, &k)| {
-            let row = &tokens[c * (stride + 1)..];
-            row[..k as usize].iter().map(|&t| t as u32).collect()
-        })
-        .collect())
+    let mut counts = gpu.alloc::<i32>(n.max(1))?;
+    if n > 0 {
+        let stream = gpu.stream();
+        let htod = |e| driver_error("copy to device", e);
+        let chains_d = stream.clone_htod(chains).map_err(htod)?;
+        let u = stream.clone_htod(uniforms).map_err(htod)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (SAMPLE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (stride_i, vocab_i) = (stride as i32, vocab as i32);
+        let (p_step_i, q_step_i) = (p_step as i32, q_step as i32);
+        let top_k_i = if top_k < vocab { top_k as i32 } else { 0 };
+        launch!(
+            gpu,
+            "sample",
+            "spec_verify_f32",
+            cfg,
+            &mut tokens,
+            &mut counts,
+            p,
+            q,
+            &chains_d,
+            drafts,
+            &u,
+            &stride_i,
+            &p_step_i,
+            &q_step_i,
+            &vocab_i,
+            &temperature,
+            &top_k_i,
+            &top_p
+        )?;
+    }
+    let wrap = |d| Buffer { gpu: gpu.clone(), data: d };
+    Ok((wrap(DeviceData::I32(counts)), wrap(DeviceData::I32(tokens))))
 }

@@ -346,15 +346,15 @@ pub fn embedding_forward(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
 }
 
 /// [`embedding_forward`] with the ids in an i32 tensor on the table's device (a captured
-/// graph's input). The caller guarantees they are in the vocabulary: on a device they are not
-/// read back to be checked.
+/// graph's input). The caller guarantees they are below the vocabulary (on a device they are
+/// not read back to be checked); a negative id (a sampler's none, -1) reads row 0.
 pub fn embedding_forward_ids(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     const OP: &str = "embedding_ids";
     same_device(OP, &[table, ids])?;
     dtype_is(OP, "ids", ids, DType::I32)?;
     match &ids.storage {
         Storage::I32(v) => {
-            let ids: Vec<u32> = v.iter().map(|&i| i as u32).collect();
+            let ids: Vec<u32> = v.iter().map(|&i| i.max(0) as u32).collect();
             embedding_forward(table, &ids)
         }
         #[cfg(feature = "cuda")]
@@ -660,12 +660,15 @@ pub fn split_columns(x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
     }
 }
 
-/// `parts` (one dtype, one device, equal widths) stacked by rows: `[Σ rows × width]`.
+/// `parts` (one dtype, one device, equal widths) stacked by rows: `[Σ rows × width]`. Token
+/// ids (i32) too.
 pub fn concat_rows(parts: &[&Tensor]) -> Result<Tensor> {
     const OP: &str = "concat_rows";
     ensure(!parts.is_empty(), OP, || "no parts".into())?;
     same_device(OP, parts)?;
-    floats_only(OP, parts)?;
+    if parts[0].dtype() != DType::I32 {
+        floats_only(OP, parts)?;
+    }
     let (dtype, width) = (parts[0].dtype(), parts[0].shape.last().copied().unwrap_or(0));
     ensure(
         parts.iter().all(|p| p.dtype() == dtype && p.shape.len() == 2 && p.shape[1] == width),
@@ -684,6 +687,13 @@ pub fn concat_rows(parts: &[&Tensor]) -> Result<Tensor> {
             let data: Vec<&crate::cuda::DeviceData> =
                 parts.iter().map(|p| device_data(p)).collect();
             Ok(on_device(vec![rows, width], crate::cuda::concat_rows(gpu_of(parts[0]), &data)?))
+        }
+        _ if dtype == DType::I32 => {
+            let mut all = Vec::with_capacity(rows * width);
+            for p in parts {
+                all.extend(p.to_vec_i32()?);
+            }
+            Tensor::from_i32(&[rows, width], all, &Device::Cpu)
         }
         _ => {
             let mut all = Vec::with_capacity(rows * width);
@@ -916,6 +926,12 @@ mod tests {
                     assert!(err < 1e-6, "{what}: accumulated backward {err:.3e}");
                 }
             }
+            // Ids on the device: a sampler's -1 reads row 0.
+            let table = tensor(&[3, 4], &rng.vec(12, 1.0), DType::F32, &device);
+            let ids = Tensor::from_i32(&[3], vec![2, -1, 0], &device).unwrap();
+            let rows = embedding_forward_ids(&table, &ids).unwrap().to_vec_f32().unwrap();
+            let want = embedding_forward(&table, &[2, 0, 0]).unwrap().to_vec_f32().unwrap();
+            assert_eq!(rows, want, "{device} ids with -1");
             let table = tensor(&[4, 2], &[0.0; 8], DType::F32, &device);
             let err = embedding_forward(&table, &[1, 4]).unwrap_err().to_string();
             assert!(err.contains("token id 4 is outside the vocabulary of 4"), "{err}");
@@ -1113,6 +1129,15 @@ mod tests {
                 let narrow = tensor(&[2, 8], &x[..16], dtype, &device);
                 assert!(concat_rows(&[&a, &narrow]).is_err());
             }
+            // Token ids: a speculative step's inputs, joined on the device.
+            let ids = |v: Vec<i32>| Tensor::from_i32(&[v.len(), 1], v, &device).unwrap();
+            let joined = concat_rows(&[&ids(vec![3, -1]), &ids(vec![]), &ids(vec![7])]).unwrap();
+            assert_eq!(
+                (joined.shape(), joined.to_vec_i32().unwrap()),
+                (&[3, 1][..], vec![3, -1, 7])
+            );
+            let float = tensor(&[1, 1], &[1.0], DType::F32, &device);
+            assert!(concat_rows(&[&ids(vec![1]), &float]).is_err());
         }
     }
 }

@@ -38,7 +38,9 @@ pub use norm::{
     add_rmsnorm, qk_norm_rope, rmsnorm_backward, rmsnorm_backward_acc, rmsnorm_forward,
 };
 pub use optim::{AdamWTensors, adamw_multi, adamw_step, sum_squares, sum_squares_multi};
-pub use sample::{DraftChain, sample_rows, sample_rows_ids, speculative_verify};
+pub use sample::{
+    DraftChain, Verified, sample_rows, sample_rows_ids, speculative_verify, uniform_bits,
+};
 
 /// A host buffer of `n` f32 for an op to overwrite (NaN in debug builds: see POISON_OUTPUTS).
 fn host_out(n: usize) -> Vec<f32> {

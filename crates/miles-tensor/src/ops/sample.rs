@@ -94,58 +94,102 @@ pub fn sample_rows_ids(
     }
 }
 
-/// One chain of draft tokens to verify ([`speculative_verify`]).
+/// `uniforms` as [`sample_rows_ids`] reads them: i32 `[rows × 2]` on `device`, each row the
+/// low and high halves of its f64 bits.
+pub fn uniform_bits(uniforms: &[f64], device: &crate::Device) -> Result<Tensor> {
+    let bits = uniforms
+        .iter()
+        .flat_map(|u| {
+            let b = u.to_bits();
+            [b as u32 as i32, (b >> 32) as u32 as i32]
+        })
+        .collect();
+    Tensor::from_i32(&[uniforms.len(), 2], bits, device)
+}
+
+/// One chain of draft tokens to verify ([`speculative_verify`]): chain position i's policy
+/// row is `p_row + i · p_step` (i ≤ `len`), its draft row `q_row + i · q_step` (i < `len`),
+/// and draft i is the policy's input token at position i + 1's row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DraftChain {
-    /// The policy's rows of the chain: `p_row ..= p_row + drafts.len()` (each the distribution
-    /// of the token at its position, given the drafts before it).
     pub p_row: usize,
-    /// The draft's rows the drafts were drawn from: `q_row .. q_row + drafts.len()`.
     pub q_row: usize,
-    pub drafts: Vec<u32>,
+    /// Drafts proposed; the chain ends before a draft outside the vocabulary (a sampler's -1).
+    pub len: usize,
     /// Per policy row, the (accept, draw) uniforms in [0, 1).
     pub uniforms: Vec<(f64, f64)>,
 }
 
+/// What [`speculative_verify`] leaves on the logits' device: per chain the number of tokens
+/// it gives (`counts`, i32 `[chains]`), and those tokens at the chain's policy rows (`tokens`,
+/// i32 `[policy rows]`, 0 at every other row: each row's target for its logprob).
+pub struct Verified {
+    pub counts: Tensor,
+    pub tokens: Tensor,
+}
+
+impl Verified {
+    /// Each chain's tokens, read to the host.
+    pub fn to_host(&self, chains: &[DraftChain], p_step: usize) -> Result<Vec<Vec<u32>>> {
+        let (counts, tokens) = (self.counts.to_vec_i32()?, self.tokens.to_vec_i32()?);
+        Ok(chains
+            .iter()
+            .zip(counts)
+            .map(|(ch, n)| (0..n as usize).map(|i| tokens[ch.p_row + i * p_step] as u32).collect())
+            .collect())
+    }
+}
+
 /// Speculative sampling's verification of each chain, on the policy's logits `p` and the
-/// draft's `q` (f32 `[rows × vocab]`, one device) at `temperature`, `top_k`, `top_p`: the
-/// drafts kept, then one token of the policy's own, distributed as the sampler's draws
-/// ([`cpu::verify_logits`] is the definition; every device gives its tokens). Copied to the
-/// host.
+/// draft's `q` (f32 `[rows × vocab]`, one device) at `temperature`, `top_k`, `top_p`, the
+/// drafts read from `drafts` (i32, one per policy row: the rows' input tokens) and chain rows
+/// `steps` = (p_step, q_step) apart: the drafts kept, then one token of the policy's own,
+/// distributed as the sampler's draws ([`cpu::verify_logits`] is the definition; every device
+/// gives its tokens). Nothing is read back.
 pub fn speculative_verify(
     p: &Tensor,
     q: &Tensor,
+    drafts: &Tensor,
     chains: &[DraftChain],
-    temperature: f32,
-    top_k: usize,
-    top_p: f32,
-) -> Result<Vec<Vec<u32>>> {
+    (p_step, q_step): (usize, usize),
+    (temperature, top_k, top_p): (f32, usize, f32),
+) -> Result<Verified> {
     const OP: &str = "speculative_verify";
     dtype_is(OP, "p", p, DType::F32)?;
     dtype_is(OP, "q", q, DType::F32)?;
-    super::same_device(OP, &[p, q])?;
+    dtype_is(OP, "drafts", drafts, DType::I32)?;
+    super::same_device(OP, &[p, q, drafts])?;
     let vocab = p.shape.get(1).copied().unwrap_or(0);
     ensure(
         p.shape.len() == 2
             && q.shape.len() == 2
             && q.shape[1] == vocab
             && vocab > 0
-            && vocab <= i32::MAX as usize,
+            && vocab <= i32::MAX as usize
+            && drafts.len() == p.shape[0]
+            && p_step > 0
+            && q_step > 0,
         OP,
-        || format!("policy logits {:?} beside draft logits {:?}", p.shape, q.shape),
+        || {
+            format!(
+                "policy logits {:?} beside draft logits {:?}, {} drafts, steps {p_step} and {q_step}",
+                p.shape,
+                q.shape,
+                drafts.len()
+            )
+        },
     )?;
     for (c, ch) in chains.iter().enumerate() {
-        let k = ch.drafts.len();
+        let k = ch.len;
         ensure(
-            ch.p_row + k < p.shape[0]
-                && ch.q_row + k <= q.shape[0]
-                && ch.uniforms.len() == k + 1
-                && ch.drafts.iter().all(|&x| (x as usize) < vocab),
+            ch.p_row + k * p_step < p.shape[0]
+                && (k == 0 || ch.q_row + (k - 1) * q_step < q.shape[0])
+                && ch.uniforms.len() == k + 1,
             OP,
             || {
                 format!(
-                    "chain {c}: {k} drafts (the largest {:?}) from policy row {} and draft row                      {} with {} uniform pairs, over {:?} and {:?}",
-                    ch.drafts.iter().max(),
+                    "chain {c}: {k} drafts from policy row {} and draft row {} with {} uniform \
+                     pairs, over {:?} and {:?}",
                     ch.p_row,
                     ch.q_row,
                     ch.uniforms.len(),
@@ -157,42 +201,77 @@ pub fn speculative_verify(
         let flat: Vec<f64> = ch.uniforms.iter().flat_map(|&(a, d)| [a, d]).collect();
         cpu::sample::check_sampling(OP, temperature, top_p, &flat)?;
     }
-    match (&p.storage, &q.storage) {
-        (Storage::F32(pv), Storage::F32(qv)) => chains
-            .iter()
-            .map(|ch| {
-                let u: Vec<cpu::StepUniforms> = ch
-                    .uniforms
+    match (&p.storage, &q.storage, &drafts.storage) {
+        (Storage::F32(pv), Storage::F32(qv), Storage::I32(dv)) => {
+            let mut tokens = vec![0i32; p.shape[0]];
+            let mut counts = Vec::with_capacity(chains.len());
+            for ch in chains {
+                let ids: Vec<u32> = (1..=ch.len)
+                    .map(|i| dv[ch.p_row + i * p_step])
+                    .map_while(|x| u32::try_from(x).ok().filter(|&x| (x as usize) < vocab))
+                    .collect();
+                let k = ids.len();
+                let p_rows: Vec<usize> = (0..=k).map(|i| ch.p_row + i * p_step).collect();
+                let q_rows: Vec<usize> = (0..k).map(|i| ch.q_row + i * q_step).collect();
+                let u: Vec<cpu::StepUniforms> = ch.uniforms[..=k]
                     .iter()
                     .map(|&(accept, draw)| cpu::StepUniforms { accept, draw })
                     .collect();
-                let rows = (ch.p_row, ch.q_row);
-                cpu::verify_logits((pv, qv), vocab, rows, &ch.drafts, &u, temperature, top_k, top_p)
+                let how = (temperature, top_k, top_p);
+                let kept = cpu::verify_logits(
+                    (pv, qv),
+                    vocab,
+                    (&p_rows, &q_rows),
+                    &ids,
+                    &u,
+                    how.0,
+                    how.1,
+                    how.2,
+                )?;
+                for (i, &t) in kept.iter().enumerate() {
+                    tokens[p_rows[i]] = t as i32;
+                }
+                counts.push(kept.len() as i32);
+            }
+            let cpu = crate::Device::Cpu;
+            Ok(Verified {
+                counts: Tensor::from_i32(&[chains.len()], counts, &cpu)?,
+                tokens: Tensor::from_i32(&[p.shape[0]], tokens, &cpu)?,
             })
-            .collect(),
+        }
         #[cfg(feature = "cuda")]
         (
             Storage::Cuda(crate::cuda::Buffer { gpu, data: crate::cuda::DeviceData::F32(ps) }),
             Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::F32(qs), .. }),
+            Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::I32(ds), .. }),
         ) => {
-            let stride = chains.iter().map(|c| c.drafts.len()).max().unwrap_or(0);
+            let stride = chains.iter().map(|c| c.len).max().unwrap_or(0);
             let mut meta = Vec::with_capacity(3 * chains.len());
-            let mut drafts = vec![0i32; chains.len() * stride];
             let mut uniforms = vec![0.0f64; 2 * chains.len() * (stride + 1)];
             for (c, ch) in chains.iter().enumerate() {
-                meta.extend([ch.p_row as i32, ch.q_row as i32, ch.drafts.len() as i32]);
-                for (i, &x) in ch.drafts.iter().enumerate() {
-                    drafts[c * stride + i] = x as i32;
-                }
+                meta.extend([ch.p_row as i32, ch.q_row as i32, ch.len as i32]);
                 for (i, &(a, d)) in ch.uniforms.iter().enumerate() {
                     let at = 2 * (c * (stride + 1) + i);
                     uniforms[at..at + 2].copy_from_slice(&[a, d]);
                 }
             }
             let how = (temperature, top_k, top_p);
-            crate::cuda::spec_verify(gpu, (ps, qs), vocab, how, &meta, &drafts, &uniforms, stride)
+            let rows = p.shape[0];
+            let (counts, tokens) = crate::cuda::spec_verify(
+                gpu,
+                (ps, qs, ds),
+                (rows, vocab),
+                how,
+                &meta,
+                &uniforms,
+                (stride, p_step, q_step),
+            )?;
+            Ok(Verified {
+                counts: Tensor { shape: vec![chains.len()], storage: Storage::Cuda(counts) },
+                tokens: Tensor { shape: vec![rows], storage: Storage::Cuda(tokens) },
+            })
         }
-        _ => unreachable!("f32 logits on one device (checked above)"),
+        _ => unreachable!("f32 logits and i32 drafts on one device (checked above)"),
     }
 }
 
@@ -320,81 +399,92 @@ mod tests {
     /// Speculative verification on every device gives the CPU definition's tokens: drafts
     /// from draft rows near the policy's (mostly kept), far from them (mostly replaced), equal
     /// to them (all kept), tokens the draft could not have drawn, a policy row with a NaN
-    /// inside a chain (cut there) and one without mass first (no token), under top-k and top-p.
+    /// inside a chain (cut there), one without mass first (no token) and a draft of -1 (cut
+    /// before it), under top-k and top-p; chains laid out as the engine lays them out (each
+    /// position's rows of every chain together, so a chain's rows are `n` apart).
     #[test]
     fn speculative_verify_matches_the_cpu_definition_on_every_device() {
         let mut rng = Rng::new(91);
+        let (n, slots) = (24, 4);
         for device in devices() {
             for vocab in [1000, 151_936] {
-                let (mut p, mut q, mut chains) = (Vec::new(), Vec::new(), Vec::new());
-                for c in 0..24 {
-                    let k = c % 5;
-                    let (p_row, q_row) = (p.len() / vocab, q.len() / vocab);
-                    let base: Vec<f32> = rng.vec(vocab * (k + 1), 3.0);
-                    p.extend(&base);
-                    let noise = [0.0f32, 0.3, 3.0][c % 3];
-                    for (i, x) in base.iter().enumerate().take(vocab * k) {
-                        q.push(x + noise * rng.normal() + if i % 7 == 0 { noise } else { 0.0 });
-                    }
-                    if c == 8 {
-                        p[(p_row + 2) * vocab + 17] = f32::NAN;
-                    }
-                    if c == 9 {
-                        p[p_row * vocab..(p_row + 1) * vocab].fill(f32::NEG_INFINITY);
-                    }
-                    let drafts = (0..k)
-                        .map(|i| {
-                            let row = &q[(q_row + i) * vocab..(q_row + i + 1) * vocab];
-                            match c % 4 {
-                                3 => rng.below(vocab) as u32,
-                                _ => cpu::sample_row(
-                                    row,
-                                    0.8,
-                                    0,
-                                    1.0,
-                                    rng.next_u64() as f64 / 2f64.powi(64),
-                                )
-                                .unwrap_or(0),
-                            }
+                let mut p: Vec<f32> = rng.vec(vocab * n * (slots + 1), 3.0);
+                let mut q: Vec<f32> = Vec::with_capacity(vocab * n * slots);
+                let noise = |c: usize| [0.0f32, 0.3, 3.0][c % 3];
+                for r in 0..n * slots {
+                    let (c, base) = (r % n, &p[r * vocab..(r + 1) * vocab]);
+                    let row: Vec<f32> = base
+                        .iter()
+                        .enumerate()
+                        .map(|(i, x)| {
+                            x + noise(c) * rng.normal() + if i % 7 == 0 { noise(c) } else { 0.0 }
                         })
                         .collect();
+                    q.extend(row);
+                }
+                p[(8 + 2 * n) * vocab + 17] = f32::NAN;
+                p[9 * vocab..10 * vocab].fill(f32::NEG_INFINITY);
+                // Every row's input token: junk, then each chain's drafts.
+                let mut drafts: Vec<i32> =
+                    (0..n * (slots + 1)).map(|_| rng.below(vocab) as i32).collect();
+                let mut chains = Vec::new();
+                for c in 0..n {
+                    let k = c % 5;
+                    for i in 0..k {
+                        let row = &q[(c + i * n) * vocab..(c + i * n + 1) * vocab];
+                        let u = rng.next_u64() as f64 / 2f64.powi(64);
+                        let x = match c % 4 {
+                            3 => rng.below(vocab) as u32,
+                            _ => cpu::sample_row(row, 0.8, 0, 1.0, u).unwrap_or(0),
+                        };
+                        drafts[c + (i + 1) * n] = x as i32;
+                    }
                     let uniforms = (0..=k)
                         .map(|_| {
                             (f64::from(rng.uniform(0.0, 1.0)), f64::from(rng.uniform(0.0, 1.0)))
                         })
                         .collect();
-                    chains.push(DraftChain { p_row, q_row, drafts, uniforms });
+                    chains.push(DraftChain { p_row: c, q_row: c, len: k, uniforms });
                 }
-                let (np, nq) = (p.len() / vocab, q.len() / vocab);
-                let pt = tensor(&[np, vocab], &p, DType::F32, &device);
-                let qt = tensor(&[nq, vocab], &q, DType::F32, &device);
+                drafts[14 + 2 * n] = -1;
+                let pt = tensor(&[n * (slots + 1), vocab], &p, DType::F32, &device);
+                let qt = tensor(&[n * slots, vocab], &q, DType::F32, &device);
+                let dt = Tensor::from_i32(&[n * (slots + 1)], drafts.clone(), &device).unwrap();
                 let (mut kept, mut replaced) = (0, 0);
-                for (t, top_k, top_p) in [(0.8f32, 0, 1.0f32), (1.0, 50, 1.0), (0.7, 0, 0.9)] {
-                    let got = speculative_verify(&pt, &qt, &chains, t, top_k, top_p).unwrap();
+                for how in [(0.8f32, 0, 1.0f32), (1.0, 50, 1.0), (0.7, 0, 0.9)] {
+                    let out = speculative_verify(&pt, &qt, &dt, &chains, (n, n), how).unwrap();
+                    let got = out.to_host(&chains, n).unwrap();
+                    let tokens = out.tokens.to_vec_i32().unwrap();
+                    let mut rows_given = vec![false; n * (slots + 1)];
                     for (c, ch) in chains.iter().enumerate() {
-                        let u: Vec<cpu::StepUniforms> = ch
-                            .uniforms
+                        let ids: Vec<u32> = (1..=ch.len)
+                            .map(|i| drafts[c + i * n])
+                            .take_while(|&x| x >= 0)
+                            .map(|x| x as u32)
+                            .collect();
+                        let k = ids.len();
+                        let p_rows: Vec<usize> = (0..=k).map(|i| c + i * n).collect();
+                        let q_rows: Vec<usize> = (0..k).map(|i| c + i * n).collect();
+                        let u: Vec<cpu::StepUniforms> = ch.uniforms[..=k]
                             .iter()
                             .map(|&(accept, draw)| cpu::StepUniforms { accept, draw })
                             .collect();
-                        let want = cpu::verify_logits(
-                            (&p, &q),
-                            vocab,
-                            (ch.p_row, ch.q_row),
-                            &ch.drafts,
-                            &u,
-                            t,
-                            top_k,
-                            top_p,
-                        )
-                        .unwrap();
-                        let what = format!("{device} vocab {vocab} T={t} k={top_k} p={top_p}");
+                        let (t, top_k, top_p) = how;
+                        let rows = (p_rows.as_slice(), q_rows.as_slice());
+                        let want =
+                            cpu::verify_logits((&p, &q), vocab, rows, &ids, &u, t, top_k, top_p)
+                                .unwrap();
+                        let what = format!("{device} vocab {vocab} {how:?}");
                         assert_eq!(got[c], want, "{what}: chain {c}");
-                        let same = want.iter().zip(&ch.drafts).take_while(|(a, b)| a == b).count();
+                        want.iter().enumerate().for_each(|(i, _)| rows_given[c + i * n] = true);
+                        let same = want.iter().zip(&ids).take_while(|(a, b)| a == b).count();
                         kept += same;
-                        replaced += usize::from(same < ch.drafts.len() && want.len() > same);
+                        replaced += usize::from(same < ids.len() && want.len() > same);
                     }
-                    assert!(got[9].is_empty() && got[8].len() <= 2, "{got:?}");
+                    assert!(got[9].is_empty() && got[8].len() <= 2 && got[14].len() <= 2);
+                    for (r, &t) in tokens.iter().enumerate() {
+                        assert!(rows_given[r] || t == 0, "{device}: row {r} given {t}");
+                    }
                 }
                 assert!(kept > 20 && replaced > 10, "{device}: {kept} kept, {replaced} replaced");
             }
