@@ -4,7 +4,9 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
+use miles_core::config::SpeculativeAlgorithm;
 use miles_core::{Sample, SamplingParams};
+use miles_model::draft::{Draft, DraftFormat, draft_config};
 use miles_model::{DeviceModel, Fp8Layers, Model, PackedBatch, Weights, presets};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
@@ -12,7 +14,7 @@ use miles_tensor::rng::Rng;
 use miles_tensor::{DType, Device};
 use serde_json::json;
 
-use crate::common::{DTypeArg, EngineArgs, load_model, parse_device};
+use crate::common::{DTypeArg, EngineArgs, SpecFlags, load_model, parse_device};
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
@@ -52,6 +54,14 @@ pub struct RolloutBenchArgs {
     pub new_tokens: usize,
     #[command(flatten)]
     pub fp8: Fp8Arg,
+    /// Speculative decoding (EAGLE chains of this many draft tokens per step), with the draft
+    /// of --sglang-speculative-draft-model-path or else a random one: a random draft keeps
+    /// almost none of its tokens, so it measures what a speculative step costs against a
+    /// plain one (the tokens per verification it must keep to pay for itself).
+    #[arg(long, value_name = "N")]
+    pub sglang_speculative_num_steps: Option<usize>,
+    #[arg(long, value_name = "DIR", requires = "sglang_speculative_num_steps")]
+    pub sglang_speculative_draft_model_path: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
@@ -182,6 +192,13 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let (model, label) = bench_model(&args.preset, &args.hf_checkpoint, args.seed)?;
     let vocab = model.config.vocab_size;
     let tokens = args.batch * (args.prompt_len + args.new_tokens);
+    let spec = SpecFlags {
+        algorithm: args.sglang_speculative_num_steps.map(|_| SpeculativeAlgorithm::Eagle),
+        num_steps: args.sglang_speculative_num_steps,
+        ..SpecFlags::default()
+    };
+    let speculator: Option<std::sync::Arc<dyn miles_core::Speculator>> =
+        crate::common::speculator(&spec)?.map(std::sync::Arc::from);
     let config = |per_block: usize| EngineConfig {
         kv_cache_bytes: (tokens.div_ceil(64) + 2 * args.batch) * per_block,
         max_running: args.batch,
@@ -189,7 +206,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         max_prompt_len: None,
         cuda_graphs: !args.engine.disable_cuda_graph,
         chunked_prefill_size: args.engine.chunked_prefill_size,
-        speculator: None,
+        speculator: speculator.clone(),
     };
     let mut rng = Rng::new(args.seed + 1);
     let groups: Vec<Vec<Sample>> = (0..args.batch)
@@ -214,13 +231,27 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let resident = device.peak_memory()?;
     let dtype = dm.dtype();
     let per_block = miles_model::KvCache::bytes_per_block(&model.config, dtype);
-    let mut engine = Engine::new(&dm, None, config(per_block)).context("the engine's KV cache")?;
+    let draft = match &speculator {
+        Some(_) => Some(bench_draft(args, &model)?),
+        None => None,
+    };
+    let mut engine = match &draft {
+        Some(d) => {
+            let per_block = per_block + miles_model::KvCache::bytes_per_block(&d.config, dtype);
+            Engine::with_draft(&dm, d, None, config(per_block))
+        }
+        None => Engine::new(&dm, None, config(per_block)),
+    }
+    .context("the engine's KV cache")?;
+    let steps = args.sglang_speculative_num_steps.unwrap_or(0);
     if device != Device::Cpu {
-        let warm = SamplingParams { max_new_tokens: 2, ..params.clone() };
-        engine.generate(&dm, groups.clone(), &warm).context("the warm-up generation")?;
+        // Long enough that a speculative step proposes its full chains (their graphs captured).
+        let warm = SamplingParams { max_new_tokens: 2 + steps, ..params.clone() };
+        timed_generate(&mut engine, (&dm, draft.as_ref()), groups.clone(), &warm)
+            .context("the warm-up generation")?;
         engine.reset_stats();
     }
-    let seconds = timed_generate(&mut engine, &dm, groups, &params)?;
+    let seconds = timed_generate(&mut engine, (&dm, draft.as_ref()), groups, &params)?;
     let replay = engine.decode_replay_seconds(50)?;
     let s = engine.stats().clone();
     let dtype = if dtype == DType::BF16 { "bf16" } else { "f32" };
@@ -246,6 +277,10 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "time_to_first_token_s": s.first_token_seconds,
         "decode_step_ms": 1e3 * s.decode_seconds / (s.steps - 1).max(1) as f64,
         "decode_graph_ms": replay_ms,
+        "spec_steps": steps,
+        "spec_accept_rate": s.spec.accepted as f64 / s.spec.drafted.max(1) as f64,
+        "spec_tokens_per_verification":
+            (s.spec.accepted + s.spec.verifies) as f64 / s.spec.verifies.max(1) as f64,
         "resident_after_load_gib": resident as f64 / (1u64 << 30) as f64,
         "peak_memory_gib": device.peak_memory()? as f64 / (1u64 << 30) as f64,
     });
@@ -256,13 +291,25 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
 /// Seconds of one `generate` call.
 fn timed_generate(
     engine: &mut Engine,
-    model: &DeviceModel,
+    (model, draft): (&DeviceModel, Option<&DeviceModel>),
     groups: Vec<Vec<Sample>>,
     params: &SamplingParams,
 ) -> anyhow::Result<f64> {
     let started = Instant::now();
-    engine.generate(model, groups, params)?;
+    engine.generate_speculative(model, draft, groups, params, &mut |_| {})?;
     Ok(started.elapsed().as_secs_f64())
+}
+
+/// The bench's draft for `model` on the engine's device: a checkpoint's, or a random one.
+fn bench_draft(args: &RolloutBenchArgs, model: &Model) -> anyhow::Result<DeviceModel> {
+    let pc = &model.config;
+    let draft = match &args.sglang_speculative_draft_model_path {
+        Some(dir) => Draft::load(dir, pc)
+            .with_context(|| format!("--sglang-speculative-draft-model-path {}", dir.display()))?,
+        None => Draft::random(pc, DraftFormat::DeepSeek, args.seed + 2)?,
+    };
+    let weights = draft.model_weights(pc, &model.weights)?;
+    Ok(args.engine.place(&Model::new(draft_config(pc)?, weights))?)
 }
 
 fn set_route(gemm: GemmArg) {

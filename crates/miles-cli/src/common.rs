@@ -11,8 +11,8 @@ use miles_core::config::SpeculativeAlgorithm;
 use miles_model::{DeviceModel, Model, ModelConfig, Weights};
 use miles_tensor::{DType, Device};
 
-/// An HF checkpoint directory: config.json and the safetensors weights.
 /// SGLang's speculative settings, as `miles train` and `miles generate` take them.
+#[derive(Default)]
 pub struct SpecFlags {
     pub algorithm: Option<SpeculativeAlgorithm>,
     pub num_steps: Option<usize>,
@@ -35,6 +35,7 @@ pub fn speculator(flags: &SpecFlags) -> anyhow::Result<Option<Box<dyn Speculator
     Ok(Some(s))
 }
 
+/// An HF checkpoint directory: config.json and the safetensors weights.
 pub fn load_model(dir: &Path) -> anyhow::Result<Model> {
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
     let weights = Weights::load(dir, &config)?;
