@@ -5,8 +5,8 @@
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
 #                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
-#                                  dp|fp8|fp8-bench|fp8-addition|families|families-bench|
-#                                  spec-addition|spec-gsm8k|all]
+#                                  dp|fp8|fp8-bench|fp8-addition|int4-addition|families|families-bench|
+#                                  spec-addition|spec-gsm8k|spec-bench|all]
 # Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
 # packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
 # is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
@@ -194,28 +194,36 @@ if [ "$what" = fp8-bench ]; then
       --steps 5 --warmup 2 $fp8 | tee -a "$OUT/fp8-bench.jsonl"
   done
 fi
-if [ "$what" = fp8-addition ]; then
+if [ "$what" = fp8-addition ] || [ "$what" = int4-addition ]; then
   # The addition example on the real SmolLM2 in FP8 (issue 28), both of miles' modes: unified
   # (rollout and training on the same E4M3 weights: the logprob gap stays 0) and rollout-only
   # (an FP8 checkpoint from `miles convert fp8`: the gap is reported and TIS corrects it), beside
-  # the bf16 run they are measured against.
+  # the bf16 run they are measured against. int4-addition: with INT4 QAT (issue 31; groups of
+  # 32, as SmolLM2's 576 inputs are no multiple of 128), MODES="bf16 int4" to see both.
   [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
     $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
-  $miles convert fp8 /tmp/smollm2 --out /tmp/smollm2-fp8 | tail -1
-  for mode in ${FP8_MODES:-bf16 unified rollout-only}; do
+  if [ "$what" = fp8-addition ]; then
+    $miles convert fp8 /tmp/smollm2 --out /tmp/smollm2-fp8 | tail -1
+    modes=${FP8_MODES:-bf16 unified rollout-only}
+  else
+    modes=${MODES:-int4}
+  fi
+  q=${what%-addition}
+  for mode in $modes; do
     case $mode in
       bf16) flags="--hf-checkpoint /tmp/smollm2" ;;
       unified) flags="--hf-checkpoint /tmp/smollm2 --fp8-format e4m3 --fp8-recipe blockwise" ;;
+      int4) flags="--hf-checkpoint /tmp/smollm2 --int4-qat --int4-group-size 32" ;;
       *) flags="--hf-checkpoint /tmp/smollm2-fp8 --use-tis" ;;
     esac
     start=$(date +%s)
     timeout ${LIMIT:-250} $miles train --config examples/addition-smollm2.toml $flags \
-      --num-rollout ${ROLLOUTS:-400} --run-dir /tmp/fp8-$mode --save /tmp/fp8-$mode/checkpoints \
-      --save-hf /tmp/fp8-$mode/hf | tail -2
-    echo "$mode: $(( $(date +%s) - start )) s wall" | tee "$OUT/fp8-$mode.txt"
-    cp /tmp/fp8-$mode/metrics.jsonl "$OUT/fp8-$mode.jsonl"
-    python3 tests/device/curve.py /tmp/fp8-$mode/metrics.jsonl >> "$OUT/fp8-$mode.txt"
-    awk '$10 != "-" || /gap/' "$OUT/fp8-$mode.txt" | tail -8
+      --num-rollout ${ROLLOUTS:-400} --run-dir /tmp/$q-$mode --save /tmp/$q-$mode/checkpoints \
+      --save-hf /tmp/$q-$mode/hf | tail -2
+    echo "$mode: $(( $(date +%s) - start )) s wall" | tee "$OUT/$q-$mode.txt"
+    cp /tmp/$q-$mode/metrics.jsonl "$OUT/$q-$mode.jsonl"
+    python3 tests/device/curve.py /tmp/$q-$mode/metrics.jsonl >> "$OUT/$q-$mode.txt"
+    awk '$10 != "-" || /gap/' "$OUT/$q-$mode.txt" | tail -8
   done
 fi
 if [ "$what" = gsm8k ]; then
@@ -364,6 +372,39 @@ if [ "$what" = moe-fixture ]; then
   # back under $OUT/qwen3_moe for tests/fixtures/hf/qwen3_moe.
   python3 tests/fixtures/make_hf_moe_parity.py 2>&1 | grep -v -i warn | tail -4
   cp -r tests/fixtures/hf/qwen3_moe "$OUT/"
+fi
+if [ "$what" = spec-bench ]; then
+  # What a speculative step costs against a plain decode step (issue 30): `miles bench rollout`
+  # on random SmolLM2-shaped weights with a random draft, plain and with 3 draft tokens per step,
+  # per batch size; with target/gpu-old/miles (an earlier build) beside it when carried.
+  for m in $miles target/gpu-old/miles; do
+    [ -x "$m" ] || continue
+    for batch in ${BATCHES:-1 64 256}; do
+      for steps in 0 3; do
+        flags=""; [ "$steps" = 0 ] || flags="--sglang-speculative-num-steps $steps"
+        timeout 120 $m bench rollout --device cuda --preset ${PRESET:-smollm2-135m} --batch $batch \
+          --prompt-len 64 --new-tokens 64 $flags 2>&1 | tail -1 | sed "s|^{|{\"binary\":\"$m\",|" \
+          | tee -a "$OUT/spec-bench.jsonl"
+      done
+    done
+  done
+  python3 - "$OUT/spec-bench.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+plain = {(r["binary"], r["batch"]): r for r in rows if r["spec_steps"] == 0}
+for r in rows:
+    if r["spec_steps"] == 0:
+        continue
+    p = plain.get((r["binary"], r["batch"]))
+    ratio = r["decode_step_ms"] / p["decode_step_ms"] if p else float("nan")
+    print(f'{r["binary"]} batch {r["batch"]}: plain step {p and p["decode_step_ms"]:.3f} ms, '
+          f'spec step {r["decode_step_ms"]:.3f} ms ({ratio:.2f}x), accept {r["spec_accept_rate"]:.2f}, '
+          f'{r["spec_tokens_per_verification"]:.2f} tokens/verification, '
+          f'tok/s {p and p["tokens_per_s"]:.0f} -> {r["tokens_per_s"]:.0f}; device: plain graph '
+          f'{p.get("decode_graph_ms")} ms, verify graph {r.get("spec_verify_graph_ms")} ms, '
+          f'draft round graph {r.get("spec_draft_graph_ms")} ms; host phases per step '
+          f'{r.get("spec_phases_ms")}')
+PY
 fi
 if [ "$what" = moe-bench ]; then
   # The Qwen3-30B-A3B-shaped layers (4 of 48) on the device beside HF transformers' Qwen3-MoE

@@ -1250,6 +1250,36 @@ fn int4_qat_demo_runs_learn_with_rollout_logprobs_equal_to_trainings() {
     assert!(e.contains("--int4-qat") && e.contains("one quantization"), "{e}");
 }
 
+/// INT4 QAT of a mixture of experts' routed experts only (`--int4-experts-only`, miles'
+/// choice) with Rollout Routing Replay: the rollout and training logprobs stay equal bit for
+/// bit, the training forward replays the rollout's experts, and the policy learns.
+#[cfg(all(feature = "int4-qat", feature = "r3"))]
+#[test]
+fn int4_qat_trains_a_mixture_of_experts_with_routing_replay() {
+    let dir = scratch("train_int4_moe");
+    let args = demo_args(&[
+        ("run-dir", Value::from(dir.to_str().unwrap())),
+        ("arch", Value::from("qwen3-moe")),
+        ("int4-qat", Value::from(true)),
+        ("int4-group-size", Value::from(32)),
+        ("int4-experts-only", Value::from(true)),
+        ("use-rollout-routing-replay", Value::from(true)),
+    ]);
+    let setup = train_cmd::setup(train_cmd::run_config(&args).unwrap()).unwrap();
+    let mut records = Vec::new();
+    rl::train(setup, &mut |r| records.push(r.clone())).unwrap();
+    let rl: Vec<&Record> =
+        records.iter().filter(|r| r.get("rollout/raw_reward").is_some()).collect();
+    assert_eq!(rl.len(), 200);
+    for r in rl {
+        assert_eq!(r["train/train_rollout_logprob_abs_diff"], 0.0, "{r:?}");
+        assert_eq!(r["train/replayed_experts_mismatch"], 0.0, "{r:?}");
+    }
+    let evals = eval_rewards(&records);
+    let (start, best) = (evals[0].1, evals.iter().map(|e| e.1).fold(0.0, f64::max));
+    assert!(start < 0.4 && best >= 0.6, "INT4 QAT of the experts: {start} → {best}: {evals:?}");
+}
+
 /// Rollout-only FP8, miles' default for an FP8 checkpoint: `miles convert fp8` writes
 /// DeepSeek-V3's format, and training from it without `--fp8-format` runs the engine on its
 /// E4M3 weights and the training forward in f32: the mismatch shows on every iteration, and

@@ -253,11 +253,18 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     }
     let seconds = timed_generate(&mut engine, (&dm, draft.as_ref()), groups, &params)?;
     let replay = engine.decode_replay_seconds(50)?;
+    // A speculative step's verifying forward and one draft round, each its widest graph.
+    let widest = |r: &[(usize, f64)]| r.iter().max_by_key(|r| r.0).map(|r| 1e3 * r.1);
+    let [verify, rounds] = engine.spec_replay_seconds(50)?;
     let s = engine.stats().clone();
     let dtype = if dtype == DType::BF16 { "bf16" } else { "f32" };
     // The widest captured step's device time: the decode step's wall time less this is host
     // time (scheduling, copies, the launch) during which the GPU waits.
-    let replay_ms = replay.iter().max_by_key(|r| r.0).map(|r| 1e3 * r.1);
+    let replay_ms = widest(&replay);
+    // Per speculative decode step (host time: queuing each phase, then the wait).
+    let (p, per) = (s.spec_phases, 1e3 / s.spec_phases.steps.max(1) as f64);
+    let phases = json!({"propose": p.propose * per, "forward": p.forward * per,
+                        "verify": p.verify * per, "wait": p.wait * per});
     let line = json!({
         "what": "rollout",
         "model": label,
@@ -278,6 +285,9 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "decode_step_ms": 1e3 * s.decode_seconds / (s.steps - 1).max(1) as f64,
         "decode_graph_ms": replay_ms,
         "spec_steps": steps,
+        "spec_phases_ms": phases,
+        "spec_verify_graph_ms": widest(&verify),
+        "spec_draft_graph_ms": widest(&rounds),
         "spec_accept_rate": s.spec.accepted as f64 / s.spec.drafted.max(1) as f64,
         "spec_tokens_per_verification":
             (s.spec.accepted + s.spec.verifies) as f64 / s.spec.verifies.max(1) as f64,
@@ -309,7 +319,7 @@ fn bench_draft(args: &RolloutBenchArgs, model: &Model) -> anyhow::Result<DeviceM
         None => Draft::random(pc, DraftFormat::DeepSeek, args.seed + 2)?,
     };
     let weights = draft.model_weights(pc, &model.weights)?;
-    Ok(args.engine.place(&Model::new(draft_config(pc)?, weights))?)
+    args.engine.place(&Model::new(draft_config(pc)?, weights))
 }
 
 fn set_route(gemm: GemmArg) {

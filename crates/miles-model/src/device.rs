@@ -174,7 +174,8 @@ pub struct Fp8Layers {
 /// weights ([`cpu::fake_quantize_int4`]: groups of `group_size` inputs), made from the f32
 /// masters at every optimizer step; the rollout and the training forward read the same
 /// values, so their logprobs stay equal bit for bit, and the backward passes the gradient
-/// straight through to the masters. On the CPU in f32 only so far.
+/// straight through to the masters. On a GPU in bf16 the values are rounded to bf16 (the
+/// compute copies' dtype, which the engine's steps read too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Int4Layers {
     pub group_size: usize,
@@ -433,13 +434,6 @@ impl DeviceModel {
                     "--int4-qat with FP8: one quantization of the weights at a time".into(),
                 ));
             }
-            if self.device != Device::Cpu || self.dtype != DType::F32 {
-                return Err(Error::Invalid(format!(
-                    "--int4-qat: fake quantization runs on the CPU in f32 in this build (its \
-                     {} kernels are not written yet); use --device cpu",
-                    self.device
-                )));
-            }
             let spec = tensor_spec(&self.config);
             for i in int4_matrices(&self.config, &self.layout, q) {
                 let (name, shape) = &spec[i];
@@ -452,7 +446,8 @@ impl DeviceModel {
             }
         }
         self.int4 = int4;
-        self.refresh_compute()
+        self.refresh_compute()?;
+        self.refresh_stacked()
     }
 
     /// The HF names of the weights INT4 QAT covers (what its export packs).
@@ -470,14 +465,17 @@ impl DeviceModel {
         self.int4
     }
 
-    /// Writes the fake-quantized weights of INT4 QAT's matrices into their compute copies.
+    /// Writes the fake-quantized weights of INT4 QAT's matrices into their compute copies, in
+    /// place (an f32 model's are made the first time).
     fn fake_quantize(&mut self) -> Result<()> {
         let Some(q) = self.int4 else { return Ok(()) };
         for i in int4_matrices(&self.config, &self.layout, q) {
             let master = &self.masters[i];
-            let shape = master.shape().to_vec();
-            let values = cpu::fake_quantize_int4(&master.to_vec_f32()?, shape[1], q.group_size)?;
-            self.compute[i] = Some(Tensor::from_f32(&shape, values, &self.device)?);
+            let copy = match &mut self.compute[i] {
+                Some(copy) => copy,
+                slot => slot.insert(Tensor::zeros(master.shape(), DType::F32, &self.device)?),
+            };
+            ops::fake_quantize_int4(master, q.group_size, copy)?;
         }
         Ok(())
     }
@@ -2321,8 +2319,8 @@ mod tests {
     }
 
     /// INT4 QAT: the forward reads the fake-quantized weights (a model built from them
-    /// computes the same logp bit for bit), before and after an AdamW step, while the masters
-    /// stay unquantized; with `experts_only` the dense projections are left as they are. A
+    /// computes the same logp bit for bit, on every device and dtype), before and after an
+    /// AdamW step, while the masters stay unquantized; with `experts_only` the dense projections are left as they are. A
     /// group that does not divide a row, and FP8 beside it, are refused by flag.
     #[test]
     fn int4_qat_forwards_the_fake_quantized_weights() {
@@ -2358,25 +2356,36 @@ mod tests {
             };
             let m = model(config, 5);
             let b = batch();
-            let mut dm = on_cpu(&m);
-            dm.set_int4(Some(q)).unwrap();
-            let got = dm.forward(&b, 1.0).unwrap();
-            let want = on_cpu(&fake(&m)).forward(&b, 1.0).unwrap();
-            assert_eq!(bits(&got.logp), bits(&want.logp), "{arch:?} {experts_only}");
-            let mut rng = Rng::new(4);
-            let (ga, gb) = (rng.vec(got.logp.len(), 1.0), rng.vec(got.logp.len(), 1.0));
-            dm.backward(&got, &b, &ga, &gb).unwrap();
-            let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 };
-            dm.adamw_step(&hyper, 1.0).unwrap();
-            let stepped = Model::new(m.config.clone(), dm.to_weights().unwrap());
-            // The masters stay unquantized: the first covered weight differs from its INT4 form.
-            let spec = tensor_spec(&m.config);
-            let first = spec.iter().position(|(n, _)| *n == covered[0]).unwrap();
-            let master = stepped.weights.tensors()[first];
-            assert_ne!(bits(master), bits(fake(&stepped).weights.tensors()[first]));
-            let got = dm.forward(&b, 1.0).unwrap();
-            let want = on_cpu(&fake(&stepped)).forward(&b, 1.0).unwrap();
-            assert_eq!(bits(&got.logp), bits(&want.logp), "{arch:?} {experts_only} after AdamW");
+            for device in devices() {
+                let dtypes = match device {
+                    Device::Cpu => &[DType::F32][..],
+                    Device::Cuda(_) => &[DType::F32, DType::BF16],
+                };
+                for &dtype in dtypes {
+                    let what = format!("{device} {dtype} {arch:?} experts only {experts_only}");
+                    let place = |m: &Model| DeviceModel::new(m, &device, dtype).unwrap();
+                    let mut dm = place(&m);
+                    dm.set_int4(Some(q)).unwrap();
+                    let got = dm.forward(&b, 1.0).unwrap();
+                    let want = place(&fake(&m)).forward(&b, 1.0).unwrap();
+                    assert_eq!(bits(&got.logp), bits(&want.logp), "{what}");
+                    let mut rng = Rng::new(4);
+                    let (ga, gb) = (rng.vec(got.logp.len(), 1.0), rng.vec(got.logp.len(), 1.0));
+                    dm.backward(&got, &b, &ga, &gb).unwrap();
+                    let hyper =
+                        AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 };
+                    dm.adamw_step(&hyper, 1.0).unwrap();
+                    let stepped = Model::new(m.config.clone(), dm.to_weights().unwrap());
+                    // The masters stay unquantized: the first covered weight is not its INT4 form.
+                    let spec = tensor_spec(&m.config);
+                    let first = spec.iter().position(|(n, _)| *n == covered[0]).unwrap();
+                    let master = stepped.weights.tensors()[first];
+                    assert_ne!(bits(master), bits(fake(&stepped).weights.tensors()[first]));
+                    let got = dm.forward(&b, 1.0).unwrap();
+                    let want = place(&fake(&stepped)).forward(&b, 1.0).unwrap();
+                    assert_eq!(bits(&got.logp), bits(&want.logp), "{what} after AdamW");
+                }
+            }
         }
         let mut dm = on_cpu(&model(tiny(Architecture::Qwen3, true), 5));
         let e = dm.set_int4(Some(Int4Layers { group_size: 128, experts_only: false }));

@@ -60,6 +60,16 @@ impl Default for EngineConfig {
     }
 }
 
+fn replay_seconds(
+    captured: &crate::policy::Captured,
+    iters: u64,
+) -> crate::Result<Vec<(usize, f64)>> {
+    match &captured.graphs {
+        Some(g) => g.replay_seconds(iters).map_err(model_error),
+        None => Ok(Vec::new()),
+    }
+}
+
 /// What the engine did, summed over its life.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineStats {
@@ -80,6 +90,22 @@ pub struct EngineStats {
     pub first_token_seconds: Option<f64>,
     /// Speculative decoding: verifications, draft tokens proposed and kept.
     pub spec: SpecCounts,
+    /// Host seconds of the speculative steps' phases ([`SpecPhases`]).
+    pub spec_phases: SpecPhases,
+}
+
+/// Where a speculative step's time goes, in host seconds summed over the steps: queuing the
+/// draft's rounds, queuing the verifying forward, queuing the heads and the verification, and
+/// waiting for the device to finish them (then the bookkeeping). The first three are the
+/// host's own cost (the device runs behind it); the last is what the device had left.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SpecPhases {
+    /// Speculative steps without prompts (the ones timed).
+    pub steps: usize,
+    pub propose: f64,
+    pub forward: f64,
+    pub verify: f64,
+    pub wait: f64,
 }
 
 /// Progress reported after every step, with the groups it completed.
@@ -212,10 +238,14 @@ impl Engine {
     /// Device seconds of one replay of each captured decode step, `(rows, seconds)`
     /// ([`miles_model::DecodeGraphs::replay_seconds`]); empty without graphs. For benchmarks.
     pub fn decode_replay_seconds(&self, iters: u64) -> crate::Result<Vec<(usize, f64)>> {
-        match &self.policy.graphs.graphs {
-            Some(g) => g.replay_seconds(iters).map_err(model_error),
-            None => Ok(Vec::new()),
-        }
+        replay_seconds(&self.policy.graphs, iters)
+    }
+
+    /// [`Engine::decode_replay_seconds`] of a speculative step's graphs: the policy's
+    /// verifying forwards, and the draft's proposal rounds.
+    pub fn spec_replay_seconds(&self, iters: u64) -> crate::Result<[Vec<(usize, f64)>; 2]> {
+        let p = &self.policy;
+        Ok([replay_seconds(&p.verify_graphs, iters)?, replay_seconds(&p.draft_graphs, iters)?])
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {

@@ -98,8 +98,8 @@ pub struct Policy {
     /// Captured decode steps of the current sampling parameters.
     pub(crate) graphs: Captured,
     /// Captured speculative steps: the policy's verifications and the draft's proposals.
-    verify_graphs: Captured,
-    draft_graphs: Captured,
+    pub(crate) verify_graphs: Captured,
+    pub(crate) draft_graphs: Captured,
     use_graphs: bool,
     /// A speculative draft's own cache ([`Policy::with_draft`]): its one layer's keys and
     /// values under the same block tables as the policy's.

@@ -3,7 +3,8 @@
 //! sequence, the policy runs its newest token and the k drafts in one forward over the paged
 //! cache, and [`ops::speculative_verify`] (the `eagle-spec` plugin's rule, on the device)
 //! keeps a prefix of the drafts and draws one token of the policy's own, so a sequence
-//! advances by 1 to k + 1 tokens. Logits stay on the device: token ids go to the host.
+//! advances by 1 to k + 1 tokens. Logits and drafts stay on the device: the host reads the
+//! kept tokens and their logprobs once per step.
 //!
 //! - The draft at position t reads the policy's final-normed state there and the token at
 //!   t + 1, and guesses the token at t + 2; its keys and values go to a cache of its own under
@@ -20,6 +21,7 @@
 //!   through the same batch-invariant kernels and [`ops::logprob_rows`] as a plain step.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use miles_core::{SamplingParams, Speculator};
 use miles_model::{DeviceModel, StepRow};
@@ -141,6 +143,7 @@ impl Engine {
         chunk: Option<(&Unit, std::ops::Range<usize>)>,
         params: &SamplingParams,
     ) -> crate::Result<StepOut> {
+        let started = Instant::now();
         let n = running.len();
         let ks: Vec<usize> = running.iter().map(|s| self.lookahead(s, params)).collect();
         let rounds = ks.iter().copied().max().unwrap_or(0);
@@ -184,7 +187,9 @@ impl Engine {
             }
         }
         let drafts_only = prompts.is_empty();
+        let proposed_at = Instant::now();
         let (hidden, routes) = self.policy.verify_step(model, &rows, ids.as_ref(), drafts_only)?;
+        let forward_at = Instant::now();
         let routes = chain_order(routes, &ks, verified, rows.len());
         let mut draws = Vec::new();
         let mut feeds = Vec::new();
@@ -213,6 +218,7 @@ impl Engine {
             )
             .map_err(tensor_error)?;
             let (logp, _) = ops::logprob_rows_ids(&logits, &out.tokens, t).map_err(tensor_error)?;
+            let verify_at = Instant::now();
             // The step's one wait for the device.
             let kept = out.to_host(&chains, n).map_err(tensor_error)?;
             let logp = logp.to_vec_f32().map_err(tensor_error)?;
@@ -235,6 +241,14 @@ impl Engine {
                 let counts = SpecCounts { verifies: usize::from(drafted > 0), drafted, accepted };
                 feeds.push(Fed { feed: Some(feed), counts });
                 draws.push(drawn);
+            }
+            if drafts_only {
+                let p = &mut self.stats.spec_phases;
+                p.steps += 1;
+                p.propose += (proposed_at - started).as_secs_f64();
+                p.forward += (forward_at - proposed_at).as_secs_f64();
+                p.verify += (verify_at - forward_at).as_secs_f64();
+                p.wait += verify_at.elapsed().as_secs_f64();
             }
         }
         // The prompts: their members draw from the last prompt row, and the draft reads the

@@ -108,6 +108,7 @@ mod elementwise;
 pub(crate) mod fp8;
 mod gemm_lt;
 mod grouped;
+pub(crate) mod int4;
 mod logprob;
 mod nccl;
 mod ops;
