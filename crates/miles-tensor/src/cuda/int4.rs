@@ -27,8 +27,74 @@ pub(crate) fn fake_quantize(
         shared_mem_bytes: 0,
     };
     let (group, groups) = (group as i32, groups as i64);
-    let out = out;
     per_float!("fake_quantize_int4", (out), |T, f| {
         launch!(gpu, "int4", kernel!(f, "int4_fake_quantize"), cfg, out, w, &group, &groups)
     })
+}
+
+/// `words` (`[rows × cols/8]`) and `scales` (`[rows × cols/group]`) of the f32 weight `w`:
+/// compressed-tensors' packed levels and miles' scales.
+pub(crate) fn quantize_pack(
+    gpu: &Gpu,
+    w: &CudaSlice<f32>,
+    words: &mut CudaSlice<i32>,
+    scales: &mut CudaSlice<f32>,
+    group: usize,
+) -> Result<()> {
+    let groups = w.len() / group;
+    if groups == 0 {
+        return Ok(());
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (groups.div_ceil(GROUPS_PER_BLOCK) as u32, 1, 1),
+        block_dim: (32 * GROUPS_PER_BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (group, groups) = (group as i32, groups as i64);
+    launch!(gpu, "int4", "int4_quantize_pack", cfg, words, scales, w, &group, &groups)
+}
+
+/// The most rows [`rows_gemm`] takes.
+pub(crate) const ROWS_MAX: usize = 64;
+
+/// `c [m × n] = a [m × k] · wᵀ` (bf16) for `m` ≤ [`ROWS_MAX`] rows, `w` packed (`words`,
+/// `scales` in groups of `group`): `kernels/int4.cu`'s W4A16 product. `k` and `group`
+/// multiples of 32, `group` dividing `k`.
+pub(crate) fn rows_gemm(
+    gpu: &Gpu,
+    a: &CudaSlice<u16>,
+    (words, scales): (&CudaSlice<i32>, &CudaSlice<f32>),
+    (m, n, k): (usize, usize, usize),
+    group: usize,
+) -> Result<CudaSlice<u16>> {
+    let mut c = gpu.alloc::<u16>(m * n)?;
+    if m == 0 || n == 0 {
+        return Ok(c);
+    }
+    // (kernel, warps, columns a block, stages) of int4.cu's instances: 16-column blocks while
+    // they give every multiprocessor a few, else 64.
+    let wide = n >= 64 * 264;
+    let (kernel, warps, bn, stages) = match (m <= 16, wide) {
+        (true, false) => ("int4_rows_gemm_m16_n16", 1u32, 16u32, 16u32),
+        (true, true) => ("int4_rows_gemm_m16_n64", 1, 64, 16),
+        (false, false) => ("int4_rows_gemm_m64_n16", 4, 16, 8),
+        (false, true) => ("int4_rows_gemm_m64_n64", 4, 64, 8),
+    };
+    const BK: u32 = 32;
+    const LD: u32 = BK + 8;
+    let bytes = stages * 16 * warps * LD * 2 + bn * LD * 2 + stages * bn * (BK / 8) * 4;
+    gpu.function("int4", kernel)?
+        .set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| super::driver_error(kernel, e))?;
+    let cfg = LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(bn), 1, 1),
+        block_dim: (32 * warps, 1, 1),
+        shared_mem_bytes: bytes,
+    };
+    let (m, n, k, group) = (m as i32, n as i32, k as i32, group as i32);
+    launch!(gpu, "int4", kernel, cfg, &mut c, a, words, scales, &m, &n, &k, &group)?;
+    Ok(c)
 }

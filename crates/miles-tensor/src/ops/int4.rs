@@ -1,8 +1,143 @@
-//! INT4 fake quantization: the forward weights of miles' quantization-aware training.
+//! INT4 weights as miles' quantization-aware training makes them: fake-quantized values for
+//! the training forward ([`fake_quantize_int4`]), and packed levels with their scales for the
+//! rollout engine ([`Int4Matrix`], W4A16: [`int4_linear`]), whose products have the bits of
+//! the training forward's.
 
 use super::{dtype_is, floats_only, host_tensor, same_device};
+use crate::cpu::Transpose;
 use crate::tensor::Storage;
-use crate::{DType, Result, Tensor, cpu, ensure};
+use crate::{DType, Device, Result, Tensor, cpu, ensure};
+
+/// A `[n × k]` weight in INT4 as W4A16 keeps it: compressed-tensors' packed levels (`words`,
+/// i32 `[n × k/8]`: q + 8 nibbles, eight a word, the first lowest) and miles' f32 scales
+/// (`[n × k/group]`), on one device; it stands for the fake-quantized weight q · s.
+pub struct Int4Matrix {
+    words: Tensor,
+    scales: Tensor,
+    group: usize,
+}
+
+impl std::fmt::Debug for Int4Matrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [n, k] = self.shape();
+        write!(f, "Int4Matrix([{n}, {k}] / {}, {})", self.group, self.words.device())
+    }
+}
+
+impl Int4Matrix {
+    /// The f32 weight `w` `[n × k]` quantized on its device in groups of `group` inputs (a
+    /// multiple of 8 dividing `k`).
+    pub fn quantize(w: &Tensor, group: usize) -> Result<Int4Matrix> {
+        const OP: &str = "Int4Matrix::quantize";
+        dtype_is(OP, "w", w, DType::F32)?;
+        let (n, k) = match w.shape[..] {
+            [n, k] => (n, k),
+            _ => (0, 0),
+        };
+        ensure(
+            w.shape.len() == 2 && group > 0 && group.is_multiple_of(8) && k.is_multiple_of(group),
+            OP,
+            || format!("w {:?} in groups of {group} (a multiple of 8 dividing its rows)", w.shape),
+        )?;
+        let device = w.device();
+        let mut q = Int4Matrix {
+            words: Tensor::zeros(&[n, k / 8], DType::I32, &device)?,
+            scales: Tensor::zeros(&[n, k / group], DType::F32, &device)?,
+            group,
+        };
+        q.requantize(w)?;
+        Ok(q)
+    }
+
+    /// Quantizes `w` (this matrix's shape, on its device) into this matrix in place: its
+    /// buffers keep their addresses, for the CUDA graphs that read them.
+    pub fn requantize(&mut self, w: &Tensor) -> Result<()> {
+        const OP: &str = "Int4Matrix::requantize";
+        dtype_is(OP, "w", w, DType::F32)?;
+        same_device(OP, &[w, &self.words])?;
+        let [n, k] = self.shape();
+        ensure(w.shape == [n, k], OP, || {
+            format!("a weight {:?} into an INT4 matrix [{n}, {k}]", w.shape)
+        })?;
+        match (&w.storage, &mut self.words.storage, &mut self.scales.storage) {
+            (Storage::F32(v), Storage::I32(words), Storage::F32(scales)) => {
+                let (q, s) = cpu::quantize_int4(v, k, self.group)?;
+                (*words, *scales) = (cpu::pack_int4(&q, k)?, s);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(wb), Storage::Cuda(words), Storage::Cuda(scales)) => {
+                use crate::cuda::DeviceData;
+                let (DeviceData::F32(ws), DeviceData::I32(words), DeviceData::F32(scales)) =
+                    (&wb.data, &mut words.data, &mut scales.data)
+                else {
+                    unreachable!("an f32 weight, i32 words and f32 scales (checked)")
+                };
+                crate::cuda::int4::quantize_pack(&wb.gpu, ws, words, scales, self.group)
+            }
+            _ => unreachable!("one device (checked)"),
+        }
+    }
+
+    /// `[n, k]`, the weight's shape.
+    pub fn shape(&self) -> [usize; 2] {
+        [self.words.shape[0], self.words.shape[1] * 8]
+    }
+
+    pub fn group(&self) -> usize {
+        self.group
+    }
+
+    /// Bytes the matrix holds on its device: half a byte a weight, four a group.
+    pub fn bytes(&self) -> usize {
+        4 * (self.words.len() + self.scales.len())
+    }
+
+    /// The weight it stands for, q · s, in `dtype` (f32, or rounded to bf16): the values of
+    /// [`fake_quantize_int4`] of the weight it was quantized from.
+    pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
+        let [n, k] = self.shape();
+        let words = self.words.to_vec_i32()?;
+        let levels = cpu::unpack_int4(&words, n, k)?;
+        let values = cpu::dequantize_int4(&levels, &self.scales.to_vec_f32()?, self.group)?;
+        Tensor::from_f32(&[n, k], values, &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(&self.words.device())
+    }
+}
+
+/// W4A16: `x · wᵀ` for `x` `[m × k]` (bf16 or f32) and an INT4 `w`, with the bits of
+/// [`super::matmul`] of `x` with the dequantized weight in `x`'s dtype (the QAT forward's
+/// product with its compute copy). On a GPU, bf16 rows up to 64 (a decode step's) go through
+/// `kernels/int4.cu`, which reads the packed words (a quarter of bf16's bytes); other shapes
+/// dequantize the weight first.
+pub fn int4_linear(x: &Tensor, w: &Int4Matrix) -> Result<Tensor> {
+    const OP: &str = "int4_linear";
+    floats_only(OP, &[x])?;
+    same_device(OP, &[x, &w.words])?;
+    let [n, k] = w.shape();
+    ensure(x.shape.len() == 2 && x.shape[1] == k, OP, || {
+        format!("x {:?} against an INT4 weight [{n}, {k}]", x.shape)
+    })?;
+    #[cfg(feature = "cuda")]
+    if let (Storage::Cuda(xb), Storage::Cuda(wb), Storage::Cuda(sb)) =
+        (&x.storage, &w.words.storage, &w.scales.storage)
+    {
+        use crate::cuda::DeviceData;
+        let m = x.shape[0];
+        if let (DeviceData::BF16(a), DeviceData::I32(words), DeviceData::F32(scales)) =
+            (&xb.data, &wb.data, &sb.data)
+            && m <= crate::cuda::int4::ROWS_MAX
+            && k.is_multiple_of(32)
+            && w.group.is_multiple_of(32)
+        {
+            let c = crate::cuda::int4::rows_gemm(&xb.gpu, a, (words, scales), (m, n, k), w.group)?;
+            let data = crate::cuda::Buffer { gpu: xb.gpu.clone(), data: DeviceData::BF16(c) };
+            return Ok(Tensor { shape: vec![m, n], storage: Storage::Cuda(data) });
+        }
+    }
+    super::matmul(x, Transpose::No, &w.dequantize(x.dtype())?, Transpose::Yes)
+}
 
 /// Writes into `out` (f32 or bf16, `w`'s shape and device) the fake-quantized f32 weight `w`
 /// `[rows × cols]` in groups of `group` inputs ([`cpu::fake_quantize_int4`]: each group's
@@ -82,8 +217,81 @@ mod tests {
             let w = tensor(&[2, 48], &[0.0; 96], DType::F32, &device);
             let mut out = Tensor::zeros(&[2, 48], DType::F32, &device).unwrap();
             assert!(fake_quantize_int4(&w, 32, &mut out).is_err());
+            assert!(Int4Matrix::quantize(&w, 32).is_err());
+            assert!(Int4Matrix::quantize(&w, 12).is_err());
             let mut narrow = Tensor::zeros(&[2, 32], DType::F32, &device).unwrap();
             assert!(fake_quantize_int4(&w, 16, &mut narrow).is_err());
+        }
+    }
+
+    /// An [`Int4Matrix`] holds the CPU's packed words and scales on every device, stands for
+    /// the fake-quantized weight, and is requantized in place.
+    #[test]
+    fn int4_matrices_pack_the_cpus_levels_on_every_device() {
+        let mut rng = Rng::new(32);
+        for device in devices() {
+            for (n, k, group) in [(40, 576, 32), (24, 256, 128)] {
+                let w = rng.vec(n * k, 0.05);
+                let wt = tensor(&[n, k], &w, DType::F32, &device);
+                let mut m = Int4Matrix::quantize(&wt, group).unwrap();
+                let (q, scales) = cpu::quantize_int4(&w, k, group).unwrap();
+                let what = format!("{device} [{n}, {k}] / {group}");
+                assert_eq!(m.words.to_vec_i32().unwrap(), cpu::pack_int4(&q, k).unwrap(), "{what}");
+                assert_eq!(m.scales.to_vec_f32().unwrap(), scales, "{what}");
+                assert_eq!(
+                    (m.shape(), m.group(), m.bytes()),
+                    ([n, k], group, n * k / 2 + 4 * n * k / group)
+                );
+                let fake = cpu::fake_quantize_int4(&w, k, group).unwrap();
+                assert_eq!(m.dequantize(DType::F32).unwrap().to_vec_f32().unwrap(), fake, "{what}");
+                // Requantized from another weight, in place.
+                let w2 = rng.vec(n * k, 0.05);
+                m.requantize(&tensor(&[n, k], &w2, DType::F32, &device)).unwrap();
+                let fake2 = cpu::fake_quantize_int4(&w2, k, group).unwrap();
+                assert_eq!(
+                    m.dequantize(DType::F32).unwrap().to_vec_f32().unwrap(),
+                    fake2,
+                    "{what}"
+                );
+                let narrow = tensor(&[n, k - 32], &w2[..n * (k - 32)], DType::F32, &device);
+                assert!(m.requantize(&narrow).is_err());
+            }
+        }
+    }
+
+    /// W4A16 products have the bits of the bf16 (and f32) product with the fake-quantized
+    /// weight in the same dtype, at a decode step's row counts (the packed kernel on a GPU:
+    /// one warp, four, ragged column blocks) and past them (the dequantized weight's product).
+    #[test]
+    fn int4_products_have_the_bits_of_the_fake_quantized_weights_product() {
+        let mut rng = Rng::new(33);
+        for device in devices() {
+            for (n, k, group) in [(960, 576, 32), (200, 1536, 128), (24, 64, 32)] {
+                let w = rng.vec(n * k, 0.05);
+                let m4 =
+                    Int4Matrix::quantize(&tensor(&[n, k], &w, DType::F32, &device), group).unwrap();
+                let fake = cpu::fake_quantize_int4(&w, k, group).unwrap();
+                for dtype in [DType::F32, DType::BF16] {
+                    let wd = tensor(&[n, k], &fake, dtype, &device);
+                    for m in [1, 3, 16, 17, 64, 65, 130] {
+                        let x = tensor(&[m, k], &rng.vec(m * k, 1.0), dtype, &device);
+                        let got = int4_linear(&x, &m4).unwrap();
+                        let want =
+                            super::super::matmul(&x, Transpose::No, &wd, Transpose::Yes).unwrap();
+                        let what = format!("{device} {dtype} [{m}, {k}] · [{n}, {k}]ᵀ / {group}");
+                        assert_eq!(got.shape(), [m, n], "{what}");
+                        assert_eq!(got.dtype(), dtype, "{what}");
+                        let bits = |t: &Tensor| {
+                            t.to_vec_f32().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                        };
+                        assert_eq!(bits(&got), bits(&want), "{what}");
+                    }
+                }
+            }
+            let m4 = Int4Matrix::quantize(&tensor(&[8, 64], &[0.5; 512], DType::F32, &device), 32)
+                .unwrap();
+            let x = tensor(&[2, 32], &[1.0; 64], DType::F32, &device);
+            assert!(int4_linear(&x, &m4).unwrap_err().to_string().contains("INT4 weight [8, 64]"));
         }
     }
 }
