@@ -265,6 +265,11 @@ pub struct DeviceModel {
     /// INT4 QAT, when on ([`DeviceModel::set_int4`]): its matrices' compute copies hold the
     /// fake-quantized weights.
     int4: Option<Int4Layers>,
+    /// With INT4 QAT on a GPU, per weight its packed form (W4A16), which the engine's
+    /// decode-sized products read instead of the compute copy (the same bits, a quarter of
+    /// the bytes); and per layer the q/k/v and gate/up stacks packed. Empty otherwise.
+    int4_packed: Vec<Option<ops::Int4Matrix>>,
+    int4_stacked: Vec<[ops::Int4Matrix; 2]>,
     /// Gemma: f32 ones of the hidden and head widths, which its norms' weights are added to.
     ones: Vec<Tensor>,
     /// Per weight (in [`tensor_spec`] order): left as it is by AdamW and out of the gradient
@@ -362,6 +367,8 @@ impl DeviceModel {
             fp8: None,
             quantized: Vec::new(),
             int4: None,
+            int4_packed: Vec::new(),
+            int4_stacked: Vec::new(),
             ones,
             frozen: vec![false; spec.len()],
         };
@@ -466,9 +473,13 @@ impl DeviceModel {
     }
 
     /// Writes the fake-quantized weights of INT4 QAT's matrices into their compute copies, in
-    /// place (an f32 model's are made the first time).
+    /// place (an f32 model's are made the first time), and on a GPU their packed forms.
     fn fake_quantize(&mut self) -> Result<()> {
-        let Some(q) = self.int4 else { return Ok(()) };
+        let Some(q) = self.int4 else {
+            self.int4_packed.clear();
+            self.int4_stacked.clear();
+            return Ok(());
+        };
         for i in int4_matrices(&self.config, &self.layout, q) {
             let master = &self.masters[i];
             let copy = match &mut self.compute[i] {
@@ -477,7 +488,93 @@ impl DeviceModel {
             };
             ops::fake_quantize_int4(master, q.group_size, copy)?;
         }
+        self.pack_int4(q)
+    }
+
+    /// On a GPU in bf16, (re)packs INT4 QAT's matrices from the masters (in place once packed:
+    /// the decode graphs keep reading the same buffers), with the q/k/v and gate/up stacks
+    /// where the compute copies are stacked. The first time, keeps them only if their
+    /// products give the compute copies' bits here ([`DeviceModel::int4_products_agree`]).
+    fn pack_int4(&mut self, q: Int4Layers) -> Result<()> {
+        if self.device == Device::Cpu || self.dtype != DType::BF16 {
+            return Ok(());
+        }
+        let stacked_masters = |m: &Self, layer, linear| -> Result<Tensor> {
+            let parts: Vec<&Tensor> =
+                m.layout.linear(layer, linear).iter().map(|&i| &m.masters[i]).collect();
+            Ok(ops::concat_rows(&parts)?)
+        };
+        if !self.int4_packed.is_empty() {
+            for (packed, master) in self.int4_packed.iter_mut().zip(&self.masters) {
+                if let Some(p) = packed {
+                    p.requantize(master)?;
+                }
+            }
+            for layer in 0..self.int4_stacked.len() {
+                for (k, linear) in [Linear::Qkv, Linear::GateUp].into_iter().enumerate() {
+                    let whole = stacked_masters(self, layer, linear)?;
+                    self.int4_stacked[layer][k].requantize(&whole)?;
+                }
+            }
+            return Ok(());
+        }
+        let mut packed: Vec<Option<ops::Int4Matrix>> = self.masters.iter().map(|_| None).collect();
+        for i in int4_matrices(&self.config, &self.layout, q) {
+            packed[i] = Some(ops::Int4Matrix::quantize(&self.masters[i], q.group_size)?);
+        }
+        let mut stacks = Vec::new();
+        if !self.stacked.is_empty() && !q.experts_only {
+            for layer in 0..self.layout.layers {
+                let pack = |linear| -> Result<ops::Int4Matrix> {
+                    let whole = stacked_masters(self, layer, linear)?;
+                    Ok(ops::Int4Matrix::quantize(&whole, q.group_size)?)
+                };
+                stacks.push([pack(Linear::Qkv)?, pack(Linear::GateUp)?]);
+            }
+        }
+        (self.int4_packed, self.int4_stacked) = (packed, stacks);
+        if !self.int4_products_agree()? {
+            self.int4_packed.clear();
+            self.int4_stacked.clear();
+        }
         Ok(())
+    }
+
+    /// Whether the packed INT4 products give the compute copies' bits on this device (the
+    /// first packed matrix and layer 0's stacks, random rows at each decode tier up to
+    /// [`ops::INT4_ROWS_MAX`]), so that the engine's W4A16 steps keep the training forward's
+    /// logprobs.
+    fn int4_products_agree(&self) -> Result<bool> {
+        let first = self.int4_packed.iter().position(Option::is_some);
+        let mut pairs: Vec<(&ops::Int4Matrix, &Tensor)> = Vec::new();
+        if let Some(i) = first {
+            pairs.push((self.int4_packed[i].as_ref().expect("found"), self.weight(i)));
+        }
+        if let (Some(packed), Some(stacks)) = (self.int4_stacked.first(), self.stacked.first()) {
+            pairs.extend(packed.iter().zip(stacks));
+        }
+        let mut rng = miles_tensor::rng::Rng::new(0x1a74);
+        for (q, w) in pairs {
+            let k = w.shape()[1];
+            for rows in STACK_CHECK_ROWS.into_iter().filter(|&r| r <= ops::INT4_ROWS_MAX) {
+                let x = Tensor::from_f32(&[rows, k], rng.vec(rows * k, 1.0), &self.device)?
+                    .to_dtype(self.dtype)?;
+                let got = ops::int4_linear(&x, q)?.to_vec_f32()?;
+                let want = ops::matmul(&x, Transpose::No, w, Transpose::Yes)?.to_vec_f32()?;
+                if got.iter().zip(&want).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                    if std::env::var_os("MILES_GEMM_LOG").is_some() {
+                        eprintln!("W4A16 products differ from the compute copy's at {rows} rows");
+                    }
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Whether the engine's decode-sized products read INT4 QAT's packed weights (W4A16).
+    pub fn int4_w4a16(&self) -> bool {
+        !self.int4_packed.is_empty()
     }
 
     /// The HF names of the weights the FP8 forward reads in E4M3 (what an FP8 export
@@ -709,6 +806,9 @@ impl DeviceModel {
         if self.fp8.is_some_and(|f| f.rollout_only) {
             w.quantized = &[];
         }
+        if self.int4.is_some() {
+            w.int4 = &[];
+        }
         w
     }
 
@@ -721,6 +821,7 @@ impl DeviceModel {
             masters: &self.masters,
             compute: &self.compute,
             quantized: &self.quantized,
+            int4: &self.int4_packed,
             packed: &self.packed,
             packed_stacks: &self.packed_stacks,
             stacked: &self.stacked,
@@ -1056,7 +1157,7 @@ impl DeviceModel {
         plan: &ops::PagedPlan,
         kv: &mut KvCache,
     ) -> Result<Tensor> {
-        let (c, l) = (&self.config, &self.layout);
+        let (c, l, w) = (&self.config, &self.layout, self.weights());
         let eps = c.rms_norm_eps;
         let product = |x: &Tensor, w: &Tensor| ops::matmul(x, Transpose::No, w, Transpose::Yes);
         let (mut normed, _) = ops::rmsnorm_forward(&x, self.weight(l.norm(0, Norm::Input)), eps)?;
@@ -1064,7 +1165,12 @@ impl DeviceModel {
             let norms = l.qk_norm.then(|| {
                 (self.weight(l.norm(layer, Norm::Q)), self.weight(l.norm(layer, Norm::K)))
             });
-            let qkv = product(&normed, qkv_w)?;
+            let packed =
+                self.int4_stacked.get(layer).filter(|_| normed.shape()[0] <= ops::INT4_ROWS_MAX);
+            let qkv = match packed {
+                Some([q, _]) => ops::int4_linear(&normed, q)?,
+                None => product(&normed, qkv_w)?,
+            };
             let heads = c.num_attention_heads;
             let q = ops::qkv_rope_kv_write(
                 &qkv,
@@ -1079,11 +1185,15 @@ impl DeviceModel {
             )?;
             let scores = c.attention_shape(layer).scores;
             let (attn, _) = ops::paged_attention(&q, kv.data(), layer, plan, heads, &scores)?;
-            let o = product(&attn, self.weight(l.linear(layer, Linear::O)[0]))?;
+            let o = w.product(&attn, l.linear(layer, Linear::O)[0])?;
             let post = self.weight(l.norm(layer, Norm::Post));
             let [x_mid, n2, _] = ops::add_rmsnorm(&x, &o, post, eps)?;
-            let act = ops::swiglu_stacked(&product(&n2, gate_up_w)?)?;
-            let m = product(&act, self.weight(l.linear(layer, Linear::Down)[0]))?;
+            let gate_up = match packed {
+                Some([_, q]) => ops::int4_linear(&n2, q)?,
+                None => product(&n2, gate_up_w)?,
+            };
+            let act = ops::swiglu_stacked(&gate_up)?;
+            let m = w.product(&act, l.linear(layer, Linear::Down)[0])?;
             let next =
                 if layer + 1 < l.layers { l.norm(layer + 1, Norm::Input) } else { l.final_norm() };
             let [sum, y, _] = ops::add_rmsnorm(&x_mid, &m, self.weight(next), eps)?;
@@ -1395,6 +1505,7 @@ impl DeviceModel {
             masters: &self.masters,
             compute: &self.compute,
             quantized: if rollout_only { &[] } else { &self.quantized },
+            int4: &[],
             packed: &self.packed,
             packed_stacks: &self.packed_stacks,
             stacked: &self.stacked,
@@ -1624,6 +1735,8 @@ struct DeviceWeights<'a> {
     masters: &'a [Tensor],
     compute: &'a [Option<Tensor>],
     quantized: &'a [Option<ops::Fp8Matrix>],
+    /// INT4 QAT's packed weights, where the engine's products read them (W4A16).
+    int4: &'a [Option<ops::Int4Matrix>],
     packed: &'a [Option<PackedLinear>],
     packed_stacks: &'a [[Option<PackedLinear>; 2]],
     stacked: &'a [[Tensor; 2]],
@@ -1651,10 +1764,20 @@ impl<'a> DeviceWeights<'a> {
         if let Some(q) = self.quantized.get(index).and_then(Option::as_ref) {
             return Ok(ops::fp8_linear(x, q)?);
         }
+        if let Some(q) = self.int4_for(x, index) {
+            return Ok(ops::int4_linear(x, q)?);
+        }
         Ok(match self.packed.get(index).and_then(Option::as_ref) {
             Some(p) => ops::linear_packed(x, p)?,
             None => ops::matmul(x, Transpose::No, self.weight(index), Transpose::Yes)?,
         })
+    }
+
+    /// The packed INT4 form of matrix `index` where a product of `x` reads it: decode-sized
+    /// rows (larger products read the compute copy, which has the same values).
+    fn int4_for(&self, x: &Tensor, index: usize) -> Option<&'a ops::Int4Matrix> {
+        let q = self.int4.get(index)?.as_ref()?;
+        (x.shape()[0] <= ops::INT4_ROWS_MAX).then_some(q)
     }
 
     /// [`DeviceWeights::product`] in f32 whatever the compute dtype (the LM head's logits).
@@ -1737,7 +1860,7 @@ impl Dev<'_> {
             // x quantized once for all the parts.
             return Ok(ops::fp8_linear_many(x, &quantized)?);
         }
-        if !quantized.is_empty() {
+        if !quantized.is_empty() || parts.iter().any(|&i| self.w.int4_for(x, i).is_some()) {
             return parts.iter().map(|&i| self.w.product(x, i)).collect();
         }
         let widths =
@@ -2519,7 +2642,7 @@ mod tests {
 mod invariance {
     use super::*;
     use crate::Architecture;
-    use crate::model::tests::{model, tiny};
+    use crate::model::tests::{batch, model, tiny};
     use miles_tensor::rng::Rng;
 
     /// A sequence's logprobs and entropies have the same bits scored alone and packed with
@@ -2609,9 +2732,53 @@ mod invariance {
         assert!(gpu.0 <= 1.3 * cpu.0 && gpu.1 <= 2.0 * cpu.1, "cuda {gpu:?} vs cpu {cpu:?}");
     }
 
-    /// The fused decode layers give the bits of the one-by-one layers, hidden states and KV
-    /// cache alike, with and without q/k norms (Qwen3 and Llama shapes), over a prompt step
-    /// and decode steps of several sequences.
+    /// A prompt step (3 prompts of 40, 7 and 65 tokens), then 3 decode steps, through
+    /// [`DeviceModel::decode_layers`] (`fused`) or [`DeviceModel::layers_one_by_one`]: each
+    /// step's hidden states, then the cache, as bits.
+    fn decode_step_bits(dm: &DeviceModel, fused: bool) -> Vec<Vec<u32>> {
+        let device = dm.device();
+        let mut rng = Rng::new(21);
+        let mut kv = KvCache::new(&dm.config, 8, &device, DType::BF16).unwrap();
+        let tables: [Vec<u32>; 3] = [vec![3, 0], vec![5], vec![1, 6, 2]];
+        let mut steps: Vec<Vec<(usize, usize, usize)>> =
+            vec![vec![(0, 0, 40), (1, 0, 7), (2, 0, 65)]];
+        for t in 0..3 {
+            steps.push(vec![(0, 40 + t, 1), (1, 7 + t, 1), (2, 65 + t, 1)]);
+        }
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        let mut out = Vec::new();
+        for step in &steps {
+            let seqs: Vec<PagedRows> =
+                step.iter().map(|&(s, pos0, n)| PagedRows { n, pos0, table: &tables[s] }).collect();
+            let positions: Vec<u32> =
+                step.iter().flat_map(|&(_, pos0, n)| (pos0..pos0 + n).map(|p| p as u32)).collect();
+            let tokens: Vec<u32> = positions.iter().map(|_| rng.below(1000) as u32).collect();
+            let (cos, sin) = dm.rope_tensors(&positions).unwrap();
+            let plan = ops::PagedPlan::new(&seqs, kv.layout(), &device).unwrap();
+            let x = ops::embedding_forward(dm.weight(0), &tokens).unwrap();
+            let hidden = match fused {
+                true => dm.decode_layers(x, &cos, &sin, &plan, &mut kv),
+                false => dm.layers_one_by_one(x, (&cos, &sin), None, &plan, &mut kv, None),
+            };
+            out.push(bits(&hidden.unwrap()));
+        }
+        out.push(bits(kv.data()));
+        out
+    }
+
+    /// SmolLM2-shaped layers (3 of them) on a GPU in bf16.
+    fn decode_config(arch: Architecture) -> ModelConfig {
+        let mut c = tiny(arch, arch == Architecture::Llama);
+        (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers) =
+            (576, 1536, 1000, 3);
+        (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (9, 3, 64);
+        c
+    }
+
+    /// The fused decode layers give the one-by-one layers' bits, hidden states and KV cache
+    /// alike, over a prompt step and decode steps (on the device that runs them).
     #[test]
     fn fused_decode_layers_have_the_bits_of_the_layers_one_by_one_on_cuda() {
         let device = Device::Cuda(0);
@@ -2620,45 +2787,63 @@ mod invariance {
             return;
         }
         for arch in [Architecture::Qwen3, Architecture::Llama] {
-            let mut c = tiny(arch, arch == Architecture::Llama);
-            (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers) =
-                (576, 1536, 1000, 3);
-            (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (9, 3, 64);
-            let dm = DeviceModel::new(&model(c, 6), &device, DType::BF16).unwrap();
+            let dm =
+                DeviceModel::new(&model(decode_config(arch), 6), &device, DType::BF16).unwrap();
             assert!(!dm.stacked.is_empty(), "{arch:?}: the stacked copies failed their check");
             assert!(dm.fused_decode, "{arch:?}: the fused decode layers failed their check");
-            let mut rng = Rng::new(21);
-            let layout = |kv: &KvCache| kv.layout();
-            let mut caches =
-                [0, 1].map(|_| KvCache::new(&dm.config, 8, &device, DType::BF16).unwrap());
-            let tables: [Vec<u32>; 3] = [vec![3, 0], vec![5], vec![1, 6, 2]];
-            // A prompt step (3 prompts of 40, 7 and 65 tokens), then 3 decode steps.
-            let mut steps: Vec<Vec<(usize, usize, usize)>> =
-                vec![vec![(0, 0, 40), (1, 0, 7), (2, 0, 65)]];
-            for t in 0..3 {
-                steps.push(vec![(0, 40 + t, 1), (1, 7 + t, 1), (2, 65 + t, 1)]);
+            let (fused, apart) = (decode_step_bits(&dm, true), decode_step_bits(&dm, false));
+            for (i, (a, b)) in fused.iter().zip(&apart).enumerate() {
+                assert!(a == b, "{arch:?}: step {i} (the last: the cache) differs");
             }
-            for (i, step) in steps.iter().enumerate() {
-                let seqs: Vec<PagedRows> = step
-                    .iter()
-                    .map(|&(s, pos0, n)| PagedRows { n, pos0, table: &tables[s] })
-                    .collect();
-                let positions: Vec<u32> = step
-                    .iter()
-                    .flat_map(|&(_, pos0, n)| (pos0..pos0 + n).map(|p| p as u32))
-                    .collect();
-                let tokens: Vec<u32> = positions.iter().map(|_| rng.below(1000) as u32).collect();
-                let (cos, sin) = dm.rope_tensors(&positions).unwrap();
-                let plan = ops::PagedPlan::new(&seqs, layout(&caches[0]), &device).unwrap();
-                let x = || ops::embedding_forward(dm.weight(0), &tokens).unwrap();
-                let [a, b] = &mut caches;
-                let fused = dm.decode_layers(x(), &cos, &sin, &plan, a).unwrap();
-                let apart = dm.layers_one_by_one(x(), (&cos, &sin), None, &plan, b, None).unwrap();
-                let bits = |t: &Tensor| -> Vec<u32> {
-                    t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
-                };
-                assert!(bits(&fused) == bits(&apart), "{arch:?} step {i}: hidden states differ");
-                assert!(bits(a.data()) == bits(b.data()), "{arch:?} step {i}: caches differ");
+        }
+    }
+
+    /// With INT4 QAT on a GPU the engine's decode-sized products read the packed weights
+    /// (W4A16), fused and one by one, and its steps have the bits of a model whose weights
+    /// are the fake-quantized ones (the training forward's compute copies), before and after
+    /// an AdamW step (the packed weights requantized in place).
+    #[test]
+    fn int4_decode_steps_read_packed_weights_with_the_compute_copies_bits_on_cuda() {
+        let device = Device::Cuda(0);
+        if let Err(e) = device.ensure_available() {
+            println!("skipping CUDA: {e}");
+            return;
+        }
+        let fake = |m: &Model, covered: &[String]| {
+            let mut f = m.clone();
+            let spec = tensor_spec(&f.config);
+            for ((name, shape), t) in spec.iter().zip(f.weights.tensors_mut()) {
+                if covered.contains(name) {
+                    *t = cpu::fake_quantize_int4(t, shape[1], 32).unwrap();
+                }
+            }
+            f
+        };
+        let q = Int4Layers { group_size: 32, experts_only: false };
+        for arch in [Architecture::Qwen3, Architecture::Llama] {
+            let m = model(decode_config(arch), 6);
+            let mut dm = DeviceModel::new(&m, &device, DType::BF16).unwrap();
+            dm.set_int4(Some(q)).unwrap();
+            assert!(dm.int4_w4a16() && !dm.int4_stacked.is_empty(), "{arch:?}: W4A16 is off");
+            let covered = dm.int4_weight_names();
+            for round in ["before", "after an AdamW step"] {
+                let host = Model::new(m.config.clone(), dm.to_weights().unwrap());
+                let plain = DeviceModel::new(&fake(&host, &covered), &device, DType::BF16).unwrap();
+                for fused in [true, false] {
+                    let (got, want) =
+                        (decode_step_bits(&dm, fused), decode_step_bits(&plain, fused));
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert!(a == b, "{arch:?} {round}, fused {fused}: step {i} differs");
+                    }
+                }
+                let b = batch();
+                let f = dm.forward(&b, 1.0).unwrap();
+                let mut rng = Rng::new(4);
+                let (ga, gb) = (rng.vec(f.logp.len(), 1.0), rng.vec(f.logp.len(), 1.0));
+                dm.backward(&f, &b, &ga, &gb).unwrap();
+                let hyper =
+                    AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 };
+                dm.adamw_step(&hyper, 1.0).unwrap();
             }
         }
     }

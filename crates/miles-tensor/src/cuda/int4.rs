@@ -54,10 +54,7 @@ pub(crate) fn quantize_pack(
     launch!(gpu, "int4", "int4_quantize_pack", cfg, words, scales, w, &group, &groups)
 }
 
-/// The most rows [`rows_gemm`] takes.
-pub(crate) const ROWS_MAX: usize = 64;
-
-/// `c [m × n] = a [m × k] · wᵀ` (bf16) for `m` ≤ [`ROWS_MAX`] rows, `w` packed (`words`,
+/// `c [m × n] = a [m × k] · wᵀ` (bf16) for `m` ≤ 64 rows, `w` packed (`words`,
 /// `scales` in groups of `group`): `kernels/int4.cu`'s W4A16 product. `k` and `group`
 /// multiples of 32, `group` dividing `k`.
 pub(crate) fn rows_gemm(

@@ -106,6 +106,9 @@ impl Int4Matrix {
     }
 }
 
+/// The most rows [`int4_linear`] reads the packed words for on a GPU (a decode step's).
+pub const INT4_ROWS_MAX: usize = 64;
+
 /// W4A16: `x · wᵀ` for `x` `[m × k]` (bf16 or f32) and an INT4 `w`, with the bits of
 /// [`super::matmul`] of `x` with the dequantized weight in `x`'s dtype (the QAT forward's
 /// product with its compute copy). On a GPU, bf16 rows up to 64 (a decode step's) go through
@@ -127,7 +130,7 @@ pub fn int4_linear(x: &Tensor, w: &Int4Matrix) -> Result<Tensor> {
         let m = x.shape[0];
         if let (DeviceData::BF16(a), DeviceData::I32(words), DeviceData::F32(scales)) =
             (&xb.data, &wb.data, &sb.data)
-            && m <= crate::cuda::int4::ROWS_MAX
+            && m <= INT4_ROWS_MAX
             && k.is_multiple_of(32)
             && w.group.is_multiple_of(32)
         {
