@@ -6,7 +6,7 @@
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
 #                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
 #                                  dp|fp8|fp8-bench|fp8-addition|int4-addition|families|families-bench|
-#                                  spec-addition|spec-gsm8k|spec-bench|all]
+#                                  spec-addition|spec-gsm8k|spec-bench|int4-bench|all]
 # Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
 # packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
 # is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
@@ -404,6 +404,26 @@ for r in rows:
           f'{p.get("decode_graph_ms")} ms, verify graph {r.get("spec_verify_graph_ms")} ms, '
           f'draft round graph {r.get("spec_draft_graph_ms")} ms; host phases per step '
           f'{r.get("spec_phases_ms")}')
+PY
+fi
+if [ "$what" = int4-bench ]; then
+  # W4A16 decode (issue 31): `miles bench rollout` on random weights of PRESET (qwen3-8b), bf16
+  # against INT4 QAT's packed weights (groups of 128), per batch size, one process each.
+  for batch in ${BATCHES:-1 16 64}; do
+    for group in none 128; do
+      flags=""; [ "$group" = none ] || flags="--int4-group-size $group"
+      timeout ${LIMIT:-240} $miles bench rollout --device cuda --preset ${PRESET:-qwen3-8b} \
+        --batch $batch --prompt-len 64 --new-tokens ${NEW_TOKENS:-64} $flags 2>&1 | tail -1 \
+        | tee -a "$OUT/int4-bench.jsonl"
+    done
+  done
+  python3 - "$OUT/int4-bench.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+for r in rows:
+    print(f'batch {r["batch"]} int4 {r["int4_group_size"]} w4a16 {r["w4a16"]}: decode step '
+          f'{r["decode_step_ms"]:.3f} ms ({r["decode_tokens_per_s"]:.0f} tok/s), graph '
+          f'{r["decode_graph_ms"]} ms, rollout weights {r["rollout_weight_gib"]:.2f} GiB')
 PY
 fi
 if [ "$what" = moe-bench ]; then

@@ -54,6 +54,10 @@ pub struct RolloutBenchArgs {
     pub new_tokens: usize,
     #[command(flatten)]
     pub fp8: Fp8Arg,
+    /// INT4 QAT's weights (every linear fake-quantized in groups of this many inputs, 32 or
+    /// 128): on a GPU in bf16 the engine's decode steps read them packed (W4A16).
+    #[arg(long, value_name = "G")]
+    pub int4_group_size: Option<usize>,
     /// Speculative decoding (EAGLE chains of this many draft tokens per step), with the draft
     /// of --sglang-speculative-draft-model-path or else a random one: a random draft keeps
     /// almost none of its tokens, so it measures what a speculative step costs against a
@@ -227,6 +231,10 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     }
     let mut dm = args.engine.place(&model).context("placing the model")?;
     args.fp8.apply(&mut dm)?;
+    if let Some(group_size) = args.int4_group_size {
+        let q = miles_model::Int4Layers { group_size, experts_only: false };
+        dm.set_int4(Some(q)).context("--int4-group-size")?;
+    }
     device.synchronize()?;
     let resident = device.peak_memory()?;
     let dtype = dm.dtype();
@@ -273,6 +281,9 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "cuda_graphs": device != Device::Cpu && !args.engine.disable_cuda_graph,
         "gemm": format!("{:?}", args.gemm).to_lowercase(),
         "fp8": args.fp8.label(),
+        "int4_group_size": args.int4_group_size,
+        "w4a16": dm.int4_w4a16(),
+        "rollout_weight_gib": dm.rollout_weight_bytes() as f64 / (1u64 << 30) as f64,
         "threads": rayon::current_num_threads(),
         "batch": args.batch,
         "prompt_len": args.prompt_len,

@@ -577,6 +577,24 @@ impl DeviceModel {
         !self.int4_packed.is_empty()
     }
 
+    /// Bytes of the weights the engine's decode steps read: each weight's packed INT4 form
+    /// where it has one (W4A16), else its FP8 codes, else its compute copy (the master in an
+    /// f32 model). The stacked copies, which hold the same values again, are not counted.
+    pub fn rollout_weight_bytes(&self) -> usize {
+        (0..self.masters.len())
+            .map(|i| {
+                if let Some(Some(q)) = self.int4_packed.get(i) {
+                    return q.bytes();
+                }
+                if let Some(Some(q)) = self.quantized.get(i) {
+                    return q.bytes();
+                }
+                let w = self.weight(i);
+                w.len() * w.dtype().size_in_bytes()
+            })
+            .sum()
+    }
+
     /// The HF names of the weights the FP8 forward reads in E4M3 (what an FP8 export
     /// quantizes).
     pub fn fp8_weight_names(&self) -> Vec<String> {

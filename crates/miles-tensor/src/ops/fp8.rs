@@ -107,6 +107,11 @@ impl Fp8Matrix {
         self.codes.device()
     }
 
+    /// Bytes the matrix holds: a byte a weight, four a block.
+    pub fn bytes(&self) -> usize {
+        self.codes.len() + 4 * self.scales.len()
+    }
+
     pub fn codes(&self) -> &Tensor {
         &self.codes
     }
