@@ -8,6 +8,8 @@
 // bf16. One warp per group, `group` / 32 weights a lane (group is 32 or 128).
 // int4_quantize_pack (ops::Int4Matrix): the levels as compressed-tensors packs them (q + 8 in a
 // nibble, eight of a row's consecutive levels in an int32, the first lowest) and the scales.
+// int4_dequantize_{f32,bf16} (Int4Matrix::dequantize): the values q · s back from the packed
+// words, one thread a word.
 // int4_rows_gemm_* (ops::int4_linear, W4A16): c [m × n] = a [m × k] · wᵀ for a decode step's few
 // bf16 rows, w packed: rows_gemm.cu's product, its A tiles loaded the same way and its B tiles
 // made in shared memory from the packed words, each value bf16(q · s) as the QAT forward's bf16
@@ -190,3 +192,30 @@ INT4_ROWS_GEMM(int4_rows_gemm_m16_n16, 1, 16, 16)
 INT4_ROWS_GEMM(int4_rows_gemm_m16_n64, 1, 64, 16)
 INT4_ROWS_GEMM(int4_rows_gemm_m64_n16, 4, 16, 8)
 INT4_ROWS_GEMM(int4_rows_gemm_m64_n64, 4, 64, 8)
+
+// out[i] = q_i · s for the 8 levels of words[w] (i = 8w ..), s the scale of their group.
+template <typename T>
+__device__ void dequantize(T* out, const int* words, const float* scales, int group,
+                           long long count) {
+    const long long w = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (w >= count) return;
+    const float s = scales[w * 8 / group];
+    const unsigned word = static_cast<unsigned>(words[w]);
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        v[i] = __fmul_rn(static_cast<float>(static_cast<int>((word >> (4 * i)) & 15u) - 8), s);
+    }
+    miles::store<4>(out + w * 8, v);
+    miles::store<4>(out + w * 8 + 4, v + 4);
+}
+
+extern "C" __global__ void int4_dequantize_f32(float* out, const int* words, const float* scales,
+                                               int group, long long count) {
+    dequantize(out, words, scales, group, count);
+}
+
+extern "C" __global__ void int4_dequantize_bf16(__nv_bfloat16* out, const int* words,
+                                                const float* scales, int group, long long count) {
+    dequantize(out, words, scales, group, count);
+}

@@ -32,6 +32,29 @@ pub(crate) fn fake_quantize(
     })
 }
 
+/// `out` (f32 or bf16, eight values a word) = the values q · s of the packed `words` with the
+/// `scales` of their groups of `group`.
+pub(crate) fn dequantize(
+    gpu: &Gpu,
+    (words, scales): (&CudaSlice<i32>, &CudaSlice<f32>),
+    out: &mut DeviceData,
+    group: usize,
+) -> Result<()> {
+    let count = words.len();
+    if count == 0 {
+        return Ok(());
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (count.div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (group, count) = (group as i32, count as i64);
+    per_float!("Int4Matrix::dequantize", (out), |T, f| {
+        launch!(gpu, "int4", kernel!(f, "int4_dequantize"), cfg, out, words, scales, &group, &count)
+    })
+}
+
 /// `words` (`[rows × cols/8]`) and `scales` (`[rows × cols/group]`) of the f32 weight `w`:
 /// compressed-tensors' packed levels and miles' scales.
 pub(crate) fn quantize_pack(

@@ -97,6 +97,18 @@ impl Int4Matrix {
     /// [`fake_quantize_int4`] of the weight it was quantized from.
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
         let [n, k] = self.shape();
+        #[cfg(feature = "cuda")]
+        if let (Storage::Cuda(wb), Storage::Cuda(sb)) = (&self.words.storage, &self.scales.storage)
+        {
+            use crate::cuda::DeviceData;
+            let (DeviceData::I32(words), DeviceData::F32(scales)) = (&wb.data, &sb.data) else {
+                unreachable!("an Int4Matrix holds i32 words and f32 scales")
+            };
+            let mut out = Tensor::zeros(&[n, k], dtype, &self.words.device())?;
+            let Storage::Cuda(ob) = &mut out.storage else { unreachable!("on the device") };
+            crate::cuda::int4::dequantize(&wb.gpu, (words, scales), &mut ob.data, self.group)?;
+            return Ok(out);
+        }
         let words = self.words.to_vec_i32()?;
         let levels = cpu::unpack_int4(&words, n, k)?;
         let values = cpu::dequantize_int4(&levels, &self.scales.to_vec_f32()?, self.group)?;
@@ -247,6 +259,10 @@ mod tests {
                 );
                 let fake = cpu::fake_quantize_int4(&w, k, group).unwrap();
                 assert_eq!(m.dequantize(DType::F32).unwrap().to_vec_f32().unwrap(), fake, "{what}");
+                let rounded: Vec<f32> =
+                    fake.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect();
+                let bf16 = m.dequantize(DType::BF16).unwrap();
+                assert_eq!((bf16.dtype(), bf16.to_vec_f32().unwrap()), (DType::BF16, rounded));
                 // Requantized from another weight, in place.
                 let w2 = rng.vec(n * k, 0.05);
                 m.requantize(&tensor(&[n, k], &w2, DType::F32, &device)).unwrap();
