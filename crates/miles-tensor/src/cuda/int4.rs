@@ -9,6 +9,17 @@ use crate::Result;
 /// Warps (groups) per block of threads.
 const GROUPS_PER_BLOCK: usize = 8;
 
+/// The launch of a kernel that gives each of `groups` groups a warp, and the count as the
+/// kernels take it; None for no group.
+fn warp_per_group(groups: usize) -> Option<(LaunchConfig, i64)> {
+    let cfg = LaunchConfig {
+        grid_dim: (groups.div_ceil(GROUPS_PER_BLOCK) as u32, 1, 1),
+        block_dim: (32 * GROUPS_PER_BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    (groups > 0).then_some((cfg, groups as i64))
+}
+
 /// `out` (f32 or bf16, `w`'s length) = the fake-quantized `w`, groups of `group` consecutive
 /// weights.
 pub(crate) fn fake_quantize(
@@ -17,16 +28,8 @@ pub(crate) fn fake_quantize(
     out: &mut DeviceData,
     group: usize,
 ) -> Result<()> {
-    let groups = w.len() / group;
-    if groups == 0 {
-        return Ok(());
-    }
-    let cfg = LaunchConfig {
-        grid_dim: (groups.div_ceil(GROUPS_PER_BLOCK) as u32, 1, 1),
-        block_dim: (32 * GROUPS_PER_BLOCK as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (group, groups) = (group as i32, groups as i64);
+    let Some((cfg, groups)) = warp_per_group(w.len() / group) else { return Ok(()) };
+    let group = group as i32;
     per_float!("fake_quantize_int4", (out), |T, f| {
         launch!(gpu, "int4", kernel!(f, "int4_fake_quantize"), cfg, out, w, &group, &groups)
     })
@@ -64,16 +67,8 @@ pub(crate) fn quantize_pack(
     scales: &mut CudaSlice<f32>,
     group: usize,
 ) -> Result<()> {
-    let groups = w.len() / group;
-    if groups == 0 {
-        return Ok(());
-    }
-    let cfg = LaunchConfig {
-        grid_dim: (groups.div_ceil(GROUPS_PER_BLOCK) as u32, 1, 1),
-        block_dim: (32 * GROUPS_PER_BLOCK as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (group, groups) = (group as i32, groups as i64);
+    let Some((cfg, groups)) = warp_per_group(w.len() / group) else { return Ok(()) };
+    let group = group as i32;
     launch!(gpu, "int4", "int4_quantize_pack", cfg, words, scales, w, &group, &groups)
 }
 
