@@ -292,3 +292,26 @@ fn bench_train_prints_one_json_line() {
     let err = miles(&["bench", "train", "--device", "cuda"]).unwrap_err();
     assert!(err.contains("--device cuda"), "{err}");
 }
+
+/// `miles bench rollout` measures plain, speculative (a random draft: tokens per verification
+/// and the step's host phases) and INT4 QAT decode, and names a group that does not fit.
+#[test]
+fn bench_rollout_reports_speculative_and_int4_steps() {
+    let run = |more: &[&str]| -> Result<serde_json::Value, String> {
+        let mut args = vec!["bench", "rollout", "--preset", "tiny-h64", "--batch", "3"];
+        args.extend(["--prompt-len", "8", "--new-tokens", "12"]);
+        args.extend(more);
+        miles(&args).map(|out| serde_json::from_str(out.trim()).unwrap())
+    };
+    let plain = run(&[]).unwrap();
+    assert_eq!((plain["what"].as_str(), plain["spec_steps"].as_u64()), (Some("rollout"), Some(0)));
+    let spec = run(&["--sglang-speculative-num-steps", "3"]).unwrap();
+    assert!(spec["spec_tokens_per_verification"].as_f64().unwrap() > 1.0, "{spec}");
+    let phases = &spec["spec_phases_ms"];
+    assert!(phases["propose"].as_f64().unwrap() > 0.0 && phases["wait"].is_number(), "{spec}");
+    let int4 = run(&["--int4-group-size", "32"]).unwrap();
+    assert_eq!(int4["int4_group_size"], 32, "{int4}");
+    assert!(int4["rollout_weight_gib"].as_f64().unwrap() > 0.0, "{int4}");
+    let err = run(&["--int4-group-size", "48"]).unwrap_err();
+    assert!(err.contains("--int4-group-size") && err.contains("does not divide"), "{err}");
+}

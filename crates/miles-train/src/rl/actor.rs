@@ -129,6 +129,13 @@ impl Actor {
                 gib(free),
                 gib(total)
             );
+            if dm.int4_w4a16() {
+                eprintln!(
+                    "INT4 QAT: the rollout engine's decode steps read {:.2} GiB of weights, the \
+                     covered matrices packed (W4A16; their bf16 copies stay for training)",
+                    gib(dm.rollout_weight_bytes() as u64)
+                );
+            }
             if kv > free {
                 bail!(
                     "--rollout-kv-cache-mb {}: the KV cache needs {:.2} GiB and {device} has \
