@@ -314,6 +314,44 @@ fn a_speculative_run_with_mtp_training_resumes_exactly() {
     assert!(late < 0.5 * early, "the draft learns: MTP loss {early} then {late}");
 }
 
+/// A fresh draft warmed up on the first rollout's samples (`--mtp-warmup-steps`): its loss on
+/// them falls well below the step's own MTP loss, only the first iteration warms up, and the
+/// second rollout keeps more drafts than a draft that learned online only.
+#[cfg(feature = "eagle-spec")]
+#[test]
+fn a_fresh_draft_warms_up_on_the_first_rollout() {
+    let run = |name: &str, warmup: usize| -> Vec<Value> {
+        let dir = scratch(name);
+        let flags = format!(
+            "--sft-warmup-steps 0 --rollout-batch-size 8 --n-samples-per-prompt 4 \
+             --micro-batch-size 6 --eval-interval 100 --sglang-speculative-algorithm EAGLE \
+             --sglang-speculative-num-steps 2 --enable-mtp-training --mtp-lr 2e-3 \
+             --mtp-warmup-steps {warmup}"
+        );
+        let mut args = run_args(&flags, &dir, 2);
+        args.extend(["--run-dir".into(), dir.to_str().unwrap().into()]);
+        miles(&strs(&["train".to_string()].iter().chain(&args).cloned().collect::<Vec<_>>()))
+            .unwrap();
+        iteration_records(&dir)
+    };
+    let (warm, cold) = (run("train_mtp_warmup", 60), run("train_mtp_cold", 0));
+    let first = &warm[0];
+    let (step, warmed) =
+        (first["train/mtp_loss"].as_f64().unwrap(), first["train/mtp_warmup_loss"].as_f64());
+    assert!(warmed.is_some_and(|w| w < 0.8 * step), "MTP loss {step}, after warm-up {warmed:?}");
+    assert!(
+        warm[1].get("train/mtp_warmup_loss").is_none()
+            && cold[0].get("train/mtp_warmup_loss").is_none()
+    );
+    let rate = |r: &Value| r["rollout/spec_accept_rate"].as_f64().unwrap();
+    assert!(
+        rate(&warm[1]) > rate(&cold[1]),
+        "accept rates {} and {}",
+        rate(&warm[1]),
+        rate(&cold[1])
+    );
+}
+
 /// The records of a run's iterations.
 fn iteration_records(dir: &Path) -> Vec<Value> {
     std::fs::read_to_string(dir.join("metrics.jsonl"))
@@ -805,6 +843,8 @@ fn bad_speculative_settings_and_drafts_are_named() {
     assert!(e.contains("--sglang-speculative-num-steps") && e.contains("only with"), "{e}");
     let e = train(&base, &["--mtp-lr", "1e-3"]).unwrap_err();
     assert!(e.contains("--mtp-lr") && e.contains("--enable-mtp-training"), "{e}");
+    let e = train(&base, &["--mtp-warmup-steps", "5"]).unwrap_err();
+    assert!(e.contains("--mtp-warmup-steps") && e.contains("--enable-mtp-training"), "{e}");
     let spec = ["--sglang-speculative-algorithm", "EAGLE", "--enable-mtp-training"];
     let e = train(&base, &[&spec[..], &["--sglang-speculative-eagle-topk", "2"]].concat());
     assert!(e.as_ref().unwrap_err().contains("sglang-speculative-eagle-topk"), "{e:?}");

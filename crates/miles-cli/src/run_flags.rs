@@ -574,6 +574,13 @@ pub const FLAGS: &[Flag] = &[
         "The draft's own learning rate, constant (default: the policy's --lr and schedule); a \
          draft trained from scratch needs a larger one to keep up.",
     ),
+    value(
+        SPEC,
+        "mtp-warmup-steps",
+        Ty::UInt,
+        "Supervised steps a fresh draft takes on the first rollout's samples, after the first \
+         step (0: none), so it proposes from the second iteration; train/mtp_warmup_loss.",
+    ),
 ];
 
 /// The row of `key` (kebab-case).

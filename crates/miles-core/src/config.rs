@@ -380,6 +380,10 @@ pub struct RunConfig {
     /// The draft's own learning rate, constant (default: the policy's, on its schedule). A
     /// draft trained from scratch keeps up with the policy only at a larger one.
     pub mtp_lr: Option<f32>,
+    /// Supervised AdamW steps a fresh draft (one that has taken no step) takes on the first
+    /// step's rollout, after that step: the policy's own samples, so it proposes from the
+    /// start (0: none; it learns only online).
+    pub mtp_warmup_steps: usize,
 }
 
 impl Default for RunConfig {
@@ -498,6 +502,7 @@ impl Default for RunConfig {
             mtp_num_layers: None,
             mtp_loss_scaling_factor: 0.1,
             mtp_lr: None,
+            mtp_warmup_steps: 0,
         }
     }
 }
@@ -647,6 +652,9 @@ impl RunConfig {
         let f = self.mtp_loss_scaling_factor;
         check(f.is_finite() && f >= 0.0, "mtp-loss-scaling-factor", || {
             format!("{f} must be a number >= 0")
+        })?;
+        check(self.mtp_warmup_steps == 0 || self.enable_mtp_training, "mtp-warmup-steps", || {
+            "warms up the draft that --enable-mtp-training trains: give that too".into()
         })?;
         if let Some(lr) = self.mtp_lr {
             check(lr.is_finite() && lr > 0.0, "mtp-lr", || format!("{lr} must be a number > 0"))?;

@@ -70,11 +70,12 @@ struct DraftActor {
     train: Option<DraftTraining>,
 }
 
-/// `--mtp-loss-scaling-factor` and `--mtp-lr`.
+/// `--mtp-loss-scaling-factor`, `--mtp-lr` and `--mtp-warmup-steps`.
 #[derive(Clone, Copy)]
 struct DraftTraining {
     scale: f32,
     lr: Option<f32>,
+    warmup: usize,
 }
 
 /// The policy's tensors a draft keeps frozen copies of.
@@ -183,7 +184,9 @@ impl Actor {
     ) -> anyhow::Result<StepOutcome> {
         let mtp = self.draft.as_mut().and_then(|d| {
             let train = d.train?;
-            Some(Mtp::new(&mut d.model, train.scale, train.lr))
+            // A draft that has taken no step yet warms up after this one.
+            let warmup = if d.model.steps() == 0 { train.warmup } else { 0 };
+            Some(Mtp::new(&mut d.model, train.scale, train.lr, warmup))
         });
         let mut learner = Learner::new(&mut self.model, self.hyper, self.clip, mtp)?;
         let outcome = train_step(&mut learner, part, spec)?;
@@ -279,9 +282,11 @@ impl DraftActor {
             let (m, v) = (m.model_weights(pc, &zeros)?, v.model_weights(pc, &zeros)?);
             draft.set_moments(&m, &v, steps)?;
         }
-        let train = cfg
-            .enable_mtp_training
-            .then_some(DraftTraining { scale: cfg.mtp_loss_scaling_factor, lr: cfg.mtp_lr });
+        let train = cfg.enable_mtp_training.then_some(DraftTraining {
+            scale: cfg.mtp_loss_scaling_factor,
+            lr: cfg.mtp_lr,
+            warmup: cfg.mtp_warmup_steps,
+        });
         Ok(DraftActor { model: draft, format: start.draft.format, speculate, train })
     }
 }

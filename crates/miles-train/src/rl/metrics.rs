@@ -102,6 +102,8 @@ pub(super) struct StepSums {
     pub(super) routing: Option<RoutingMismatch>,
     /// The draft's MTP loss and gradient norm, summed over the steps.
     pub(super) mtp: Option<(f64, f64)>,
+    /// The draft's loss after its warm-up, on the step that took it.
+    pub(super) mtp_warmup: Option<f64>,
 }
 
 impl StepSums {
@@ -121,6 +123,7 @@ impl StepSums {
             let sum = self.mtp.get_or_insert((0.0, 0.0));
             *sum = (sum.0 + loss, sum.1 + norm);
         }
+        self.mtp_warmup = s.mtp_warmup.or(self.mtp_warmup);
     }
 
     /// `corrected` and `opsm` add the metrics slime reports with TIS and OPSM.
@@ -142,6 +145,9 @@ impl StepSums {
         if let Some((loss, norm)) = self.mtp {
             record.insert("train/mtp_loss".into(), json!(loss / k));
             record.insert("train/mtp_grad_norm".into(), json!(norm / k));
+        }
+        if let Some(loss) = self.mtp_warmup {
+            record.insert("train/mtp_warmup_loss".into(), json!(loss));
         }
         // Of the (token, sparse layer) pairs with a rollout record: how often training's own
         // top-k differs from the rollout's experts, and how often the experts it used do

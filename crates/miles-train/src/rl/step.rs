@@ -4,7 +4,7 @@ use miles_model::draft::DraftBatch;
 use miles_model::moe::RoutingMismatch;
 use miles_model::{DeviceModel, Forward, PackedBatch};
 use miles_tensor::cpu::AdamW;
-use miles_tensor::ops;
+use miles_tensor::{Tensor, ops};
 
 use super::actor::aux_coef;
 use crate::batch::{self, TrainSample, concat};
@@ -81,6 +81,8 @@ pub(super) struct StepResult {
     /// The draft's MTP loss (its mean cross-entropy per kept token, unscaled) and gradient
     /// norm, with `--enable-mtp-training`.
     pub(super) mtp: Option<(f64, f64)>,
+    /// The draft's loss after its warm-up steps, on the step that took them.
+    pub(super) mtp_warmup: Option<f64>,
 }
 
 impl StepResult {
@@ -167,11 +169,28 @@ pub(super) struct Mtp<'a> {
     /// The step's masked cross-entropy so far (summed), and its kept tokens (all ranks').
     loss: f64,
     tokens: f64,
+    /// Supervised steps to take after this step on its micro-batches (`--mtp-warmup-steps`),
+    /// whose inputs are kept for them.
+    warmup: usize,
+    kept: Vec<DraftInputs>,
+}
+
+/// A micro-batch as the draft trains on it: shifted by one, the policy's states at its
+/// positions (detached), and each position's loss mask.
+struct DraftInputs {
+    batch: DraftBatch,
+    states: Tensor,
+    mask: Vec<f32>,
 }
 
 impl<'a> Mtp<'a> {
-    pub(super) fn new(draft: &'a mut DeviceModel, scale: f32, lr: Option<f32>) -> Self {
-        Mtp { draft, scale, lr, loss: 0.0, tokens: 0.0 }
+    pub(super) fn new(
+        draft: &'a mut DeviceModel,
+        scale: f32,
+        lr: Option<f32>,
+        warmup: usize,
+    ) -> Self {
+        Mtp { draft, scale, lr, loss: 0.0, tokens: 0.0, warmup, kept: Vec::new() }
     }
 
     /// The tokens the draft is trained on in `part`: each response's kept tokens from its
@@ -197,12 +216,44 @@ impl<'a> Mtp<'a> {
             .iter()
             .flat_map(|&s| mb[s].loss_mask[1..].iter().map(|&m| f32::from(m)))
             .collect();
-        let f = self.draft.forward_draft(&d.batch, 1.0, states)?;
+        let inputs = DraftInputs { batch: d, states, mask };
+        self.accumulate_inputs(&inputs)?;
+        if self.warmup > 0 {
+            self.kept.push(inputs);
+        }
+        Ok(())
+    }
+
+    fn accumulate_inputs(&mut self, inputs: &DraftInputs) -> anyhow::Result<()> {
+        let DraftInputs { batch, states, mask } = inputs;
+        let f = self.draft.forward_draft(&batch.batch, 1.0, states.try_clone()?)?;
         let per_token = -self.scale / self.tokens.max(1.0) as f32;
         let d_logp: Vec<f32> = mask.iter().map(|m| m * per_token).collect();
-        self.loss -= f.logp.iter().zip(&mask).map(|(lp, m)| f64::from(lp * m)).sum::<f64>();
-        self.draft.backward_draft(&f, &d.batch, &d_logp, &vec![0.0; d_logp.len()])?;
+        self.loss -= f.logp.iter().zip(mask).map(|(lp, m)| f64::from(lp * m)).sum::<f64>();
+        self.draft.backward_draft(&f, &batch.batch, &d_logp, &vec![0.0; d_logp.len()])?;
         Ok(())
+    }
+
+    /// The warm-up (`--mtp-warmup-steps`): that many more steps of the draft alone on this
+    /// step's micro-batches, from the policy's states of this step's forward; the loss
+    /// before the last of them. None when there is none to take.
+    fn warm_up(
+        &mut self,
+        hyper: &AdamW,
+        clip_grad: f64,
+        dist: Option<&Dist>,
+    ) -> anyhow::Result<Option<f64>> {
+        let kept = std::mem::take(&mut self.kept);
+        let mut loss = None;
+        for _ in 0..self.warmup {
+            self.draft.zero_grads()?;
+            self.loss = 0.0;
+            for inputs in &kept {
+                self.accumulate_inputs(inputs)?;
+            }
+            loss = Some(self.apply(hyper, clip_grad, dist)?.0);
+        }
+        Ok(loss)
     }
 
     /// Sums the draft's gradients and loss over the ranks, then its AdamW step at `lr`: the
@@ -331,6 +382,7 @@ pub(super) fn train_step(
         router_aux_loss: None,
         routing: None,
         mtp: None,
+        mtp_warmup: None,
     };
     let mut seen = Vec::with_capacity(part.len());
     let micro_batches = part.len().div_ceil(micro.max(1));
@@ -397,6 +449,7 @@ pub(super) fn train_step(
     let (hyper, clip) = (AdamW { lr, ..learner.hyper }, learner.clip_grad);
     if let Some(mtp) = &mut learner.mtp {
         total.mtp = Some(mtp.apply(&hyper, clip, dist)?);
+        total.mtp_warmup = mtp.warm_up(&hyper, clip, dist)?;
     }
     Ok(StepOutcome { applied: Some(total), logp: seen })
 }
