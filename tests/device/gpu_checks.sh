@@ -292,6 +292,7 @@ if [ "$what" = spec-addition ] || [ "$what" = spec-gsm8k ]; then
   # draft trained online from scratch, --sglang-speculative-num-steps STEPS), ROLLOUTS
   # iterations each, in one call: the engine's throughput, the draft's acceptance along the
   # run, held-out accuracy and the rollout/trainer logprob gap (0 on every iteration in both).
+  # MTP_LR and MTP_WARMUP set the draft's --mtp-lr and --mtp-warmup-steps.
   [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
     $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
   example="--config examples/addition-smollm2.toml"
@@ -303,7 +304,8 @@ if [ "$what" = spec-addition ] || [ "$what" = spec-gsm8k ]; then
   for arm in ${ARMS:-plain spec}; do
     case $arm in
       plain) flags="" ;;
-      spec) flags="$spec --enable-mtp-training --mtp-loss-scaling-factor 0.2 ${MTP_LR:+--mtp-lr $MTP_LR} --save-interval 10" ;;
+      spec) flags="$spec --enable-mtp-training --mtp-loss-scaling-factor 0.2 --save-interval 10 \
+        ${MTP_LR:+--mtp-lr $MTP_LR} ${MTP_WARMUP:+--mtp-warmup-steps $MTP_WARMUP}" ;;
       frozen) flags="$spec --sglang-speculative-draft-model-path \
         /tmp/$what-spec/ckpt/iter_$(printf %07d ${FROZEN_AT:-20})/draft" ;;
     esac

@@ -533,6 +533,8 @@ impl DeviceModel {
             }
         }
         (self.int4_packed, self.int4_stacked) = (packed, stacks);
+        // The check reads the stacks of the copies just fake-quantized.
+        self.refresh_stacked()?;
         if !self.int4_products_agree()? {
             self.int4_packed.clear();
             self.int4_stacked.clear();
