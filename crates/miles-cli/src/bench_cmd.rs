@@ -232,7 +232,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let mut dm = args.engine.place(&model).context("placing the model")?;
     args.fp8.apply(&mut dm)?;
     if let Some(group_size) = args.int4_group_size {
-        let q = miles_model::Int4Layers { group_size, experts_only: false };
+        let q = miles_model::Int4Layers { group_size, experts_only: false, w4a16: true };
         dm.set_int4(Some(q)).context("--int4-group-size")?;
     }
     device.synchronize()?;

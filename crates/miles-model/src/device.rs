@@ -180,6 +180,9 @@ pub struct Fp8Layers {
 pub struct Int4Layers {
     pub group_size: usize,
     pub experts_only: bool,
+    /// On a GPU in bf16, the engine's decode steps read the matrices packed (W4A16): a
+    /// model that rolls out wants it, a frozen reference does not.
+    pub w4a16: bool,
 }
 
 /// The indices (in [`tensor_spec`] order) of the matrices FP8 quantizes: every projection
@@ -496,7 +499,7 @@ impl DeviceModel {
     /// where the compute copies are stacked. The first time, keeps them only if their
     /// products give the compute copies' bits here ([`DeviceModel::int4_products_agree`]).
     fn pack_int4(&mut self, q: Int4Layers) -> Result<()> {
-        if self.device == Device::Cpu || self.dtype != DType::BF16 {
+        if !q.w4a16 || self.device == Device::Cpu || self.dtype != DType::BF16 {
             return Ok(());
         }
         let stacked_masters = |m: &Self, layer, linear| -> Result<Tensor> {
@@ -2481,7 +2484,7 @@ mod tests {
             (widen(tiny_moe(true, 0.0)), true),
         ] {
             let arch = config.architecture;
-            let q = Int4Layers { group_size: 32, experts_only };
+            let q = Int4Layers { group_size: 32, experts_only, w4a16: true };
             let covered: Vec<String> = fp8_weight_names(&config, Fp8Layers::default())
                 .into_iter()
                 .filter(|n| !experts_only || n.contains(".mlp.experts."))
@@ -2531,11 +2534,11 @@ mod tests {
             }
         }
         let mut dm = on_cpu(&model(tiny(Architecture::Qwen3, true), 5));
-        let e = dm.set_int4(Some(Int4Layers { group_size: 128, experts_only: false }));
+        let e = dm.set_int4(Some(Int4Layers { group_size: 128, experts_only: false, w4a16: true }));
         let e = e.unwrap_err().to_string();
         assert!(e.contains("--int4-group-size 128: does not divide"), "{e}");
         dm.set_fp8(Some(Fp8Layers::default())).unwrap();
-        let e = dm.set_int4(Some(Int4Layers { group_size: 8, experts_only: false }));
+        let e = dm.set_int4(Some(Int4Layers { group_size: 8, experts_only: false, w4a16: true }));
         assert!(e.unwrap_err().to_string().contains("one quantization"));
     }
 
@@ -2839,7 +2842,7 @@ mod invariance {
             }
             f
         };
-        let q = Int4Layers { group_size: 32, experts_only: false };
+        let q = Int4Layers { group_size: 32, experts_only: false, w4a16: true };
         for arch in [Architecture::Qwen3, Architecture::Llama] {
             let m = model(decode_config(arch), 6);
             let mut dm = DeviceModel::new(&m, &device, DType::BF16).unwrap();

@@ -42,6 +42,7 @@ pub(super) fn int4_layers(cfg: &RunConfig) -> Option<Int4Layers> {
     cfg.int4_qat.then_some(Int4Layers {
         group_size: cfg.int4_group_size,
         experts_only: cfg.int4_experts_only,
+        w4a16: true,
     })
 }
 
@@ -310,7 +311,8 @@ impl Reference {
         let model = Model::new(config.clone(), weights);
         let mut dm = DeviceModel::new(&model, &device, compute_dtype(device))?;
         dm.set_fp8(fp8)?;
-        dm.set_int4(int4)?;
+        // (The reference never rolls out: no packed forms.)
+        dm.set_int4(int4.map(|q| Int4Layers { w4a16: false, ..q }))?;
         Ok(Reference { model: dm, weights: model.weights })
     }
 
