@@ -2490,16 +2490,7 @@ mod tests {
                 .filter(|n| !experts_only || n.contains(".mlp.experts."))
                 .collect();
             // The same model with its covered weights fake-quantized on the host.
-            let fake = |m: &Model| {
-                let mut f = m.clone();
-                let spec = tensor_spec(&f.config);
-                for ((name, shape), t) in spec.iter().zip(f.weights.tensors_mut()) {
-                    if covered.contains(name) {
-                        *t = cpu::fake_quantize_int4(t, shape[1], 32).unwrap();
-                    }
-                }
-                f
-            };
+            let fake = |m: &Model| crate::testing::int4_fake_quantized(m, &covered, 32);
             let m = model(config, 5);
             let b = batch();
             for device in devices() {
@@ -2515,12 +2506,7 @@ mod tests {
                     let got = dm.forward(&b, 1.0).unwrap();
                     let want = place(&fake(&m)).forward(&b, 1.0).unwrap();
                     assert_eq!(bits(&got.logp), bits(&want.logp), "{what}");
-                    let mut rng = Rng::new(4);
-                    let (ga, gb) = (rng.vec(got.logp.len(), 1.0), rng.vec(got.logp.len(), 1.0));
-                    dm.backward(&got, &b, &ga, &gb).unwrap();
-                    let hyper =
-                        AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 };
-                    dm.adamw_step(&hyper, 1.0).unwrap();
+                    crate::testing::random_adamw_step(&mut dm, &b, 1e-2);
                     let stepped = Model::new(m.config.clone(), dm.to_weights().unwrap());
                     // The masters stay unquantized: the first covered weight is not its INT4 form.
                     let spec = tensor_spec(&m.config);
@@ -2832,16 +2818,8 @@ mod invariance {
             println!("skipping CUDA: {e}");
             return;
         }
-        let fake = |m: &Model, covered: &[String]| {
-            let mut f = m.clone();
-            let spec = tensor_spec(&f.config);
-            for ((name, shape), t) in spec.iter().zip(f.weights.tensors_mut()) {
-                if covered.contains(name) {
-                    *t = cpu::fake_quantize_int4(t, shape[1], 32).unwrap();
-                }
-            }
-            f
-        };
+        let fake =
+            |m: &Model, covered: &[String]| crate::testing::int4_fake_quantized(m, covered, 32);
         let q = Int4Layers { group_size: 32, experts_only: false, w4a16: true };
         for arch in [Architecture::Qwen3, Architecture::Llama] {
             let m = model(decode_config(arch), 6);
@@ -2859,14 +2837,7 @@ mod invariance {
                         assert!(a == b, "{arch:?} {round}, fused {fused}: step {i} differs");
                     }
                 }
-                let b = batch();
-                let f = dm.forward(&b, 1.0).unwrap();
-                let mut rng = Rng::new(4);
-                let (ga, gb) = (rng.vec(f.logp.len(), 1.0), rng.vec(f.logp.len(), 1.0));
-                dm.backward(&f, &b, &ga, &gb).unwrap();
-                let hyper =
-                    AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 };
-                dm.adamw_step(&hyper, 1.0).unwrap();
+                crate::testing::random_adamw_step(&mut dm, &batch(), 1e-3);
             }
         }
     }

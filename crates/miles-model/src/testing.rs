@@ -92,3 +92,29 @@ impl HfReference {
         }
     }
 }
+
+/// `model` with the weights named in `covered` fake-quantized to INT4 in groups of `group`:
+/// the values INT4 QAT's forward reads.
+pub fn int4_fake_quantized(model: &Model, covered: &[String], group: usize) -> Model {
+    let mut f = model.clone();
+    let spec = crate::weights::tensor_spec(&f.config);
+    for ((name, shape), t) in spec.iter().zip(f.weights.tensors_mut()) {
+        if covered.contains(name) {
+            *t = miles_tensor::cpu::fake_quantize_int4(t, shape[1], group)
+                .expect("a group that divides the weight's rows");
+        }
+    }
+    f
+}
+
+/// One AdamW step of `dm` at `lr` from random gradients of its logprobs and entropies on
+/// `batch` (at temperature 1).
+pub fn random_adamw_step(dm: &mut DeviceModel, batch: &PackedBatch, lr: f32) {
+    let f = dm.forward(batch, 1.0).expect("the forward");
+    let mut rng = miles_tensor::rng::Rng::new(4);
+    let (ga, gb) = (rng.vec(f.logp.len(), 1.0), rng.vec(f.logp.len(), 1.0));
+    dm.backward(&f, batch, &ga, &gb).expect("the backward");
+    let hyper =
+        miles_tensor::cpu::AdamW { lr, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 };
+    dm.adamw_step(&hyper, 1.0).expect("the AdamW step");
+}
