@@ -425,7 +425,7 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 for r in rows:
     print(f'batch {r["batch"]} int4 {r["int4_group_size"]} w4a16 {r["w4a16"]}: decode step '
           f'{r["decode_step_ms"]:.3f} ms ({r["decode_tokens_per_s"]:.0f} tok/s), graph '
-          f'{r["decode_graph_ms"]} ms, rollout weights {r["rollout_weight_gib"]:.2f} GiB')
+          f'{r["decode_graph_ms"]} ms, rollout weights read {r["rollout_weight_gib"]:.2f} GiB, held {r["weights_resident_gib"]:.2f} GiB')
 PY
 fi
 if [ "$what" = moe-bench ]; then

@@ -312,6 +312,8 @@ fn bench_rollout_reports_speculative_and_int4_steps() {
     let int4 = run(&["--int4-group-size", "32"]).unwrap();
     assert_eq!(int4["int4_group_size"], 32, "{int4}");
     assert!(int4["rollout_weight_gib"].as_f64().unwrap() > 0.0, "{int4}");
+    // (Measured on the device's pool: nothing on the CPU.)
+    assert_eq!(int4["weights_resident_gib"].as_f64(), Some(0.0), "{int4}");
     let err = run(&["--int4-group-size", "48"]).unwrap_err();
     assert!(err.contains("--int4-group-size") && err.contains("does not divide"), "{err}");
 }

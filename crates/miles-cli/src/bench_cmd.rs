@@ -229,12 +229,16 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     if device != Device::Cpu {
         set_route(args.gemm);
     }
+    let before = device.memory_in_use()?;
     let mut dm = args.engine.place(&model).context("placing the model")?;
     args.fp8.apply(&mut dm)?;
     if let Some(group_size) = args.int4_group_size {
         let q = miles_model::Int4Layers { group_size, experts_only: false, w4a16: true };
         dm.set_int4(Some(q)).context("--int4-group-size")?;
     }
+    // An engine that only generates holds its rollout weights only, as a served model would.
+    dm.keep_rollout_weights_only()?;
+    let weights_resident = device.memory_in_use()?.saturating_sub(before);
     device.synchronize()?;
     let resident = device.peak_memory()?;
     let dtype = dm.dtype();
@@ -284,6 +288,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "int4_group_size": args.int4_group_size,
         "w4a16": dm.int4_w4a16(),
         "rollout_weight_gib": dm.rollout_weight_bytes() as f64 / (1u64 << 30) as f64,
+        "weights_resident_gib": weights_resident as f64 / (1u64 << 30) as f64,
         "threads": rayon::current_num_threads(),
         "batch": args.batch,
         "prompt_len": args.prompt_len,

@@ -275,6 +275,9 @@ pub struct DeviceModel {
     int4_stacked: Vec<[ops::Int4Matrix; 2]>,
     /// Gemma: f32 ones of the hidden and head widths, which its norms' weights are added to.
     ones: Vec<Tensor>,
+    /// Holds what generation and scoring read and nothing more
+    /// ([`DeviceModel::keep_rollout_weights_only`]): training is refused.
+    rollout_only: bool,
     /// Per weight (in [`tensor_spec`] order): left as it is by AdamW and out of the gradient
     /// norm ([`DeviceModel::freeze`]); a frozen head gets no gradient at all.
     frozen: Vec<bool>,
@@ -373,6 +376,7 @@ impl DeviceModel {
             int4_packed: Vec::new(),
             int4_stacked: Vec::new(),
             ones,
+            rollout_only: false,
             frozen: vec![false; spec.len()],
         };
         if c.mtp_input {
@@ -412,6 +416,7 @@ impl DeviceModel {
     /// quantized now and after every AdamW step. The stacked and fused decode paths, which
     /// read the compute copies, are left off.
     pub fn set_fp8(&mut self, fp8: Option<Fp8Layers>) -> Result<()> {
+        self.trainable("set_fp8")?;
         if let Some(f) = fp8 {
             let layers = self.layout.layers;
             if f.bf16_at_start + f.bf16_at_end > layers {
@@ -438,6 +443,7 @@ impl DeviceModel {
     /// the matrices it covers from now on, made again after every AdamW step. Refused beside
     /// FP8, off the CPU's f32, and where a group does not divide a matrix's rows.
     pub fn set_int4(&mut self, int4: Option<Int4Layers>) -> Result<()> {
+        self.trainable("set_int4")?;
         if let Some(q) = int4 {
             if self.fp8.is_some() {
                 return Err(Error::Invalid(
@@ -598,6 +604,42 @@ impl DeviceModel {
                 w.len() * w.dtype().size_in_bytes()
             })
             .sum()
+    }
+
+    /// Frees what only training reads, for a model that only generates and scores (`miles
+    /// bench rollout`): the f32 masters of the matrices, whose compute copies the products
+    /// read; and with W4A16 the compute copies and stacks of the packed matrices (not the
+    /// experts', which the grouped products read), whose products then read the packed forms
+    /// alone, rows past a decode step's through a dequantized temporary (the same values, the
+    /// same bits). Training, weight updates and quantization changes are refused afterwards.
+    pub fn keep_rollout_weights_only(&mut self) -> Result<()> {
+        let spec = tensor_spec(&self.config);
+        for (i, (name, _)) in spec.iter().enumerate() {
+            let packed = self.int4_packed.get(i).is_some_and(Option::is_some);
+            if packed && !name.contains(".mlp.experts.") {
+                self.compute[i] = None;
+                self.masters[i] = Tensor::zeros(&[0], self.dtype, &self.device)?;
+            } else if let Some(copy) = self.compute[i].take() {
+                self.masters[i] = copy;
+            }
+        }
+        if !self.int4_stacked.is_empty() {
+            self.stacked.clear();
+        }
+        (self.grads, self.moments) = (Vec::new(), None);
+        self.rollout_only = true;
+        Ok(())
+    }
+
+    /// Refuses `what` on a model that keeps its rollout weights only.
+    fn trainable(&self, what: &str) -> Result<()> {
+        if self.rollout_only {
+            return Err(Error::Invalid(format!(
+                "{what}: this model keeps its rollout weights only (no masters to train or \
+                 update); build it without keep_rollout_weights_only"
+            )));
+        }
+        Ok(())
     }
 
     /// The HF names of the weights the FP8 forward reads in E4M3 (what an FP8 export
@@ -829,7 +871,8 @@ impl DeviceModel {
         if self.fp8.is_some_and(|f| f.rollout_only) {
             w.quantized = &[];
         }
-        if self.int4.is_some() {
+        // (The compute copies hold the packed values; a rollout-only model has only those.)
+        if self.int4.is_some() && !self.rollout_only {
             w.int4 = &[];
         }
         w
@@ -1184,15 +1227,25 @@ impl DeviceModel {
         let eps = c.rms_norm_eps;
         let product = |x: &Tensor, w: &Tensor| ops::matmul(x, Transpose::No, w, Transpose::Yes);
         let (mut normed, _) = ops::rmsnorm_forward(&x, self.weight(l.norm(0, Norm::Input)), eps)?;
-        for (layer, [qkv_w, gate_up_w]) in self.stacked.iter().enumerate() {
+        for layer in 0..l.layers {
             let norms = l.qk_norm.then(|| {
                 (self.weight(l.norm(layer, Norm::Q)), self.weight(l.norm(layer, Norm::K)))
             });
-            let packed =
-                self.int4_stacked.get(layer).filter(|_| normed.shape()[0] <= ops::INT4_ROWS_MAX);
+            // The packed stacks for decode-sized rows, and for all rows where the stacked
+            // copies were freed (a rollout-only model's).
+            let stacked = self.stacked.get(layer);
+            let packed = self
+                .int4_stacked
+                .get(layer)
+                .filter(|_| normed.shape()[0] <= ops::INT4_ROWS_MAX || stacked.is_none());
+            let stack = |k: usize| {
+                stacked.map(|s| &s[k]).ok_or_else(|| {
+                    Error::Invalid(format!("internal: layer {layer} has no stacked copies"))
+                })
+            };
             let qkv = match packed {
                 Some([q, _]) => ops::int4_linear(&normed, q)?,
-                None => product(&normed, qkv_w)?,
+                None => product(&normed, stack(0)?)?,
             };
             let heads = c.num_attention_heads;
             let q = ops::qkv_rope_kv_write(
@@ -1213,7 +1266,7 @@ impl DeviceModel {
             let [x_mid, n2, _] = ops::add_rmsnorm(&x, &o, post, eps)?;
             let gate_up = match packed {
                 Some([_, q]) => ops::int4_linear(&n2, q)?,
-                None => product(&n2, gate_up_w)?,
+                None => product(&n2, stack(1)?)?,
             };
             let act = ops::swiglu_stacked(&gate_up)?;
             let m = w.product(&act, l.linear(layer, Linear::Down)[0])?;
@@ -1346,6 +1399,7 @@ impl DeviceModel {
 
     /// The gradients, zeros, where none are held yet.
     fn ensure_grads(&mut self) -> Result<()> {
+        self.trainable("training")?;
         if self.grads.is_empty() {
             self.grads = (self.masters.iter())
                 .map(|m| Tensor::zeros(m.shape(), DType::F32, &self.device))
@@ -1569,6 +1623,7 @@ impl DeviceModel {
         &mut self,
         set: impl FnOnce(&mut [&mut Tensor]) -> Result<()>,
     ) -> Result<()> {
+        self.trainable("a weight update")?;
         let mut masters: Vec<&mut Tensor> = self.masters.iter_mut().collect();
         set(&mut masters)?;
         self.refresh_compute()?;
@@ -1595,6 +1650,8 @@ impl DeviceModel {
     /// over them stay valid), the CPU's packed forms rebuilt. A speculative draft refreshes its
     /// frozen copies of the policy's embedding and head this way after each policy step.
     pub fn copy_weights_from(&mut self, other: &DeviceModel, names: &[&str]) -> Result<()> {
+        self.trainable("copy_weights_from")?;
+        other.trainable("copy_weights_from")?;
         if (other.device, other.dtype) != (self.device, self.dtype) {
             return Err(Error::Invalid(format!(
                 "copy_weights_from: a model on {} in {} into one on {} in {}",
@@ -1703,6 +1760,7 @@ impl DeviceModel {
     /// Restores AdamW's state (from a checkpoint): moments shaped like the weights, `step`
     /// steps taken.
     pub fn set_moments(&mut self, m: &Weights, v: &Weights, step: u64) -> Result<()> {
+        self.trainable("set_moments")?;
         m.check(&self.config)?;
         v.check(&self.config)?;
         let spec = tensor_spec(&self.config);
@@ -1728,6 +1786,7 @@ impl DeviceModel {
 
     /// The master weights, copied to the host.
     pub fn to_weights(&self) -> Result<Weights> {
+        self.trainable("to_weights")?;
         self.host_weights(&self.masters)
     }
 
@@ -1797,10 +1856,19 @@ impl<'a> DeviceWeights<'a> {
     }
 
     /// The packed INT4 form of matrix `index` where a product of `x` reads it: decode-sized
-    /// rows (larger products read the compute copy, which has the same values).
+    /// rows, and every row where there is no compute copy (a rollout-only model's); larger
+    /// products read the compute copy, which has the same values.
     fn int4_for(&self, x: &Tensor, index: usize) -> Option<&'a ops::Int4Matrix> {
         let q = self.int4.get(index)?.as_ref()?;
-        (x.shape()[0] <= ops::INT4_ROWS_MAX).then_some(q)
+        (x.shape()[0] <= ops::INT4_ROWS_MAX || self.compute[index].is_none()).then_some(q)
+    }
+
+    /// Matrix `index`'s output width (its rows), from whichever form the model holds.
+    fn out_features(&self, index: usize) -> usize {
+        match self.int4.get(index).and_then(Option::as_ref) {
+            Some(q) => q.shape()[0],
+            None => self.weight(index).shape()[0],
+        }
     }
 
     /// [`DeviceWeights::product`] in f32 whatever the compute dtype (the LM head's logits).
@@ -1886,8 +1954,7 @@ impl Dev<'_> {
         if !quantized.is_empty() || parts.iter().any(|&i| self.w.int4_for(x, i).is_some()) {
             return parts.iter().map(|&i| self.w.product(x, i)).collect();
         }
-        let widths =
-            || -> Vec<usize> { parts.iter().map(|&i| self.w.masters[i].shape()[0]).collect() };
+        let widths = || -> Vec<usize> { parts.iter().map(|&i| self.w.out_features(i)).collect() };
         // On the CPU: the packed stack, one product for the parts at any row count.
         let packed = match linear {
             Linear::Qkv => self.w.packed_stacks.get(layer).and_then(|s| s[0].as_ref()),
@@ -2178,7 +2245,7 @@ mod tests {
     use crate::testing::on_cpu;
     use miles_tensor::rng::Rng;
 
-    fn devices() -> Vec<Device> {
+    pub(super) fn devices() -> Vec<Device> {
         let mut devices = vec![Device::Cpu];
         match Device::Cuda(0).ensure_available() {
             Ok(()) => devices.push(Device::Cuda(0)),
@@ -2838,6 +2905,52 @@ mod invariance {
                     }
                 }
                 crate::testing::random_adamw_step(&mut dm, &batch(), 1e-3);
+            }
+            // Kept for rollouts only, every product reads the packed forms alone (a prompt
+            // step past INT4_ROWS_MAX and a scoring pass past STACK_MAX_ROWS dequantize them),
+            // with the same bits, in less memory.
+            let host = Model::new(m.config.clone(), dm.to_weights().unwrap());
+            let plain = DeviceModel::new(&fake(&host, &covered), &device, DType::BF16).unwrap();
+            let held = device.memory_in_use().unwrap();
+            dm.keep_rollout_weights_only().unwrap();
+            assert!(device.memory_in_use().unwrap() < held, "{arch:?}: nothing freed");
+            for fused in [true, false] {
+                let (got, want) = (decode_step_bits(&dm, fused), decode_step_bits(&plain, fused));
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(a == b, "{arch:?} rollout-only, fused {fused}: step {i} differs");
+                }
+            }
+            let long = long_batch();
+            assert_eq!(dm.logprobs(&long, 0.8).unwrap(), plain.logprobs(&long, 0.8).unwrap());
+        }
+    }
+
+    /// Three sequences, 280 tokens in all (past every decode-sized tier).
+    fn long_batch() -> PackedBatch {
+        let mut rng = Rng::new(280);
+        let seqs: Vec<(Vec<u32>, usize)> = [150usize, 90, 40]
+            .iter()
+            .map(|&n| ((0..n).map(|_| rng.below(1000) as u32).collect(), n / 3))
+            .collect();
+        PackedBatch::new(&seqs).unwrap()
+    }
+
+    /// A model kept for rollouts only (the masters freed) scores with the bits it had, on
+    /// every device in f32 and bf16, and refuses training and weight updates by name.
+    #[test]
+    fn a_rollout_only_model_scores_as_before_and_refuses_training() {
+        let m = model(decode_config(Architecture::Qwen3), 8);
+        let long = long_batch();
+        for device in super::tests::devices() {
+            for dtype in [DType::F32, DType::BF16] {
+                let mut dm = DeviceModel::new(&m, &device, dtype).unwrap();
+                let want = dm.logprobs(&long, 0.8).unwrap();
+                dm.keep_rollout_weights_only().unwrap();
+                assert_eq!(dm.logprobs(&long, 0.8).unwrap(), want, "{device} {dtype}");
+                let e = dm.zero_grads().unwrap_err().to_string();
+                assert!(e.contains("training") && e.contains("rollout weights only"), "{e}");
+                let e = dm.set_weights(&m.weights).unwrap_err().to_string();
+                assert!(e.contains("a weight update") && e.contains("rollout weights only"), "{e}");
             }
         }
     }

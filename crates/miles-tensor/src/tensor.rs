@@ -119,6 +119,17 @@ impl Device {
         }
     }
 
+    /// Bytes of device memory this crate's buffers hold now (0 on the CPU).
+    pub fn memory_in_use(&self) -> Result<u64> {
+        match *self {
+            Device::Cpu => Ok(0),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::gpu(ordinal)?.memory_in_use(),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(not_built()),
+        }
+    }
+
     /// The chip's name ("cpu" on the CPU).
     pub fn name(&self) -> Result<String> {
         match *self {

@@ -230,9 +230,19 @@ impl Gpu {
 
     /// Peak bytes in use from the pool since it was opened or [`Gpu::reset_peak_memory`].
     pub(crate) fn peak_memory(&self) -> Result<u64> {
+        self.pool_bytes(cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)
+    }
+
+    /// Bytes in use from the pool now (the buffers alive, once the stream has freed the
+    /// dropped ones).
+    pub(crate) fn memory_in_use(&self) -> Result<u64> {
+        self.stream.synchronize().map_err(|e| driver_error("synchronize", e))?;
+        self.pool_bytes(cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+    }
+
+    fn pool_bytes(&self, attr: cudarc::driver::sys::CUmemPool_attribute) -> Result<u64> {
         let mut v = 0u64;
-        let attr = cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
-        // SAFETY: the attribute is a u64 (cuuint64_t).
+        // SAFETY: both attributes read are u64s (cuuint64_t).
         unsafe {
             cudarc::driver::result::mem_pool::get_attribute(
                 self.pool()?,
