@@ -15,6 +15,8 @@
 // made in shared memory from the packed words, each value bf16(q · s) as the QAT forward's bf16
 // compute copy holds it, then the same m16n8k16 steps in k order into one f32 accumulator; so
 // the result has the bits of the bf16 product with the compute copy.
+// int4_grouped_rows_* (ops::int4_grouped_linear): the same product for a mixture of experts,
+// every expert's rows in one launch.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -55,10 +57,12 @@ constexpr int SKEW = 8;  // bf16 of padding per shared row: ldmatrix without ban
 constexpr int LD = BK + SKEW;
 constexpr int WORDS = BK / 8;  // packed words of a row per stage (16 bytes)
 
-template <int MT, int BN, int STAGES>
-__device__ __forceinline__ void int4_rows_gemm(miles::bf16* c, const miles::bf16* a,
-                                               const int* words, const float* scales, int m, int n,
-                                               int k, int group) {
+// The block's product of `m` rows (row r of A at a_row(r), of C at c_row(r)) with the packed
+// weight `words`, `scales` ([n × k]), over output columns blockIdx.x · BN ..
+template <int MT, int BN, int STAGES, class ARow, class CRow>
+__device__ __forceinline__ void int4_rows_gemm(ARow a_row, CRow c_row, const int* words,
+                                               const float* scales, int m, int n, int k,
+                                               int group) {
     using namespace miles;
     constexpr int ROWS = MT * 16;
     constexpr int THREADS = MT * 32;
@@ -74,8 +78,9 @@ __device__ __forceinline__ void int4_rows_gemm(miles::bf16* c, const miles::bf16
         for (int e = threadIdx.x; e < ROWS * CHUNKS; e += THREADS) {
             const int r = e / CHUNKS, at = k0 + (e % CHUNKS) * 8;
             const bool real = r < m && at < k;
-            cp_async16(da + r * LD + (e % CHUNKS) * 8, real ? a + (size_t)r * k + at : a,
-                       real ? 16 : 0);
+            // (A zero-byte copy still names a valid address: the words'.)
+            const void* src = real ? static_cast<const void*>(a_row(r) + at) : words;
+            cp_async16(da + r * LD + (e % CHUNKS) * 8, src, real ? 16 : 0);
         }
         int* dw = sw + stage * BN * WORDS;
         for (int r = threadIdx.x; r < BN; r += THREADS) {
@@ -141,7 +146,7 @@ __device__ __forceinline__ void int4_rows_gemm(miles::bf16* c, const miles::bf16
         for (int h = 0; h < 2; ++h) {
             const int row = warp * 16 + (lane >> 2) + h * 8;
             if (row >= m || col >= n) continue;
-            bf16* o = c + (size_t)row * n + col;
+            bf16* o = c_row(row) + col;
             o[0] = __float2bfloat16_rn(acc[j][2 * h]);
             if (col + 1 < n) o[1] = __float2bfloat16_rn(acc[j][2 * h + 1]);
         }
@@ -186,12 +191,36 @@ extern "C" __global__ void int4_quantize_pack(int* words, float* scales, const f
     extern "C" __global__ void __launch_bounds__(MT * 32)                                     \
         NAME(miles::bf16* c, const miles::bf16* a, const int* words, const float* scales,       \
              int m, int n, int k, int group) {                                                \
-        int4_rows_gemm<MT, BN, STAGES>(c, a, words, scales, m, n, k, group);                  \
+        int4_rows_gemm<MT, BN, STAGES>([&](int r) { return a + (size_t)r * k; },               \
+                                       [&](int r) { return c + (size_t)r * n; }, words, scales, \
+                                       m, n, k, group);                                         \
     }
 INT4_ROWS_GEMM(int4_rows_gemm_m16_n16, 1, 16, 16)
 INT4_ROWS_GEMM(int4_rows_gemm_m16_n64, 1, 64, 16)
 INT4_ROWS_GEMM(int4_rows_gemm_m64_n16, 4, 16, 8)
 INT4_ROWS_GEMM(int4_rows_gemm_m64_n64, 4, 64, 8)
+
+// A mixture of experts' W4A16 products (ops::int4_grouped_linear): out[s] = x[row(s)] · W_eᵀ
+// for the rows s of expert e, row(s) = rows[s] (use_rows) or s, W_e packed at words[e],
+// scales[e]. `tiles` holds (expert, first row, end row) per block row, at most 64 rows each
+// (grouped_gemm.cu's cut); grid (column blocks, tiles). The same steps as the rows product, so a
+// row's outputs have the bits of grouped_gemm.cu's product with the bf16 compute copies.
+#define INT4_GROUPED_ROWS(NAME, BN)                                                            \
+    extern "C" __global__ void __launch_bounds__(128)                                         \
+        NAME(miles::bf16* out, const miles::bf16* x, const int* rows, int use_rows,             \
+             const unsigned long long* words, const unsigned long long* scales,                 \
+             const int* tiles, int n, int k, int group) {                                       \
+        const int expert = tiles[3 * blockIdx.y];                                               \
+        const int first = tiles[3 * blockIdx.y + 1];                                            \
+        const int end = tiles[3 * blockIdx.y + 2];                                              \
+        int4_rows_gemm<4, BN, 8>(                                                               \
+            [&](int r) { return x + (size_t)(use_rows ? rows[first + r] : first + r) * k; },    \
+            [&](int r) { return out + (size_t)(first + r) * n; },                               \
+            reinterpret_cast<const int*>(words[expert]),                                        \
+            reinterpret_cast<const float*>(scales[expert]), end - first, n, k, group);          \
+    }
+INT4_GROUPED_ROWS(int4_grouped_rows_n16, 16)
+INT4_GROUPED_ROWS(int4_grouped_rows_n64, 64)
 
 // out[i] = q_i · s for the 8 levels of words[w] (i = 8w ..), s the scale of their group.
 template <typename T>

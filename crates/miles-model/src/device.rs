@@ -500,12 +500,12 @@ impl DeviceModel {
         self.pack_int4(q)
     }
 
-    /// On a GPU in bf16, (re)packs INT4 QAT's matrices from the masters (in place once packed:
+    /// In bf16 (on the CPU too: the twin of the GPU's path), (re)packs INT4 QAT's matrices from the masters (in place once packed:
     /// the decode graphs keep reading the same buffers), with the q/k/v and gate/up stacks
     /// where the compute copies are stacked. The first time, keeps them only if their
     /// products give the compute copies' bits here ([`DeviceModel::int4_products_agree`]).
     fn pack_int4(&mut self, q: Int4Layers) -> Result<()> {
-        if !q.w4a16 || self.device == Device::Cpu || self.dtype != DType::BF16 {
+        if !q.w4a16 || self.dtype != DType::BF16 {
             return Ok(());
         }
         let stacked_masters = |m: &Self, layer, linear| -> Result<Tensor> {
@@ -580,7 +580,31 @@ impl DeviceModel {
                 }
             }
         }
-        Ok(true)
+        // The experts' grouped product: the first sparse layer's gate projections, a few rows
+        // for each, gathered.
+        let w = self.weights();
+        let sparse = (0..self.layout.layers)
+            .find(|&l| self.config.moe.as_ref().is_some_and(|m| m.is_sparse(l)));
+        let Some(layer) = sparse else { return Ok(true) };
+        let experts = w.experts(layer, ExpertMatrix::Gate);
+        let (Some(q), copies) =
+            (w.int4_experts(&experts, 0), experts.iter().map(|&i| w.weight(i)).collect::<Vec<_>>())
+        else {
+            return Ok(true);
+        };
+        let (k, e) = (copies[0].shape()[1], experts.len());
+        let offsets: Vec<u32> = (0..=e as u32).map(|i| 3 * i).collect();
+        let gather: Vec<u32> = (0..3 * e as u32).map(|i| (i * 7) % 5).collect();
+        let x =
+            Tensor::from_f32(&[5, k], rng.vec(5 * k, 1.0), &self.device)?.to_dtype(self.dtype)?;
+        let got = ops::int4_grouped_linear(&x, Some(&gather), &offsets, &q)?.to_vec_f32()?;
+        let want = ops::grouped_matmul(&x, Some(&gather), &offsets, &copies, Transpose::Yes)?
+            .to_vec_f32()?;
+        let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+        if !same && std::env::var_os("MILES_GEMM_LOG").is_some() {
+            eprintln!("W4A16 grouped products differ from the compute copies'");
+        }
+        Ok(same)
     }
 
     /// Whether the engine's decode-sized products read INT4 QAT's packed weights (W4A16).
@@ -608,15 +632,14 @@ impl DeviceModel {
 
     /// Frees what only training reads, for a model that only generates and scores (`miles
     /// bench rollout`): the f32 masters of the matrices, whose compute copies the products
-    /// read; and with W4A16 the compute copies and stacks of the packed matrices (not the
-    /// experts', which the grouped products read), whose products then read the packed forms
-    /// alone, rows past a decode step's through a dequantized temporary (the same values, the
-    /// same bits). Training, weight updates and quantization changes are refused afterwards.
+    /// read; and with W4A16 the compute copies and stacks of the packed matrices, whose
+    /// products then read the packed forms alone (the experts' grouped products at any row
+    /// count, the others past a decode step's rows through a dequantized temporary: the same
+    /// values, the same bits). Training, weight updates and quantization changes are refused
+    /// afterwards.
     pub fn keep_rollout_weights_only(&mut self) -> Result<()> {
-        let spec = tensor_spec(&self.config);
-        for (i, (name, _)) in spec.iter().enumerate() {
-            let packed = self.int4_packed.get(i).is_some_and(Option::is_some);
-            if packed && !name.contains(".mlp.experts.") {
+        for i in 0..self.masters.len() {
+            if self.int4_packed.get(i).is_some_and(Option::is_some) {
                 self.compute[i] = None;
                 self.masters[i] = Tensor::zeros(&[0], self.dtype, &self.device)?;
             } else if let Some(copy) = self.compute[i].take() {
@@ -1863,6 +1886,16 @@ impl<'a> DeviceWeights<'a> {
         (x.shape()[0] <= ops::INT4_ROWS_MAX || self.compute[index].is_none()).then_some(q)
     }
 
+    /// The experts' packed INT4 forms where a grouped product of `picks` rows reads them: a
+    /// decode step's picks (up to [`ops::INT4_ROWS_MAX`] tokens' top-8), and every count
+    /// where there are no compute copies (a rollout-only model's).
+    fn int4_experts(&self, experts: &[usize], picks: usize) -> Option<Vec<&'a ops::Int4Matrix>> {
+        let q: Vec<&ops::Int4Matrix> =
+            experts.iter().map(|&i| self.int4.get(i)?.as_ref()).collect::<Option<_>>()?;
+        let copies = experts.iter().all(|&i| self.compute[i].is_some());
+        (picks <= 8 * ops::INT4_ROWS_MAX || !copies).then_some(q)
+    }
+
     /// Matrix `index`'s output width (its rows), from whichever form the model holds.
     fn out_features(&self, index: usize) -> usize {
         match self.int4.get(index).and_then(Option::as_ref) {
@@ -2060,6 +2093,10 @@ impl Backend for Dev<'_> {
             experts.iter().map(|&i| self.w.quantized.get(i).and_then(Option::as_ref)).collect();
         if let (Some(q), false) = (quantized, input_grad) {
             return Ok(ops::fp8_grouped_linear(x, rows, offsets, &q)?);
+        }
+        let picks = offsets.last().copied().unwrap_or(0) as usize;
+        if let (Some(q), false) = (self.w.int4_experts(&experts, picks), input_grad) {
+            return Ok(ops::int4_grouped_linear(x, rows, offsets, &q)?);
         }
         let ws: Vec<&Tensor> = experts.into_iter().map(|i| self.w.weight(i)).collect();
         let tw = if input_grad { Transpose::No } else { Transpose::Yes };
@@ -2933,6 +2970,41 @@ mod invariance {
             .map(|&n| ((0..n).map(|_| rng.below(1000) as u32).collect(), n / 3))
             .collect();
         PackedBatch::new(&seqs).unwrap()
+    }
+
+    /// W4A16 kept for rollouts only, on every device in bf16 (the CPU runs the same paths
+    /// through dequantized weights): a dense model and a mixture of experts (its grouped
+    /// products packed too) step and score with the bits of a model built from the
+    /// fake-quantized weights.
+    #[test]
+    fn a_rollout_only_w4a16_model_has_the_fake_quantized_models_bits() {
+        let mut moe = crate::model::tests::tiny_moe(true, 0.0);
+        (moe.hidden_size, moe.intermediate_size, moe.head_dim, moe.vocab_size) = (64, 96, 16, 1000);
+        moe.moe.as_mut().unwrap().moe_intermediate_size = 32;
+        let q = Int4Layers { group_size: 32, experts_only: false, w4a16: true };
+        for config in [decode_config(Architecture::Qwen3), moe] {
+            let m = model(config, 9);
+            for device in super::tests::devices() {
+                let what = format!("{device} {:?}", m.config.architecture);
+                let mut dm = DeviceModel::new(&m, &device, DType::BF16).unwrap();
+                dm.set_int4(Some(q)).unwrap();
+                assert!(dm.int4_w4a16(), "{what}: W4A16 is off");
+                let covered = dm.int4_weight_names();
+                let fake = crate::testing::int4_fake_quantized(&m, &covered, 32);
+                let plain = DeviceModel::new(&fake, &device, DType::BF16).unwrap();
+                dm.keep_rollout_weights_only().unwrap();
+                let long = long_batch();
+                assert_eq!(
+                    dm.logprobs(&long, 0.8).unwrap(),
+                    plain.logprobs(&long, 0.8).unwrap(),
+                    "{what}"
+                );
+                let (got, want) = (decode_step_bits(&dm, false), decode_step_bits(&plain, false));
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(a == b, "{what}: step {i} differs");
+                }
+            }
+        }
     }
 
     /// A model kept for rollouts only (the masters freed) scores with the bits it had, on

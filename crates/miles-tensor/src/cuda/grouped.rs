@@ -25,7 +25,7 @@ pub(crate) fn upload<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, v: &[T]) -> Resul
 }
 
 /// The gather table (or a placeholder the kernel does not read) and its flag.
-fn rows_table(gpu: &Gpu, rows: Option<&[u32]>) -> Result<(CudaSlice<i32>, i32)> {
+pub(crate) fn rows_table(gpu: &Gpu, rows: Option<&[u32]>) -> Result<(CudaSlice<i32>, i32)> {
     match rows {
         Some(r) => Ok((upload(gpu, &r.iter().map(|&x| x as i32).collect::<Vec<_>>())?, 1)),
         None => Ok((upload(gpu, &[0i32])?, 0)),
@@ -46,7 +46,7 @@ pub(crate) fn pieces(offsets: &[u32], rows: usize) -> Vec<i32> {
     out
 }
 
-fn grid_dim(what: &str, n: usize) -> Result<u32> {
+pub(crate) fn grid_dim(what: &str, n: usize) -> Result<u32> {
     u32::try_from(n).ok().filter(|&n| n <= 65_535).ok_or_else(|| Error::Shape {
         op: "grouped_matmul",
         message: format!("{n} {what}: at most 65535"),

@@ -1,8 +1,11 @@
-//! INT4 fake quantization of `kernels/int4.cu` (miles' QAT weights), checked by
-//! [`crate::ops::fake_quantize_int4`].
+//! INT4 weights of `kernels/int4.cu` (miles' QAT recipe): fake quantization, packing, and the
+//! W4A16 products, checked by [`crate::ops::fake_quantize_int4`] and `ops::int4`'s tests.
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use std::sync::Arc;
 
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+
+use super::grouped::{grid_dim, pieces, rows_table, upload};
 use super::{DeviceData, Gpu};
 use crate::Result;
 
@@ -95,6 +98,21 @@ pub(crate) fn rows_gemm(
         (false, false) => ("int4_rows_gemm_m64_n16", 4, 16, 8),
         (false, true) => ("int4_rows_gemm_m64_n64", 4, 64, 8),
     };
+    let cfg = rows_launch(gpu, kernel, (warps, bn, stages), (n as u32).div_ceil(bn), 1)?;
+    let (m, n, k, group) = (m as i32, n as i32, k as i32, group as i32);
+    launch!(gpu, "int4", kernel, cfg, &mut c, a, words, scales, &m, &n, &k, &group)?;
+    Ok(c)
+}
+
+/// The launch of one of int4.cu's rows products (`warps` of 16 rows, `bn` columns a block,
+/// `stages` of k in flight) over a grid of `blocks`, its shared memory allowed.
+fn rows_launch(
+    gpu: &Gpu,
+    kernel: &'static str,
+    (warps, bn, stages): (u32, u32, u32),
+    blocks_x: u32,
+    blocks_y: u32,
+) -> Result<LaunchConfig> {
     const BK: u32 = 32;
     const LD: u32 = BK + 8;
     let bytes = stages * 16 * warps * LD * 2 + bn * LD * 2 + stages * bn * (BK / 8) * 4;
@@ -104,12 +122,54 @@ pub(crate) fn rows_gemm(
             bytes as i32,
         )
         .map_err(|e| super::driver_error(kernel, e))?;
-    let cfg = LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(bn), 1, 1),
+    Ok(LaunchConfig {
+        grid_dim: (blocks_x, blocks_y, 1),
         block_dim: (32 * warps, 1, 1),
         shared_mem_bytes: bytes,
-    };
-    let (m, n, k, group) = (m as i32, n as i32, k as i32, group as i32);
-    launch!(gpu, "int4", kernel, cfg, &mut c, a, words, scales, &m, &n, &k, &group)?;
-    Ok(c)
+    })
+}
+
+/// `out[s] = x[row(s)] · W_eᵀ` (bf16 `[offsets[E] × n]`) for the rows s of each expert e,
+/// `W_e` packed (`experts[e]`: words, scales in groups of `group`), `row(s)` through `rows`
+/// or s: `kernels/int4.cu`'s grouped W4A16 product. `k` and `group` multiples of 32, `group`
+/// dividing `k`.
+pub(crate) fn grouped_rows_gemm(
+    gpu: &Arc<Gpu>,
+    x: &CudaSlice<u16>,
+    (rows, offsets): (Option<&[u32]>, &[u32]),
+    experts: &[(&CudaSlice<i32>, &CudaSlice<f32>)],
+    (n, k): (usize, usize),
+    group: usize,
+) -> Result<CudaSlice<u16>> {
+    let total = *offsets.last().unwrap_or(&0) as usize;
+    let mut out = gpu.alloc::<u16>((total * n).max(1))?;
+    let tiles = pieces(offsets, 64);
+    if tiles.is_empty() || n == 0 {
+        return Ok(out);
+    }
+    let stream = gpu.stream().clone();
+    let (mut words, mut scales, mut guards) = (Vec::new(), Vec::new(), Vec::new());
+    for (w, s) in experts {
+        let ((pw, gw), (ps, gs)) = (w.device_ptr(&stream), s.device_ptr(&stream));
+        words.push(pw);
+        scales.push(ps);
+        guards.push((gw, gs));
+    }
+    let (words, scales) = (upload(gpu, &words)?, upload(gpu, &scales)?);
+    let tiles_dev = upload(gpu, &tiles)?;
+    let (rows_dev, use_rows) = rows_table(gpu, rows)?;
+    let bn = if n >= 64 * 264 { 64 } else { 16 };
+    let kernel = if bn == 64 { "int4_grouped_rows_n64" } else { "int4_grouped_rows_n16" };
+    let (bx, by) = (
+        grid_dim("column blocks", n.div_ceil(bn as usize))?,
+        grid_dim("row tiles", tiles.len() / 3)?,
+    );
+    let cfg = rows_launch(gpu, kernel, (4, bn, 8), bx, by)?;
+    let (n, k, group) = (n as i32, k as i32, group as i32);
+    launch!(
+        gpu, "int4", kernel, cfg, &mut out, x, &rows_dev, &use_rows, &words, &scales, &tiles_dev,
+        &n, &k, &group
+    )?;
+    drop(guards);
+    Ok(out)
 }

@@ -154,6 +154,79 @@ pub fn int4_linear(x: &Tensor, w: &Int4Matrix) -> Result<Tensor> {
     super::matmul(x, Transpose::No, &w.dequantize(x.dtype())?, Transpose::Yes)
 }
 
+/// W4A16 for a mixture of experts: [`super::grouped_matmul`] (`Transpose::Yes`: `out[s] =
+/// x[row(s)] · W_eᵀ` for the rows s of each expert e) with INT4 weights, with the bits of that
+/// product over the dequantized weights in `x`'s dtype. On a GPU in bf16 one launch of
+/// `kernels/int4.cu` reads every expert's packed words; elsewhere the weights are dequantized
+/// first.
+pub fn int4_grouped_linear(
+    x: &Tensor,
+    rows: Option<&[u32]>,
+    offsets: &[u32],
+    experts: &[&Int4Matrix],
+) -> Result<Tensor> {
+    const OP: &str = "int4_grouped_linear";
+    floats_only(OP, &[x])?;
+    let words: Vec<&Tensor> = experts.iter().map(|w| &w.words).collect();
+    let mut all = vec![x];
+    all.extend(&words);
+    same_device(OP, &all)?;
+    let [n, k] = experts.first().map_or([0, 0], |w| w.shape());
+    let group = experts.first().map_or(0, |w| w.group);
+    ensure(
+        !experts.is_empty()
+            && experts.iter().all(|w| w.shape() == [n, k] && w.group == group)
+            && x.shape.len() == 2
+            && x.shape[1] == k,
+        OP,
+        || {
+            format!(
+                "x {:?} against {} INT4 experts [{n}, {k}] (one shape, one group)",
+                x.shape,
+                experts.len()
+            )
+        },
+    )?;
+    #[cfg(feature = "cuda")]
+    if let Storage::Cuda(xb) = &x.storage
+        && let crate::cuda::DeviceData::BF16(a) = &xb.data
+        && k.is_multiple_of(32)
+        && group.is_multiple_of(32)
+        && super::grouped::offsets_ok(offsets, experts.len())
+        && rows.map_or(x.shape[0] == offsets[experts.len()] as usize, |r| {
+            r.len() == offsets[experts.len()] as usize
+                && r.iter().all(|&i| (i as usize) < x.shape[0])
+        })
+    {
+        use crate::cuda::DeviceData;
+        let parts: Vec<_> = experts
+            .iter()
+            .map(|w| match (&w.words.storage, &w.scales.storage) {
+                (Storage::Cuda(wb), Storage::Cuda(sb)) => match (&wb.data, &sb.data) {
+                    (DeviceData::I32(words), DeviceData::F32(scales)) => (words, scales),
+                    _ => unreachable!("an Int4Matrix holds i32 words and f32 scales"),
+                },
+                _ => unreachable!("on x's device (checked)"),
+            })
+            .collect();
+        let total = offsets[experts.len()] as usize;
+        let c = crate::cuda::int4::grouped_rows_gemm(
+            &xb.gpu,
+            a,
+            (rows, offsets),
+            &parts,
+            (n, k),
+            group,
+        )?;
+        let data = crate::cuda::Buffer { gpu: xb.gpu.clone(), data: DeviceData::BF16(c) };
+        return Ok(Tensor { shape: vec![total, n], storage: Storage::Cuda(data) });
+    }
+    let dequantized: Vec<Tensor> =
+        experts.iter().map(|w| w.dequantize(x.dtype())).collect::<Result<_>>()?;
+    let weights: Vec<&Tensor> = dequantized.iter().collect();
+    super::grouped_matmul(x, rows, offsets, &weights, Transpose::Yes)
+}
+
 /// Writes into `out` (f32 or bf16, `w`'s shape and device) the fake-quantized f32 weight `w`
 /// `[rows × cols]` in groups of `group` inputs ([`cpu::fake_quantize_int4`]: each group's
 /// values q · s), in place (its buffer keeps its address, for the CUDA graphs that read it):
@@ -311,6 +384,66 @@ mod tests {
                 .unwrap();
             let x = tensor(&[2, 32], &[1.0; 64], DType::F32, &device);
             assert!(int4_linear(&x, &m4).unwrap_err().to_string().contains("INT4 weight [8, 64]"));
+        }
+    }
+
+    /// The experts' W4A16 product has, row for row, the bits of the grouped product over the
+    /// experts' fake-quantized weights: with and without a gather table, an expert without
+    /// rows, one with more rows than a tile (64), column counts past a block's edge; shapes
+    /// that disagree are refused by name.
+    #[test]
+    fn int4_grouped_products_have_the_bits_of_the_dequantized_experts_product() {
+        let mut rng = Rng::new(34);
+        for device in devices() {
+            for (n, k, group) in [(80, 256, 32), (768, 128, 128)] {
+                let experts: Vec<Vec<f32>> = (0..4).map(|_| rng.vec(n * k, 0.05)).collect();
+                let packed: Vec<Int4Matrix> = experts
+                    .iter()
+                    .map(|w| {
+                        Int4Matrix::quantize(&tensor(&[n, k], w, DType::F32, &device), group)
+                            .unwrap()
+                    })
+                    .collect();
+                let packed: Vec<&Int4Matrix> = packed.iter().collect();
+                let offsets = [0u32, 3, 3, 73, 75];
+                let total = 75;
+                for dtype in [DType::F32, DType::BF16] {
+                    let fake: Vec<Tensor> = experts
+                        .iter()
+                        .map(|w| {
+                            let v = cpu::fake_quantize_int4(w, k, group).unwrap();
+                            tensor(&[n, k], &v, dtype, &device)
+                        })
+                        .collect();
+                    let fake: Vec<&Tensor> = fake.iter().collect();
+                    let gather: Vec<u32> = (0..total).map(|_| rng.below(20) as u32).collect();
+                    for rows in [None, Some(&gather[..])] {
+                        let m = if rows.is_some() { 20 } else { total as usize };
+                        let x = tensor(&[m, k], &rng.vec(m * k, 1.0), dtype, &device);
+                        let got = int4_grouped_linear(&x, rows, &offsets, &packed).unwrap();
+                        let want =
+                            super::super::grouped_matmul(&x, rows, &offsets, &fake, Transpose::Yes)
+                                .unwrap();
+                        let what = format!("{device} {dtype} n {n} k {k} / {group}, {rows:?}");
+                        assert_eq!((got.shape(), got.dtype()), (want.shape(), dtype), "{what}");
+                        let bits = |t: &Tensor| {
+                            t.to_vec_f32().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                        };
+                        assert_eq!(bits(&got), bits(&want), "{what}");
+                    }
+                }
+            }
+            let mut one = |n, k| {
+                Int4Matrix::quantize(
+                    &tensor(&[n, k], &rng.vec(n * k, 1.0), DType::F32, &device),
+                    32,
+                )
+                .unwrap()
+            };
+            let (a, b) = (one(8, 64), one(16, 64));
+            let x = tensor(&[2, 64], &[1.0; 128], DType::BF16, &device);
+            let e = int4_grouped_linear(&x, None, &[0, 1, 2], &[&a, &b]).unwrap_err().to_string();
+            assert!(e.contains("int4_grouped_linear") && e.contains("one shape"), "{e}");
         }
     }
 }

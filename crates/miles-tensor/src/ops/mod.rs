@@ -33,7 +33,7 @@ pub use fp8::{
     fp8_quantize_rows, fp8_supported,
 };
 pub use grouped::{grouped_matmul, grouped_matmul_wgrad};
-pub use int4::{INT4_ROWS_MAX, Int4Matrix, fake_quantize_int4, int4_linear};
+pub use int4::{INT4_ROWS_MAX, Int4Matrix, fake_quantize_int4, int4_grouped_linear, int4_linear};
 pub use logprob::{logprob_rows, logprob_rows_backward, logprob_rows_ids};
 pub use matmul::{linear_packed, matmul, matmul_acc, matmul_f32_out, pack_linear};
 pub use norm::{
