@@ -1,7 +1,7 @@
 //! The rollout engine: continuous batching, the paged cache and its budget, stop conditions,
 //! and rollout logprobs equal to the scorer's bit for bit.
 
-use miles_core::{Sample, SamplingParams, Status};
+use miles_core::{Flow, Rollout, Sample, SamplingParams, Status};
 use miles_model::testing::on_cpu;
 use miles_model::tokenizer::write_byte_level_tokenizer;
 use miles_model::{
@@ -504,6 +504,7 @@ fn progress_hands_over_each_group_once_when_it_is_done() {
             reports += 1;
             assert!(p.blocks_used <= p.total_blocks && p.finished <= p.total);
             seen.extend(p.groups_done.iter().map(|(g, s)| (*g, s.to_vec())));
+            Flow::Continue
         })
         .unwrap();
     assert!(reports > 1);
@@ -596,6 +597,48 @@ fn an_aborted_partial_response_is_continued_exactly() {
         .collect();
     let resumed = e.generate(partial, &p).unwrap().concat();
     assert_eq!(results(&[resumed]), results(&[full]));
+}
+
+/// A caller that has enough aborts the call: the samples still running end `Aborted` where
+/// they are (a prefix of what they would have generated, with its logprobs), those never
+/// admitted unchanged, the finished groups as they were; continued, every sample ends as in
+/// the call never aborted, bit for bit.
+#[test]
+fn an_aborted_call_ends_its_samples_where_they_are_and_they_continue_exactly() {
+    let m = model(Architecture::Qwen3, 13);
+    let p = params(20);
+    // Prompts admitted one a step, three at most running: the first ends while others run
+    // and others wait.
+    let config = EngineConfig { max_running: 3, max_prefill_tokens: 64, ..EngineConfig::default() };
+    let mut e = engine(&m, config);
+    let full = e.generate(groups(1, 21), &p).unwrap();
+    let mut done = Vec::new();
+    let served = &mut e;
+    let out = {
+        let mut rollout = served.engine.lend(&served.model);
+        rollout
+            .generate_until(groups(1, 21), &p, &mut |g, samples| {
+                done.push((g, samples.to_vec()));
+                Flow::Abort
+            })
+            .unwrap()
+    };
+    assert_eq!(done.len(), 1, "{done:?}");
+    let (first, samples) = &done[0];
+    assert_eq!((samples, &out[*first]), (&full[*first], &full[*first]));
+    let aborted: Vec<&Sample> =
+        out.iter().flatten().filter(|s| s.status == Status::Aborted).collect();
+    assert_eq!(e.stats().aborted, aborted.len());
+    assert!(aborted.iter().any(|s| s.response_length == 0), "none was waiting");
+    for s in &aborted {
+        let whole = &full[s.group_index][0];
+        assert_eq!(s.rollout_log_probs.len(), s.response_length);
+        assert_eq!(s.loss_mask.len(), s.response_length);
+        assert_eq!(s.tokens[..], whole.tokens[..s.tokens.len()], "sample {}", s.index);
+        assert_eq!(s.rollout_log_probs[..], whole.rollout_log_probs[..s.response_length]);
+    }
+    let resumed = e.generate(out, &p).unwrap();
+    assert_eq!(results(&resumed), results(&full));
 }
 
 /// Regressions found in review: the sequence cap holds for groups, duplicate indices and empty

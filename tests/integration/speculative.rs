@@ -2,7 +2,7 @@
 //! plain tokens, sampled tokens follow the policy's distribution, rollout logprobs equal the
 //! scorer's bit for bit, and bad drafts or settings are refused.
 
-use miles_core::{Sample, SamplingParams};
+use miles_core::{Flow, Sample, SamplingParams};
 use miles_model::draft::{Draft, DraftFormat, draft_config, fit_draft};
 use miles_model::testing::on_cpu;
 use miles_model::{Architecture, DeviceModel, KvCache, Model, PackedBatch, Weights, presets};
@@ -79,8 +79,9 @@ fn greedy_speculative_decoding_gives_the_plain_tokens() {
         for steps in [1, 3, 6] {
             let config = EngineConfig { speculator: Some(speculator(steps)), ..config.clone() };
             let mut e = spec_engine(&policy, &d, config);
-            let spec =
-                e.generate_speculative(&policy, Some(&d), input.clone(), &p, &mut |_| {}).unwrap();
+            let spec = e
+                .generate_speculative(&policy, Some(&d), input.clone(), &p, &mut |_| Flow::Continue)
+                .unwrap();
             assert_eq!(results(&spec), results(&plain), "{arch:?}, {steps} steps");
             let routes = |g: &[Vec<Sample>]| -> Vec<_> {
                 g.iter().flatten().map(|s| s.rollout_routed_experts.clone()).collect()
@@ -105,7 +106,8 @@ fn greedy_speculative_decoding_gives_the_plain_tokens() {
         let plain =
             Engine::new(&policy, None, config).unwrap().generate(&policy, input.clone(), &p);
         let mut e = spec_engine(&policy, &d, tight);
-        let spec = e.generate_speculative(&policy, Some(&d), input, &p, &mut |_| {}).unwrap();
+        let spec =
+            e.generate_speculative(&policy, Some(&d), input, &p, &mut |_| Flow::Continue).unwrap();
         assert!(e.stats().preemptions > 0, "{:?}", e.stats());
         assert_eq!(results(&spec), results(&plain.unwrap()), "{arch:?}: preempted, chunked");
     }
@@ -124,7 +126,9 @@ fn speculative_logprobs_equal_the_scorers_bit_for_bit() {
             EngineConfig { max_running: 5, speculator: Some(speculator(3)), ..Default::default() };
         let mut e = spec_engine(&policy, &d, config);
         let samples = e
-            .generate_speculative(&policy, Some(&d), groups_of(3, &[7, 66, 2], 10), &p, &mut |_| {})
+            .generate_speculative(&policy, Some(&d), groups_of(3, &[7, 66, 2], 10), &p, &mut |_| {
+                Flow::Continue
+            })
             .unwrap()
             .concat();
         let seqs: Vec<(Vec<u32>, usize)> =
@@ -194,7 +198,9 @@ fn sampled_speculative_tokens_follow_the_policy() {
         .unwrap();
     warm_up(&policy, &mut d, &own[0], 200);
     let mut e = spec_engine(&policy, &d, config.clone());
-    let spec = e.generate_speculative(&policy, Some(&d), input.clone(), &p, &mut |_| {}).unwrap();
+    let spec = e
+        .generate_speculative(&policy, Some(&d), input.clone(), &p, &mut |_| Flow::Continue)
+        .unwrap();
     let c = e.stats().spec;
     assert!(c.accepted > c.drafted / 10 && c.accepted < c.drafted, "{c:?}");
     let plain = Engine::new(&policy, None, config).unwrap().generate(&policy, input, &p).unwrap();
@@ -262,14 +268,14 @@ fn bad_drafts_and_settings_are_refused() {
             Some(&draft(&other, 4)),
             groups_of(1, &[3], 1),
             &p,
-            &mut |_| {},
+            &mut |_| Flow::Continue,
         )
         .unwrap_err()
         .to_string();
     assert!(msg.contains("not the one its draft cache was built for"), "{msg}");
     let mut plain = Engine::new(&policy, None, EngineConfig::default()).unwrap();
     let msg = plain
-        .generate_speculative(&policy, Some(&d), groups_of(1, &[3], 1), &p, &mut |_| {})
+        .generate_speculative(&policy, Some(&d), groups_of(1, &[3], 1), &p, &mut |_| Flow::Continue)
         .unwrap_err()
         .to_string();
     assert!(msg.contains("built without a draft"), "{msg}");

@@ -322,7 +322,8 @@ fn timed_generate(
     params: &SamplingParams,
 ) -> anyhow::Result<f64> {
     let started = Instant::now();
-    engine.generate_speculative(model, draft, groups, params, &mut |_| {})?;
+    engine
+        .generate_speculative(model, draft, groups, params, &mut |_| miles_core::Flow::Continue)?;
     Ok(started.elapsed().as_secs_f64())
 }
 

@@ -273,6 +273,7 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             output.append(group);
         }
         reporter.report(&p);
+        miles_core::Flow::Continue
     })?;
     reporter.done();
     let seconds = started.elapsed().as_secs_f64();

@@ -26,7 +26,7 @@ pub use quantizer::{QuantFormat, Quantized, Quantizer, WeightView};
 pub use registry::{Factory, Plugin, PluginConfig, PluginKind, Registration};
 pub use replay::{ROUTER_CHOOSES, RoutingReplay};
 pub use reward::{Reward, RewardError, RewardValue};
-pub use rollout::{Rollout, SamplingParams};
+pub use rollout::{Flow, Rollout, SamplingParams};
 pub use sample::{Message, Prompt, RoutedExperts, Sample, Status};
 pub use speculate::Speculator;
 

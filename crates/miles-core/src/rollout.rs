@@ -56,7 +56,36 @@ pub trait Rollout: Send {
         params: &SamplingParams,
     ) -> Result<Vec<Vec<Sample>>>;
 
+    /// [`Rollout::generate`], handing each group to `on_group` (its index in `groups`, its
+    /// samples) as soon as it is complete. When `on_group` answers [`Flow::Abort`], the engine
+    /// stops at once (dynamic sampling has kept enough groups): the groups not complete come
+    /// back with their unfinished samples `Aborted`, holding the tokens and logprobs generated
+    /// so far (to continue later: partial rollout). An engine that cannot stream reports the
+    /// groups after generating them all (this default).
+    fn generate_until(
+        &mut self,
+        groups: Vec<Vec<Sample>>,
+        params: &SamplingParams,
+        on_group: &mut dyn FnMut(usize, &[Sample]) -> Flow,
+    ) -> Result<Vec<Vec<Sample>>> {
+        let out = self.generate(groups, params)?;
+        for (g, group) in out.iter().enumerate() {
+            if on_group(g, group) == Flow::Abort {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
     /// The policy version that samples generated from now on carry in `weight_version` (the
     /// loop's count of weight syncs).
     fn set_weight_version(&mut self, version: u64);
+}
+
+/// A caller's answer to the engine after a step or a completed group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    /// Stop generating: the requests still running are aborted (their KV blocks freed).
+    Abort,
 }

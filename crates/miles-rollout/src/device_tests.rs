@@ -4,7 +4,7 @@
 //! CPU's tensor ops (whose products are a reference, not batch-invariant) the same runs agree
 //! to rounding.
 
-use miles_core::{Sample, SamplingParams, Status};
+use miles_core::{Flow, Sample, SamplingParams, Status};
 use miles_model::{
     Architecture, DeviceModel, Fp8Layers, KvCache, Model, ModelConfig, PackedBatch, Weights,
     presets,
@@ -457,14 +457,16 @@ fn speculative_rollouts_on_cuda_keep_the_policys_tokens_and_logprobs() {
         let mut e =
             Engine::with_draft(&dm, &d, None, EngineConfig { speculator, ..config }).unwrap();
         let got = e
-            .generate_speculative(&dm, Some(&d), groups(2, 5, vocab), &greedy, &mut |_| {})
+            .generate_speculative(&dm, Some(&d), groups(2, 5, vocab), &greedy, &mut |_| {
+                Flow::Continue
+            })
             .unwrap();
         assert_eq!(results(&got), results(&want), "{arch:?}: greedy");
         let c = e.stats().spec;
         assert!(c.accepted > 0, "{arch:?}: {c:?}");
         let p = params(40);
         let samples = e
-            .generate_speculative(&dm, Some(&d), groups(2, 6, vocab), &p, &mut |_| {})
+            .generate_speculative(&dm, Some(&d), groups(2, 6, vocab), &p, &mut |_| Flow::Continue)
             .unwrap()
             .concat();
         let order: Vec<usize> = (0..samples.len()).collect();

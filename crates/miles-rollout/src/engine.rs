@@ -13,7 +13,9 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use miles_core::{Prompt, Rollout, RoutedExperts, Sample, SamplingParams, Speculator, Status};
+use miles_core::{
+    Flow, Prompt, Rollout, RoutedExperts, Sample, SamplingParams, Speculator, Status,
+};
 use miles_model::{BlockId, DeviceModel, StepRow, Tokenizer};
 use miles_tensor::cpu::KEY_BLOCK;
 
@@ -80,6 +82,8 @@ pub struct EngineStats {
     /// Most sequences in one step.
     pub peak_running: usize,
     pub skipped_prompts: usize,
+    /// Samples ended unfinished because a caller aborted the call ([`Flow::Abort`]).
+    pub aborted: usize,
     /// Most KV blocks in use at once, out of `total_blocks`.
     pub peak_blocks: usize,
     pub total_blocks: usize,
@@ -285,16 +289,18 @@ impl Engine {
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
     ) -> crate::Result<Vec<Vec<Sample>>> {
-        self.generate_with_progress(model, groups, params, &mut |_| {})
+        self.generate_with_progress(model, groups, params, &mut |_| Flow::Continue)
     }
 
-    /// [`Engine::generate`] with a callback after every step.
+    /// [`Engine::generate`] with a callback after every step. When it answers
+    /// [`Flow::Abort`], every sequence still waiting or running ends there, its blocks freed
+    /// and its sample `Aborted` with the tokens and logprobs generated so far.
     pub fn generate_with_progress(
         &mut self,
         model: &DeviceModel,
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
-        progress: &mut dyn FnMut(Progress<'_>),
+        progress: &mut dyn FnMut(Progress<'_>) -> Flow,
     ) -> crate::Result<Vec<Vec<Sample>>> {
         self.generate_speculative(model, None, groups, params, progress)
     }
@@ -309,7 +315,7 @@ impl Engine {
         draft: Option<&DeviceModel>,
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
-        progress: &mut dyn FnMut(Progress<'_>),
+        progress: &mut dyn FnMut(Progress<'_>) -> Flow,
     ) -> crate::Result<Vec<Vec<Sample>>> {
         self.policy.check(model)?;
         match draft {
@@ -408,7 +414,10 @@ impl Engine {
             self.stats.peak_running = self.stats.peak_running.max(in_step);
             run.running = next;
             self.stats.peak_blocks = self.stats.peak_blocks.max(run.blocks.peak_used());
-            progress(run.progress(self.stats.preemptions - preempted_before));
+            if progress(run.progress(self.stats.preemptions - preempted_before)) == Flow::Abort {
+                self.stats.aborted += run.abort(self);
+                return Ok(run.out);
+            }
         }
         if !run.done_now.is_empty() {
             // Groups with nothing to generate, when no step ran.
@@ -766,6 +775,24 @@ impl Run {
         }
     }
 
+    /// Ends every sequence still waiting, prefilling or running as `Aborted`: its blocks
+    /// freed, its sample holding the tokens and logprobs it generated (none for one not yet
+    /// admitted). Returns how many.
+    fn abort(&mut self, engine: &Engine) -> usize {
+        let mut seqs = std::mem::take(&mut self.running);
+        seqs.extend(self.prefilling.take().into_iter().flat_map(|(unit, _)| unit));
+        seqs.extend(self.waiting.drain(..).flatten());
+        let aborted = seqs.len();
+        for seq in seqs {
+            self.blocks.release(&seq.blocks);
+            let (g, m) = seq.slot;
+            let s = std::mem::take(&mut self.out[g][m]);
+            self.out[g][m] = engine.finish(s, seq, Status::Aborted);
+        }
+        self.remaining = 0;
+        aborted
+    }
+
     /// Appends a step's draws in order, until the sequence finishes.
     fn advance_by(
         &mut self,
@@ -929,6 +956,12 @@ impl Engine {
         s.loss_mask.truncate(earlier);
         s.loss_mask.resize(response.len(), 1);
         s.rollout_routed_experts = self.routed_experts(&seq);
+        debug_assert!(
+            status == Status::Aborted
+                || self.policy.config().moe.is_none()
+                || s.rollout_routed_experts.is_some(),
+            "a finished sequence of a mixture of experts has every position's routes"
+        );
         if self.policy.has_draft() {
             seq.spec.write(&mut s.metadata);
         }
@@ -948,10 +981,14 @@ impl Engine {
         let moe = c.moe.as_ref()?;
         let layers = (0..c.num_hidden_layers).filter(|&l| moe.is_sparse(l)).count();
         // A speculative step may have run positions past the token the sequence stopped at.
-        let mut ids = seq.routes.clone();
-        ids.truncate((seq.tokens.len() - 1) * layers * moe.num_experts_per_tok);
-        debug_assert_eq!(ids.len(), (seq.tokens.len() - 1) * layers * moe.num_experts_per_tok);
-        Some(RoutedExperts { num_layers: layers, top_k: moe.num_experts_per_tok, ids })
+        let want = (seq.tokens.len() - 1) * layers * moe.num_experts_per_tok;
+        // (An aborted sequence not prefilled again yet has none: its continuation's prefill
+        // records them all.)
+        (seq.routes.len() >= want).then(|| RoutedExperts {
+            num_layers: layers,
+            top_k: moe.num_experts_per_tok,
+            ids: seq.routes[..want].to_vec(),
+        })
     }
 }
 
@@ -993,7 +1030,24 @@ impl Rollout for Lent<'_> {
         groups: Vec<Vec<Sample>>,
         params: &SamplingParams,
     ) -> crate::Result<Vec<Vec<Sample>>> {
-        self.engine.generate_speculative(self.model, self.draft, groups, params, &mut |_| {})
+        self.engine
+            .generate_speculative(self.model, self.draft, groups, params, &mut |_| Flow::Continue)
+    }
+
+    fn generate_until(
+        &mut self,
+        groups: Vec<Vec<Sample>>,
+        params: &SamplingParams,
+        on_group: &mut dyn FnMut(usize, &[Sample]) -> Flow,
+    ) -> crate::Result<Vec<Vec<Sample>>> {
+        self.engine.generate_speculative(self.model, self.draft, groups, params, &mut |p| {
+            for (g, group) in p.groups_done {
+                if on_group(g, group) == Flow::Abort {
+                    return Flow::Abort;
+                }
+            }
+            Flow::Continue
+        })
     }
 
     fn set_weight_version(&mut self, version: u64) {
