@@ -262,6 +262,42 @@ fn a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
     check_exact_resume("train_exact_resume", SHORT, &["ref.safetensors"]);
 }
 
+/// Dynamic sampling with `--partial-rollout`: once the batch is full the engine aborts the
+/// rest, whose groups the next iteration continues first; the run reports them (aborted
+/// samples, the share of continued ones, their staleness), trains the trainer's own tokens
+/// with logprobs equal to the rollout's bit for bit (the older policies' tokens differ, and
+/// are reported apart), and a kill and resume ends byte for byte as the straight run, the
+/// buffer of unfinished groups included.
+#[test]
+fn partial_rollouts_continue_aborted_groups_and_resume_exactly() {
+    let flags = format!("{SHORT} --over-sampling-batch-size 12 --partial-rollout");
+    let dir = check_exact_resume_with("train_partial_resume", &flags, &["ref.safetensors"], &[]);
+    let records = iteration_records(&dir);
+    let number = |r: &Value, key: &str| r[key].as_f64().unwrap_or_else(|| panic!("{key}: {r}"));
+    assert!(records.iter().any(|r| number(r, "rollout/aborted") > 0.0), "nothing aborted");
+    assert!(records.iter().any(|r| number(r, "rollout/partial_ratio") > 0.0), "none continued");
+    assert!(records.iter().any(|r| number(r, "rollout/staleness/max") >= 1.0));
+    let mut stale = 0;
+    for r in &records {
+        if let Some(own) = r.get("train/train_rollout_logprob_abs_diff/stale_0") {
+            assert_eq!(own, 0.0, "{r}");
+            stale += 1;
+        }
+    }
+    assert!(stale > 0, "no iteration trained on older policies' tokens");
+    let state: Value =
+        serde_json::from_slice(&checkpoint_file(&dir, 6, "trainer_state.json")).unwrap();
+    assert!(state["partial"].as_array().is_some_and(|p| !p.is_empty()), "{state}");
+
+    // Refused: partial rollouts without over-sampling, the mask without them.
+    let d = scratch("train_partial_refused");
+    let out = run_binary(&strs(&run_args("--partial-rollout", &d, 1)), None);
+    assert!(!out.status.success() && text(&out).contains("--partial-rollout"), "{}", text(&out));
+    assert!(text(&out).contains("--over-sampling-batch-size"), "{}", text(&out));
+    let out = run_binary(&strs(&run_args("--mask-offpolicy-in-partial-rollout", &d, 1)), None);
+    assert!(text(&out).contains("it needs --partial-rollout"), "{}", text(&out));
+}
+
 /// A Qwen3-MoE run with Rollout Routing Replay resumes to the same bytes (per-expert
 /// weights, their AdamW moments), and the experts used in training are the rollout's.
 #[cfg(feature = "r3")]

@@ -253,7 +253,12 @@ pub const FLAGS: &[Flag] = &[
     switch(
         ROLLOUT,
         "partial-rollout",
-        "Keep responses cut off by an aborted rollout and continue them in the next one.",
+        "Keep the groups an over-sampled rollout aborts and continue them in the next one.",
+    ),
+    switch(
+        ROLLOUT,
+        "mask-offpolicy-in-partial-rollout",
+        "With --partial-rollout: tokens from older policies get loss mask 0.",
     ),
     switch(
         ROLLOUT,

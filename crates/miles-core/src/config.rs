@@ -251,7 +251,11 @@ pub struct RunConfig {
     pub rollout_stop: Vec<String>,
     pub rollout_stop_token_ids: Vec<u32>,
     pub rollout_seed: u64,
+    /// Groups left unfinished when dynamic sampling aborts the rollout go to a buffer, and the
+    /// next rollout continues them first.
     pub partial_rollout: bool,
+    /// Tokens a continued response got from an older policy train with loss mask 0 (miles').
+    pub mask_offpolicy_in_partial_rollout: bool,
     pub use_rollout_routing_replay: bool,
     /// Embedded engine limits (miles-rs).
     pub rollout_kv_cache_mb: usize,
@@ -430,6 +434,7 @@ impl Default for RunConfig {
             rollout_stop_token_ids: Vec::new(),
             rollout_seed: 42,
             partial_rollout: false,
+            mask_offpolicy_in_partial_rollout: false,
             use_rollout_routing_replay: false,
             rollout_kv_cache_mb: 1024,
             rollout_max_running: 64,
@@ -534,6 +539,25 @@ impl RunConfig {
                 format!("{over} is below --rollout-batch-size {}", self.rollout_batch_size)
             })?;
         }
+        check(
+            !self.partial_rollout || self.over_sampling_batch_size.is_some(),
+            "partial-rollout",
+            || {
+                "keeps the groups an over-sampled rollout aborts: give --over-sampling-batch-size \
+             (with the dynamic sampling it brings)"
+                    .into()
+            },
+        )?;
+        check(
+            self.partial_rollout || !self.mask_offpolicy_in_partial_rollout,
+            "mask-offpolicy-in-partial-rollout",
+            || {
+                "masks the older policies' tokens of continued responses: it needs --partial-rollout".into()
+            },
+        )?;
+        check(!self.partial_rollout || self.nproc_per_node == 1, "partial-rollout", || {
+            format!("runs in one process for now, not --nproc-per-node {}", self.nproc_per_node)
+        })?;
         check(self.rollout_max_response_len >= 1, "rollout-max-response-len", || {
             "must be at least 1".into()
         })?;
@@ -879,6 +903,12 @@ mod tests {
         assert!(
             bad(RunConfig { over_sampling_batch_size: Some(2), ..d() })
                 .starts_with("--over-sampling-batch-size:")
+        );
+        let over = Some(64);
+        let two = RunConfig { partial_rollout: true, over_sampling_batch_size: over, ..d() };
+        assert!(
+            bad(RunConfig { nproc_per_node: 2, ..two })
+                .starts_with("--partial-rollout: runs in one")
         );
         assert!(
             bad(RunConfig { global_batch_size: Some(3), ..d() })

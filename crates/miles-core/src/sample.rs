@@ -89,11 +89,23 @@ pub struct Sample {
     pub rollout_log_probs: Vec<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rollout_routed_experts: Option<RoutedExperts>,
-    /// The policy version that generated the response (grows with every weight sync).
+    /// The policy version that generated the response (grows with every weight sync); of a
+    /// response continued over several versions (partial rollout), the newest.
     pub weight_version: u64,
+    /// Per response token, the policy version that generated it, when they are not all
+    /// `weight_version` (a response continued after a weight sync); empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub weight_versions: Vec<u64>,
 }
 
 impl Sample {
+    /// The policy version that generated each response token.
+    pub fn token_versions(&self) -> Vec<u64> {
+        let mut v = self.weight_versions.clone();
+        v.resize(self.response_length, self.weight_version);
+        v
+    }
+
     /// Prompt tokens, i.e. `tokens` before the response. Errors if `response_length` overruns.
     pub fn prompt_length(&self) -> crate::Result<usize> {
         self.tokens.len().checked_sub(self.response_length).ok_or_else(|| {
@@ -152,6 +164,7 @@ mod tests {
                 ids: vec![0, 1, 2, 3, 4, 5, 6, 7],
             }),
             weight_version: 7,
+            weight_versions: vec![6, 7],
         }
     }
 

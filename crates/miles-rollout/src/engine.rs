@@ -882,6 +882,12 @@ impl Engine {
         if let Some(meta) = s.metadata.as_object_mut() {
             meta.remove("rollout_error");
         }
+        // A finished response (a group's member done before the rest of its group was
+        // aborted) stays as it is.
+        let finished = matches!(s.status, Status::Completed | Status::Truncated);
+        if finished && s.response_length > 0 && !s.tokens.is_empty() {
+            return Ok(None);
+        }
         let resuming = s.status == Status::Aborted && s.response_length > 0;
         if resuming && s.tokens.is_empty() {
             return Err("an aborted sample to continue needs its prompt and partial response in \
@@ -892,6 +898,7 @@ impl Engine {
             s.tokens.truncate(s.tokens.len() - s.response_length.min(s.tokens.len()));
             s.response_length = 0;
             s.rollout_log_probs.clear();
+            s.weight_versions.clear();
         }
         if s.tokens.is_empty() {
             match (&s.prompt, &self.tokenizer) {
@@ -946,6 +953,13 @@ impl Engine {
 
     fn finish(&self, mut s: Sample, seq: Seq, status: Status) -> Sample {
         let response = &seq.tokens[seq.prompt_len..];
+        // Each token's policy version: a continued response's earlier ones as they were.
+        let mut versions = s.token_versions();
+        versions.resize(response.len(), self.weight_version);
+        s.weight_versions = match versions.iter().all(|&v| v == self.weight_version) {
+            true => Vec::new(),
+            false => versions,
+        };
         s.response = match &self.tokenizer {
             Some(tok) => tok.decode(response, true).unwrap_or_default(),
             None => String::new(),
@@ -1040,13 +1054,14 @@ impl Rollout for Lent<'_> {
         params: &SamplingParams,
         on_group: &mut dyn FnMut(usize, &[Sample]) -> Flow,
     ) -> crate::Result<Vec<Vec<Sample>>> {
+        // Every group a step completed is handed over, also after one of them answered Abort.
         self.engine.generate_speculative(self.model, self.draft, groups, params, &mut |p| {
-            for (g, group) in p.groups_done {
-                if on_group(g, group) == Flow::Abort {
-                    return Flow::Abort;
-                }
+            let answers: Vec<Flow> =
+                p.groups_done.into_iter().map(|(g, s)| on_group(g, s)).collect();
+            match answers.contains(&Flow::Abort) {
+                true => Flow::Abort,
+                false => Flow::Continue,
             }
-            Flow::Continue
         })
     }
 

@@ -32,6 +32,9 @@ pub struct TrainSample {
     /// `--use-rollout-routing-replay`).
     pub routed_experts: Option<RoutedExperts>,
     pub replay_experts: Option<Vec<u32>>,
+    /// Per response token, the policy version that generated it (older than the trainer's
+    /// for the earlier part of a continued response: partial rollout).
+    pub versions: Vec<u64>,
 }
 
 impl TrainSample {
@@ -62,6 +65,7 @@ impl TrainSample {
             loss_mask,
             rollout_logp,
             routed_experts: s.rollout_routed_experts.clone(),
+            versions: s.token_versions(),
             ..TrainSample::default()
         })
     }
@@ -280,6 +284,33 @@ pub fn rollout_logprob_abs_diff(
         })
         .collect();
     aggregation(samples, per_token).of(&diff)
+}
+
+/// With responses from older policies (partial rollout), `record`'s per-staleness logprob
+/// gaps: for each number of versions k between a token's policy and the trainer's `version`,
+/// `train/train_rollout_logprob_abs_diff/stale_k`, the mean |trainer − rollout| over those
+/// tokens (0 exactly for k = 0, the trainer's own tokens); nothing when every token is the
+/// trainer's.
+pub fn record_gap_by_staleness(
+    record: &mut serde_json::Map<String, serde_json::Value>,
+    samples: &[TrainSample],
+    trainer: &[Vec<f32>],
+    version: u64,
+) {
+    let mut by: std::collections::BTreeMap<u64, (f64, usize)> = Default::default();
+    for (s, t) in samples.iter().zip(trainer) {
+        for ((a, b), v) in t.iter().zip(&s.rollout_logp).zip(&s.versions) {
+            let e = by.entry(version.saturating_sub(*v)).or_default();
+            *e = (e.0 + f64::from((a - b).abs()), e.1 + 1);
+        }
+    }
+    if by.keys().all(|&k| k == 0) {
+        return;
+    }
+    for (k, (sum, n)) in by {
+        let key = format!("train/train_rollout_logprob_abs_diff/stale_{k}");
+        record.insert(key, serde_json::json!(sum / n as f64));
+    }
 }
 
 /// Concatenates one per-token slice of every sample.

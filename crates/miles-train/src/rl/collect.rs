@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use miles_core::config::RunConfig;
-use miles_core::{Reward, Rollout, Sample, SamplingParams, Status};
+use miles_core::{Flow, Reward, Rollout, Sample, SamplingParams, Status};
 use miles_data::{DataSource, PromptRow};
 use miles_model::Tokenizer;
 use serde_json::json;
@@ -56,6 +56,10 @@ pub(super) type StepParts = Vec<std::ops::Range<usize>>;
 
 /// Generates and scores one iteration's batch; records slime's `rollout/*` metrics. Over
 /// several processes, also this rank's part of each optimizer step ([`step_parts`]).
+///
+/// Under dynamic sampling in one process, groups are scored as they complete and the
+/// generation is aborted once the batch is full; with `--partial-rollout` the groups it cut
+/// off go to `partial`, which the next rollout continues before drawing new prompts.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn rollout(
     cfg: &RunConfig,
@@ -67,6 +71,7 @@ pub(super) fn rollout(
     record: &mut Record,
     dist: Option<&Dist>,
     steps: usize,
+    partial: &mut Vec<Vec<Sample>>,
 ) -> anyhow::Result<(Vec<TrainSample>, Option<StepParts>)> {
     let n = cfg.n_samples_per_prompt;
     let want = cfg.rollout_batch_size;
@@ -83,7 +88,9 @@ pub(super) fn rollout(
         if groups_kept >= want {
             break;
         }
-        let rows = data.next_batch(draw);
+        // Partial rollout: the groups an earlier rollout cut off come first (one process).
+        let resumed: Vec<Vec<Sample>> = partial.drain(..partial.len().min(draw)).collect();
+        let rows = data.next_batch(draw - resumed.len());
         // Over several processes, this rank's part of every optimizer step's groups (every
         // rank drew the same rows); under dynamic sampling an even part of the drawn groups,
         // which are kept is decided below over all of them.
@@ -93,12 +100,30 @@ pub(super) fn rollout(
             None => (0..rows.len()).collect(),
         };
         let mine: Vec<(usize, PromptRow)> = share.iter().map(|&g| rows[g].clone()).collect();
-        let groups = make_groups(&mine, &share, n, cfg, tok, &source)?;
+        let first_new = resumed.len();
+        let indices: Vec<usize> = share.iter().map(|&g| first_new + g).collect();
+        let mut groups = numbered(resumed, n);
+        groups.extend(make_groups(&mine, &indices, n, cfg, tok, &source)?);
         let params = SamplingParams {
             seed: mix(cfg.rollout_seed, ((iteration as u64) << 8) | round as u64),
             ..cfg.sampling_params()
         };
         let generate_started = Instant::now();
+        if filter && dist.is_none() {
+            let version = iteration as u64;
+            let keep = Keep { reward, cfg, want, version };
+            let out = keep.stream(engine, groups, &params, &mut t, &mut kept, &mut groups_kept)?;
+            t.generate_time += generate_started.elapsed().as_secs_f64();
+            for group in out {
+                // (Groups without an aborted member were handed over as they completed.)
+                let aborted = group.iter().filter(|s| s.status == Status::Aborted).count();
+                t.aborted += aborted;
+                if aborted > 0 && cfg.partial_rollout {
+                    partial.push(group);
+                }
+            }
+            continue;
+        }
         let groups = engine.generate(groups, &params)?;
         t.generate_time += generate_started.elapsed().as_secs_f64();
         let (flat, rewards, fails) = score_groups(reward, groups, cfg)?;
@@ -145,9 +170,10 @@ pub(super) fn rollout(
             let Some(g) = g else { continue };
             for (s, r) in group.iter().zip(rewards) {
                 if let Some(r) = r
-                    && let Some(t) = TrainSample::from_sample(s, g, *r)
+                    && let Some(ts) = TrainSample::from_sample(s, g, *r)
                 {
-                    kept.push(t);
+                    t.add_kept(&ts, iteration as u64);
+                    kept.push(ts);
                 }
             }
         }
@@ -160,6 +186,86 @@ pub(super) fn rollout(
         None => None,
     };
     Ok((kept, parts))
+}
+
+/// A round's groups renumbered from 0 in order (their samples' draws are keyed by index).
+fn numbered(groups: Vec<Vec<Sample>>, n: usize) -> Vec<Vec<Sample>> {
+    groups
+        .into_iter()
+        .enumerate()
+        .map(|(g, group)| {
+            let samples = group.into_iter().enumerate();
+            samples.map(|(i, s)| Sample { group_index: g, index: g * n + i, ..s }).collect()
+        })
+        .collect()
+}
+
+/// Dynamic sampling in one process: which completed groups join the batch.
+struct Keep<'a> {
+    reward: &'a dyn Reward,
+    cfg: &'a RunConfig,
+    /// Groups the batch takes.
+    want: usize,
+    /// The policy version training on the batch.
+    version: u64,
+}
+
+impl Keep<'_> {
+    /// Generates `groups`, scoring each as it completes and keeping it when its rewards have
+    /// a spread, until the batch is full: then the engine aborts the rest, which it returns
+    /// (with the groups already handed over).
+    fn stream(
+        &self,
+        engine: &mut dyn Rollout,
+        groups: Vec<Vec<Sample>>,
+        params: &SamplingParams,
+        t: &mut Tally,
+        kept: &mut Vec<TrainSample>,
+        groups_kept: &mut usize,
+    ) -> anyhow::Result<Vec<Vec<Sample>>> {
+        let mut failure = None;
+        let out = engine.generate_until(groups, params, &mut |_, group| {
+            // (Groups completed in the step that filled the batch are not taken.)
+            if failure.is_some() || *groups_kept >= self.want {
+                return Flow::Abort;
+            }
+            match score_groups(self.reward, vec![group.to_vec()], self.cfg) {
+                Err(e) => {
+                    failure = Some(e);
+                    return Flow::Abort;
+                }
+                Ok((flat, rewards, fails)) => {
+                    t.failed += fails;
+                    if t.first_error.is_none() {
+                        t.first_error = flat.iter().find_map(failure_reason);
+                    }
+                    if t.add_group(&flat, &rewards, true) {
+                        for (s, r) in flat.iter().zip(&rewards) {
+                            if let Some(r) = r
+                                && let Some(mut ts) = TrainSample::from_sample(s, *groups_kept, *r)
+                            {
+                                t.add_kept(&ts, self.version);
+                                if self.cfg.mask_offpolicy_in_partial_rollout {
+                                    // Older policies' tokens do not train (miles' meaning).
+                                    let tokens = ts.loss_mask.iter_mut().zip(&ts.versions);
+                                    tokens
+                                        .filter(|(_, v)| **v < self.version)
+                                        .for_each(|(m, _)| *m = 0);
+                                }
+                                kept.push(ts);
+                            }
+                        }
+                        *groups_kept += 1;
+                    }
+                }
+            }
+            if *groups_kept >= self.want { Flow::Abort } else { Flow::Continue }
+        })?;
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
 }
 
 /// What an iteration's rollout counts for slime's `rollout/*` metrics.
@@ -178,9 +284,23 @@ struct Tally {
     /// Speculative rollouts: verifications, draft tokens proposed and kept (the samples'
     /// `spec_verify_ct`, `spec_draft_token_num`, `spec_accept_token_num`).
     spec: [usize; 3],
+    /// Samples the engine aborted once the batch was full.
+    aborted: usize,
+    /// Kept samples continued from an older policy's partial response, and per kept sample
+    /// the versions between its oldest token and the trainer (staleness).
+    partial: usize,
+    staleness: Vec<u64>,
 }
 
 impl Tally {
+    /// Counts a kept sample's staleness against the trainer's policy `version`.
+    fn add_kept(&mut self, s: &TrainSample, version: u64) {
+        let oldest = s.versions.iter().copied().min().unwrap_or(version);
+        let stale = version.saturating_sub(oldest);
+        self.partial += usize::from(stale > 0);
+        self.staleness.push(stale);
+    }
+
     /// Counts a scored group; whether it may be kept (some reward, and under dynamic sampling
     /// some spread).
     fn add_group(&mut self, group: &[Sample], rewards: &[Option<f32>], filter: bool) -> bool {
@@ -217,6 +337,9 @@ impl Tally {
             self.spec[0] as f64,
             self.spec[1] as f64,
             self.spec[2] as f64,
+            self.aborted as f64,
+            self.partial as f64,
+            self.staleness.iter().sum::<u64>() as f64,
         ];
         if let Some(d) = dist {
             d.sum(&mut sums)?;
@@ -233,7 +356,16 @@ impl Tally {
             verifies,
             drafted,
             accepted,
+            aborted,
+            partial,
+            staleness,
         ] = sums;
+        // (Partial rollouts run in one process: the largest staleness is this one's.)
+        let stale_max = self.staleness.iter().copied().max().unwrap_or(0);
+        record.insert("rollout/aborted".into(), json!(aborted as usize));
+        record.insert("rollout/partial_ratio".into(), json!(partial / kept_all.max(1.0)));
+        record.insert("rollout/staleness/mean".into(), json!(staleness / kept_all.max(1.0)));
+        record.insert("rollout/staleness/max".into(), json!(stale_max));
         if verifies > 0.0 {
             // miles' names: kept drafts per draft, and tokens per verification.
             record.insert("rollout/spec_accept_rate".into(), json!(accepted / drafted.max(1.0)));
@@ -305,4 +437,78 @@ pub(super) fn step_parts(
             positions.partition_point(|&p| p < r.start)..positions.partition_point(|&p| p < r.end)
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use miles_core::{RewardError, RewardValue};
+
+    /// An engine whose responses are given: every group comes back as scripted.
+    struct Scripted(Vec<Vec<Sample>>);
+
+    impl Rollout for Scripted {
+        fn generate(
+            &mut self,
+            _: Vec<Vec<Sample>>,
+            _: &SamplingParams,
+        ) -> miles_core::Result<Vec<Vec<Sample>>> {
+            Ok(self.0.clone())
+        }
+
+        fn set_weight_version(&mut self, _: u64) {}
+    }
+
+    /// Odd samples solve the task.
+    struct Odd;
+
+    impl Reward for Odd {
+        fn score(&self, s: &Sample) -> Result<RewardValue, RewardError> {
+            Ok(RewardValue::Scalar((s.index % 2) as f64))
+        }
+    }
+
+    /// A group of two: 4 prompt tokens, then a response of 4 whose first 3 tokens came from
+    /// policy version 2 and the last from version 3 (continued after a weight sync).
+    fn continued_group() -> Vec<Sample> {
+        (0..2)
+            .map(|i| Sample {
+                index: i,
+                tokens: (0..8).collect(),
+                response_length: 4,
+                loss_mask: vec![1; 4],
+                rollout_log_probs: vec![-0.5; 4],
+                status: Status::Completed,
+                weight_version: 3,
+                weight_versions: vec![2, 2, 2, 3],
+                ..Sample::default()
+            })
+            .collect()
+    }
+
+    /// A continued response keeps its older tokens trainable (corrected against their own
+    /// logprobs) unless `--mask-offpolicy-in-partial-rollout`, which masks exactly those; its
+    /// staleness is counted against the trainer's version.
+    #[test]
+    fn older_policies_tokens_are_masked_only_when_asked() {
+        for mask in [false, true] {
+            let cfg = RunConfig {
+                partial_rollout: true,
+                mask_offpolicy_in_partial_rollout: mask,
+                over_sampling_batch_size: Some(2),
+                ..RunConfig::default()
+            };
+            let keep = Keep { reward: &Odd, cfg: &cfg, want: 1, version: 3 };
+            let mut engine = Scripted(vec![continued_group()]);
+            let (mut t, mut kept, mut groups_kept) = (Tally::default(), Vec::new(), 0);
+            let params = SamplingParams::default();
+            let groups = vec![continued_group()];
+            keep.stream(&mut engine, groups, &params, &mut t, &mut kept, &mut groups_kept).unwrap();
+            assert_eq!((kept.len(), groups_kept), (2, 1));
+            let want: Vec<u8> = if mask { vec![0, 0, 0, 1] } else { vec![1; 4] };
+            assert!(kept.iter().all(|s| s.loss_mask == want), "mask {mask}");
+            assert!(kept.iter().all(|s| s.versions == [2, 2, 2, 3]));
+            assert_eq!((t.partial, t.staleness.clone()), (2, vec![1, 1]));
+        }
+    }
 }

@@ -145,6 +145,9 @@ struct LoopState {
     attempted_steps: u64,
     rollout_seed: u64,
     rollout_shuffle: bool,
+    /// `--partial-rollout`: the groups the last rollout aborted, to continue first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    partial: Vec<Vec<miles_core::Sample>>,
 }
 
 /// Trains per `setup.config`; `observe` sees every record as it is written.
@@ -291,11 +294,6 @@ fn check_run(
     if cfg.use_tis && !has_correction {
         bail!("--use-tis: this binary has no `tis` correction plugin (build with --features tis)");
     }
-    if cfg.partial_rollout {
-        bail!(
-            "--partial-rollout: not supported by the loop yet (the engine resumes aborted samples)"
-        );
-    }
     if cfg.use_rollout_routing_replay && !has_replay {
         bail!(
             "--use-rollout-routing-replay: this binary has no `r3` plugin (build with --features \
@@ -424,6 +422,23 @@ fn resume_state(
         );
     }
     data.restore(state.data).with_context(|| format!("{at}: data cursor"))?;
+    let mut state = state;
+    if !state.partial.is_empty() && !cfg.partial_rollout {
+        eprintln!(
+            "warning: --load {at}: the checkpoint holds {} unfinished groups of a \
+             --partial-rollout run; without --partial-rollout they are dropped",
+            state.partial.len()
+        );
+        state.partial.clear();
+    }
+    if let Some(g) = state.partial.iter().find(|g| g.len() != cfg.n_samples_per_prompt) {
+        bail!(
+            "--load {at}: its unfinished groups (--partial-rollout) hold {} samples each, this \
+             run's --n-samples-per-prompt is {}; resume with the same",
+            g.len(),
+            cfg.n_samples_per_prompt
+        );
+    }
     Ok(state)
 }
 

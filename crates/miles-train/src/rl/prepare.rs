@@ -38,7 +38,7 @@ pub(super) fn prepare(
     cfg: &RunConfig,
     actor: &Actor,
     samples: &mut [TrainSample],
-    old: OldLogprobs,
+    (old, version): (OldLogprobs, u64),
     reference: Option<&Reference>,
     correction: Option<&dyn Correction>,
     advantage: &dyn Advantage,
@@ -60,6 +60,7 @@ pub(super) fn prepare(
             None => diff,
         };
         record.insert("train/train_rollout_logprob_abs_diff".into(), json!(diff));
+        batch::record_gap_by_staleness(record, samples, &trainer, version);
     }
     if let Some(r) = reference {
         let refs = logprobs_of(r.model(), samples, temperature, micro)?;

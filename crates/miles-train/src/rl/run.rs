@@ -93,12 +93,16 @@ impl Run<'_> {
             }
             let mut record = Record::new();
             record.insert("step".into(), json!(state.iteration + 1));
-            let (mut samples, parts) =
-                self.collect(&mut actor, &mut data, state.iteration, &mut record)?;
+            let (mut samples, parts) = self.collect(
+                &mut actor,
+                (&mut data, &mut state.partial),
+                state.iteration,
+                &mut record,
+            )?;
             let rollout_time = started.elapsed().as_secs_f64();
             let train_started = Instant::now();
             if !self.sft_run {
-                self.prepare(&actor, &mut samples, &mut record)?;
+                self.prepare(&actor, &mut samples, state.iteration as u64, &mut record)?;
             }
             self.train(&mut actor, samples.as_slice(), parts, &mut state, &mut record)?;
             let train_time = train_started.elapsed().as_secs_f64();
@@ -168,7 +172,7 @@ impl Run<'_> {
     fn collect(
         &self,
         actor: &mut Actor,
-        data: &mut DataSource,
+        (data, partial): (&mut DataSource, &mut Vec<Vec<miles_core::Sample>>),
         iteration: usize,
         record: &mut Record,
     ) -> anyhow::Result<(Vec<TrainSample>, Option<StepParts>)> {
@@ -190,7 +194,8 @@ impl Run<'_> {
         } else {
             let steps = self.steps_per_rollout;
             let (tok, reward, dist) = (self.tokenizer, self.reward, self.dist);
-            rollout(cfg, &mut actor.rollout(), tok, data, reward, iteration, record, dist, steps)?
+            let engine = &mut actor.rollout();
+            rollout(cfg, engine, tok, data, reward, iteration, record, dist, steps, partial)?
         };
         if let Some(r) = self.replay {
             // R3: the trainer's forwards use the experts the rollout recorded.
@@ -209,13 +214,15 @@ impl Run<'_> {
         &self,
         actor: &Actor,
         samples: &mut [TrainSample],
+        version: u64,
         record: &mut Record,
     ) -> anyhow::Result<()> {
         let old =
             if self.old_logprobs_in_step { OldLogprobs::InStep } else { OldLogprobs::Separate };
         let (reference, correction, advantage) = (self.reference, self.correction, self.advantage);
         let (cfg, dist) = (self.cfg, self.dist);
-        prepare(cfg, actor, samples, old, reference, correction, advantage, record, dist)
+        let how = (old, version);
+        prepare(cfg, actor, samples, how, reference, correction, advantage, record, dist)
     }
 
     /// Step 4: the optimizer steps over consecutive slices of the batch, and their metrics.
@@ -297,6 +304,8 @@ impl Run<'_> {
                 None => diff,
             };
             record.insert("train/train_rollout_logprob_abs_diff".into(), json!(diff));
+            let version = state.iteration as u64;
+            batch::record_gap_by_staleness(record, samples, &forward_logp, version);
         }
         sums.write(record, cfg.use_tis, cfg.use_opsm);
         record.insert("train/skipped_steps".into(), json!(state.skipped_steps));
