@@ -288,6 +288,11 @@ fn partial_rollouts_continue_aborted_groups_and_resume_exactly() {
     let state: Value =
         serde_json::from_slice(&checkpoint_file(&dir, 6, "trainer_state.json")).unwrap();
     assert!(state["partial"].as_array().is_some_and(|p| !p.is_empty()), "{state}");
+    // Resumed without --partial-rollout, the buffer is dropped with a warning that says so.
+    let without = format!("{SHORT} --over-sampling-batch-size 12");
+    let out = run_binary(&strs(&run_args(&without, &dir, 7)), None);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("without --partial-rollout they are dropped"), "{}", text(&out));
 
     // Refused: partial rollouts without over-sampling, the mask without them.
     let d = scratch("train_partial_refused");
