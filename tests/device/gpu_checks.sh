@@ -6,7 +6,7 @@
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
 #                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
 #                                  dp|fp8|fp8-bench|fp8-addition|int4-addition|families|families-bench|
-#                                  spec-addition|spec-gsm8k|spec-bench|int4-bench|all]
+#                                  spec-addition|spec-gsm8k|spec-bench|int4-bench|partial-gsm8k|all]
 # Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
 # packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
 # is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
@@ -406,6 +406,38 @@ for r in rows:
           f'{p.get("decode_graph_ms")} ms, verify graph {r.get("spec_verify_graph_ms")} ms, '
           f'draft round graph {r.get("spec_draft_graph_ms")} ms; host phases per step '
           f'{r.get("spec_phases_ms")}')
+PY
+fi
+if [ "$what" = partial-gsm8k ]; then
+  # Issue 32, acceptance 1: GSM8K with over-sampling (dynamic sampling aborts the engine once
+  # the batch is full), without and with --partial-rollout, ROLLOUTS iterations each in one
+  # call: trained tokens per second of the iteration (perf/tokens_per_gpu_per_sec), reward,
+  # the aborted and continued samples and their staleness.
+  [ -d /tmp/smollm2 ] || { cat target/smollm2-a/part target/smollm2-b/part > /tmp/smollm2.gguf &&
+    $miles convert gguf /tmp/smollm2.gguf --out /tmp/smollm2 | tail -1; }
+  for arm in ${ARMS:-plain partial}; do
+    flags="--over-sampling-batch-size ${OVER:-32}"
+    [ $arm = partial ] && flags="$flags --partial-rollout"
+    rm -rf /tmp/partial-$arm
+    timeout ${LIMIT:-270} $miles train --config examples/gsm8k-smollm2.toml --hf-checkpoint /tmp/smollm2 \
+      --prompt-data target/gpu/gsm8k/train.jsonl --eval-prompt-data target/gpu/gsm8k/test.jsonl@[0:256] \
+      --num-rollout ${ROLLOUTS:-30} --eval-interval 1000 --run-dir /tmp/partial-$arm --save /tmp/partial-$arm/ckpt \
+      --save-interval 1000 $flags | tail -1
+    cp /tmp/partial-$arm/metrics.jsonl "$OUT/partial-gsm8k-$arm.jsonl"
+  done
+  python3 - /tmp/partial-plain/metrics.jsonl /tmp/partial-partial/metrics.jsonl <<'PY' | tee "$OUT/partial-gsm8k.txt"
+import json, sys
+for path in sys.argv[1:]:
+    rows = [json.loads(l) for l in open(path)]
+    rows = [r for r in rows if "rollout/raw_reward" in r][1:]  # the first iteration warms up
+    if not rows:
+        continue
+    mean = lambda k: sum(r.get(k, 0) for r in rows) / len(rows)
+    step = sum(r["perf/step_time"] for r in rows)
+    print(f'{path}: {len(rows)} iterations, {step:.1f} s, trained tok/s {mean("perf/tokens_per_gpu_per_sec"):.0f}, '
+          f'rollout tok/s {mean("perf/tokens_per_s"):.0f}, reward {mean("rollout/raw_reward"):.3f}, '
+          f'aborted {mean("rollout/aborted"):.1f}/iteration, continued {mean("rollout/partial_ratio"):.3f}, '
+          f'staleness max {max(r.get("rollout/staleness/max", 0) for r in rows)}')
 PY
 fi
 if [ "$what" = int4-bench ]; then
