@@ -303,6 +303,67 @@ fn partial_rollouts_continue_aborted_groups_and_resume_exactly() {
     assert!(text(&out).contains("it needs --partial-rollout"), "{}", text(&out));
 }
 
+/// `--async`: each iteration's steps run beside the next iteration's rollout, which a copy of
+/// the policy one version behind generates. After the first (synchronous) iteration every
+/// trained sample is one version old, its gap to the trainer reported apart from the
+/// trainer's own tokens; the rollout logprobs are that older version's own, bit for bit (the
+/// checkpoint of the iteration before scores them); and a kill and resume ends byte for byte
+/// as the straight run, the batch rolled out ahead included.
+#[test]
+fn one_step_off_async_trains_one_version_behind_and_resumes_exactly() {
+    let flags = format!("{SHORT} --async");
+    let dir = check_exact_resume_with("train_async_resume", &flags, &["ref.safetensors"], &[]);
+    let records = iteration_records(&dir);
+    for (i, r) in records.iter().enumerate() {
+        let stale = r["rollout/staleness/mean"].as_f64().unwrap();
+        assert_eq!(stale, if i == 0 { 0.0 } else { 1.0 }, "{r}");
+        if i > 0 {
+            assert!(r["train/train_rollout_logprob_abs_diff/stale_1"].as_f64().unwrap() > 0.0);
+            assert!(r.get("train/train_rollout_logprob_abs_diff/stale_0").is_none(), "{r}");
+            assert!(r["perf/rollout_wait_time"].is_number(), "{r}");
+        }
+    }
+
+    // The batch checkpoint 2 holds, rolled out ahead by version 1, scored by checkpoint 1.
+    let root = scratch("train_async_versions");
+    let every = SHORT.replace("--save-interval 2", "--save-interval 1");
+    let out = run_binary(&strs(&run_args(&format!("{every} --async"), &root, 3)), None);
+    assert!(out.status.success(), "{}", text(&out));
+    let state: Value =
+        serde_json::from_slice(&checkpoint_file(&root, 2, "trainer_state.json")).unwrap();
+    let samples = state["prefetched"]["samples"].as_array().unwrap();
+    assert!(!samples.is_empty());
+    let v1 = root.join("iter_0000001");
+    let config = miles_model::ModelConfig::from_file(&v1.join("config.json")).unwrap();
+    let weights = miles_model::Weights::load(&v1, &config).unwrap();
+    let model = miles_model::Model::new(config, weights);
+    let dm =
+        miles_model::DeviceModel::new(&model, &miles_tensor::Device::Cpu, miles_tensor::DType::F32)
+            .unwrap();
+    let numbers = |v: &Value| -> Vec<f64> {
+        v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+    };
+    for s in samples {
+        assert!(numbers(&s["versions"]).iter().all(|&v| v == 1.0), "{s}");
+        let tokens: Vec<u32> = numbers(&s["tokens"]).iter().map(|&t| t as u32).collect();
+        let prompt = s["prompt_len"].as_u64().unwrap() as usize;
+        let batch = miles_model::PackedBatch::new(&[(tokens, prompt)]).unwrap();
+        let (scored, _) = dm.logprobs(&batch, 1.0).unwrap();
+        let rollout: Vec<f32> = numbers(&s["rollout_logp"]).iter().map(|&x| x as f32).collect();
+        assert_eq!(scored, rollout, "a sample's rollout logprobs are not version 1's");
+    }
+
+    // Refused by flag: staleness 0 or 2, the GPU (no streams of its own yet).
+    for (extra, want) in [
+        ("--async --max-weight-staleness 0", "--max-weight-staleness: 0 with --async"),
+        ("--async --max-weight-staleness 2", "exactly one step off"),
+        ("--async --device cuda", "--async: runs on the CPU for now"),
+    ] {
+        let out = run_binary(&strs(&run_args(extra, &scratch("train_async_refused"), 1)), None);
+        assert!(!out.status.success() && text(&out).contains(want), "{extra}: {}", text(&out));
+    }
+}
+
 /// A Qwen3-MoE run with Rollout Routing Replay resumes to the same bytes (per-expert
 /// weights, their AdamW moments), and the experts used in training are the rollout's.
 #[cfg(feature = "r3")]

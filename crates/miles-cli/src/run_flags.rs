@@ -262,6 +262,17 @@ pub const FLAGS: &[Flag] = &[
     ),
     switch(
         ROLLOUT,
+        "async",
+        "One step off: the next rollout runs, one policy version behind, while this one trains.",
+    ),
+    value(
+        ROLLOUT,
+        "max-weight-staleness",
+        Ty::UInt,
+        "Most policy versions a trained sample may lag the trainer by (1, with --async).",
+    ),
+    switch(
+        ROLLOUT,
         "use-rollout-routing-replay",
         "MoE: record the experts routed to at rollout and replay them in training.",
     ),

@@ -256,6 +256,13 @@ pub struct RunConfig {
     pub partial_rollout: bool,
     /// Tokens a continued response got from an older policy train with loss mask 0 (miles').
     pub mask_offpolicy_in_partial_rollout: bool,
+    /// One-step-off asynchronous training (`--async`, slime's `train_async.py`): the rollout of
+    /// iteration k + 1 runs, on a copy of the policy one version behind, while iteration k
+    /// trains.
+    #[serde(rename = "async")]
+    pub one_step_off: bool,
+    /// The most policy versions a trained sample may lag the trainer by (with `--async`: 1).
+    pub max_weight_staleness: usize,
     pub use_rollout_routing_replay: bool,
     /// Embedded engine limits (miles-rs).
     pub rollout_kv_cache_mb: usize,
@@ -435,6 +442,8 @@ impl Default for RunConfig {
             rollout_seed: 42,
             partial_rollout: false,
             mask_offpolicy_in_partial_rollout: false,
+            one_step_off: false,
+            max_weight_staleness: 1,
             use_rollout_routing_replay: false,
             rollout_kv_cache_mb: 1024,
             rollout_max_running: 64,
@@ -558,6 +567,42 @@ impl RunConfig {
         check(!self.partial_rollout || self.nproc_per_node == 1, "partial-rollout", || {
             format!("runs in one process for now, not --nproc-per-node {}", self.nproc_per_node)
         })?;
+        if self.one_step_off {
+            let n = self.max_weight_staleness;
+            check(n >= 1, "max-weight-staleness", || {
+                "0 with --async: an asynchronous rollout is one policy version behind; drop \
+                 --async to train on-policy"
+                    .into()
+            })?;
+            check(n == 1, "max-weight-staleness", || {
+                format!("{n}: --async runs exactly one step off for now (1)")
+            })?;
+            check(self.nproc_per_node == 1, "async", || {
+                format!("runs in one process for now, not --nproc-per-node {}", self.nproc_per_node)
+            })?;
+            check(self.device == DeviceSpec::Cpu, "async", || {
+                format!(
+                    "runs on the CPU for now: on {} the rollout and the step would need their \
+                     own CUDA streams, which the engine does not have yet",
+                    self.device
+                )
+            })?;
+            check(self.loss_type != LossType::SftLoss, "async", || {
+                "a supervised run (--loss-type sft_loss) has no rollout to overlap".into()
+            })?;
+            let quantized = self.fp8_format.is_some() || self.int4_qat;
+            check(!quantized, "async", || {
+                "not with --fp8-format or --int4-qat yet (the copy that rolls out would need \
+                 its own quantized weights)"
+                    .into()
+            })?;
+            let drafted = self.sglang_speculative_algorithm.is_some() || self.enable_mtp_training;
+            check(!drafted, "async", || {
+                "not with speculative rollouts or MTP training yet (the copy that rolls out would \
+                 need its own draft)"
+                    .into()
+            })?;
+        }
         check(self.rollout_max_response_len >= 1, "rollout-max-response-len", || {
             "must be at least 1".into()
         })?;

@@ -1668,6 +1668,26 @@ impl DeviceModel {
         })
     }
 
+    /// Takes every weight of `other` (a model of the same config on the same device in the
+    /// same dtype), rebuilding the compute copies, packed forms and stacks from them: the copy
+    /// that rolls out one version behind the trainer (`--async`) syncs this way.
+    pub fn sync_from(&mut self, other: &DeviceModel) -> Result<()> {
+        other.trainable("sync_from")?;
+        let same = (other.device, other.dtype) == (self.device, self.dtype);
+        if !same || other.config != self.config {
+            return Err(Error::Invalid(format!(
+                "sync_from: a model on {} in {} into one on {} in {}, or of another config",
+                other.device, other.dtype, self.device, self.dtype
+            )));
+        }
+        self.set_masters_with(|masters| {
+            for (m, from) in masters.iter_mut().zip(&other.masters) {
+                m.copy_from(from)?;
+            }
+            Ok(())
+        })
+    }
+
     /// Copies the weights `names` (the same names in both models) from `other`, on the same
     /// device in the same dtype: masters and compute copies in place (CUDA graphs captured
     /// over them stay valid), the CPU's packed forms rebuilt. A speculative draft refreshes its

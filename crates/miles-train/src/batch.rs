@@ -14,7 +14,7 @@ use crate::advantage::MaskedStats;
 use crate::loss::{Aggregation, approx_kl};
 
 /// A trainable sample: tokens, where the response starts, and its per-token slices.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct TrainSample {
     pub group: usize,
     pub tokens: Vec<u32>,

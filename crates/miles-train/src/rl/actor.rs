@@ -292,6 +292,44 @@ impl DraftActor {
     }
 }
 
+/// With `--async`, the copy of the policy that rolls out one version behind while the policy
+/// trains: its own weights and KV cache on the policy's device, synced from the policy after
+/// every iteration.
+pub(super) struct Behind {
+    model: DeviceModel,
+    engine: Engine,
+}
+
+impl Behind {
+    /// A copy of `actor`'s policy as it is now (policy version `version`), with an engine of
+    /// its own.
+    pub(super) fn new(
+        actor: &Actor,
+        config: EngineConfig,
+        tokenizer: &Tokenizer,
+        version: u64,
+    ) -> anyhow::Result<Self> {
+        let policy = Model::new(actor.model.config.clone(), actor.weights()?);
+        let model = DeviceModel::new(&policy, &actor.device, actor.model.dtype())?;
+        let mut engine = Engine::new(&model, Some(tokenizer.clone()), config)
+            .context("--async: the KV cache of the copy that rolls out")?;
+        engine.lend(&model).set_weight_version(version);
+        Ok(Behind { model, engine })
+    }
+
+    /// Its engine with its copy lent to it.
+    pub(super) fn rollout(&mut self) -> impl Rollout + '_ {
+        self.engine.lend(&self.model)
+    }
+
+    /// Takes the policy's weights, policy version `version` from now on.
+    pub(super) fn sync(&mut self, actor: &Actor, version: u64) -> anyhow::Result<()> {
+        self.model.sync_from(&actor.model)?;
+        self.engine.lend(&self.model).set_weight_version(version);
+        Ok(())
+    }
+}
+
 /// The frozen KL reference, beside the policy on its device, and its weights on the host for
 /// checkpoints.
 pub(super) struct Reference {

@@ -246,11 +246,11 @@ impl Keep<'_> {
                             {
                                 t.add_kept(&ts, self.version);
                                 if self.cfg.mask_offpolicy_in_partial_rollout {
-                                    // Older policies' tokens do not train (miles' meaning).
+                                    // The tokens of a continued response from before its last
+                                    // continuation do not train (miles' meaning).
+                                    let newest = ts.versions.iter().copied().max().unwrap_or(0);
                                     let tokens = ts.loss_mask.iter_mut().zip(&ts.versions);
-                                    tokens
-                                        .filter(|(_, v)| **v < self.version)
-                                        .for_each(|(m, _)| *m = 0);
+                                    tokens.filter(|(_, v)| **v < newest).for_each(|(m, _)| *m = 0);
                                 }
                                 kept.push(ts);
                             }

@@ -53,7 +53,7 @@ use crate::Optimizer;
 use crate::checkpoint;
 use crate::dist::{Dist, check_split};
 use crate::schedule::LrSchedule;
-use actor::{Actor, Reference};
+use actor::{Actor, Behind, Reference};
 use metrics::MetricsLog;
 use prepare::old_logprobs_in_step;
 use run::{Progress, Run};
@@ -148,6 +148,18 @@ struct LoopState {
     /// `--partial-rollout`: the groups the last rollout aborted, to continue first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     partial: Vec<Vec<miles_core::Sample>>,
+    /// `--async`: the next iteration's batch, rolled out one version behind while the last
+    /// one trained.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    prefetched: Option<Prefetched>,
+}
+
+/// A batch rolled out ahead (`--async`), with its rollout metrics and the seconds it took.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Prefetched {
+    samples: Vec<crate::batch::TrainSample>,
+    record: Record,
+    seconds: f64,
 }
 
 /// Trains per `setup.config`; `observe` sees every record as it is written.
@@ -181,6 +193,12 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         );
     }
     check_run(&cfg, &mut model, correction.is_some(), replay.is_some())?;
+    if cfg.one_step_off && fp8_checkpoint {
+        bail!(
+            "--async: not with an FP8 --hf-checkpoint yet (the copy that rolls out would need its \
+             own FP8 weights)"
+        );
+    }
     let eval_every = cfg.eval_interval.filter(|_| eval_data.is_some());
     let sft_run = cfg.loss_type == LossType::SftLoss;
     let reward: Box<dyn Reward> = match reward {
@@ -279,8 +297,12 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         eos,
         dist: dist.as_ref(),
     };
+    let behind = match cfg.one_step_off {
+        true => Some(Behind::new(&actor, engine_config(&cfg), &tokenizer, state.iteration as u64)?),
+        false => None,
+    };
     let progress = Progress { state, data, log, resumed_from };
-    run.iterate(actor, progress, observe)
+    run.iterate((actor, behind), progress, observe)
 }
 
 /// What `train` checks of the plugins and the policy before anything runs; sets a mixture of

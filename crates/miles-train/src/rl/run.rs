@@ -10,14 +10,14 @@ use miles_data::{DataSource, Dataset};
 use miles_model::{Tokenizer, Weights};
 use serde_json::{Value, json};
 
-use super::actor::{Actor, Reference, logprobs_of};
+use super::actor::{Actor, Behind, Reference, logprobs_of};
 use super::collect::{StepParts, rollout};
 use super::eval::{EvalOutcome, evaluate};
 use super::metrics::{MetricsLog, Record, StepSums, peak_bf16_flops};
 use super::prepare::{OldLogprobs, prepare};
 use super::sft::sft_samples;
 use super::step::{StepLoss, StepSpec};
-use super::{Faults, LoopState, REF_WEIGHTS, Summary};
+use super::{Faults, LoopState, Prefetched, REF_WEIGHTS, Summary};
 use crate::batch::{self, TrainSample, split_ranges};
 use crate::checkpoint::{self, CheckpointRef};
 use crate::dist::Dist;
@@ -51,6 +51,32 @@ pub(super) struct Run<'a> {
     pub(super) dist: Option<&'a Dist>,
 }
 
+/// What the rollout that runs ahead (`--async`) needs, shared with the trainer's thread.
+struct Ahead<'a> {
+    cfg: &'a RunConfig,
+    tokenizer: &'a Tokenizer,
+    reward: &'a dyn Reward,
+}
+
+impl Ahead<'_> {
+    /// Iteration `iteration`'s batch, rolled out by `behind` (one process: no step parts).
+    fn rollout(
+        &self,
+        behind: &mut Behind,
+        (data, partial): (&mut DataSource, &mut Vec<Vec<miles_core::Sample>>),
+        iteration: usize,
+        steps: usize,
+    ) -> anyhow::Result<Prefetched> {
+        let started = Instant::now();
+        let mut record = Record::new();
+        let (cfg, tok, reward) = (self.cfg, self.tokenizer, self.reward);
+        let engine = &mut behind.rollout();
+        let (samples, _) =
+            rollout(cfg, engine, tok, data, reward, iteration, &mut record, None, steps, partial)?;
+        Ok(Prefetched { samples, record, seconds: started.elapsed().as_secs_f64() })
+    }
+}
+
 /// Where the loop stands: its state, the data cursor, the metrics log.
 pub(super) struct Progress {
     pub(super) state: LoopState,
@@ -62,10 +88,11 @@ pub(super) struct Progress {
 impl Run<'_> {
     /// The iterations, from `progress` to `--num-rollout`: collect (rollout and reward),
     /// prepare (old and reference logprobs, correction, advantages), optimizer steps, weight
-    /// sync, eval, checkpoint.
+    /// sync, eval, checkpoint. With `behind` (`--async`) each iteration's steps run beside the
+    /// next iteration's rollout on that copy, which then takes the new weights.
     pub(super) fn iterate(
         &self,
-        mut actor: Actor,
+        (mut actor, mut behind): (Actor, Option<Behind>),
         progress: Progress,
         observe: &mut dyn FnMut(&Record),
     ) -> anyhow::Result<Summary> {
@@ -92,22 +119,55 @@ impl Run<'_> {
                 device.reset_peak_memory()?;
             }
             let mut record = Record::new();
-            record.insert("step".into(), json!(state.iteration + 1));
-            let (mut samples, parts) = self.collect(
-                &mut actor,
-                (&mut data, &mut state.partial),
-                state.iteration,
-                &mut record,
-            )?;
-            let rollout_time = started.elapsed().as_secs_f64();
+            let k = state.iteration;
+            record.insert("step".into(), json!(k + 1));
+            let (mut samples, parts, rollout_time) = match state.prefetched.take() {
+                // Rolled out one version behind while the last iteration trained.
+                Some(p) => {
+                    record.extend(p.record);
+                    let mut samples = p.samples;
+                    self.replay_experts(&mut samples)?;
+                    (samples, None, p.seconds)
+                }
+                None => {
+                    let buffers = (&mut data, &mut state.partial);
+                    let (samples, parts) = self.collect(&mut actor, buffers, k, &mut record)?;
+                    (samples, parts, started.elapsed().as_secs_f64())
+                }
+            };
             let train_started = Instant::now();
-            if !self.sft_run {
-                self.prepare(&actor, &mut samples, state.iteration as u64, &mut record)?;
-            }
-            self.train(&mut actor, samples.as_slice(), parts, &mut state, &mut record)?;
-            let train_time = train_started.elapsed().as_secs_f64();
+            // `--async`: the next iteration's rollout meanwhile, on the copy one version behind.
+            let ahead = behind.as_mut().filter(|_| k + 1 < self.total);
+            let mut partial = std::mem::take(&mut state.partial);
+            let (trained, prefetched, waited) = std::thread::scope(|scope| {
+                let job = ahead.map(|b| {
+                    let (data, partial) = (&mut data, &mut partial);
+                    let ahead =
+                        Ahead { cfg: self.cfg, tokenizer: self.tokenizer, reward: self.reward };
+                    let steps = self.steps_per_rollout;
+                    scope.spawn(move || ahead.rollout(b, (data, partial), k + 1, steps))
+                });
+                let trained = (|| {
+                    if !self.sft_run {
+                        self.prepare(&actor, &mut samples, k as u64, &mut record)?;
+                    }
+                    self.train(&mut actor, samples.as_slice(), parts, &mut state, &mut record)
+                })();
+                let wait = Instant::now();
+                let prefetched =
+                    job.map(|j| j.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+                (trained, prefetched.transpose(), wait.elapsed().as_secs_f64())
+            });
+            state.partial = partial;
+            trained?;
+            state.prefetched = prefetched?;
+            let train_time = train_started.elapsed().as_secs_f64() - waited;
             let sync_started = Instant::now();
             actor.weights_updated();
+            if let Some(b) = behind.as_mut() {
+                b.sync(&actor, k as u64 + 1)?;
+                record.insert("perf/rollout_wait_time".into(), json!(waited));
+            }
             let sync_time = sync_started.elapsed().as_secs_f64();
             state.iteration += 1;
             state.data = data.cursor();
@@ -197,15 +257,20 @@ impl Run<'_> {
             let engine = &mut actor.rollout();
             rollout(cfg, engine, tok, data, reward, iteration, record, dist, steps, partial)?
         };
+        self.replay_experts(&mut samples)?;
+        Ok((samples, parts))
+    }
+
+    /// R3: the trainer's forwards use the experts the rollout recorded.
+    fn replay_experts(&self, samples: &mut [TrainSample]) -> anyhow::Result<()> {
         if let Some(r) = self.replay {
-            // R3: the trainer's forwards use the experts the rollout recorded.
-            for s in &mut samples {
+            for s in samples {
                 if let Some(record) = &s.routed_experts {
                     s.replay_experts = Some(r.replay(record, s.tokens.len())?);
                 }
             }
         }
-        Ok((samples, parts))
+        Ok(())
     }
 
     /// Step 3 (counted in the train time): old and reference logprobs, the off-policy
