@@ -513,7 +513,8 @@ fn processes_train_as_one(
         // (The device model's host tensors are a reference, not batch-invariant: there the
         // gap is rounding, as in one process.)
         let gap = b["train/train_rollout_logprob_abs_diff"].as_f64().unwrap();
-        assert!(if env.is_empty() { gap == 0.0 } else { gap < 1e-6 }, "logprob gap {gap}");
+        let bucketed = env.iter().any(|(k, _)| *k == "MILES_GRAD_BUCKET_BYTES");
+        assert!(if bucketed { gap < 1e-6 } else { gap == 0.0 }, "logprob gap {gap}");
         // The last iteration's eval, each rank over its part of the prompts.
         for key in ["eval/reward", "eval/pass@1", "eval/pass@4"] {
             assert_eq!(a.get(key).is_some(), b.get(key).is_some(), "{key}");
@@ -610,15 +611,18 @@ fn two_processes_train_a_mixture_of_experts_as_one() {
 /// Ranks left without samples keep in step with the others: one group a batch over four
 /// processes under dynamic sampling, so three ranks hold nothing, with whitening, TIS (its
 /// metrics reach rank 0 from whichever rank has them) and steps no rank has samples for.
+/// (Dynamic sampling over several processes generates whole rounds; the one-process run is
+/// told to as well, where it would abort once its batch is full.)
 #[test]
 fn ranks_without_samples_keep_in_step() {
+    let rounds = [("MILES_DYNAMIC_SAMPLING_ROUNDS", "1")];
     processes_train_as_one(
         "train_ranks_without_samples",
         4,
         "--rollout-batch-size 1 --over-sampling-batch-size 8 --num-steps-per-rollout 2 \
          --advantage-estimator reinforce_plus_plus_baseline --normalize-advantages --use-tis \
          --tis-batch-normalize",
-        &[],
+        &rounds,
         &["train/mis_is_ratio_mean_final", "train/mis_batch_norm_factor"],
     );
     // No group kept at all (every group solved or failed alike): no rank takes a step, as one
@@ -633,7 +637,7 @@ fn ranks_without_samples_keep_in_step() {
             dir.display()
         );
         let argv: Vec<String> = args.split_whitespace().map(String::from).collect();
-        let out = run_binary(&strs(&argv), None);
+        let out = run_binary_with(&strs(&argv), None, &rounds);
         assert!(out.status.success(), "{procs}: {}", text(&out));
         let records = iteration_records(&dir);
         // The counts, and which train/ figures there are (none of TIS's without samples).

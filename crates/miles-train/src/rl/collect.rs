@@ -109,7 +109,7 @@ pub(super) fn rollout(
             ..cfg.sampling_params()
         };
         let generate_started = Instant::now();
-        if filter && dist.is_none() {
+        if filter && dist.is_none() && !whole_rounds() {
             let version = iteration as u64;
             let keep = Keep { reward, cfg, want, version };
             let out = keep.stream(engine, groups, &params, &mut t, &mut kept, &mut groups_kept)?;
@@ -186,6 +186,12 @@ pub(super) fn rollout(
         None => None,
     };
     Ok((kept, parts))
+}
+
+/// A test hook: dynamic sampling in one process generates whole rounds, as over several
+/// processes (which cannot abort mid-round), so that both keep the same samples.
+fn whole_rounds() -> bool {
+    std::env::var_os("MILES_DYNAMIC_SAMPLING_ROUNDS").is_some()
 }
 
 /// A round's groups renumbered from 0 in order (their samples' draws are keyed by index).
