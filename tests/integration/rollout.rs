@@ -641,6 +641,56 @@ fn an_aborted_call_ends_its_samples_where_they_are_and_they_continue_exactly() {
     assert_eq!(results(&resumed), results(&full));
 }
 
+/// A serving engine takes requests as they come, from many threads at once: those with the
+/// running ones' sampling parameters join them between steps, the others wait their turn, a
+/// request with bad parameters gets its error; each comes back as `generate` gives the same
+/// samples (numbered in arrival order), and the engine stops when the last sender is gone.
+#[test]
+fn a_serving_engine_batches_requests_as_they_come() {
+    let m = model(Architecture::Qwen3, 13);
+    let p = params(12);
+    let mut e = engine(&m, EngineConfig { max_running: 4, ..EngineConfig::default() });
+    let prompt = groups_of(1, &[9], 5).concat().remove(0);
+    // The first 12 samples of that prompt, numbered 0..12: what 12 requests must get.
+    let numbered: Vec<Vec<Sample>> =
+        (0..12).map(|i| vec![Sample { index: i, ..prompt.clone() }]).collect();
+    let mut want = results(&e.generate(numbered, &p).unwrap());
+    let (tx, rx) = std::sync::mpsc::channel::<miles_rollout::Request>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        let served = &mut e;
+        scope.spawn(move || served.engine.serve(&served.model, &rx).unwrap());
+        for _ in 0..12 {
+            let (tx, done_tx, group) = (tx.clone(), done_tx.clone(), vec![prompt.clone()]);
+            let p = p.clone();
+            scope.spawn(move || {
+                let reply = Box::new(move |r| done_tx.send(r).unwrap());
+                tx.send(miles_rollout::Request { group, params: p, reply }).unwrap();
+            });
+        }
+        for other in [SamplingParams { temperature: -1.0, ..p.clone() }, params(5)] {
+            let done_tx = done_tx.clone();
+            let reply = Box::new(move |r| done_tx.send(r).unwrap());
+            let group = vec![prompt.clone()];
+            tx.send(miles_rollout::Request { group, params: other, reply }).unwrap();
+        }
+        drop((tx, done_tx));
+    });
+    let mut answers: Vec<miles_core::Result<Vec<Sample>>> = done_rx.iter().collect();
+    assert_eq!(answers.len(), 14);
+    // The request with other parameters: served in a turn of its own, with them.
+    let short = answers.iter().position(|a| a.as_ref().is_ok_and(|s| s[0].response_length == 5));
+    answers.remove(short.expect("the 5-token request was not served"));
+    let errors: Vec<String> =
+        answers.iter().filter_map(|a| a.as_ref().err()).map(|e| e.to_string()).collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].contains("temperature"), "{errors:?}");
+    let mut got = results(&answers.into_iter().filter_map(Result::ok).collect::<Vec<_>>());
+    got.sort_by(|a, b| a.1.cmp(&b.1));
+    want.sort_by(|a, b| a.1.cmp(&b.1));
+    assert_eq!(got, want);
+}
+
 /// Regressions found in review: the sequence cap holds for groups, duplicate indices and empty
 /// stop strings are refused, a resumed response keeps its loss mask, a model of another shape
 /// is refused, an impossible KV budget is an error.

@@ -706,16 +706,17 @@ fn two_processes_run_supervised_steps_as_one() {
     }
 }
 
-/// Dynamic sampling over two processes keeps the groups one process keeps: each rank rolls out
-/// half of every draw, the groups with a reward spread are taken in drawn order over both, and
-/// each optimizer step takes the samples it would take in one process.
+/// Dynamic sampling over two processes keeps the groups one process generating whole rounds
+/// keeps: each rank rolls out half of every draw, the groups with a reward spread are taken in
+/// drawn order over both, and each optimizer step takes the samples it would take in one
+/// process.
 #[test]
 fn two_processes_sample_dynamically_as_one() {
     processes_train_as_one(
         "train_two_processes_dynamic",
         2,
         "--over-sampling-batch-size 12 --num-steps-per-rollout 2",
-        &[],
+        &[("MILES_DYNAMIC_SAMPLING_ROUNDS", "1")],
         &["rollout/zero_std/count", "rollout/response_len/mean"],
     );
 }

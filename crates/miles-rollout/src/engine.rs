@@ -339,12 +339,31 @@ impl Engine {
                 "stop strings need the checkpoint's tokenizer.json to read the response",
             ));
         }
-        let start = Instant::now();
         let eos = if params.ignore_eos { Vec::new() } else { self.eos_ids() };
-        let mut run = Run::new(self, groups, params, &eos)?;
+        let run = Run::new(self, groups, params, &eos)?;
+        self.drive((model, draft), run, (params, &eos), progress, &mut |_| None)
+    }
+
+    /// The steps of a call until every sample is final: before each, `intake` may add groups
+    /// (`idle`: none is left to generate; then `None` ends the call).
+    fn drive(
+        &mut self,
+        (model, draft): (&DeviceModel, Option<&DeviceModel>),
+        mut run: Run,
+        (params, eos): (&SamplingParams, &[u32]),
+        progress: &mut dyn FnMut(Progress<'_>) -> Flow,
+        intake: &mut dyn FnMut(bool) -> Option<Vec<Vec<Sample>>>,
+    ) -> crate::Result<Vec<Vec<Sample>>> {
+        let start = Instant::now();
         let preempted_before = self.stats.preemptions;
         let mut admissions = 0u64;
-        while run.remaining > 0 {
+        loop {
+            if let Some(groups) = intake(run.remaining == 0) {
+                run.add(self, groups, params, eos)?;
+            }
+            if run.remaining == 0 {
+                break;
+            }
             self.grow(&mut run, params);
             let admitted = self.admit(&mut run, &mut admissions);
             let chunk = self.chunk(&run, &admitted);
@@ -401,13 +420,13 @@ impl Engine {
                     seq.spec.add(f.counts, &mut self.stats.spec);
                     seq.feed = f.feed;
                 }
-                next.extend(run.advance_by(self, seq, draws, &eos, params));
+                next.extend(run.advance_by(self, seq, draws, eos, params));
             }
             for (unit, draws) in units.into_iter().zip(unit_draws) {
                 let seqs = self.fork(unit)?;
                 for (mut seq, draw) in seqs.into_iter().zip(draws) {
                     seq.feed = feeds.next().and_then(|f| f.feed);
-                    next.extend(run.advance(self, seq, *draw, &eos, params));
+                    next.extend(run.advance(self, seq, *draw, eos, params));
                 }
             }
             next.sort_by_key(|s| s.admitted);
@@ -660,7 +679,103 @@ fn record_routes(
     }
 }
 
-/// The state of one `generate` call.
+/// A request to a serving engine ([`Engine::serve`]): one prompt's samples, how to sample
+/// them, and where they go back.
+pub struct Request {
+    /// The samples to generate, as [`Rollout::generate`] takes them; the engine numbers them
+    /// (their `index`, which keys their draws) in the order requests arrive.
+    pub group: Vec<Sample>,
+    pub params: SamplingParams,
+    /// Called once with the samples, final, or the reason they could not be.
+    pub reply: Reply,
+}
+
+/// Where a request's result goes.
+pub type Reply = Box<dyn FnOnce(crate::Result<Vec<Sample>>) + Send>;
+
+/// The requests of a serving call with the running ones' sampling parameters, numbered, with
+/// their reply channels appended to `replies` (a group's position in the call).
+fn take_requests(
+    queue: &mut VecDeque<Request>,
+    params: &SamplingParams,
+    next_index: &mut usize,
+    replies: &std::cell::RefCell<Vec<Option<Reply>>>,
+) -> Vec<Vec<Sample>> {
+    let (same, other): (VecDeque<Request>, VecDeque<Request>) =
+        std::mem::take(queue).into_iter().partition(|r| r.params == *params);
+    *queue = other;
+    same.into_iter()
+        .map(|r| {
+            replies.borrow_mut().push(Some(r.reply));
+            let mut group = r.group;
+            for s in &mut group {
+                (s.index, *next_index) = (*next_index, *next_index + 1);
+            }
+            group
+        })
+        .collect()
+}
+
+impl Engine {
+    /// Serves `requests` until every sender is dropped: a request with the sampling
+    /// parameters of the running ones joins them at the next step (continuous batching), the
+    /// others wait until those finish. Each request's samples go back on its channel as soon
+    /// as they are all final, as [`Engine::generate`] returns them; a request the engine
+    /// refuses (bad sampling parameters) gets the error, and an engine failure is sent to
+    /// every request waiting and returned.
+    pub fn serve(
+        &mut self,
+        model: &DeviceModel,
+        requests: &std::sync::mpsc::Receiver<Request>,
+    ) -> crate::Result<()> {
+        let mut queue: VecDeque<Request> = VecDeque::new();
+        let mut next_index = 0;
+        loop {
+            if queue.is_empty() {
+                match requests.recv() {
+                    Ok(r) => queue.push_back(r),
+                    Err(_) => return Ok(()),
+                }
+            }
+            let params = queue[0].params.clone();
+            if let Err(e) = check_params(&params) {
+                let refused = queue.pop_front().expect("a request is queued");
+                (refused.reply)(Err(e));
+                continue;
+            }
+            let eos = if params.ignore_eos { Vec::new() } else { self.eos_ids() };
+            let replies = std::cell::RefCell::new(Vec::new());
+            let first = take_requests(&mut queue, &params, &mut next_index, &replies);
+            let served = Run::new(self, first, &params, &eos).and_then(|run| {
+                let mut done = |p: Progress<'_>| {
+                    for (g, samples) in p.groups_done {
+                        let reply = replies.borrow_mut()[g].take();
+                        if let Some(reply) = reply {
+                            reply(Ok(samples.to_vec()));
+                        }
+                    }
+                    Flow::Continue
+                };
+                let mut intake = |_idle: bool| {
+                    queue.extend(requests.try_iter());
+                    let groups = take_requests(&mut queue, &params, &mut next_index, &replies);
+                    (!groups.is_empty()).then_some(groups)
+                };
+                self.drive((model, None), run, (&params, &eos), &mut done, &mut intake)
+            });
+            if let Err(e) = served {
+                let message = e.to_string();
+                let waiting = queue.drain(..).map(|r| r.reply);
+                for reply in replies.into_inner().into_iter().flatten().chain(waiting) {
+                    reply(Err(crate::Error::Invalid(message.clone())));
+                }
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// The state of one `generate` call./// The state of one `generate` call.
 struct Run {
     out: Vec<Vec<Sample>>,
     waiting: VecDeque<Unit>,
@@ -674,6 +789,8 @@ struct Run {
     /// Per group, its samples still generating; the groups completed since the last report.
     left: Vec<usize>,
     done_now: Vec<usize>,
+    /// The indices of the call's samples (each keys its draws).
+    seen: std::collections::HashSet<usize>,
 }
 
 impl Run {
@@ -683,30 +800,49 @@ impl Run {
         params: &SamplingParams,
         eos: &[u32],
     ) -> crate::Result<Run> {
-        let total = groups.iter().map(Vec::len).sum();
         let mut run = Run {
             out: Vec::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             prefilling: None,
             blocks: BlockAllocator::new(engine.policy.num_blocks()),
-            total,
+            total: 0,
             remaining: 0,
             generated: 0,
             left: Vec::new(),
             done_now: Vec::new(),
+            seen: std::collections::HashSet::new(),
         };
+        run.add(engine, groups, params, eos)?;
+        Ok(run)
+    }
+
+    /// Takes `groups` in after those it has (their indices in the call's output follow);
+    /// refused whole when a sample's index is another's of the call.
+    fn add(
+        &mut self,
+        engine: &mut Engine,
+        groups: Vec<Vec<Sample>>,
+        params: &SamplingParams,
+        eos: &[u32],
+    ) -> crate::Result<()> {
+        let run = self;
         let capacity = engine.policy.num_blocks() * KEY_BLOCK;
         // A sample's draws are keyed by its index: two samples sharing one would be twins.
-        let mut seen = std::collections::HashSet::new();
-        if let Some(s) = groups.iter().flatten().find(|s| !seen.insert(s.index)) {
+        let mut fresh = std::collections::HashSet::new();
+        let taken = |s: &&Sample| run.seen.contains(&s.index) || !fresh.insert(s.index);
+        if let Some(s) = groups.iter().flatten().find(taken) {
             return Err(crate::Error::Invalid(format!(
                 "two samples have index {}: the rollout RNG is keyed by Sample.index, so give \
                  every sample of a batch its own",
                 s.index
             )));
         }
+        run.seen.extend(fresh);
+        run.total += groups.iter().map(Vec::len).sum::<usize>();
+        let first = run.out.len();
         for (g, group) in groups.into_iter().enumerate() {
+            let g = first + g;
             let before = run.remaining;
             let mut unit: Unit = Vec::new();
             let mut samples = Vec::with_capacity(group.len());
@@ -757,7 +893,7 @@ impl Run {
             }
             run.left.push(queued);
         }
-        Ok(run)
+        Ok(())
     }
 
     /// The progress after a step; hands over the groups completed since the last one.

@@ -20,6 +20,6 @@ mod engine;
 mod policy;
 pub mod sampler;
 
-pub use engine::{Engine, EngineConfig, EngineStats, Lent, Progress, SpecPhases};
+pub use engine::{Engine, EngineConfig, EngineStats, Lent, Progress, Reply, Request, SpecPhases};
 pub(crate) use miles_core::{Error, Result};
 pub use policy::{Policy, kv_cache_budget};
