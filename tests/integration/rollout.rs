@@ -680,7 +680,7 @@ fn a_serving_engine_batches_requests_as_they_come() {
     assert_eq!(answers.len(), 14);
     // The request with other parameters: served in a turn of its own, with them.
     let short = answers.iter().position(|a| a.as_ref().is_ok_and(|s| s[0].response_length == 5));
-    answers.remove(short.expect("the 5-token request was not served"));
+    let _served = answers.remove(short.expect("the 5-token request was not served"));
     let errors: Vec<String> =
         answers.iter().filter_map(|a| a.as_ref().err()).map(|e| e.to_string()).collect();
     assert_eq!(errors.len(), 1, "{errors:?}");
