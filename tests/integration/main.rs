@@ -8,6 +8,7 @@ mod model_cli;
 mod registry;
 mod reward_cmd;
 mod rollout;
+mod serve;
 mod slime_conformance;
 #[cfg(feature = "eagle-spec")]
 mod speculative;

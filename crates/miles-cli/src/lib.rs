@@ -20,6 +20,7 @@ mod plugins_cmd;
 mod reward_cmd;
 pub mod run_flags;
 mod score_cmd;
+mod serve_cmd;
 pub mod train_cmd;
 
 pub use bench_cmd::{BenchArgs, BenchCommand, RolloutBenchArgs};
@@ -31,6 +32,7 @@ pub use plugins_cmd::PluginsArgs;
 pub use reward_cmd::RewardArgs;
 pub use run_flags::TrainArgs;
 pub use score_cmd::ScoreArgs;
+pub use serve_cmd::ServeArgs;
 
 /// miles-rs: LLM reinforcement-learning post-training in one binary.
 #[derive(Debug, Parser)]
@@ -54,6 +56,9 @@ pub enum Command {
     Score(ScoreArgs),
     /// Generate responses to JSONL prompts with the embedded rollout engine; one Sample per line.
     Generate(Box<GenerateArgs>),
+    /// Serve a checkpoint over HTTP with SGLang's API (POST /generate), into the embedded
+    /// engine's continuous batching.
+    Serve(ServeArgs),
     /// Benchmarks of whole paths, one JSON line each.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -106,6 +111,7 @@ pub fn execute(cli: Cli, out: &mut dyn Write) -> anyhow::Result<()> {
         Command::InitModel(args) => init_model_cmd::run(&args, out),
         Command::Generate(args) => generate_cmd::run(&args, out),
         Command::Score(args) => score_cmd::run(&args, out),
+        Command::Serve(args) => serve_cmd::run(&args, out),
         Command::Bench(command) => bench_cmd::run(&command, out),
         Command::Convert(command) => convert_cmd::run(&command, out),
         Command::Plot(args) => plot_cmd::run(&args, out),
@@ -143,7 +149,9 @@ fn memory_hint(command: &Command) -> Option<&'static str> {
         Command::Bench(BenchCommand::Rollout(_)) => {
             "lower --rollout-kv-cache-mb, --batch or --prompt-len"
         }
-        Command::Generate(_) => "lower --rollout-kv-cache-mb or --rollout-max-running",
+        Command::Generate(_) | Command::Serve(_) => {
+            "lower --rollout-kv-cache-mb or --rollout-max-running"
+        }
         Command::Score(_) => "lower --max-tokens-per-batch",
         _ => return None,
     })

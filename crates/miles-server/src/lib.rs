@@ -1,0 +1,296 @@
+//! The embedded engine's HTTP face (`miles serve`): SGLang's native API over the engine's
+//! continuous batching ([`miles_rollout::Engine::serve`]), so a client's tokens and logprobs
+//! are the ones the trainer's own rollouts would get, bit for bit.
+//!
+//! - `POST /generate`: `input_ids` (a list, or a list of lists) or `text` (a string or a list),
+//!   `sampling_params` (`temperature`, `top_p`, `top_k` (-1: off), `max_new_tokens`, `stop`,
+//!   `stop_token_ids`, `ignore_eos`, `n`), `return_logprob`; answers `text`, `output_ids` and
+//!   `meta_info` (`id`, `finish_reason` as SGLang's: `stop` with `matched`, `length`, `abort`,
+//!   `prompt_tokens`, `completion_tokens`, `weight_version`, and with `return_logprob`
+//!   `output_token_logprobs` as `[logprob, token id, null]`), one object per prompt and sample,
+//!   a list when the request is a batch or `n` > 1.
+//! - `GET /health`, `GET /get_model_info`.
+//!
+//! A malformed request is answered 400 with `{"error": {"message": …}}` naming the field; the
+//! server goes on.
+
+use std::sync::Arc;
+use std::sync::mpsc::Sender;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use miles_core::{Prompt, Sample, SamplingParams, Status};
+use miles_rollout::Request;
+use serde_json::{Value, json};
+
+/// What the handlers share: the engine's request channel and what `/get_model_info` says.
+struct Shared {
+    engine: Sender<Request>,
+    model_path: String,
+    /// The seed of every request's draws (a request's samples are numbered by arrival).
+    seed: u64,
+}
+
+/// The router over an engine serving `engine`'s requests.
+pub fn router(engine: Sender<Request>, model_path: String, seed: u64) -> Router {
+    let shared = Arc::new(Shared { engine, model_path, seed });
+    Router::new()
+        .route("/generate", post(generate))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/get_model_info", get(model_info))
+        .with_state(shared)
+}
+
+/// Serves `router` on `listener` until the process ends, on a runtime of its own.
+pub fn serve_blocking(listener: std::net::TcpListener, router: Router) -> std::io::Result<()> {
+    listener.set_nonblocking(true)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_io().build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        axum::serve(listener, router).await
+    })
+}
+
+async fn model_info(State(shared): State<Arc<Shared>>) -> Response {
+    axum::Json(json!({"model_path": shared.model_path, "is_generation": true})).into_response()
+}
+
+/// A 400 answer naming what is wrong.
+fn bad_request(message: impl Into<String>) -> Response {
+    let body = json!({"error": {"message": message.into()}});
+    (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
+}
+
+async fn generate(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let parsed = match parse_generate(&body, shared.seed) {
+        Ok(p) => p,
+        Err(message) => return bad_request(message),
+    };
+    let mut waiting = Vec::with_capacity(parsed.prompts.len());
+    for prompt in parsed.prompts {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let group = vec![prompt; parsed.n];
+        let reply = Box::new(move |r| {
+            let _ = tx.send(r);
+        });
+        let request = Request { group, params: parsed.params.clone(), reply };
+        if shared.engine.send(request).is_err() {
+            let body = json!({"error": {"message": "the engine has stopped"}});
+            return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+        }
+        waiting.push(rx);
+    }
+    let mut answers = Vec::new();
+    for rx in waiting {
+        match rx.await {
+            Ok(Ok(samples)) => {
+                for s in &samples {
+                    if s.status == Status::Failed {
+                        let why = s.metadata.get("rollout_error").and_then(Value::as_str);
+                        return bad_request(why.unwrap_or("the engine could not generate it"));
+                    }
+                    answers.push(answer(s, parsed.logprobs));
+                }
+            }
+            Ok(Err(e)) => return bad_request(e.to_string()),
+            Err(_) => return bad_request("the engine dropped the request"),
+        }
+    }
+    let body = match (parsed.batch, answers.len()) {
+        (false, 1) => answers.remove(0),
+        _ => Value::Array(answers),
+    };
+    axum::Json(body).into_response()
+}
+
+/// A `/generate` request, read.
+struct Generate {
+    prompts: Vec<Sample>,
+    params: SamplingParams,
+    n: usize,
+    logprobs: bool,
+    /// Whether the answer is a list (a batch of prompts).
+    batch: bool,
+}
+
+/// Reads a `/generate` body; the error names the field.
+fn parse_generate(body: &[u8], seed: u64) -> Result<Generate, String> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
+    let Value::Object(map) = &v else { return Err("the body is a JSON object".into()) };
+    let known = ["text", "input_ids", "sampling_params", "return_logprob", "rid", "stream"];
+    if let Some(key) = map.keys().find(|k| !known.contains(&k.as_str())) {
+        return Err(format!("unknown field '{key}' (this server reads {})", known.join(", ")));
+    }
+    if map.get("stream").is_some_and(|s| s != &Value::Bool(false)) {
+        return Err("stream: streamed answers are not served; leave it out".into());
+    }
+    let (prompts, batch) = match (map.get("input_ids"), map.get("text")) {
+        (Some(_), Some(_)) => return Err("give input_ids or text, not both".into()),
+        (Some(ids), None) => prompt_ids(ids)?,
+        (None, Some(text)) => prompt_texts(text)?,
+        (None, None) => return Err("give input_ids or text".into()),
+    };
+    let (params, n) = sampling(map.get("sampling_params"), seed)?;
+    let logprobs = match map.get("return_logprob") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => return Err(format!("return_logprob: true or false, not {other}")),
+    };
+    Ok(Generate { prompts, params, n, logprobs, batch })
+}
+
+/// `input_ids`: one prompt's ids or a list of them.
+fn prompt_ids(v: &Value) -> Result<(Vec<Sample>, bool), String> {
+    let ids = |v: &Value| -> Result<Vec<u32>, String> {
+        let list =
+            v.as_array().ok_or_else(|| format!("input_ids: a list of token ids, not {v}"))?;
+        list.iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| format!("input_ids: {t} is not a token id"))
+            })
+            .collect()
+    };
+    let sample = |tokens: Vec<u32>| Sample { tokens, ..Sample::default() };
+    match v.as_array().and_then(|l| l.first()) {
+        Some(Value::Array(_)) => {
+            let lists = v.as_array().expect("checked");
+            Ok((lists.iter().map(|l| ids(l).map(sample)).collect::<Result<_, _>>()?, true))
+        }
+        _ => Ok((vec![sample(ids(v)?)], false)),
+    }
+}
+
+/// `text`: one prompt or a list of them (the engine tokenizes them).
+fn prompt_texts(v: &Value) -> Result<(Vec<Sample>, bool), String> {
+    let sample =
+        |text: &str| Sample { prompt: Prompt::Text(text.to_string()), ..Sample::default() };
+    match v {
+        Value::String(text) => Ok((vec![sample(text)], false)),
+        Value::Array(list) => {
+            let texts = list.iter().map(|t| t.as_str().map(sample));
+            let samples: Option<Vec<Sample>> = texts.collect();
+            Ok((samples.ok_or("text: a string or a list of strings")?, true))
+        }
+        other => Err(format!("text: a string or a list of strings, not {other}")),
+    }
+}
+
+/// SGLang's `sampling_params` as the engine's, and `n`.
+fn sampling(v: Option<&Value>, seed: u64) -> Result<(SamplingParams, usize), String> {
+    // (SGLang's defaults.)
+    let mut p = SamplingParams { max_new_tokens: 128, seed, ..SamplingParams::default() };
+    let mut n = 1;
+    let Some(v) = v.filter(|v| !v.is_null()) else { return Ok((p, n)) };
+    let Value::Object(map) = v else { return Err(format!("sampling_params: an object, not {v}")) };
+    // Keys that change nothing here: the response is always detokenized in full.
+    let inert = ["skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"];
+    for (key, value) in map {
+        let number = || value.as_f64().ok_or_else(|| format!("sampling_params.{key}: a number"));
+        let count = || value.as_u64().ok_or_else(|| format!("sampling_params.{key}: a count"));
+        match key.as_str() {
+            "temperature" => p.temperature = number()? as f32,
+            "top_p" => p.top_p = number()? as f32,
+            "top_k" => {
+                let k = value.as_i64().ok_or("sampling_params.top_k: an integer (-1: off)")?;
+                p.top_k = usize::try_from(k).unwrap_or(0);
+            }
+            "max_new_tokens" => p.max_new_tokens = count()? as usize,
+            "n" => n = count()?.max(1) as usize,
+            "ignore_eos" => {
+                p.ignore_eos = value.as_bool().ok_or("sampling_params.ignore_eos: a boolean")?
+            }
+            "stop" => {
+                p.stop = match value {
+                    Value::String(s) => vec![s.clone()],
+                    Value::Array(l) => l
+                        .iter()
+                        .map(|s| s.as_str().map(String::from))
+                        .collect::<Option<_>>()
+                        .ok_or("sampling_params.stop: a string or a list of strings")?,
+                    Value::Null => Vec::new(),
+                    _ => return Err("sampling_params.stop: a string or a list of strings".into()),
+                }
+            }
+            "stop_token_ids" => {
+                let list = value.as_array().ok_or("sampling_params.stop_token_ids: a list")?;
+                p.stop_token_ids = list
+                    .iter()
+                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect::<Option<_>>()
+                    .ok_or("sampling_params.stop_token_ids: token ids")?;
+            }
+            k if inert.contains(&k) => {}
+            other => {
+                return Err(format!(
+                    "sampling_params.{other}: not a sampling parameter this server takes \
+                     (temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids, \
+                     ignore_eos, n)"
+                ));
+            }
+        }
+    }
+    Ok((p, n))
+}
+
+/// One sample as SGLang answers it.
+fn answer(s: &Sample, logprobs: bool) -> Value {
+    let prompt = s.tokens.len() - s.response_length;
+    let output = &s.tokens[prompt..];
+    let finish = match s.status {
+        Status::Completed => json!({"type": "stop", "matched": output.last()}),
+        Status::Truncated => json!({"type": "length", "length": output.len()}),
+        _ => json!({"type": "abort"}),
+    };
+    let mut meta = json!({
+        "id": s.index.to_string(),
+        "finish_reason": finish,
+        "prompt_tokens": prompt,
+        "completion_tokens": output.len(),
+        "weight_version": s.weight_version,
+    });
+    if logprobs {
+        let pairs: Vec<Value> =
+            s.rollout_log_probs.iter().zip(output).map(|(lp, t)| json!([lp, t, null])).collect();
+        meta["output_token_logprobs"] = Value::Array(pairs);
+    }
+    json!({"text": s.response, "output_ids": output, "meta_info": meta})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_read_as_sglang_sends_them_and_bad_ones_are_named() {
+        let body = br#"{"input_ids": [1, 2, 3], "return_logprob": true,
+            "sampling_params": {"temperature": 0.7, "top_k": -1, "max_new_tokens": 9,
+            "stop": "x", "n": 2, "skip_special_tokens": false}}"#;
+        let g = parse_generate(body, 5).unwrap();
+        assert_eq!((g.prompts.len(), g.n, g.logprobs, g.batch), (1, 2, true, false));
+        assert_eq!(g.prompts[0].tokens, [1, 2, 3]);
+        let p = &g.params;
+        assert_eq!((p.temperature, p.top_k, p.max_new_tokens, p.seed), (0.7, 0, 9, 5));
+        assert_eq!(p.stop, ["x"]);
+        let g = parse_generate(br#"{"text": ["a", "b"]}"#, 0).unwrap();
+        assert_eq!((g.prompts.len(), g.batch, g.params.max_new_tokens), (2, true, 128));
+        for (bad, says) in [
+            (&b"{oops"[..], "not JSON"),
+            (br#"{"input_ids": [1], "text": "a"}"#, "not both"),
+            (br#"{"input_ids": [1, -2]}"#, "input_ids: -2"),
+            (br#"{"input_ids": [1], "sampling_params": {"top_q": 1}}"#, "sampling_params.top_q"),
+            (br#"{"input_ids": [1], "foo": 1}"#, "unknown field 'foo'"),
+            (br#"{"input_ids": [1], "stream": true}"#, "stream"),
+            (br#"{}"#, "give input_ids or text"),
+        ] {
+            let e = parse_generate(bad, 0).err().unwrap();
+            assert!(e.contains(says), "{e}");
+        }
+    }
+}

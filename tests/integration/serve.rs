@@ -1,0 +1,142 @@
+//! `miles serve`: SGLang's /generate over the embedded engine, from outside the process.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+
+use miles_model::{DeviceModel, PackedBatch};
+use miles_tensor::{DType, Device};
+use serde_json::{Value, json};
+
+/// A `miles serve` child, killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    fn start(ckpt: &str) -> Server {
+        let mut child = Command::new(miles_tests::miles_binary())
+            .args(["serve", "--hf-checkpoint", ckpt, "--port", "0", "--rollout-max-running", "16"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let addr = line.split("http://").nth(1).and_then(|a| a.split_whitespace().next());
+        let addr = addr.unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
+        Server { child, addr }
+    }
+
+    /// (status, body) of a request with `body` (a POST) or without (a GET).
+    fn call(&self, path: &str, body: Option<&[u8]>) -> (u16, Vec<u8>) {
+        let mut s = TcpStream::connect(&self.addr).unwrap();
+        let head = match body {
+            Some(b) => format!(
+                "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n",
+                b.len()
+            ),
+            None => format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+        };
+        s.write_all(head.as_bytes()).unwrap();
+        s.write_all(body.unwrap_or_default()).unwrap();
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).unwrap();
+        let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("a response head");
+        let head = String::from_utf8_lossy(&raw[..split]).to_string();
+        let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (status, raw[split + 4..].to_vec())
+    }
+
+    fn generate(&self, request: &Value) -> (u16, Value) {
+        let (status, body) = self.call("/generate", Some(request.to_string().as_bytes()));
+        (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+    }
+}
+
+/// Many clients at once get answers whose logprobs the trainer's scorer reproduces bit for
+/// bit; text prompts, batches and `n` answer as SGLang does; malformed requests get a 400
+/// naming the field and the server goes on serving.
+#[test]
+fn serve_answers_sglang_generate_with_the_trainers_logprobs() {
+    let dir = miles_tests::scratch("serve_generate");
+    let ckpt = dir.join("ckpt").display().to_string();
+    miles_tests::miles(&["init-model", "--preset", "tiny", "--out", &ckpt, "--seed", "3"]).unwrap();
+    let server = Server::start(&ckpt);
+    assert_eq!(server.call("/health", None).0, 200);
+    let params = json!({"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 12});
+    let answers: Vec<(Vec<u32>, Value)> = std::thread::scope(|scope| {
+        let jobs: Vec<_> = (0..24u32)
+            .map(|i| {
+                let server = &server;
+                let params = params.clone();
+                scope.spawn(move || {
+                    let prompt: Vec<u32> = (0..3 + i % 7).map(|t| (t * 31 + i * 7) % 200).collect();
+                    let request =
+                        json!({"input_ids": prompt, "sampling_params": params, "return_logprob": true});
+                    let (status, body) = server.generate(&request);
+                    assert_eq!(status, 200, "{body}");
+                    (prompt, body)
+                })
+            })
+            .collect();
+        jobs.into_iter().map(|j| j.join().unwrap()).collect()
+    });
+    let model = miles_cli_model(&ckpt);
+    for (prompt, body) in &answers {
+        let meta = &body["meta_info"];
+        let output: Vec<u32> = body["output_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(meta["completion_tokens"], output.len());
+        assert_eq!(meta["prompt_tokens"], prompt.len());
+        let reason = meta["finish_reason"]["type"].as_str().unwrap();
+        assert!(reason == "stop" || (reason == "length" && output.len() == 12), "{body}");
+        let pairs = meta["output_token_logprobs"].as_array().unwrap();
+        let logprobs: Vec<f32> = pairs.iter().map(|p| p[0].as_f64().unwrap() as f32).collect();
+        let ids: Vec<u32> = pairs.iter().map(|p| p[1].as_u64().unwrap() as u32).collect();
+        assert_eq!(ids, output);
+        let tokens: Vec<u32> = prompt.iter().chain(&output).copied().collect();
+        let batch = PackedBatch::new(&[(tokens, prompt.len())]).unwrap();
+        assert_eq!(model.logprobs(&batch, 0.8).unwrap().0, logprobs, "{body}");
+    }
+    // A batch of texts, two samples each: four answers.
+    let (status, body) = server.generate(&json!({"text": ["Hello", "What is 2 + 3?"],
+        "sampling_params": {"n": 2, "max_new_tokens": 4}}));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body.as_array().map(Vec::len), Some(4), "{body}");
+    assert!(body[0]["text"].is_string(), "{body}");
+    // Malformed requests, each named; the server still serves after them.
+    for (bad, says) in [
+        (&b"{not json"[..], "not JSON"),
+        (br#"{"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}"#, "temperature"),
+        (br#"{"input_ids": [1, 2], "sampling_params": {"temperature": -1}}"#, "temperature"),
+        (br#"{"input_ids": [1, 999999]}"#, "outside the model's vocabulary"),
+    ] {
+        let (status, body) = server.call("/generate", Some(bad));
+        let text = String::from_utf8_lossy(&body);
+        assert!(status == 400 && text.contains(says), "{status} {text}");
+    }
+    let (status, body) = server.generate(&json!({"input_ids": [5, 6, 7]}));
+    assert_eq!(status, 200, "{body}");
+}
+
+/// The checkpoint's model on the CPU, as the trainer's scorer holds it.
+fn miles_cli_model(ckpt: &str) -> DeviceModel {
+    let dir = std::path::Path::new(ckpt);
+    let config = miles_model::ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let weights = miles_model::Weights::load(dir, &config).unwrap();
+    DeviceModel::new(&miles_model::Model::new(config, weights), &Device::Cpu, DType::F32).unwrap()
+}
