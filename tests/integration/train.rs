@@ -364,6 +364,39 @@ fn one_step_off_async_trains_one_version_behind_and_resumes_exactly() {
     }
 }
 
+/// slime's named eval sets (`--eval-prompt-data NAME FILE …`): each is evaluated apart, its
+/// figures under its name; `--eval-top-p` samples them.
+#[test]
+fn named_eval_sets_report_apart() {
+    let dir = scratch("train_named_eval");
+    let line = |a: u32, b: u32| format!("{{\"input\": \"{a}+{b}=\", \"label\": \"{}\"}}\n", a + b);
+    let (easy, hard) = (dir.join("easy.jsonl"), dir.join("hard.jsonl"));
+    std::fs::write(&easy, (0..3).map(|a| line(a, 0)).collect::<String>()).unwrap();
+    std::fs::write(&hard, (5..9).map(|a| line(a, 9)).collect::<String>()).unwrap();
+    let args = format!(
+        "--sft-warmup-steps 5 --rollout-batch-size 4 --n-samples-per-prompt 2 --num-rollout 2 \
+         --eval-interval 2 --n-samples-per-eval-prompt 2 --eval-top-p 0.9 --run-dir {} \
+         --eval-prompt-data easy {} hard {}",
+        dir.display(),
+        easy.display(),
+        hard.display()
+    );
+    let out = run_binary(&args.split_whitespace().collect::<Vec<_>>(), None);
+    assert!(out.status.success(), "{}", text(&out));
+    let records: Vec<Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let last = records.last().unwrap();
+    for key in
+        ["eval/easy", "eval/easy/pass@1", "eval/easy/pass@2", "eval/hard", "eval/hard/pass@2"]
+    {
+        assert!(last[key].is_number(), "{key}: {last}");
+    }
+    assert!(last.get("eval/reward").is_none(), "{last}");
+}
+
 /// A Qwen3-MoE run with Rollout Routing Replay resumes to the same bytes (per-expert
 /// weights, their AdamW moments), and the experts used in training are the rollout's.
 #[cfg(feature = "r3")]

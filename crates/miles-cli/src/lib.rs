@@ -21,6 +21,7 @@ mod reward_cmd;
 pub mod run_flags;
 mod score_cmd;
 mod serve_cmd;
+pub mod slime_compat;
 pub mod train_cmd;
 
 pub use bench_cmd::{BenchArgs, BenchCommand, RolloutBenchArgs};

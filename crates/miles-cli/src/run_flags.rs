@@ -15,6 +15,8 @@ use clap::{Arg, ArgAction, ArgMatches, Command};
 use miles_core::config::RunConfig;
 use serde_json::{Map, Value};
 
+use crate::slime_compat::{COMPAT, Meaning, Takes};
+
 /// How a flag takes its value on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -28,6 +30,9 @@ pub enum Kind {
     List,
     /// A `Vec<u32>`, comma-separated (`--rollout-stop-token-ids 1,2`); an empty value is [].
     CommaList,
+    /// A `Vec<String>` of one flag's values (`--eval-prompt-data aime A.jsonl math B.jsonl`);
+    /// in `--config` a string or a list.
+    Values,
 }
 
 /// The JSON type of a key's value (of its elements for the list kinds).
@@ -162,12 +167,14 @@ pub const FLAGS: &[Flag] = &[
         Ty::UInt,
         "Passes over --prompt-data to run, instead of --num-rollout.",
     ),
-    optional(
-        DATA,
-        "eval-prompt-data",
-        Ty::Str,
-        "Evaluation prompts, JSONL or Parquet, like --prompt-data.",
-    ),
+    Flag {
+        section: DATA,
+        key: "eval-prompt-data",
+        kind: Kind::Values,
+        ty: Ty::Str,
+        help: "Evaluation prompts, JSONL or Parquet, like --prompt-data; slime's NAME FILE [NAME FILE \
+         …] evaluates each set apart (eval/NAME, eval/NAME/pass@1).",
+    },
     optional(DATA, "eval-interval", Ty::UInt, "Evaluate every N rollouts."),
     value(DATA, "n-samples-per-eval-prompt", Ty::UInt, "Responses sampled per evaluation prompt."),
     optional(
@@ -188,6 +195,7 @@ pub const FLAGS: &[Flag] = &[
         Ty::Int,
         "Evaluation top-k, 1 for greedy answers (default: --rollout-top-k).",
     ),
+    optional(DATA, "eval-top-p", Ty::Float, "Evaluation top-p (default: --rollout-top-p)."),
     optional(
         DATA,
         "run-dir",
@@ -281,6 +289,13 @@ pub const FLAGS: &[Flag] = &[
         "rollout-kv-cache-mb",
         Ty::UInt,
         "KV cache budget of the embedded engine in MiB; sequences wait when full (miles-rs).",
+    ),
+    optional(
+        ROLLOUT,
+        "rollout-kv-cache-fraction",
+        Ty::Float,
+        "KV cache budget as a share of the GPU's free memory once the policy is placed; \
+         replaces --rollout-kv-cache-mb (slime's --sglang-mem-fraction-static maps here).",
     ),
     value(
         ROLLOUT,
@@ -468,6 +483,12 @@ pub const FLAGS: &[Flag] = &[
         Ty::Enum(&["constant", "linear", "cosine"]),
         "Decay of the learning rate from --lr to --min-lr.",
     ),
+    value(
+        OPTIM,
+        "optimizer",
+        Ty::Enum(&["adam"]),
+        "The optimizer: adam (AdamW, decoupled weight decay, as Megatron's adam); sgd is not built.",
+    ),
     value(OPTIM, "weight-decay", Ty::Float, "Decoupled weight decay (AdamW)."),
     value(OPTIM, "adam-beta1", Ty::Float, "Adam's first-moment decay."),
     value(OPTIM, "adam-beta2", Ty::Float, "Adam's second-moment decay."),
@@ -612,6 +633,8 @@ const CONFIG_ID: &str = "config";
 pub struct TrainArgs {
     pub config: Option<PathBuf>,
     pub flags: Map<String, Value>,
+    /// The slime flags of [`crate::slime_compat`] given (their values as given).
+    pub compat: Map<String, Value>,
 }
 
 /// `RunConfig::default()` as a JSON object.
@@ -634,7 +657,34 @@ pub fn add_flags(cmd: Command) -> Command {
             "TOML file of run settings, keyed by the flag names (`rollout-batch-size = 8`); \
              flags given here override it.",
         );
-    FLAGS.iter().fold(cmd.arg(config), |cmd, flag| cmd.arg(flag_arg(flag, defaults.get(flag.key))))
+    let cmd = FLAGS
+        .iter()
+        .fold(cmd.arg(config), |cmd, flag| cmd.arg(flag_arg(flag, defaults.get(flag.key))));
+    COMPAT.iter().fold(cmd, |cmd, row| cmd.arg(compat_arg(row)))
+}
+
+/// A slime flag of [`COMPAT`] as clap takes it: a switch or one value, as given.
+fn compat_arg(row: &'static crate::slime_compat::Compat) -> Arg {
+    let arg = Arg::new(row.key)
+        .long(row.key)
+        .help_heading(
+            "slime's cluster, Megatron and SGLang flags (mapped, or taken with a warning)",
+        )
+        .help(match row.meaning {
+            Meaning::Inert(why) => why,
+            Meaning::AtMostOne(why) | Meaning::Zero(why) | Meaning::Only(_, why) => why,
+            Meaning::Is(ours) => ours,
+        });
+    match row.takes {
+        Takes::Switch => arg
+            .action(ArgAction::Set)
+            .num_args(0..=1)
+            .require_equals(true)
+            .default_missing_value("true")
+            .value_name("BOOL"),
+        Takes::Value => arg.action(ArgAction::Set).num_args(1).allow_negative_numbers(true),
+        Takes::Values => arg.action(ArgAction::Set).num_args(1..).allow_negative_numbers(true),
+    }
 }
 
 fn flag_arg(flag: &'static Flag, default: Option<&Value>) -> Arg {
@@ -664,6 +714,9 @@ fn flag_arg(flag: &'static Flag, default: Option<&Value>) -> Arg {
         Kind::List => arg.action(ArgAction::Append).num_args(1).value_name("TEXT"),
         Kind::CommaList => {
             arg.action(ArgAction::Append).num_args(1).value_delimiter(',').value_name("ID,...")
+        }
+        Kind::Values => {
+            arg.action(ArgAction::Set).num_args(1..).value_name("TEXT").overrides_with(flag.key)
         }
     }
 }
@@ -735,6 +788,21 @@ impl clap::FromArgMatches for TrainArgs {
                 })?;
             self.flags.insert(flag.key.to_string(), value);
         }
+        for row in COMPAT {
+            if !given(matches, row.key) {
+                continue;
+            }
+            let raw: Vec<&String> =
+                matches.get_many::<String>(row.key).into_iter().flatten().collect();
+            let value = match (row.takes, raw.as_slice()) {
+                (Takes::Switch, [raw]) => Value::Bool(parse_bool(raw).map_err(|e| {
+                    clap::Error::raw(ErrorKind::ValueValidation, format!("--{}: {e}\n", row.key))
+                })?),
+                (Takes::Value, [raw]) => Value::String((*raw).clone()),
+                _ => Value::Array(raw.iter().map(|s| Value::String((*s).clone())).collect()),
+            };
+            self.compat.insert(row.key.to_string(), value);
+        }
         Ok(())
     }
 }
@@ -745,7 +813,9 @@ pub fn flag_value(flag: &Flag, raw: &[&str]) -> Result<Value, String> {
     match flag.kind {
         Kind::Switch => parse_bool(last).map(Value::Bool),
         Kind::Value | Kind::Optional => parse_scalar(flag.ty, last),
-        Kind::List => Ok(Value::Array(raw.iter().map(|s| Value::String((*s).into())).collect())),
+        Kind::List | Kind::Values => {
+            Ok(Value::Array(raw.iter().map(|s| Value::String((*s).into())).collect()))
+        }
         Kind::CommaList => {
             if raw == [""] {
                 return Ok(Value::Array(Vec::new()));
@@ -826,8 +896,9 @@ pub fn check_value(flag: &Flag, value: &Value) -> Result<(), String> {
                 return wrong(expected, value);
             }
         }
-        Kind::List | Kind::CommaList => {
-            let (is_item, expected): (fn(&Value) -> bool, _) = if flag.kind == Kind::List {
+        Kind::Values if value.is_string() => {}
+        Kind::List | Kind::CommaList | Kind::Values => {
+            let (is_item, expected): (fn(&Value) -> bool, _) = if flag.kind != Kind::CommaList {
                 (Value::is_string, "an array of strings")
             } else {
                 (Value::is_u64, "an array of token ids")
@@ -873,8 +944,7 @@ fn distance(a: &str, b: &str) -> usize {
 
 /// slime flags of the RL loop that miles-rs does not take, with what to do instead. A run given
 /// one, as a flag or as a key of `--config`, stops with this answer rather than a bare
-/// "unknown argument". (Cluster, Megatron and SGLang placement flags have no meaning in one
-/// process and stay plain unknown arguments.)
+/// "unknown argument". (Cluster, Megatron and SGLang flags are [`crate::slime_compat`]'s.)
 pub const SLIME_UNSUPPORTED: &[(&str, &str)] = &[
     ("custom-advantage-function-path", "the estimators are built in: --advantage-estimator"),
     ("custom-loss-function-path", "the losses are built in: --loss-type policy_loss|sft_loss"),
@@ -908,20 +978,11 @@ pub const SLIME_UNSUPPORTED: &[(&str, &str)] = &[
     ("use-stateless-adam", "AdamW keeps its moments"),
     ("disable-compute-advantages-and-returns", "use --loss-type sft_loss for supervised steps"),
     ("keep-old-actor", "the old policy's logprobs are computed once per rollout"),
-    ("dynamic-sampling-filter-path", "--over-sampling-batch-size drops groups of equal rewards"),
     (
         "log-probs-chunk-size",
         "the fused LM head never holds all rows' logits; --micro-batch-size bounds memory",
     ),
     ("recompute-loss-function", "the loss is host math over per-token logprobs"),
-    (
-        "use-dynamic-batch-size",
-        "sequences are packed without padding; --micro-batch-size bounds a forward",
-    ),
-    (
-        "max-tokens-per-gpu",
-        "sequences are packed without padding; --micro-batch-size bounds a forward",
-    ),
 ];
 
 /// The answer to an unsupported slime flag (`key` without `--`).
@@ -955,13 +1016,17 @@ pub fn closest_key(key: &str) -> Option<&'static str> {
 /// Checks a layer of `key: value` pairs (snake_case keys accepted) and writes it over `merged`;
 /// `source` prefixes the messages (`run.toml`, `built-in defaults`).
 fn overlay(
-    merged: &mut Map<String, Value>,
+    (merged, compat): (&mut Map<String, Value>, &mut Map<String, Value>),
     layer: &Map<String, Value>,
     source: &str,
 ) -> anyhow::Result<()> {
     let mut seen: Map<String, Value> = Map::new();
     for (spelled, value) in layer {
         let key = spelled.replace('_', "-");
+        if crate::slime_compat::compat(&key).is_some() {
+            compat.insert(key, value.clone());
+            continue;
+        }
         let Some(flag) = flag(&key) else {
             if let Some(answer) = unsupported_slime_flag(&key) {
                 bail!("{source}: key '{spelled}': {answer}");
@@ -1036,10 +1101,11 @@ fn toml_to_json(value: toml::Value) -> Result<Value, String> {
 /// with errors naming its source; then `RunConfig::validate()`, whose error is returned as-is.
 pub fn build_run_config(base: &Map<String, Value>, args: &TrainArgs) -> anyhow::Result<RunConfig> {
     let mut merged = default_object();
-    overlay(&mut merged, base, "built-in defaults")?;
+    let mut compat = Map::new();
+    overlay((&mut merged, &mut compat), base, "built-in defaults")?;
     if let Some(path) = &args.config {
         let file = read_toml(path)?;
-        overlay(&mut merged, &file, &path.display().to_string())?;
+        overlay((&mut merged, &mut compat), &file, &path.display().to_string())?;
     }
     for (key, value) in &args.flags {
         let Some(flag) = flag(key) else {
@@ -1047,6 +1113,10 @@ pub fn build_run_config(base: &Map<String, Value>, args: &TrainArgs) -> anyhow::
         };
         check_value(flag, value).map_err(|e| anyhow::anyhow!("--{key}: {e}"))?;
         merged.insert(key.clone(), value.clone());
+    }
+    compat.extend(args.compat.clone());
+    if let Some(warning) = crate::slime_compat::apply(&compat, &mut merged)? {
+        eprintln!("{warning}");
     }
     let config: RunConfig = serde_json::from_value(Value::Object(merged))
         .map_err(|e| anyhow::anyhow!("run configuration: {e}"))?;
@@ -1121,7 +1191,9 @@ mod tests {
                     // The default itself passes the row's check.
                     check_value(flag, default).unwrap();
                 }
-                Kind::List | Kind::CommaList => assert_eq!(default, &json!([]), "{}", flag.key),
+                Kind::List | Kind::CommaList | Kind::Values => {
+                    assert_eq!(default, &json!([]), "{}", flag.key)
+                }
             }
             // What the row's type accepts, RunConfig accepts, and what it refuses, RunConfig
             // refuses too (the row's check runs before serde's, so test serde alone).
@@ -1129,7 +1201,7 @@ mod tests {
                 |v: Value| serde_json::from_value::<RunConfig>(json!({ flag.key: v })).is_ok();
             let (good, bad) = match (flag.kind, flag.ty) {
                 (Kind::Switch, _) => (json!(true), json!("x")),
-                (Kind::List, _) => (json!(["a"]), json!([1])),
+                (Kind::List | Kind::Values, _) => (json!(["a"]), json!([1])),
                 (Kind::CommaList, _) => (json!([1, 2]), json!(["a"])),
                 (_, Ty::UInt) => (json!(3), json!(0.5)),
                 (_, Ty::Int) => (json!(-3), json!(0.5)),
@@ -1278,13 +1350,15 @@ mod tests {
         );
         // The same checks hold for a hand-built TrainArgs.
         let args = TrainArgs {
-            config: None,
             flags: json!({"tis-mode": "soft"}).as_object().unwrap().clone(),
+            ..TrainArgs::default()
         };
         let e = error(build_run_config(&Map::new(), &args));
         assert!(e.starts_with("--tis-mode: unknown value 'soft'; expected one of truncate"), "{e}");
-        let args =
-            TrainArgs { config: None, flags: json!({"lrr": 1}).as_object().unwrap().clone() };
+        let args = TrainArgs {
+            flags: json!({"lrr": 1}).as_object().unwrap().clone(),
+            ..TrainArgs::default()
+        };
         assert!(error(build_run_config(&Map::new(), &args)).starts_with("--lrr:"));
         assert!(parse(&["--no-such-flag", "1"]).is_err());
     }
@@ -1404,5 +1478,109 @@ mod tests {
         }
         assert_eq!(closest_key("eps-clip-hgih"), Some("eps-clip-high"));
         assert_eq!(closest_key("learning-rate"), None);
+    }
+
+    /// The argument lists of slime's example scripts (Qwen2.5-0.5B on GSM8K, Qwen3-4B and
+    /// Qwen3-30B-A3B; their model, checkpoint, rollout, eval, perf, GRPO, optimizer, W&B,
+    /// SGLang and misc arrays, paths replaced) run as `miles train` arguments; the parallelism
+    /// not built here is refused by name, and with it set to 1 they run.
+    #[test]
+    fn slimes_example_scripts_run_unchanged_but_for_parallelism_not_built() {
+        const COMMON: &str = "--swiglu --use-rotary-position-embeddings --disable-bias-linear \
+            --normalization RMSNorm --norm-epsilon 1e-6 --rotary-base 1000000 \
+            --group-query-attention --vocab-size 151936 --hf-checkpoint /m --ref-load /m_dist \
+            --prompt-data /d/train.jsonl --input-key prompt --label-key label \
+            --apply-chat-template --rollout-shuffle --num-rollout 3000 \
+            --rollout-max-response-len 8192 --rollout-temperature 0.8 --sequence-parallel \
+            --pipeline-model-parallel-size 1 --context-parallel-size 1 \
+            --expert-tensor-parallel-size 1 --use-dynamic-batch-size --max-tokens-per-gpu 9216 \
+            --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.00 \
+            --kl-loss-type low_var_kl --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28 \
+            --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 \
+            --adam-beta1 0.9 --adam-beta2 0.98 --sglang-mem-fraction-static 0.7 \
+            --attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 \
+            --attention-softmax-in-fp32 --attention-backend flash --actor-num-nodes 1 --colocate";
+        const QWEN25_05B: &str = "--num-layers 24 --hidden-size 896 --ffn-hidden-size 4864 \
+            --num-attention-heads 14 --add-qkv-bias --num-query-groups 2 --rm-type math \
+            --rollout-batch-size 32 --n-samples-per-prompt 8 --over-sampling-batch-size 64 \
+            --dynamic-sampling-filter-path \
+            slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std \
+            --global-batch-size 256 --eval-interval 20 --eval-prompt-data gsm8k /d/test.parquet \
+            --n-samples-per-eval-prompt 1 --eval-max-response-len 1024 --eval-top-k 1 \
+            --tensor-model-parallel-size 1 --expert-model-parallel-size 1 --use-wandb \
+            --wandb-project slime-test --wandb-group test-qwen2.5-0.5B-gsm8k \
+            --rollout-num-gpus-per-engine 1 --actor-num-gpus-per-node 4";
+        const QWEN3_4B: &str = "--num-layers 36 --hidden-size 2560 --ffn-hidden-size 9728 \
+            --num-attention-heads 32 --num-query-groups 8 --kv-channels 128 --qk-layernorm \
+            --load /ckpt --save /ckpt --save-interval 20 --rm-type deepscaler \
+            --rollout-batch-size 32 --n-samples-per-prompt 8 --global-batch-size 256 \
+            --balance-data --eval-interval 20 --eval-prompt-data aime /d/aime.jsonl \
+            --n-samples-per-eval-prompt 16 --eval-max-response-len 16384 --eval-top-p 0.7 \
+            --tensor-model-parallel-size 2 --expert-model-parallel-size 1 \
+            --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
+            --rollout-num-gpus-per-engine 2 --actor-num-gpus-per-node 8";
+        const QWEN3_30B_A3B: &str = "--qk-layernorm --num-attention-heads 32 \
+            --num-query-groups 4 --kv-channels 128 --num-layers 48 --hidden-size 2048 \
+            --ffn-hidden-size 6144 --position-embedding-type rope --rotary-percent 1.0 \
+            --untie-embeddings-and-output-weights --moe-ffn-hidden-size 768 \
+            --moe-router-score-function softmax --moe-token-dispatcher-type alltoall \
+            --moe-router-topk 8 --moe-layer-freq ([1]*48) --num-experts 128 --moe-grouped-gemm \
+            --moe-token-drop-policy probs --moe-router-dtype fp32 --moe-permute-fusion \
+            --moe-aux-loss-coeff 0 --rm-type deepscaler --rollout-batch-size 8 \
+            --n-samples-per-prompt 4 --global-batch-size 32 --balance-data \
+            --eval-prompt-data aime /d/aime.jsonl --n-samples-per-eval-prompt 16 \
+            --eval-max-response-len 16384 --eval-top-p 0.7 --tensor-model-parallel-size 4 \
+            --expert-model-parallel-size 8 --recompute-granularity full \
+            --recompute-method uniform --recompute-num-layers 1 --use-tis \
+            --tis-level geometric --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d \
+            --use-precision-aware-optimizer --use-wandb --wandb-project slime-dev \
+            --wandb-group qwen3-30B-A3B-TIS --wandb-run-id qwen3-30B-A3B-TIS-sequence \
+            --wandb-key KEY --rollout-num-gpus-per-engine 8 \
+            --sglang-cuda-graph-bs 1 2 4 8 16 24 32 --actor-num-gpus-per-node 8";
+        let run = |script: &str, ones: bool| -> anyhow::Result<RunConfig> {
+            let mut text = format!("{COMMON} {script}");
+            if ones {
+                for key in ["tensor-model", "expert-model"] {
+                    for n in ["2", "4", "8"] {
+                        let given = format!("--{key}-parallel-size {n} ");
+                        text = text.replace(&given, &format!("--{key}-parallel-size 1 "));
+                    }
+                }
+                for n in ["2", "8"] {
+                    let given = format!("--rollout-num-gpus-per-engine {n} ");
+                    text = text.replace(&given, "--rollout-num-gpus-per-engine 1 ");
+                }
+            }
+            config(&text.split_whitespace().collect::<Vec<_>>())
+        };
+        let c = run(QWEN25_05B, false).unwrap();
+        assert_eq!((c.nproc_per_node, c.rollout_kv_cache_fraction), (4, Some(0.7)));
+        assert_eq!(c.eval_prompt_data, ["gsm8k", "/d/test.parquet"]);
+        assert_eq!((c.over_sampling_batch_size, c.eval_top_k), (Some(64), Some(1)));
+        let e = error(run(QWEN3_4B, false));
+        assert!(
+            e.contains("--tensor-model-parallel-size 2: tensor parallelism is not built"),
+            "{e}"
+        );
+        let c = run(QWEN3_4B, true).unwrap();
+        assert_eq!((c.nproc_per_node, c.eval_top_p), (8, Some(0.7)));
+        let e = error(run(QWEN3_30B_A3B, false));
+        assert!(e.contains("--tensor-model-parallel-size 4: tensor parallelism"), "{e}");
+        let c = run(QWEN3_30B_A3B, true).unwrap();
+        assert!(c.use_tis && c.eval_prompt_data.len() == 2);
+        // Meaning what they say: dropout, other filters, several nodes.
+        for (flags, says) in [
+            ("--attention-dropout 0.1", "--attention-dropout 0.1: dropout is not built"),
+            ("--dynamic-sampling-filter-path my.filter", "other filters are not taken"),
+            ("--actor-num-nodes 2", "--actor-num-nodes 2: several nodes"),
+            ("--eval-prompt-data a b c", "--eval-prompt-data: 3 values"),
+            ("--optimizer sgd", "--optimizer"),
+        ] {
+            let e = error(config(&flags.split_whitespace().collect::<Vec<_>>()));
+            assert!(e.contains(says), "{flags}: {e}");
+        }
+        // A config file takes them as keys too.
+        let file = toml_file("tensor-model-parallel-size = 1\nsequence-parallel = true\n");
+        config(&["--config", file.to_str().unwrap()]).unwrap();
     }
 }

@@ -266,7 +266,11 @@ pub fn setup(mut cfg: RunConfig) -> anyhow::Result<Setup> {
             tokenizer,
             tokenizer_dir: Some(tok_dir),
             train_data: demo::train_data(),
-            eval_data: Some(demo::eval_data()),
+            // (The demo evaluates on its table unless eval sets are given.)
+            eval_data: match cfg.eval_prompt_data.is_empty() {
+                true => vec![rl::EvalSet { name: None, data: demo::eval_data() }],
+                false => eval_sets(&cfg)?,
+            },
             reward,
             advantage,
             correction,
@@ -302,11 +306,7 @@ pub fn setup(mut cfg: RunConfig) -> anyhow::Result<Setup> {
     let tokenizer =
         tokenizer.with_chat_kwargs(chat_kwargs(cfg.apply_chat_template_kwargs.as_deref())?)?;
     let train_data = load_data(&prompts, &cfg, "prompt-data")?;
-    let eval_data = cfg
-        .eval_prompt_data
-        .as_deref()
-        .map(|s| load_data(s, &cfg, "eval-prompt-data"))
-        .transpose()?;
+    let eval_data = eval_sets(&cfg)?;
     Ok(Setup {
         model,
         tokenizer,
@@ -323,6 +323,25 @@ pub fn setup(mut cfg: RunConfig) -> anyhow::Result<Setup> {
         run_dir: run_dir(&cfg, "train"),
         config: cfg,
     })
+}
+
+/// `--eval-prompt-data`: one FILE, or slime's NAME FILE pairs (names unique).
+fn eval_sets(cfg: &RunConfig) -> anyhow::Result<Vec<rl::EvalSet>> {
+    let given = &cfg.eval_prompt_data;
+    if given.len() == 1 {
+        let data = load_data(&given[0], cfg, "eval-prompt-data")?;
+        return Ok(vec![rl::EvalSet { name: None, data }]);
+    }
+    let mut sets: Vec<rl::EvalSet> = Vec::new();
+    for pair in given.chunks(2) {
+        let [name, file] = pair else { unreachable!("pairs (validated)") };
+        if sets.iter().any(|s| s.name.as_deref() == Some(name)) {
+            bail!("--eval-prompt-data: the set name '{name}' is given twice");
+        }
+        let data = load_data(file, cfg, &format!("eval-prompt-data {name}"))?;
+        sets.push(rl::EvalSet { name: Some(name.clone()), data });
+    }
+    Ok(sets)
 }
 
 fn number(r: &Record, key: &str) -> Option<f64> {

@@ -102,6 +102,31 @@ pub enum LrDecayStyle {
     Cosine,
 }
 
+/// `--optimizer`: slime's `adam` is Megatron's, decoupled weight decay (AdamW).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Optimizer {
+    #[default]
+    Adam,
+}
+
+/// A list given as one string or as a list (`--config`'s `eval-prompt-data = "FILE"`).
+fn one_or_many<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match Option::<OneOrMany>::deserialize(d)? {
+        None => Vec::new(),
+        Some(OneOrMany::One(s)) => vec![s],
+        Some(OneOrMany::Many(v)) => v,
+    })
+}
+
 /// The built-in demo policy's architecture (`--arch`, miles-rs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -221,7 +246,9 @@ pub struct RunConfig {
     pub rollout_shuffle: bool,
     pub num_rollout: Option<usize>,
     pub num_epoch: Option<usize>,
-    pub eval_prompt_data: Option<String>,
+    /// One file, or slime's NAME FILE pairs (each set evaluated apart).
+    #[serde(deserialize_with = "one_or_many")]
+    pub eval_prompt_data: Vec<String>,
     pub eval_interval: Option<usize>,
     pub n_samples_per_eval_prompt: usize,
     /// Eval sampling; each falls back to its rollout counterpart.
@@ -229,6 +256,7 @@ pub struct RunConfig {
     pub eval_temperature: Option<f32>,
     /// 1: greedy evaluation.
     pub eval_top_k: Option<i64>,
+    pub eval_top_p: Option<f32>,
     /// Where `metrics.jsonl` and `plots/` go (miles-rs; default `runs/<time>`).
     pub run_dir: Option<PathBuf>,
     /// Every metric also as TensorBoard scalars in `<run dir>/tensorboard/` (slime's flag).
@@ -266,6 +294,9 @@ pub struct RunConfig {
     pub use_rollout_routing_replay: bool,
     /// Embedded engine limits (miles-rs).
     pub rollout_kv_cache_mb: usize,
+    /// The KV cache budget as a share of the GPU's free memory once the policy is placed
+    /// (SGLang's `--mem-fraction-static` role; slime's flag maps here); replaces the MiB.
+    pub rollout_kv_cache_fraction: Option<f64>,
     pub rollout_max_running: usize,
 
     // Reward.
@@ -341,6 +372,7 @@ pub struct RunConfig {
     pub lr_decay_iters: Option<usize>,
     pub lr_decay_style: LrDecayStyle,
     pub weight_decay: f32,
+    pub optimizer: Optimizer,
     pub adam_beta1: f32,
     pub adam_beta2: f32,
     pub adam_eps: f32,
@@ -419,12 +451,13 @@ impl Default for RunConfig {
             rollout_shuffle: false,
             num_rollout: None,
             num_epoch: None,
-            eval_prompt_data: None,
+            eval_prompt_data: Vec::new(),
             eval_interval: None,
             n_samples_per_eval_prompt: 1,
             eval_max_response_len: None,
             eval_temperature: None,
             eval_top_k: None,
+            eval_top_p: None,
             run_dir: None,
             use_tensorboard: false,
             sft_warmup_steps: 0,
@@ -446,6 +479,7 @@ impl Default for RunConfig {
             max_weight_staleness: 1,
             use_rollout_routing_replay: false,
             rollout_kv_cache_mb: 1024,
+            rollout_kv_cache_fraction: None,
             rollout_max_running: 64,
             rm_type: None,
             custom_rm_path: None,
@@ -492,6 +526,7 @@ impl Default for RunConfig {
             lr_decay_iters: None,
             lr_decay_style: LrDecayStyle::Constant,
             weight_decay: 0.0,
+            optimizer: Optimizer::Adam,
             adam_beta1: 0.9,
             adam_beta2: 0.98,
             adam_eps: 1e-8,
@@ -543,6 +578,11 @@ impl RunConfig {
         check(self.n_samples_per_prompt >= 1, "n-samples-per-prompt", || {
             "must be at least 1".into()
         })?;
+        if let Some(f) = self.rollout_kv_cache_fraction {
+            check(f > 0.0 && f < 1.0, "rollout-kv-cache-fraction", || {
+                format!("{f} is outside (0, 1)")
+            })?;
+        }
         if let Some(over) = self.over_sampling_batch_size {
             check(over >= self.rollout_batch_size, "over-sampling-batch-size", || {
                 format!("{over} is below --rollout-batch-size {}", self.rollout_batch_size)
@@ -663,6 +703,13 @@ impl RunConfig {
         if let Some(t) = self.eval_temperature {
             check(t > 0.0, "eval-temperature", || format!("{t} must be > 0"))?;
         }
+        if let Some(p) = self.eval_top_p {
+            check(p > 0.0 && p <= 1.0, "eval-top-p", || format!("{p} is outside (0, 1]"))?;
+        }
+        let sets = self.eval_prompt_data.len();
+        check(sets <= 1 || sets.is_multiple_of(2), "eval-prompt-data", || {
+            format!("{sets} values: give one FILE, or NAME FILE pairs")
+        })?;
         if let Some(k) = self.eval_top_k {
             check(k == -1 || k >= 1, "eval-top-k", || {
                 format!("{k} must be -1 (off) or at least 1")

@@ -119,6 +119,19 @@ impl Actor {
             let (m, v) = optimizer.moments();
             dm.set_moments(m, v, optimizer.steps())?;
         }
+        let mut engine_config = engine_config;
+        match (cfg.rollout_kv_cache_fraction, device) {
+            (Some(_), Device::Cpu) => eprintln!(
+                "warning: --rollout-kv-cache-fraction is a share of GPU memory; on the CPU the \
+                 KV cache takes --rollout-kv-cache-mb ({} MiB)",
+                cfg.rollout_kv_cache_mb
+            ),
+            (Some(f), _) => {
+                let budget = miles_rollout::kv_cache_budget(0, Some(f), &device);
+                engine_config.kv_cache_bytes = budget.context("--rollout-kv-cache-fraction")?;
+            }
+            (None, _) => {}
+        }
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let kv = engine_config.kv_cache_bytes as u64;
         if let Some((free, total)) = device.memory_info()? {

@@ -14,8 +14,16 @@ use super::mix;
 use super::score::score_groups;
 use crate::dist::Dist;
 
-/// Eval on every prompt of `eval`: mean reward, pass@1 (the fraction of samples with a
-/// positive reward) and, with several samples per prompt, pass@n. Its draws use a fixed seed,
+/// An eval set: its prompts, and its name when the run has several (slime's
+/// `--eval-prompt-data NAME FILE …`).
+pub struct EvalSet {
+    pub name: Option<String>,
+    pub data: Dataset,
+}
+
+/// Eval on every prompt of `set`: mean reward, pass@1 (the fraction of samples with a
+/// positive reward) and, with several samples per prompt, pass@n (`eval/reward`,
+/// `eval/pass@1`; a named set's `eval/NAME`, `eval/NAME/pass@1`). Its draws use a fixed seed,
 /// so successive evals differ only by the policy. Over several processes each rank evaluates
 /// a contiguous part of the prompts (their draws keyed by their one-process indices) and the
 /// counts are summed: the figures of one process, in a fraction of its time.
@@ -23,11 +31,12 @@ pub(super) fn evaluate(
     cfg: &RunConfig,
     engine: &mut dyn Rollout,
     tok: &Tokenizer,
-    eval: &Dataset,
+    set: &EvalSet,
     reward: &dyn Reward,
     record: &mut Record,
     dist: Option<&Dist>,
 ) -> anyhow::Result<EvalOutcome> {
+    let eval = &set.data;
     let started = Instant::now();
     let n = cfg.n_samples_per_eval_prompt;
     let total = eval.rows.len();
@@ -41,6 +50,7 @@ pub(super) fn evaluate(
     let params = SamplingParams {
         temperature: cfg.eval_temperature.unwrap_or(cfg.rollout_temperature),
         top_k: usize::try_from(cfg.eval_top_k.unwrap_or(cfg.rollout_top_k)).unwrap_or(0),
+        top_p: cfg.eval_top_p.unwrap_or(cfg.rollout_top_p),
         max_new_tokens: cfg.eval_max_response_len.unwrap_or(cfg.rollout_max_response_len),
         seed: mix(cfg.rollout_seed, 0xE7A1),
         ..cfg.sampling_params()
@@ -61,13 +71,22 @@ pub(super) fn evaluate(
     }
     let [sum, solved, count, any, failed] = sums;
     let mean = sum / count.max(1.0);
-    record.insert("eval/reward".into(), json!(mean));
-    record.insert("eval/pass@1".into(), json!(solved / count.max(1.0)));
+    let (reward_key, prefix) = match &set.name {
+        Some(name) => (format!("eval/{name}"), format!("eval/{name}/")),
+        None => ("eval/reward".to_string(), "eval/".to_string()),
+    };
+    record.insert(reward_key, json!(mean));
+    record.insert(format!("{prefix}pass@1"), json!(solved / count.max(1.0)));
     if n > 1 {
-        record.insert(format!("eval/pass@{n}"), json!(any / total.max(1) as f64));
+        record.insert(format!("{prefix}pass@{n}"), json!(any / total.max(1) as f64));
     }
-    record.insert("rollout/eval_failed".into(), json!(failed as usize));
-    record.insert("perf/eval_time".into(), json!(started.elapsed().as_secs_f64()));
+    // (Several sets: their failures and times add up.)
+    let add = |record: &mut Record, key: &str, x: f64| {
+        let before = record.get(key).and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+        record.insert(key.into(), json!(before + x));
+    };
+    add(record, "rollout/eval_failed", failed);
+    add(record, "perf/eval_time", started.elapsed().as_secs_f64());
     Ok(EvalOutcome { reward: mean, scored: count as usize, failed: failed as usize })
 }
 

@@ -60,7 +60,7 @@ use run::{Progress, Run};
 use score::Unscored;
 use sft::sft_warmup;
 
-pub use eval::EvalOutcome;
+pub use eval::{EvalOutcome, EvalSet};
 pub use metrics::{Record, TENSORBOARD_DIR};
 
 /// Everything a run needs, assembled by the driver.
@@ -72,7 +72,8 @@ pub struct Setup {
     /// Copied into checkpoints so each is a loadable HF model.
     pub tokenizer_dir: Option<PathBuf>,
     pub train_data: Dataset,
-    pub eval_data: Option<Dataset>,
+    /// The eval sets (none, one, or slime's named ones).
+    pub eval_data: Vec<EvalSet>,
     /// Needed unless the run is SFT only (`--loss-type sft_loss` without eval).
     pub reward: Option<Box<dyn Reward>>,
     pub advantage: Box<dyn Advantage>,
@@ -199,7 +200,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
              own FP8 weights)"
         );
     }
-    let eval_every = cfg.eval_interval.filter(|_| eval_data.is_some());
+    let eval_every = cfg.eval_interval.filter(|_| !eval_data.is_empty());
     let sft_run = cfg.loss_type == LossType::SftLoss;
     let reward: Box<dyn Reward> = match reward {
         Some(r) => r,
@@ -279,7 +280,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         cfg: &cfg,
         tokenizer: &tokenizer,
         tokenizer_dir: tokenizer_dir.as_deref(),
-        eval: eval_every.zip(eval_data.as_ref()),
+        eval: eval_every.map(|every| (every, eval_data.as_slice())),
         reward: reward.as_ref(),
         advantage: advantage.as_ref(),
         correction: correction.as_deref(),

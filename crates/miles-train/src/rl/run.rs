@@ -6,13 +6,13 @@ use std::time::Instant;
 use anyhow::Context;
 use miles_core::config::RunConfig;
 use miles_core::{Advantage, Correction, Quantizer, Reward, Rollout, RoutingReplay};
-use miles_data::{DataSource, Dataset};
+use miles_data::DataSource;
 use miles_model::{Tokenizer, Weights};
 use serde_json::{Value, json};
 
 use super::actor::{Actor, Behind, Reference, logprobs_of};
 use super::collect::{StepParts, rollout};
-use super::eval::{EvalOutcome, evaluate};
+use super::eval::{EvalOutcome, EvalSet, evaluate};
 use super::metrics::{MetricsLog, Record, StepSums, peak_bf16_flops};
 use super::prepare::{OldLogprobs, prepare};
 use super::sft::sft_samples;
@@ -30,7 +30,7 @@ pub(super) struct Run<'a> {
     pub(super) tokenizer: &'a Tokenizer,
     pub(super) tokenizer_dir: Option<&'a Path>,
     /// Every how many iterations, on what.
-    pub(super) eval: Option<(usize, &'a Dataset)>,
+    pub(super) eval: Option<(usize, &'a [EvalSet])>,
     pub(super) reward: &'a dyn Reward,
     pub(super) advantage: &'a dyn Advantage,
     pub(super) correction: Option<&'a dyn Correction>,
@@ -110,7 +110,7 @@ impl Run<'_> {
         {
             let mut record = Record::new();
             record.insert("step".into(), json!(0));
-            final_eval = Some(self.evaluate(&mut actor, eval, &mut record)?);
+            final_eval = self.evaluate(&mut actor, eval, &mut record)?;
             emit(&mut log, record)?;
         }
         while state.iteration < self.total {
@@ -177,7 +177,7 @@ impl Run<'_> {
             if let Some((every, eval)) = self.eval
                 && (state.iteration % every == 0 || state.iteration == self.total)
             {
-                final_eval = Some(self.evaluate(&mut actor, eval, &mut record)?);
+                final_eval = self.evaluate(&mut actor, eval, &mut record)?;
             }
             record.insert("perf/step_time".into(), json!(started.elapsed().as_secs_f64()));
             emit(&mut log, record)?;
@@ -215,14 +215,20 @@ impl Run<'_> {
         self.dist.is_none_or(Dist::root)
     }
 
+    /// Every eval set in turn; the outcome of the first.
     fn evaluate(
         &self,
         actor: &mut Actor,
-        eval: &Dataset,
+        sets: &[EvalSet],
         record: &mut Record,
-    ) -> anyhow::Result<EvalOutcome> {
+    ) -> anyhow::Result<Option<EvalOutcome>> {
         let (cfg, tok, reward) = (self.cfg, self.tokenizer, self.reward);
-        evaluate(cfg, &mut actor.rollout(), tok, eval, reward, record, self.dist)
+        let mut first = None;
+        for set in sets {
+            let outcome = evaluate(cfg, &mut actor.rollout(), tok, set, reward, record, self.dist)?;
+            first.get_or_insert(outcome);
+        }
+        Ok(first)
     }
 
     /// Steps 1–2: the iteration's samples (rollout and reward, with dynamic sampling when
