@@ -655,24 +655,26 @@ fn a_serving_engine_batches_requests_as_they_come() {
     let numbered: Vec<Vec<Sample>> =
         (0..12).map(|i| vec![Sample { index: i, ..prompt.clone() }]).collect();
     let mut want = results(&e.generate(numbered, &p).unwrap());
-    let (tx, rx) = std::sync::mpsc::channel::<miles_rollout::Request>();
+    let (tx, rx) = std::sync::mpsc::channel::<miles_rollout::Job>();
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     std::thread::scope(|scope| {
         let served = &mut e;
-        scope.spawn(move || served.engine.serve(&served.model, &rx).unwrap());
+        scope.spawn(move || served.engine.serve(&mut served.model, &rx).unwrap());
         for _ in 0..12 {
             let (tx, done_tx, group) = (tx.clone(), done_tx.clone(), vec![prompt.clone()]);
             let p = p.clone();
             scope.spawn(move || {
                 let reply = Box::new(move |r| done_tx.send(r).unwrap());
-                tx.send(miles_rollout::Request { group, params: p, reply }).unwrap();
+                let request = miles_rollout::Request { group, params: p, reply };
+                tx.send(miles_rollout::Job::Generate(request)).unwrap();
             });
         }
         for other in [SamplingParams { temperature: -1.0, ..p.clone() }, params(5)] {
             let done_tx = done_tx.clone();
             let reply = Box::new(move |r| done_tx.send(r).unwrap());
             let group = vec![prompt.clone()];
-            tx.send(miles_rollout::Request { group, params: other, reply }).unwrap();
+            let request = miles_rollout::Request { group, params: other, reply };
+            tx.send(miles_rollout::Job::Generate(request)).unwrap();
         }
         drop((tx, done_tx));
     });

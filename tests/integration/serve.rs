@@ -140,3 +140,53 @@ fn miles_cli_model(ckpt: &str) -> DeviceModel {
     let weights = miles_model::Weights::load(dir, &config).unwrap();
     DeviceModel::new(&miles_model::Model::new(config, weights), &Device::Cpu, DType::F32).unwrap()
 }
+
+/// `--rollout-backend sglang` against `miles serve` standing in for SGLang: the loop's samples
+/// come from the server, the policy's weights go to it from disk after every step (so its
+/// logprobs stay the trainer's bit for bit: the gap is 0 at every iteration), and TIS, on by
+/// default there, reports its metrics.
+#[test]
+fn a_run_rolls_out_on_external_servers_synced_after_every_step() {
+    let dir = miles_tests::scratch("serve_external_backend");
+    let ckpt = dir.join("ckpt").display().to_string();
+    miles_tests::miles(&["init-model", "--preset", "tiny", "--out", &ckpt, "--seed", "4"]).unwrap();
+    let data = dir.join("prompts.jsonl");
+    let lines: String = (0..12)
+        .map(|i| {
+            format!("{{\"input\": \"{}+{}=\", \"label\": \"{}\"}}\n", i % 10, i / 3, i % 10 + i / 3)
+        })
+        .collect();
+    std::fs::write(&data, lines).unwrap();
+    let server = Server::start(&ckpt);
+    let run = dir.join("run");
+    let out = Command::new(miles_tests::miles_binary())
+        .args(["train", "--hf-checkpoint", &ckpt, "--prompt-data", data.to_str().unwrap()])
+        .args(["--rm-type", "exact_match", "--label-key", "label", "--rollout-backend", "sglang"])
+        // (An entropy term moves the weights whatever the rewards: each step is a new policy.)
+        .args(["--entropy-coef", "0.01"])
+        .args(["--rollout-url", &format!("http://{}", server.addr), "--num-rollout", "3"])
+        .args(["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--lr", "1e-2"])
+        .args(["--rollout-max-response-len", "4", "--run-dir", run.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("--use-tis is on"), "{text}");
+    let records: Vec<Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|r: &Value| r.get("rollout/raw_reward").is_some())
+        .collect();
+    assert_eq!(records.len(), 3);
+    for r in &records {
+        assert_eq!(r["train/train_rollout_logprob_abs_diff"], 0.0, "{r}");
+        assert!(
+            r["train/tis"].is_number() && r["perf/update_weights_time"].as_f64().unwrap() > 0.0,
+            "{r}"
+        );
+    }
+    // The weights really moved at every step, and the server took each new version.
+    assert!(records.iter().all(|r| r["train/grad_norm"].as_f64().unwrap() > 0.0));
+}

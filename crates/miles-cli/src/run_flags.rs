@@ -290,6 +290,19 @@ pub const FLAGS: &[Flag] = &[
         Ty::UInt,
         "KV cache budget of the embedded engine in MiB; sequences wait when full (miles-rs).",
     ),
+    value(
+        ROLLOUT,
+        "rollout-backend",
+        Ty::Enum(&["embedded", "sglang"]),
+        "Who rolls out: the embedded engine, or SGLang servers (--rollout-url) synced from disk \
+         after every step, with --use-tis on unless given.",
+    ),
+    optional(
+        ROLLOUT,
+        "rollout-url",
+        Ty::Str,
+        "The SGLang servers of --rollout-backend sglang, comma-separated http://host:port.",
+    ),
     optional(
         ROLLOUT,
         "rollout-kv-cache-fraction",

@@ -48,7 +48,7 @@ pub fn run(args: &ServeArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let tok = Tokenizer::load(dir)
         .with_context(|| format!("--hf-checkpoint {}: serve needs a tokenizer", dir.display()))?;
     let device = args.engine.device;
-    let model = args.engine.place(&model)?;
+    let mut model = args.engine.place(&model)?;
     let config = EngineConfig {
         kv_cache_bytes: kv_cache_budget(
             args.rollout_kv_cache_mb,
@@ -71,7 +71,7 @@ pub fn run(args: &ServeArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let router = miles_server::router(requests, dir.display().to_string(), args.seed);
     // The HTTP side on its own runtime; the engine here, until the HTTP side stops.
     let http = std::thread::spawn(move || miles_server::serve_blocking(listener, router));
-    engine.serve(&model, &queue)?;
+    engine.serve(&mut model, &queue)?;
     match http.join() {
         Ok(result) => result.context("the HTTP server"),
         Err(_) => anyhow::bail!("the HTTP server panicked"),

@@ -36,6 +36,17 @@ fn keys_set(args: &TrainArgs) -> Vec<String> {
 pub fn run_config(args: &TrainArgs) -> anyhow::Result<RunConfig> {
     let keys = keys_set(args);
     let has = |k: &str| keys.iter().any(|x| x == k);
+    let mut cfg = demo_or_given(args, &has)?;
+    if cfg.rollout_backend != miles_core::config::RolloutBackend::Embedded && !has("use-tis") {
+        // External servers' logprobs may differ from the trainer's.
+        eprintln!("--rollout-backend sglang: --use-tis is on (--use-tis=false turns it off)");
+        cfg.use_tis = true;
+    }
+    Ok(cfg)
+}
+
+/// The configuration of `args` over the demo's defaults when it names no model and no data.
+fn demo_or_given(args: &TrainArgs, has: &dyn Fn(&str) -> bool) -> anyhow::Result<RunConfig> {
     if has("hf-checkpoint") || has("prompt-data") {
         return build_run_config(&serde_json::Map::new(), args);
     }

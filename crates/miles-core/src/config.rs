@@ -102,6 +102,16 @@ pub enum LrDecayStyle {
     Cosine,
 }
 
+/// `--rollout-backend`: the embedded engine, or SGLang servers of the user's
+/// (`--rollout-url`); vLLM's API is not spoken yet.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RolloutBackend {
+    #[default]
+    Embedded,
+    Sglang,
+}
+
 /// `--optimizer`: slime's `adam` is Megatron's, decoupled weight decay (AdamW).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -294,6 +304,10 @@ pub struct RunConfig {
     pub use_rollout_routing_replay: bool,
     /// Embedded engine limits (miles-rs).
     pub rollout_kv_cache_mb: usize,
+    /// Who rolls out: the embedded engine, or the SGLang servers at `rollout_url`
+    /// (comma-separated `http://host:port`), synced from disk after every step.
+    pub rollout_backend: RolloutBackend,
+    pub rollout_url: Option<String>,
     /// The KV cache budget as a share of the GPU's free memory once the policy is placed
     /// (SGLang's `--mem-fraction-static` role; slime's flag maps here); replaces the MiB.
     pub rollout_kv_cache_fraction: Option<f64>,
@@ -480,6 +494,8 @@ impl Default for RunConfig {
             use_rollout_routing_replay: false,
             rollout_kv_cache_mb: 1024,
             rollout_kv_cache_fraction: None,
+            rollout_backend: RolloutBackend::Embedded,
+            rollout_url: None,
             rollout_max_running: 64,
             rm_type: None,
             custom_rm_path: None,
@@ -578,6 +594,27 @@ impl RunConfig {
         check(self.n_samples_per_prompt >= 1, "n-samples-per-prompt", || {
             "must be at least 1".into()
         })?;
+        let external = self.rollout_backend != RolloutBackend::Embedded;
+        check(external == self.rollout_url.is_some(), "rollout-url", || match external {
+            true => "--rollout-backend sglang: give the servers' http://host:port addresses".into(),
+            false => "names external servers: give --rollout-backend sglang too".into(),
+        })?;
+        if external {
+            check(self.nproc_per_node == 1 && !self.one_step_off, "rollout-backend", || {
+                "sglang: runs in one process and synchronously for now (not with \
+                 --nproc-per-node or --async)"
+                    .into()
+            })?;
+            let local = self.sglang_speculative_algorithm.is_some()
+                || self.fp8_format.is_some()
+                || self.int4_qat
+                || self.use_rollout_routing_replay;
+            check(!local, "rollout-backend", || {
+                "sglang: speculative rollouts, FP8, INT4 QAT and routing replay are the embedded \
+                 engine's"
+                    .into()
+            })?;
+        }
         if let Some(f) = self.rollout_kv_cache_fraction {
             check(f > 0.0 && f < 1.0, "rollout-kv-cache-fraction", || {
                 format!("{f} is outside (0, 1)")

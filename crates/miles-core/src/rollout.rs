@@ -82,6 +82,36 @@ pub trait Rollout: Send {
     fn set_weight_version(&mut self, version: u64);
 }
 
+/// A rollout borrowed or boxed rolls out as itself.
+macro_rules! forward_rollout {
+    ($ty:ty) => {
+        impl<R: Rollout + ?Sized> Rollout for $ty {
+            fn generate(
+                &mut self,
+                groups: Vec<Vec<Sample>>,
+                params: &SamplingParams,
+            ) -> Result<Vec<Vec<Sample>>> {
+                (**self).generate(groups, params)
+            }
+
+            fn generate_until(
+                &mut self,
+                groups: Vec<Vec<Sample>>,
+                params: &SamplingParams,
+                on_group: &mut dyn FnMut(usize, &[Sample]) -> Flow,
+            ) -> Result<Vec<Vec<Sample>>> {
+                (**self).generate_until(groups, params, on_group)
+            }
+
+            fn set_weight_version(&mut self, version: u64) {
+                (**self).set_weight_version(version)
+            }
+        }
+    };
+}
+forward_rollout!(&mut R);
+forward_rollout!(Box<R>);
+
 /// A caller's answer to the engine after a step or a completed group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flow {

@@ -693,17 +693,37 @@ pub struct Request {
 /// Where a request's result goes.
 pub type Reply = Box<dyn FnOnce(crate::Result<Vec<Sample>>) + Send>;
 
+/// What a serving engine is asked ([`Engine::serve`]).
+pub enum Job {
+    Generate(Request),
+    /// New weights from an HF checkpoint directory (a trainer's weight sync): taken once the
+    /// requests before it are answered, and the samples after it carry the next policy
+    /// version, which the reply gets.
+    LoadWeights {
+        dir: std::path::PathBuf,
+        reply: Box<dyn FnOnce(crate::Result<u64>) + Send>,
+    },
+}
+
 /// The requests of a serving call with the running ones' sampling parameters, numbered, with
 /// their reply channels appended to `replies` (a group's position in the call).
 fn take_requests(
-    queue: &mut VecDeque<Request>,
+    queue: &mut VecDeque<Job>,
     params: &SamplingParams,
     next_index: &mut usize,
     replies: &std::cell::RefCell<Vec<Option<Reply>>>,
 ) -> Vec<Vec<Sample>> {
-    let (same, other): (VecDeque<Request>, VecDeque<Request>) =
-        std::mem::take(queue).into_iter().partition(|r| r.params == *params);
-    *queue = other;
+    // (Not past new weights: what comes after them waits for them.)
+    let before = queue.iter().position(|j| matches!(j, Job::LoadWeights { .. }));
+    let rest = queue.split_off(before.unwrap_or(queue.len()));
+    let mut same = Vec::new();
+    for job in std::mem::take(queue) {
+        match job {
+            Job::Generate(r) if r.params == *params => same.push(r),
+            other => queue.push_back(other),
+        }
+    }
+    queue.extend(rest);
     same.into_iter()
         .map(|r| {
             replies.borrow_mut().push(Some(r.reply));
@@ -722,13 +742,14 @@ impl Engine {
     /// others wait until those finish. Each request's samples go back on its channel as soon
     /// as they are all final, as [`Engine::generate`] returns them; a request the engine
     /// refuses (bad sampling parameters) gets the error, and an engine failure is sent to
-    /// every request waiting and returned.
+    /// every request waiting and returned. New weights ([`Job::LoadWeights`]) are taken in
+    /// their place in the order.
     pub fn serve(
         &mut self,
-        model: &DeviceModel,
-        requests: &std::sync::mpsc::Receiver<Request>,
+        model: &mut DeviceModel,
+        requests: &std::sync::mpsc::Receiver<Job>,
     ) -> crate::Result<()> {
-        let mut queue: VecDeque<Request> = VecDeque::new();
+        let mut queue: VecDeque<Job> = VecDeque::new();
         let mut next_index = 0;
         loop {
             if queue.is_empty() {
@@ -737,10 +758,21 @@ impl Engine {
                     Err(_) => return Ok(()),
                 }
             }
-            let params = queue[0].params.clone();
+            let params = match queue.pop_front().expect("a job is queued") {
+                Job::LoadWeights { dir, reply } => {
+                    reply(self.load_weights(model, &dir));
+                    continue;
+                }
+                Job::Generate(r) => {
+                    let params = r.params.clone();
+                    queue.push_front(Job::Generate(r));
+                    params
+                }
+            };
             if let Err(e) = check_params(&params) {
-                let refused = queue.pop_front().expect("a request is queued");
-                (refused.reply)(Err(e));
+                if let Some(Job::Generate(refused)) = queue.pop_front() {
+                    (refused.reply)(Err(e));
+                }
                 continue;
             }
             let eos = if params.ignore_eos { Vec::new() } else { self.eos_ids() };
@@ -765,13 +797,31 @@ impl Engine {
             });
             if let Err(e) = served {
                 let message = e.to_string();
-                let waiting = queue.drain(..).map(|r| r.reply);
-                for reply in replies.into_inner().into_iter().flatten().chain(waiting) {
-                    reply(Err(crate::Error::Invalid(message.clone())));
+                let fail = || crate::Error::Invalid(message.clone());
+                for reply in replies.into_inner().into_iter().flatten() {
+                    reply(Err(fail()));
+                }
+                for job in queue.drain(..) {
+                    match job {
+                        Job::Generate(r) => (r.reply)(Err(fail())),
+                        Job::LoadWeights { reply, .. } => reply(Err(fail())),
+                    }
                 }
                 return Err(e);
             }
         }
+    }
+
+    /// `dir`'s weights into `model` (checked against its config); the new policy version.
+    fn load_weights(
+        &mut self,
+        model: &mut DeviceModel,
+        dir: &std::path::Path,
+    ) -> crate::Result<u64> {
+        let weights = miles_model::Weights::load(dir, &model.config).map_err(model_error)?;
+        model.set_weights(&weights).map_err(model_error)?;
+        self.weights_updated();
+        Ok(self.weight_version)
     }
 }
 

@@ -18,8 +18,11 @@ mod blocks;
 mod device_tests;
 mod engine;
 mod policy;
+pub mod remote;
 pub mod sampler;
 
-pub use engine::{Engine, EngineConfig, EngineStats, Lent, Progress, Reply, Request, SpecPhases};
+pub use engine::{
+    Engine, EngineConfig, EngineStats, Job, Lent, Progress, Reply, Request, SpecPhases,
+};
 pub(crate) use miles_core::{Error, Result};
 pub use policy::{Policy, kv_cache_budget};

@@ -9,6 +9,9 @@
 //!   `prompt_tokens`, `completion_tokens`, `weight_version`, and with `return_logprob`
 //!   `output_token_logprobs` as `[logprob, token id, null]`), one object per prompt and sample,
 //!   a list when the request is a batch or `n` > 1.
+//! - `POST /update_weights_from_disk` (`{"model_path": DIR}`, an HF checkpoint directory): a
+//!   trainer's weight sync, taken after the requests before it; answers `success`, `message`
+//!   and the new `weight_version`.
 //! - `GET /health`, `GET /get_model_info`.
 //!
 //! A malformed request is answered 400 with `{"error": {"message": …}}` naming the field; the
@@ -24,22 +27,23 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use miles_core::{Prompt, Sample, SamplingParams, Status};
-use miles_rollout::Request;
+use miles_rollout::{Job, Request};
 use serde_json::{Value, json};
 
 /// What the handlers share: the engine's request channel and what `/get_model_info` says.
 struct Shared {
-    engine: Sender<Request>,
+    engine: Sender<Job>,
     model_path: String,
     /// The seed of every request's draws (a request's samples are numbered by arrival).
     seed: u64,
 }
 
 /// The router over an engine serving `engine`'s requests.
-pub fn router(engine: Sender<Request>, model_path: String, seed: u64) -> Router {
+pub fn router(engine: Sender<Job>, model_path: String, seed: u64) -> Router {
     let shared = Arc::new(Shared { engine, model_path, seed });
     Router::new()
         .route("/generate", post(generate))
+        .route("/update_weights_from_disk", post(update_weights))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/get_model_info", get(model_info))
         .with_state(shared)
@@ -78,9 +82,8 @@ async fn generate(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
             let _ = tx.send(r);
         });
         let request = Request { group, params: parsed.params.clone(), reply };
-        if shared.engine.send(request).is_err() {
-            let body = json!({"error": {"message": "the engine has stopped"}});
-            return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+        if shared.engine.send(Job::Generate(request)).is_err() {
+            return stopped();
         }
         waiting.push(rx);
     }
@@ -105,6 +108,36 @@ async fn generate(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
         _ => Value::Array(answers),
     };
     axum::Json(body).into_response()
+}
+
+fn stopped() -> Response {
+    let body = json!({"error": {"message": "the engine has stopped"}});
+    (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
+}
+
+async fn update_weights(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return bad_request(format!("the body is not JSON: {e}")),
+    };
+    let Some(dir) = v.get("model_path").and_then(Value::as_str) else {
+        return bad_request("model_path: the HF checkpoint directory to load");
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let reply = Box::new(move |r| {
+        let _ = tx.send(r);
+    });
+    let job = Job::LoadWeights { dir: dir.into(), reply };
+    if shared.engine.send(job).is_err() {
+        return stopped();
+    }
+    let answer = match rx.await {
+        Ok(Ok(version)) => json!({"success": true, "message": "loaded", "weight_version": version}),
+        Ok(Err(e)) => json!({"success": false, "message": format!("model_path {dir}: {e}")}),
+        Err(_) => json!({"success": false, "message": "the engine dropped the request"}),
+    };
+    let status = if answer["success"] == true { StatusCode::OK } else { StatusCode::BAD_REQUEST };
+    (status, axum::Json(answer)).into_response()
 }
 
 /// A `/generate` request, read.

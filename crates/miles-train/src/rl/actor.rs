@@ -58,6 +58,8 @@ pub(super) struct Actor {
     device: Device,
     /// The speculative draft (`--sglang-speculative-algorithm`, `--enable-mtp-training`).
     draft: Option<DraftActor>,
+    /// `--rollout-backend sglang`: the servers that roll out instead of the engine.
+    remote: Option<miles_rollout::remote::Remote>,
 }
 
 /// The draft beside the policy on its device: lent to the engine with the policy when the run
@@ -174,14 +176,28 @@ impl Actor {
             _ => Engine::new(&dm, tokenizer, engine_config)?,
         };
         let (hyper, clip) = (adamw(cfg, cfg.lr), f64::from(cfg.clip_grad));
-        Ok(Actor { model: dm, engine, hyper, clip, device, draft })
+        Ok(Actor { model: dm, engine, hyper, clip, device, draft, remote: None })
     }
 
-    /// The rollout engine with the policy lent to it (and the draft, when speculating).
-    pub(super) fn rollout(&mut self) -> impl Rollout + '_ {
+    /// Rolls out on `remote`'s servers from now on (`--rollout-backend sglang`).
+    pub(super) fn roll_out_on(&mut self, remote: miles_rollout::remote::Remote) {
+        self.remote = Some(remote);
+    }
+
+    /// The external servers that roll out, when the run has them.
+    pub(super) fn remote(&self) -> Option<&miles_rollout::remote::Remote> {
+        self.remote.as_ref()
+    }
+
+    /// Who rolls out: the external servers, or the engine with the policy lent to it (and the
+    /// draft, when speculating).
+    pub(super) fn rollout(&mut self) -> Box<dyn Rollout + '_> {
+        if let Some(remote) = &mut self.remote {
+            return Box::new(remote);
+        }
         match self.draft.as_ref().filter(|d| d.speculate) {
-            Some(d) => self.engine.lend_with_draft(&self.model, &d.model),
-            None => self.engine.lend(&self.model),
+            Some(d) => Box::new(self.engine.lend_with_draft(&self.model, &d.model)),
+            None => Box::new(self.engine.lend(&self.model)),
         }
     }
 

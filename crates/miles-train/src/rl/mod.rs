@@ -276,6 +276,16 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     // show both give the same bits.
     let separate_old = std::env::var_os("MILES_SEPARATE_OLD_LOGPROBS").is_some();
     let old_logprobs_in_step = !separate_old && old_logprobs_in_step(&cfg, steps_per_rollout);
+    let sync_dir = match cfg.rollout_url.as_deref() {
+        Some(urls) => {
+            let urls: Vec<String> = urls.split(',').map(String::from).collect();
+            let timeout = std::time::Duration::from_secs(3600);
+            let remote = miles_rollout::remote::Remote::connect(&urls, timeout)?;
+            actor.roll_out_on(remote);
+            Some(run_dir.join("weight_sync"))
+        }
+        None => None,
+    };
     let run = Run {
         cfg: &cfg,
         tokenizer: &tokenizer,
@@ -297,6 +307,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         sft_run,
         eos,
         dist: dist.as_ref(),
+        sync_dir,
     };
     let behind = match cfg.one_step_off {
         true => Some(Behind::new(&actor, engine_config(&cfg), &tokenizer, state.iteration as u64)?),

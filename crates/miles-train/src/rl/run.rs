@@ -49,6 +49,8 @@ pub(super) struct Run<'a> {
     pub(super) eos: u32,
     /// The other processes of a run over several (rank 0 logs, evaluates and saves).
     pub(super) dist: Option<&'a Dist>,
+    /// `--rollout-backend sglang`: where the policy's weights are written for the servers.
+    pub(super) sync_dir: Option<std::path::PathBuf>,
 }
 
 /// What the rollout that runs ahead (`--async`) needs, shared with the trainer's thread.
@@ -104,6 +106,7 @@ impl Run<'_> {
         };
         // The policy version is the number of weight syncs so far, one per iteration.
         actor.rollout().set_weight_version(state.iteration as u64);
+        self.sync_remote(&actor)?;
         let mut final_eval = None;
         if state.iteration == 0
             && let Some((_, eval)) = self.eval
@@ -164,6 +167,8 @@ impl Run<'_> {
             let train_time = train_started.elapsed().as_secs_f64() - waited;
             let sync_started = Instant::now();
             actor.weights_updated();
+            self.sync_remote(&actor)?;
+            actor.rollout().set_weight_version(k as u64 + 1);
             if let Some(b) = behind.as_mut() {
                 b.sync(&actor, k as u64 + 1)?;
                 record.insert("perf/rollout_wait_time".into(), json!(waited));
@@ -208,6 +213,16 @@ impl Run<'_> {
             skipped_steps: state.skipped_steps,
             weights,
         })
+    }
+
+    /// `--rollout-backend sglang`: the servers load the policy's weights, written for them as
+    /// an HF checkpoint in the run directory.
+    fn sync_remote(&self, actor: &Actor) -> anyhow::Result<()> {
+        let (Some(remote), Some(dir)) = (actor.remote(), &self.sync_dir) else { return Ok(()) };
+        let weights = actor.weights()?;
+        checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir, None)
+            .with_context(|| format!("the weights for the rollout servers, {}", dir.display()))?;
+        Ok(remote.load_weights(dir)?)
     }
 
     /// Rank 0 of a run over several processes, or the one process: it logs and saves.
