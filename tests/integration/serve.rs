@@ -131,6 +131,45 @@ fn serve_answers_sglang_generate_with_the_trainers_logprobs() {
     }
     let (status, body) = server.generate(&json!({"input_ids": [5, 6, 7]}));
     assert_eq!(status, 200, "{body}");
+
+    // OpenAI's completions and chat completions, where they map.
+    let post = |path: &str, request: Value| {
+        let (status, body) = server.call(path, Some(request.to_string().as_bytes()));
+        (status, serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null))
+    };
+    let (status, body) = post(
+        "/v1/completions",
+        json!({"model": "x", "prompt": "Hello", "max_tokens": 5, "n": 2, "logprobs": 1}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2, "{body}");
+    let mut completion = 0;
+    for c in choices {
+        let lp = &c["logprobs"];
+        let n = lp["token_logprobs"].as_array().unwrap().len();
+        assert_eq!(lp["tokens"].as_array().unwrap().len(), n, "{body}");
+        assert!(c["finish_reason"] == "stop" || (c["finish_reason"] == "length" && n == 5));
+        completion += n;
+    }
+    assert_eq!(body["usage"]["completion_tokens"], completion, "{body}");
+    let chat = json!({"messages": [{"role": "user", "content": "What is 2 + 3?"}],
+                      "max_tokens": 6, "logprobs": true});
+    let (status, body) = post("/v1/chat/completions", chat);
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant", "{body}");
+    assert!(choice["message"]["content"].is_string(), "{body}");
+    let tokens = choice["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(body["usage"]["completion_tokens"], tokens.len(), "{body}");
+    for (request, says) in [
+        (json!({"prompt": "a", "stream": true}), "stream"),
+        (json!({"prompt": "a", "best_of": 2}), "best_of"),
+        (json!({"prompt": "a", "frequency_penalty": 0.5}), "penalties"),
+    ] {
+        let (status, body) = post("/v1/completions", request);
+        assert!(status == 400 && body.to_string().contains(says), "{status} {body}");
+    }
 }
 
 /// The checkpoint's model on the CPU, as the trainer's scorer holds it.

@@ -61,14 +61,14 @@ pub fn run(args: &ServeArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         chunked_prefill_size: args.engine.chunked_prefill_size,
         ..EngineConfig::default()
     };
-    let mut engine = Engine::new(&model, Some(tok), config)?;
+    let mut engine = Engine::new(&model, Some(tok.clone()), config)?;
     let listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
         .with_context(|| format!("--host {} --port {}", args.host, args.port))?;
     let addr = listener.local_addr()?;
     writeln!(out, "miles serve: {} on http://{addr} (POST /generate)", dir.display())?;
     out.flush()?;
     let (requests, queue) = std::sync::mpsc::channel();
-    let router = miles_server::router(requests, dir.display().to_string(), args.seed);
+    let router = miles_server::router(requests, Some(tok), dir.display().to_string(), args.seed);
     // The HTTP side on its own runtime; the engine here, until the HTTP side stops.
     let http = std::thread::spawn(move || miles_server::serve_blocking(listener, router));
     engine.serve(&mut model, &queue)?;

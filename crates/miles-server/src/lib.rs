@@ -12,6 +12,8 @@
 //! - `POST /update_weights_from_disk` (`{"model_path": DIR}`, an HF checkpoint directory): a
 //!   trainer's weight sync, taken after the requests before it; answers `success`, `message`
 //!   and the new `weight_version`.
+//! - `POST /v1/completions`, `POST /v1/chat/completions`: OpenAI's, where they map
+//!   ([`openai`]).
 //! - `GET /health`, `GET /get_model_info`.
 //!
 //! A malformed request is answered 400 with `{"error": {"message": …}}` naming the field; the
@@ -30,19 +32,30 @@ use miles_core::{Prompt, Sample, SamplingParams, Status};
 use miles_rollout::{Job, Request};
 use serde_json::{Value, json};
 
+mod openai;
+
 /// What the handlers share: the engine's request channel and what `/get_model_info` says.
 struct Shared {
     engine: Sender<Job>,
+    /// For OpenAI's API: chat templates and token strings.
+    tokenizer: Option<miles_model::Tokenizer>,
     model_path: String,
     /// The seed of every request's draws (a request's samples are numbered by arrival).
     seed: u64,
 }
 
 /// The router over an engine serving `engine`'s requests.
-pub fn router(engine: Sender<Job>, model_path: String, seed: u64) -> Router {
-    let shared = Arc::new(Shared { engine, model_path, seed });
+pub fn router(
+    engine: Sender<Job>,
+    tokenizer: Option<miles_model::Tokenizer>,
+    model_path: String,
+    seed: u64,
+) -> Router {
+    let shared = Arc::new(Shared { engine, tokenizer, model_path, seed });
     Router::new()
         .route("/generate", post(generate))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/update_weights_from_disk", post(update_weights))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/get_model_info", get(model_info))
@@ -69,40 +82,52 @@ fn bad_request(message: impl Into<String>) -> Response {
     (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
 }
 
+/// `n` samples of each prompt from the engine, in order; the first failure as a 400.
+async fn submit(
+    shared: &Shared,
+    prompts: Vec<Sample>,
+    params: &SamplingParams,
+    n: usize,
+) -> Result<Vec<Sample>, Response> {
+    let mut waiting = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let reply = Box::new(move |r| {
+            let _ = tx.send(r);
+        });
+        let request = Request { group: vec![prompt; n], params: params.clone(), reply };
+        if shared.engine.send(Job::Generate(request)).is_err() {
+            return Err(stopped());
+        }
+        waiting.push(rx);
+    }
+    let mut out = Vec::new();
+    for rx in waiting {
+        match rx.await {
+            Ok(Ok(samples)) => {
+                if let Some(s) = samples.iter().find(|s| s.status == Status::Failed) {
+                    let why = s.metadata.get("rollout_error").and_then(Value::as_str);
+                    return Err(bad_request(why.unwrap_or("the engine could not generate it")));
+                }
+                out.extend(samples);
+            }
+            Ok(Err(e)) => return Err(bad_request(e.to_string())),
+            Err(_) => return Err(bad_request("the engine dropped the request")),
+        }
+    }
+    Ok(out)
+}
+
 async fn generate(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
     let parsed = match parse_generate(&body, shared.seed) {
         Ok(p) => p,
         Err(message) => return bad_request(message),
     };
-    let mut waiting = Vec::with_capacity(parsed.prompts.len());
-    for prompt in parsed.prompts {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let group = vec![prompt; parsed.n];
-        let reply = Box::new(move |r| {
-            let _ = tx.send(r);
-        });
-        let request = Request { group, params: parsed.params.clone(), reply };
-        if shared.engine.send(Job::Generate(request)).is_err() {
-            return stopped();
-        }
-        waiting.push(rx);
-    }
-    let mut answers = Vec::new();
-    for rx in waiting {
-        match rx.await {
-            Ok(Ok(samples)) => {
-                for s in &samples {
-                    if s.status == Status::Failed {
-                        let why = s.metadata.get("rollout_error").and_then(Value::as_str);
-                        return bad_request(why.unwrap_or("the engine could not generate it"));
-                    }
-                    answers.push(answer(s, parsed.logprobs));
-                }
-            }
-            Ok(Err(e)) => return bad_request(e.to_string()),
-            Err(_) => return bad_request("the engine dropped the request"),
-        }
-    }
+    let samples = match submit(&shared, parsed.prompts, &parsed.params, parsed.n).await {
+        Ok(samples) => samples,
+        Err(response) => return response,
+    };
+    let mut answers: Vec<Value> = samples.iter().map(|s| answer(s, parsed.logprobs)).collect();
     let body = match (parsed.batch, answers.len()) {
         (false, 1) => answers.remove(0),
         _ => Value::Array(answers),
