@@ -397,6 +397,34 @@ fn named_eval_sets_report_apart() {
     assert!(last.get("eval/reward").is_none(), "{last}");
 }
 
+/// A checkpoint with a flipped bit stops the resumed run with the file named; with
+/// `--load-fallback` the run resumes from the newest intact checkpoint before it and says so.
+#[test]
+fn a_damaged_checkpoint_is_named_and_the_fallback_resumes_before_it() {
+    let dir = scratch("train_damaged_checkpoint");
+    let out = run_binary(&strs(&run_args(SHORT, &dir, 4)), None);
+    assert!(out.status.success(), "{}", text(&out));
+    let model = dir.join("iter_0000004").join("model.safetensors");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let at = bytes.len() - 3;
+    bytes[at] ^= 1;
+    std::fs::write(&model, bytes).unwrap();
+    let out = run_binary(&strs(&run_args(SHORT, &dir, 6)), None);
+    assert!(!out.status.success(), "{}", text(&out));
+    let said = text(&out);
+    assert!(
+        said.contains("iter_0000004/model.safetensors") && said.contains("--load-fallback"),
+        "{said}"
+    );
+    let out = run_binary(&strs(&run_args(&format!("{SHORT} --load-fallback"), &dir, 6)), None);
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains("skipping iteration 4") && said.contains("resumed from iteration 2"),
+        "{said}"
+    );
+}
+
 /// A Qwen3-MoE run with Rollout Routing Replay resumes to the same bytes (per-expert
 /// weights, their AdamW moments), and the experts used in training are the rollout's.
 #[cfg(feature = "r3")]

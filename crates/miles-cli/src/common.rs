@@ -35,8 +35,10 @@ pub fn speculator(flags: &SpecFlags) -> anyhow::Result<Option<Box<dyn Speculator
     Ok(Some(s))
 }
 
-/// An HF checkpoint directory: config.json and the safetensors weights.
+/// An HF checkpoint directory: config.json and the safetensors weights (checked against its
+/// checksums.json first when it has one, as `--save-hf` writes it).
 pub fn load_model(dir: &Path) -> anyhow::Result<Model> {
+    miles_train::checkpoint::manifest::verify(dir)?;
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
     let weights = Weights::load(dir, &config)?;
     Ok(Model::new(config, weights))

@@ -96,6 +96,12 @@ pub const FLAGS: &[Flag] = &[
     ),
     optional(MODEL, "save", Ty::Path, "Directory to save checkpoints to."),
     optional(MODEL, "load", Ty::Path, "Checkpoint directory to resume the run from."),
+    switch(
+        MODEL,
+        "load-fallback",
+        "A damaged checkpoint at --load (a file not matching its checksum) gives way to the \
+         newest intact one before it.",
+    ),
     optional(MODEL, "save-interval", Ty::UInt, "Save a checkpoint to --save every N rollouts."),
     optional(MODEL, "save-hf", Ty::Path, "Also write HF-format checkpoints here when saving."),
     value(

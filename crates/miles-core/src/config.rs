@@ -232,6 +232,9 @@ pub struct RunConfig {
     pub hf_checkpoint: Option<PathBuf>,
     pub save: Option<PathBuf>,
     pub load: Option<PathBuf>,
+    /// A damaged checkpoint at `--load` (a file not matching its checksum) is skipped for the
+    /// newest intact one before it, said on stderr, instead of stopping the run.
+    pub load_fallback: bool,
     pub save_interval: Option<usize>,
     pub save_hf: Option<PathBuf>,
     pub seed: u64,
@@ -449,6 +452,7 @@ impl Default for RunConfig {
             hf_checkpoint: None,
             save: None,
             load: None,
+            load_fallback: false,
             save_interval: None,
             save_hf: None,
             seed: 1234,

@@ -92,12 +92,16 @@ pub enum Error {
     Model(miles_model::Error),
     /// A bad argument.
     Invalid(String),
+    /// A file that is not as it was saved ([`manifest::verify`]).
+    Damaged { path: PathBuf, message: String },
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::At { path, message } => write!(f, "{}: {message}", path.display()),
+            Error::At { path, message } | Error::Damaged { path, message } => {
+                write!(f, "{}: {message}", path.display())
+            }
             Error::Io { path, source } => write!(f, "{}: {source}", path.display()),
             Error::Model(e) => write!(f, "{e}"),
             Error::Invalid(message) => f.write_str(message),
@@ -578,6 +582,7 @@ pub fn save(root: &Path, iteration: u64, ckpt: &CheckpointRef) -> Result<PathBuf
         .map_err(|e| at(&state_path, format!("cannot encode the trainer state: {e}")))?;
     text.push('\n');
     write_synced(&state_path, text.as_bytes())?;
+    manifest::write(&tmp)?;
     sync_dir(&tmp)?;
 
     commit_dir(&tmp, &dst)?;
@@ -665,6 +670,36 @@ pub fn load(root: &Path, hyper: AdamW, clip_grad: f64, extra_names: &[&str]) -> 
     load_iteration(root, iteration, hyper, clip_grad, extra_names)
 }
 
+/// [`load`], or when the checkpoint the pointer names is damaged ([`Error::Damaged`]), the
+/// newest intact one before it (`--load-fallback`): the checkpoint loaded, and each skipped
+/// iteration with what is wrong with it.
+pub fn load_intact(
+    root: &Path,
+    hyper: AdamW,
+    clip_grad: f64,
+    extra_names: &[&str],
+) -> Result<(Loaded, Vec<(u64, Error)>)> {
+    let Some(latest) = latest_iteration(root)? else {
+        return load(root, hyper, clip_grad, extra_names).map(|l| (l, Vec::new()));
+    };
+    let mut iterations: Vec<u64> = fs::read_dir(root)
+        .map_err(io(root))?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("iter_")?.parse().ok())
+        .filter(|&i| i <= latest)
+        .collect();
+    iterations.sort_unstable_by(|a, b| b.cmp(a));
+    let mut skipped = Vec::new();
+    for iteration in iterations {
+        match load_iteration(root, iteration, hyper, clip_grad, extra_names) {
+            Ok(loaded) => return Ok((loaded, skipped)),
+            Err(e @ Error::Damaged { .. }) => skipped.push((iteration, e)),
+            Err(e) => return Err(e),
+        }
+    }
+    let why: Vec<String> = skipped.iter().map(|(_, e)| e.to_string()).collect();
+    Err(at(root, format!("no intact checkpoint to resume from: {}", why.join("; "))))
+}
+
 /// Loads iteration `iteration` of `root` (whatever the pointer says).
 pub fn load_iteration(
     root: &Path,
@@ -675,6 +710,7 @@ pub fn load_iteration(
 ) -> Result<Loaded> {
     check_extra_names(extra_names.iter().copied())?;
     let dir = resolve(root, iteration)?;
+    manifest::verify(&dir)?;
     let config = ModelConfig::from_file(&config_path(&dir))?;
     let weights = Weights::load(&dir, &config)?;
 
@@ -795,9 +831,11 @@ pub fn export_hf(
     if let Some(from) = tokenizer_dir {
         copy_tokenizer(from, &tmp)?;
     }
+    manifest::write(&tmp)?;
     sync_dir(&tmp)?;
     commit_dir(&tmp, dir)
 }
 
+pub mod manifest;
 #[cfg(test)]
 mod tests;

@@ -163,6 +163,7 @@ fn round_trip_is_bit_identical_and_resume_continues_exactly() {
     assert_eq!(
         names_in(&dir),
         [
+            "checksums.json",
             "config.json",
             "model.safetensors",
             "optimizer.safetensors",
@@ -308,6 +309,8 @@ fn damaged_files_are_errors_naming_them() {
     let run = Run::new(2);
     let dir = run.save(&root, 3, &json!({})).unwrap();
     let config = &run.config;
+    // (The parsers behind the checksums: as a checkpoint of an earlier version, without them.)
+    fs::remove_file(dir.join(manifest::MANIFEST_FILE)).unwrap();
 
     // An extra weight set that was never saved.
     let err = load(&root, HYPER, 1.0, &["ref"]).unwrap_err().to_string();
@@ -392,9 +395,11 @@ fn export_hf_writes_a_model_dir_that_loads_back() {
     fs::write(tok.join("generation_config.json"), "{\"eos_token_id\": 258}").unwrap();
     let run = Run::new(2);
     export_hf(&out, &run.config, &run.weights, Some(&tok), None).unwrap();
+    assert!(manifest::verify(&out).unwrap(), "an export carries its checksums");
     assert_eq!(
         names_in(&out),
         [
+            "checksums.json",
             "config.json",
             "generation_config.json",
             "model.safetensors",
@@ -410,7 +415,69 @@ fn export_hf_writes_a_model_dir_that_loads_back() {
     // Exporting again replaces the dir and leaves nothing beside it.
     let other = Weights::random(&run.config, 5);
     export_hf(&out, &run.config, &other, None, None).unwrap();
-    assert_eq!(names_in(&out), ["config.json", "model.safetensors"]);
+    assert_eq!(names_in(&out), ["checksums.json", "config.json", "model.safetensors"]);
     assert_eq!(Weights::load(&out, &config).unwrap(), other);
     assert_eq!(names_in(&tmp.0.join("hf")), ["final"]);
+}
+
+/// A byte flipped anywhere in a checkpoint, in any of its files (the manifest itself
+/// included), is an error naming that file, and the checkpoint loads again once the byte is
+/// back; a file removed or added after the save is named too. `load_intact` then resumes
+/// from the newest intact checkpoint before a damaged one, saying which it skipped.
+#[test]
+fn a_flipped_bit_in_any_file_is_named_and_the_fallback_skips_it() {
+    let tmp = TempDir::new("flipped");
+    let root = tmp.0.clone();
+    let mut run = Run::new(1);
+    run.save(&root, 2, &json!({"at": 2})).unwrap();
+    run.step(7);
+    let dir = run.save(&root, 4, &json!({"at": 4})).unwrap();
+    let files = manifest_files(&dir);
+    assert!(files.len() >= 4 && files.iter().any(|f| f == "checksums.json"), "{files:?}");
+    for file in &files {
+        let path = dir.join(file);
+        let original = fs::read(&path).unwrap();
+        let mut flipped = original.clone();
+        let at = flipped.len() / 2;
+        flipped[at] ^= 0x10;
+        fs::write(&path, &flipped).unwrap();
+        let err = load(&root, HYPER, 1.0, &[]).err().unwrap_or_else(|| panic!("{file}: loaded"));
+        assert!(err.to_string().contains(file.as_str()), "{file}: {err}");
+        fs::write(&path, &original).unwrap();
+        load(&root, HYPER, 1.0, &[]).unwrap();
+    }
+    fs::write(dir.join("stray.txt"), "x").unwrap();
+    let err = load(&root, HYPER, 1.0, &[]).unwrap_err().to_string();
+    assert!(err.contains("stray.txt") && err.contains("not in checksums.json"), "{err}");
+    fs::remove_file(dir.join("stray.txt")).unwrap();
+    let state = fs::read(dir.join(STATE_FILE)).unwrap();
+    fs::remove_file(dir.join(STATE_FILE)).unwrap();
+    let err = load(&root, HYPER, 1.0, &[]).unwrap_err();
+    assert!(matches!(err, Error::Damaged { .. }) && err.to_string().contains("missing"), "{err}");
+    // The fallback: iteration 4 is damaged, 2 loads.
+    let (loaded, skipped) = load_intact(&root, HYPER, 1.0, &[]).unwrap();
+    assert_eq!((loaded.iteration, loaded.state["at"].as_u64()), (2, Some(2)));
+    assert_eq!(skipped.len(), 1);
+    assert!(skipped[0].0 == 4 && skipped[0].1.to_string().contains(STATE_FILE));
+    fs::write(dir.join(STATE_FILE), state).unwrap();
+    let (loaded, skipped) = load_intact(&root, HYPER, 1.0, &[]).unwrap();
+    assert_eq!((loaded.iteration, skipped.len()), (4, 0));
+}
+
+/// Every file under `dir`, relative, sorted.
+fn manifest_files(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p.strip_prefix(dir).unwrap().to_string_lossy().into_owned());
+            }
+        }
+    }
+    out.sort();
+    out
 }

@@ -234,7 +234,27 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
 
     let resumed = match &cfg.load {
         Some(root) if checkpoint::latest_iteration(root)?.is_some() => {
-            Some(checkpoint::load(root, hyper, f64::from(cfg.clip_grad), saved_ref)?)
+            let clip = f64::from(cfg.clip_grad);
+            match cfg.load_fallback {
+                true => {
+                    let (loaded, skipped) = checkpoint::load_intact(root, hyper, clip, saved_ref)?;
+                    for (iteration, why) in skipped {
+                        eprintln!(
+                            "--load-fallback: skipping iteration {iteration}, damaged: {why}"
+                        );
+                    }
+                    Some(loaded)
+                }
+                false => {
+                    Some(checkpoint::load(root, hyper, clip, saved_ref).map_err(|e| match e {
+                        checkpoint::Error::Damaged { .. } => anyhow!(
+                            "--load: {e}; --load-fallback resumes from the newest intact \
+                             checkpoint before it"
+                        ),
+                        other => other.into(),
+                    })?)
+                }
+            }
         }
         _ => None,
     };
