@@ -939,6 +939,54 @@ fn a_kill_during_save_leaves_the_previous_checkpoint_and_the_run_resumes() {
     assert!(!dir.join(".iter_0000004.tmp").exists(), "the stale temp dir was cleaned");
 }
 
+/// A disk that fills up during a save (injected ENOSPC half-way through the optimizer file):
+/// the run stops naming the file and the bytes, the temporary files are gone, the previous
+/// checkpoint stays the latest, and resuming from it ends bit for bit where an uninterrupted
+/// run does. With --continue-on-save-error the run trains on past the failed save.
+#[test]
+fn a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_the_run_resumes_exactly() {
+    let root = scratch("train_enospc");
+    let (straight, full) = (root.join("straight"), root.join("full"));
+    let out = run_binary(&strs(&short_run(&straight, 4)), None);
+    assert!(out.status.success(), "{}", text(&out));
+
+    let out = run_binary(&strs(&short_run(&full, 4)), Some("enospc-during-save:4"));
+    assert!(!out.status.success(), "a failed save must stop the run: {}", text(&out));
+    let said = text(&out);
+    for what in [
+        ".iter_0000004.tmp/optimizer.safetensors: no space left on the device",
+        "bytes (",
+        "iter_0000002 stays the latest checkpoint",
+        "--continue-on-save-error",
+    ] {
+        assert!(said.contains(what), "{what}: {said}");
+    }
+    assert_eq!(latest(&full), "2");
+    assert!(!full.join(".iter_0000004.tmp").exists() && !full.join("iter_0000004").exists());
+    let out = run_binary(&strs(&short_run(&full, 4)), None);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("resumed from iteration 2"), "{}", text(&out));
+    for file in ["model.safetensors", "optimizer.safetensors", "trainer_state.json"] {
+        assert!(
+            checkpoint_file(&straight, 4, file) == checkpoint_file(&full, 4, file),
+            "{file} differs between the straight and the resumed run"
+        );
+    }
+
+    let on = root.join("continue");
+    let mut args = short_run(&on, 4);
+    args.push("--continue-on-save-error".into());
+    let out = run_binary(&strs(&args), Some("enospc-during-save:2"));
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("warning: --save"), "{}", text(&out));
+    assert_eq!(latest(&on), "4");
+    assert!(!on.join("iter_0000002").exists() && !on.join(".iter_0000002.tmp").exists());
+    assert!(
+        checkpoint_file(&straight, 4, "model.safetensors")
+            == checkpoint_file(&on, 4, "model.safetensors")
+    );
+}
+
 #[test]
 fn a_nan_loss_skips_the_step_counts_it_and_the_run_goes_on() {
     let dir = scratch("train_nan_loss");

@@ -103,6 +103,12 @@ pub const FLAGS: &[Flag] = &[
          newest intact one before it.",
     ),
     optional(MODEL, "save-interval", Ty::UInt, "Save a checkpoint to --save every N rollouts."),
+    switch(
+        MODEL,
+        "continue-on-save-error",
+        "A checkpoint save that fails (a full disk) is a warning and training goes on; \
+         without it the run stops, the previous checkpoint still the latest.",
+    ),
     optional(MODEL, "save-hf", Ty::Path, "Also write HF-format checkpoints here when saving."),
     value(
         MODEL,

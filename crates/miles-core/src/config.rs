@@ -236,6 +236,9 @@ pub struct RunConfig {
     /// newest intact one before it, said on stderr, instead of stopping the run.
     pub load_fallback: bool,
     pub save_interval: Option<usize>,
+    /// A checkpoint save that fails (a full disk) is a warning and training goes on, instead
+    /// of stopping the run.
+    pub continue_on_save_error: bool,
     pub save_hf: Option<PathBuf>,
     pub seed: u64,
     /// Where the trainer's model runs (miles-rs).
@@ -453,6 +456,7 @@ impl Default for RunConfig {
             save: None,
             load: None,
             load_fallback: false,
+            continue_on_save_error: false,
             save_interval: None,
             save_hf: None,
             seed: 1234,

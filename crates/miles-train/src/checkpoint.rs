@@ -35,12 +35,23 @@
 //! directory aside to `.iter_0000010.old` first and deletes it after the new one is in place;
 //! if a crash falls between those two renames, loading that iteration reads the `.old` copy.
 //!
+//! # A full disk
+//!
+//! [`save`] first compares the bytes the checkpoint needs with the space free under `<root>`
+//! and stops before writing anything when they do not fit; a disk that fills up during the
+//! save anyway (another writer, a quota) fails the write. Either way the error is
+//! [`Error::NoSpace`], naming the path and the bytes needed and free; the temporary directory
+//! is removed so that its space comes back, and the pointer still names the previous
+//! checkpoint. [`export_hf`] does the same.
+//!
 //! # Fault injection
 //!
-//! With the environment variable `MILES_FAULT=abort-during-save`, [`save`] calls
-//! [`std::process::abort`] right after `model.safetensors` has been written into the temporary
-//! directory, before anything is renamed: the crash test of the integration suite checks that
-//! the previous checkpoint still loads.
+//! The environment variable `MILES_FAULT` injects faults into [`save`], right after
+//! `model.safetensors` has been written into the temporary directory, before anything is
+//! renamed: `abort-during-save` calls [`std::process::abort`]; `enospc-during-save` (any save)
+//! or `enospc-during-save:N` (the save of iteration N) half-writes `optimizer.safetensors`
+//! and fails it with ENOSPC, as a disk filling up would. The integration suite checks that the
+//! previous checkpoint still loads and the run resumes from it exactly.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -73,9 +84,8 @@ pub const TOKENIZER_FILES: [&str; 5] = [
     "generation_config.json",
     "chat_template.jinja",
 ];
-/// The environment variable, and its value, that make [`save`] abort half-way.
+/// The environment variable of the injected faults (see the module docs).
 pub const FAULT_ENV: &str = "MILES_FAULT";
-pub const FAULT_ABORT_DURING_SAVE: &str = "abort-during-save";
 
 const EXP_AVG: &str = "exp_avg.";
 const EXP_AVG_SQ: &str = "exp_avg_sq.";
@@ -94,6 +104,9 @@ pub enum Error {
     Invalid(String),
     /// A file that is not as it was saved ([`manifest::verify`]).
     Damaged { path: PathBuf, message: String },
+    /// The disk under `path` has no room for a checkpoint or export: `needed` bytes in all,
+    /// `free` when known. Nothing of it was kept.
+    NoSpace { path: PathBuf, needed: u64, free: Option<u64> },
 }
 
 impl fmt::Display for Error {
@@ -105,6 +118,15 @@ impl fmt::Display for Error {
             Error::Io { path, source } => write!(f, "{}: {source}", path.display()),
             Error::Model(e) => write!(f, "{e}"),
             Error::Invalid(message) => f.write_str(message),
+            Error::NoSpace { path, needed, free } => {
+                write!(f, "{}: no space left on the device: the save needs ", path.display())?;
+                write!(f, "{}", bytes(*needed))?;
+                match free {
+                    Some(free) => write!(f, " and {} is free there", bytes(*free))?,
+                    None => write!(f, " (the free space is unknown)")?,
+                }
+                f.write_str("; its partial files were removed")
+            }
         }
     }
 }
@@ -126,6 +148,16 @@ impl From<miles_model::Error> for Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// `1234567890 bytes (1.15 GiB)`.
+fn bytes(n: u64) -> String {
+    let gib = n as f64 / (1u64 << 30) as f64;
+    if gib >= 0.1 {
+        format!("{n} bytes ({gib:.2} GiB)")
+    } else {
+        format!("{n} bytes ({:.1} MiB)", n as f64 / (1u64 << 20) as f64)
+    }
+}
 
 fn at(path: &Path, message: impl Into<String>) -> Error {
     Error::At { path: path.to_path_buf(), message: message.into() }
@@ -534,8 +566,100 @@ fn check_extra_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<()>
     Ok(())
 }
 
-fn fault_requested() -> bool {
-    std::env::var_os(FAULT_ENV).is_some_and(|v| v == FAULT_ABORT_DURING_SAVE)
+/// A fault `MILES_FAULT` injects into the save of `iteration` (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    Abort,
+    NoSpace,
+}
+
+fn fault_in_save(iteration: u64) -> Option<Fault> {
+    let spec = std::env::var(FAULT_ENV).ok()?;
+    match spec.split_once(':') {
+        _ if spec == "abort-during-save" => Some(Fault::Abort),
+        _ if spec == "enospc-during-save" => Some(Fault::NoSpace),
+        Some(("enospc-during-save", at)) if at.parse() == Ok(iteration) => Some(Fault::NoSpace),
+        _ => None,
+    }
+}
+
+/// What a disk that fills up does to a write: part of the file lands, then ENOSPC.
+fn write_until_full(path: &Path) -> Result<()> {
+    let mut f = File::create(path).map_err(io(path))?;
+    f.write_all(&[0u8; 4096]).map_err(io(path))?;
+    Err(Error::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+    })
+}
+
+/// The bytes a checkpoint of `ckpt` takes: its tensors' data, the tokenizer files, and room
+/// for headers and the small JSON files.
+fn checkpoint_bytes(ckpt: &CheckpointRef) -> Result<u64> {
+    let floats = |w: &Weights| w.tensors().iter().map(|t| t.len() as u64).sum::<u64>();
+    let mut n = 3 * floats(ckpt.weights);
+    n += ckpt.extra.iter().map(|(_, w)| floats(w)).sum::<u64>();
+    if let Some(d) = ckpt.draft {
+        let draft: u64 =
+            d.draft.named(ckpt.config)?.iter().map(|(_, _, data)| data.len() as u64).sum();
+        n += if d.moments.is_some() { 3 * draft } else { draft };
+    }
+    let mut total = 4 * n + (1 << 20);
+    if let Some(dir) = ckpt.tokenizer_dir {
+        for name in TOKENIZER_FILES {
+            total += fs::metadata(dir.join(name)).map_or(0, |m| m.len());
+        }
+    }
+    Ok(total)
+}
+
+/// The bytes free to an unprivileged writer on the filesystem holding `dir`, when the system
+/// says.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `path` is a NUL-terminated string and `stat` a buffer of the struct statvfs
+    // fills; it is read only when the call succeeds.
+    let stat = unsafe {
+        if libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) != 0 {
+            return None;
+        }
+        stat.assume_init()
+    };
+    Some(stat.f_bavail as u64 * stat.f_frsize as u64)
+}
+
+/// Whether `e` is a write failing for want of space (ENOSPC, EDQUOT).
+fn out_of_space(e: &Error) -> bool {
+    use std::io::ErrorKind::{QuotaExceeded, StorageFull};
+    matches!(e, Error::Io { source, .. } if matches!(source.kind(), StorageFull | QuotaExceeded))
+}
+
+/// Runs the writes of a checkpoint or export into `tmp` (already created); on failure removes
+/// `tmp`, whose half-written files would hold on to space, and turns a full disk into
+/// [`Error::NoSpace`] naming the file and the bytes `needed`.
+fn writing(tmp: &Path, needed: u64, write: impl FnOnce() -> Result<()>) -> Result<()> {
+    let Err(e) = write() else { return Ok(()) };
+    // Best effort: the error that stopped the save is the one to report.
+    let _ = fs::remove_dir_all(tmp);
+    if !out_of_space(&e) {
+        return Err(e);
+    }
+    let Error::Io { path, .. } = e else { unreachable!("out_of_space matched Io") };
+    let free = free_bytes(&parent_of(tmp));
+    Err(Error::NoSpace { path, needed, free })
+}
+
+/// Stops before writing anything when the filesystem under `dir` has less than `needed`
+/// bytes free.
+fn check_space(dir: &Path, needed: u64) -> Result<()> {
+    match free_bytes(dir) {
+        Some(free) if free < needed => {
+            Err(Error::NoSpace { path: dir.to_path_buf(), needed, free: Some(free) })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Saves iteration `iteration` under `root` (see the module docs for the layout and the order
@@ -551,18 +675,33 @@ pub fn save(root: &Path, iteration: u64, ckpt: &CheckpointRef) -> Result<PathBuf
         check_shapes(config, w, &format!("the extra weight set '{name}'"))?;
     }
 
+    let needed = checkpoint_bytes(ckpt)?;
     create_dirs(root)?;
+    check_space(root, needed)?;
     let dst = iter_dir(root, iteration);
     let tmp = beside(&dst, ".tmp")?;
     fresh_tmp_dir(&tmp)?;
+    writing(&tmp, needed, || write_checkpoint(&tmp, iteration, ckpt))?;
+    commit_dir(&tmp, &dst)?;
+    write_pointer(root, iteration)?;
+    Ok(dst)
+}
 
-    write_config_and_model(&tmp, config, ckpt.weights, None)?;
-    if fault_requested() {
-        eprintln!("{FAULT_ENV}={FAULT_ABORT_DURING_SAVE}: aborting in the middle of a save");
-        std::process::abort();
+/// Writes every file of a checkpoint into `tmp`, the manifest last, and syncs `tmp`.
+fn write_checkpoint(tmp: &Path, iteration: u64, ckpt: &CheckpointRef) -> Result<()> {
+    let config = ckpt.config;
+    let (m, v) = ckpt.optimizer.moments();
+    write_config_and_model(tmp, config, ckpt.weights, None)?;
+    match fault_in_save(iteration) {
+        Some(Fault::Abort) => {
+            eprintln!("{FAULT_ENV}=abort-during-save: aborting in the middle of a save");
+            std::process::abort();
+        }
+        Some(Fault::NoSpace) => return write_until_full(&tmp.join(OPTIMIZER_FILE)),
+        None => {}
     }
     if let Some(from) = ckpt.tokenizer_dir {
-        copy_tokenizer(from, &tmp)?;
+        copy_tokenizer(from, tmp)?;
     }
     let mut moments = named(config, m, EXP_AVG);
     moments.extend(named(config, v, EXP_AVG_SQ));
@@ -582,12 +721,8 @@ pub fn save(root: &Path, iteration: u64, ckpt: &CheckpointRef) -> Result<PathBuf
         .map_err(|e| at(&state_path, format!("cannot encode the trainer state: {e}")))?;
     text.push('\n');
     write_synced(&state_path, text.as_bytes())?;
-    manifest::write(&tmp)?;
-    sync_dir(&tmp)?;
-
-    commit_dir(&tmp, &dst)?;
-    write_pointer(root, iteration)?;
-    Ok(dst)
+    manifest::write(tmp)?;
+    sync_dir(tmp)
 }
 
 /// Writes a draft's directory (see the module docs), every file and directory synced.
@@ -825,14 +960,20 @@ pub fn export_hf(
 ) -> Result<()> {
     check_shapes(config, weights, "the weights")?;
     let tmp = beside(dir, ".tmp")?;
-    create_dirs(&parent_of(dir))?;
+    let parent = parent_of(dir);
+    create_dirs(&parent)?;
+    // f32 at most (a quantized export is smaller), and room for the rest.
+    let needed = 4 * weights.tensors().iter().map(|t| t.len() as u64).sum::<u64>() + (1 << 20);
+    check_space(&parent, needed)?;
     fresh_tmp_dir(&tmp)?;
-    write_config_and_model(&tmp, config, weights, quant)?;
-    if let Some(from) = tokenizer_dir {
-        copy_tokenizer(from, &tmp)?;
-    }
-    manifest::write(&tmp)?;
-    sync_dir(&tmp)?;
+    writing(&tmp, needed, || {
+        write_config_and_model(&tmp, config, weights, quant)?;
+        if let Some(from) = tokenizer_dir {
+            copy_tokenizer(from, &tmp)?;
+        }
+        manifest::write(&tmp)?;
+        sync_dir(&tmp)
+    })?;
     commit_dir(&tmp, dir)
 }
 

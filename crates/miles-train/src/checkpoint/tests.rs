@@ -481,3 +481,60 @@ fn manifest_files(dir: &Path) -> Vec<String> {
     out.sort();
     out
 }
+
+#[test]
+fn a_disk_filling_up_mid_save_removes_the_partial_files_and_names_the_bytes() {
+    let tmp = TempDir::new("enospc");
+    let dir = tmp.0.join(".iter_0000004.tmp");
+    fs::create_dir(&dir).unwrap();
+    let full = dir.join(OPTIMIZER_FILE);
+    let e = writing(&dir, 123_456_789, || {
+        write_synced(&dir.join(MODEL_FILE), b"weights")?;
+        write_until_full(&full)
+    })
+    .unwrap_err();
+    let Error::NoSpace { path, needed, free } = &e else { panic!("{e:?}") };
+    assert_eq!((path, *needed), (&full, 123_456_789));
+    assert!(free.is_some());
+    let said = e.to_string();
+    assert!(said.contains("optimizer.safetensors: no space left"), "{said}");
+    assert!(said.contains("needs 123456789 bytes (0.11 GiB)"), "{said}");
+    assert!(!present(&dir), "the partial files hold on to space");
+    // Other errors pass through unchanged, still cleaning up.
+    fs::create_dir(&dir).unwrap();
+    let e = writing(&dir, 1, || Err(Error::Invalid("bad".into()))).unwrap_err();
+    assert!(matches!(e, Error::Invalid(_)) && !present(&dir));
+}
+
+#[test]
+fn a_save_that_cannot_fit_stops_before_writing_anything() {
+    let tmp = TempDir::new("nospace");
+    assert!(free_bytes(&tmp.0).is_some_and(|b| b > 0));
+    check_space(&tmp.0, 1).unwrap();
+    let e = check_space(&tmp.0, u64::MAX).unwrap_err();
+    assert!(matches!(e, Error::NoSpace { free: Some(_), .. }), "{e:?}");
+    assert!(e.to_string().contains("GiB) and "), "{e}");
+}
+
+#[test]
+fn the_space_a_save_checks_for_covers_what_it_writes() {
+    let tmp = TempDir::new("bytes");
+    let run = Run::new(2);
+    let dir = run.save(&tmp.0, 1, &json!({"at": 1})).unwrap();
+    let written: u64 =
+        fs::read_dir(&dir).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
+    let ckpt = CheckpointRef {
+        config: &run.config,
+        weights: &run.weights,
+        optimizer: &run.opt,
+        state: &json!({"at": 1}),
+        tokenizer_dir: None,
+        extra: &[],
+        draft: None,
+    };
+    let needed = checkpoint_bytes(&ckpt).unwrap();
+    assert!(
+        written <= needed && needed <= written + (1 << 20),
+        "{written} written, {needed} asked"
+    );
+}

@@ -436,6 +436,34 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// A save that failed stops the run, saying which checkpoint stays the latest and how to
+    /// go on; with `--continue-on-save-error` it is a warning and training goes on.
+    fn save_failed(
+        &self,
+        dir: &Path,
+        iteration: usize,
+        e: checkpoint::Error,
+    ) -> anyhow::Result<()> {
+        let kept = match checkpoint::latest_iteration(dir) {
+            Ok(Some(i)) => format!("{} stays the latest checkpoint", checkpoint::iter_dir_name(i)),
+            _ => "no earlier checkpoint exists".to_string(),
+        };
+        let fix = match e {
+            checkpoint::Error::NoSpace { .. } => "free space",
+            _ => "fix that",
+        };
+        let what = format!("--save {}: iteration {iteration}: {e}; {kept}", dir.display());
+        if self.cfg.continue_on_save_error {
+            eprintln!("warning: {what}; training goes on (--continue-on-save-error)");
+            return Ok(());
+        }
+        anyhow::bail!(
+            "{what}: {fix}, then run again with --load {} to resume from it, or pass \
+             --continue-on-save-error to train on past failed saves",
+            dir.display()
+        )
+    }
+
     /// A checkpoint when one is due (every `--save-interval` iterations, and the last); over
     /// several processes rank 0 writes it and the others wait for it.
     fn save(&self, actor: &Actor, state: &LoopState) -> anyhow::Result<()> {
@@ -455,7 +483,7 @@ impl Run<'_> {
             let state_json = serde_json::to_value(state)?;
             let (weights, optimizer) = actor.checkpoint_parts()?;
             let draft = actor.draft_parts()?;
-            checkpoint::save(
+            let saved = checkpoint::save(
                 save_dir,
                 state.iteration as u64,
                 &CheckpointRef {
@@ -467,8 +495,10 @@ impl Run<'_> {
                     extra,
                     draft: draft.as_ref(),
                 },
-            )
-            .with_context(|| format!("--save {}", save_dir.display()))?;
+            );
+            if let Err(e) = saved {
+                self.save_failed(save_dir, state.iteration, e)?;
+            }
         }
         if let Some(d) = self.dist {
             // The others wait for rank 0's checkpoint before the next iteration.
