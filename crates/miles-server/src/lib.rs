@@ -240,6 +240,28 @@ fn prompt_texts(v: &Value) -> Result<(Vec<Sample>, bool), String> {
     }
 }
 
+/// The most samples one prompt may ask for (`n`): a request for more would hold the memory
+/// of that many samples before the engine saw it.
+const MAX_N: u64 = 1024;
+
+/// `n`, the samples of each prompt (0 is read as 1), named `key` in errors.
+fn count_of_samples(value: &Value, key: &str) -> Result<usize, String> {
+    match value.as_u64() {
+        Some(n) if n <= MAX_N => Ok(n.max(1) as usize),
+        Some(n) => Err(format!("{key}: {n} samples of one prompt; at most {MAX_N}")),
+        None => Err(format!("{key}: a count")),
+    }
+}
+
+/// The fuzzing harness's way in (`fuzz/`): a body read as `/generate`'s, `/v1/completions`'
+/// and `/v1/chat/completions`'; errors are the expected outcome.
+#[doc(hidden)]
+pub fn fuzz_request(body: &[u8]) {
+    let _ = parse_generate(body, 1);
+    let _ = openai::completion_request(body, 1);
+    let _ = openai::chat_request(body, 1);
+}
+
 /// SGLang's `sampling_params` as the engine's, and `n`.
 fn sampling(v: Option<&Value>, seed: u64) -> Result<(SamplingParams, usize), String> {
     // (SGLang's defaults.)
@@ -260,7 +282,7 @@ fn sampling(v: Option<&Value>, seed: u64) -> Result<(SamplingParams, usize), Str
                 p.top_k = usize::try_from(k).unwrap_or(0);
             }
             "max_new_tokens" => p.max_new_tokens = count()? as usize,
-            "n" => n = count()?.max(1) as usize,
+            "n" => n = count_of_samples(value, "sampling_params.n")?,
             "ignore_eos" => {
                 p.ignore_eos = value.as_bool().ok_or("sampling_params.ignore_eos: a boolean")?
             }
@@ -346,9 +368,30 @@ mod tests {
             (br#"{"input_ids": [1], "foo": 1}"#, "unknown field 'foo'"),
             (br#"{"input_ids": [1], "stream": true}"#, "stream"),
             (br#"{}"#, "give input_ids or text"),
+            (br#"{"input_ids": [1], "sampling_params": {"n": 1025}}"#, "at most 1024"),
+            (br#"{"input_ids": [4294967296]}"#, "4294967296 is not a token id"),
         ] {
             let e = parse_generate(bad, 0).err().unwrap();
             assert!(e.contains(says), "{e}");
         }
+    }
+
+    /// Found by reading for the fuzzing harness: a huge `n` was a vector of that many
+    /// samples before the engine saw it (an abort on allocation), and token ids past u32
+    /// wrapped around in `/v1/completions`.
+    #[test]
+    fn openai_requests_refuse_huge_counts_and_ids_past_the_vocabulary_type() {
+        let (prompts, _, n, logprobs) =
+            openai::completion_request(br#"{"prompt": [[1, 2]], "n": 3, "logprobs": 0}"#, 0)
+                .unwrap();
+        assert_eq!((prompts[0].tokens.as_slice(), n, logprobs), (&[1u32, 2][..], 3, true));
+        let e = openai::completion_request(br#"{"prompt": [4294967297]}"#, 0).err().unwrap();
+        assert!(e.contains("prompt:"), "{e}");
+        let e = openai::completion_request(br#"{"prompt": "a", "n": 100000000000}"#, 0);
+        assert!(e.err().unwrap().contains("n: 100000000000 samples of one prompt"));
+        let e = openai::chat_request(br#"{"messages": "hi"}"#, 0).err().unwrap();
+        assert!(e.contains("messages: a list"), "{e}");
+        let (_, params, _, _) = openai::chat_request(br#"{"messages": []}"#, 0).unwrap();
+        assert_eq!(params.max_new_tokens, 1024);
     }
 }

@@ -34,7 +34,7 @@ fn sampling(
             "top_k" => {
                 p.top_k = usize::try_from(value.as_i64().ok_or("top_k: an integer")?).unwrap_or(0)
             }
-            "n" => n = value.as_u64().ok_or("n: a count")?.max(1) as usize,
+            "n" => n = super::count_of_samples(value, "n")?,
             "ignore_eos" => p.ignore_eos = value.as_bool().ok_or("ignore_eos: a boolean")?,
             "stop" => {
                 p.stop = match value {
@@ -108,7 +108,7 @@ fn completion_prompts(v: Option<&Value>) -> Result<Vec<Sample>, String> {
     let text = |t: &str| Sample { prompt: Prompt::Text(t.into()), ..Sample::default() };
     let ids = |v: &Value| -> Option<Sample> {
         let tokens: Option<Vec<u32>> =
-            v.as_array()?.iter().map(|t| t.as_u64().map(|t| t as u32)).collect();
+            v.as_array()?.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect();
         Some(Sample { tokens: tokens?, ..Sample::default() })
     };
     match v {
@@ -117,7 +117,7 @@ fn completion_prompts(v: Option<&Value>) -> Result<Vec<Sample>, String> {
             Ok(items.iter().map(|s| text(s.as_str().expect("checked"))).collect())
         }
         Some(v @ Value::Array(items)) if items.iter().all(Value::is_u64) => {
-            Ok(vec![ids(v).expect("checked")])
+            Ok(vec![ids(v).ok_or("prompt: token ids below 2^32")?])
         }
         Some(Value::Array(items)) => items
             .iter()
@@ -128,17 +128,40 @@ fn completion_prompts(v: Option<&Value>) -> Result<Vec<Sample>, String> {
     }
 }
 
+/// A `/v1/completions` body: the prompts, their sampling, `n` and whether logprobs are asked.
+pub(super) fn completion_request(
+    body: &[u8],
+    seed: u64,
+) -> Result<(Vec<Sample>, SamplingParams, usize, bool), String> {
+    let map = object(body)?;
+    if map.get("echo").is_some_and(|e| e == &Value::Bool(true)) {
+        return Err("echo: the prompt is not repeated here; leave it out".into());
+    }
+    let prompts = completion_prompts(map.get("prompt"))?;
+    let (params, n) = sampling(&map, seed, &["max_tokens"])?;
+    let logprobs = map.get("logprobs").is_some_and(|l| !l.is_null() && l != &json!(false));
+    Ok((prompts, params, n, logprobs))
+}
+
+/// A `/v1/chat/completions` body: the messages (a list, for the template), their sampling,
+/// `n` and whether logprobs are asked.
+pub(super) fn chat_request(
+    body: &[u8],
+    seed: u64,
+) -> Result<(Value, SamplingParams, usize, bool), String> {
+    let mut map = object(body)?;
+    let keys = ["max_tokens", "max_completion_tokens"];
+    let (mut params, n) = sampling(&map, seed, &keys)?;
+    if !keys.iter().any(|k| map.contains_key(*k)) {
+        params.max_new_tokens = 1024;
+    }
+    let logprobs = map.get("logprobs").is_some_and(|l| l == &Value::Bool(true));
+    let messages = map.remove("messages").filter(Value::is_array).ok_or("messages: a list")?;
+    Ok((messages, params, n, logprobs))
+}
+
 pub(super) async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    let parsed = object(&body).and_then(|map| {
-        if map.get("echo").is_some_and(|e| e == &Value::Bool(true)) {
-            return Err("echo: the prompt is not repeated here; leave it out".into());
-        }
-        let prompts = completion_prompts(map.get("prompt"))?;
-        let (params, n) = sampling(&map, shared.seed, &["max_tokens"])?;
-        let logprobs = map.get("logprobs").is_some_and(|l| !l.is_null() && l != &json!(false));
-        Ok((prompts, params, n, logprobs))
-    });
-    let (prompts, params, n, logprobs) = match parsed {
+    let (prompts, params, n, logprobs) = match completion_request(&body, shared.seed) {
         Ok(p) => p,
         Err(message) => return bad_request(message),
     };
@@ -173,19 +196,12 @@ pub(super) async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) 
 }
 
 pub(super) async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    let parsed = object(&body).and_then(|map| {
-        let messages = map.get("messages").filter(|m| m.is_array()).ok_or("messages: a list")?;
+    let parsed = chat_request(&body, shared.seed).and_then(|(messages, params, n, logprobs)| {
         let tok = shared.tokenizer.as_ref().ok_or("the server has no tokenizer")?;
         if !tok.has_chat_template() {
             return Err("messages: the checkpoint's tokenizer has no chat template".into());
         }
-        let tokens = tok.encode_prompt(messages, true).map_err(|e| format!("messages: {e}"))?;
-        let keys = ["max_tokens", "max_completion_tokens"];
-        let (mut params, n) = sampling(&map, shared.seed, &keys)?;
-        if !keys.iter().any(|k| map.contains_key(*k)) {
-            params.max_new_tokens = 1024;
-        }
-        let logprobs = map.get("logprobs").is_some_and(|l| l == &Value::Bool(true));
+        let tokens = tok.encode_prompt(&messages, true).map_err(|e| format!("messages: {e}"))?;
         Ok((Sample { tokens, ..Sample::default() }, params, n, logprobs))
     });
     let (prompt, params, n, logprobs) = match parsed {

@@ -427,26 +427,73 @@ impl PythonReward {
 
     /// One sample's reward from its protocol result.
     fn decode(&self, item: &Value) -> Result<RewardValue, RewardError> {
-        match (item.get("reward"), item.get("error")) {
-            (Some(Value::Number(n)), _) => n.as_f64().map(RewardValue::Scalar).ok_or_else(|| {
-                RewardError::new(format!("python reward {}: {n} is not a number", self.label))
+        decode_result(&self.label, item)
+    }
+}
+
+/// What a line of the worker's output says about request `id`.
+#[derive(Debug)]
+enum Answer {
+    /// About another (an abandoned) request.
+    Other,
+    /// A sample of it finished: the timeout starts again.
+    Progress,
+    Done(Reply),
+}
+
+/// Reads one line of the worker's output while request `id` of `n` samples (`samples`, in
+/// words) is out; a line that is not the protocol's is a [`Failure::Protocol`].
+fn read_answer(line: &str, id: u64, n: usize, samples: &str) -> Result<Answer, Failure> {
+    let answer: Value = serde_json::from_str(line).map_err(|_| {
+        Failure::Protocol(format!("the worker wrote a line that is not protocol JSON: {line}"))
+    })?;
+    if answer.get("id").and_then(Value::as_u64) != Some(id) {
+        return Ok(Answer::Other);
+    }
+    if answer.get("progress").is_some() {
+        return Ok(Answer::Progress);
+    }
+    match (answer.get("results"), answer.get("error")) {
+        (Some(Value::Array(items)), _) if items.len() == n => {
+            Ok(Answer::Done(Reply::Results(items.clone())))
+        }
+        (_, Some(Value::String(message))) => Ok(Answer::Done(Reply::Error(message.clone()))),
+        _ => Err(Failure::Protocol(format!(
+            "the worker's answer to a batch of {samples} is not one result per sample: {line}"
+        ))),
+    }
+}
+
+/// One sample's result in a worker's answer (`{"reward": x}`, `{"reward": {name: x}}` or
+/// `{"error": message}`) as a reward of the reward labelled `label`.
+fn decode_result(label: &str, item: &Value) -> Result<RewardValue, RewardError> {
+    match (item.get("reward"), item.get("error")) {
+        (Some(Value::Number(n)), _) => n
+            .as_f64()
+            .map(RewardValue::Scalar)
+            .ok_or_else(|| RewardError::new(format!("python reward {label}: {n} is not a number"))),
+        (Some(Value::Object(map)), _) => map
+            .iter()
+            .map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
+            .collect::<Option<_>>()
+            .map(RewardValue::Named)
+            .ok_or_else(|| {
+                RewardError::new(format!("python reward {label}: bad named reward {item}"))
             }),
-            (Some(Value::Object(map)), _) => map
-                .iter()
-                .map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
-                .collect::<Option<_>>()
-                .map(RewardValue::Named)
-                .ok_or_else(|| {
-                    RewardError::new(format!(
-                        "python reward {}: bad named reward {item}",
-                        self.label
-                    ))
-                }),
-            (_, Some(Value::String(message))) => Err(RewardError::new(message.clone())),
-            _ => Err(RewardError::new(format!(
-                "python reward {}: the worker answered {item}, not a result",
-                self.label
-            ))),
+        (_, Some(Value::String(message))) => Err(RewardError::new(message.clone())),
+        _ => Err(RewardError::new(format!(
+            "python reward {label}: the worker answered {item}, not a result"
+        ))),
+    }
+}
+
+/// The fuzzing harness's way in (`fuzz/`): one line of a worker's output, read as the answer
+/// to request 7 of 2 samples, and its results decoded; errors are the expected outcome.
+#[doc(hidden)]
+pub fn fuzz_worker_line(line: &str) {
+    if let Ok(Answer::Done(Reply::Results(items))) = read_answer(line, 7, 2, "2 samples") {
+        for item in &items {
+            let _ = decode_result("fuzz", item);
         }
     }
 }
@@ -532,6 +579,7 @@ impl std::fmt::Display for Failure {
 }
 
 /// The worker's answer to a request.
+#[derive(Debug)]
 enum Reply {
     /// One result object per sample.
     Results(Vec<Value>),
@@ -613,29 +661,10 @@ impl Worker {
                     return Err(self.exited(&format!("while scoring a batch of {samples}")));
                 }
             };
-            let answer: Value = serde_json::from_str(&line).map_err(|_| {
-                Failure::Protocol(format!(
-                    "the worker wrote a line that is not protocol JSON: {line}"
-                ))
-            })?;
-            if answer.get("id").and_then(Value::as_u64) != Some(id) {
-                continue; // An answer to an earlier request, abandoned.
-            }
-            if answer.get("progress").is_some() {
-                deadline = Instant::now() + timeout;
-                continue;
-            }
-            match (answer.get("results"), answer.get("error")) {
-                (Some(Value::Array(items)), _) if items.len() == n => {
-                    return Ok(Reply::Results(items.clone()));
-                }
-                (_, Some(Value::String(message))) => return Ok(Reply::Error(message.clone())),
-                _ => {
-                    return Err(Failure::Protocol(format!(
-                        "the worker's answer to a batch of {samples} is not one result per sample: \
-                         {line}"
-                    )));
-                }
+            match read_answer(&line, id, n, &samples)? {
+                Answer::Other => {}
+                Answer::Progress => deadline = Instant::now() + timeout,
+                Answer::Done(reply) => return Ok(reply),
             }
         }
     }
