@@ -53,11 +53,14 @@
 //! # Failures
 //!
 //! A worker that exits, writes something that is not protocol, or finishes no sample for
-//! `timeout_secs` (a group function: the whole group) is killed and started again after a
-//! backoff that doubles from `backoff_ms`, and the request is sent again. After `max_restarts`
-//! restarts in a row without a successful request, scoring stops: this and every later call
-//! fail all their samples with an error naming the file, the last failure and the worker's last
-//! stderr lines. Problems found when the reward starts (no such file, a syntax error, no such
+//! `timeout_secs` (a group function: the whole group) is killed with every process it started
+//! (the worker leads a process group of its own) and started again after a backoff that doubles
+//! from `backoff_ms`. A failed batch is then split in halves, each sent on its own, so that a
+//! sample that crashes the worker is found by bisection and fails alone; a single sample (or a
+//! group, which cannot be split) is sent once more, and fails alone if the worker fails on it
+//! again. After `max_restarts` restarts in a row without a successful request, scoring stops:
+//! this and every later call fail all their samples with an error naming the file, the last
+//! failure and the worker's last stderr lines. Problems found when the reward starts (no such file, a syntax error, no such
 //! function, no `python3`) are returned by [`PythonReward::start`] and stop the run before it
 //! begins.
 
@@ -303,7 +306,10 @@ impl PythonReward {
 
     /// Starts a worker and waits for its ready line.
     fn spawn(&self) -> Result<(Worker, WorkerInfo), Failure> {
-        let mut child = Command::new(&self.python)
+        let mut command = Command::new(&self.python);
+        // A group of its own: killing the worker kills whatever it started too.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        let mut child = command
             .arg("-u")
             .arg(self.helper_dir.join("python_worker.py"))
             .arg(&self.file)
@@ -345,15 +351,25 @@ impl PythonReward {
         }
     }
 
-    /// Scores `samples` in one request, restarting the worker as needed.
+    /// Scores `samples`, restarting the worker as needed (see the module docs, Failures).
     fn run(&self, samples: &[Sample]) -> Vec<Result<RewardValue, RewardError>> {
         if samples.is_empty() {
             return Vec::new();
         }
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        self.run_locked(&mut state, samples, false)
+    }
+
+    /// [`Self::run`] with the state held; `again` when `samples` already failed once alone.
+    fn run_locked(
+        &self,
+        state: &mut State,
+        samples: &[Sample],
+        again: bool,
+    ) -> Vec<Result<RewardValue, RewardError>> {
         let all_failed = |message: &str| -> Vec<Result<RewardValue, RewardError>> {
             samples.iter().map(|_| Err(RewardError::new(message))).collect()
         };
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(reason) = &state.stopped {
             return all_failed(reason);
         }
@@ -364,49 +380,68 @@ impl PythonReward {
             "group": self.config.group,
             "samples": samples.iter().map(sample_payload).collect::<Vec<_>>(),
         });
-        loop {
-            let attempt = match state.worker.as_mut() {
-                Some(worker) => worker.call(id, &request, samples.len(), self.config.timeout),
-                None => match self.spawn() {
-                    Ok((worker, _)) => {
-                        state.worker = Some(worker);
-                        continue;
-                    }
-                    Err(failure) => Err(failure),
-                },
-            };
-            let failure = match attempt {
-                Ok(Reply::Results(items)) => {
-                    state.failures_in_a_row = 0;
-                    return items.iter().map(|item| self.decode(item)).collect();
-                }
-                Ok(Reply::Error(message)) => {
-                    state.failures_in_a_row = 0;
-                    return all_failed(&message);
-                }
-                Err(failure) => failure,
-            };
-            if let Some(mut worker) = state.worker.take() {
+        let worker = match state.worker.take() {
+            Some(worker) => Ok(worker),
+            None => self.spawn().map(|(worker, _)| worker),
+        };
+        let attempt = worker.and_then(|mut worker| {
+            let reply = worker.call(id, &request, samples.len(), self.config.timeout);
+            if reply.is_ok() {
+                state.worker = Some(worker);
+            } else {
                 worker.kill();
             }
-            state.failures_in_a_row += 1;
-            let failures = state.failures_in_a_row;
-            if failures > self.config.max_restarts {
-                let reason = self.stop_reason(failures, &failure);
-                eprintln!("[rm {}] {reason}", self.label);
-                state.stopped = Some(reason.clone());
-                return all_failed(&reason);
+            reply
+        });
+        let failure = match attempt {
+            Ok(Reply::Results(items)) => {
+                state.failures_in_a_row = 0;
+                return items.iter().map(|item| self.decode(item)).collect();
             }
-            let wait =
-                self.config.backoff.saturating_mul(1 << (failures - 1).min(16)).min(MAX_BACKOFF);
-            eprintln!(
-                "[rm {}] {failure}; restarting the worker in {:.1}s (restart {failures} of at most \
-                 {})",
-                self.label,
-                wait.as_secs_f64(),
-                self.config.max_restarts
+            Ok(Reply::Error(message)) => {
+                state.failures_in_a_row = 0;
+                return all_failed(&message);
+            }
+            Err(failure) => failure,
+        };
+        state.failures_in_a_row += 1;
+        let failures = state.failures_in_a_row;
+        if failures > self.config.max_restarts {
+            let reason = self.stop_reason(failures, &failure);
+            eprintln!("[rm {}] {reason}", self.label);
+            state.stopped = Some(reason.clone());
+            return all_failed(&reason);
+        }
+        if again {
+            // The worker failed on these samples twice: they fail alone, scoring goes on.
+            let message = format!(
+                "python reward {}: the worker failed twice on this sample: {failure}",
+                self.label
             );
-            std::thread::sleep(wait);
+            eprintln!("[rm {}] {message}", self.label);
+            return all_failed(&message);
+        }
+        let wait = self.config.backoff.saturating_mul(1 << (failures - 1).min(16)).min(MAX_BACKOFF);
+        let next = if samples.len() > 1 && !self.config.group {
+            "scoring each half of the batch on its own"
+        } else {
+            "trying again"
+        };
+        eprintln!(
+            "[rm {}] {failure}; restarting the worker in {:.1}s (restart {failures} of at most \
+             {}), {next}",
+            self.label,
+            wait.as_secs_f64(),
+            self.config.max_restarts
+        );
+        std::thread::sleep(wait);
+        if samples.len() > 1 && !self.config.group {
+            let (first, second) = samples.split_at(samples.len() / 2);
+            let mut results = self.run_locked(state, first, false);
+            results.extend(self.run_locked(state, second, false));
+            results
+        } else {
+            self.run_locked(state, samples, true)
         }
     }
 
@@ -672,6 +707,8 @@ impl Worker {
     /// The failure of a worker whose stdout closed: it exited (or is about to).
     fn exited(&mut self, when: &str) -> Failure {
         let status = wait_for_exit(&mut self.child, EXIT_GRACE);
+        // What it started may hold its stderr open.
+        kill_group(&self.child);
         self.drain_stderr();
         Failure::Exited(match status {
             Some(status) => format!("the worker exited ({status}) {when}"),
@@ -687,17 +724,31 @@ impl Worker {
 
     fn kill(&mut self) {
         self.requests = None;
+        kill_group(&self.child);
         let _ = self.child.kill();
         let _ = self.child.wait();
         self.drain_stderr();
     }
 
-    /// Closes the worker's stdin, which asks it to exit; kills it if it does not.
+    /// Closes the worker's stdin, which asks it to exit; kills it if it does not, and what it
+    /// left running either way.
     fn shut_down(mut self) {
         self.requests = None;
         if wait_for_exit(&mut self.child, EXIT_GRACE).is_none() {
             self.kill();
         }
+        kill_group(&self.child);
+    }
+}
+
+/// SIGKILLs the worker's process group: the worker and every process it started that did not
+/// leave the group. (Once the worker is reaped, its id stays reserved while the group has a
+/// member, so a leftover group is still the worker's.)
+fn kill_group(child: &Child) {
+    let Ok(id) = i32::try_from(child.id()) else { return };
+    // SAFETY: kill(2) with a negative id signals that process group; no memory is involved.
+    unsafe {
+        libc::kill(-id, libc::SIGKILL);
     }
 }
 
@@ -710,6 +761,7 @@ fn wait_for_exit(child: &mut Child, grace: Duration) -> Option<ExitStatus> {
             Ok(Some(status)) => return Some(status),
             Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(5)),
             _ => {
+                kill_group(child);
                 let _ = child.kill();
                 let _ = child.wait();
                 return None;

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import subprocess
 import sys
 import time
 
@@ -67,6 +68,19 @@ def always_crash(sample):
         print(f"about to crash on sample {sample.index}", file=sys.stderr)
         os._exit(7)
     return 1.0
+
+
+def crash_every_time(sample):
+    print(f"crashing on sample {sample.index}", file=sys.stderr)
+    os._exit(9)
+
+
+def spawn_and_crash(sample):
+    # A process the worker starts (a sandbox, a tool), left behind when the worker dies.
+    child = subprocess.Popen(["sleep", "300"])
+    with open(sample.metadata["pidfile"], "w") as f:
+        f.write(str(child.pid))
+    os._exit(5)
 
 
 def hang_once(sample):

@@ -197,23 +197,48 @@ fn a_crashed_worker_is_restarted_and_the_batch_retried() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A sample that crashes the worker is found by bisecting its batch and fails alone; the
+/// others score and scoring goes on.
+#[test]
+fn a_sample_that_crashes_the_worker_is_found_by_bisection_and_fails_alone() {
+    if !python_available() {
+        return;
+    }
+    let rm = start("always_crash", json!({"backoff_ms": 1, "max_restarts": 2}));
+    let texts = ["a", "b", "c", "d", "e", "CRASH", "f", "g"];
+    let results = rm.score_group(&responses(&texts));
+    for (text, r) in texts.iter().zip(&results) {
+        if *text != "CRASH" {
+            assert_eq!(*r, Ok(RewardValue::Scalar(1.0)), "{text}: {results:?}");
+            continue;
+        }
+        let err = error(r);
+        let file = rewards_py().display().to_string();
+        assert!(err.contains(&format!("python reward {file}:always_crash")), "{err}");
+        assert!(err.contains("the worker failed twice on this sample"), "{err}");
+        assert!(err.contains("exit status: 7"), "{err}");
+    }
+    assert_eq!(rm.fatal(), None);
+    assert_eq!(rm.score(&sample(0, "a", "2")), Ok(RewardValue::Scalar(1.0)));
+}
+
 #[test]
 fn repeated_crashes_stop_scoring_with_an_error_naming_the_file_and_stderr() {
     if !python_available() {
         return;
     }
-    let rm = start("always_crash", json!({"backoff_ms": 1, "max_restarts": 2}));
+    let rm = start("crash_every_time", json!({"backoff_ms": 1, "max_restarts": 2}));
     assert_eq!(rm.fatal(), None);
-    let results = rm.score_group(&responses(&["a", "CRASH"]));
+    let results = rm.score_group(&responses(&["a", "b"]));
     // The run stops here (Reward::fatal), rather than training on failed samples.
     assert!(rm.fatal().is_some_and(|why| why.contains("scoring stopped")));
     let file = rewards_py().display().to_string();
     for r in &results {
         let err = error(r);
-        assert!(err.contains(&format!("python reward {file}:always_crash")), "{err}");
+        assert!(err.contains(&format!("python reward {file}:crash_every_time")), "{err}");
         assert!(err.contains("scoring stopped after 3 failed attempts in a row"), "{err}");
-        assert!(err.contains("exit status: 7"), "{err}");
-        assert!(err.contains("about to crash on sample 1"), "{err}");
+        assert!(err.contains("exit status: 9"), "{err}");
+        assert!(err.contains("crashing on sample"), "{err}");
     }
     // Scoring has stopped: later calls fail at once, even for samples that would score.
     let started = Instant::now();
@@ -221,6 +246,32 @@ fn repeated_crashes_stop_scoring_with_an_error_naming_the_file_and_stderr() {
     assert!(error(&later).contains("scoring stopped"), "{later:?}");
     assert!(started.elapsed() < Duration::from_millis(100));
     assert_eq!(rm.worker_pid(), None);
+}
+
+/// A process the reward function started dies with its worker (the worker's process group).
+#[test]
+fn a_dead_workers_children_are_killed_with_it() {
+    if !python_available() {
+        return;
+    }
+    let dir = scratch("orphans");
+    let pidfile = dir.join("pid");
+    let rm = start("spawn_and_crash", json!({"backoff_ms": 1, "max_restarts": 3}));
+    let mut s = sample(0, "a", "2");
+    s.metadata = json!({"pidfile": pidfile.to_string_lossy()});
+    assert!(rm.score(&s).is_err());
+    let pid: u32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    // Dead: gone, or a zombie waiting for whoever adopted it.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let alive = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+    };
+    while alive() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!alive(), "the worker's child {pid} outlived it");
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
