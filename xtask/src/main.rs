@@ -323,7 +323,6 @@ fn fuzz(names: &[String], seconds: u64, runs: Option<u64>) -> Result {
     let exe = build_fuzzer()?;
     let root = workspace_root();
     let work = target_dir().join("fuzz");
-    let mut summary = Vec::new();
     for &(target, fixtures) in FUZZ_TARGETS {
         if !names.is_empty() && !names.iter().any(|n| n == target) {
             continue;
@@ -390,13 +389,10 @@ fn fuzz(names: &[String], seconds: u64, runs: Option<u64>) -> Result {
             ));
         }
         let corpus_size = std::fs::read_dir(&corpus).map_or(0, |d| d.count());
-        summary.push(format!(
-            "{target}: {done} runs in {took:.0} s ({:.0} per s), corpus {corpus_size} inputs",
+        println!(
+            "fuzz {target}: {done} runs in {took:.0} s ({:.0} per s), corpus {corpus_size} inputs",
             done as f64 / took.max(1e-3)
-        ));
-    }
-    for line in &summary {
-        println!("fuzz {line}");
+        );
     }
     Ok(())
 }

@@ -169,6 +169,17 @@ impl Fields<'_> {
         self.opt_usize(key)?.ok_or_else(|| self.err(format!("missing field '{key}'")))
     }
 
+    /// `num_hidden_layers`, bounded before anything is made per layer.
+    fn layers(&self) -> Result<usize> {
+        let layers = self.usize("num_hidden_layers")?;
+        if layers > MAX_LAYERS {
+            return Err(self.err(format!(
+                "'num_hidden_layers' is {layers}; this loader accepts at most {MAX_LAYERS} layers"
+            )));
+        }
+        Ok(layers)
+    }
+
     fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
         match self.obj.get(key) {
             None | Some(Value::Null) => Ok(None),
@@ -221,7 +232,7 @@ impl Fields<'_> {
                     .into(),
             ));
         }
-        let layers = self.usize("num_hidden_layers")?;
+        let layers = self.layers()?;
         let sliding = match self.obj.get("layer_types") {
             Some(Value::Array(types)) => types
                 .iter()
@@ -496,7 +507,7 @@ impl ModelConfig {
             vocab_size: f.usize("vocab_size")?,
             hidden_size,
             intermediate_size: f.usize("intermediate_size")?,
-            num_hidden_layers: f.usize("num_hidden_layers")?,
+            num_hidden_layers: f.layers()?,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
@@ -871,6 +882,10 @@ fn check_compressed_tensors(q: &Value) -> std::result::Result<(), String> {
 /// The most parameters a config may describe: 2^44 (17.6 T, 26 times DeepSeek-V3's 671 B).
 const MAX_PARAMETERS: u128 = 1 << 44;
 
+/// The most layers a config may have (DeepSeek-V3 has 61, Llama 3.1 405B 126): per-layer
+/// settings are made before the sizes are checked, and must not be a vector of 10^13.
+const MAX_LAYERS: usize = 1 << 16;
+
 /// Whether `dir/config.json` describes an FP8 checkpoint (a `quantization_config` with
 /// `quant_method: fp8`; [`ModelConfig::from_file`] checks the rest of it).
 pub fn is_fp8_checkpoint(dir: &Path) -> Result<bool> {
@@ -1049,6 +1064,12 @@ mod tests {
         v["layer_types"] = json!(vec!["full_attention"; 28]);
         v["partial_rotary_factor"] = json!(1.0);
         ModelConfig::from_json(&v, p).unwrap();
+        // Found by fuzzing (fuzz/regressions/config-json): a Gemma config with 4.7·10^13
+        // layers made its per-layer list before any size was checked, and the allocation
+        // aborted the process.
+        let v = json!({"model_type": "gemma2", "num_hidden_layers": 47270157310813u64});
+        let e = err(v);
+        assert!(e.contains("'num_hidden_layers' is 47270157310813; this loader accepts at most"));
         for (q, want) in [
             (json!({"quant_method": "awq"}), "quant_method 'awq' is not supported"),
             (json!({"quant_method": "fp8", "fmt": "e5m2"}), "fmt \"e5m2\" is not supported"),
