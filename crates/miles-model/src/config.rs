@@ -169,7 +169,8 @@ impl Fields<'_> {
         self.opt_usize(key)?.ok_or_else(|| self.err(format!("missing field '{key}'")))
     }
 
-    /// `num_hidden_layers`, bounded before anything is made per layer.
+    /// `num_hidden_layers`, bounded, where something is made per layer before the sizes are
+    /// checked.
     fn layers(&self) -> Result<usize> {
         let layers = self.usize("num_hidden_layers")?;
         if layers > MAX_LAYERS {
@@ -507,7 +508,7 @@ impl ModelConfig {
             vocab_size: f.usize("vocab_size")?,
             hidden_size,
             intermediate_size: f.usize("intermediate_size")?,
-            num_hidden_layers: f.layers()?,
+            num_hidden_layers: f.usize("num_hidden_layers")?,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
@@ -883,8 +884,9 @@ fn check_compressed_tensors(q: &Value) -> std::result::Result<(), String> {
 const MAX_PARAMETERS: u128 = 1 << 44;
 
 /// The most layers a config may have (DeepSeek-V3 has 61, Llama 3.1 405B 126): per-layer
-/// settings are made before the sizes are checked, and must not be a vector of 10^13.
-const MAX_LAYERS: usize = 1 << 16;
+/// settings are made before the sizes are checked, and must not be a vector of 10^13. (Below
+/// this, a count the tensors do not hold is named against them, a clearer message.)
+const MAX_LAYERS: usize = 1 << 24;
 
 /// Whether `dir/config.json` describes an FP8 checkpoint (a `quantization_config` with
 /// `quant_method: fp8`; [`ModelConfig::from_file`] checks the rest of it).
