@@ -987,6 +987,39 @@ fn a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_the_run_resumes_e
     );
 }
 
+/// `--async-save`: a thread writes the checkpoints while training goes on; they are byte for
+/// byte the synchronous ones, and a save that fails is reported when the loop next waits for
+/// it (here at the end), stopping the run with the previous checkpoint the latest.
+#[test]
+fn async_saves_write_the_same_checkpoints_and_report_a_full_disk() {
+    let root = scratch("train_async_save");
+    let (sync, threaded, full) = (root.join("sync"), root.join("async"), root.join("full"));
+    let out = run_binary(&strs(&short_run(&sync, 4)), None);
+    assert!(out.status.success(), "{}", text(&out));
+    let mut args = short_run(&threaded, 4);
+    args.push("--async-save".into());
+    let out = run_binary(&strs(&args), None);
+    assert!(out.status.success(), "{}", text(&out));
+    for iteration in [2, 4] {
+        for file in
+            ["model.safetensors", "optimizer.safetensors", "ref.safetensors", "checksums.json"]
+        {
+            assert!(
+                checkpoint_file(&sync, iteration, file)
+                    == checkpoint_file(&threaded, iteration, file),
+                "iteration {iteration}: {file} differs with --async-save"
+            );
+        }
+    }
+    let mut args = short_run(&full, 4);
+    args.push("--async-save".into());
+    let out = run_binary(&strs(&args), Some("enospc-during-save:4"));
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("iteration 4: "), "{}", text(&out));
+    assert!(text(&out).contains("no space left on the device"), "{}", text(&out));
+    assert_eq!(latest(&full), "2");
+}
+
 #[test]
 fn a_nan_loss_skips_the_step_counts_it_and_the_run_goes_on() {
     let dir = scratch("train_nan_loss");

@@ -109,6 +109,12 @@ pub const FLAGS: &[Flag] = &[
         "A checkpoint save that fails (a full disk) is a warning and training goes on; \
          without it the run stops, the previous checkpoint still the latest.",
     ),
+    switch(
+        MODEL,
+        "async-save",
+        "Write checkpoints in a thread of their own while training goes on (the loop waits \
+         for the host copies only, and for the previous save before the next).",
+    ),
     optional(MODEL, "save-hf", Ty::Path, "Also write HF-format checkpoints here when saving."),
     value(
         MODEL,

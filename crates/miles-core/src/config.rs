@@ -239,6 +239,9 @@ pub struct RunConfig {
     /// A checkpoint save that fails (a full disk) is a warning and training goes on, instead
     /// of stopping the run.
     pub continue_on_save_error: bool,
+    /// Checkpoints are written by a thread of their own while training goes on (Megatron's
+    /// flag); the loop waits only for the host copies, and for the last save before the next.
+    pub async_save: bool,
     pub save_hf: Option<PathBuf>,
     pub seed: u64,
     /// Where the trainer's model runs (miles-rs).
@@ -457,6 +460,7 @@ impl Default for RunConfig {
             load: None,
             load_fallback: false,
             continue_on_save_error: false,
+            async_save: false,
             save_interval: None,
             save_hf: None,
             seed: 1234,

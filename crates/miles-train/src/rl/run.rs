@@ -53,6 +53,13 @@ pub(super) struct Run<'a> {
     pub(super) sync_dir: Option<std::path::PathBuf>,
 }
 
+/// A checkpoint that a thread of its own is writing (`--async-save`).
+pub(super) struct PendingSave {
+    iteration: usize,
+    dir: std::path::PathBuf,
+    thread: std::thread::JoinHandle<checkpoint::Result<std::path::PathBuf>>,
+}
+
 /// What the rollout that runs ahead (`--async`) needs, shared with the trainer's thread.
 struct Ahead<'a> {
     cfg: &'a RunConfig,
@@ -108,6 +115,7 @@ impl Run<'_> {
         actor.rollout().set_weight_version(state.iteration as u64);
         self.sync_remote(&actor)?;
         let mut final_eval = None;
+        let mut pending = None;
         if state.iteration == 0
             && let Some((_, eval)) = self.eval
         {
@@ -186,11 +194,12 @@ impl Run<'_> {
             }
             record.insert("perf/step_time".into(), json!(started.elapsed().as_secs_f64()));
             emit(&mut log, record)?;
-            self.save(&actor, &state)?;
+            self.save(&actor, &state, &mut pending)?;
             if self.faults.abort_after_rollout == Some(state.iteration) {
                 std::process::abort();
             }
         }
+        self.finish_save(pending.take())?;
         let weights = actor.weights()?;
         if let Some(dir) = self.cfg.save_hf.as_ref().filter(|_| self.root()) {
             let model = actor.model();
@@ -436,6 +445,20 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// Waits for the checkpoint a thread is writing (`--async-save`), and handles its failure
+    /// as a failed save.
+    pub(super) fn finish_save(&self, pending: Option<PendingSave>) -> anyhow::Result<()> {
+        let Some(PendingSave { iteration, dir, thread }) = pending else { return Ok(()) };
+        match thread.join() {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => self.save_failed(&dir, iteration, e),
+            Err(_) => anyhow::bail!(
+                "--save {}: the thread writing iteration {iteration} panicked",
+                dir.display()
+            ),
+        }
+    }
+
     /// A save that failed stops the run, saying which checkpoint stays the latest and how to
     /// go on; with `--continue-on-save-error` it is a warning and training goes on.
     fn save_failed(
@@ -465,39 +488,60 @@ impl Run<'_> {
     }
 
     /// A checkpoint when one is due (every `--save-interval` iterations, and the last); over
-    /// several processes rank 0 writes it and the others wait for it.
-    fn save(&self, actor: &Actor, state: &LoopState) -> anyhow::Result<()> {
+    /// several processes rank 0 writes it and the others wait for it. The host copies are
+    /// taken here; with `--async-save` a thread writes them while training goes on (one save
+    /// at a time: the last one is finished first, and at the end of the run).
+    fn save(
+        &self,
+        actor: &Actor,
+        state: &LoopState,
+        pending: &mut Option<PendingSave>,
+    ) -> anyhow::Result<()> {
         let due = self.cfg.save_interval.is_some_and(|k| state.iteration.is_multiple_of(k));
         if let Some(save_dir) = &self.cfg.save
             && self.root()
             && (due || state.iteration == self.total)
         {
-            let extra_ref;
-            let extra: &[(&str, &Weights)] = match self.reference {
-                Some(r) if !self.saved_ref.is_empty() => {
-                    extra_ref = [(REF_WEIGHTS, r.weights())];
-                    &extra_ref
-                }
-                _ => &[],
+            self.finish_save(pending.take())?;
+            let reference = match self.reference {
+                Some(r) if !self.saved_ref.is_empty() => Some(r.weights()),
+                _ => None,
             };
             let state_json = serde_json::to_value(state)?;
             let (weights, optimizer) = actor.checkpoint_parts()?;
             let draft = actor.draft_parts()?;
-            let saved = checkpoint::save(
-                save_dir,
-                state.iteration as u64,
-                &CheckpointRef {
-                    config: self.config,
+            let (config, tokenizer_dir) =
+                (self.config.clone(), self.tokenizer_dir.map(Path::to_path_buf));
+            let iteration = state.iteration;
+            let write = move |root: &Path, reference: Option<&Weights>| {
+                let extra_ref;
+                let extra: &[(&str, &Weights)] = match reference {
+                    Some(w) => {
+                        extra_ref = [(REF_WEIGHTS, w)];
+                        &extra_ref
+                    }
+                    None => &[],
+                };
+                let ckpt = CheckpointRef {
+                    config: &config,
                     weights: &weights,
                     optimizer: &optimizer,
                     state: &state_json,
-                    tokenizer_dir: self.tokenizer_dir,
+                    tokenizer_dir: tokenizer_dir.as_deref(),
                     extra,
                     draft: draft.as_ref(),
-                },
-            );
-            if let Err(e) = saved {
-                self.save_failed(save_dir, state.iteration, e)?;
+                };
+                checkpoint::save(root, iteration as u64, &ckpt)
+            };
+            if self.cfg.async_save {
+                let (root, reference) = (save_dir.clone(), reference.cloned());
+                let thread = std::thread::Builder::new()
+                    .name("miles-save".into())
+                    .spawn(move || write(&root, reference.as_ref()))
+                    .context("--async-save: cannot start the thread that writes checkpoints")?;
+                *pending = Some(PendingSave { iteration, dir: save_dir.clone(), thread });
+            } else if let Err(e) = write(save_dir, reference) {
+                self.save_failed(save_dir, iteration, e)?;
             }
         }
         if let Some(d) = self.dist {
