@@ -242,6 +242,20 @@ fn corrupt_and_truncated_ggufs_are_clear_errors() {
     );
 }
 
+/// Found by fuzzing (fuzz/regressions/gguf): metadata that describes a far larger model than
+/// the file's tensors hold made the weights (tens of GB) before any tensor was checked, and
+/// the allocation aborted. The tensors are now checked against the metadata first.
+#[test]
+fn metadata_larger_than_the_tensors_is_an_error_before_any_allocation() {
+    let mut bad = std::fs::read(fixture("tiny-qwen3.gguf")).unwrap();
+    let key = b"qwen3.block_count";
+    let at = find(&bad, key) + key.len();
+    assert_eq!(bad[at..at + 4], 4u32.to_le_bytes(), "a u32 value");
+    bad[at + 4..at + 8].copy_from_slice(&10_000_000u32.to_le_bytes());
+    let err = convert_err("huge_block_count", &bad);
+    assert!(err.contains("no tensor for model.layers.1."), "{err}");
+}
+
 #[test]
 fn missing_source_is_named() {
     let dir = scratch("gguf_missing");

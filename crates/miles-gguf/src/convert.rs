@@ -236,22 +236,30 @@ pub fn load_weights(g: &GgufFile, c: &ModelConfig) -> Result<Weights> {
             ),
         ));
     }
+    // Every tensor is there, of its shape, before the weights are made: the metadata's sizes
+    // are only believed once the file's tensors (bounded by its length) agree with them.
+    let tensors = spec
+        .iter()
+        .map(|(hf, shape)| {
+            let t = *by_hf.get(hf.as_str()).ok_or_else(|| {
+                unsupported(g, format!("no tensor for {hf} (its llama.cpp name is missing)"))
+            })?;
+            if t.shape() != *shape {
+                return Err(Error::Tensor {
+                    path: g.path.clone(),
+                    tensor: t.name.clone(),
+                    message: format!(
+                        "GGUF dims {:?} (shape {:?}) do not match {hf} {shape:?} from the metadata",
+                        t.dims,
+                        t.shape()
+                    ),
+                });
+            }
+            Ok(t)
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mut weights = Weights::zeros(c);
-    for ((hf, shape), slot) in spec.iter().zip(weights.tensors_mut()) {
-        let t = by_hf.get(hf.as_str()).ok_or_else(|| {
-            unsupported(g, format!("no tensor for {hf} (its llama.cpp name is missing)"))
-        })?;
-        if t.shape() != *shape {
-            return Err(Error::Tensor {
-                path: g.path.clone(),
-                tensor: t.name.clone(),
-                message: format!(
-                    "GGUF dims {:?} (shape {:?}) do not match {hf} {shape:?} from the metadata",
-                    t.dims,
-                    t.shape()
-                ),
-            });
-        }
+    for (((hf, shape), t), slot) in spec.iter().zip(tensors).zip(weights.tensors_mut()) {
         let mut data = g.dequantize(t)?;
         if c.architecture == Architecture::Llama {
             let heads = if hf.ends_with("q_proj.weight") {
