@@ -185,8 +185,8 @@ extern "C" __global__ void int4_quantize_pack(int* words, float* scales, const f
     }
 }
 
-// Up to 16 rows (one warp) or up to 64 (four warps), 16 or 64 columns a block. Requires k and
-// group multiples of 32, group dividing k (the host checks).
+// Up to 16 rows (one warp) or up to 64 (four warps), 16 columns a block. Requires k and group
+// multiples of 32, group dividing k (the host checks).
 #define INT4_ROWS_GEMM(NAME, MT, BN, STAGES)                                                   \
     extern "C" __global__ void __launch_bounds__(MT * 32)                                     \
         NAME(miles::bf16* c, const miles::bf16* a, const int* words, const float* scales,       \
@@ -196,9 +196,7 @@ extern "C" __global__ void int4_quantize_pack(int* words, float* scales, const f
                                        m, n, k, group);                                         \
     }
 INT4_ROWS_GEMM(int4_rows_gemm_m16_n16, 1, 16, 16)
-INT4_ROWS_GEMM(int4_rows_gemm_m16_n64, 1, 64, 16)
 INT4_ROWS_GEMM(int4_rows_gemm_m64_n16, 4, 16, 8)
-INT4_ROWS_GEMM(int4_rows_gemm_m64_n64, 4, 64, 8)
 
 // A mixture of experts' W4A16 products (ops::int4_grouped_linear): out[s] = x[row(s)] · W_eᵀ
 // for the rows s of expert e, row(s) = rows[s] (use_rows) or s, W_e packed at words[e],

@@ -89,14 +89,14 @@ pub(crate) fn rows_gemm(
     if m == 0 || n == 0 {
         return Ok(c);
     }
-    // (kernel, warps, columns a block, stages) of int4.cu's instances: 16-column blocks while
-    // they give every multiprocessor a few, else 64.
-    let wide = n >= 64 * 264;
-    let (kernel, warps, bn, stages) = match (m <= 16, wide) {
-        (true, false) => ("int4_rows_gemm_m16_n16", 1u32, 16u32, 16u32),
-        (true, true) => ("int4_rows_gemm_m16_n64", 1, 64, 16),
-        (false, false) => ("int4_rows_gemm_m64_n16", 4, 16, 8),
-        (false, true) => ("int4_rows_gemm_m64_n64", 4, 64, 8),
+    // (kernel, warps, columns a block, stages) of int4.cu's instances. Always 16 columns a
+    // block: a block dequantizes its columns' weights at every k step, and with 64 columns one
+    // warp did four times the work a step (Qwen3-8B's gate/up product, n = 24,576, was on the
+    // 64-column path; the W4A16 step measured 5× bf16's, BENCHMARKS.md).
+    let (kernel, warps, bn, stages) = if m <= 16 {
+        ("int4_rows_gemm_m16_n16", 1u32, 16u32, 16u32)
+    } else {
+        ("int4_rows_gemm_m64_n16", 4, 16, 8)
     };
     let cfg = rows_launch(gpu, kernel, (warps, bn, stages), (n as u32).div_ceil(bn), 1)?;
     let (m, n, k, group) = (m as i32, n as i32, k as i32, group as i32);
