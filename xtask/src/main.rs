@@ -312,6 +312,22 @@ fn files_ending(dir: &Path, suffix: &str) -> Vec<PathBuf> {
     out
 }
 
+/// Removes the scratch directories the harnesses write their file inputs to
+/// (`miles-fuzz-<pid>` in /dev/shm or the temp directory; fuzz/src/main.rs) of processes that
+/// have ended (a fuzzer running beside this one keeps its own).
+fn remove_fuzz_scratch() {
+    for base in [PathBuf::from("/dev/shm"), std::env::temp_dir()] {
+        let Ok(entries) = std::fs::read_dir(&base) else { continue };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(pid) = name.strip_prefix("miles-fuzz-") else { continue };
+            if !Path::new("/proc").join(pid).exists() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+}
+
 /// `cargo xtask fuzz`: see [`Task::Fuzz`].
 fn fuzz(names: &[String], seconds: u64, runs: Option<u64>) -> Result {
     let all: Vec<&str> = FUZZ_TARGETS.iter().map(|(t, _)| *t).collect();
@@ -376,6 +392,7 @@ fn fuzz(names: &[String], seconds: u64, runs: Option<u64>) -> Result {
                 })
                 .unwrap_or(0)
         };
+        remove_fuzz_scratch();
         let done = stat("stat::number_of_executed_units");
         let took = started.elapsed().as_secs_f64();
         if !out.status.success() {
