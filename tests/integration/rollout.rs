@@ -661,7 +661,7 @@ fn a_serving_engine_batches_requests_as_they_come() {
             let p = p.clone();
             scope.spawn(move || {
                 let reply = Box::new(move |r| done_tx.send(r).unwrap());
-                let request = miles_rollout::Request { group, params: p, reply };
+                let request = miles_rollout::Request { group, params: p, reply, rid: None };
                 tx.send(miles_rollout::Job::Generate(request)).unwrap();
             });
         }
@@ -669,7 +669,7 @@ fn a_serving_engine_batches_requests_as_they_come() {
             let done_tx = done_tx.clone();
             let reply = Box::new(move |r| done_tx.send(r).unwrap());
             let group = vec![prompt.clone()];
-            let request = miles_rollout::Request { group, params: other, reply };
+            let request = miles_rollout::Request { group, params: other, reply, rid: None };
             tx.send(miles_rollout::Job::Generate(request)).unwrap();
         }
         drop((tx, done_tx));
@@ -690,6 +690,50 @@ fn a_serving_engine_batches_requests_as_they_come() {
     let numbered: Vec<Vec<Sample>> =
         served.iter().map(|g| vec![Sample { index: g[0].index, ..prompt.clone() }]).collect();
     assert_eq!(results(&served), results(&e.generate(numbered, &p).unwrap()));
+}
+
+/// `Job::Abort` (SGLang's `/abort_request`): a running request named by its `rid` ends at
+/// once, `Aborted`, its blocks freed; a queued one (other sampling parameters) goes back
+/// `Aborted` without running; the others are served as `generate` serves them, bit for bit.
+#[test]
+fn a_serving_engine_aborts_requests_by_name() {
+    use miles_rollout::{Job, Request};
+    let m = model(Architecture::Qwen3, 17);
+    let p = params(12);
+    let mut e = engine(&m, EngineConfig { max_running: 4, ..EngineConfig::default() });
+    let prompt = groups_of(1, &[7], 6).concat().remove(0);
+    let (tx, rx) = std::sync::mpsc::channel::<Job>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let request = |rid: &str, params: &SamplingParams| {
+        let (done_tx, name) = (done_tx.clone(), rid.to_string());
+        let reply = Box::new(move |r| done_tx.send((name, r)).unwrap());
+        let group = vec![prompt.clone(), prompt.clone()];
+        Job::Generate(Request { group, params: params.clone(), reply, rid: Some(rid.into()) })
+    };
+    // All queued before the engine starts: "running" is taken first, with "kept"; the
+    // abort reaches the engine at its first intake, before any step.
+    tx.send(request("running", &p)).unwrap();
+    tx.send(request("kept", &p)).unwrap();
+    tx.send(request("queued", &params(5))).unwrap();
+    tx.send(Job::Abort { rid: "running".into() }).unwrap();
+    tx.send(Job::Abort { rid: "queued".into() }).unwrap();
+    tx.send(Job::Abort { rid: "nobody".into() }).unwrap();
+    drop((tx, done_tx));
+    e.engine.serve(&mut e.model, &rx).unwrap();
+    let answers: std::collections::HashMap<String, Vec<Sample>> =
+        done_rx.iter().map(|(rid, r)| (rid, r.unwrap())).collect();
+    assert_eq!(answers.len(), 3);
+    for rid in ["running", "queued"] {
+        let samples = &answers[rid];
+        assert!(samples.iter().all(|s| s.status == Status::Aborted), "{rid}: {samples:?}");
+        assert!(samples.iter().all(|s| s.response_length == 0), "{rid}");
+    }
+    let kept = &answers["kept"];
+    assert!(kept.iter().all(|s| s.status != Status::Aborted && s.response_length > 0));
+    let numbered: Vec<Vec<Sample>> =
+        vec![kept.iter().map(|s| Sample { index: s.index, ..prompt.clone() }).collect()];
+    assert_eq!(results(std::slice::from_ref(kept)), results(&e.generate(numbered, &p).unwrap()));
+    assert_eq!(e.engine.stats().aborted, 2);
 }
 
 /// Regressions found in review: the sequence cap holds for groups, duplicate indices and empty

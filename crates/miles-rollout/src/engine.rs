@@ -82,7 +82,8 @@ pub struct EngineStats {
     /// Most sequences in one step.
     pub peak_running: usize,
     pub skipped_prompts: usize,
-    /// Samples ended unfinished because a caller aborted the call ([`Flow::Abort`]).
+    /// Samples ended unfinished because a caller aborted the call ([`Flow::Abort`]) or their
+    /// request ([`Job::Abort`]).
     pub aborted: usize,
     /// Most KV blocks in use at once, out of `total_blocks`.
     pub peak_blocks: usize,
@@ -341,25 +342,30 @@ impl Engine {
         }
         let eos = if params.ignore_eos { Vec::new() } else { self.eos_ids() };
         let run = Run::new(self, groups, params, &eos)?;
-        self.drive((model, draft), run, (params, &eos), progress, &mut |_| None)
+        self.drive((model, draft), run, (params, &eos), progress, &mut |_, _| None)
     }
 
     /// The steps of a call until every sample is final: before each, `intake` may add groups
-    /// (`idle`: none is left to generate; then `None` ends the call).
+    /// (`idle`: none is left to generate; then `None` ends the call) and name groups to abort.
     fn drive(
         &mut self,
         (model, draft): (&DeviceModel, Option<&DeviceModel>),
         mut run: Run,
         (params, eos): (&SamplingParams, &[u32]),
         progress: &mut dyn FnMut(Progress<'_>) -> Flow,
-        intake: &mut dyn FnMut(bool) -> Option<Vec<Vec<Sample>>>,
+        intake: &mut Intake<'_>,
     ) -> crate::Result<Vec<Vec<Sample>>> {
         let start = Instant::now();
         let preempted_before = self.stats.preemptions;
         let mut admissions = 0u64;
+        let mut aborts = Vec::new();
         loop {
-            if let Some(groups) = intake(run.remaining == 0) {
+            if let Some(groups) = intake(run.remaining == 0, &mut aborts) {
                 run.add(self, groups, params, eos)?;
+            }
+            if !aborts.is_empty() {
+                self.stats.aborted += run.abort_groups(self, &aborts);
+                aborts.clear();
             }
             if run.remaining == 0 {
                 break;
@@ -679,6 +685,10 @@ fn record_routes(
     }
 }
 
+/// Before each step of a call: given whether nothing is left to generate, the groups to add
+/// (`None` then ends the call), and the indices of groups to abort pushed onto the list.
+type Intake<'a> = dyn FnMut(bool, &mut Vec<usize>) -> Option<Vec<Vec<Sample>>> + 'a;
+
 /// A request to a serving engine ([`Engine::serve`]): one prompt's samples, how to sample
 /// them, and where they go back.
 pub struct Request {
@@ -688,6 +698,8 @@ pub struct Request {
     pub params: SamplingParams,
     /// Called once with the samples, final, or the reason they could not be.
     pub reply: Reply,
+    /// The caller's name for the request (SGLang's `rid`), by which [`Job::Abort`] finds it.
+    pub rid: Option<String>,
 }
 
 /// Where a request's result goes.
@@ -703,6 +715,13 @@ pub enum Job {
         dir: std::path::PathBuf,
         reply: Box<dyn FnOnce(crate::Result<u64>) + Send>,
     },
+    /// Ends the request named `rid` (SGLang's `/abort_request`): running, its samples stop
+    /// where they are, `Aborted`, their blocks freed, and go back with the tokens and
+    /// logprobs generated so far; still queued, they go back `Aborted` with none. A name no
+    /// request has (one already answered) is ignored.
+    Abort {
+        rid: String,
+    },
 }
 
 /// The requests of a serving call with the running ones' sampling parameters, numbered, with
@@ -711,7 +730,7 @@ fn take_requests(
     queue: &mut VecDeque<Job>,
     params: &SamplingParams,
     next_index: &mut usize,
-    replies: &std::cell::RefCell<Vec<Option<Reply>>>,
+    (replies, rids): (&std::cell::RefCell<Vec<Option<Reply>>>, &mut Vec<Option<String>>),
 ) -> Vec<Vec<Sample>> {
     // (Not past new weights: what comes after them waits for them.)
     let before = queue.iter().position(|j| matches!(j, Job::LoadWeights { .. }));
@@ -727,6 +746,7 @@ fn take_requests(
     same.into_iter()
         .map(|r| {
             replies.borrow_mut().push(Some(r.reply));
+            rids.push(r.rid);
             let mut group = r.group;
             for s in &mut group {
                 (s.index, *next_index) = (*next_index, *next_index + 1);
@@ -734,6 +754,17 @@ fn take_requests(
             group
         })
         .collect()
+}
+
+/// Answers the queued request named `rid`, if any, with its samples `Aborted` and ungenerated;
+/// whether there was one.
+fn abort_queued(queue: &mut VecDeque<Job>, rid: &str) -> bool {
+    let named = |j: &Job| matches!(j, Job::Generate(r) if r.rid.as_deref() == Some(rid));
+    let Some(at) = queue.iter().position(named) else { return false };
+    let Some(Job::Generate(r)) = queue.remove(at) else { unreachable!("found above") };
+    let group = r.group.into_iter().map(|s| Sample { status: Status::Aborted, ..s }).collect();
+    (r.reply)(Ok(group));
+    true
 }
 
 impl Engine {
@@ -763,6 +794,10 @@ impl Engine {
                     reply(self.load_weights(model, &dir));
                     continue;
                 }
+                Job::Abort { rid } => {
+                    abort_queued(&mut queue, &rid);
+                    continue;
+                }
                 Job::Generate(r) => {
                     let params = r.params.clone();
                     queue.push_front(Job::Generate(r));
@@ -777,7 +812,9 @@ impl Engine {
             }
             let eos = if params.ignore_eos { Vec::new() } else { self.eos_ids() };
             let replies = std::cell::RefCell::new(Vec::new());
-            let first = take_requests(&mut queue, &params, &mut next_index, &replies);
+            // The running groups' request names, by group.
+            let mut rids = Vec::new();
+            let first = take_requests(&mut queue, &params, &mut next_index, (&replies, &mut rids));
             let served = Run::new(self, first, &params, &eos).and_then(|run| {
                 let mut done = |p: Progress<'_>| {
                     for (g, samples) in p.groups_done {
@@ -788,9 +825,21 @@ impl Engine {
                     }
                     Flow::Continue
                 };
-                let mut intake = |_idle: bool| {
-                    queue.extend(requests.try_iter());
-                    let groups = take_requests(&mut queue, &params, &mut next_index, &replies);
+                let mut intake = |_idle: bool, aborts: &mut Vec<usize>| {
+                    for job in requests.try_iter() {
+                        match job {
+                            Job::Abort { rid } => {
+                                let running = rids.iter().position(|r| r.as_deref() == Some(&rid));
+                                match running {
+                                    Some(g) => aborts.push(g),
+                                    None => _ = abort_queued(&mut queue, &rid),
+                                }
+                            }
+                            other => queue.push_back(other),
+                        }
+                    }
+                    let taken = (&replies, &mut rids);
+                    let groups = take_requests(&mut queue, &params, &mut next_index, taken);
                     (!groups.is_empty()).then_some(groups)
                 };
                 self.drive((model, None), run, (&params, &eos), &mut done, &mut intake)
@@ -805,6 +854,7 @@ impl Engine {
                     match job {
                         Job::Generate(r) => (r.reply)(Err(fail())),
                         Job::LoadWeights { reply, .. } => reply(Err(fail())),
+                        Job::Abort { .. } => {}
                     }
                 }
                 return Err(e);
@@ -959,6 +1009,38 @@ impl Run {
             total_blocks: self.blocks.num_used() + self.blocks.num_free(),
             groups_done: done.into_iter().map(|g| (g, self.out[g].as_slice())).collect(),
         }
+    }
+
+    /// Ends the sequences of `groups` still waiting, prefilling or running as `Aborted`, as
+    /// [`Self::abort`] does for all; each group is then done. Returns how many.
+    fn abort_groups(&mut self, engine: &Engine, groups: &[usize]) -> usize {
+        let hit = |seq: &Seq| groups.contains(&seq.slot.0);
+        let (mut ended, kept): (Vec<Seq>, Vec<Seq>) =
+            std::mem::take(&mut self.running).into_iter().partition(hit);
+        self.running = kept;
+        if self.prefilling.as_ref().is_some_and(|(unit, _)| unit.iter().any(hit)) {
+            ended.extend(self.prefilling.take().into_iter().flat_map(|(unit, _)| unit));
+        }
+        for unit in std::mem::take(&mut self.waiting) {
+            let (gone, kept): (Vec<Seq>, Vec<Seq>) = unit.into_iter().partition(hit);
+            ended.extend(gone);
+            if !kept.is_empty() {
+                self.waiting.push_back(kept);
+            }
+        }
+        let aborted = ended.len();
+        for seq in ended {
+            self.blocks.release(&seq.blocks);
+            self.remaining -= 1;
+            let (g, m) = seq.slot;
+            self.left[g] -= 1;
+            if self.left[g] == 0 {
+                self.done_now.push(g);
+            }
+            let s = std::mem::take(&mut self.out[g][m]);
+            self.out[g][m] = engine.finish(s, seq, Status::Aborted);
+        }
+        aborted
     }
 
     /// Ends every sequence still waiting, prefilling or running as `Aborted`: its blocks

@@ -57,6 +57,7 @@ pub fn router(
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/update_weights_from_disk", post(update_weights))
+        .route("/abort_request", post(abort_request))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/get_model_info", get(model_info))
         .with_state(shared)
@@ -83,19 +84,22 @@ fn bad_request(message: impl Into<String>) -> Response {
 }
 
 /// `n` samples of each prompt from the engine, in order; the first failure as a 400.
+/// Sends each prompt's `n` samples to the engine as one request (named by `rids`, one per
+/// prompt, when given) and waits for them all.
 async fn submit(
     shared: &Shared,
     prompts: Vec<Sample>,
-    params: &SamplingParams,
-    n: usize,
+    (params, n): (&SamplingParams, usize),
+    rids: &[Option<String>],
 ) -> Result<Vec<Sample>, Response> {
     let mut waiting = Vec::with_capacity(prompts.len());
-    for prompt in prompts {
+    for (i, prompt) in prompts.into_iter().enumerate() {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let reply = Box::new(move |r| {
             let _ = tx.send(r);
         });
-        let request = Request { group: vec![prompt; n], params: params.clone(), reply };
+        let rid = rids.get(i).cloned().flatten();
+        let request = Request { group: vec![prompt; n], params: params.clone(), reply, rid };
         if shared.engine.send(Job::Generate(request)).is_err() {
             return Err(stopped());
         }
@@ -123,7 +127,8 @@ async fn generate(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
         Ok(p) => p,
         Err(message) => return bad_request(message),
     };
-    let samples = match submit(&shared, parsed.prompts, &parsed.params, parsed.n).await {
+    let sampling = (&parsed.params, parsed.n);
+    let samples = match submit(&shared, parsed.prompts, sampling, &parsed.rids).await {
         Ok(samples) => samples,
         Err(response) => return response,
     };
@@ -165,9 +170,27 @@ async fn update_weights(State(shared): State<Arc<Shared>>, body: Bytes) -> Respo
     (status, axum::Json(answer)).into_response()
 }
 
+/// SGLang's `/abort_request`: `{"rid": NAME}` ends the `/generate` request of that `rid`,
+/// which answers with what it generated so far (`finish_reason` `abort`).
+async fn abort_request(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let rid = match serde_json::from_slice::<Value>(&body) {
+        Ok(v) => match v.get("rid") {
+            Some(Value::String(rid)) => rid.clone(),
+            _ => return bad_request("rid: the name a /generate request was given"),
+        },
+        Err(e) => return bad_request(format!("the body is not JSON: {e}")),
+    };
+    if shared.engine.send(Job::Abort { rid }).is_err() {
+        return stopped();
+    }
+    StatusCode::OK.into_response()
+}
+
 /// A `/generate` request, read.
 struct Generate {
     prompts: Vec<Sample>,
+    /// Each prompt's `rid`, when given.
+    rids: Vec<Option<String>>,
     params: SamplingParams,
     n: usize,
     logprobs: bool,
@@ -199,7 +222,17 @@ fn parse_generate(body: &[u8], seed: u64) -> Result<Generate, String> {
         Some(Value::Bool(b)) => *b,
         Some(other) => return Err(format!("return_logprob: true or false, not {other}")),
     };
-    Ok(Generate { prompts, params, n, logprobs, batch })
+    let rids = match map.get("rid") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(rid)) if !batch => vec![Some(rid.clone())],
+        Some(Value::Array(list)) if batch && list.len() == prompts.len() => list
+            .iter()
+            .map(|r| r.as_str().map(|r| Some(r.to_string())))
+            .collect::<Option<_>>()
+            .ok_or("rid: a name (a string) per prompt")?,
+        Some(_) => return Err("rid: a string, or for a batch a list of one per prompt".into()),
+    };
+    Ok(Generate { prompts, rids, params, n, logprobs, batch })
 }
 
 /// `input_ids`: one prompt's ids or a list of them.
@@ -360,6 +393,11 @@ mod tests {
         assert_eq!(p.stop, ["x"]);
         let g = parse_generate(br#"{"text": ["a", "b"]}"#, 0).unwrap();
         assert_eq!((g.prompts.len(), g.batch, g.params.max_new_tokens), (2, true, 128));
+        assert!(g.rids.is_empty());
+        let g = parse_generate(br#"{"text": "a", "rid": "r1"}"#, 0).unwrap();
+        assert_eq!(g.rids, [Some("r1".to_string())]);
+        let g = parse_generate(br#"{"input_ids": [[1], [2]], "rid": ["a", "b"]}"#, 0).unwrap();
+        assert_eq!(g.rids, [Some("a".to_string()), Some("b".to_string())]);
         for (bad, says) in [
             (&b"{oops"[..], "not JSON"),
             (br#"{"input_ids": [1], "text": "a"}"#, "not both"),
@@ -370,6 +408,8 @@ mod tests {
             (br#"{}"#, "give input_ids or text"),
             (br#"{"input_ids": [1], "sampling_params": {"n": 1025}}"#, "at most 1024"),
             (br#"{"input_ids": [4294967296]}"#, "4294967296 is not a token id"),
+            (br#"{"text": ["a", "b"], "rid": "one"}"#, "rid: a string, or for a batch a list"),
+            (br#"{"text": ["a", "b"], "rid": ["a", 2]}"#, "rid: a name (a string) per prompt"),
         ] {
             let e = parse_generate(bad, 0).err().unwrap();
             assert!(e.contains(says), "{e}");

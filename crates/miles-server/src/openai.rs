@@ -166,7 +166,7 @@ pub(super) async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) 
         Err(message) => return bad_request(message),
     };
     let count = prompts.len();
-    let samples = match submit(&shared, prompts, &params, n).await {
+    let samples = match submit(&shared, prompts, (&params, n), &[]).await {
         Ok(samples) => samples,
         Err(response) => return response,
     };
@@ -208,7 +208,7 @@ pub(super) async fn chat_completions(State(shared): State<Arc<Shared>>, body: By
         Ok(p) => p,
         Err(message) => return bad_request(message),
     };
-    let samples = match submit(&shared, vec![prompt], &params, n).await {
+    let samples = match submit(&shared, vec![prompt], (&params, n), &[]).await {
         Ok(samples) => samples,
         Err(response) => return response,
     };
