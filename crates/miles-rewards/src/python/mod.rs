@@ -60,9 +60,9 @@
 //! group, which cannot be split) is sent once more, and fails alone if the worker fails on it
 //! again. After `max_restarts` restarts in a row without a successful request, scoring stops:
 //! this and every later call fail all their samples with an error naming the file, the last
-//! failure and the worker's last stderr lines. Problems found when the reward starts (no such file, a syntax error, no such
-//! function, no `python3`) are returned by [`PythonReward::start`] and stop the run before it
-//! begins.
+//! failure and the worker's last stderr lines. Problems found when the reward starts (no such
+//! file, a syntax error, no such function, no `python3`) are returned by
+//! [`PythonReward::start`] and stop the run before it begins.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -414,8 +414,12 @@ impl PythonReward {
         }
         if again {
             // The worker failed on these samples twice: they fail alone, scoring goes on.
+            let these = match samples.len() {
+                1 => "this sample".to_string(),
+                n => format!("this group of {n} samples"),
+            };
             let message = format!(
-                "python reward {}: the worker failed twice on this sample: {failure}",
+                "python reward {}: the worker failed twice on {these}: {failure}",
                 self.label
             );
             eprintln!("[rm {}] {message}", self.label);
