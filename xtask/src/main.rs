@@ -839,6 +839,30 @@ mod tests {
         assert!(err.contains("unknown plugin 'int8'") && err.contains("int4-qat"), "{err}");
     }
 
+    /// The fuzz targets here are the harness's (fuzz/src/main.rs), in its order, and each
+    /// has seeds (its own or fixtures) and no fixture directory that moved away.
+    #[test]
+    fn the_fuzz_targets_match_the_harness_and_have_seeds() {
+        let root = workspace_root();
+        let harness = std::fs::read_to_string(root.join("fuzz/src/main.rs")).unwrap();
+        let table = harness.split("const TARGETS").nth(1).unwrap().split("];").next().unwrap();
+        let names: Vec<&str> =
+            table.lines().filter_map(|l| l.trim().strip_prefix("(\"")?.split('"').next()).collect();
+        let ours: Vec<&str> = FUZZ_TARGETS.iter().map(|(t, _)| *t).collect();
+        assert_eq!(names, ours);
+        for (target, fixtures) in FUZZ_TARGETS {
+            let mut seeds = files_ending(&root.join("fuzz/seeds").join(target), "").len();
+            for (dir, suffix) in *fixtures {
+                let found = files_ending(&root.join(dir), suffix).len();
+                assert!(found > 0, "{target}: no {suffix} files under {dir}");
+                seeds += found;
+            }
+            assert!(seeds > 0, "{target} has no seeds");
+        }
+        let err = fuzz(&["png".into()], 1, None).unwrap_err();
+        assert!(err.contains("unknown fuzz target 'png'") && err.contains("gguf"), "{err}");
+    }
+
     /// Every driver feature is offered here, and every offered feature exists in the driver.
     #[test]
     fn the_plugin_table_matches_the_driver_features() {
