@@ -715,9 +715,9 @@ fn a_serving_engine_aborts_requests_by_name() {
     tx.send(request("running", &p)).unwrap();
     tx.send(request("kept", &p)).unwrap();
     tx.send(request("queued", &params(5))).unwrap();
-    tx.send(Job::Abort { rid: "running".into() }).unwrap();
-    tx.send(Job::Abort { rid: "queued".into() }).unwrap();
-    tx.send(Job::Abort { rid: "nobody".into() }).unwrap();
+    tx.send(Job::Abort { rid: Some("running".into()) }).unwrap();
+    tx.send(Job::Abort { rid: Some("queued".into()) }).unwrap();
+    tx.send(Job::Abort { rid: Some("nobody".into()) }).unwrap();
     drop((tx, done_tx));
     e.engine.serve(&mut e.model, &rx).unwrap();
     let answers: std::collections::HashMap<String, Vec<Sample>> =
@@ -734,6 +734,24 @@ fn a_serving_engine_aborts_requests_by_name() {
         vec![kept.iter().map(|s| Sample { index: s.index, ..prompt.clone() }).collect()];
     assert_eq!(results(std::slice::from_ref(kept)), results(&e.generate(numbered, &p).unwrap()));
     assert_eq!(e.engine.stats().aborted, 2);
+
+    // abort_all: the running request and a queued one alike.
+    let (tx, rx) = std::sync::mpsc::channel::<Job>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    for params in [p.clone(), params(5)] {
+        let done_tx = done_tx.clone();
+        let reply = Box::new(move |r| done_tx.send(r).unwrap());
+        let group = vec![prompt.clone()];
+        tx.send(Job::Generate(Request { group, params, reply, rid: None })).unwrap();
+    }
+    tx.send(Job::Abort { rid: None }).unwrap();
+    drop((tx, done_tx));
+    e.engine.serve(&mut e.model, &rx).unwrap();
+    let answers: Vec<miles_core::Result<Vec<Sample>>> = done_rx.iter().collect();
+    assert_eq!(answers.len(), 2);
+    for r in answers {
+        assert!(r.unwrap().iter().all(|s| s.status == Status::Aborted));
+    }
 }
 
 /// Regressions found in review: the sequence cap holds for groups, duplicate indices and empty

@@ -715,12 +715,12 @@ pub enum Job {
         dir: std::path::PathBuf,
         reply: Box<dyn FnOnce(crate::Result<u64>) + Send>,
     },
-    /// Ends the request named `rid` (SGLang's `/abort_request`): running, its samples stop
-    /// where they are, `Aborted`, their blocks freed, and go back with the tokens and
-    /// logprobs generated so far; still queued, they go back `Aborted` with none. A name no
-    /// request has (one already answered) is ignored.
+    /// Ends the request named `rid`, or every request when `None` (SGLang's `/abort_request`
+    /// and its `abort_all`): running, its samples stop where they are, `Aborted`, their blocks
+    /// freed, and go back with the tokens and logprobs generated so far; still queued, they go
+    /// back `Aborted` with none. A name no request has (one already answered) is ignored.
     Abort {
-        rid: String,
+        rid: Option<String>,
     },
 }
 
@@ -756,15 +756,18 @@ fn take_requests(
         .collect()
 }
 
-/// Answers the queued request named `rid`, if any, with its samples `Aborted` and ungenerated;
-/// whether there was one.
-fn abort_queued(queue: &mut VecDeque<Job>, rid: &str) -> bool {
-    let named = |j: &Job| matches!(j, Job::Generate(r) if r.rid.as_deref() == Some(rid));
-    let Some(at) = queue.iter().position(named) else { return false };
-    let Some(Job::Generate(r)) = queue.remove(at) else { unreachable!("found above") };
-    let group = r.group.into_iter().map(|s| Sample { status: Status::Aborted, ..s }).collect();
-    (r.reply)(Ok(group));
-    true
+/// Answers the queued requests named `rid` (every one when `None`) with their samples
+/// `Aborted` and ungenerated.
+fn abort_queued(queue: &mut VecDeque<Job>, rid: Option<&str>) {
+    for job in std::mem::take(queue) {
+        match job {
+            Job::Generate(r) if rid.is_none() || r.rid.as_deref() == rid => {
+                let aborted = |s| Sample { status: Status::Aborted, ..s };
+                (r.reply)(Ok(r.group.into_iter().map(aborted).collect()));
+            }
+            other => queue.push_back(other),
+        }
+    }
 }
 
 impl Engine {
@@ -795,7 +798,7 @@ impl Engine {
                     continue;
                 }
                 Job::Abort { rid } => {
-                    abort_queued(&mut queue, &rid);
+                    abort_queued(&mut queue, rid.as_deref());
                     continue;
                 }
                 Job::Generate(r) => {
@@ -829,11 +832,9 @@ impl Engine {
                     for job in requests.try_iter() {
                         match job {
                             Job::Abort { rid } => {
-                                let running = rids.iter().position(|r| r.as_deref() == Some(&rid));
-                                match running {
-                                    Some(g) => aborts.push(g),
-                                    None => _ = abort_queued(&mut queue, &rid),
-                                }
+                                let hit = |r: &Option<String>| rid.is_none() || *r == rid;
+                                aborts.extend((0..rids.len()).filter(|&g| hit(&rids[g])));
+                                abort_queued(&mut queue, rid.as_deref());
                             }
                             other => queue.push_back(other),
                         }

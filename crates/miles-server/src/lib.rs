@@ -171,12 +171,14 @@ async fn update_weights(State(shared): State<Arc<Shared>>, body: Bytes) -> Respo
 }
 
 /// SGLang's `/abort_request`: `{"rid": NAME}` ends the `/generate` request of that `rid`,
-/// which answers with what it generated so far (`finish_reason` `abort`).
+/// `{"abort_all": true}` every request; each answers with what it generated so far
+/// (`finish_reason` `abort`).
 async fn abort_request(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
     let rid = match serde_json::from_slice::<Value>(&body) {
-        Ok(v) => match v.get("rid") {
-            Some(Value::String(rid)) => rid.clone(),
-            _ => return bad_request("rid: the name a /generate request was given"),
+        Ok(v) => match (v.get("rid"), v.get("abort_all")) {
+            (_, Some(Value::Bool(true))) => None,
+            (Some(Value::String(rid)), _) => Some(rid.clone()),
+            _ => return bad_request("rid: the name a /generate request was given (or abort_all)"),
         },
         Err(e) => return bad_request(format!("the body is not JSON: {e}")),
     };
