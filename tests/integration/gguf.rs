@@ -243,8 +243,9 @@ fn corrupt_and_truncated_ggufs_are_clear_errors() {
 }
 
 /// Found by fuzzing (fuzz/regressions/gguf): metadata that describes a far larger model than
-/// the file's tensors hold made the weights (tens of GB) before any tensor was checked, and
-/// the allocation aborted. The tensors are now checked against the metadata first.
+/// the file's tensors hold made the weights (tens of GB) before any tensor was checked and the
+/// allocation aborted, or named millions of layers' tensors for minutes. The layer count and
+/// the tensors are now checked against the metadata first.
 #[test]
 fn metadata_larger_than_the_tensors_is_an_error_before_any_allocation() {
     let mut bad = std::fs::read(fixture("tiny-qwen3.gguf")).unwrap();
@@ -253,7 +254,16 @@ fn metadata_larger_than_the_tensors_is_an_error_before_any_allocation() {
     assert_eq!(bad[at..at + 4], 4u32.to_le_bytes(), "a u32 value");
     bad[at + 4..at + 8].copy_from_slice(&10_000_000u32.to_le_bytes());
     let err = convert_err("huge_block_count", &bad);
-    assert!(err.contains("no tensor for model.layers.1."), "{err}");
+    assert!(err.contains("metadata says 10000000 layers (block_count) but its tensors hold 1"));
+    // Found next: metadata of much larger tensors than the file holds (with the layer count
+    // right) made those weights before checking them; they are checked first now.
+    let mut bad = std::fs::read(fixture("tiny-qwen3.gguf")).unwrap();
+    let key = b"qwen3.feed_forward_length";
+    let at = find(&bad, key) + key.len();
+    assert_eq!(bad[at..at + 4], 4u32.to_le_bytes(), "a u32 value");
+    bad[at + 4..at + 8].copy_from_slice(&(1u32 << 30).to_le_bytes());
+    let err = convert_err("huge_ffn", &bad);
+    assert!(err.contains("do not match model.layers.0.mlp.gate_proj.weight"), "{err}");
 }
 
 #[test]

@@ -211,6 +211,23 @@ pub fn model_config(g: &GgufFile) -> Result<ModelConfig> {
 
 /// Every tensor dequantized into HF names, order and shapes; Q/K rows un-permuted for llama.
 pub fn load_weights(g: &GgufFile, c: &ModelConfig) -> Result<Weights> {
+    // The layer count first: the names of every layer's tensors are made next, and metadata
+    // claiming millions of tiny layers must not make millions of names.
+    let held = g
+        .tensors
+        .iter()
+        .filter_map(|t| t.name.strip_prefix("blk.")?.split('.').next()?.parse::<usize>().ok())
+        .max()
+        .map_or(0, |last| last + 1);
+    if c.num_hidden_layers != held {
+        return Err(unsupported(
+            g,
+            format!(
+                "its metadata says {} layers (block_count) but its tensors hold {held}",
+                c.num_hidden_layers
+            ),
+        ));
+    }
     let mut by_hf: BTreeMap<String, &crate::TensorInfo> = BTreeMap::new();
     let mut unmapped = Vec::new();
     for t in &g.tensors {
