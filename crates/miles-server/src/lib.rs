@@ -317,6 +317,8 @@ fn sampling(v: Option<&Value>, seed: u64) -> Result<(SamplingParams, usize), Str
                 p.top_k = usize::try_from(k).unwrap_or(0);
             }
             "max_new_tokens" => p.max_new_tokens = count()? as usize,
+            // The draws' seed instead of the server's (requests batch only with the same one).
+            "sampling_seed" => p.seed = count()?,
             "n" => n = count_of_samples(value, "sampling_params.n")?,
             "ignore_eos" => {
                 p.ignore_eos = value.as_bool().ok_or("sampling_params.ignore_eos: a boolean")?
@@ -346,7 +348,7 @@ fn sampling(v: Option<&Value>, seed: u64) -> Result<(SamplingParams, usize), Str
                 return Err(format!(
                     "sampling_params.{other}: not a sampling parameter this server takes \
                      (temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids, \
-                     ignore_eos, n)"
+                     ignore_eos, n, sampling_seed)"
                 ));
             }
         }
@@ -396,6 +398,8 @@ mod tests {
         let g = parse_generate(br#"{"text": ["a", "b"]}"#, 0).unwrap();
         assert_eq!((g.prompts.len(), g.batch, g.params.max_new_tokens), (2, true, 128));
         assert!(g.rids.is_empty());
+        let g = parse_generate(br#"{"text": "a", "sampling_params": {"sampling_seed": 9}}"#, 3);
+        assert_eq!(g.unwrap().params.seed, 9);
         let g = parse_generate(br#"{"text": "a", "rid": "r1"}"#, 0).unwrap();
         assert_eq!(g.rids, [Some("r1".to_string())]);
         let g = parse_generate(br#"{"input_ids": [[1], [2]], "rid": ["a", "b"]}"#, 0).unwrap();
