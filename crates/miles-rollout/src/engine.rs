@@ -1031,17 +1031,24 @@ impl Run {
         }
         let aborted = ended.len();
         for seq in ended {
-            self.blocks.release(&seq.blocks);
-            self.remaining -= 1;
-            let (g, m) = seq.slot;
-            self.left[g] -= 1;
-            if self.left[g] == 0 {
-                self.done_now.push(g);
-            }
+            let (g, m) = self.retire(&seq);
             let s = std::mem::take(&mut self.out[g][m]);
             self.out[g][m] = engine.finish(s, seq, Status::Aborted);
         }
         aborted
+    }
+
+    /// A sequence that ends: its blocks freed, counted out of its group (done when it was the
+    /// group's last). Returns its slot.
+    fn retire(&mut self, seq: &Seq) -> (usize, usize) {
+        self.blocks.release(&seq.blocks);
+        self.remaining -= 1;
+        let (g, _) = seq.slot;
+        self.left[g] -= 1;
+        if self.left[g] == 0 {
+            self.done_now.push(g);
+        }
+        seq.slot
     }
 
     /// Ends every sequence still waiting, prefilling or running as `Aborted`: its blocks
@@ -1099,13 +1106,7 @@ impl Run {
         if matches!(status, Ok(None)) {
             return Some(seq);
         }
-        self.blocks.release(&seq.blocks);
-        self.remaining -= 1;
-        let (g, m) = seq.slot;
-        self.left[g] -= 1;
-        if self.left[g] == 0 {
-            self.done_now.push(g);
-        }
+        let (g, m) = self.retire(&seq);
         let s = std::mem::take(&mut self.out[g][m]);
         self.out[g][m] = match status {
             Err(reason) => failed(s, reason),
