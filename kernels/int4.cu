@@ -11,10 +11,11 @@
 // int4_dequantize_{f32,bf16} (Int4Matrix::dequantize): the values q · s back from the packed
 // words, one thread a word.
 // int4_rows_gemm_* (ops::int4_linear, W4A16): c [m × n] = a [m × k] · wᵀ for a decode step's few
-// bf16 rows, w packed: rows_gemm.cu's product, its A tiles loaded the same way and its B tiles
-// made in shared memory from the packed words, each value bf16(q · s) as the QAT forward's bf16
-// compute copy holds it, then the same m16n8k16 steps in k order into one f32 accumulator; so
-// the result has the bits of the bf16 product with the compute copy.
+// bf16 rows, w packed: A tiles loaded as rows_gemm.cu loads them, the packed words and scales
+// streamed beside them, and each warp's mma B fragments made from the words in registers, each
+// value bf16(q · s) as the QAT forward's bf16 compute copy holds it; then the same m16n8k16
+// steps in k order into one f32 accumulator, so the result has the bits of the bf16 product
+// with the compute copy.
 // int4_grouped_rows_* (ops::int4_grouped_linear): the same product for a mixture of experts,
 // every expert's rows in one launch.
 #include "common.cuh"
@@ -52,25 +53,38 @@ __device__ void fake_quantize(T* out, const float* w, int group, long long group
     }
 }
 
-constexpr int BK = 32;
-constexpr int SKEW = 8;  // bf16 of padding per shared row: ldmatrix without bank conflicts
-constexpr int LD = BK + SKEW;
-constexpr int WORDS = BK / 8;  // packed words of a row per stage (16 bytes)
+constexpr int SKEW = 8;  // bf16 of padding per shared row of A: ldmatrix without bank conflicts
+
+// The bf16 pair (low, high) = (q_2t · s, q_2t+1 · s) of `word`'s nibbles 2t and 2t + 1: an mma
+// B register as the QAT compute copy holds its values.
+__device__ __forceinline__ uint32_t level_pair(unsigned word, int t, float s) {
+    const int q0 = static_cast<int>((word >> (8 * t)) & 15u) - 8;
+    const int q1 = static_cast<int>((word >> (8 * t + 4)) & 15u) - 8;
+    const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(static_cast<float>(q0), s),
+                                                   __fmul_rn(static_cast<float>(q1), s));
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
 
 // The block's product of `m` rows (row r of A at a_row(r), of C at c_row(r)) with the packed
-// weight `words`, `scales` ([n × k]), over output columns blockIdx.x · BN ..
-template <int MT, int BN, int STAGES, class ARow, class CRow>
+// weight `words`, `scales` ([n × k]) over output columns blockIdx.x · BN .., BN = 16 · WARPS.
+// A, the words and the scales stream through STAGES shared-memory stages of BK inputs
+// (cp.async); each warp owns 16 columns and makes their mma B fragments from the words in
+// registers (no shared tile of values, one barrier a stage), for all MT row tiles of A.
+template <int MT, int WARPS, int BK, int STAGES, class ARow, class CRow>
 __device__ __forceinline__ void int4_rows_gemm(ARow a_row, CRow c_row, const int* words,
                                                const float* scales, int m, int n, int k,
                                                int group) {
     using namespace miles;
-    constexpr int ROWS = MT * 16;
-    constexpr int THREADS = MT * 32;
-    constexpr int CHUNKS = BK / 8;  // 16-byte chunks of a stage row of A
+    constexpr int ROWS = MT * 16, BN = WARPS * 16, THREADS = WARPS * 32;
+    constexpr int LD = BK + SKEW;
+    constexpr int CHUNKS = BK / 8;   // 16-byte chunks of a stage row of A
+    constexpr int WCHUNKS = BK / 32; // 16-byte chunks (4 words) of a stage row of the weight
+    constexpr int WLD = BK / 8 + 4;  // words per shared row: the 8 rows a load reads hit 8 banks
+    constexpr int SCALES = BK / 32;  // a scale per 32 inputs of a stage row
     extern __shared__ __align__(16) unsigned char shared[];
-    bf16* sa = reinterpret_cast<bf16*>(shared);             // STAGES × [ROWS][LD]
-    bf16* tile = sa + STAGES * ROWS * LD;                    // [BN][LD]: this step's B
-    int* sw = reinterpret_cast<int*>(tile + BN * LD);        // STAGES × [BN][WORDS]
+    bf16* sa = reinterpret_cast<bf16*>(shared);                          // STAGES × [ROWS][LD]
+    int* sw = reinterpret_cast<int*>(sa + STAGES * ROWS * LD);           // STAGES × [BN][WLD]
+    float* ss = reinterpret_cast<float*>(sw + STAGES * BN * WLD);        // STAGES × [BN][SCALES]
     const int n0 = blockIdx.x * BN;
     const size_t row_words = k / 8, row_groups = k / group;
     auto load = [&](int stage, int k0) {
@@ -82,14 +96,22 @@ __device__ __forceinline__ void int4_rows_gemm(ARow a_row, CRow c_row, const int
             const void* src = real ? static_cast<const void*>(a_row(r) + at) : words;
             cp_async16(da + r * LD + (e % CHUNKS) * 8, src, real ? 16 : 0);
         }
-        int* dw = sw + stage * BN * WORDS;
-        for (int r = threadIdx.x; r < BN; r += THREADS) {
-            const bool real = n0 + r < n;
-            cp_async16(dw + r * WORDS, real ? words + (n0 + r) * row_words + k0 / 8 : words,
-                       real ? 16 : 0);
+        int* dw = sw + stage * BN * WLD;
+        for (int e = threadIdx.x; e < BN * WCHUNKS; e += THREADS) {
+            const int r = e / WCHUNKS, at = k0 + (e % WCHUNKS) * 32;
+            const bool real = n0 + r < n && at < k;
+            cp_async16(dw + r * WLD + (e % WCHUNKS) * 4,
+                       real ? words + (n0 + r) * row_words + at / 8 : words, real ? 16 : 0);
+        }
+        float* ds = ss + stage * BN * SCALES;
+        for (int e = threadIdx.x; e < BN * SCALES; e += THREADS) {
+            const int r = e / SCALES, at = k0 + (e % SCALES) * 32;
+            const bool real = n0 + r < n && at < k;
+            cp_async4(ds + e, real ? scales + (n0 + r) * row_groups + at / group : scales,
+                      real ? 4 : 0);
         }
     };
-    const int steps = k / BK;
+    const int steps = (k + BK - 1) / BK;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < steps) load(s, s * BK);
@@ -97,58 +119,62 @@ __device__ __forceinline__ void int4_rows_gemm(ARow a_row, CRow c_row, const int
     }
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    float acc[BN / 8][4];
+    const int g = lane >> 2, t = lane & 3;  // the mma fragments' group and thread in it
+    float acc[MT][2][4];
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+    }
     for (int s = 0; s < steps; ++s) {
         wait<STAGES - 2>();
         __syncthreads();
-        // The stage read last iteration, and the tile, are free again (every warp is past them).
+        // The stage read last iteration is free again (every warp is past it).
         const int next = s + STAGES - 1;
         if (next < steps) load(next % STAGES, next * BK);
         commit();
-        // B from the packed words: each value bf16(q · s), 8 of them (one word) a chunk.
-        const int* tw = sw + (s % STAGES) * BN * WORDS;
-        for (int e = threadIdx.x; e < BN * WORDS; e += THREADS) {
-            const int r = e / WORDS, ch = e % WORDS;
-            const float sc = n0 + r < n ? scales[(n0 + r) * row_groups + (s * BK) / group] : 0.0f;
-            const unsigned word = static_cast<unsigned>(tw[r * WORDS + ch]);
-            float v[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int q = static_cast<int>((word >> (4 * i)) & 15u) - 8;
-                v[i] = __fmul_rn(static_cast<float>(q), sc);
-            }
-            store<4>(tile + r * LD + ch * 8, v);
-            store<4>(tile + r * LD + ch * 8 + 4, v + 4);
-        }
-        __syncthreads();
         const bf16* ta = sa + (s % STAGES) * ROWS * LD;
+        const int* tw = sw + (s % STAGES) * BN * WLD;
+        const float* ts = ss + (s % STAGES) * BN * SCALES;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
-            uint32_t af[4];
-            const int row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-            ldsm_x4(af, ta + row * LD + kk + (lane >> 4) * 8);
+            // k/16 mma steps in all, as the bf16 product takes (k is a multiple of 32).
+            if (s * BK + kk >= k) break;
+            // B of this lane's columns g and g + 8 of the warp's 16: inputs kk + 2t, +1 (the
+            // first word of the 16) and kk + 8 + 2t, +1 (the second).
+            uint32_t b[2][2];
 #pragma unroll
-            for (int j = 0; j < BN / 16; ++j) {
-                uint32_t b[4];
-                const int col = j * 16 + (lane & 7) + (lane >> 4) * 8;
-                ldsm_x4(b, tile + col * LD + kk + ((lane >> 3) & 1) * 8);
-                mma(acc[2 * j], af, b);
-                mma(acc[2 * j + 1], af, b + 2);
+            for (int h = 0; h < 2; ++h) {
+                const int col = warp * 16 + h * 8 + g;
+                const int* cw = tw + col * WLD + kk / 8;
+                const float sc = ts[col * SCALES + kk / 32];
+                b[h][0] = level_pair(static_cast<unsigned>(cw[0]), t, sc);
+                b[h][1] = level_pair(static_cast<unsigned>(cw[1]), t, sc);
+            }
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                if (i * 16 >= m) break;
+                uint32_t af[4];
+                const int row = i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                ldsm_x4(af, ta + row * LD + kk + (lane >> 4) * 8);
+                mma(acc[i][0], af, b[0]);
+                mma(acc[i][1], af, b[1]);
             }
         }
     }
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-        const int col = n0 + j * 8 + (lane & 3) * 2;
+    for (int i = 0; i < MT; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int row = warp * 16 + (lane >> 2) + h * 8;
-            if (row >= m || col >= n) continue;
-            bf16* o = c_row(row) + col;
-            o[0] = __float2bfloat16_rn(acc[j][2 * h]);
-            if (col + 1 < n) o[1] = __float2bfloat16_rn(acc[j][2 * h + 1]);
+            const int col = n0 + warp * 16 + h * 8 + t * 2;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = i * 16 + g + half * 8;
+                if (row >= m || col >= n) continue;
+                bf16* o = c_row(row) + col;
+                o[0] = __float2bfloat16_rn(acc[i][h][2 * half]);
+                if (col + 1 < n) o[1] = __float2bfloat16_rn(acc[i][h][2 * half + 1]);
+            }
         }
     }
 }
@@ -185,18 +211,22 @@ extern "C" __global__ void int4_quantize_pack(int* words, float* scales, const f
     }
 }
 
-// Up to 16 rows (one warp) or up to 64 (four warps), 16 columns a block. Requires k and group
-// multiples of 32, group dividing k (the host checks).
-#define INT4_ROWS_GEMM(NAME, MT, BN, STAGES)                                                   \
-    extern "C" __global__ void __launch_bounds__(MT * 32)                                     \
+// Up to 16 rows (one row tile) or up to 64 (four), 16, 32 or 64 columns a block (one warp per 16),
+// 64 inputs a stage. Requires k and group multiples of 32, group dividing k (the host checks).
+#define INT4_ROWS_GEMM(NAME, MT, WARPS, STAGES)                                                \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
         NAME(miles::bf16* c, const miles::bf16* a, const int* words, const float* scales,       \
              int m, int n, int k, int group) {                                                \
-        int4_rows_gemm<MT, BN, STAGES>([&](int r) { return a + (size_t)r * k; },               \
-                                       [&](int r) { return c + (size_t)r * n; }, words, scales, \
-                                       m, n, k, group);                                         \
+        int4_rows_gemm<MT, WARPS, 64, STAGES>([&](int r) { return a + (size_t)r * k; },         \
+                                              [&](int r) { return c + (size_t)r * n; }, words,  \
+                                              scales, m, n, k, group);                          \
     }
-INT4_ROWS_GEMM(int4_rows_gemm_m16_n16, 1, 16, 16)
-INT4_ROWS_GEMM(int4_rows_gemm_m64_n16, 4, 16, 8)
+INT4_ROWS_GEMM(int4_rows_gemm_m16_w1, 1, 1, 16)
+INT4_ROWS_GEMM(int4_rows_gemm_m16_w2, 1, 2, 16)
+INT4_ROWS_GEMM(int4_rows_gemm_m16_w4, 1, 4, 12)
+INT4_ROWS_GEMM(int4_rows_gemm_m64_w1, 4, 1, 6)
+INT4_ROWS_GEMM(int4_rows_gemm_m64_w2, 4, 2, 6)
+INT4_ROWS_GEMM(int4_rows_gemm_m64_w4, 4, 4, 6)
 
 // A mixture of experts' W4A16 products (ops::int4_grouped_linear): out[s] = x[row(s)] · W_eᵀ
 // for the rows s of expert e, row(s) = rows[s] (use_rows) or s, W_e packed at words[e],
@@ -204,14 +234,14 @@ INT4_ROWS_GEMM(int4_rows_gemm_m64_n16, 4, 16, 8)
 // (grouped_gemm.cu's cut); grid (column blocks, tiles). The same steps as the rows product, so a
 // row's outputs have the bits of grouped_gemm.cu's product with the bf16 compute copies.
 #define INT4_GROUPED_ROWS(NAME, BN)                                                            \
-    extern "C" __global__ void __launch_bounds__(128)                                         \
+    extern "C" __global__ void __launch_bounds__(BN * 2)                                      \
         NAME(miles::bf16* out, const miles::bf16* x, const int* rows, int use_rows,             \
              const unsigned long long* words, const unsigned long long* scales,                 \
              const int* tiles, int n, int k, int group) {                                       \
         const int expert = tiles[3 * blockIdx.y];                                               \
         const int first = tiles[3 * blockIdx.y + 1];                                            \
         const int end = tiles[3 * blockIdx.y + 2];                                              \
-        int4_rows_gemm<4, BN, 8>(                                                               \
+        int4_rows_gemm<4, BN / 16, 64, 6>(                                                      \
             [&](int r) { return x + (size_t)(use_rows ? rows[first + r] : first + r) * k; },    \
             [&](int r) { return out + (size_t)(first + r) * n; },                               \
             reinterpret_cast<const int*>(words[expert]),                                        \

@@ -51,6 +51,12 @@ __device__ __forceinline__ void cp_async16(void* to, const void* from, int bytes
                  "l"(from), "r"(bytes));
 }
 
+// 4 bytes from global `from` to shared `to` (`bytes` of them read, 0 or 4; the rest zeros).
+__device__ __forceinline__ void cp_async4(void* to, const void* from, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(to)),
+                 "l"(from), "r"(bytes));
+}
+
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most `pending` of this thread's committed groups are still in flight.

@@ -539,6 +539,11 @@ fn facts(gpu: &Gpu) -> Result<Facts> {
     Ok(*gpu.facts.get_or_init(|| f))
 }
 
+/// The device's count of streaming multiprocessors.
+pub(crate) fn sm_count(gpu: &Gpu) -> Result<u32> {
+    Ok(facts(gpu)?.sms)
+}
+
 /// The device's compute capability, `(major, minor)`.
 pub(crate) fn capability(gpu: &Gpu) -> Result<(i32, i32)> {
     Ok(facts(gpu)?.capability)

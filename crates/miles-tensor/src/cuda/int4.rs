@@ -75,6 +75,16 @@ pub(crate) fn quantize_pack(
     launch!(gpu, "int4", "int4_quantize_pack", cfg, words, scales, w, &group, &groups)
 }
 
+/// int4.cu's rows products: (kernel, row tiles of 16, warps of 16 columns, stages).
+const ROWS_INSTANCES: [(&str, u32, u32, u32); 6] = [
+    ("int4_rows_gemm_m16_w1", 1, 1, 16),
+    ("int4_rows_gemm_m16_w2", 1, 2, 16),
+    ("int4_rows_gemm_m16_w4", 1, 4, 12),
+    ("int4_rows_gemm_m64_w1", 4, 1, 6),
+    ("int4_rows_gemm_m64_w2", 4, 2, 6),
+    ("int4_rows_gemm_m64_w4", 4, 4, 6),
+];
+
 /// `c [m × n] = a [m × k] · wᵀ` (bf16) for `m` ≤ 64 rows, `w` packed (`words`,
 /// `scales` in groups of `group`): `kernels/int4.cu`'s W4A16 product. `k` and `group`
 /// multiples of 32, `group` dividing `k`.
@@ -89,33 +99,34 @@ pub(crate) fn rows_gemm(
     if m == 0 || n == 0 {
         return Ok(c);
     }
-    // (kernel, warps, columns a block, stages) of int4.cu's instances. Always 16 columns a
-    // block: a block dequantizes its columns' weights at every k step, and with 64 columns one
-    // warp did four times the work a step (Qwen3-8B's gate/up product, n = 24,576, was on the
-    // 64-column path; the W4A16 step measured 5× bf16's, BENCHMARKS.md).
-    let (kernel, warps, bn, stages) = if m <= 16 {
-        ("int4_rows_gemm_m16_n16", 1u32, 16u32, 16u32)
-    } else {
-        ("int4_rows_gemm_m64_n16", 4, 16, 8)
-    };
-    let cfg = rows_launch(gpu, kernel, (warps, bn, stages), (n as u32).div_ceil(bn), 1)?;
+    // The row tiles by the rows, then the most warps (16 columns each, sharing the block's A
+    // stages: fewer reads of A) that still give every SM a block.
+    let tiles = if m <= 16 { 1 } else { 4 };
+    let sms = super::fp8::sm_count(gpu)? as usize;
+    let warps = [4, 2].into_iter().find(|&w| n.div_ceil(16 * w as usize) >= sms).unwrap_or(1);
+    let &(kernel, _, _, stages) = ROWS_INSTANCES
+        .iter()
+        .find(|i| (i.1, i.2) == (tiles, warps))
+        .expect("an instance for every row tile count and warp count");
+    let cfg = rows_launch(gpu, kernel, (tiles, warps, stages), (n as u32).div_ceil(16 * warps), 1)?;
     let (m, n, k, group) = (m as i32, n as i32, k as i32, group as i32);
     launch!(gpu, "int4", kernel, cfg, &mut c, a, words, scales, &m, &n, &k, &group)?;
     Ok(c)
 }
 
-/// The launch of one of int4.cu's rows products (`warps` of 16 rows, `bn` columns a block,
-/// `stages` of k in flight) over a grid of `blocks`, its shared memory allowed.
+/// The launch of one of int4.cu's rows products (`tiles` of 16 rows, `warps` of 16 columns,
+/// `stages` of 64 inputs in flight) over a grid of `blocks`, its shared memory allowed.
 fn rows_launch(
     gpu: &Gpu,
     kernel: &'static str,
-    (warps, bn, stages): (u32, u32, u32),
+    (tiles, warps, stages): (u32, u32, u32),
     blocks_x: u32,
     blocks_y: u32,
 ) -> Result<LaunchConfig> {
-    const BK: u32 = 32;
-    const LD: u32 = BK + 8;
-    let bytes = stages * 16 * warps * LD * 2 + bn * LD * 2 + stages * bn * (BK / 8) * 4;
+    const BK: u32 = 64;
+    let (ld, wld, scales) = (BK + 8, BK / 8 + 4, BK / 32);
+    let bn = 16 * warps;
+    let bytes = stages * (16 * tiles * ld * 2 + bn * wld * 4 + bn * scales * 4);
     gpu.function("int4", kernel)?
         .set_attribute(
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -164,7 +175,7 @@ pub(crate) fn grouped_rows_gemm(
         grid_dim("column blocks", n.div_ceil(bn as usize))?,
         grid_dim("row tiles", tiles.len() / 3)?,
     );
-    let cfg = rows_launch(gpu, kernel, (4, bn, 8), bx, by)?;
+    let cfg = rows_launch(gpu, kernel, (4, bn / 16, 6), bx, by)?;
     let (n, k, group) = (n as i32, k as i32, group as i32);
     launch!(
         gpu, "int4", kernel, cfg, &mut out, x, &rows_dev, &use_rows, &words, &scales, &tiles_dev,

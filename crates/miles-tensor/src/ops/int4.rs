@@ -353,12 +353,18 @@ mod tests {
 
     /// W4A16 products have the bits of the bf16 (and f32) product with the fake-quantized
     /// weight in the same dtype, at a decode step's row counts (the packed kernel on a GPU:
-    /// one warp, four, ragged column blocks) and past them (the dequantized weight's product).
+    /// one row tile, four, blocks of one, two and four warps, ragged column blocks, a last
+    /// stage of half the inputs) and past them (the dequantized weight's product).
     #[test]
     fn int4_products_have_the_bits_of_the_fake_quantized_weights_product() {
         let mut rng = Rng::new(33);
         for device in devices() {
-            for (n, k, group) in [(960, 576, 32), (200, 1536, 128), (24, 64, 32)] {
+            let mut shapes = vec![(960, 576, 32), (200, 1536, 128), (24, 64, 32), (40, 96, 32)];
+            // On a GPU, columns enough for blocks of two and four warps (one per SM or more).
+            if device != Device::Cpu {
+                shapes.extend([(4300, 96, 32), (9000, 128, 128)]);
+            }
+            for (n, k, group) in shapes {
                 let w = rng.vec(n * k, 0.05);
                 let m4 =
                     Int4Matrix::quantize(&tensor(&[n, k], &w, DType::F32, &device), group).unwrap();
