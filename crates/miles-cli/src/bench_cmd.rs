@@ -66,6 +66,10 @@ pub struct RolloutBenchArgs {
     pub sglang_speculative_num_steps: Option<usize>,
     #[arg(long, value_name = "DIR", requires = "sglang_speculative_num_steps")]
     pub sglang_speculative_draft_model_path: Option<PathBuf>,
+    /// Waits for the device after each phase of a speculative step, so that `spec_phases_ms`
+    /// are the phases' device times (the step is slower for it).
+    #[arg(long, requires = "sglang_speculative_num_steps")]
+    pub spec_phase_sync: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
@@ -211,6 +215,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         cuda_graphs: !args.engine.disable_cuda_graph,
         chunked_prefill_size: args.engine.chunked_prefill_size,
         speculator: speculator.clone(),
+        spec_phase_sync: args.spec_phase_sync,
     };
     let mut rng = Rng::new(args.seed + 1);
     let groups: Vec<Vec<Sample>> = (0..args.batch)

@@ -46,6 +46,10 @@ pub struct EngineConfig {
     /// The speculative scheme of an engine with a draft ([`Engine::with_draft`]): how many
     /// tokens the draft proposes and which a verification keeps (the `eagle-spec` plugin).
     pub speculator: Option<Arc<dyn Speculator>>,
+    /// Waits for the device at the end of each phase of a speculative step, so that
+    /// [`SpecPhases`] holds each phase's device time as well as its queuing (`miles bench
+    /// rollout --spec-phase-sync`: it slows the step, for finding where the time goes).
+    pub spec_phase_sync: bool,
 }
 
 impl Default for EngineConfig {
@@ -58,6 +62,7 @@ impl Default for EngineConfig {
             cuda_graphs: true,
             chunked_prefill_size: None,
             speculator: None,
+            spec_phase_sync: false,
         }
     }
 }

@@ -187,8 +187,15 @@ impl Engine {
             }
         }
         let drafts_only = prompts.is_empty();
+        let phase_sync = self.config.spec_phase_sync;
+        let sync = || match phase_sync {
+            true => model.device().synchronize().map_err(tensor_error),
+            false => Ok(()),
+        };
+        sync()?;
         let proposed_at = Instant::now();
         let (hidden, routes) = self.policy.verify_step(model, &rows, ids.as_ref(), drafts_only)?;
+        sync()?;
         let forward_at = Instant::now();
         let routes = chain_order(routes, &ks, verified, rows.len());
         let mut draws = Vec::new();
@@ -218,6 +225,7 @@ impl Engine {
             )
             .map_err(tensor_error)?;
             let (logp, _) = ops::logprob_rows_ids(&logits, &out.tokens, t).map_err(tensor_error)?;
+            sync()?;
             let verify_at = Instant::now();
             // The step's one wait for the device.
             let kept = out.to_host(&chains, n).map_err(tensor_error)?;
