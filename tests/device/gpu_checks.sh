@@ -378,12 +378,13 @@ fi
 if [ "$what" = spec-bench ]; then
   # What a speculative step costs against a plain decode step (issue 30): `miles bench rollout`
   # on random SmolLM2-shaped weights with a random draft, plain and with 3 draft tokens per step,
-  # per batch size; with target/gpu-old/miles (an earlier build) beside it when carried.
+  # per batch size; with target/gpu-old/miles (an earlier build) beside it when carried. SYNC=1:
+  # the phases' device times (--spec-phase-sync).
   for m in $miles target/gpu-old/miles; do
     [ -x "$m" ] || continue
     for batch in ${BATCHES:-1 64 256}; do
       for steps in 0 3; do
-        flags=""; [ "$steps" = 0 ] || flags="--sglang-speculative-num-steps $steps"
+        flags=""; [ "$steps" = 0 ] || flags="--sglang-speculative-num-steps $steps ${SYNC:+--spec-phase-sync}"
         timeout 120 $m bench rollout --device cuda --preset ${PRESET:-smollm2-135m} --batch $batch \
           --prompt-len 64 --new-tokens 64 $flags 2>&1 | tail -1 | sed "s|^{|{\"binary\":\"$m\",|" \
           | tee -a "$OUT/spec-bench.jsonl"
