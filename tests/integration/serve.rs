@@ -170,6 +170,13 @@ fn serve_answers_sglang_generate_with_the_trainers_logprobs() {
         let (status, body) = post("/v1/completions", request);
         assert!(status == 400 && body.to_string().contains(says), "{status} {body}");
     }
+
+    // The engine's tokenizer for a multi-turn client's tool outputs, there and back.
+    let (status, body) = post("/tokenize", json!({"prompt": "Tool: 2 + 3 = 5"}));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["count"], body["tokens"].as_array().unwrap().len(), "{body}");
+    let (status, back) = post("/detokenize", json!({"tokens": body["tokens"]}));
+    assert_eq!((status, &back["text"]), (200, &json!("Tool: 2 + 3 = 5")), "{back}");
 }
 
 /// The checkpoint's model on the CPU, as the trainer's scorer holds it.

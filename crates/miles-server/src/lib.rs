@@ -14,6 +14,10 @@
 //!   and the new `weight_version`.
 //! - `POST /v1/completions`, `POST /v1/chat/completions`: OpenAI's, where they map
 //!   ([`openai`]).
+//! - `POST /tokenize` (`prompt`: a string or a list, `add_special_tokens`, default true): the
+//!   model's token ids (`tokens`, `count`), as SGLang answers them; `POST /detokenize`
+//!   (`tokens`: ids or a list of lists, `skip_special_tokens`, default true): `text`. A
+//!   multi-turn client tokenizes its tool outputs with the tokenizer the engine uses.
 //! - `GET /health`, `GET /get_model_info`.
 //!
 //! A malformed request is answered 400 with `{"error": {"message": …}}` naming the field; the
@@ -58,6 +62,8 @@ pub fn router(
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/update_weights_from_disk", post(update_weights))
         .route("/abort_request", post(abort_request))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/get_model_info", get(model_info))
         .with_state(shared)
@@ -186,6 +192,89 @@ async fn abort_request(State(shared): State<Arc<Shared>>, body: Bytes) -> Respon
         return stopped();
     }
     StatusCode::OK.into_response()
+}
+
+/// SGLang's `/tokenize`.
+async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    match shared.tokenizer.as_ref().ok_or_else(no_tokenizer).and_then(|t| tokenize_body(t, &body)) {
+        Ok(answer) => axum::Json(answer).into_response(),
+        Err(message) => bad_request(message),
+    }
+}
+
+/// SGLang's `/detokenize`.
+async fn detokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let tokenizer = shared.tokenizer.as_ref().ok_or_else(no_tokenizer);
+    match tokenizer.and_then(|t| detokenize_body(t, &body)) {
+        Ok(answer) => axum::Json(answer).into_response(),
+        Err(message) => bad_request(message),
+    }
+}
+
+fn no_tokenizer() -> String {
+    "this server has no tokenizer (the checkpoint's tokenizer.json)".into()
+}
+
+/// `{"prompt": TEXT | [TEXT…], "add_special_tokens": bool}` → `{"tokens", "count"}`, a list
+/// of each for a list of prompts.
+fn tokenize_body(tok: &miles_model::Tokenizer, body: &[u8]) -> Result<Value, String> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
+    let special = match v.get("add_special_tokens") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => return Err(format!("add_special_tokens: true or false, not {other}")),
+    };
+    let encode = |text: &Value| -> Result<Value, String> {
+        let text = text.as_str().ok_or("prompt: a string, or a list of strings")?;
+        let ids = tok.encode(text, special).map_err(|e| format!("prompt: {e}"))?;
+        Ok(json!(ids))
+    };
+    match v.get("prompt") {
+        Some(Value::Array(texts)) => {
+            let tokens = texts.iter().map(encode).collect::<Result<Vec<_>, _>>()?;
+            let count: Vec<usize> =
+                tokens.iter().map(|t| t.as_array().map_or(0, Vec::len)).collect();
+            Ok(json!({"tokens": tokens, "count": count}))
+        }
+        Some(text) => {
+            let tokens = encode(text)?;
+            Ok(json!({"count": tokens.as_array().map_or(0, Vec::len), "tokens": tokens}))
+        }
+        None => Err("prompt: the text to tokenize".into()),
+    }
+}
+
+/// `{"tokens": [ID…] | [[ID…]…], "skip_special_tokens": bool}` → `{"text"}`, a list for lists.
+fn detokenize_body(tok: &miles_model::Tokenizer, body: &[u8]) -> Result<Value, String> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
+    let skip = match v.get("skip_special_tokens") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => return Err(format!("skip_special_tokens: true or false, not {other}")),
+    };
+    let decode = |ids: &[Value]| -> Result<Value, String> {
+        let ids = ids
+            .iter()
+            .map(|id| match id.as_u64().and_then(|i| u32::try_from(i).ok()) {
+                Some(i) if (i as usize) < tok.vocab_size() => Ok(i),
+                _ => Err(format!("tokens: {id} is not a token id of this model")),
+            })
+            .collect::<Result<Vec<u32>, _>>()?;
+        tok.decode(&ids, skip).map(Value::String).map_err(|e| format!("tokens: {e}"))
+    };
+    match v.get("tokens") {
+        Some(Value::Array(items)) if items.iter().all(Value::is_array) && !items.is_empty() => {
+            let texts = items
+                .iter()
+                .map(|i| decode(i.as_array().map_or(&[][..], Vec::as_slice)))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(json!({"text": texts}))
+        }
+        Some(Value::Array(ids)) => Ok(json!({"text": decode(ids)?})),
+        _ => Err("tokens: a list of token ids, or a list of such lists".into()),
+    }
 }
 
 /// A `/generate` request, read.
@@ -419,6 +508,40 @@ mod tests {
         ] {
             let e = parse_generate(bad, 0).err().unwrap();
             assert!(e.contains(says), "{e}");
+        }
+    }
+
+    #[test]
+    fn tokenize_and_detokenize_answer_as_sglang_and_name_bad_fields() {
+        let dir = std::env::temp_dir().join(format!("miles-server-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        miles_model::tokenizer::write_byte_level_tokenizer(&dir).unwrap();
+        let tok = miles_model::Tokenizer::load(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let one = tokenize_body(&tok, br#"{"prompt": "2+3=5"}"#).unwrap();
+        let ids = tok.encode("2+3=5", true).unwrap();
+        assert_eq!(one, json!({"tokens": ids, "count": ids.len()}));
+        let two = tokenize_body(&tok, br#"{"prompt": ["a", "bc"], "add_special_tokens": false}"#);
+        let two = two.unwrap();
+        assert_eq!(two["count"], json!([1, 2]));
+        let back = detokenize_body(&tok, json!({"tokens": ids}).to_string().as_bytes()).unwrap();
+        assert_eq!(back, json!({"text": "2+3=5"}));
+        let lists = json!({"tokens": two["tokens"]}).to_string();
+        assert_eq!(detokenize_body(&tok, lists.as_bytes()).unwrap(), json!({"text": ["a", "bc"]}));
+        for (bad, says) in [
+            (&br#"{"prompt": 3}"#[..], "prompt: a string"),
+            (br#"{}"#, "prompt: the text"),
+            (br#"{"prompt": "a", "add_special_tokens": 1}"#, "add_special_tokens"),
+            (b"[", "not JSON"),
+        ] {
+            assert!(tokenize_body(&tok, bad).unwrap_err().contains(says), "{says}");
+        }
+        for (bad, says) in [
+            (&br#"{"tokens": [-1]}"#[..], "tokens: -1 is not a token id"),
+            (br#"{"tokens": [99999999]}"#, "99999999 is not a token id"),
+            (br#"{"tokens": "abc"}"#, "a list of token ids"),
+        ] {
+            assert!(detokenize_body(&tok, bad).unwrap_err().contains(says), "{says}");
         }
     }
 
