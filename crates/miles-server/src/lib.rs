@@ -377,13 +377,25 @@ fn count_of_samples(value: &Value, key: &str) -> Result<usize, String> {
     }
 }
 
-/// The fuzzing harness's way in (`fuzz/`): a body read as `/generate`'s, `/v1/completions`'
-/// and `/v1/chat/completions`'; errors are the expected outcome.
+/// The fuzzing harness's way in (`fuzz/`): a body read as `/generate`'s, `/v1/completions`',
+/// `/v1/chat/completions`', `/tokenize`'s and `/detokenize`'s (with the project's byte-level
+/// tokenizer); errors are the expected outcome.
 #[doc(hidden)]
 pub fn fuzz_request(body: &[u8]) {
+    static TOKENIZER: std::sync::OnceLock<miles_model::Tokenizer> = std::sync::OnceLock::new();
     let _ = parse_generate(body, 1);
     let _ = openai::completion_request(body, 1);
     let _ = openai::chat_request(body, 1);
+    let tok = TOKENIZER.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("miles-fuzz-tokenizer-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        miles_model::tokenizer::write_byte_level_tokenizer(&dir).expect("the tokenizer written");
+        let tok = miles_model::Tokenizer::load(&dir).expect("the byte-level tokenizer");
+        let _ = std::fs::remove_dir_all(&dir);
+        tok
+    });
+    let _ = tokenize_body(tok, body);
+    let _ = detokenize_body(tok, body);
 }
 
 /// SGLang's `sampling_params` as the engine's, and `n`.
