@@ -32,6 +32,7 @@ pub use exact_match::ExactMatch;
 pub use f1::{TokenF1, f1_score};
 pub use latex::{Rational, last_boxed, parse_number};
 pub use math::{MathAnswer, answers_match, normalize_answer};
+pub use python::generate::{Generated, PythonGenerate};
 pub use python::{PythonReward, PythonRewardConfig, python_spec};
 pub use remote_rm::{RemoteRm, RemoteRmConfig};
 

@@ -727,6 +727,9 @@ pub enum Job {
     Abort {
         rid: Option<String>,
     },
+    /// Ends [`Engine::serve`] (or [`Lent::serve`]) once the jobs before it are answered; the
+    /// channel stays open for a later call (a rollout served to a generate function).
+    Stop,
 }
 
 /// The requests of a serving call with the running ones' sampling parameters, numbered, with
@@ -737,8 +740,8 @@ fn take_requests(
     next_index: &mut usize,
     (replies, rids): (&std::cell::RefCell<Vec<Option<Reply>>>, &mut Vec<Option<String>>),
 ) -> Vec<Vec<Sample>> {
-    // (Not past new weights: what comes after them waits for them.)
-    let before = queue.iter().position(|j| matches!(j, Job::LoadWeights { .. }));
+    // (Not past new weights or a stop: what comes after them waits for them.)
+    let before = queue.iter().position(|j| matches!(j, Job::LoadWeights { .. } | Job::Stop));
     let rest = queue.split_off(before.unwrap_or(queue.len()));
     let mut same = Vec::new();
     for job in std::mem::take(queue) {
@@ -788,6 +791,16 @@ impl Engine {
         model: &mut DeviceModel,
         requests: &std::sync::mpsc::Receiver<Job>,
     ) -> crate::Result<()> {
+        self.serve_jobs((Served::Owned(model), None), requests)
+    }
+
+    /// [`Engine::serve`] over `model` held as it is lent or owned (only an owned one loads
+    /// weights), with `draft` speculating.
+    fn serve_jobs(
+        &mut self,
+        (mut model, draft): (Served<'_>, Option<&DeviceModel>),
+        requests: &std::sync::mpsc::Receiver<Job>,
+    ) -> crate::Result<()> {
         let mut queue: VecDeque<Job> = VecDeque::new();
         let mut next_index = 0;
         loop {
@@ -799,13 +812,21 @@ impl Engine {
             }
             let params = match queue.pop_front().expect("a job is queued") {
                 Job::LoadWeights { dir, reply } => {
-                    reply(self.load_weights(model, &dir));
+                    reply(match &mut model {
+                        Served::Owned(m) => self.load_weights(m, &dir),
+                        Served::Lent(_) => Err(crate::Error::Invalid(
+                            "this engine's weights are the trainer's: they change between \
+                             rollouts, not through the server"
+                                .into(),
+                        )),
+                    });
                     continue;
                 }
                 Job::Abort { rid } => {
                     abort_queued(&mut queue, rid.as_deref());
                     continue;
                 }
+                Job::Stop => return Ok(()),
                 Job::Generate(r) => {
                     let params = r.params.clone();
                     queue.push_front(Job::Generate(r));
@@ -848,7 +869,7 @@ impl Engine {
                     let groups = take_requests(&mut queue, &params, &mut next_index, taken);
                     (!groups.is_empty()).then_some(groups)
                 };
-                self.drive((model, None), run, (&params, &eos), &mut done, &mut intake)
+                self.drive((model.get(), draft), run, (&params, &eos), &mut done, &mut intake)
             });
             if let Err(e) = served {
                 let message = e.to_string();
@@ -860,7 +881,7 @@ impl Engine {
                     match job {
                         Job::Generate(r) => (r.reply)(Err(fail())),
                         Job::LoadWeights { reply, .. } => reply(Err(fail())),
-                        Job::Abort { .. } => {}
+                        Job::Abort { .. } | Job::Stop => {}
                     }
                 }
                 return Err(e);
@@ -881,7 +902,7 @@ impl Engine {
     }
 }
 
-/// The state of one `generate` call./// The state of one `generate` call.
+/// The state of one `generate` call.
 struct Run {
     out: Vec<Vec<Sample>>,
     waiting: VecDeque<Unit>,
@@ -1304,6 +1325,29 @@ fn check_params(p: &SamplingParams) -> crate::Result<()> {
         ));
     }
     Ok(())
+}
+
+/// The model a serving engine runs: its own (weights load through the server) or lent.
+enum Served<'a> {
+    Owned(&'a mut DeviceModel),
+    Lent(&'a DeviceModel),
+}
+
+impl Served<'_> {
+    fn get(&self) -> &DeviceModel {
+        match self {
+            Served::Owned(m) => m,
+            Served::Lent(m) => m,
+        }
+    }
+}
+
+impl Lent<'_> {
+    /// Serves `requests` ([`Engine::serve`]) with the lent model (and draft) until a
+    /// [`Job::Stop`]; a request to load weights is refused (they are the trainer's).
+    pub fn serve(&mut self, requests: &std::sync::mpsc::Receiver<Job>) -> crate::Result<()> {
+        self.engine.serve_jobs((Served::Lent(self.model), self.draft), requests)
+    }
 }
 
 /// An [`Engine`] with its model lent ([`Engine::lend`]).

@@ -64,6 +64,8 @@
 //! file, a syntax error, no such function, no `python3`) are returned by
 //! [`PythonReward::start`] and stop the run before it begins.
 
+pub mod generate;
+
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
@@ -197,8 +199,53 @@ pub struct WorkerInfo {
     pub is_async: bool,
 }
 
+/// What a worker runs, which names its flag and its messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// A reward function (`--custom-rm-path`): one reward per sample.
+    Reward,
+    /// A generate function (`--custom-generate-function-path`): one sample per sample.
+    Generate,
+}
+
+impl Role {
+    fn flag(self) -> &'static str {
+        match self {
+            Role::Reward => "--custom-rm-path",
+            Role::Generate => "--custom-generate-function-path",
+        }
+    }
+
+    /// The prefix of the worker's forwarded stderr: `[rm FILE:FUNCTION]`.
+    fn tag(self) -> &'static str {
+        match self {
+            Role::Reward => "rm",
+            Role::Generate => "generate",
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Role::Reward => "python reward",
+            Role::Generate => "python generate function",
+        }
+    }
+
+    fn doing(self) -> &'static str {
+        match self {
+            Role::Reward => "scoring",
+            Role::Generate => "generating",
+        }
+    }
+}
+
 /// A reward computed by a Python function in a worker process; see the module documentation.
-pub struct PythonReward {
+pub struct PythonReward(PythonWorker);
+
+/// A Python function in a worker process, restarted as it fails (the module documentation):
+/// a [`PythonReward`]'s or a [`generate::PythonGenerate`]'s.
+pub(crate) struct PythonWorker {
+    role: Role,
     file: PathBuf,
     function: String,
     python: PathBuf,
@@ -223,12 +270,21 @@ struct State {
 
 impl std::fmt::Debug for PythonReward {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PythonReward")
-            .field("label", &self.label)
-            .field("python", &self.python)
-            .field("config", &self.config)
-            .field("info", &self.info)
-            .finish_non_exhaustive()
+        self.0.fmt(f)
+    }
+}
+
+impl std::fmt::Debug for PythonWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(match self.role {
+            Role::Reward => "PythonReward",
+            Role::Generate => "PythonGenerate",
+        })
+        .field("label", &self.label)
+        .field("python", &self.python)
+        .field("config", &self.config)
+        .field("info", &self.info)
+        .finish_non_exhaustive()
     }
 }
 
@@ -242,21 +298,61 @@ impl PythonReward {
         python: Option<PathBuf>,
         config: PythonRewardConfig,
     ) -> miles_core::Result<PythonReward> {
-        let file = file.into();
+        PythonWorker::start(Role::Reward, file.into(), function, python, config).map(PythonReward)
+    }
+
+    /// `FILE:FUNCTION`.
+    pub fn label(&self) -> &str {
+        &self.0.label
+    }
+
+    pub fn info(&self) -> &WorkerInfo {
+        &self.0.info
+    }
+
+    pub fn config(&self) -> &PythonRewardConfig {
+        &self.0.config
+    }
+
+    /// The process id of the current worker, if one is running.
+    pub fn worker_pid(&self) -> Option<u32> {
+        self.0.worker_pid()
+    }
+
+    /// Scores `samples` in one request (see the module docs, Failures).
+    fn run(&self, samples: &[Sample]) -> Vec<Result<RewardValue, RewardError>> {
+        let items = samples.iter().map(sample_payload).collect();
+        let label = &self.0.label;
+        self.0
+            .run(items, self.0.config.group, &Value::Null)
+            .into_iter()
+            .map(|r| r.map_err(RewardError::new).and_then(|item| decode_result(label, &item)))
+            .collect()
+    }
+}
+
+impl PythonWorker {
+    /// [`PythonReward::start`] for `role`.
+    pub(crate) fn start(
+        role: Role,
+        file: PathBuf,
+        function: &str,
+        python: Option<PathBuf>,
+        config: PythonRewardConfig,
+    ) -> miles_core::Result<PythonWorker> {
         let label = format!("{}:{function}", file.display());
+        let flag = role.flag();
         if !file.is_file() {
-            return Err(Error::Plugin(format!(
-                "--custom-rm-path {label}: {} is not a file",
-                file.display()
-            )));
+            return Err(Error::Plugin(format!("{flag} {label}: {} is not a file", file.display())));
         }
         let helper_dir =
-            write_helper().map_err(|e| Error::Plugin(format!("--custom-rm-path {label}: {e}")))?;
+            write_helper().map_err(|e| Error::Plugin(format!("{flag} {label}: {e}")))?;
         let hint = match &python {
             Some(python) => format!(" (--rm-python {})", python.display()),
             None => " (is Python 3 installed? --rm-python PATH names the interpreter)".to_string(),
         };
-        let mut reward = PythonReward {
+        let mut reward = PythonWorker {
+            role,
             file,
             function: function.to_string(),
             python: python.unwrap_or_else(|| PathBuf::from("python3")),
@@ -278,28 +374,15 @@ impl PythonReward {
         };
         let (worker, info) = reward.spawn().map_err(|failure| {
             let hint = if matches!(failure, Failure::Spawn(_)) { hint.as_str() } else { "" };
-            Error::Plugin(format!("--custom-rm-path {}: {failure}{hint}", reward.label))
+            Error::Plugin(format!("{flag} {}: {failure}{hint}", reward.label))
         })?;
         reward.info = info;
         reward.state.get_mut().unwrap_or_else(|p| p.into_inner()).worker = Some(worker);
         Ok(reward)
     }
 
-    /// `FILE:FUNCTION`.
-    pub fn label(&self) -> &str {
-        &self.label
-    }
-
-    pub fn info(&self) -> &WorkerInfo {
-        &self.info
-    }
-
-    pub fn config(&self) -> &PythonRewardConfig {
-        &self.config
-    }
-
     /// The process id of the current worker, if one is running.
-    pub fn worker_pid(&self) -> Option<u32> {
+    pub(crate) fn worker_pid(&self) -> Option<u32> {
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         state.worker.as_ref().map(|w| w.child.id())
     }
@@ -332,15 +415,22 @@ impl PythonReward {
                     return Err(Failure::Spawn("the worker's pipes were not set up".into()));
                 }
             };
-        let stderr_closed =
-            forward_stderr(stderr, format!("[rm {}] ", self.label), Arc::clone(&self.stderr_tail));
+        let stderr_closed = forward_stderr(
+            stderr,
+            format!("[{} {}] ", self.role.tag(), self.label),
+            Arc::clone(&self.stderr_tail),
+        );
         let mut worker = Worker {
             child,
             requests: Some(write_requests(stdin)),
             lines: read_lines(stdout),
             stderr_closed,
         };
-        let init = json!({"args": self.config.args});
+        let mode = match self.role {
+            Role::Reward => "reward",
+            Role::Generate => "generate",
+        };
+        let init = json!({"args": self.config.args, "mode": mode});
         let ready = worker.send(&init).and_then(|()| worker.ready(self.config.startup_timeout));
         match ready {
             Ok(info) => Ok((worker, info)),
@@ -351,35 +441,41 @@ impl PythonReward {
         }
     }
 
-    /// Scores `samples`, restarting the worker as needed (see the module docs, Failures).
-    fn run(&self, samples: &[Sample]) -> Vec<Result<RewardValue, RewardError>> {
+    /// Runs the function on `samples` (their payloads; one call on them all when `group`),
+    /// with `extra`'s keys added to the request, restarting the worker as needed (see the
+    /// module docs, Failures): one result object per sample, or why it has none.
+    pub(crate) fn run(
+        &self,
+        samples: Vec<Value>,
+        group: bool,
+        extra: &Value,
+    ) -> Vec<Result<Value, String>> {
         if samples.is_empty() {
             return Vec::new();
         }
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        self.run_locked(&mut state, samples, false)
+        self.run_locked(&mut state, (&samples, group, extra), false)
     }
 
     /// [`Self::run`] with the state held; `again` when `samples` already failed once alone.
     fn run_locked(
         &self,
         state: &mut State,
-        samples: &[Sample],
+        (samples, group, extra): (&[Value], bool, &Value),
         again: bool,
-    ) -> Vec<Result<RewardValue, RewardError>> {
-        let all_failed = |message: &str| -> Vec<Result<RewardValue, RewardError>> {
-            samples.iter().map(|_| Err(RewardError::new(message))).collect()
+    ) -> Vec<Result<Value, String>> {
+        let all_failed = |message: &str| -> Vec<Result<Value, String>> {
+            samples.iter().map(|_| Err(message.to_string())).collect()
         };
         if let Some(reason) = &state.stopped {
             return all_failed(reason);
         }
         state.next_id += 1;
         let id = state.next_id;
-        let request = json!({
-            "id": id,
-            "group": self.config.group,
-            "samples": samples.iter().map(sample_payload).collect::<Vec<_>>(),
-        });
+        let mut request = json!({"id": id, "group": group, "samples": samples});
+        if let (Value::Object(request), Value::Object(extra)) = (&mut request, extra) {
+            request.extend(extra.clone());
+        }
         let worker = match state.worker.take() {
             Some(worker) => Ok(worker),
             None => self.spawn().map(|(worker, _)| worker),
@@ -396,7 +492,7 @@ impl PythonReward {
         let failure = match attempt {
             Ok(Reply::Results(items)) => {
                 state.failures_in_a_row = 0;
-                return items.iter().map(|item| self.decode(item)).collect();
+                return items.into_iter().map(Ok).collect();
             }
             Ok(Reply::Error(message)) => {
                 state.failures_in_a_row = 0;
@@ -408,7 +504,7 @@ impl PythonReward {
         let failures = state.failures_in_a_row;
         if failures > self.config.max_restarts {
             let reason = self.stop_reason(failures, &failure);
-            eprintln!("[rm {}] {reason}", self.label);
+            eprintln!("[{} {}] {reason}", self.role.tag(), self.label);
             state.stopped = Some(reason.clone());
             return all_failed(&reason);
         }
@@ -419,33 +515,35 @@ impl PythonReward {
                 n => format!("this group of {n} samples"),
             };
             let message = format!(
-                "python reward {}: the worker failed twice on {these}: {failure}",
+                "{} {}: the worker failed twice on {these}: {failure}",
+                self.role.what(),
                 self.label
             );
-            eprintln!("[rm {}] {message}", self.label);
+            eprintln!("[{} {}] {message}", self.role.tag(), self.label);
             return all_failed(&message);
         }
         let wait = self.config.backoff.saturating_mul(1 << (failures - 1).min(16)).min(MAX_BACKOFF);
-        let next = if samples.len() > 1 && !self.config.group {
-            "scoring each half of the batch on its own"
+        let next = if samples.len() > 1 && !group {
+            "running each half of the batch on its own"
         } else {
             "trying again"
         };
         eprintln!(
-            "[rm {}] {failure}; restarting the worker in {:.1}s (restart {failures} of at most \
+            "[{} {}] {failure}; restarting the worker in {:.1}s (restart {failures} of at most \
              {}), {next}",
+            self.role.tag(),
             self.label,
             wait.as_secs_f64(),
             self.config.max_restarts
         );
         std::thread::sleep(wait);
-        if samples.len() > 1 && !self.config.group {
+        if samples.len() > 1 && !group {
             let (first, second) = samples.split_at(samples.len() / 2);
-            let mut results = self.run_locked(state, first, false);
-            results.extend(self.run_locked(state, second, false));
+            let mut results = self.run_locked(state, (first, group, extra), false);
+            results.extend(self.run_locked(state, (second, group, extra), false));
             results
         } else {
-            self.run_locked(state, samples, true)
+            self.run_locked(state, (samples, group, extra), true)
         }
     }
 
@@ -458,15 +556,23 @@ impl PythonReward {
             .collect();
         let stderr = if quoted.is_empty() { "nothing".to_string() } else { quoted.join(" | ") };
         format!(
-            "python reward {}: scoring stopped after {failures} failed attempts in a row \
-             (max_restarts {}); last: {last}; the worker's last stderr lines: {stderr}",
-            self.label, self.config.max_restarts
+            "{} {}: {} stopped after {failures} failed attempts in a row (max_restarts {}); \
+             last: {last}; the worker's last stderr lines: {stderr}",
+            self.role.what(),
+            self.label,
+            self.role.doing(),
+            self.config.max_restarts
         )
     }
 
-    /// One sample's reward from its protocol result.
-    fn decode(&self, item: &Value) -> Result<RewardValue, RewardError> {
-        decode_result(&self.label, item)
+    /// Why the function can run no more, once it cannot.
+    pub(crate) fn stopped(&self) -> Option<String> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).stopped.clone()
+    }
+
+    /// `FILE:FUNCTION`.
+    pub(crate) fn label(&self) -> &str {
+        &self.label
     }
 }
 
@@ -552,11 +658,11 @@ impl Reward for PythonReward {
 
     /// Set once the worker failed more than `max_restarts` times in a row.
     fn fatal(&self) -> Option<String> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).stopped.clone()
+        self.0.stopped()
     }
 }
 
-impl Drop for PythonReward {
+impl Drop for PythonWorker {
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         if let Some(worker) = state.worker.take() {
@@ -697,7 +803,7 @@ impl Worker {
                     )));
                 }
                 Err(RecvTimeoutError::Disconnected) => {
-                    return Err(self.exited(&format!("while scoring a batch of {samples}")));
+                    return Err(self.exited(&format!("while running a batch of {samples}")));
                 }
             };
             match read_answer(&line, id, n, &samples)? {

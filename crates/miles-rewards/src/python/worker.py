@@ -1,12 +1,18 @@
-"""The worker behind `--custom-rm-path FILE.py:FUNCTION`: miles-rs writes this file out, runs
+"""The worker behind `--custom-rm-path FILE.py:FUNCTION` and
+`--custom-generate-function-path FILE.py:FUNCTION`: miles-rs writes this file out, runs
 `python3 python_worker.py FILE FUNCTION` and talks to it in JSON lines; the protocol is
-documented in crates/miles-rewards/src/python.rs.
+documented in crates/miles-rewards/src/python/mod.rs and generate.rs.
+
+Where slime is not installed, `slime.utils.types` (Sample) and `slime.utils.http_utils` (post,
+get) are provided here, so functions written for slime import unchanged.
 
 Protocol lines go to a private copy of the original stdout; file descriptor 1 and `sys.stdout`
 are pointed at stderr, so whatever the user's code prints (Python or C) cannot corrupt them.
 """
 
 import asyncio
+import concurrent.futures
+import enum
 import importlib.util
 import inspect
 import json
@@ -18,6 +24,8 @@ import sys
 import time
 import traceback
 import types
+import urllib.error
+import urllib.request
 
 # Tracebacks written in full to stderr per worker; later ones only as their last line.
 FULL_TRACEBACKS = 3
@@ -74,9 +82,21 @@ def last_line(exc):
     return text
 
 
+class Status(str, enum.Enum):
+    """slime's Sample.Status."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
 class Sample(dict):
     """A sample as a dict that also reads as an object: `sample["response"]` and
-    `sample.response` (slime's reward functions use attributes)."""
+    `sample.response` (slime's reward and generate functions use attributes)."""
+
+    Status = Status
 
     def __getattr__(self, key):
         try:
@@ -96,6 +116,60 @@ class Args(types.SimpleNamespace):
 
     def get(self, key, default=None):
         return getattr(self, key, default)
+
+
+# Threads for blocking HTTP calls of concurrent samples (post, get).
+HTTP_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=256)
+
+
+def http_call(url, payload, timeout, retries):
+    """A JSON request (POST when `payload` is not None) with retries on refused connections
+    and 5xx answers; a 4xx answer raises at once with the server's message."""
+    data = None if payload is None else json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json"}
+    for attempt in range(retries + 1):
+        try:
+            request = urllib.request.Request(url, data=data, headers=headers)
+            with urllib.request.urlopen(request, timeout=timeout) as answer:
+                body = answer.read()
+                return json.loads(body) if body else None
+        except urllib.error.HTTPError as exc:
+            body = exc.read().decode("utf-8", "replace")
+            if exc.code < 500 or attempt == retries:
+                raise RuntimeError(f"{url} answered {exc.code}: {body}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            if attempt == retries:
+                raise RuntimeError(f"{url}: {exc}") from None
+        time.sleep(min(0.1 * 2**attempt, 5.0))
+
+
+async def post(url, payload, max_retries=60, timeout=3600, **_):
+    """slime's `slime.utils.http_utils.post`: the JSON answer of a POST of `payload`."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(HTTP_POOL, http_call, url, payload, timeout, max_retries)
+
+
+async def get(url, max_retries=60, timeout=3600, **_):
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(HTTP_POOL, http_call, url, None, timeout, max_retries)
+
+
+def provide_slime():
+    """`slime.utils.types.Sample` and `slime.utils.http_utils.post` where slime is absent."""
+    try:
+        import slime  # noqa: F401 - the real one wins
+        return
+    except ImportError:
+        pass
+    modules = {name: types.ModuleType(name) for name in
+               ("slime", "slime.utils", "slime.utils.types", "slime.utils.http_utils")}
+    modules["slime"].utils = modules["slime.utils"]
+    modules["slime.utils"].types = modules["slime.utils.types"]
+    modules["slime.utils"].http_utils = modules["slime.utils.http_utils"]
+    modules["slime.utils.types"].Sample = Sample
+    modules["slime.utils.http_utils"].post = post
+    modules["slime.utils.http_utils"].get = get
+    sys.modules.update(modules)
 
 
 def load(path, name):
@@ -163,6 +237,23 @@ def calling_convention(function, name):
     return "sample"
 
 
+def generate_convention(function, name):
+    """A generate function takes (args, sample, sampling_params), as slime calls it."""
+    try:
+        params = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return
+    positional = [
+        p for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(positional) < 3 and not any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+        raise SetupError(
+            f"'{name}' takes {len(positional)} positional arguments; a generate function is "
+            f"{name}(args, sample, sampling_params), as slime calls it"
+        )
+
+
 def is_async(function):
     return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
         getattr(function, "__call__", None)
@@ -217,12 +308,89 @@ def encode(value, name):
     return {"reward": v}
 
 
+def encode_sample(value, name, given):
+    """A generate function's sample for the protocol: {"sample": {...}} or {"error": text}.
+    `given` is the sample it was called with (its `tokens` the prompt's)."""
+
+    def fail(text):
+        return {"error": f"{name} returned {text}"}
+
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            return fail(f"{len(value)} samples; miles takes one sample back for each it gives")
+        value = value[0]
+    if not isinstance(value, dict):
+        fields = ("tokens", "response", "response_length", "loss_mask", "rollout_log_probs",
+                  "status", "metadata")
+        if not hasattr(value, "tokens"):
+            return fail(f"{type(value).__name__}, not a sample")
+        value = {k: getattr(value, k) for k in fields if hasattr(value, k)}
+    tokens = value.get("tokens")
+    if not isinstance(tokens, (list, tuple)):
+        return fail(f"a sample whose tokens are {type(tokens).__name__}, not a list of token ids")
+    try:
+        tokens = [int(t) for t in tokens]
+    except (TypeError, ValueError):
+        return fail("a sample whose tokens are not all integers")
+    if any(t < 0 or t >= 2**32 for t in tokens):
+        return fail("a sample with a negative (or too large) token id")
+    length = value.get("response_length")
+    grown = len(tokens) - len(given.get("tokens") or [])
+    if length is None or (length == 0 and grown > 0):
+        # Left as it was given (0): the tokens past the prompt's.
+        length = grown
+    if isinstance(length, bool) or not isinstance(length, numbers.Integral) \
+            or not 0 <= length <= len(tokens):
+        return fail(f"response_length {length!r} for {len(tokens)} tokens")
+    length = int(length)
+    out = {"tokens": tokens, "response_length": length}
+    response = value.get("response", "")
+    if not isinstance(response, str):
+        return fail(f"a response of type {type(response).__name__}, not text")
+    out["response"] = response
+    for key, kind in (("loss_mask", "0 or 1"), ("rollout_log_probs", "a finite number")):
+        items = value.get(key)
+        if items is None or (len(items) == 0 and length > 0):
+            continue  # not given: all trained / the engine's
+        if len(items) != length:
+            return fail(f"{len(items)} {key} for a response of {length} tokens")
+        try:
+            items = [float(x) for x in items]
+        except (TypeError, ValueError):
+            return fail(f"{key} that are not all {kind}")
+        if key == "loss_mask" and any(x not in (0.0, 1.0) for x in items):
+            return fail("a loss_mask with a value other than 0 or 1")
+        if not all(math.isfinite(x) for x in items):
+            return fail(f"{key} that are not all {kind}")
+        out[key] = [int(x) for x in items] if key == "loss_mask" else items
+    status = value.get("status", "completed")
+    status = getattr(status, "value", status)
+    if status not in {s.value for s in Status}:
+        return fail(f"status {status!r}, not one of {', '.join(s.value for s in Status)}")
+    out["status"] = "completed" if status == "pending" else status
+    metadata = value.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            return fail(f"metadata of type {type(metadata).__name__}, not a dict")
+        try:
+            json.dumps(metadata, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            return fail(f"metadata that is not JSON: {exc}")
+        out["metadata"] = metadata
+    return {"sample": out}
+
+
 class Worker:
-    def __init__(self, function, name, args):
+    def __init__(self, function, name, args, mode="reward"):
         self.function = function
         self.name = name
         self.args = args
-        self.convention = calling_convention(function, name)
+        self.mode = mode
+        if mode == "generate":
+            generate_convention(function, name)
+            self.convention = "args_sample_params"
+        else:
+            self.convention = calling_convention(function, name)
         # One event loop for the worker's life, made when first needed: clients that async
         # functions keep between calls (an aiohttp session) are bound to it.
         self.event_loop = None
@@ -239,6 +407,8 @@ class Worker:
 
     def call(self, payload):
         """Calls the user's function on one sample (or one group, a list)."""
+        if self.convention == "args_sample_params":
+            return self.function(self.args, payload, dict(self.sampling_params))
         if self.convention == "args_sample":
             return self.function(self.args, payload)
         if self.convention == "verl":
@@ -272,6 +442,7 @@ class Worker:
 
     def score(self, request):
         samples = [Sample(s) for s in request["samples"]]
+        self.sampling_params = request.get("sampling_params") or {}
         progress = Progress(request["id"])
         if request.get("group"):
             try:
@@ -300,19 +471,26 @@ class Worker:
                 progress.done()
         return {"id": request["id"], "results": results}
 
+    def encode(self, result, sample):
+        if self.mode == "generate":
+            return encode_sample(result, self.name, sample)
+        return encode(result, self.name)
+
     def one(self, sample):
+        given = {"tokens": list(sample.get("tokens") or [])}
         try:
-            return encode(self.settle(self.call(sample)), self.name)
+            return self.encode(self.settle(self.call(sample)), given)
         except BaseException as exc:  # noqa: BLE001 - fails this sample only
             return self.failure(exc)
 
     async def gather(self, samples, progress):
         async def one(sample):
+            given = {"tokens": list(sample.get("tokens") or [])}
             try:
                 result = self.call(sample)
                 if inspect.isawaitable(result):
                     result = await result
-                out = encode(result, self.name)
+                out = self.encode(result, given)
             except BaseException as exc:  # noqa: BLE001 - fails this sample only
                 out = self.failure(exc)
             progress.done()
@@ -348,10 +526,13 @@ def main():
     init = PROTO_IN.readline()
     if not init:
         return 0
-    config = json.loads(init).get("args") or {}
+    init = json.loads(init)
+    config = init.get("args") or {}
+    mode = init.get("mode") or "reward"
     try:
+        provide_slime()
         function = load(path, name)
-        worker = Worker(function, name, Args(**config))
+        worker = Worker(function, name, Args(**config), mode)
     except SetupError as exc:
         send({"ready": False, "error": str(exc)})
         return 1
