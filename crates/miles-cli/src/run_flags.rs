@@ -323,6 +323,15 @@ pub const FLAGS: &[Flag] = &[
     ),
     optional(
         ROLLOUT,
+        "custom-generate-function-path",
+        Ty::Str,
+        "slime's custom generate function, `FILE.py:FUNCTION` (default generate): `async def \
+         generate(args, sample, sampling_params)` generates each sample (multi-turn, tools) \
+         through the embedded engine's HTTP server (args.sglang_router_ip/port), in a Python \
+         worker (--rm-python); trained tokens are checked against the engine's.",
+    ),
+    optional(
+        ROLLOUT,
         "rollout-kv-cache-fraction",
         Ty::Float,
         "KV cache budget as a share of the GPU's free memory once the policy is placed; \

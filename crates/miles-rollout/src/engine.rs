@@ -1343,6 +1343,11 @@ impl Served<'_> {
 }
 
 impl Lent<'_> {
+    /// The policy version the samples generated now carry.
+    pub fn weight_version(&self) -> u64 {
+        self.engine.weight_version
+    }
+
     /// Serves `requests` ([`Engine::serve`]) with the lent model (and draft) until a
     /// [`Job::Stop`]; a request to load weights is refused (they are the trainer's).
     pub fn serve(&mut self, requests: &std::sync::mpsc::Receiver<Job>) -> crate::Result<()> {

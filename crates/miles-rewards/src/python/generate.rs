@@ -278,7 +278,10 @@ def two_arguments(args, sample):
         for (bad, says) in [
             (json!({"sample": {"tokens": [1], "response_length": 2}}), "response_length"),
             (json!({"sample": {"tokens": [-1], "response_length": 0}}), "is not an id"),
-            (json!({"sample": {"tokens": [4_294_967_296u64], "response_length": 0}}), "not a token id"),
+            (
+                json!({"sample": {"tokens": [4_294_967_296u64], "response_length": 0}}),
+                "not a token id",
+            ),
             (
                 json!({"sample": {"tokens": [1, 2], "response_length": 1, "loss_mask": [2]}}),
                 "not 0 or 1",

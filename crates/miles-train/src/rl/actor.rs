@@ -60,6 +60,8 @@ pub(super) struct Actor {
     draft: Option<DraftActor>,
     /// `--rollout-backend sglang`: the servers that roll out instead of the engine.
     remote: Option<miles_rollout::remote::Remote>,
+    /// `--custom-generate-function-path`: the function that makes each sample.
+    custom: Option<super::custom_generate::CustomGenerate>,
 }
 
 /// The draft beside the policy on its device: lent to the engine with the policy when the run
@@ -176,12 +178,17 @@ impl Actor {
             _ => Engine::new(&dm, tokenizer, engine_config)?,
         };
         let (hyper, clip) = (adamw(cfg, cfg.lr), f64::from(cfg.clip_grad));
-        Ok(Actor { model: dm, engine, hyper, clip, device, draft, remote: None })
+        Ok(Actor { model: dm, engine, hyper, clip, device, draft, remote: None, custom: None })
     }
 
     /// Rolls out on `remote`'s servers from now on (`--rollout-backend sglang`).
     pub(super) fn roll_out_on(&mut self, remote: miles_rollout::remote::Remote) {
         self.remote = Some(remote);
+    }
+
+    /// Rolls out through `custom`'s generate function from now on.
+    pub(super) fn generate_with(&mut self, custom: super::custom_generate::CustomGenerate) {
+        self.custom = Some(custom);
     }
 
     /// The external servers that roll out, when the run has them.
@@ -195,9 +202,13 @@ impl Actor {
         if let Some(remote) = &mut self.remote {
             return Box::new(remote);
         }
-        match self.draft.as_ref().filter(|d| d.speculate) {
-            Some(d) => Box::new(self.engine.lend_with_draft(&self.model, &d.model)),
-            None => Box::new(self.engine.lend(&self.model)),
+        let lent = match self.draft.as_ref().filter(|d| d.speculate) {
+            Some(d) => self.engine.lend_with_draft(&self.model, &d.model),
+            None => self.engine.lend(&self.model),
+        };
+        match &self.custom {
+            Some(custom) => Box::new(custom.rollout(lent)),
+            None => Box::new(lent),
         }
     }
 

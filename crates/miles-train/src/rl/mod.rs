@@ -29,6 +29,7 @@
 
 mod actor;
 mod collect;
+mod custom_generate;
 mod eval;
 mod metrics;
 mod prepare;
@@ -306,6 +307,9 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         }
         None => None,
     };
+    if cfg.custom_generate_function_path.is_some() {
+        actor.generate_with(custom_generate::CustomGenerate::start(&cfg, &tokenizer)?);
+    }
     let run = Run {
         cfg: &cfg,
         tokenizer: &tokenizer,
