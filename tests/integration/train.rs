@@ -1714,3 +1714,75 @@ fn fp8_flags_are_checked() {
     let t = text(&out);
     assert!(t.contains("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0") && t.contains("f32"), "{t}");
 }
+
+/// A two-turn generate function as slime writes them: the engine continues the prompt, a
+/// tool's answer (tokenized by the server, masked out) is appended, and the engine continues
+/// again; it returns the engine's logprobs of what it generated.
+const TWO_TURNS: &str = r#"
+from slime.utils.http_utils import post
+from slime.utils.types import Sample
+
+async def generate(args, sample, sampling_params):
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+    tokens, prompt = list(sample.tokens), len(sample.tokens)
+    mask, logprobs = [], []
+    for turn in range(2):
+        out = await post(url + "/generate", {"input_ids": tokens, "return_logprob": True,
+                                             "sampling_params": sampling_params})
+        for logprob, token, _ in out["meta_info"]["output_token_logprobs"]:
+            tokens.append(token); mask.append(1); logprobs.append(logprob)
+        if turn == 0:
+            tool = await post(url + "/tokenize", {"prompt": "<tool>", "add_special_tokens": False})
+            tokens += tool["tokens"]; mask += [0] * len(tool["tokens"])
+            logprobs += [0.0] * len(tool["tokens"])
+    text = await post(url + "/detokenize", {"tokens": tokens[prompt:]})
+    sample.tokens, sample.response_length = tokens, len(tokens) - prompt
+    sample.response, sample.loss_mask, sample.rollout_log_probs = text["text"], mask, logprobs
+    sample.status = Sample.Status.COMPLETED
+    return sample
+
+async def edits(args, sample, sampling_params):
+    sample = await generate(args, sample, sampling_params)
+    sample.tokens[-1] = (sample.tokens[-1] + 1) % 256
+    return sample
+"#;
+
+/// `--custom-generate-function-path`: a multi-turn function trains with logprob gap 0 on the
+/// engine's tokens (the tool's masked out), and a function that edits a generated token has
+/// every sample refused, the position named.
+#[test]
+fn a_custom_generate_function_trains_multi_turn_samples_on_the_engines_tokens() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        println!("skipping: no python3");
+        return;
+    }
+    let dir = scratch("train_custom_generate");
+    let file = dir.join("two_turns.py");
+    std::fs::write(&file, TWO_TURNS).unwrap();
+    for (function, trained) in [("generate", true), ("edits", false)] {
+        let run = dir.join(function);
+        let args = format!(
+            "--sft-warmup-steps 5 --rollout-batch-size 4 --n-samples-per-prompt 2 \
+             --num-rollout 2 --eval-interval 100 --rollout-max-response-len 6 --run-dir {} \
+             --custom-generate-function-path {}:{function}",
+            run.display(),
+            file.display()
+        );
+        let out = run_binary(&args.split_whitespace().collect::<Vec<_>>(), None);
+        let said = text(&out);
+        assert!(out.status.success(), "{said}");
+        let records = iteration_records(&run);
+        if !trained {
+            assert!(said.contains("8 samples failed, first: response token"), "{said}");
+            assert!(said.contains("but the engine generated"), "{said}");
+            assert!(records.iter().all(|r| r["rollout/failed"] == 8.0), "{records:?}");
+            continue;
+        }
+        assert!(said.contains("(a Python generate function) calls the engine at"), "{said}");
+        assert_eq!(records.len(), 2);
+        for r in &records {
+            assert_eq!(r["train/train_rollout_logprob_abs_diff"], 0.0, "{r}");
+            assert_eq!(r["rollout/failed"], 0.0, "{r}");
+        }
+    }
+}

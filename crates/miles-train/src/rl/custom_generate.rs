@@ -319,6 +319,13 @@ fn engine_logprobs(
             out[i + j] = engine;
         }
         i += kept;
+        if i < response && mask[i] == 1 && kept < best.0.len() {
+            return Err(format!(
+                "response token {i} is {}, but the engine generated {} after the same tokens",
+                tokens[start + i],
+                best.0[kept]
+            ));
+        }
     }
     Ok(out)
 }
