@@ -1030,6 +1030,26 @@ mod tests {
         assert!(err.to_string().contains("rollout-batchsize"), "{err}");
     }
 
+    /// A custom generate function is a Python file's function, on the embedded engine, in
+    /// one synchronous process.
+    #[test]
+    fn custom_generate_functions_are_checked() {
+        let c = |json: serde_json::Value| RunConfig::from_json(json).unwrap().validate();
+        let bad = |json: serde_json::Value| c(json).unwrap_err().to_string();
+        c(serde_json::json!({"custom-generate-function-path": "tools.py:generate"})).unwrap();
+        c(serde_json::json!({"custom-generate-function-path": "tools.py"})).unwrap();
+        let key = "custom-generate-function-path";
+        let e = bad(serde_json::json!({ key: "tools.so:generate" }));
+        assert!(e.starts_with("--custom-generate-function-path:") && e.contains("FILE.py"), "{e}");
+        let e = bad(serde_json::json!({ key: "t.py:g", "rollout-backend": "sglang",
+                                         "rollout-url": "http://x:1" }));
+        assert!(e.contains("embedded engine"), "{e}");
+        for flag in ["async", "partial-rollout"] {
+            let e = bad(serde_json::json!({ key: "t.py:g", flag: true }));
+            assert!(e.contains("synchronously"), "{flag}: {e}");
+        }
+    }
+
     /// The speculative flags go together, and each refusal names its flag.
     #[test]
     fn speculative_flags_need_their_partners() {
