@@ -1257,9 +1257,18 @@ fn device_runs_are_checked() {
 fn example_configs_are_valid() {
     let root = miles_tests::workspace_root().join("examples");
     let mut seen = 0;
+    // The examples' configs and those of their directories.
+    let mut paths = Vec::new();
     for entry in std::fs::read_dir(&root).unwrap() {
         let path = entry.unwrap().path();
-        if path.extension().is_some_and(|e| e == "toml") {
+        match path.is_dir() {
+            true => paths.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path())),
+            false => paths.push(path),
+        }
+    }
+    for path in paths {
+        // (A plugin's Cargo.toml is not a run's configuration.)
+        if path.extension().is_some_and(|e| e == "toml") && !path.ends_with("Cargo.toml") {
             let args = TrainArgs { config: Some(path.clone()), ..TrainArgs::default() };
             let cfg = train_cmd::run_config(&args).unwrap_or_else(|e| panic!("{e:#}"));
             assert!(cfg.hf_checkpoint.is_some() && cfg.prompt_data.is_some(), "{path:?}");
@@ -1749,7 +1758,7 @@ async def edits(args, sample, sampling_params):
 
 /// `--custom-generate-function-path`: a multi-turn function trains with logprob gap 0 on the
 /// engine's tokens (the tool's masked out), and a function that edits a generated token has
-/// every sample refused, the position named.
+/// every sample refused, the position named; the calculator example runs.
 #[test]
 fn a_custom_generate_function_trains_multi_turn_samples_on_the_engines_tokens() {
     if Command::new("python3").arg("--version").output().is_err() {
@@ -1759,8 +1768,11 @@ fn a_custom_generate_function_trains_multi_turn_samples_on_the_engines_tokens() 
     let dir = scratch("train_custom_generate");
     let file = dir.join("two_turns.py");
     std::fs::write(&file, TWO_TURNS).unwrap();
-    for (function, trained) in [("generate", true), ("edits", false)] {
-        let run = dir.join(function);
+    let example = miles_tests::workspace_root().join("examples/calculator-tool/generate.py");
+    for (file, function, trained) in
+        [(&file, "generate", true), (&file, "edits", false), (&example, "generate", true)]
+    {
+        let run = dir.join(format!("{}-{function}", file.file_stem().unwrap().to_string_lossy()));
         let args = format!(
             "--sft-warmup-steps 5 --rollout-batch-size 4 --n-samples-per-prompt 2 \
              --num-rollout 2 --eval-interval 100 --rollout-max-response-len 6 --run-dir {} \
