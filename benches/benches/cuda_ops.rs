@@ -82,6 +82,30 @@ fn matmul(c: &mut Criterion) {
     set_gemm_route(GemmRoute::Invariant);
 }
 
+/// The W4A16 product (`ops::int4_linear`, INT4 QAT's packed weights in groups of 128) beside
+/// the bf16 product of the same shape: a Qwen3-8B layer's decode products (q/o 4096 × 4096,
+/// gate and up stacked 4096 → 24576, down 12288 → 4096) at 1, 16 and 64 rows.
+fn int4(c: &mut Criterion) {
+    let mut rng = Rng::new(6);
+    for (k, n) in [(4096, 4096), (4096, 24576), (12288, 4096)] {
+        let w = random(&mut rng, &[n, k], 0.02, DType::F32);
+        let packed = ops::Int4Matrix::quantize(&w, 128).expect("packed");
+        let w = w.to_dtype(DType::BF16).expect("bf16");
+        for rows in [1, 16, 64] {
+            let x = random(&mut rng, &[rows, k], 1.0, DType::BF16);
+            let mut g = group(c, &format!("int4_vs_bf16_{rows}x{k}x{n}"));
+            g.throughput(Throughput::Bytes((n * k / 2) as u64));
+            on_device(&mut g, "int4_linear", || {
+                ops::int4_linear(&x, &packed).expect("int4_linear");
+            });
+            on_device(&mut g, "bf16_matmul", || {
+                ops::matmul(&x, Transpose::No, &w, Transpose::Yes).expect("matmul");
+            });
+            g.finish();
+        }
+    }
+}
+
 /// The FP8 blockwise product (`ops::fp8_linear`: the activations' per-token quantization
 /// included) beside the bf16 product of the same shape: issue 28's train shape
 /// (16384 × 4096 × 12288) and a Qwen3-8B MLP's decode shapes (1 and 64 rows).
@@ -419,6 +443,6 @@ fn decode(c: &mut Criterion) {
 }
 
 criterion_group!(
-    benches, matmul, fp8, grouped, attention, rowwise, logprob, sample, optimizer, decode
+    benches, matmul, fp8, int4, grouped, attention, rowwise, logprob, sample, optimizer, decode
 );
 criterion_main!(benches);

@@ -262,8 +262,10 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     .context("the engine's KV cache")?;
     let steps = args.sglang_speculative_num_steps.unwrap_or(0);
     if device != Device::Cpu {
-        // Long enough that a speculative step proposes its full chains (their graphs captured).
-        let warm = SamplingParams { max_new_tokens: 2 + steps, ..params.clone() };
+        // The timed generation once, so that every step shape it meets has its graphs
+        // captured (a speculative run's sequences finish apart, and each smaller batch is a
+        // graph of its own).
+        let warm = params.clone();
         timed_generate(&mut engine, (&dm, draft.as_ref()), groups.clone(), &warm)
             .context("the warm-up generation")?;
         engine.reset_stats();
