@@ -56,26 +56,30 @@ __device__ void fake_quantize(T* out, const float* w, int group, long long group
 constexpr int SKEW = 8;  // bf16 of padding per shared row of A: ldmatrix without bank conflicts
 
 // The bf16 pair (low, high) = (q_2t · s, q_2t+1 · s) of `word`'s nibbles 2t and 2t + 1: an mma
-// B register as the QAT compute copy holds its values.
+// B register as the QAT compute copy holds its values. A nibble n becomes the float 2^23 + n
+// (n in the mantissa's low bits), less 2^23 + 8: the level n − 8 exactly, without the
+// quarter-rate int-to-float conversion.
 __device__ __forceinline__ uint32_t level_pair(unsigned word, int t, float s) {
-    const int q0 = static_cast<int>((word >> (8 * t)) & 15u) - 8;
-    const int q1 = static_cast<int>((word >> (8 * t + 4)) & 15u) - 8;
-    const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(static_cast<float>(q0), s),
-                                                   __fmul_rn(static_cast<float>(q1), s));
+    const unsigned w = word >> (8 * t);
+    const float q0 = __fsub_rn(__uint_as_float(0x4B000000u | (w & 15u)), 8388616.0f);
+    const float q1 = __fsub_rn(__uint_as_float(0x4B000000u | ((w >> 4) & 15u)), 8388616.0f);
+    const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(q0, s), __fmul_rn(q1, s));
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // The block's product of `m` rows (row r of A at a_row(r), of C at c_row(r)) with the packed
 // weight `words`, `scales` ([n × k]) over output columns blockIdx.x · BN .., BN = 16 · WARPS.
 // A, the words and the scales stream through STAGES shared-memory stages of BK inputs
-// (cp.async); each warp owns 16 columns and makes their mma B fragments from the words in
-// registers (no shared tile of values, one barrier a stage), for all MT row tiles of A.
+// (cp.async); each of the MT · WARPS warps owns one row tile of 16 and 16 columns and makes
+// their mma B fragments from the words in registers (no shared tile of values, one barrier a
+// stage). The MT warps of a column group make the same fragments: redundant work, but in
+// parallel, where one warp over all row tiles would take MT times as long.
 template <int MT, int WARPS, int BK, int STAGES, class ARow, class CRow>
 __device__ __forceinline__ void int4_rows_gemm(ARow a_row, CRow c_row, const int* words,
                                                const float* scales, int m, int n, int k,
                                                int group) {
     using namespace miles;
-    constexpr int ROWS = MT * 16, BN = WARPS * 16, THREADS = WARPS * 32;
+    constexpr int ROWS = MT * 16, BN = WARPS * 16, THREADS = MT * WARPS * 32;
     constexpr int LD = BK + SKEW;
     constexpr int CHUNKS = BK / 8;   // 16-byte chunks of a stage row of A
     constexpr int WCHUNKS = BK / 32; // 16-byte chunks (4 words) of a stage row of the weight
@@ -120,12 +124,11 @@ __device__ __forceinline__ void int4_rows_gemm(ARow a_row, CRow c_row, const int
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;  // the mma fragments' group and thread in it
-    float acc[MT][2][4];
+    const int tile = warp % MT, group16 = warp / MT;  // this warp's row tile and columns
+    const bool rows_here = tile * 16 < m;
+    float acc[2][4];
 #pragma unroll
-    for (int i = 0; i < MT; ++i) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
-    }
+    for (int j = 0; j < 2; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     for (int s = 0; s < steps; ++s) {
         wait<STAGES - 2>();
         __syncthreads();
@@ -133,6 +136,7 @@ __device__ __forceinline__ void int4_rows_gemm(ARow a_row, CRow c_row, const int
         const int next = s + STAGES - 1;
         if (next < steps) load(next % STAGES, next * BK);
         commit();
+        if (!rows_here) continue;  // (still at every barrier and load)
         const bf16* ta = sa + (s % STAGES) * ROWS * LD;
         const int* tw = sw + (s % STAGES) * BN * WLD;
         const float* ts = ss + (s % STAGES) * BN * SCALES;
@@ -145,36 +149,29 @@ __device__ __forceinline__ void int4_rows_gemm(ARow a_row, CRow c_row, const int
             uint32_t b[2][2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int col = warp * 16 + h * 8 + g;
+                const int col = group16 * 16 + h * 8 + g;
                 const int* cw = tw + col * WLD + kk / 8;
                 const float sc = ts[col * SCALES + kk / 32];
                 b[h][0] = level_pair(static_cast<unsigned>(cw[0]), t, sc);
                 b[h][1] = level_pair(static_cast<unsigned>(cw[1]), t, sc);
             }
-#pragma unroll
-            for (int i = 0; i < MT; ++i) {
-                if (i * 16 >= m) break;
-                uint32_t af[4];
-                const int row = i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                ldsm_x4(af, ta + row * LD + kk + (lane >> 4) * 8);
-                mma(acc[i][0], af, b[0]);
-                mma(acc[i][1], af, b[1]);
-            }
+            uint32_t af[4];
+            const int row = tile * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            ldsm_x4(af, ta + row * LD + kk + (lane >> 4) * 8);
+            mma(acc[0], af, b[0]);
+            mma(acc[1], af, b[1]);
         }
     }
 #pragma unroll
-    for (int i = 0; i < MT; ++i) {
+    for (int h = 0; h < 2; ++h) {
+        const int col = n0 + group16 * 16 + h * 8 + t * 2;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int col = n0 + warp * 16 + h * 8 + t * 2;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = i * 16 + g + half * 8;
-                if (row >= m || col >= n) continue;
-                bf16* o = c_row(row) + col;
-                o[0] = __float2bfloat16_rn(acc[i][h][2 * half]);
-                if (col + 1 < n) o[1] = __float2bfloat16_rn(acc[i][h][2 * half + 1]);
-            }
+        for (int half = 0; half < 2; ++half) {
+            const int row = tile * 16 + g + half * 8;
+            if (row >= m || col >= n) continue;
+            bf16* o = c_row(row) + col;
+            o[0] = __float2bfloat16_rn(acc[h][2 * half]);
+            if (col + 1 < n) o[1] = __float2bfloat16_rn(acc[h][2 * half + 1]);
         }
     }
 }
@@ -211,10 +208,11 @@ extern "C" __global__ void int4_quantize_pack(int* words, float* scales, const f
     }
 }
 
-// Up to 16 rows (one row tile) or up to 64 (four), 16, 32 or 64 columns a block (one warp per 16),
-// 64 inputs a stage. Requires k and group multiples of 32, group dividing k (the host checks).
+// Up to 16 rows (one row tile) or up to 64 (four), 16, 32 or 64 columns a block, a warp per
+// row tile and 16 columns, 64 inputs a stage. Requires k and group multiples of 32, group
+// dividing k (the host checks).
 #define INT4_ROWS_GEMM(NAME, MT, WARPS, STAGES)                                                \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
+    extern "C" __global__ void __launch_bounds__(MT * WARPS * 32)                             \
         NAME(miles::bf16* c, const miles::bf16* a, const int* words, const float* scales,       \
              int m, int n, int k, int group) {                                                \
         int4_rows_gemm<MT, WARPS, 64, STAGES>([&](int r) { return a + (size_t)r * k; },         \
@@ -234,7 +232,7 @@ INT4_ROWS_GEMM(int4_rows_gemm_m64_w4, 4, 4, 6)
 // (grouped_gemm.cu's cut); grid (column blocks, tiles). The same steps as the rows product, so a
 // row's outputs have the bits of grouped_gemm.cu's product with the bf16 compute copies.
 #define INT4_GROUPED_ROWS(NAME, BN)                                                            \
-    extern "C" __global__ void __launch_bounds__(BN * 2)                                      \
+    extern "C" __global__ void __launch_bounds__(BN * 8)                                      \
         NAME(miles::bf16* out, const miles::bf16* x, const int* rows, int use_rows,             \
              const unsigned long long* words, const unsigned long long* scales,                 \
              const int* tiles, int n, int k, int group) {                                       \

@@ -114,8 +114,9 @@ pub(crate) fn rows_gemm(
     Ok(c)
 }
 
-/// The launch of one of int4.cu's rows products (`tiles` of 16 rows, `warps` of 16 columns,
-/// `stages` of 64 inputs in flight) over a grid of `blocks`, its shared memory allowed.
+/// The launch of one of int4.cu's rows products (`tiles` of 16 rows, `warps` of 16 columns:
+/// a warp for each pair; `stages` of 64 inputs in flight) over a grid of `blocks`, its shared
+/// memory allowed.
 fn rows_launch(
     gpu: &Gpu,
     kernel: &'static str,
@@ -135,7 +136,7 @@ fn rows_launch(
         .map_err(|e| super::driver_error(kernel, e))?;
     Ok(LaunchConfig {
         grid_dim: (blocks_x, blocks_y, 1),
-        block_dim: (32 * warps, 1, 1),
+        block_dim: (32 * tiles * warps, 1, 1),
         shared_mem_bytes: bytes,
     })
 }
