@@ -163,6 +163,15 @@ impl Rollout for CustomRollout<'_> {
                 results
             });
             let served = self.lent.serve(&jobs);
+            if let Err(e) = &served {
+                // The engine failed: the function's requests from now on are refused, so that
+                // it ends instead of waiting for answers.
+                while !worker.is_finished() {
+                    if let Ok(job) = jobs.recv_timeout(std::time::Duration::from_millis(20)) {
+                        refuse(job, &e.to_string());
+                    }
+                }
+            }
             (served, worker.join())
         });
         served?;
@@ -198,6 +207,16 @@ impl Rollout for CustomRollout<'_> {
 
     fn set_weight_version(&mut self, version: u64) {
         self.lent.set_weight_version(version);
+    }
+}
+
+/// Answers `job` with the engine's failure.
+fn refuse(job: Job, why: &str) {
+    let failed = || miles_core::Error::Invalid(format!("the rollout engine failed: {why}"));
+    match job {
+        Job::Generate(r) => (r.reply)(Err(failed())),
+        Job::LoadWeights { reply, .. } => reply(Err(failed())),
+        Job::Abort { .. } | Job::Stop => {}
     }
 }
 
