@@ -18,7 +18,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
-use miles_core::{Flow, Rollout, Sample, SamplingParams, Status};
+use miles_core::{Rollout, Sample, SamplingParams, Status};
 use miles_model::Tokenizer;
 use miles_rewards::{Generated, PythonGenerate, PythonRewardConfig, python_spec};
 use miles_rollout::{Job, Lent};
@@ -188,21 +188,6 @@ impl Rollout for CustomRollout<'_> {
         let mut out = flat.into_iter().zip(results).map(|(s, r)| finish(s, r, &log, version));
         let groups = sizes.iter().map(|&n| out.by_ref().take(n).collect()).collect();
         Ok(groups)
-    }
-
-    fn generate_until(
-        &mut self,
-        groups: Vec<Vec<Sample>>,
-        params: &SamplingParams,
-        on_group: &mut dyn FnMut(usize, &[Sample]) -> Flow,
-    ) -> miles_core::Result<Vec<Vec<Sample>>> {
-        let out = self.generate(groups, params)?;
-        for (g, group) in out.iter().enumerate() {
-            if on_group(g, group) == Flow::Abort {
-                break;
-            }
-        }
-        Ok(out)
     }
 
     fn set_weight_version(&mut self, version: u64) {
