@@ -661,7 +661,8 @@ fn a_serving_engine_batches_requests_as_they_come() {
             let p = p.clone();
             scope.spawn(move || {
                 let reply = Box::new(move |r| done_tx.send(r).unwrap());
-                let request = miles_rollout::Request { group, params: p, reply, rid: None };
+                let request =
+                    miles_rollout::Request { group, params: p, reply, rid: None, key: None };
                 tx.send(miles_rollout::Job::Generate(request)).unwrap();
             });
         }
@@ -669,7 +670,8 @@ fn a_serving_engine_batches_requests_as_they_come() {
             let done_tx = done_tx.clone();
             let reply = Box::new(move |r| done_tx.send(r).unwrap());
             let group = vec![prompt.clone()];
-            let request = miles_rollout::Request { group, params: other, reply, rid: None };
+            let request =
+                miles_rollout::Request { group, params: other, reply, rid: None, key: None };
             tx.send(miles_rollout::Job::Generate(request)).unwrap();
         }
         drop((tx, done_tx));
@@ -708,7 +710,8 @@ fn a_serving_engine_aborts_requests_by_name() {
         let (done_tx, name) = (done_tx.clone(), rid.to_string());
         let reply = Box::new(move |r| done_tx.send((name, r)).unwrap());
         let group = vec![prompt.clone(), prompt.clone()];
-        Job::Generate(Request { group, params: params.clone(), reply, rid: Some(rid.into()) })
+        let rid = Some(rid.into());
+        Job::Generate(Request { group, params: params.clone(), reply, rid, key: None })
     };
     // All queued before the engine starts: "running" is taken first, with "kept"; the
     // abort reaches the engine at its first intake, before any step.
@@ -742,7 +745,7 @@ fn a_serving_engine_aborts_requests_by_name() {
         let done_tx = done_tx.clone();
         let reply = Box::new(move |r| done_tx.send(r).unwrap());
         let group = vec![prompt.clone()];
-        tx.send(Job::Generate(Request { group, params, reply, rid: None })).unwrap();
+        tx.send(Job::Generate(Request { group, params, reply, rid: None, key: None })).unwrap();
     }
     tx.send(Job::Abort { rid: None }).unwrap();
     drop((tx, done_tx));

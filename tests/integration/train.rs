@@ -1796,5 +1796,22 @@ fn a_custom_generate_function_trains_multi_turn_samples_on_the_engines_tokens() 
             assert_eq!(r["train/train_rollout_logprob_abs_diff"], 0.0, "{r}");
             assert_eq!(r["rollout/failed"], 0.0, "{r}");
         }
+        if function == "generate" && file == &dir.join("two_turns.py") {
+            // Concurrent samples reach the engine in any order; their draws are keyed by
+            // sample and turn, so a second run is the same run.
+            let again = dir.join("again");
+            let args = args.replace(&run.display().to_string(), &again.display().to_string());
+            let out = run_binary(&args.split_whitespace().collect::<Vec<_>>(), None);
+            assert!(out.status.success(), "{}", text(&out));
+            let same = |r: &Value| -> Value {
+                let mut r = r.clone();
+                r.as_object_mut()
+                    .unwrap()
+                    .retain(|k, _| !k.starts_with("perf/") && !k.contains("time"));
+                r
+            };
+            let twice: Vec<Value> = iteration_records(&again).iter().map(same).collect();
+            assert_eq!(records.iter().map(same).collect::<Vec<_>>(), twice);
+        }
     }
 }

@@ -705,6 +705,10 @@ pub struct Request {
     pub reply: Reply,
     /// The caller's name for the request (SGLang's `rid`), by which [`Job::Abort`] finds it.
     pub rid: Option<String>,
+    /// The key of the first sample's draws (the next ones' follow), in place of the arrival
+    /// count: requests keyed by what they are for draw the same tokens in whatever order
+    /// they arrive. Keys must not repeat during one serving call.
+    pub key: Option<usize>,
 }
 
 /// Where a request's result goes.
@@ -756,8 +760,11 @@ fn take_requests(
             replies.borrow_mut().push(Some(r.reply));
             rids.push(r.rid);
             let mut group = r.group;
-            for s in &mut group {
-                (s.index, *next_index) = (*next_index, *next_index + 1);
+            for (j, s) in group.iter_mut().enumerate() {
+                s.index = match r.key {
+                    Some(key) => key + j,
+                    None => std::mem::replace(next_index, *next_index + 1),
+                };
             }
             group
         })

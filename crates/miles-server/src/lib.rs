@@ -105,7 +105,8 @@ async fn submit(
             let _ = tx.send(r);
         });
         let rid = rids.get(i).cloned().flatten();
-        let request = Request { group: vec![prompt; n], params: params.clone(), reply, rid };
+        let request =
+            Request { group: vec![prompt; n], params: params.clone(), reply, rid, key: None };
         if shared.engine.send(Job::Generate(request)).is_err() {
             return Err(stopped());
         }

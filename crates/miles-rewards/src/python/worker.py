@@ -12,6 +12,7 @@ are pointed at stderr, so whatever the user's code prints (Python or C) cannot c
 
 import asyncio
 import concurrent.futures
+import contextvars
 import enum
 import importlib.util
 import inspect
@@ -120,6 +121,10 @@ class Args(types.SimpleNamespace):
 
 # Threads for blocking HTTP calls of concurrent samples (post, get).
 HTTP_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=256)
+# The sample a generate function's task is making, and its /generate calls so far: `post`
+# names each call `miles-sample-{index}-{turn}`, which keys the engine's draws, so a run
+# draws the same tokens whatever order the samples' requests reach the engine in.
+GENERATING = contextvars.ContextVar("generating", default=None)
 
 
 def http_call(url, payload, timeout, retries):
@@ -145,6 +150,11 @@ def http_call(url, payload, timeout, retries):
 
 async def post(url, payload, max_retries=60, timeout=3600, **_):
     """slime's `slime.utils.http_utils.post`: the JSON answer of a POST of `payload`."""
+    sample = GENERATING.get()
+    if sample is not None and url.rstrip("/").endswith("/generate") \
+            and isinstance(payload, dict) and "rid" not in payload:
+        payload = dict(payload, rid=f"miles-sample-{sample[0]}-{sample[1]}")
+        sample[1] += 1
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(HTTP_POOL, http_call, url, payload, timeout, max_retries)
 
@@ -486,6 +496,8 @@ class Worker:
     async def gather(self, samples, progress):
         async def one(sample):
             given = {"tokens": list(sample.get("tokens") or [])}
+            if self.mode == "generate":
+                GENERATING.set([sample.get("index", 0), 0])
             try:
                 result = self.call(sample)
                 if inspect.isawaitable(result):

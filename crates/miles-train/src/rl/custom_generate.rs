@@ -109,6 +109,7 @@ fn relay(
             let job = match job {
                 Job::Generate(mut r) => {
                     r.params.seed = seed.load(Ordering::Relaxed);
+                    r.key = r.rid.as_deref().and_then(sample_key);
                     let (reply, log) = (r.reply, Arc::clone(&log));
                     r.reply = Box::new(move |result: miles_core::Result<Vec<Sample>>| {
                         if let Ok(samples) = &result {
@@ -125,6 +126,17 @@ fn relay(
             }
         }
     });
+}
+
+/// The draws' key of a request the worker named for its sample and turn
+/// (`miles-sample-{index}-{turn}`, worker.py's `post`): the same draws whatever order the
+/// samples' requests reach the engine in. (The top bit keeps them apart from the arrival
+/// counts of requests named otherwise.)
+fn sample_key(rid: &str) -> Option<usize> {
+    let (index, turn) = rid.strip_prefix("miles-sample-")?.split_once('-')?;
+    let (index, turn): (usize, usize) = (index.parse().ok()?, turn.parse().ok()?);
+    // (Bits: the index above 30, the turn from 10, the request's n samples below.)
+    (index < 1 << 31 && turn < 1 << 20).then_some(1 << 63 | index << 30 | turn << 10)
 }
 
 fn record(log: &mut EngineLog, samples: &[Sample]) {
@@ -369,5 +381,22 @@ mod tests {
         // A turn cut short by the function is fine: what is trained is the engine's.
         let cut = [1, 2, 10];
         assert_eq!(engine_logprobs(&cut, 1, &[1], None, &log).unwrap(), [-0.5]);
+    }
+
+    /// The worker's request names key the draws by sample and turn, apart from each other
+    /// and from arrival counts; other names key nothing.
+    #[test]
+    fn request_names_key_draws_by_sample_and_turn() {
+        let keys: Vec<usize> = [(0, 0), (0, 1), (1, 0), (7, 3)]
+            .iter()
+            .map(|(i, t)| sample_key(&format!("miles-sample-{i}-{t}")).unwrap())
+            .collect();
+        let distinct: std::collections::HashSet<_> = keys.iter().collect();
+        assert_eq!(distinct.len(), 4);
+        // Room for a request's n samples between turns, and far from arrival counts.
+        assert!(keys.iter().all(|&k| k >= 1 << 63 && k % 1024 == 0));
+        for rid in ["r1", "miles-sample-1", "miles-sample-x-0", "miles-sample-1-2-3"] {
+            assert_eq!(sample_key(rid), None, "{rid}");
+        }
     }
 }
