@@ -3,7 +3,9 @@
 //! HTTP ([`miles_server`] on 127.0.0.1, its address in the function's `args`) as many times as
 //! it likes (multi-turn, tools). During a rollout the engine serves those requests on the
 //! trainer's thread with the policy lent ([`miles_rollout::Lent::serve`]), so they batch
-//! together and their logprobs are the trainer's bit for bit.
+//! together and their logprobs are the trainer's bit for bit. Requests the worker's `post`
+//! named by sample and turn are keyed so (their draws), so a run repeats exactly however the
+//! function's concurrent requests interleave.
 //!
 //! Every request the engine answers is recorded; a returned sample is trained only if each
 //! token it trains on (loss mask 1) is one the engine generated right after exactly the
