@@ -6,7 +6,8 @@
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
 #                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
 #                                  dp|fp8|fp8-bench|fp8-addition|int4-addition|families|families-bench|
-#                                  spec-addition|spec-gsm8k|spec-bench|int4-bench|partial-gsm8k|all]
+#                                  spec-addition|spec-gsm8k|spec-bench|int4-bench|partial-gsm8k|
+#                                  serve-load|all]
 # Prepare here: `sh tests/device/pack.sh` builds the device bundle and the release `miles` and
 # packs them with the peers and data into target/pack/all.tar.xz (carry ["target/pack"]), which
 # is unpacked here first; SmolLM2 comes in two parts (tests/device/smollm2_parts.sh).
@@ -407,6 +408,21 @@ for r in rows:
           f'{p.get("decode_graph_ms")} ms, verify graph {r.get("spec_verify_graph_ms")} ms, '
           f'draft round graph {r.get("spec_draft_graph_ms")} ms; host phases per step '
           f'{r.get("spec_phases_ms")}')
+PY
+fi
+if [ "$what" = serve-load ]; then
+  # Issue 33, acceptance 2: CLIENTS concurrent /generate clients against the engine's HTTP
+  # server, beside the in-process rollout of the same prompts at the same batch (one process).
+  clients=${CLIENTS:-1000}
+  timeout ${LIMIT:-300} $miles bench rollout --device cuda --preset ${PRESET:-smollm2-135m} \
+    --batch $clients --prompt-len 64 --new-tokens ${NEW_TOKENS:-128} --serve-clients $clients \
+    2>&1 | tail -1 | tee "$OUT/serve-load.jsonl"
+  python3 - "$OUT/serve-load.jsonl" <<'PY'
+import json, sys
+r = json.loads(open(sys.argv[1]).read())
+s = r["serve"]
+print(f'{s["clients"]} clients: served {s["tokens_per_s"]:.0f} tok/s, in process '
+      f'{r["tokens_per_s"]:.0f} tok/s ({s["vs_in_process"]:.3f}x), lost {s["lost"]}')
 PY
 fi
 if [ "$what" = partial-gsm8k ]; then

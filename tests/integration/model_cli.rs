@@ -294,7 +294,8 @@ fn bench_train_prints_one_json_line() {
 }
 
 /// `miles bench rollout` measures plain, speculative (a random draft: tokens per verification
-/// and the step's host phases) and INT4 QAT decode, and names a group that does not fit.
+/// and the step's host phases) and INT4 QAT decode and the rollout served over HTTP, and names
+/// a group that does not fit.
 #[test]
 fn bench_rollout_reports_speculative_and_int4_steps() {
     let run = |more: &[&str]| -> Result<serde_json::Value, String> {
@@ -316,4 +317,11 @@ fn bench_rollout_reports_speculative_and_int4_steps() {
     assert_eq!(int4["weights_resident_gib"].as_f64(), Some(0.0), "{int4}");
     let err = run(&["--int4-group-size", "48"]).unwrap_err();
     assert!(err.contains("--int4-group-size") && err.contains("does not divide"), "{err}");
+    // The same prompts served over HTTP to concurrent clients: none lost.
+    let served = run(&["--serve-clients", "3"]).unwrap();
+    let serve = &served["serve"];
+    assert_eq!((serve["clients"].as_u64(), serve["lost"].as_u64()), (Some(3), Some(0)), "{served}");
+    assert!(serve["tokens_per_s"].as_f64().unwrap() > 0.0, "{served}");
+    let err = run(&["--serve-clients", "3", "--sglang-speculative-num-steps", "2"]).unwrap_err();
+    assert!(err.contains("--serve-clients"), "{err}");
 }

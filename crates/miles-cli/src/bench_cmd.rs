@@ -5,14 +5,14 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use miles_core::config::SpeculativeAlgorithm;
-use miles_core::{Sample, SamplingParams};
+use miles_core::{Rollout, Sample, SamplingParams, Status};
 use miles_model::draft::{Draft, DraftFormat, draft_config};
 use miles_model::{DeviceModel, Fp8Layers, Model, PackedBatch, Weights, presets};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
 use miles_tensor::rng::Rng;
 use miles_tensor::{DType, Device};
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::common::{DTypeArg, EngineArgs, SpecFlags, load_model, parse_device};
 
@@ -66,6 +66,11 @@ pub struct RolloutBenchArgs {
     pub sglang_speculative_num_steps: Option<usize>,
     #[arg(long, value_name = "DIR", requires = "sglang_speculative_num_steps")]
     pub sglang_speculative_draft_model_path: Option<PathBuf>,
+    /// Also serve the same prompts through `miles serve`'s HTTP API to this many concurrent
+    /// clients (one request each, a thread each; SGLang's /generate with logprobs), and report
+    /// the served tokens/s beside the in-process rollout's and the requests lost.
+    #[arg(long, value_name = "N", conflicts_with = "sglang_speculative_num_steps")]
+    pub serve_clients: Option<usize>,
     /// Waits for the device after each phase of a speculative step, so that `spec_phases_ms`
     /// are the phases' device times (the step is slower for it).
     #[arg(long, requires = "sglang_speculative_num_steps")]
@@ -270,6 +275,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
             .context("the warm-up generation")?;
         engine.reset_stats();
     }
+    let served_groups = args.serve_clients.map(|_| groups.clone());
     let seconds = timed_generate(&mut engine, (&dm, draft.as_ref()), groups, &params)?;
     let replay = engine.decode_replay_seconds(50)?;
     // A speculative step's verifying forward and one draft round, each its widest graph.
@@ -284,8 +290,19 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let (p, per) = (s.spec_phases, 1e3 / s.spec_phases.steps.max(1) as f64);
     let phases = json!({"propose": p.propose * per, "forward": p.forward * per,
                         "verify": p.verify * per, "wait": p.wait * per});
+    let served = match (args.serve_clients, served_groups) {
+        (Some(clients), Some(groups)) => {
+            let (served_s, lost) = serve_bench(&mut engine, &mut dm, groups, &params, clients)?;
+            let in_process = (args.batch * args.new_tokens) as f64 / seconds;
+            let served = (args.batch * args.new_tokens) as f64 / served_s;
+            json!({"clients": clients, "tokens_per_s": served, "vs_in_process": served / in_process,
+                   "lost": lost})
+        }
+        _ => Value::Null,
+    };
     let line = json!({
         "what": "rollout",
+        "serve": served,
         "model": label,
         "device": device.to_string(),
         "dtype": dtype,
@@ -319,6 +336,52 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     });
     writeln!(out, "{line}")?;
     Ok(())
+}
+
+/// The same rollout served over HTTP ([`miles_server`] on a local port, the engine on this
+/// thread) to `clients` concurrent clients ([`miles_rollout::remote::Remote`], a thread per
+/// request): its seconds from the first request sent to the last answer, and the requests
+/// that came back without their tokens.
+fn serve_bench(
+    engine: &mut Engine,
+    model: &mut DeviceModel,
+    groups: Vec<Vec<Sample>>,
+    params: &SamplingParams,
+    clients: usize,
+) -> anyhow::Result<(f64, usize)> {
+    use miles_rollout::Job;
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).context("a local port")?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let (jobs, queue) = std::sync::mpsc::channel();
+    let router = miles_server::router(jobs.clone(), None, "bench".into(), params.seed);
+    std::thread::spawn(move || miles_server::serve_blocking(listener, router));
+    let expected = groups.iter().map(Vec::len).sum::<usize>();
+    std::thread::scope(|scope| {
+        let client = scope.spawn(move || {
+            let run = || -> anyhow::Result<(Vec<Vec<Sample>>, f64)> {
+                let timeout = std::time::Duration::from_secs(3600);
+                let mut remote = miles_rollout::remote::Remote::connect(&[url], timeout)?
+                    .with_in_flight(clients);
+                let started = Instant::now();
+                let out = remote.generate(groups, params)?;
+                Ok((out, started.elapsed().as_secs_f64()))
+            };
+            let result = run();
+            // (However the clients fared, the engine stops serving.)
+            let _ = jobs.send(Job::Stop);
+            result
+        });
+        engine.serve(model, &queue)?;
+        let (out, seconds) =
+            client.join().map_err(|_| anyhow::anyhow!("the clients panicked"))??;
+        let kept = out
+            .iter()
+            .flatten()
+            .filter(|s| matches!(s.status, Status::Completed | Status::Truncated))
+            .filter(|s| s.response_length == params.max_new_tokens)
+            .count();
+        Ok((seconds, expected - kept))
+    })
 }
 
 /// Seconds of one `generate` call.

@@ -11,7 +11,7 @@ use std::time::Duration;
 use miles_core::{Error, Result, Rollout, Sample, SamplingParams, Status};
 use serde_json::{Value, json};
 
-/// Requests in flight at once over all servers.
+/// Requests in flight at once over all servers, unless told otherwise.
 const IN_FLIGHT: usize = 64;
 /// Tries of a request that failed to connect or got a 5xx, with a growing pause between.
 const TRIES: usize = 4;
@@ -21,6 +21,8 @@ pub struct Remote {
     servers: Vec<String>,
     timeout: Duration,
     version: u64,
+    /// Requests in flight at once over all servers.
+    in_flight: usize,
 }
 
 impl Remote {
@@ -48,7 +50,13 @@ impl Remote {
         if servers.is_empty() {
             return Err(Error::config("rollout-url", "give the servers' addresses"));
         }
-        Ok(Remote { servers, timeout, version: 0 })
+        Ok(Remote { servers, timeout, version: 0, in_flight: IN_FLIGHT })
+    }
+
+    /// At most `n` requests in flight at once (a thread each; default 64).
+    pub fn with_in_flight(mut self, n: usize) -> Remote {
+        self.in_flight = n.max(1);
+        self
     }
 
     /// Every server loads the HF checkpoint directory `dir` (which they must be able to read).
@@ -160,7 +168,7 @@ impl Rollout for Remote {
         let samples: Vec<Sample> = groups.into_iter().flatten().collect();
         let mut done: Vec<Sample> = Vec::with_capacity(samples.len());
         let mut next = 0;
-        for chunk in samples.chunks(IN_FLIGHT) {
+        for chunk in samples.chunks(self.in_flight) {
             let this = &*self;
             let answers: Vec<Sample> = std::thread::scope(|scope| {
                 let jobs: Vec<_> = chunk
