@@ -551,19 +551,24 @@ impl DeviceModel {
         Ok(())
     }
 
-    /// Whether the packed INT4 products give the compute copies' bits on this device (the
-    /// first packed matrix and layer 0's stacks, random rows at each decode tier up to
-    /// [`ops::INT4_ROWS_MAX`]), so that the engine's W4A16 steps keep the training forward's
-    /// logprobs.
+    /// Whether the packed INT4 products give the compute copies' bits on this device (a
+    /// packed matrix of every shape, layer 0's stacks among them, random rows at each decode
+    /// tier up to [`ops::INT4_ROWS_MAX`]: the kernel's instance and its last stage follow the
+    /// shape), so that the engine's W4A16 steps keep the training forward's logprobs.
     fn int4_products_agree(&self) -> Result<bool> {
-        let first = self.int4_packed.iter().position(Option::is_some);
-        let mut pairs: Vec<(&ops::Int4Matrix, &Tensor)> = Vec::new();
-        if let Some(i) = first {
-            pairs.push((self.int4_packed[i].as_ref().expect("found"), self.weight(i)));
-        }
-        if let (Some(packed), Some(stacks)) = (self.int4_stacked.first(), self.stacked.first()) {
-            pairs.extend(packed.iter().zip(stacks));
-        }
+        let packed = self.int4_packed.iter().enumerate();
+        let matrices = packed.filter_map(|(i, p)| Some((p.as_ref()?, self.weight(i))));
+        let stacks: Vec<(&ops::Int4Matrix, &Tensor)> =
+            match (self.int4_stacked.first(), self.stacked.first()) {
+                (Some(packed), Some(copies)) => packed.iter().zip(copies).collect(),
+                _ => Vec::new(),
+            };
+        let mut shapes = std::collections::HashSet::new();
+        let pairs: Vec<(&ops::Int4Matrix, &Tensor)> = stacks
+            .into_iter()
+            .chain(matrices)
+            .filter(|(_, w)| shapes.insert(w.shape().to_vec()))
+            .collect();
         let mut rng = miles_tensor::rng::Rng::new(0x1a74);
         for (q, w) in pairs {
             let k = w.shape()[1];
@@ -574,7 +579,10 @@ impl DeviceModel {
                 let want = ops::matmul(&x, Transpose::No, w, Transpose::Yes)?.to_vec_f32()?;
                 if got.iter().zip(&want).any(|(a, b)| a.to_bits() != b.to_bits()) {
                     if std::env::var_os("MILES_GEMM_LOG").is_some() {
-                        eprintln!("W4A16 products differ from the compute copy's at {rows} rows");
+                        let shape = w.shape();
+                        eprintln!(
+                            "W4A16 products differ from the compute copy's: {shape:?}, {rows} rows"
+                        );
                     }
                     return Ok(false);
                 }
