@@ -93,21 +93,15 @@ pub(crate) fn spec_verify(
     (p, q, drafts): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<i32>),
     (rows, vocab): (usize, usize),
     (temperature, top_k, top_p): (f32, usize, f32),
-    chains: &[i32],
-    uniforms: &[f64],
+    (chains, uniforms, n): (&CudaSlice<i32>, &CudaSlice<i32>, usize),
     (stride, p_step, q_step): (usize, usize, usize),
 ) -> Result<(Buffer, Buffer)> {
-    let n = chains.len() / 3;
     let mut tokens = match Buffer::zeros(gpu, crate::DType::I32, rows.max(1))?.data {
         DeviceData::I32(t) => t,
         _ => unreachable!("an i32 buffer"),
     };
     let mut counts = gpu.alloc::<i32>(n.max(1))?;
     if n > 0 {
-        let stream = gpu.stream();
-        let htod = |e| driver_error("copy to device", e);
-        let chains_d = stream.clone_htod(chains).map_err(htod)?;
-        let u = stream.clone_htod(uniforms).map_err(htod)?;
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             block_dim: (SAMPLE_THREADS, 1, 1),
@@ -125,9 +119,9 @@ pub(crate) fn spec_verify(
             &mut counts,
             p,
             q,
-            &chains_d,
+            chains,
             drafts,
-            &u,
+            uniforms,
             &stride_i,
             &p_step_i,
             &q_step_i,

@@ -41,7 +41,8 @@ pub use norm::{
 };
 pub use optim::{AdamWTensors, adamw_multi, adamw_step, sum_squares, sum_squares_multi};
 pub use sample::{
-    DraftChain, Verified, sample_rows, sample_rows_ids, speculative_verify, uniform_bits,
+    ChainTables, DraftChain, Verified, sample_rows, sample_rows_ids, speculative_verify,
+    speculative_verify_tables, uniform_bits,
 };
 
 /// A host buffer of `n` f32 for an op to overwrite (NaN in debug builds: see POISON_OUTPUTS).

@@ -123,6 +123,7 @@ pub struct DraftChain {
 /// What [`speculative_verify`] leaves on the logits' device: per chain the number of tokens
 /// it gives (`counts`, i32 `[chains]`), and those tokens at the chain's policy rows (`tokens`,
 /// i32 `[policy rows]`, 0 at every other row: each row's target for its logprob).
+#[derive(Debug)]
 pub struct Verified {
     pub counts: Tensor,
     pub tokens: Tensor,
@@ -151,15 +152,119 @@ pub fn speculative_verify(
     q: &Tensor,
     drafts: &Tensor,
     chains: &[DraftChain],
-    (p_step, q_step): (usize, usize),
+    steps: (usize, usize),
+    how: (f32, usize, f32),
+) -> Result<Verified> {
+    let stride = chains.iter().map(|c| c.len).max().unwrap_or(0);
+    let mut tables = ChainTables::new(chains.len(), stride, steps, &p.device())?;
+    tables.load(chains)?;
+    speculative_verify_tables(p, q, drafts, &tables, how)
+}
+
+/// The chains of [`speculative_verify`] on a device, in buffers that keep their addresses
+/// from one [`ChainTables::load`] to the next (a captured graph's input): per chain its
+/// policy row, draft row and length (i32 `[chains × 3]`), and its (accept, draw) uniforms as
+/// f64 bits (i32 `[chains × (stride + 1) × 2, 2]`, the low half first).
+pub struct ChainTables {
+    meta: Tensor,
+    uniforms: Tensor,
+    /// The longest chain the buffers hold.
+    stride: usize,
+    steps: (usize, usize),
+    /// Policy and draft rows the loaded chains reach (one past the highest each reads).
+    reach: (usize, usize),
+}
+
+impl ChainTables {
+    /// Buffers for `chains` chains of up to `stride` drafts, rows `steps` apart, on `device`.
+    pub fn new(
+        chains: usize,
+        stride: usize,
+        steps: (usize, usize),
+        device: &crate::Device,
+    ) -> Result<Self> {
+        ensure(steps.0 > 0 && steps.1 > 0, "chain_tables", || format!("steps {steps:?}"))?;
+        Ok(ChainTables {
+            meta: Tensor::zeros(&[chains, 3], DType::I32, device)?,
+            uniforms: Tensor::zeros(&[chains * (stride + 1) * 2, 2], DType::I32, device)?,
+            stride,
+            steps,
+            reach: (0, 0),
+        })
+    }
+
+    /// Writes `chains` (exactly as many as the buffers hold, none longer than their stride,
+    /// each with a uniform pair in [0, 1) per policy row) into the buffers.
+    pub fn load(&mut self, chains: &[DraftChain]) -> Result<()> {
+        const OP: &str = "chain_tables";
+        let (n, stride) = (self.meta.shape[0], self.stride);
+        ensure(chains.len() == n, OP, || format!("{} chains into tables of {n}", chains.len()))?;
+        let (p_step, q_step) = self.steps;
+        let mut meta = Vec::with_capacity(3 * n);
+        let mut bits = vec![0i32; 4 * n * (stride + 1)];
+        let mut reach = (0, 0);
+        for (c, ch) in chains.iter().enumerate() {
+            let k = ch.len;
+            ensure(k <= stride && ch.uniforms.len() == k + 1, OP, || {
+                format!(
+                    "chain {c}: {k} drafts with {} uniform pairs, tables of {stride}",
+                    ch.uniforms.len()
+                )
+            })?;
+            let flat: Vec<f64> = ch.uniforms.iter().flat_map(|&(a, d)| [a, d]).collect();
+            cpu::sample::check_sampling(OP, 1.0, 1.0, &flat)?;
+            for (i, u) in flat.iter().enumerate() {
+                let (b, at) = (u.to_bits(), 2 * (2 * c * (stride + 1) + i));
+                bits[at..at + 2].copy_from_slice(&[b as u32 as i32, (b >> 32) as u32 as i32]);
+            }
+            meta.extend([ch.p_row, ch.q_row, k].map(|x| x as i32));
+            reach.0 = reach.0.max(ch.p_row + k * p_step + 1);
+            if k > 0 {
+                reach.1 = reach.1.max(ch.q_row + (k - 1) * q_step + 1);
+            }
+        }
+        let cpu = crate::Device::Cpu;
+        self.meta.copy_from(&Tensor::from_i32(&[n, 3], meta, &cpu)?)?;
+        self.uniforms.copy_from(&Tensor::from_i32(&[bits.len() / 2, 2], bits, &cpu)?)?;
+        self.reach = reach;
+        Ok(())
+    }
+
+    /// The chains as loaded, read back.
+    fn read(&self) -> Result<Vec<DraftChain>> {
+        let (meta, bits) = (self.meta.to_vec_i32()?, self.uniforms.to_vec_i32()?);
+        let u = |at: usize| {
+            f64::from_bits(u64::from(bits[2 * at] as u32) | (u64::from(bits[2 * at + 1] as u32) << 32))
+        };
+        Ok(meta
+            .chunks(3)
+            .enumerate()
+            .map(|(c, m)| {
+                let len = m[2] as usize;
+                let base = 2 * c * (self.stride + 1);
+                let uniforms = (0..=len).map(|i| (u(base + 2 * i), u(base + 2 * i + 1))).collect();
+                DraftChain { p_row: m[0] as usize, q_row: m[1] as usize, len, uniforms }
+            })
+            .collect())
+    }
+}
+
+/// [`speculative_verify`] of the chains in `tables` (their steps, their uniforms), reading
+/// nothing back on a GPU: a captured graph's verification.
+pub fn speculative_verify_tables(
+    p: &Tensor,
+    q: &Tensor,
+    drafts: &Tensor,
+    tables: &ChainTables,
     (temperature, top_k, top_p): (f32, usize, f32),
 ) -> Result<Verified> {
     const OP: &str = "speculative_verify";
     dtype_is(OP, "p", p, DType::F32)?;
     dtype_is(OP, "q", q, DType::F32)?;
     dtype_is(OP, "drafts", drafts, DType::I32)?;
-    super::same_device(OP, &[p, q, drafts])?;
+    super::same_device(OP, &[p, q, drafts, &tables.meta, &tables.uniforms])?;
     let vocab = p.shape.get(1).copied().unwrap_or(0);
+    let (p_step, q_step) = tables.steps;
     ensure(
         p.shape.len() == 2
             && q.shape.len() == 2
@@ -167,45 +272,27 @@ pub fn speculative_verify(
             && vocab > 0
             && vocab <= i32::MAX as usize
             && drafts.len() == p.shape[0]
-            && p_step > 0
-            && q_step > 0,
+            && tables.reach.0 <= p.shape[0]
+            && tables.reach.1 <= q.shape[0],
         OP,
         || {
             format!(
-                "policy logits {:?} beside draft logits {:?}, {} drafts, steps {p_step} and {q_step}",
+                "policy logits {:?} beside draft logits {:?}, {} drafts, chains reaching policy \
+                 row {} and draft row {}",
                 p.shape,
                 q.shape,
-                drafts.len()
+                drafts.len(),
+                tables.reach.0,
+                tables.reach.1
             )
         },
     )?;
-    for (c, ch) in chains.iter().enumerate() {
-        let k = ch.len;
-        ensure(
-            ch.p_row + k * p_step < p.shape[0]
-                && (k == 0 || ch.q_row + (k - 1) * q_step < q.shape[0])
-                && ch.uniforms.len() == k + 1,
-            OP,
-            || {
-                format!(
-                    "chain {c}: {k} drafts from policy row {} and draft row {} with {} uniform \
-                     pairs, over {:?} and {:?}",
-                    ch.p_row,
-                    ch.q_row,
-                    ch.uniforms.len(),
-                    p.shape,
-                    q.shape
-                )
-            },
-        )?;
-        let flat: Vec<f64> = ch.uniforms.iter().flat_map(|&(a, d)| [a, d]).collect();
-        cpu::sample::check_sampling(OP, temperature, top_p, &flat)?;
-    }
+    cpu::sample::check_sampling(OP, temperature, top_p, &[])?;
     match (&p.storage, &q.storage, &drafts.storage) {
         (Storage::F32(pv), Storage::F32(qv), Storage::I32(dv)) => {
             let mut tokens = vec![0i32; p.shape[0]];
-            let mut counts = Vec::with_capacity(chains.len());
-            for ch in chains {
+            let mut counts = Vec::with_capacity(tables.meta.shape[0]);
+            for ch in tables.read()? {
                 let ids: Vec<u32> = (1..=ch.len)
                     .map(|i| dv[ch.p_row + i * p_step])
                     .map_while(|x| u32::try_from(x).ok().filter(|&x| (x as usize) < vocab))
@@ -217,16 +304,15 @@ pub fn speculative_verify(
                     .iter()
                     .map(|&(accept, draw)| cpu::StepUniforms { accept, draw })
                     .collect();
-                let how = (temperature, top_k, top_p);
                 let kept = cpu::verify_logits(
                     (pv, qv),
                     vocab,
                     (&p_rows, &q_rows),
                     &ids,
                     &u,
-                    how.0,
-                    how.1,
-                    how.2,
+                    temperature,
+                    top_k,
+                    top_p,
                 )?;
                 for (i, &t) in kept.iter().enumerate() {
                     tokens[p_rows[i]] = t as i32;
@@ -235,7 +321,7 @@ pub fn speculative_verify(
             }
             let cpu = crate::Device::Cpu;
             Ok(Verified {
-                counts: Tensor::from_i32(&[chains.len()], counts, &cpu)?,
+                counts: Tensor::from_i32(&[counts.len()], counts, &cpu)?,
                 tokens: Tensor::from_i32(&[p.shape[0]], tokens, &cpu)?,
             })
         }
@@ -245,29 +331,29 @@ pub fn speculative_verify(
             Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::F32(qs), .. }),
             Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::I32(ds), .. }),
         ) => {
-            let stride = chains.iter().map(|c| c.len).max().unwrap_or(0);
-            let mut meta = Vec::with_capacity(3 * chains.len());
-            let mut uniforms = vec![0.0f64; 2 * chains.len() * (stride + 1)];
-            for (c, ch) in chains.iter().enumerate() {
-                meta.extend([ch.p_row as i32, ch.q_row as i32, ch.len as i32]);
-                for (i, &(a, d)) in ch.uniforms.iter().enumerate() {
-                    let at = 2 * (c * (stride + 1) + i);
-                    uniforms[at..at + 2].copy_from_slice(&[a, d]);
-                }
-            }
-            let how = (temperature, top_k, top_p);
+            let (Storage::Cuda(meta), Storage::Cuda(uniforms)) =
+                (&tables.meta.storage, &tables.uniforms.storage)
+            else {
+                unreachable!("tables on the logits' device (checked above)")
+            };
+            let (
+                crate::cuda::DeviceData::I32(meta),
+                crate::cuda::DeviceData::I32(uniforms),
+            ) = (&meta.data, &uniforms.data)
+            else {
+                unreachable!("i32 tables")
+            };
             let rows = p.shape[0];
             let (counts, tokens) = crate::cuda::spec_verify(
                 gpu,
                 (ps, qs, ds),
                 (rows, vocab),
-                how,
-                &meta,
-                &uniforms,
-                (stride, p_step, q_step),
+                (temperature, top_k, top_p),
+                (meta, uniforms, tables.meta.shape[0]),
+                (tables.stride, p_step, q_step),
             )?;
             Ok(Verified {
-                counts: Tensor { shape: vec![chains.len()], storage: Storage::Cuda(counts) },
+                counts: Tensor { shape: vec![tables.meta.shape[0]], storage: Storage::Cuda(counts) },
                 tokens: Tensor { shape: vec![rows], storage: Storage::Cuda(tokens) },
             })
         }
@@ -487,8 +573,49 @@ mod tests {
                     }
                 }
                 assert!(kept > 20 && replaced > 10, "{device}: {kept} kept, {replaced} replaced");
+                // Tables loaded again in place (a captured graph's buffers) verify the chains
+                // loaded last.
+                let how = (0.7, 0, 0.9);
+                let mut tables = ChainTables::new(n, slots, (n, n), &device).unwrap();
+                let mut shifted = chains.clone();
+                shifted.rotate_left(1);
+                shifted.iter_mut().enumerate().for_each(|(c, ch)| (ch.p_row, ch.q_row) = (c, c));
+                tables.load(&shifted).unwrap();
+                let first = speculative_verify_tables(&pt, &qt, &dt, &tables, how).unwrap();
+                tables.load(&chains).unwrap();
+                let again = speculative_verify_tables(&pt, &qt, &dt, &tables, how).unwrap();
+                let want = speculative_verify(&pt, &qt, &dt, &chains, (n, n), how).unwrap();
+                assert_eq!(again.to_host(&chains, n).unwrap(), want.to_host(&chains, n).unwrap());
+                let shifted_want = speculative_verify(&pt, &qt, &dt, &shifted, (n, n), how);
+                let shifted_want = shifted_want.unwrap().to_host(&shifted, n).unwrap();
+                assert_eq!(first.to_host(&shifted, n).unwrap(), shifted_want, "{device}");
             }
         }
+    }
+
+    #[test]
+    fn chain_tables_refuse_what_they_cannot_hold() {
+        let dev = Device::Cpu;
+        let chain = |len: usize, u: f64| DraftChain {
+            p_row: 0,
+            q_row: 0,
+            len,
+            uniforms: vec![(u, 0.5); len + 1],
+        };
+        let mut tables = ChainTables::new(2, 2, (2, 2), &dev).unwrap();
+        let err = |t: &mut ChainTables, c: &[DraftChain]| t.load(c).unwrap_err().to_string();
+        assert!(err(&mut tables, &[chain(1, 0.5)]).contains("1 chains into tables of 2"));
+        assert!(err(&mut tables, &[chain(1, 0.5), chain(3, 0.5)]).contains("tables of 2"));
+        assert!(err(&mut tables, &[chain(1, 0.5), chain(1, 1.0)]).contains("outside [0, 1)"));
+        tables.load(&[chain(1, 0.5), chain(2, 0.5)]).unwrap();
+        // Chains reaching policy row 4 and draft row 2 need that many rows.
+        let p = tensor(&[4, 3], &[0.0; 12], DType::F32, &dev);
+        let q = tensor(&[2, 3], &[0.0; 6], DType::F32, &dev);
+        let ids = Tensor::from_i32(&[4], vec![0; 4], &dev).unwrap();
+        let how = (1.0, 0, 1.0);
+        let e = speculative_verify_tables(&p, &q, &ids, &tables, how).unwrap_err().to_string();
+        assert!(e.contains("reaching policy row 5 and draft row 3"), "{e}");
+        assert!(ChainTables::new(2, 2, (0, 2), &dev).is_err());
     }
 
     #[test]
