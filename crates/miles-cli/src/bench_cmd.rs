@@ -280,7 +280,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let replay = engine.decode_replay_seconds(50)?;
     // A speculative step's verifying forward and one draft round, each its widest graph.
     let widest = |r: &[(usize, f64)]| r.iter().max_by_key(|r| r.0).map(|r| 1e3 * r.1);
-    let [verify, rounds] = engine.spec_replay_seconds(50)?;
+    let [verify, rounds, whole] = engine.spec_replay_seconds(50)?;
     let s = engine.stats().clone();
     let dtype = if dtype == DType::BF16 { "bf16" } else { "f32" };
     // The widest captured step's device time: the decode step's wall time less this is host
@@ -328,6 +328,8 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "spec_phases_ms": phases,
         "spec_verify_graph_ms": widest(&verify),
         "spec_draft_graph_ms": widest(&rounds),
+        "spec_captured_steps": s.spec_phases.captured,
+        "spec_step_graph_ms": widest(&whole),
         "spec_accept_rate": s.spec.accepted as f64 / s.spec.drafted.max(1) as f64,
         "spec_tokens_per_verification":
             (s.spec.accepted + s.spec.verifies) as f64 / s.spec.verifies.max(1) as f64,

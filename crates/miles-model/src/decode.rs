@@ -25,7 +25,7 @@ use crate::{DeviceModel, Error, KvCache, Result, SampleParams, StepRow};
 
 /// Batch sizes of the captured steps: powers of two to 256, then multiples of 128.
 #[cfg(any(test, feature = "cuda"))]
-fn bucket(rows: usize) -> usize {
+pub(crate) fn bucket(rows: usize) -> usize {
     if rows <= 256 { rows.next_power_of_two() } else { rows.div_ceil(128) * 128 }
 }
 
@@ -105,19 +105,19 @@ impl DecodeGraphs {
 
 /// One bucket's graph and the buffers it reads and writes.
 #[cfg(feature = "cuda")]
-struct DecodeGraph {
-    rows: usize,
+pub(crate) struct DecodeGraph {
+    pub(crate) rows: usize,
     /// `None` when capture failed: the body then runs eagerly on the same buffers.
     graph: Option<miles_tensor::Graph>,
-    ids: Tensor,
+    pub(crate) ids: Tensor,
     cos: Tensor,
     sin: Tensor,
     /// The sliding layers' own rotary tables (Gemma 3).
     local: Option<(Tensor, Tensor)>,
     plan: ops::PagedPlan,
     /// A speculative draft's input states `[rows × hidden]` ([`DeviceModel::step_draft`]).
-    states_in: Option<Tensor>,
-    out: Outputs,
+    pub(crate) states_in: Option<Tensor>,
+    pub(crate) out: Outputs,
 }
 
 /// A step's inputs beside its rows: a uniform number per row (steps that draw), a draft's
@@ -132,7 +132,7 @@ struct Inputs<'a> {
 
 /// A draw per row: the uniform numbers in, the tokens and their logprobs out.
 #[cfg(feature = "cuda")]
-struct DrawBuffers {
+pub(crate) struct DrawBuffers {
     params: SampleParams,
     uniforms: Tensor,
     tokens: Tensor,
@@ -141,7 +141,7 @@ struct DrawBuffers {
 
 /// What a captured step leaves in its buffers.
 #[cfg(feature = "cuda")]
-enum Outputs {
+pub(crate) enum Outputs {
     Draws(Box<DrawBuffers>),
     /// The final-normed states `[rows × hidden]`.
     States(Tensor),
@@ -294,18 +294,27 @@ impl DeviceModel {
                 ));
             }
         }
-        let cpu = Device::Cpu;
-        match inputs.ids {
-            Some(ids) => {
-                let pad = Tensor::zeros(&[g.rows - rows.len(), 1], DType::I32, &self.device())?;
-                g.ids.copy_from(&ops::concat_rows(&[ids, &pad])?)?;
-            }
-            None => {
-                let mut ids: Vec<i32> = rows.iter().map(|r| r.token as i32).collect();
-                ids.resize(g.rows, 0);
-                g.ids.copy_from(&Tensor::from_i32(&[g.rows], ids, &cpu)?)?;
-            }
+        self.load_rows(g, rows)?;
+        if let Some(ids) = inputs.ids {
+            let pad = Tensor::zeros(&[g.rows - rows.len(), 1], DType::I32, &self.device())?;
+            g.ids.copy_from(&ops::concat_rows(&[ids, &pad])?)?;
         }
+        let Outputs::Draws(d) = &mut g.out else { return Ok(()) };
+        let mut uniforms = inputs.uniforms.to_vec();
+        uniforms.resize(g.rows, 0.0);
+        d.uniforms.copy_from(&ops::uniform_bits(&uniforms, &Device::Cpu)?)?;
+        Ok(())
+    }
+
+    /// Writes what `rows` give a step into the graph's buffers, all from the host: their
+    /// tokens, rotary tables and paged plan (padding rows: token 0 at position 0 of the
+    /// scratch block).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn load_rows(&self, g: &mut DecodeGraph, rows: &[StepRow]) -> Result<()> {
+        let cpu = Device::Cpu;
+        let mut ids: Vec<i32> = rows.iter().map(|r| r.token as i32).collect();
+        ids.resize(g.rows, 0);
+        g.ids.copy_from(&Tensor::from_i32(&[g.rows], ids, &cpu)?)?;
         let mut positions: Vec<u32> = rows.iter().map(|r| r.position as u32).collect();
         positions.resize(g.rows, 0);
         let c = &self.config;
@@ -321,10 +330,6 @@ impl DeviceModel {
         let seqs: Vec<PagedRows> =
             rows.iter().map(|r| PagedRows { n: 1, pos0: r.position, table: r.blocks }).collect();
         g.plan.load_decode(&seqs)?;
-        let Outputs::Draws(d) = &mut g.out else { return Ok(()) };
-        let mut uniforms = inputs.uniforms.to_vec();
-        uniforms.resize(g.rows, 0.0);
-        d.uniforms.copy_from(&ops::uniform_bits(&uniforms, &cpu)?)?;
         Ok(())
     }
 
@@ -340,11 +345,43 @@ impl DeviceModel {
         inputs: Inputs,
         kv: &mut KvCache,
     ) -> Result<DecodeGraph> {
+        let mut g = self.graph_buffers(rows, stride, params, inputs.states.is_some(), kv)?;
+        self.load_inputs(&mut g, step, inputs)?;
+        self.decode_body(&mut g, kv)?;
+        let body = || {
+            self.decode_body(&mut g, kv).map_err(|e| match e {
+                Error::Op(e) => e,
+                other => miles_tensor::Error::Device(other.to_string()),
+            })
+        };
+        // This step's result is in `g` already; a graph that cannot be captured leaves the
+        // later steps eager.
+        g.graph = match self.device().capture(body) {
+            Ok(graph) => Some(graph),
+            Err(e) => {
+                eprintln!("warning: decode steps run eagerly: capturing a CUDA graph failed: {e}");
+                None
+            }
+        };
+        Ok(g)
+    }
+
+    /// The buffers of a step of `rows` rows (tables `stride` blocks wide) that draws with
+    /// `params` or leaves states, a draft's when `states` (its input states), over `kv`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn graph_buffers(
+        &self,
+        rows: usize,
+        stride: usize,
+        params: Option<SampleParams>,
+        states: bool,
+        kv: &KvCache,
+    ) -> Result<DecodeGraph> {
         let (c, device) = (&self.config, self.device());
         let half = [rows, c.head_dim / 2];
         let layout = kv.layout();
         let plan = ops::PagedPlan::for_decode(rows, stride, kv.scratch_block(), layout, &device)?;
-        let mut g = DecodeGraph {
+        Ok(DecodeGraph {
             rows,
             graph: None,
             ids: Tensor::zeros(&[rows], DType::I32, &device)?,
@@ -358,9 +395,9 @@ impl DeviceModel {
                 None => None,
             },
             plan,
-            states_in: match inputs.states {
-                Some(_) => Some(Tensor::zeros(&[rows, c.hidden_size], self.dtype(), &device)?),
-                None => None,
+            states_in: match states {
+                true => Some(Tensor::zeros(&[rows, c.hidden_size], self.dtype(), &device)?),
+                false => None,
             },
             out: match params {
                 Some(params) => Outputs::Draws(Box::new(DrawBuffers {
@@ -373,30 +410,12 @@ impl DeviceModel {
                     Outputs::States(Tensor::zeros(&[rows, c.hidden_size], self.dtype(), &device)?)
                 }
             },
-        };
-        self.load_inputs(&mut g, step, inputs)?;
-        self.decode_body(&mut g, kv)?;
-        let body = || {
-            self.decode_body(&mut g, kv).map_err(|e| match e {
-                Error::Op(e) => e,
-                other => miles_tensor::Error::Device(other.to_string()),
-            })
-        };
-        // This step's result is in `g` already; a graph that cannot be captured leaves the
-        // later steps eager.
-        g.graph = match device.capture(body) {
-            Ok(graph) => Some(graph),
-            Err(e) => {
-                eprintln!("warning: decode steps run eagerly: capturing a CUDA graph failed: {e}");
-                None
-            }
-        };
-        Ok(g)
+        })
     }
 
     /// The step on the graph's buffers: what is captured.
     #[cfg(feature = "cuda")]
-    fn decode_body(&self, g: &mut DecodeGraph, kv: &mut KvCache) -> Result<()> {
+    pub(crate) fn decode_body(&self, g: &mut DecodeGraph, kv: &mut KvCache) -> Result<()> {
         let mut x = self.embed(ops::embedding_forward_ids(self.embedding(), &g.ids)?)?;
         if let Some(states) = &g.states_in {
             x = self.draft_mix(x, states)?.0;

@@ -1404,8 +1404,13 @@ impl DeviceModel {
     /// f32 logits `[rows × vocab]` of the final-normed hidden states at `rows`.
     /// Gemma 2's final soft-cap is applied here, before the temperature.
     fn head_logits(&self, nf: &Tensor, rows: &[u32]) -> Result<Tensor> {
-        let h = ops::gather_rows(nf, rows)?;
-        let logits = self.weights().product_f32(&h, self.layout.head())?;
+        self.head_rows(&ops::gather_rows(nf, rows)?)
+    }
+
+    /// [`Self::head_logits`] of every row of `h` (a captured step's, whose rows are gathered
+    /// on the device).
+    pub(crate) fn head_rows(&self, h: &Tensor) -> Result<Tensor> {
+        let logits = self.weights().product_f32(h, self.layout.head())?;
         Ok(match self.final_softcap() {
             Some(cap) => ops::softcap(&logits, cap)?,
             None => logits,

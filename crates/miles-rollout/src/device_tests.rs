@@ -454,8 +454,8 @@ fn speculative_rollouts_on_cuda_keep_the_policys_tokens_and_logprobs() {
         let settings = serde_json::json!({ "num_steps": 3 });
         let chain = miles_plugin_eagle_spec::EagleSpec::from_config(&settings).unwrap();
         let speculator = Some(std::sync::Arc::new(chain) as _);
-        let mut e =
-            Engine::with_draft(&dm, &d, None, EngineConfig { speculator, ..config }).unwrap();
+        let spec_config = EngineConfig { speculator, ..config };
+        let mut e = Engine::with_draft(&dm, &d, None, spec_config.clone()).unwrap();
         let got = e
             .generate_speculative(&dm, Some(&d), groups(2, 5, vocab), &greedy, &mut |_| {
                 Flow::Continue
@@ -465,10 +465,26 @@ fn speculative_rollouts_on_cuda_keep_the_policys_tokens_and_logprobs() {
         let c = e.stats().spec;
         assert!(c.accepted > 0, "{arch:?}: {c:?}");
         let p = params(40);
-        let samples = e
+        let got = e
             .generate_speculative(&dm, Some(&d), groups(2, 6, vocab), &p, &mut |_| Flow::Continue)
-            .unwrap()
-            .concat();
+            .unwrap();
+        // Whole steps replayed as one graph each give the eager steps' samples.
+        assert!(e.stats().spec_phases.captured > 0, "{arch:?}: {:?}", e.stats().spec_phases);
+        let eager_config = EngineConfig { cuda_graphs: false, ..spec_config };
+        let mut eager = Engine::with_draft(&dm, &d, None, eager_config).unwrap();
+        let want = eager
+            .generate_speculative(&dm, Some(&d), groups(2, 6, vocab), &p, &mut |_| Flow::Continue)
+            .unwrap();
+        assert_eq!(eager.stats().spec_phases.captured, 0);
+        assert_eq!(results(&got), results(&want), "{arch:?}: captured against eager steps");
+        let logprobs = |g: &[Vec<Sample>]| -> Vec<Vec<u32>> {
+            g.iter()
+                .flatten()
+                .map(|s| s.rollout_log_probs.iter().map(|x| x.to_bits()).collect())
+                .collect()
+        };
+        assert_eq!(logprobs(&got), logprobs(&want), "{arch:?}: captured against eager logprobs");
+        let samples = got.concat();
         let order: Vec<usize> = (0..samples.len()).collect();
         let scored = score(&dm, &samples, &order, samples.len(), p.temperature);
         for (i, s) in samples.iter().enumerate() {

@@ -110,8 +110,10 @@ pub struct EngineStats {
 /// host's own cost (the device runs behind it); the last is what the device had left.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SpecPhases {
-    /// Speculative steps without prompts (the ones timed).
+    /// Speculative steps without prompts, timed by phase (eager ones).
     pub steps: usize,
+    /// Speculative steps replayed as one captured graph each (not timed by phase).
+    pub captured: usize,
     pub propose: f64,
     pub forward: f64,
     pub verify: f64,
@@ -252,10 +254,18 @@ impl Engine {
     }
 
     /// [`Engine::decode_replay_seconds`] of a speculative step's graphs: the policy's
-    /// verifying forwards, and the draft's proposal rounds.
-    pub fn spec_replay_seconds(&self, iters: u64) -> crate::Result<[Vec<(usize, f64)>; 2]> {
+    /// verifying forwards, the draft's proposal rounds (of eager steps), and whole steps.
+    pub fn spec_replay_seconds(&self, iters: u64) -> crate::Result<[Vec<(usize, f64)>; 3]> {
         let p = &self.policy;
-        Ok([replay_seconds(&p.verify_graphs, iters)?, replay_seconds(&p.draft_graphs, iters)?])
+        let whole = match &p.spec_graphs {
+            Some(g) => g.replay_seconds(iters).map_err(model_error)?,
+            None => Vec::new(),
+        };
+        Ok([
+            replay_seconds(&p.verify_graphs, iters)?,
+            replay_seconds(&p.draft_graphs, iters)?,
+            whole,
+        ])
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {

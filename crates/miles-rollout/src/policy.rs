@@ -6,7 +6,8 @@
 
 use miles_core::SamplingParams;
 use miles_model::{
-    BlockId, DecodeGraphs, DeviceModel, KvCache, ModelConfig, SampleParams, StepRow,
+    BlockId, DecodeGraphs, DeviceModel, KvCache, ModelConfig, SampleParams, SpecGraphs, SpecOut,
+    SpecRows, StepRow,
 };
 use miles_tensor::cpu::KEY_BLOCK;
 use miles_tensor::{DType, Device, Tensor};
@@ -100,6 +101,8 @@ pub struct Policy {
     /// Captured speculative steps: the policy's verifications and the draft's proposals.
     pub(crate) verify_graphs: Captured,
     pub(crate) draft_graphs: Captured,
+    /// Whole speculative steps captured as one graph each ([`Policy::spec_step`]).
+    pub(crate) spec_graphs: Option<SpecGraphs>,
     use_graphs: bool,
     /// A speculative draft's own cache ([`Policy::with_draft`]): its one layer's keys and
     /// values under the same block tables as the policy's.
@@ -173,6 +176,7 @@ impl Policy {
             graphs: Captured::default(),
             verify_graphs: Captured::default(),
             draft_graphs: Captured::default(),
+            spec_graphs: None,
             use_graphs,
             draft,
         })
@@ -315,6 +319,42 @@ impl Policy {
         }
         let graphs = self.draft_graphs.over(draft, None);
         draft.step_states(graphs, rows, (Some(states), ids), kv).map_err(model_error)
+    }
+
+    /// Whether `model`'s steps replay captured graphs here (CUDA, bf16, a dense model, graphs
+    /// not turned off).
+    pub fn captures(&self, model: &DeviceModel) -> bool {
+        self.use_graphs && model.captures_steps()
+    }
+
+    /// A whole speculative step of `model` with `draft`, each sequence proposing `k` drafts,
+    /// through one captured graph ([`DeviceModel::spec_step`]); `None` where steps are not
+    /// captured ([`Policy::captures`]).
+    pub fn spec_step(
+        &mut self,
+        model: &DeviceModel,
+        draft: &DeviceModel,
+        rows: SpecRows,
+        params: &SamplingParams,
+        k: usize,
+    ) -> crate::Result<Option<SpecOut>> {
+        if !(self.captures(model) && draft.captures_steps()) {
+            return Ok(None);
+        }
+        let Some((_, draft_kv)) = &mut self.draft else {
+            return Err(crate::Error::Invalid("rollout engine: no draft cache".into()));
+        };
+        let how = SampleParams {
+            temperature: params.temperature,
+            top_k: params.top_k,
+            top_p: params.top_p,
+        };
+        let graphs = match &mut self.spec_graphs {
+            Some(g) if g.params() == how && g.drafts() == k => g,
+            slot => slot.insert(SpecGraphs::new(how, k)),
+        };
+        let kvs = (&mut self.kv, draft_kv);
+        model.spec_step(draft, graphs, rows, kvs).map(Some).map_err(model_error)
     }
 
     /// The block that padding rows of a step read and write (never a sequence's).

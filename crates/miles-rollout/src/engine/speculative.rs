@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use miles_core::{SamplingParams, Speculator};
-use miles_model::{DeviceModel, StepRow};
+use miles_model::{DeviceModel, SpecRows, StepRow};
 use miles_tensor::Tensor;
 use miles_tensor::ops::{self, DraftChain};
 use serde_json::Value;
@@ -146,6 +146,13 @@ impl Engine {
         let started = Instant::now();
         let n = running.len();
         let ks: Vec<usize> = running.iter().map(|s| self.lookahead(s, params)).collect();
+        let drafts_only = admitted.is_empty() && chunk.is_none();
+        if drafts_only
+            && !self.config.spec_phase_sync
+            && let Some(out) = self.captured_step((model, draft), running, &ks, params)?
+        {
+            return Ok(out);
+        }
         let rounds = ks.iter().copied().max().unwrap_or(0);
         let scratch = [self.policy.scratch_block()];
         let pad = StepRow { token: 0, position: 0, blocks: &scratch };
@@ -186,7 +193,6 @@ impl Engine {
                 rows.push(StepRow { token: lead.tokens[p], position: p, blocks: &lead.blocks });
             }
         }
-        let drafts_only = prompts.is_empty();
         let phase_sync = self.config.spec_phase_sync;
         let sync = || match phase_sync {
             true => model.device().synchronize().map_err(tensor_error),
@@ -233,21 +239,9 @@ impl Engine {
             let ids = ids.to_vec_i32().map_err(tensor_error)?;
             for (c, (seq, tokens)) in running.iter().zip(kept).enumerate() {
                 let drafted = (1..=ks[c]).take_while(|j| ids[c + j * n] >= 0).count();
-                let accepted = tokens.len().saturating_sub(1).min(drafted);
-                let mut drawn: Vec<Option<Draw>> = tokens
-                    .iter()
-                    .enumerate()
-                    .map(|(j, &token)| Some(Draw { token, logprob: logp[c + j * n] }))
-                    .collect();
-                if tokens.is_empty() {
-                    drawn.push(None);
-                }
-                // Its draft next reads the policy's states at the positions kept.
-                let p = seq.tokens.len() - 1;
-                let rows = (0..tokens.len().max(1)).map(|j| (c + j * n) as u32).collect();
-                let feed = DraftFeed { from: p, states: hidden.clone(), rows };
-                let counts = SpecCounts { verifies: usize::from(drafted > 0), drafted, accepted };
-                feeds.push(Fed { feed: Some(feed), counts });
+                let kept = tokens.iter().enumerate().map(|(j, &t)| (t, logp[c + j * n])).collect();
+                let (drawn, fed) = after_verification(seq, (c, n), kept, drafted, &hidden);
+                feeds.push(fed);
                 draws.push(drawn);
             }
             if drafts_only {
@@ -300,6 +294,70 @@ impl Engine {
         Ok(StepOut { draws, routes, running_rows, feeds })
     }
 
+    /// The step through one captured graph ([`DeviceModel::spec_step`]) where the policy's
+    /// steps are captured and every running sequence proposes the full `k` drafts (no prompt
+    /// beside them): `None` otherwise, for the eager step.
+    fn captured_step(
+        &mut self,
+        (model, draft): (&DeviceModel, &DeviceModel),
+        running: &[Seq],
+        ks: &[usize],
+        params: &SamplingParams,
+    ) -> crate::Result<Option<StepOut>> {
+        let (n, k) = (running.len(), ks.first().copied().unwrap_or(0));
+        if n == 0 || k == 0 || ks.iter().any(|&x| x != k) || !self.policy.captures(model) {
+            return Ok(None);
+        }
+        let scratch = [self.policy.scratch_block()];
+        let pad = StepRow { token: 0, position: 0, blocks: &scratch };
+        let Some(Feeds { rows: feed, states: feed_states, from }) =
+            feeds(running, ks, Some((pad, k + 1)))?
+        else {
+            return Ok(None);
+        };
+        let newest = |s: &Seq| s.tokens.len() - 1;
+        let chain: Vec<StepRow> = (1..k)
+            .flat_map(|r| running.iter().map(move |s| (r, s)))
+            .map(|(r, s)| StepRow { token: 0, position: newest(s) + r - 1, blocks: &s.blocks })
+            .collect();
+        let verify: Vec<StepRow> = (0..=k)
+            .flat_map(|j| running.iter().map(move |s| (j, s)))
+            .map(|(j, s)| {
+                let token = if j == 0 { s.tokens[newest(s)] } else { 0 };
+                StepRow { token, position: newest(s) + j, blocks: &s.blocks }
+            })
+            .collect();
+        let draft_uniforms: Vec<f64> = (0..k)
+            .flat_map(|r| running.iter().map(move |s| (r, s)))
+            .map(|(r, s)| uniform(params.seed ^ DRAFT_STREAM, s.key, (s.response_len() + r) as u64))
+            .collect();
+        let verify_uniforms: Vec<Vec<(f64, f64)>> =
+            chains(running, ks, params).into_iter().map(|c| c.uniforms).collect();
+        let rows = SpecRows {
+            feed: &feed,
+            feed_states: &feed_states,
+            from: &from,
+            chain: &chain,
+            verify: &verify,
+            draft_uniforms: &draft_uniforms,
+            verify_uniforms: &verify_uniforms,
+        };
+        let Some(out) = self.policy.spec_step(model, draft, rows, params, k)? else {
+            return Ok(None);
+        };
+        self.stats.spec_phases.captured += 1;
+        let states = Arc::new(out.states);
+        let (mut draws, mut fed) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (c, (seq, kept)) in running.iter().zip(out.kept).enumerate() {
+            let (drawn, f) =
+                after_verification(seq, (c, out.stride), kept, out.drafted[c], &states);
+            draws.push(drawn);
+            fed.push(f);
+        }
+        let running_rows = ks.iter().map(|k| k + 1).collect();
+        Ok(Some(StepOut { draws, routes: Vec::new(), running_rows, feeds: fed }))
+    }
+
     /// The draft's chains, round by round: up to `ks[c]` tokens for running sequence c, each
     /// drawn from the draft's distribution, as `[n × 1]` i32 draws (-1 where the draft's
     /// logits have no mass; rows past a sequence's count are padding) beside the draft's
@@ -316,39 +374,9 @@ impl Engine {
         if rounds == 0 {
             return Ok(Vec::new());
         }
-        // The first round feeds each proposing sequence the states its draft has not seen,
-        // ending at its newest token's row.
-        let mut rows: Vec<StepRow> = Vec::new();
-        // The feeds' states: the distinct step tensors they are rows of, and the rows.
-        let mut sources: Vec<&Arc<Tensor>> = Vec::new();
-        let mut offsets: Vec<u32> = Vec::new();
-        let mut picks: Vec<u32> = Vec::new();
-        let mut from = vec![0u32; running.len()];
-        for (c, seq) in running.iter().enumerate().filter(|&(c, _)| ks[c] > 0) {
-            let feed = seq.feed.as_ref().expect("a proposing sequence has a feed");
-            let p = seq.tokens.len() - 1;
-            for t in feed.from..p {
-                rows.push(StepRow { token: seq.tokens[t + 1], position: t, blocks: &seq.blocks });
-            }
-            let source = match sources.iter().position(|s| Arc::ptr_eq(s, &feed.states)) {
-                Some(s) => s,
-                None => {
-                    let rows_before = offsets.last().map_or(0, |&o| o)
-                        + sources.last().map_or(0, |s| s.shape()[0] as u32);
-                    sources.push(&feed.states);
-                    offsets.push(rows_before);
-                    sources.len() - 1
-                }
-            };
-            picks.extend(feed.rows.iter().map(|r| offsets[source] + r));
-            from[c] = (rows.len() - 1) as u32;
-        }
-        let x = match sources[..] {
-            [one] => ops::gather_rows(one, &picks),
-            _ => ops::concat_rows(&sources.iter().map(|s| s.as_ref()).collect::<Vec<_>>())
-                .and_then(|all| ops::gather_rows(&all, &picks)),
-        }
-        .map_err(tensor_error)?;
+        let Some(Feeds { rows, states: x, mut from }) = feeds(running, ks, None)? else {
+            unreachable!("unpadded feeds always fit")
+        };
         let mut h = self.policy.draft_step(draft, &rows, (&x, None), true)?;
         let (device, n) = (draft.device(), running.len());
         let mut out = Vec::with_capacity(rounds);
@@ -386,6 +414,89 @@ impl Engine {
         }
         Ok(out)
     }
+}
+
+/// The first draft round of a step.
+struct Feeds<'s> {
+    rows: Vec<StepRow<'s>>,
+    /// The policy's states the rows read.
+    states: Tensor,
+    /// Each sequence's newest token's row (0 for one not proposing).
+    from: Vec<u32>,
+}
+
+/// The first draft round's rows for every proposing sequence (`ks[c] > 0`): the positions
+/// whose states its draft has not read, ending at its newest token's, with those states
+/// (gathered from the steps that made them). With `pad` (a padding row, a width) each
+/// sequence's rows are padded to that width (`None` when one has more).
+fn feeds<'s>(
+    running: &'s [Seq],
+    ks: &[usize],
+    pad: Option<(StepRow<'s>, usize)>,
+) -> crate::Result<Option<Feeds<'s>>> {
+    let mut rows: Vec<StepRow> = Vec::new();
+    // The distinct step tensors the feeds are rows of, and the rows picked.
+    let mut sources: Vec<&Arc<Tensor>> = Vec::new();
+    let mut offsets: Vec<u32> = Vec::new();
+    let mut picks: Vec<u32> = Vec::new();
+    let mut from = vec![0u32; running.len()];
+    for (c, seq) in running.iter().enumerate().filter(|&(c, _)| ks[c] > 0) {
+        let feed = seq.feed.as_ref().expect("a proposing sequence has a feed");
+        let p = seq.tokens.len() - 1;
+        if pad.is_some_and(|(_, width)| p - feed.from > width) {
+            return Ok(None);
+        }
+        for t in feed.from..p {
+            rows.push(StepRow { token: seq.tokens[t + 1], position: t, blocks: &seq.blocks });
+        }
+        let source = match sources.iter().position(|s| Arc::ptr_eq(s, &feed.states)) {
+            Some(s) => s,
+            None => {
+                let rows_before = offsets.last().map_or(0, |&o| o)
+                    + sources.last().map_or(0, |s| s.shape()[0] as u32);
+                sources.push(&feed.states);
+                offsets.push(rows_before);
+                sources.len() - 1
+            }
+        };
+        picks.extend(feed.rows.iter().map(|r| offsets[source] + r));
+        from[c] = (rows.len() - 1) as u32;
+        if let Some((pad, width)) = pad {
+            while !rows.len().is_multiple_of(width) {
+                rows.push(pad);
+                picks.push(0);
+            }
+        }
+    }
+    let x = match sources[..] {
+        [one] => ops::gather_rows(one, &picks),
+        _ => ops::concat_rows(&sources.iter().map(|s| s.as_ref()).collect::<Vec<_>>())
+            .and_then(|all| ops::gather_rows(&all, &picks)),
+    }
+    .map_err(tensor_error)?;
+    Ok(Some(Feeds { rows, states: x, from }))
+}
+
+/// What a verification leaves running sequence `seq` (its rows `c`, `stride` apart in the
+/// step's `states`): the kept tokens with their logprobs as draws (one `None` when its row had
+/// no mass), its draft's next feed (the states at the positions kept) and its counts.
+fn after_verification(
+    seq: &Seq,
+    (c, stride): (usize, usize),
+    kept: Vec<(u32, f32)>,
+    drafted: usize,
+    states: &Arc<Tensor>,
+) -> (Vec<Option<Draw>>, Fed) {
+    let accepted = kept.len().saturating_sub(1).min(drafted);
+    let rows = (0..kept.len().max(1)).map(|j| (c + j * stride) as u32).collect();
+    let feed = DraftFeed { from: seq.tokens.len() - 1, states: states.clone(), rows };
+    let counts = SpecCounts { verifies: usize::from(drafted > 0), drafted, accepted };
+    let mut drawn: Vec<Option<Draw>> =
+        kept.into_iter().map(|(token, logprob)| Some(Draw { token, logprob })).collect();
+    if drawn.is_empty() {
+        drawn.push(None);
+    }
+    (drawn, Fed { feed: Some(feed), counts })
 }
 
 /// The verification of each running sequence's proposal: its policy rows and the draft's

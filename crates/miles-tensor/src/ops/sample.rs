@@ -234,7 +234,9 @@ impl ChainTables {
     fn read(&self) -> Result<Vec<DraftChain>> {
         let (meta, bits) = (self.meta.to_vec_i32()?, self.uniforms.to_vec_i32()?);
         let u = |at: usize| {
-            f64::from_bits(u64::from(bits[2 * at] as u32) | (u64::from(bits[2 * at + 1] as u32) << 32))
+            f64::from_bits(
+                u64::from(bits[2 * at] as u32) | (u64::from(bits[2 * at + 1] as u32) << 32),
+            )
         };
         Ok(meta
             .chunks(3)
@@ -336,10 +338,8 @@ pub fn speculative_verify_tables(
             else {
                 unreachable!("tables on the logits' device (checked above)")
             };
-            let (
-                crate::cuda::DeviceData::I32(meta),
-                crate::cuda::DeviceData::I32(uniforms),
-            ) = (&meta.data, &uniforms.data)
+            let (crate::cuda::DeviceData::I32(meta), crate::cuda::DeviceData::I32(uniforms)) =
+                (&meta.data, &uniforms.data)
             else {
                 unreachable!("i32 tables")
             };
@@ -353,7 +353,10 @@ pub fn speculative_verify_tables(
                 (tables.stride, p_step, q_step),
             )?;
             Ok(Verified {
-                counts: Tensor { shape: vec![tables.meta.shape[0]], storage: Storage::Cuda(counts) },
+                counts: Tensor {
+                    shape: vec![tables.meta.shape[0]],
+                    storage: Storage::Cuda(counts),
+                },
                 tokens: Tensor { shape: vec![rows], storage: Storage::Cuda(tokens) },
             })
         }
