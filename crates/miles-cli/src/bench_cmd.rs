@@ -288,6 +288,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let replay_ms = widest(&replay);
     // Per speculative decode step (host time: queuing each phase, then the wait).
     let (p, per) = (s.spec_phases, 1e3 / s.spec_phases.steps.max(1) as f64);
+    let per_captured = 1e3 / p.captured.max(1) as f64;
     let phases = json!({"propose": p.propose * per, "forward": p.forward * per,
                         "verify": p.verify * per, "wait": p.wait * per});
     let served = match (args.serve_clients, served_groups) {
@@ -328,7 +329,11 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "spec_phases_ms": phases,
         "spec_verify_graph_ms": widest(&verify),
         "spec_draft_graph_ms": widest(&rounds),
-        "spec_captured_steps": s.spec_phases.captured,
+        "spec_captured_steps": p.captured,
+        "spec_captures": p.captures,
+        "spec_captured_ms": json!({"prepare": p.captured_prepare * per_captured,
+            "load": p.captured_load * per_captured, "replay": p.captured_replay * per_captured,
+            "after": p.captured_after * per_captured}),
         "spec_step_graph_ms": widest(&whole),
         "spec_accept_rate": s.spec.accepted as f64 / s.spec.drafted.max(1) as f64,
         "spec_tokens_per_verification":

@@ -56,6 +56,8 @@ pub struct SpecOut {
     pub kept: Vec<Vec<(u32, f32)>>,
     /// Per sequence: the drafts its chain offered (its draws before the first with no mass).
     pub drafted: Vec<usize>,
+    /// Host seconds loading the inputs, then replaying (or capturing) and reading back.
+    pub seconds: (f64, f64),
 }
 
 /// The captured speculative steps of one draft length and sampling configuration, over one
@@ -70,6 +72,7 @@ pub struct SpecGraphs {
     stride: usize,
     #[cfg(feature = "cuda")]
     graphs: Vec<SpecGraph>,
+    captures: usize,
 }
 
 impl SpecGraphs {
@@ -84,7 +87,13 @@ impl SpecGraphs {
             stride: 0,
             #[cfg(feature = "cuda")]
             graphs: Vec::new(),
+            captures: 0,
         }
+    }
+
+    /// Graphs captured so far, those dropped for new block-table widths or weights included.
+    pub fn captures(&self) -> usize {
+        self.captures
     }
 
     pub fn params(&self) -> SampleParams {
@@ -236,10 +245,13 @@ impl DeviceModel {
             graphs.graphs.clear();
         }
         let b = bucket(n);
+        let started = std::time::Instant::now();
+        let mut loaded = started;
         let index = match graphs.graphs.iter().position(|g| g.seqs == b) {
             Some(i) => {
                 let g = &mut graphs.graphs[i];
                 self.load_spec(draft, g, rows, kv)?;
+                loaded = std::time::Instant::now();
                 match &g.graph {
                     Some(graph) => graph.launch()?,
                     None => spec_body((self, draft), g, params, (&mut *kv, &mut *draft_kv))?,
@@ -248,6 +260,7 @@ impl DeviceModel {
             }
             None => {
                 let stride = graphs.stride;
+                graphs.captures += 1;
                 let mut g = self.spec_buffers(draft, b, k, stride, (&*kv, &*draft_kv))?;
                 self.load_spec(draft, &mut g, rows, kv)?;
                 // This step's result, the kernels loaded and the GEMM algorithms pinned; then
@@ -285,7 +298,8 @@ impl DeviceModel {
             .collect();
         let drafted = (0..n).map(|c| (1..=k).take_while(|j| ids[c + j * b] >= 0).count()).collect();
         let Outputs::States(states) = &g.verify.out else { unreachable!("state buffers") };
-        Ok(SpecOut { states: states.try_clone()?, stride: b, kept, drafted })
+        let seconds = ((loaded - started).as_secs_f64(), loaded.elapsed().as_secs_f64());
+        Ok(SpecOut { states: states.try_clone()?, stride: b, kept, drafted, seconds })
     }
 
     /// The buffers of bucket `b`'s step with `k` drafts, block tables `stride` wide.

@@ -470,7 +470,9 @@ fn speculative_rollouts_on_cuda_keep_the_policys_tokens_and_logprobs() {
             .unwrap();
         // Whole steps replayed as one graph each give the eager steps' samples.
         assert!(e.stats().spec_phases.captured > 0, "{arch:?}: {:?}", e.stats().spec_phases);
-        let eager_config = EngineConfig { cuda_graphs: false, ..spec_config };
+        // (The engine that times each phase runs the eager steps, their parts' graphs
+        // included: the same kernels on the same rows.)
+        let eager_config = EngineConfig { spec_phase_sync: true, ..spec_config };
         let mut eager = Engine::with_draft(&dm, &d, None, eager_config).unwrap();
         let want = eager
             .generate_speculative(&dm, Some(&d), groups(2, 6, vocab), &p, &mut |_| Flow::Continue)

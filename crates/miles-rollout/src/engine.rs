@@ -112,8 +112,16 @@ pub struct EngineStats {
 pub struct SpecPhases {
     /// Speculative steps without prompts, timed by phase (eager ones).
     pub steps: usize,
-    /// Speculative steps replayed as one captured graph each (not timed by phase).
+    /// Speculative steps replayed as one captured graph each, and their host seconds: laying
+    /// out the rows and gathering the draft's feeds, loading the graph's inputs, replaying it
+    /// and reading back (the device's time), and the bookkeeping after.
     pub captured: usize,
+    pub captured_prepare: f64,
+    pub captured_load: f64,
+    pub captured_replay: f64,
+    pub captured_after: f64,
+    /// Whole-step graphs captured (each batch bucket once, again for wider block tables).
+    pub captures: usize,
     pub propose: f64,
     pub forward: f64,
     pub verify: f64,

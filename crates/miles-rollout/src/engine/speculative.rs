@@ -304,6 +304,7 @@ impl Engine {
         ks: &[usize],
         params: &SamplingParams,
     ) -> crate::Result<Option<StepOut>> {
+        let started = Instant::now();
         let (n, k) = (running.len(), ks.first().copied().unwrap_or(0));
         if n == 0 || k == 0 || ks.iter().any(|&x| x != k) || !self.policy.captures(model) {
             return Ok(None);
@@ -342,10 +343,11 @@ impl Engine {
             draft_uniforms: &draft_uniforms,
             verify_uniforms: &verify_uniforms,
         };
+        let prepared = Instant::now();
         let Some(out) = self.policy.spec_step(model, draft, rows, params, k)? else {
             return Ok(None);
         };
-        self.stats.spec_phases.captured += 1;
+        let replayed = Instant::now();
         let states = Arc::new(out.states);
         let (mut draws, mut fed) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for (c, (seq, kept)) in running.iter().zip(out.kept).enumerate() {
@@ -354,6 +356,13 @@ impl Engine {
             draws.push(drawn);
             fed.push(f);
         }
+        let phases = &mut self.stats.spec_phases;
+        phases.captured += 1;
+        phases.captured_prepare += (prepared - started).as_secs_f64();
+        phases.captured_load += out.seconds.0;
+        phases.captured_replay += out.seconds.1;
+        phases.captured_after += replayed.elapsed().as_secs_f64();
+        phases.captures = self.policy.spec_graphs.as_ref().map_or(0, |g| g.captures());
         let running_rows = ks.iter().map(|k| k + 1).collect();
         Ok(Some(StepOut { draws, routes: Vec::new(), running_rows, feeds: fed }))
     }
