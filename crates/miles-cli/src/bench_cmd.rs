@@ -331,6 +331,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "spec_draft_graph_ms": widest(&rounds),
         "spec_captured_steps": p.captured,
         "spec_captures": p.captures,
+        "spec_capture_failed": p.capture_failed,
         "spec_captured_ms": json!({"prepare": p.captured_prepare * per_captured,
             "load": p.captured_load * per_captured, "replay": p.captured_replay * per_captured,
             "after": p.captured_after * per_captured}),

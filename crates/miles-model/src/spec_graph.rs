@@ -73,6 +73,8 @@ pub struct SpecGraphs {
     #[cfg(feature = "cuda")]
     graphs: Vec<SpecGraph>,
     captures: usize,
+    /// Why the last capture that failed did (its steps run the body eagerly).
+    failed: Option<String>,
 }
 
 impl SpecGraphs {
@@ -88,7 +90,13 @@ impl SpecGraphs {
             #[cfg(feature = "cuda")]
             graphs: Vec::new(),
             captures: 0,
+            failed: None,
         }
+    }
+
+    /// Why the last capture that failed did, if one did.
+    pub fn failed(&self) -> Option<&str> {
+        self.failed.as_deref()
     }
 
     /// Graphs captured so far, those dropped for new block-table widths or weights included.
@@ -276,9 +284,10 @@ impl DeviceModel {
                     Ok(graph) => Some(graph),
                     Err(e) => {
                         eprintln!(
-                            "warning: speculative steps run eagerly: capturing a CUDA graph \
-                             failed: {e}"
+                            "warning: speculative steps of {b} sequences run eagerly: \
+                             capturing a CUDA graph failed: {e}"
                         );
+                        graphs.failed = Some(format!("{b} sequences: {e}"));
                         None
                     }
                 };

@@ -122,6 +122,8 @@ pub struct SpecPhases {
     pub captured_after: f64,
     /// Whole-step graphs captured (each batch bucket once, again for wider block tables).
     pub captures: usize,
+    /// Whether a capture failed (its bucket's steps then run the same body eagerly).
+    pub capture_failed: bool,
     pub propose: f64,
     pub forward: f64,
     pub verify: f64,

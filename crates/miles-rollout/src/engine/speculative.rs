@@ -362,7 +362,9 @@ impl Engine {
         phases.captured_load += out.seconds.0;
         phases.captured_replay += out.seconds.1;
         phases.captured_after += replayed.elapsed().as_secs_f64();
-        phases.captures = self.policy.spec_graphs.as_ref().map_or(0, |g| g.captures());
+        if let Some(g) = &self.policy.spec_graphs {
+            (phases.captures, phases.capture_failed) = (g.captures(), g.failed().is_some());
+        }
         let running_rows = ks.iter().map(|k| k + 1).collect();
         Ok(Some(StepOut { draws, routes: Vec::new(), running_rows, feeds: fed }))
     }
