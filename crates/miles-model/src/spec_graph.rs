@@ -153,7 +153,7 @@ impl SpecGraphs {
 #[cfg(feature = "cuda")]
 struct SpecGraph {
     seqs: usize,
-    /// `None` when capture failed: the body then runs eagerly on the same buffers.
+    /// `None` when capture failed (the bucket's later steps are the caller's).
     graph: Option<miles_tensor::Graph>,
     feed: DecodeGraph,
     /// Each sequence's newest token's row in the feed (i32 `[b]`).
@@ -183,14 +183,15 @@ impl DeviceModel {
     /// the first time a batch bucket comes): the draft's `k` rounds, the verifying forward
     /// (keys and values into `kv` and the draft's into `draft_kv`), the verification and the
     /// kept tokens' logprobs, with the eager step's bits. Only where
-    /// [`Self::captures_steps`], for dense models.
+    /// [`Self::captures_steps`], for dense models; `None` (nothing run) for a batch bucket
+    /// whose capture failed ([`SpecGraphs::failed`]): the caller's eager step serves it.
     pub fn spec_step(
         &self,
         draft: &DeviceModel,
         graphs: &mut SpecGraphs,
         rows: SpecRows,
         (kv, draft_kv): (&mut KvCache, &mut KvCache),
-    ) -> Result<SpecOut> {
+    ) -> Result<Option<SpecOut>> {
         let (n, k) = (rows.from.len(), graphs.k);
         let laid_out = k > 0
             && rows.feed.len() == n * (k + 1)
@@ -241,7 +242,7 @@ impl DeviceModel {
         graphs: &mut SpecGraphs,
         rows: &SpecRows,
         (kv, draft_kv): (&mut KvCache, &mut KvCache),
-    ) -> Result<SpecOut> {
+    ) -> Result<Option<SpecOut>> {
         let (n, k, params) = (rows.from.len(), graphs.k, graphs.params);
         let widest = [rows.feed, rows.chain, rows.verify]
             .iter()
@@ -256,14 +257,14 @@ impl DeviceModel {
         let started = std::time::Instant::now();
         let mut loaded = started;
         let index = match graphs.graphs.iter().position(|g| g.seqs == b) {
+            // A bucket whose capture failed: the eager step, whose parts replay graphs of
+            // their own, is faster than this body run eagerly.
+            Some(i) if graphs.graphs[i].graph.is_none() => return Ok(None),
             Some(i) => {
                 let g = &mut graphs.graphs[i];
                 self.load_spec(draft, g, rows, kv)?;
                 loaded = std::time::Instant::now();
-                match &g.graph {
-                    Some(graph) => graph.launch()?,
-                    None => spec_body((self, draft), g, params, (&mut *kv, &mut *draft_kv))?,
-                }
+                g.graph.as_ref().expect("a captured bucket").launch()?;
                 i
             }
             None => {
@@ -308,7 +309,7 @@ impl DeviceModel {
         let drafted = (0..n).map(|c| (1..=k).take_while(|j| ids[c + j * b] >= 0).count()).collect();
         let Outputs::States(states) = &g.verify.out else { unreachable!("state buffers") };
         let seconds = ((loaded - started).as_secs_f64(), loaded.elapsed().as_secs_f64());
-        Ok(SpecOut { states: states.try_clone()?, stride: b, kept, drafted, seconds })
+        Ok(Some(SpecOut { states: states.try_clone()?, stride: b, kept, drafted, seconds }))
     }
 
     /// The buffers of bucket `b`'s step with `k` drafts, block tables `stride` wide.

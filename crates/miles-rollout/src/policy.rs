@@ -329,7 +329,7 @@ impl Policy {
 
     /// A whole speculative step of `model` with `draft`, each sequence proposing `k` drafts,
     /// through one captured graph ([`DeviceModel::spec_step`]); `None` where steps are not
-    /// captured ([`Policy::captures`]).
+    /// captured ([`Policy::captures`]) or this batch's capture failed.
     pub fn spec_step(
         &mut self,
         model: &DeviceModel,
@@ -354,7 +354,7 @@ impl Policy {
             slot => slot.insert(SpecGraphs::new(how, k)),
         };
         let kvs = (&mut self.kv, draft_kv);
-        model.spec_step(draft, graphs, rows, kvs).map(Some).map_err(model_error)
+        model.spec_step(draft, graphs, rows, kvs).map_err(model_error)
     }
 
     /// The block that padding rows of a step read and write (never a sequence's).
