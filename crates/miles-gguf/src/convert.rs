@@ -201,6 +201,7 @@ pub fn model_config(g: &GgufFile) -> Result<ModelConfig> {
         moe: None,
         gemma: None,
         mtp_input: false,
+        mla: None,
     };
     // miles-model's own checks (positive sizes, heads divisible, even head_dim, …).
     ModelConfig::from_json(&config.to_hf_json("float32"), &g.path).map_err(|e| {

@@ -25,7 +25,7 @@ pub mod testing;
 pub mod tokenizer;
 pub mod weights;
 
-pub use config::{Architecture, Biases, GemmaConfig, ModelConfig, MoeConfig};
+pub use config::{Architecture, Biases, GemmaConfig, MlaConfig, ModelConfig, MoeConfig, Routing};
 pub use decode::DecodeGraphs;
 pub use device::{DeviceModel, Forward, Fp8Layers, Int4Layers, SampleParams, fp8_weight_names};
 pub use error::{Error, Result};

@@ -218,6 +218,7 @@ pub(crate) mod tests {
             moe: None,
             gemma: None,
             mtp_input: false,
+            mla: None,
         }
     }
 
@@ -281,6 +282,8 @@ pub(crate) mod tests {
                 decoder_sparse_step: 1,
                 mlp_only_layers: vec![1],
                 router_aux_loss_coef,
+                routing: crate::Routing::Softmax,
+                shared_experts: 0,
             })),
             ..tiny(Architecture::Qwen3Moe, false)
         }

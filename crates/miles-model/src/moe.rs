@@ -541,6 +541,8 @@ mod tests {
             decoder_sparse_step: 1,
             mlp_only_layers: Vec::new(),
             router_aux_loss_coef: 0.0,
+            routing: crate::Routing::Softmax,
+            shared_experts: 0,
         }
     }
 

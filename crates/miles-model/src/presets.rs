@@ -69,6 +69,8 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                     decoder_sparse_step: 1,
                     mlp_only_layers: Vec::new(),
                     router_aux_loss_coef: 0.0,
+                    routing: crate::Routing::Softmax,
+                    shared_experts: 0,
                 })
             }),
             // Gemma 3: a sliding layer (window 8) before a full one, its own query scale.
@@ -86,6 +88,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 })
             }),
             mtp_input: false,
+            mla: None,
         },
         // Qwen3-0.6B's published config.json.
         "qwen3-0.6b" => ModelConfig {
@@ -109,6 +112,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             moe: None,
             gemma: None,
             mtp_input: false,
+            mla: None,
         },
         // Qwen3-8B's published config.json (weight-bound decode benchmarks).
         "qwen3-8b" => ModelConfig {
@@ -132,6 +136,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             moe: None,
             gemma: None,
             mtp_input: false,
+            mla: None,
         },
         // SmolLM2-135M's published config.json (Llama architecture).
         "smollm2-135m" => ModelConfig {
@@ -155,6 +160,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             moe: None,
             gemma: None,
             mtp_input: false,
+            mla: None,
         },
         // Qwen3-30B-A3B's published config.json with 4 of its 48 layers: the layers' shapes
         // for benchmarks (3.1 B parameters, 0.85 B active, 0.6 B of them the embedding and head).
@@ -184,9 +190,12 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 decoder_sparse_step: 1,
                 mlp_only_layers: Vec::new(),
                 router_aux_loss_coef: 0.0,
+                routing: crate::Routing::Softmax,
+                shared_experts: 0,
             })),
             gemma: None,
             mtp_input: false,
+            mla: None,
         },
         // Qwen2.5-0.5B-Instruct's and Qwen2.5-1.5B-Instruct's published config.json.
         "qwen2.5-0.5b" | "qwen2.5-1.5b" => {
@@ -212,6 +221,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 moe: None,
                 gemma: None,
                 mtp_input: false,
+                mla: None,
             }
         }
         // Llama-3.2-1B-Instruct's published config.json (llama3 rope scaling).
@@ -241,6 +251,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             moe: None,
             gemma: None,
             mtp_input: false,
+            mla: None,
         },
         // gemma-3-1b-it's and gemma-2-2b-it's published config.json: heads of 256, every 6th
         // layer global (Gemma 3) or every 2nd (Gemma 2).
@@ -281,6 +292,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                     final_softcap: (!three).then_some(30.0),
                 })),
                 mtp_input: false,
+                mla: None,
             }
         }
         // GLM-4-9B-0414's published config.json.
@@ -305,6 +317,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             moe: None,
             gemma: None,
             mtp_input: false,
+            mla: None,
         },
         other => {
             return Err(Error::Invalid(format!(

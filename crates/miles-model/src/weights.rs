@@ -333,6 +333,16 @@ impl Weights {
     /// Loads `dir/model.safetensors` or the shards listed in `dir/model.safetensors.index.json`.
     /// A missing or mis-shaped tensor names the file and the tensor.
     pub fn load(dir: &Path, c: &ModelConfig) -> Result<Self> {
+        if c.mla.is_some() {
+            return Err(Error::Config {
+                path: crate::config::config_path(dir),
+                message: format!(
+                    "{}: its config is read and checked, but multi-head latent attention is \
+                     not implemented yet (issue 37)",
+                    c.architecture.hf_class()
+                ),
+            });
+        }
         let files = TensorFiles::open(dir)?;
         files.check_counts(c, &crate::config::config_path(dir))?;
         crate::file_layout::weights_from_files(c, |name, shape| files.f32(name, shape))
