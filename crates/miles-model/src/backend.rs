@@ -46,6 +46,10 @@ pub(crate) trait Backend {
     fn glu(&self, gate: &Self::Act, up: &Self::Act) -> Result<Self::Act>;
     fn add(&self, a: &Self::Act, b: &Self::Act) -> Result<Self::Act>;
 
+    /// A DeepSeek router's `e_score_correction_bias` on the host; `None` for others.
+    fn router_bias(&self, _layer: usize) -> Result<Option<Vec<f32>>> {
+        Ok(None)
+    }
     /// The values of `x` on the host (a sparse layer's router logits).
     fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>>;
     /// `[values / width × width]` from host values.

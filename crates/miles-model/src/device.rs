@@ -2158,6 +2158,13 @@ impl Backend for Dev<'_> {
         Ok(ops::pick_row_dots(a, y, picks, k)?)
     }
 
+    fn router_bias(&self, layer: usize) -> Result<Option<Vec<f32>>> {
+        match self.w.layout.find(layer, "mlp.gate.e_score_correction_bias") {
+            Some(i) => Ok(Some(self.w.weight(i).to_vec_f32()?)),
+            None => Ok(None),
+        }
+    }
+
     fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
         Ok(x.to_vec_f32()?)
     }

@@ -10,11 +10,17 @@
 //! `load_balancing_loss_func` over the sparse layers' tokens taken together:
 //! `E/N² · Σ_e c_e · Σ_n p_ne`, with `c_e` the number of top-k picks of expert `e` (by each
 //! token's own top-k) and `N` the rows of all sparse layers.
+//!
+//! DeepSeek-V3 ([`crate::Routing::GroupedSigmoid`]) scores each expert by `s = sigmoid(logit)`
+//! and chooses by `s + bias` (`e_score_correction_bias`, which balances the load without a
+//! loss): the `topk_group` groups whose two best such scores sum highest, then the top-k of
+//! their experts; the gate weights are the chosen `s`, divided by their sum (+1e-20) with
+//! `norm_topk_prob`, times `routed_scaling_factor`. The bias steers the choice only.
 
 use rayon::prelude::*;
 
 use crate::backend::{Backend, BackwardBackend, Linear, take};
-use crate::config::MoeConfig;
+use crate::config::{MoeConfig, Routing as Scoring};
 use crate::{Error, ModelConfig, PackedBatch, Result};
 
 /// One sparse layer's routing of `tokens` rows.
@@ -26,7 +32,7 @@ pub struct Routing {
     pub experts: Vec<u32>,
     /// Their gate weights, `[tokens × top_k]`.
     pub weights: Vec<f32>,
-    /// The router's softmax, `[tokens × num_experts]`.
+    /// The router's softmax (DeepSeek: its sigmoid scores), `[tokens × num_experts]`.
     pub probs: Vec<f32>,
     /// Each token's own top-k (the experts when nothing is replayed), for the balance loss.
     pub own: Vec<u32>,
@@ -59,14 +65,51 @@ fn top_k(p: &[f32], k: usize) -> Vec<u32> {
     idx
 }
 
+/// DeepSeek's choice by `choice` (scores plus bias): the top-k experts of the `kept` of
+/// `groups` groups ranked by the sum of their two best, ties to the lower index.
+fn grouped_top_k(choice: &[f32], groups: usize, kept: usize, k: usize) -> Vec<u32> {
+    if kept >= groups {
+        return top_k(choice, k);
+    }
+    let per = choice.len() / groups;
+    let sums: Vec<f32> =
+        choice.chunks(per).map(|g| top_k(g, 2).iter().map(|&i| g[i as usize]).sum()).collect();
+    let keep = top_k(&sums, kept);
+    let masked: Vec<f32> = (0..choice.len())
+        .map(|i| if keep.contains(&((i / per) as u32)) { choice[i] } else { f32::NEG_INFINITY })
+        .collect();
+    top_k(&masked, k)
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// The replay entry of a token without a record: it takes its own top-k.
 pub const OWN_CHOICE: u32 = u32::MAX;
 
-/// Routes `logits` `[tokens × num_experts]`; `replay` gives the experts (`[tokens × top_k]`)
-/// instead of the top-k, a token whose entries are [`OWN_CHOICE`] routing itself.
-pub fn route(logits: &[f32], m: &MoeConfig, replay: Option<&[u32]>) -> Result<Routing> {
+/// Routes `logits` `[tokens × num_experts]` (DeepSeek's: with the layer's correction `bias`);
+/// `replay` gives the experts (`[tokens × top_k]`) instead of the top-k, a token whose entries
+/// are [`OWN_CHOICE`] routing itself.
+pub fn route(
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    m: &MoeConfig,
+    replay: Option<&[u32]>,
+) -> Result<Routing> {
     let (e, k) = (m.num_experts, m.num_experts_per_tok);
     let tokens = logits.len() / e;
+    let grouped = match m.routing {
+        Scoring::Softmax => None,
+        Scoring::GroupedSigmoid { n_group, topk_group, scaling } => {
+            let bias = bias.filter(|b| b.len() == e).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "routing: a DeepSeek router needs its e_score_correction_bias of {e} experts"
+                ))
+            })?;
+            Some((bias, n_group, topk_group, scaling))
+        }
+    };
     if let Some(r) = replay {
         if r.len() != tokens * k {
             return Err(Error::Invalid(format!(
@@ -100,8 +143,20 @@ pub fn route(logits: &[f32], m: &MoeConfig, replay: Option<&[u32]>) -> Result<Ro
         .for_each(|(task, (((probs, experts), weights), own))| {
             for (i, p_out) in probs.chunks_mut(e).enumerate() {
                 let t = task * TOKENS_PER_TASK + i;
-                let p = softmax(&logits[t * e..(t + 1) * e]);
-                let mine = top_k(&p, k);
+                let row = &logits[t * e..(t + 1) * e];
+                let (p, mine) = match grouped {
+                    None => {
+                        let p = softmax(row);
+                        let mine = top_k(&p, k);
+                        (p, mine)
+                    }
+                    Some((bias, groups, kept, _)) => {
+                        let s: Vec<f32> = row.iter().map(|&l| sigmoid(l)).collect();
+                        let choice: Vec<f32> = s.iter().zip(bias).map(|(s, b)| s + b).collect();
+                        let mine = grouped_top_k(&choice, groups, kept, k);
+                        (s, mine)
+                    }
+                };
                 let chosen = match replay.map(|r| &r[t * k..(t + 1) * k]) {
                     Some(given) if given[0] != OWN_CHOICE => given,
                     _ => &mine[..],
@@ -110,9 +165,19 @@ pub fn route(logits: &[f32], m: &MoeConfig, replay: Option<&[u32]>) -> Result<Ro
                 for (w, &x) in w.iter_mut().zip(chosen) {
                     *w = p[x as usize];
                 }
-                if m.norm_topk_prob {
-                    let sum: f32 = w.iter().sum();
-                    w.iter_mut().for_each(|v| *v /= sum);
+                match grouped {
+                    None if m.norm_topk_prob => {
+                        let sum: f32 = w.iter().sum();
+                        w.iter_mut().for_each(|v| *v /= sum);
+                    }
+                    None => {}
+                    Some((.., scaling)) => {
+                        if m.norm_topk_prob {
+                            let sum = w.iter().sum::<f32>() + 1e-20;
+                            w.iter_mut().for_each(|v| *v /= sum);
+                        }
+                        w.iter_mut().for_each(|v| *v *= scaling);
+                    }
                 }
                 experts[i * k..(i + 1) * k].copy_from_slice(chosen);
                 own[i * k..(i + 1) * k].copy_from_slice(&mine);
@@ -177,7 +242,8 @@ pub(crate) fn interleave(per_layer: &[&[u32]], top_k: usize) -> Vec<u16> {
 #[derive(Debug, Clone, Default)]
 pub struct SparseOutputs {
     /// The load-balancing loss (transformers' `load_balancing_loss_func`: top-k when
-    /// balanced), whatever its weight in the loss; `None` for a dense model.
+    /// balanced), whatever its weight in the loss; `None` for a dense model and for
+    /// DeepSeek's routing (balanced by its bias).
     pub router_aux_loss: Option<f64>,
     /// Against the batch's routed experts, when it has them.
     pub routing_mismatch: Option<RoutingMismatch>,
@@ -230,7 +296,10 @@ impl<'a> SparseLayers<'a> {
     /// What the forward reports, after its layers.
     pub fn finish(self, c: &ModelConfig) -> SparseOutputs {
         SparseOutputs {
-            router_aux_loss: c.moe.as_ref().map(|_| self.balance.loss()),
+            // (DeepSeek balances by its bias, without this loss.)
+            router_aux_loss: (c.moe.as_ref())
+                .filter(|m| m.routing == Scoring::Softmax)
+                .map(|_| self.balance.loss()),
             routing_mismatch: self.mismatch,
             aux_weight: 1.0,
             balance: self.balance,
@@ -335,7 +404,8 @@ pub(crate) fn moe_forward<B: Backend>(
     replay: Option<&[u32]>,
 ) -> Result<(B::Act, MoeActivations<B::Act>)> {
     let [logits] = take(b.linear(layer, Linear::Router, x)?);
-    let routing = route(&b.to_host(&logits)?, m, replay)?;
+    let bias = b.router_bias(layer)?;
+    let routing = route(&b.to_host(&logits)?, bias.as_deref(), m, replay)?;
     let k = m.num_experts_per_tok;
     if b.grouped_experts() {
         let order = ExpertOrder::new(&routing);
@@ -455,7 +525,7 @@ pub(crate) fn moe_backward<B: BackwardBackend>(
             (d_weights, b.pick_rows(&d_xp, hidden, &order.rows_of_picks, &ones, k)?)
         }
     };
-    let d_logits = router_backward(r, &d_weights, m.norm_topk_prob, balance);
+    let d_logits = router_backward(r, &d_weights, m, balance);
     let d_logits = b.upload(d_logits, r.num_experts)?;
     let d_x_router = b.linear_backward(layer, Linear::Router, &[&d_logits], x)?;
     b.add(&d_x, &d_x_router)
@@ -491,14 +561,18 @@ fn per_expert_backward<B: BackwardBackend>(
 }
 
 /// d(loss)/d(router logits) `[tokens × num_experts]` from the gate weights' gradients, through
-/// the renormalization and the softmax, plus the balance loss's.
+/// the renormalization and the softmax (DeepSeek: the scaling, the renormalization and each
+/// chosen expert's sigmoid), plus the balance loss's.
 fn router_backward(
     r: &Routing,
     d_weights: &[f32],
-    norm: bool,
+    m: &MoeConfig,
     balance: Option<(f32, &BalanceStats)>,
 ) -> Vec<f32> {
-    let (e, k) = (r.num_experts, r.top_k);
+    let (e, k, norm) = (r.num_experts, r.top_k, m.norm_topk_prob);
+    if let Scoring::GroupedSigmoid { scaling, .. } = m.routing {
+        return sigmoid_router_backward(r, d_weights, norm, scaling);
+    }
     let extra = balance.map(|(coef, stats)| stats.prob_grads(coef));
     let mut d_logits = vec![0.0f32; r.probs.len()];
     // Token by token, each on its own: in parallel, the same bits.
@@ -528,6 +602,27 @@ fn router_backward(
     d_logits
 }
 
+/// [`router_backward`] of DeepSeek's weights `w_k = c · s_k / (Σ_j s_j + ε)` (or `c · s_k`)
+/// with `s = sigmoid(logit)`: `ds_i = (c / S) · (dw_i − Σ_k dw_k · w_k / c)`, through the
+/// sigmoid's `s (1 − s)`; experts not chosen get none (the bias has no gradient).
+fn sigmoid_router_backward(r: &Routing, d_weights: &[f32], norm: bool, scaling: f32) -> Vec<f32> {
+    let (e, k) = (r.num_experts, r.top_k);
+    let mut d_logits = vec![0.0f32; r.probs.len()];
+    d_logits.par_chunks_mut(e).enumerate().for_each(|(t, out)| {
+        let s = &r.probs[t * e..(t + 1) * e];
+        let chosen = &r.experts[t * k..(t + 1) * k];
+        let (w, dw) = (&r.weights[t * k..(t + 1) * k], &d_weights[t * k..(t + 1) * k]);
+        let sum = chosen.iter().map(|&x| s[x as usize]).sum::<f32>() + 1e-20;
+        let dot: f32 = dw.iter().zip(w).map(|(a, b)| a * b / scaling).sum();
+        for (&x, &g) in chosen.iter().zip(dw) {
+            let ds = if norm { scaling * (g - dot) / sum } else { scaling * g };
+            let si = s[x as usize];
+            out[x as usize] += ds * si * (1.0 - si);
+        }
+    });
+    d_logits
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -549,26 +644,26 @@ mod tests {
     #[test]
     fn routing_takes_the_top_k_with_ties_to_the_lower_index_and_renormalizes() {
         let logits = [0.0, 2.0, 2.0, 1.0, /* */ 3.0, -1.0, 0.5, 0.5];
-        let r = route(&logits, &config(true), None).unwrap();
+        let r = route(&logits, None, &config(true), None).unwrap();
         assert_eq!(r.experts, [1, 2, 0, 2]);
         assert!((r.weights[0] - 0.5).abs() < 1e-7 && (r.weights[1] - 0.5).abs() < 1e-7);
         let p = softmax(&logits[4..]);
         assert!((r.weights[2] - p[0] / (p[0] + p[2])).abs() < 1e-7);
-        let raw = route(&logits, &config(false), None).unwrap();
+        let raw = route(&logits, None, &config(false), None).unwrap();
         assert_eq!(raw.weights[2], p[0]);
         // Replay keeps the given experts and weighs them by the current probabilities.
-        let replay = route(&logits, &config(true), Some(&[3, 0, 1, 3])).unwrap();
+        let replay = route(&logits, None, &config(true), Some(&[3, 0, 1, 3])).unwrap();
         assert_eq!((replay.experts.clone(), replay.own.clone()), (vec![3, 0, 1, 3], r.experts));
         let q = softmax(&logits[..4]);
         assert!((replay.weights[0] - q[3] / (q[3] + q[0])).abs() < 1e-7);
-        assert!(route(&logits, &config(true), Some(&[0, 1])).is_err());
-        assert!(route(&logits, &config(true), Some(&[0, 1, 2, 4])).is_err());
+        assert!(route(&logits, None, &config(true), Some(&[0, 1])).is_err());
+        assert!(route(&logits, None, &config(true), Some(&[0, 1, 2, 4])).is_err());
     }
 
     /// The picks sorted by expert, stably, with each pick's row and each row's token.
     #[test]
     fn expert_order_sorts_the_picks_stably() {
-        let r = route(&[0.0; 12], &config(false), Some(&[2, 0, 0, 3, 2, 1])).unwrap();
+        let r = route(&[0.0; 12], None, &config(false), Some(&[2, 0, 0, 3, 2, 1])).unwrap();
         let o = ExpertOrder::new(&r);
         assert_eq!(o.offsets, [0, 2, 3, 5, 6]);
         assert_eq!(o.picks, [1, 2, 5, 0, 4, 3]);
@@ -585,7 +680,7 @@ mod tests {
     #[test]
     fn the_balance_loss_is_top_k_when_balanced() {
         // Uniform probabilities, every expert picked equally often.
-        let r = route(&[0.0; 8], &config(false), Some(&[0, 1, 2, 3])).unwrap();
+        let r = route(&[0.0; 8], None, &config(false), Some(&[0, 1, 2, 3])).unwrap();
         let mut stats = BalanceStats::default();
         let mut even = r.clone();
         even.own = vec![0, 1, 2, 3];
@@ -604,10 +699,10 @@ mod tests {
             let logits = rng.vec(3 * 4, 1.5);
             let probe = rng.vec(3 * 2, 1.0);
             let coef = 0.3;
-            let base = route(&logits, &m, None).unwrap();
+            let base = route(&logits, None, &m, None).unwrap();
             // Experts fixed at the base routing (replay), so the function is smooth.
             let f = |l: &[f32]| -> f64 {
-                let r = route(l, &m, Some(&base.experts)).unwrap();
+                let r = route(l, None, &m, Some(&base.experts)).unwrap();
                 let mut stats = BalanceStats::default();
                 stats.add(&r);
                 // The counts are constants of the routing: use the base's.
@@ -621,7 +716,69 @@ mod tests {
             };
             let mut stats = BalanceStats::default();
             stats.add(&base);
-            let got = router_backward(&base, &probe, norm, Some((coef, &stats)));
+            let got = router_backward(&base, &probe, &m, Some((coef, &stats)));
+            for i in 0..logits.len() {
+                let h = 1e-2;
+                let (mut a, mut b) = (logits.clone(), logits.clone());
+                a[i] += h;
+                b[i] -= h;
+                let want = (f(&a) - f(&b)) / (2.0 * f64::from(h));
+                let err = (f64::from(got[i]) - want).abs();
+                assert!(err < 2e-3, "norm {norm} logit {i}: {} vs {want}", got[i]);
+            }
+        }
+    }
+
+    /// DeepSeek's router of 8 experts in 4 groups, 2 kept, 2 experts a token.
+    fn deepseek(norm: bool) -> MoeConfig {
+        MoeConfig {
+            num_experts: 8,
+            routing: crate::Routing::GroupedSigmoid { n_group: 4, topk_group: 2, scaling: 2.5 },
+            ..config(norm)
+        }
+    }
+
+    /// The choice ranks scores plus bias within the best groups (by their two best); the
+    /// weights are the bare scores, renormalized and scaled.
+    #[test]
+    fn deepseek_routing_chooses_by_biased_scores_within_the_best_groups() {
+        let logit = |s: f32| (s / (1.0 - s)).ln();
+        // Scores per group: (0.9, 0.1) (0.6, 0.55) (0.7, 0.2) (0.5, 0.45). Without a bias
+        // groups 1 (1.15) and 0 (1.0) are kept: experts 0 and 2. A bias of 0.3 on expert 6
+        // lifts group 3 to 1.25: groups 3 and 1 are kept, and expert 0, the best score, is
+        // left out; the choice is 6 (0.8 biased) and 2, weighed by their bare scores.
+        let scores = [0.9, 0.1, 0.6, 0.55, 0.7, 0.2, 0.5, 0.45];
+        let logits: Vec<f32> = scores.iter().map(|&s| logit(s)).collect();
+        let plain = route(&logits, Some(&[0.0; 8]), &deepseek(true), None).unwrap();
+        assert_eq!(plain.experts, [0, 2]);
+        let mut bias = [0.0f32; 8];
+        bias[6] = 0.3;
+        let r = route(&logits, Some(&bias), &deepseek(true), None).unwrap();
+        assert_eq!(r.experts, [6, 2]);
+        let (s6, s2) = (sigmoid(logits[6]), sigmoid(logits[2]));
+        let sum = s6 + s2 + 1e-20;
+        assert_eq!(r.weights, [s6 / sum * 2.5, s2 / sum * 2.5]);
+        let raw = route(&logits, Some(&bias), &deepseek(false), None).unwrap();
+        assert_eq!(raw.weights, [s6 * 2.5, s2 * 2.5]);
+        let e = route(&logits, None, &deepseek(true), None).unwrap_err().to_string();
+        assert!(e.contains("e_score_correction_bias"), "{e}");
+    }
+
+    /// The sigmoid router's backward against finite differences, the choice fixed.
+    #[test]
+    fn deepseek_router_backward_matches_finite_differences() {
+        let mut rng = miles_tensor::rng::Rng::new(5);
+        let bias = rng.vec(8, 0.1);
+        for norm in [false, true] {
+            let m = deepseek(norm);
+            let logits = rng.vec(3 * 8, 1.5);
+            let probe = rng.vec(3 * 2, 1.0);
+            let base = route(&logits, Some(&bias), &m, None).unwrap();
+            let f = |l: &[f32]| -> f64 {
+                let r = route(l, Some(&bias), &m, Some(&base.experts)).unwrap();
+                r.weights.iter().zip(&probe).map(|(w, p)| f64::from(w * p)).sum()
+            };
+            let got = router_backward(&base, &probe, &m, None);
             for i in 0..logits.len() {
                 let h = 1e-2;
                 let (mut a, mut b) = (logits.clone(), logits.clone());
