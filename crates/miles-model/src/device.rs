@@ -343,6 +343,13 @@ impl DeviceModel {
         }
         let c = &model.config;
         model.weights.check(c)?;
+        if c.mla.is_some() {
+            return Err(Error::Invalid(format!(
+                "{}: its config and weights load, but multi-head latent attention does not run \
+                 yet (issue 37)",
+                c.architecture.hf_class()
+            )));
+        }
         let ones = match &c.gemma {
             Some(_) => [c.hidden_size, c.head_dim]
                 .iter()

@@ -1,5 +1,5 @@
 //! Tensors as checkpoint files hold them, where that differs from the layout in memory
-//! ([`tensor_spec`]). Only GLM-4's does:
+//! ([`tensor_spec`]). GLM-4's and DeepSeek-V3's do:
 //!
 //! - its MLP's gate and up are one tensor, `mlp.gate_up_proj` (gate's rows first);
 //! - its norms are named for where they sit: `post_self_attn_layernorm` (after attention),
@@ -10,6 +10,12 @@
 //!   are the same under any order of a head's dimensions applied to q and k alike, so memory
 //!   holds q_proj's and k_proj's rows (and biases) of each head reordered: the attention is
 //!   GLM's, and the files round-trip bit for bit.
+//!
+//! DeepSeek-V3's heads are a non-rotary part then a rotary one whose pairs are interleaved
+//! (or halves, without `rope_interleave`); memory holds each query head as a head with a
+//! partial rotary (the rotary's pairs at (j, j + d/2), the non-rotary dimensions in the rest of
+//! both halves, GLM's layout), so the rows of `q_proj` (`q_b_proj`) are reordered per head,
+//! and the shared rotary key's rows of `kv_a_proj_with_mqa` are put in halves.
 //!
 //! Every reader and writer of model-shaped tensors (HF checkpoints, our checkpoints' weights
 //! and optimizer moments, HF exports, the parity fixtures' gradients) goes through here.
@@ -24,24 +30,22 @@ pub type FileTensor<'a> = (String, Vec<usize>, Cow<'a, [f32]>);
 
 /// The tensors of `w` as the files of a `c` model hold them.
 pub fn file_tensors<'a>(c: &ModelConfig, w: &'a Weights) -> Vec<FileTensor<'a>> {
-    let order = glm_order(c);
+    let glm = c.architecture == Architecture::Glm4;
     let mut tensors = tensor_spec(c).into_iter().zip(w.tensors()).peekable();
     let mut out: Vec<FileTensor<'a>> = Vec::new();
     while let Some(((name, shape), data)) = tensors.next() {
-        let Some(order) = &order else {
-            out.push((name, shape, Cow::Borrowed(data)));
-            continue;
-        };
         let (layer, rest) = split(&name);
-        if rest == "mlp.gate_proj.weight" {
+        if let Some((d, order)) = row_order(c, rest) {
+            let rows = reorder(data, shape[0], d, &order, true);
+            out.push((name, shape, Cow::Owned(rows)));
+        } else if !glm {
+            out.push((name, shape, Cow::Borrowed(data)));
+        } else if rest == "mlp.gate_proj.weight" {
             // (tensor_spec lists up_proj right after gate_proj.)
             let (_, up) = tensors.next().expect("up_proj follows gate_proj");
             let fused = [&data[..], &up[..]].concat();
             let name = format!("{layer}mlp.gate_up_proj.weight");
             out.push((name, vec![2 * shape[0], shape[1]], Cow::Owned(fused)));
-        } else if turned(rest) {
-            let rows = reorder(data, shape[0], c.head_dim, order, true);
-            out.push((name, shape, Cow::Owned(rows)));
         } else {
             out.push((glm_name(layer, rest).unwrap_or(name), shape, Cow::Borrowed(data)));
         }
@@ -67,11 +71,17 @@ pub fn weights_from_files<E: From<Error>>(
     c: &ModelConfig,
     mut read: impl FnMut(&str, &[usize]) -> std::result::Result<Vec<f32>, E>,
 ) -> std::result::Result<Weights, E> {
-    let Some(order) = glm_order(c) else { return Weights::build(c, read) };
+    let glm = c.architecture == Architecture::Glm4;
     // The up half of the last gate_up_proj read, for the up_proj after it.
     let mut up: Option<Vec<f32>> = None;
     Weights::build(c, |name, shape| {
         let (layer, rest) = split(name);
+        if let Some((d, order)) = row_order(c, rest) {
+            return Ok(reorder(&read(name, shape)?, shape[0], d, &order, false));
+        }
+        if !glm {
+            return read(name, shape);
+        }
         match rest {
             "mlp.gate_proj.weight" => {
                 let mut gate =
@@ -82,9 +92,6 @@ pub fn weights_from_files<E: From<Error>>(
             "mlp.up_proj.weight" => up.take().ok_or_else(|| {
                 Error::Invalid(format!("internal: {name} read before its gate_proj")).into()
             }),
-            _ if turned(rest) => {
-                Ok(reorder(&read(name, shape)?, shape[0], c.head_dim, &order, false))
-            }
             _ => read(&glm_name(layer, rest).unwrap_or_else(|| name.to_string()), shape),
         }
     })
@@ -110,29 +117,59 @@ fn glm_name(layer: &str, rest: &str) -> Option<String> {
     Some(format!("{layer}{file}"))
 }
 
-/// Whether the tensor's rows are q or k head dimensions (reordered for the rotary).
-fn turned(rest: &str) -> bool {
-    matches!(
-        rest,
-        "self_attn.q_proj.weight"
+/// How memory orders the rows of a layer's tensor `rest` against the file, where it does:
+/// in blocks of `d` rows, memory's row `j` of a block is the file's `order[j]`.
+fn row_order(c: &ModelConfig, rest: &str) -> Option<(usize, Vec<usize>)> {
+    match (c.architecture, &c.mla, rest) {
+        (
+            Architecture::Glm4,
+            _,
+            "self_attn.q_proj.weight"
             | "self_attn.q_proj.bias"
             | "self_attn.k_proj.weight"
-            | "self_attn.k_proj.bias"
-    )
+            | "self_attn.k_proj.bias",
+        ) => Some((c.head_dim, glm_order(c))),
+        (_, Some(_), "self_attn.q_proj.weight" | "self_attn.q_b_proj.weight") => {
+            Some((c.head_dim, mla_query_order(c)))
+        }
+        (_, Some(m), "self_attn.kv_a_proj_with_mqa.weight") if m.rope_interleave => {
+            let pairs = m.qk_rope_head_dim / 2;
+            let halves = (0..pairs).map(|j| 2 * j).chain((0..pairs).map(|j| 2 * j + 1));
+            let order = (0..m.kv_lora_rank).chain(halves.map(|j| m.kv_lora_rank + j)).collect();
+            Some((m.kv_lora_rank + m.qk_rope_head_dim, order))
+        }
+        _ => None,
+    }
+}
+
+/// For DeepSeek-V3: the file's dimension that memory dimension j of a query head holds. The
+/// file's head is `qk_nope_head_dim` dimensions then the rotary's (pairs (2j, 2j + 1), or
+/// (j, j + r/2) without `rope_interleave`); memory puts pair j at (j, j + d/2) and the
+/// non-rotary dimensions in order in the rest of both halves, as [`glm_order`] does.
+pub(crate) fn mla_query_order(c: &ModelConfig) -> Vec<usize> {
+    let m = c.mla.as_ref().expect("a latent-attention model");
+    let (half, turned, nope) = (c.head_dim / 2, m.qk_rope_head_dim / 2, m.qk_nope_head_dim);
+    let pass = half - turned;
+    let pair = |j: usize, second: bool| match (m.rope_interleave, second) {
+        (true, false) => nope + 2 * j,
+        (true, true) => nope + 2 * j + 1,
+        (false, false) => nope + j,
+        (false, true) => nope + turned + j,
+    };
+    let first = (0..turned).map(|j| pair(j, false)).chain(0..pass);
+    let second = (0..turned).map(|j| pair(j, true)).chain(pass..nope);
+    first.chain(second).collect()
 }
 
 /// For GLM-4: the file's dimension that memory dimension j of a head holds. The rotary's
 /// pair (2j, 2j + 1) goes to (j, j + d/2); the dimensions it does not turn fill the rest of
 /// both halves in order (pairs with cos 1 and sin 0).
-fn glm_order(c: &ModelConfig) -> Option<Vec<usize>> {
-    if c.architecture != Architecture::Glm4 {
-        return None;
-    }
+fn glm_order(c: &ModelConfig) -> Vec<usize> {
     let (half, turned) = (c.head_dim / 2, c.rotary_dim / 2);
     let pass = half - turned;
     let first = (0..turned).map(|j| 2 * j).chain((0..pass).map(|j| 2 * turned + j));
     let second = (0..turned).map(|j| 2 * j + 1).chain((0..pass).map(|j| 2 * turned + pass + j));
-    Some(first.chain(second).collect())
+    first.chain(second).collect()
 }
 
 /// `data`'s `rows` rows (heads of `d` rows each) reordered by `order`: to the file's order
@@ -158,7 +195,7 @@ mod tests {
     #[test]
     fn glm_order_is_a_permutation_pairing_the_interleaved_dimensions() {
         let c = preset("glm4-9b", None).unwrap();
-        let order = glm_order(&c).unwrap();
+        let order = glm_order(&c);
         let mut sorted = order.clone();
         sorted.sort();
         assert_eq!(sorted, (0..128).collect::<Vec<_>>());
@@ -205,5 +242,50 @@ mod tests {
             file_name(&qwen, "model.layers.3.mlp.up_proj.weight"),
             "model.layers.3.mlp.up_proj.weight"
         );
+    }
+
+    /// Memory's query head of the q_lora fixture (halves) and of a DeepSeek-V3-sized one
+    /// (interleaved): the rotary's pairs at (j, j + d/2), the rest in order.
+    #[test]
+    fn mla_query_order_pairs_the_rotary_dimensions_and_keeps_the_rest_in_order() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf");
+        let c = ModelConfig::from_file(&dir.join("deepseek_v3/config.json")).unwrap();
+        // nope 16, rope 8 interleaved, d 24: pairs (16, 17) .. (22, 23) at (0, 12) .. (3, 15).
+        let order = mla_query_order(&c);
+        assert_eq!(&order[..4], [16, 18, 20, 22]);
+        assert_eq!(&order[4..12], [0, 1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(&order[12..16], [17, 19, 21, 23]);
+        assert_eq!(&order[16..], [8, 9, 10, 11, 12, 13, 14, 15]);
+        let c = ModelConfig::from_file(&dir.join("deepseek_v3_q_lora/config.json")).unwrap();
+        let order = mla_query_order(&c);
+        assert_eq!((&order[..4], &order[12..16]), (&[16, 17, 18, 19][..], &[20, 21, 22, 23][..]));
+    }
+
+    /// The fixtures' files load into memory's layout and are written back bit for bit.
+    #[test]
+    fn deepseek_files_round_trip_bit_for_bit() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf");
+        for name in ["deepseek_v3", "deepseek_v3_q_lora"] {
+            let c = ModelConfig::from_file(&dir.join(name).join("config.json")).unwrap();
+            let w = Weights::load(&dir.join(name), &c).unwrap();
+            let files = crate::weights::TensorFiles::open(&dir.join(name)).unwrap();
+            let written = file_tensors(&c, &w);
+            assert_eq!(written.len(), files.names().len(), "{name}");
+            for (file, shape, data) in &written {
+                assert_eq!(files.f32(file, shape).unwrap(), data.to_vec(), "{name}: {file}");
+            }
+            let q = if name == "deepseek_v3" { "q_proj" } else { "q_b_proj" };
+            let q = format!("model.layers.0.self_attn.{q}.weight");
+            let mem = &w.layers[0];
+            let mem_q = if name == "deepseek_v3" { &mem.q_proj } else { &mem.q_b_proj };
+            let file_q = &written.iter().find(|t| t.0 == q).unwrap().2;
+            assert_ne!(&file_q[..], &mem_q[..], "{name}: the query heads are reordered");
+            // Loaded, but not run yet: said.
+            let model = crate::Model::new(c, w);
+            let cpu = miles_tensor::Device::Cpu;
+            let e = crate::DeviceModel::new(&model, &cpu, miles_tensor::DType::F32).err();
+            let e = e.map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("multi-head latent attention does not run yet"), "{e}");
+        }
     }
 }

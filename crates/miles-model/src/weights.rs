@@ -15,6 +15,9 @@ use crate::{Error, ModelConfig, Result};
 /// `k_norm` without q/k norms (Llama, Qwen2), the biases without biases (Qwen2 has q/k/v's);
 /// a sparse layer of a Qwen3-MoE model has `router` and `experts` instead of `gate_proj`/
 /// `up_proj`/`down_proj` (empty there, and `router`/`experts` empty in a dense layer).
+/// DeepSeek-V3's latent attention has the `q_a`/`q_b`/`kv_a`/`kv_b` tensors (or `q_proj`
+/// beside `kv_*` without q_lora) in place of `k_proj`/`v_proj`, and its sparse layers a
+/// `router_bias` and shared experts.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct LayerWeights {
     pub input_norm: Vec<f32>,
@@ -24,6 +27,15 @@ pub struct LayerWeights {
     pub k_bias: Vec<f32>,
     pub v_proj: Vec<f32>,
     pub v_bias: Vec<f32>,
+    /// DeepSeek's low-rank query (`q_a_proj`, `q_a_layernorm`, `q_b_proj`).
+    pub q_a_proj: Vec<f32>,
+    pub q_a_norm: Vec<f32>,
+    pub q_b_proj: Vec<f32>,
+    /// DeepSeek's compressed keys and values with the shared rotary key
+    /// (`kv_a_proj_with_mqa`), their norm and their expansion (`kv_b_proj`).
+    pub kv_a_proj: Vec<f32>,
+    pub kv_a_norm: Vec<f32>,
+    pub kv_b_proj: Vec<f32>,
     pub o_proj: Vec<f32>,
     pub o_bias: Vec<f32>,
     pub q_norm: Vec<f32>,
@@ -40,6 +52,10 @@ pub struct LayerWeights {
     pub down_bias: Vec<f32>,
     /// `mlp.gate.weight` `[num_experts × hidden]`.
     pub router: Vec<f32>,
+    /// DeepSeek's `mlp.gate.e_score_correction_bias` `[num_experts]`: steers the choice only.
+    pub router_bias: Vec<f32>,
+    /// DeepSeek's shared experts, one MLP (`mlp.shared_experts.*`).
+    pub shared: ExpertWeights,
     pub experts: Vec<ExpertWeights>,
 }
 
@@ -94,10 +110,14 @@ pub fn tensor_spec(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     for l in 0..c.num_hidden_layers {
         let p = format!("model.layers.{l}.");
         spec.push((format!("{p}input_layernorm.weight"), vec![h]));
-        linear(&mut spec, format!("{p}self_attn.q_proj"), (q, h), b.qkv);
-        linear(&mut spec, format!("{p}self_attn.k_proj"), (kv, h), b.qkv);
-        linear(&mut spec, format!("{p}self_attn.v_proj"), (kv, h), b.qkv);
-        linear(&mut spec, format!("{p}self_attn.o_proj"), (h, q), b.o);
+        if let Some(m) = &c.mla {
+            mla_spec(&mut spec, &p, c, m);
+        } else {
+            linear(&mut spec, format!("{p}self_attn.q_proj"), (q, h), b.qkv);
+            linear(&mut spec, format!("{p}self_attn.k_proj"), (kv, h), b.qkv);
+            linear(&mut spec, format!("{p}self_attn.v_proj"), (kv, h), b.qkv);
+            linear(&mut spec, format!("{p}self_attn.o_proj"), (h, q), b.o);
+        }
         if c.architecture.has_qk_norm() {
             spec.push((format!("{p}self_attn.q_norm.weight"), vec![d]));
             spec.push((format!("{p}self_attn.k_norm.weight"), vec![d]));
@@ -112,6 +132,18 @@ pub fn tensor_spec(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             Some(m) if m.is_sparse(l) => {
                 let i = m.moe_intermediate_size;
                 spec.push((format!("{p}mlp.gate.weight"), vec![m.num_experts, h]));
+                if m.routing != crate::Routing::Softmax {
+                    spec.push((
+                        format!("{p}mlp.gate.e_score_correction_bias"),
+                        vec![m.num_experts],
+                    ));
+                }
+                if m.shared_experts > 0 {
+                    let (p, s) = (format!("{p}mlp.shared_experts."), m.shared_experts * i);
+                    spec.push((format!("{p}gate_proj.weight"), vec![s, h]));
+                    spec.push((format!("{p}up_proj.weight"), vec![s, h]));
+                    spec.push((format!("{p}down_proj.weight"), vec![h, s]));
+                }
                 for e in 0..m.num_experts {
                     let p = format!("{p}mlp.experts.{e}.");
                     spec.push((format!("{p}gate_proj.weight"), vec![i, h]));
@@ -133,15 +165,42 @@ pub fn tensor_spec(c: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     spec
 }
 
+/// DeepSeek's latent attention's tensors of the layer whose names start with `p`.
+fn mla_spec(spec: &mut Vec<(String, Vec<usize>)>, p: &str, c: &ModelConfig, m: &crate::MlaConfig) {
+    let (h, heads) = (c.hidden_size, c.num_attention_heads);
+    let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+    let a = format!("{p}self_attn.");
+    match m.q_lora_rank {
+        Some(r) => {
+            spec.push((format!("{a}q_a_proj.weight"), vec![r, h]));
+            spec.push((format!("{a}q_a_layernorm.weight"), vec![r]));
+            spec.push((format!("{a}q_b_proj.weight"), vec![heads * qk, r]));
+        }
+        None => spec.push((format!("{a}q_proj.weight"), vec![heads * qk, h])),
+    }
+    spec.push((
+        format!("{a}kv_a_proj_with_mqa.weight"),
+        vec![m.kv_lora_rank + m.qk_rope_head_dim, h],
+    ));
+    spec.push((format!("{a}kv_a_layernorm.weight"), vec![m.kv_lora_rank]));
+    let kv = heads * (m.qk_nope_head_dim + m.v_head_dim);
+    spec.push((format!("{a}kv_b_proj.weight"), vec![kv, m.kv_lora_rank]));
+    spec.push((format!("{a}o_proj.weight"), vec![h, heads * m.v_head_dim]));
+}
+
 /// A layer's tensors in [`tensor_spec`] order (`&` or `&mut`), absent ones (empty) included.
 macro_rules! layer_tensors {
     ($l:expr, $($r:tt)+) => {
         [
-            $($r)+ $l.input_norm, $($r)+ $l.q_proj, $($r)+ $l.q_bias, $($r)+ $l.k_proj,
-            $($r)+ $l.k_bias, $($r)+ $l.v_proj, $($r)+ $l.v_bias, $($r)+ $l.o_proj,
-            $($r)+ $l.o_bias, $($r)+ $l.q_norm, $($r)+ $l.k_norm, $($r)+ $l.post_norm,
-            $($r)+ $l.pre_ff_norm, $($r)+ $l.post_ff_norm, $($r)+ $l.gate_proj, $($r)+ $l.gate_bias, $($r)+ $l.up_proj, $($r)+ $l.up_bias,
-            $($r)+ $l.down_proj, $($r)+ $l.down_bias, $($r)+ $l.router,
+            $($r)+ $l.input_norm, $($r)+ $l.q_proj, $($r)+ $l.q_bias, $($r)+ $l.q_a_proj,
+            $($r)+ $l.q_a_norm, $($r)+ $l.q_b_proj, $($r)+ $l.k_proj, $($r)+ $l.k_bias,
+            $($r)+ $l.v_proj, $($r)+ $l.v_bias, $($r)+ $l.kv_a_proj, $($r)+ $l.kv_a_norm,
+            $($r)+ $l.kv_b_proj, $($r)+ $l.o_proj, $($r)+ $l.o_bias, $($r)+ $l.q_norm,
+            $($r)+ $l.k_norm, $($r)+ $l.post_norm, $($r)+ $l.pre_ff_norm,
+            $($r)+ $l.post_ff_norm, $($r)+ $l.gate_proj, $($r)+ $l.gate_bias, $($r)+ $l.up_proj,
+            $($r)+ $l.up_bias, $($r)+ $l.down_proj, $($r)+ $l.down_bias, $($r)+ $l.router,
+            $($r)+ $l.router_bias, $($r)+ $l.shared.gate_proj, $($r)+ $l.shared.up_proj,
+            $($r)+ $l.shared.down_proj,
         ]
     };
 }
@@ -191,6 +250,16 @@ impl LayerWeights {
             "mlp.down_proj.weight" => &mut self.down_proj,
             "mlp.down_proj.bias" => &mut self.down_bias,
             "mlp.gate.weight" => &mut self.router,
+            "mlp.gate.e_score_correction_bias" => &mut self.router_bias,
+            "self_attn.q_a_proj.weight" => &mut self.q_a_proj,
+            "self_attn.q_a_layernorm.weight" => &mut self.q_a_norm,
+            "self_attn.q_b_proj.weight" => &mut self.q_b_proj,
+            "self_attn.kv_a_proj_with_mqa.weight" => &mut self.kv_a_proj,
+            "self_attn.kv_a_layernorm.weight" => &mut self.kv_a_norm,
+            "self_attn.kv_b_proj.weight" => &mut self.kv_b_proj,
+            "mlp.shared_experts.gate_proj.weight" => &mut self.shared.gate_proj,
+            "mlp.shared_experts.up_proj.weight" => &mut self.shared.up_proj,
+            "mlp.shared_experts.down_proj.weight" => &mut self.shared.down_proj,
             _ => return None,
         })
     }
@@ -267,7 +336,7 @@ impl Weights {
         Self::build(c, |name, shape| {
             Ok::<_, Error>(if is_norm(name) {
                 vec![unit; numel(shape)]
-            } else if name.ends_with(".bias") {
+            } else if name.ends_with(".bias") || name.ends_with("e_score_correction_bias") {
                 vec![0.0; numel(shape)]
             } else {
                 rng.vec(numel(shape), 0.02)
@@ -333,16 +402,6 @@ impl Weights {
     /// Loads `dir/model.safetensors` or the shards listed in `dir/model.safetensors.index.json`.
     /// A missing or mis-shaped tensor names the file and the tensor.
     pub fn load(dir: &Path, c: &ModelConfig) -> Result<Self> {
-        if c.mla.is_some() {
-            return Err(Error::Config {
-                path: crate::config::config_path(dir),
-                message: format!(
-                    "{}: its config is read and checked, but multi-head latent attention is \
-                     not implemented yet (issue 37)",
-                    c.architecture.hf_class()
-                ),
-            });
-        }
         let files = TensorFiles::open(dir)?;
         files.check_counts(c, &crate::config::config_path(dir))?;
         crate::file_layout::weights_from_files(c, |name, shape| files.f32(name, shape))
