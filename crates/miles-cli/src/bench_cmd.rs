@@ -75,6 +75,10 @@ pub struct RolloutBenchArgs {
     /// are the phases' device times (the step is slower for it).
     #[arg(long, requires = "sglang_speculative_num_steps")]
     pub spec_phase_sync: bool,
+    /// Runs whole speculative steps as one CUDA graph each (experimental, see
+    /// `EngineConfig::spec_step_graphs`).
+    #[arg(long, requires = "sglang_speculative_num_steps")]
+    pub spec_step_graphs: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
@@ -221,6 +225,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         chunked_prefill_size: args.engine.chunked_prefill_size,
         speculator: speculator.clone(),
         spec_phase_sync: args.spec_phase_sync,
+        spec_step_graphs: args.spec_step_graphs,
     };
     let mut rng = Rng::new(args.seed + 1);
     let groups: Vec<Vec<Sample>> = (0..args.batch)

@@ -50,6 +50,12 @@ pub struct EngineConfig {
     /// [`SpecPhases`] holds each phase's device time as well as its queuing (`miles bench
     /// rollout --spec-phase-sync`: it slows the step, for finding where the time goes).
     pub spec_phase_sync: bool,
+    /// Runs each speculative step whose sequences all propose the full chain as one CUDA
+    /// graph ([`miles_model::SpecGraphs`]; `miles bench rollout --spec-step-graphs`). Off by
+    /// default: on the H100 it is slower than the phased step (the replay waits ~1.4 ms
+    /// beyond the graph's device time) and its sampled runs draw other tokens than the
+    /// phased step's (issue 30); the phased step's parts replay graphs of their own.
+    pub spec_step_graphs: bool,
 }
 
 impl Default for EngineConfig {
@@ -63,6 +69,7 @@ impl Default for EngineConfig {
             chunked_prefill_size: None,
             speculator: None,
             spec_phase_sync: false,
+            spec_step_graphs: false,
         }
     }
 }

@@ -148,6 +148,7 @@ impl Engine {
         let ks: Vec<usize> = running.iter().map(|s| self.lookahead(s, params)).collect();
         let drafts_only = admitted.is_empty() && chunk.is_none();
         if drafts_only
+            && self.config.spec_step_graphs
             && !self.config.spec_phase_sync
             && let Some(out) = self.captured_step((model, draft), running, &ks, params)?
         {
