@@ -406,3 +406,47 @@ __device__ void split_columns(const T* x, T* o0, int w0, T* o1, int w1, T* o2, i
 
 SPLIT(float, f32)
 SPLIT(__nv_bfloat16, bf16)
+
+// Columns by a fixed map (ops::gather_columns): a block per row, a thread per output column.
+template <typename T>
+__device__ void gather_columns(T* y, const T* a, int w0, const T* b, int w1, const int* map,
+                               int out) {
+    const size_t r = blockIdx.x;
+    for (int j = threadIdx.x; j < out; j += blockDim.x) {
+        const int s = map[j];
+        float v = 0.0f;
+        if (s >= 0) miles::load<1>(s < w0 ? &a[r * w0 + s] : &b[r * w1 + (s - w0)], &v);
+        miles::store<1>(&y[r * out + j], &v);
+    }
+}
+
+// Its adjoint (ops::scatter_columns): each source column the f32 sum of the output columns
+// that read it, in their order, rounded once.
+template <typename T>
+__device__ void scatter_columns(T* dx, const T* dy, int out, const int* starts, const int* order,
+                                int sources) {
+    const size_t r = blockIdx.x;
+    for (int s = threadIdx.x; s < sources; s += blockDim.x) {
+        float acc = 0.0f;
+        for (int e = starts[s]; e < starts[s + 1]; ++e) {
+            float v;
+            miles::load<1>(&dy[r * out + order[e]], &v);
+            acc += v;
+        }
+        miles::store<1>(&dx[r * sources + s], &acc);
+    }
+}
+
+#define COLUMNS(T, SUFFIX)                                                                      \
+    extern "C" __global__ void gather_columns_##SUFFIX(T* y, const T* a, int w0, const T* b,    \
+                                                       int w1, const int* map, int out) {       \
+        gather_columns(y, a, w0, b, w1, map, out);                                              \
+    }                                                                                           \
+    extern "C" __global__ void scatter_columns_##SUFFIX(T* dx, const T* dy, int out,            \
+                                                        const int* starts, const int* order,    \
+                                                        int sources) {                          \
+        scatter_columns(dx, dy, out, starts, order, sources);                                   \
+    }
+
+COLUMNS(float, f32)
+COLUMNS(__nv_bfloat16, bf16)

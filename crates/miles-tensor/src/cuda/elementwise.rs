@@ -468,6 +468,47 @@ pub(crate) fn split_columns(
     }))
 }
 
+/// `y[r, j] = src[r, map[j]]` (0 where negative), `src` the `w0` columns of `a` beside the
+/// `w1` of `b` (`a` again, unread, when `w1` is 0): `[rows × out]`.
+pub(crate) fn gather_columns(
+    gpu: &Arc<Gpu>,
+    (a, b): (&DeviceData, &DeviceData),
+    (w0, w1): (usize, usize),
+    map: &CudaSlice<i32>,
+    (rows, out): (usize, usize),
+) -> Result<Buffer> {
+    let (w0, w1, out_i) = (w0 as i32, w1 as i32, out as i32);
+    let cfg = row_block(rows, out);
+    per_float!("gather_columns", (a, b), |T, f| {
+        let mut y = gpu.alloc::<T>((rows * out).max(1))?;
+        if rows > 0 && out > 0 {
+            let k = kernel!(f, "gather_columns");
+            launch!(gpu, "elementwise", k, cfg, &mut y, a, &w0, b, &w1, map, &out_i)?;
+        }
+        Ok(wrap(gpu, DeviceData::from(y)))
+    })
+}
+
+/// The adjoint of [`gather_columns`]: `dx[r, s]` the f32 sum, in list order, of `dy[r, j]`
+/// over `j` in `order[starts[s]..starts[s + 1]]`, `dy` `[rows × out]`: `[rows × sources]`.
+pub(crate) fn scatter_columns(
+    gpu: &Arc<Gpu>,
+    dy: &DeviceData,
+    (starts, order): (&CudaSlice<i32>, &CudaSlice<i32>),
+    (rows, out, sources): (usize, usize, usize),
+) -> Result<Buffer> {
+    let (out_i, sources_i) = (out as i32, sources as i32);
+    let cfg = row_block(rows, sources);
+    per_float!("scatter_columns", (dy), |T, f| {
+        let mut dx = gpu.alloc::<T>((rows * sources).max(1))?;
+        if rows > 0 && sources > 0 {
+            let k = kernel!(f, "scatter_columns");
+            launch!(gpu, "elementwise", k, cfg, &mut dx, dy, &out_i, starts, order, &sources_i)?;
+        }
+        Ok(wrap(gpu, DeviceData::from(dx)))
+    })
+}
+
 /// The rows of `parts` (one dtype, one width) stacked into one buffer.
 pub(crate) fn concat_rows(gpu: &Arc<Gpu>, parts: &[&DeviceData]) -> Result<Buffer> {
     let stream = gpu.stream().clone();

@@ -20,8 +20,9 @@ pub(crate) use attention::{
 };
 pub(crate) use elementwise::{
     IdGroups, Ids, add, add_bias, column_sums_acc, concat_rows, embedding_backward,
-    embedding_backward_into, embedding_forward, glu_backward, glu_forward, pick_row_dots,
-    pick_rows_sum, rope, scale, scatter_rows, softcap, split_columns, swiglu_stacked,
+    embedding_backward_into, embedding_forward, gather_columns, glu_backward, glu_forward,
+    pick_row_dots, pick_rows_sum, rope, scale, scatter_columns, scatter_rows, softcap,
+    split_columns, swiglu_stacked,
 };
 pub(crate) use grouped::{grouped_rows, grouped_wgrad};
 pub(crate) use logprob::{logprob_rows, logprob_rows_backward};

@@ -8,6 +8,7 @@ use crate::tensor::Storage;
 use crate::{DType, Device, Error, Result, Tensor};
 
 mod attention;
+mod columns;
 mod elementwise;
 mod fp8;
 mod grouped;
@@ -22,6 +23,7 @@ pub use attention::{
     PagedPlan, attention_backward, attention_forward, paged_attention, paged_attention_runs,
     paged_kv_write, qkv_rope_kv_write,
 };
+pub use columns::{ColumnMap, gather_columns, scatter_columns};
 pub use elementwise::{
     add, add_bias, column_sums_acc, concat_rows, copy_rows_within, embedding_backward,
     embedding_backward_acc, embedding_forward, embedding_forward_ids, gather_rows, glu_backward,
