@@ -2,6 +2,7 @@
 //! tensors of any device), so [`crate::layer`] and [`crate::moe`] hold the steps of a layer once
 //! and depend only on this file, not on each other.
 
+use crate::mla::Arrange;
 use crate::moe::ExpertMatrix;
 use crate::{ModelConfig, Result};
 
@@ -17,6 +18,16 @@ pub(crate) enum Linear {
     Router,
     ExpertGateUp(usize),
     ExpertDown(usize),
+    /// DeepSeek's shared experts' `[gate, up]` and `[down]`.
+    SharedGateUp,
+    SharedDown,
+    /// DeepSeek's latent attention: `q_proj` alone (no q_lora), `q_a_proj`, `q_b_proj`,
+    /// `kv_a_proj_with_mqa`, `kv_b_proj` (one part each).
+    Q,
+    QA,
+    QB,
+    KvA,
+    KvB,
 }
 
 /// A layer's RMSNorms: `Input` before the attention, `Post` before the MLP; `Q` and `K`
@@ -30,6 +41,9 @@ pub(crate) enum Norm {
     K,
     AttnOut,
     MlpOut,
+    /// DeepSeek's norms of the low-rank query and of the compressed keys and values.
+    QA,
+    KvA,
 }
 
 /// The forward primitives of one device. `Act` is an activation `[tokens × width]`.
@@ -46,6 +60,15 @@ pub(crate) trait Backend {
     fn glu(&self, gate: &Self::Act, up: &Self::Act) -> Result<Self::Act>;
     fn add(&self, a: &Self::Act, b: &Self::Act) -> Result<Self::Act>;
 
+    /// The columns of `parts` arranged by the model's latent-attention map `which`
+    /// ([`miles_tensor::ops::gather_columns`]).
+    fn gather_columns(&self, _which: Arrange, _parts: &[&Self::Act]) -> Result<Self::Act> {
+        Err(crate::Error::Invalid("internal: this backend has no latent attention".into()))
+    }
+    /// The adjoint of [`Backend::gather_columns`]: d(loss)/d(each part).
+    fn scatter_columns(&self, _which: Arrange, _dy: &Self::Act) -> Result<Vec<Self::Act>> {
+        Err(crate::Error::Invalid("internal: this backend has no latent attention".into()))
+    }
     /// A DeepSeek router's `e_score_correction_bias` on the host; `None` for others.
     fn router_bias(&self, _layer: usize) -> Result<Option<Vec<f32>>> {
         Ok(None)

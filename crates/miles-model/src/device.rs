@@ -16,6 +16,7 @@ use miles_tensor::{DType, Device, Tensor, ops};
 
 use crate::backend::{Backend, BackwardBackend, Linear, Norm};
 use crate::layer::{LayerActivations, layer_backward, layer_forward};
+use crate::mla::{Arrange, MlaMaps};
 use crate::moe::{ExpertMatrix, SparseLayers, SparseOutputs};
 use crate::weights::tensor_spec;
 use crate::{Error, KvCache, Model, ModelConfig, PackedBatch, Result, StepRow, Weights};
@@ -102,6 +103,8 @@ impl Layout {
                 Norm::MlpOut => "post_feedforward_layernorm.weight",
                 Norm::Q => "self_attn.q_norm.weight",
                 Norm::K => "self_attn.k_norm.weight",
+                Norm::QA => "self_attn.q_a_layernorm.weight",
+                Norm::KvA => "self_attn.kv_a_layernorm.weight",
             },
         )
     }
@@ -115,6 +118,13 @@ impl Layout {
             Linear::Down => &["mlp.down_proj"],
             Linear::Router => &["mlp.gate"],
             Linear::ExpertGateUp(_) | Linear::ExpertDown(_) => &[],
+            Linear::SharedGateUp => &["mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"],
+            Linear::SharedDown => &["mlp.shared_experts.down_proj"],
+            Linear::Q => &["self_attn.q_proj"],
+            Linear::QA => &["self_attn.q_a_proj"],
+            Linear::QB => &["self_attn.q_b_proj"],
+            Linear::KvA => &["self_attn.kv_a_proj_with_mqa"],
+            Linear::KvB => &["self_attn.kv_b_proj"],
         }
     }
 
@@ -190,10 +200,15 @@ pub struct Int4Layers {
 fn fp8_matrices(config: &ModelConfig, layout: &Layout, f: Fp8Layers) -> Vec<usize> {
     let mut out = Vec::new();
     for layer in f.bf16_at_start..layout.layers.saturating_sub(f.bf16_at_end) {
-        let mut linears = vec![Linear::Qkv, Linear::O];
+        let mut linears = attention_linears(config);
         match config.moe.as_ref().filter(|m| m.is_sparse(layer)) {
-            Some(m) => (0..m.num_experts)
-                .for_each(|e| linears.extend([Linear::ExpertGateUp(e), Linear::ExpertDown(e)])),
+            Some(m) => {
+                (0..m.num_experts)
+                    .for_each(|e| linears.extend([Linear::ExpertGateUp(e), Linear::ExpertDown(e)]));
+                if m.shared_experts > 0 {
+                    linears.extend([Linear::SharedGateUp, Linear::SharedDown]);
+                }
+            }
             None => linears.extend([Linear::GateUp, Linear::Down]),
         }
         for linear in linears {
@@ -201,6 +216,15 @@ fn fp8_matrices(config: &ModelConfig, layout: &Layout, f: Fp8Layers) -> Vec<usiz
         }
     }
     out
+}
+
+/// A layer's attention projections: q/k/v and o, or DeepSeek's latent attention's.
+fn attention_linears(config: &ModelConfig) -> Vec<Linear> {
+    match config.mla.as_ref().map(|m| m.q_lora_rank.is_some()) {
+        None => vec![Linear::Qkv, Linear::O],
+        Some(true) => vec![Linear::QA, Linear::QB, Linear::KvA, Linear::KvB, Linear::O],
+        Some(false) => vec![Linear::Q, Linear::KvA, Linear::KvB, Linear::O],
+    }
 }
 
 /// The indices of the matrices INT4 QAT fake-quantizes: every layer's projections and experts,
@@ -281,6 +305,8 @@ pub struct DeviceModel {
     /// Per weight (in [`tensor_spec`] order): left as it is by AdamW and out of the gradient
     /// norm ([`DeviceModel::freeze`]); a frozen head gets no gradient at all.
     frozen: Vec<bool>,
+    /// DeepSeek's latent attention's column arrangements, on the device.
+    mla_maps: Option<MlaMaps>,
 }
 
 /// Gemma's norm weight 1 + w, made in f32 from the stored `master` when `ones` has its
@@ -343,13 +369,6 @@ impl DeviceModel {
         }
         let c = &model.config;
         model.weights.check(c)?;
-        if c.mla.is_some() {
-            return Err(Error::Invalid(format!(
-                "{}: its config and weights load, but multi-head latent attention does not run \
-                 yet (issue 37)",
-                c.architecture.hf_class()
-            )));
-        }
         let ones = match &c.gemma {
             Some(_) => [c.hidden_size, c.head_dim]
                 .iter()
@@ -385,6 +404,10 @@ impl DeviceModel {
             ones,
             rollout_only: false,
             frozen: vec![false; spec.len()],
+            mla_maps: match &c.mla {
+                Some(mla) => Some(MlaMaps::new(c, mla, device)?),
+                None => None,
+            },
         };
         if c.mtp_input {
             // A draft reads the policy's embedding and head, detached.
@@ -763,8 +786,13 @@ impl DeviceModel {
             };
             let dense = self.config.moe.as_ref().is_none_or(|m| !m.is_sparse(layer));
             let gate_up = dense.then(|| stack(Linear::GateUp)).transpose()?;
-            self.packed_stacks.push([Some(stack(Linear::Qkv)?), gate_up]);
-            let mut stacked = self.layout.linear(layer, Linear::Qkv);
+            // (Latent attention's projections are one part each: nothing to stack.)
+            let qkv = self.config.mla.is_none();
+            self.packed_stacks.push([qkv.then(|| stack(Linear::Qkv)).transpose()?, gate_up]);
+            let mut stacked = match qkv {
+                true => self.layout.linear(layer, Linear::Qkv),
+                false => Vec::new(),
+            };
             if dense {
                 stacked.extend(self.layout.linear(layer, Linear::GateUp));
             }
@@ -929,6 +957,7 @@ impl DeviceModel {
             packed: &self.packed,
             packed_stacks: &self.packed_stacks,
             stacked: &self.stacked,
+            mla: self.mla_maps.as_ref(),
         }
     }
 
@@ -1629,6 +1658,7 @@ impl DeviceModel {
             packed: &self.packed,
             packed_stacks: &self.packed_stacks,
             stacked: &self.stacked,
+            mla: self.mla_maps.as_ref(),
         };
         let mut dev = Dev {
             w,
@@ -1885,6 +1915,7 @@ struct DeviceWeights<'a> {
     packed: &'a [Option<PackedLinear>],
     packed_stacks: &'a [[Option<PackedLinear>; 2]],
     stacked: &'a [[Tensor; 2]],
+    mla: Option<&'a MlaMaps>,
 }
 
 impl<'a> DeviceWeights<'a> {
@@ -2163,6 +2194,18 @@ impl Backend for Dev<'_> {
         k: usize,
     ) -> Result<Vec<f32>> {
         Ok(ops::pick_row_dots(a, y, picks, k)?)
+    }
+
+    fn gather_columns(&self, which: Arrange, parts: &[&Tensor]) -> Result<Tensor> {
+        let maps =
+            self.w.mla.ok_or_else(|| Error::Invalid("internal: no latent attention".into()))?;
+        Ok(ops::gather_columns(parts, maps.get(which))?)
+    }
+
+    fn scatter_columns(&self, which: Arrange, dy: &Tensor) -> Result<Vec<Tensor>> {
+        let maps =
+            self.w.mla.ok_or_else(|| Error::Invalid("internal: no latent attention".into()))?;
+        Ok(ops::scatter_columns(dy, maps.get(which))?)
     }
 
     fn router_bias(&self, layer: usize) -> Result<Option<Vec<f32>>> {
@@ -2601,8 +2644,18 @@ mod tests {
     /// fixtures, in f32, within the CPU's tolerances, on every device present.
     #[test]
     fn matches_transformers_in_f32_on_every_device() {
-        for name in ["qwen3", "llama", "qwen2", "llama31", "qwen3_yarn", "gemma3", "gemma2", "glm4"]
-        {
+        for name in [
+            "qwen3",
+            "llama",
+            "qwen2",
+            "llama31",
+            "qwen3_yarn",
+            "gemma3",
+            "gemma2",
+            "glm4",
+            "deepseek_v3",
+            "deepseek_v3_q_lora",
+        ] {
             let r = crate::testing::HfReference::load(&crate::testing::hf_fixture(name)).unwrap();
             for device in devices() {
                 let mut dm = DeviceModel::new(&r.model, &device, DType::F32).unwrap();

@@ -280,12 +280,6 @@ mod tests {
             let mem_q = if name == "deepseek_v3" { &mem.q_proj } else { &mem.q_b_proj };
             let file_q = &written.iter().find(|t| t.0 == q).unwrap().2;
             assert_ne!(&file_q[..], &mem_q[..], "{name}: the query heads are reordered");
-            // Loaded, but not run yet: said.
-            let model = crate::Model::new(c, w);
-            let cpu = miles_tensor::Device::Cpu;
-            let e = crate::DeviceModel::new(&model, &cpu, miles_tensor::DType::F32).err();
-            let e = e.map(|e| e.to_string()).unwrap_or_default();
-            assert!(e.contains("multi-head latent attention does not run yet"), "{e}");
         }
     }
 }

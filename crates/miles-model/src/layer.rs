@@ -3,13 +3,19 @@
 //! the layer or their order.
 
 use crate::backend::{AttentionFn, Backend, BackwardBackend, Linear, Norm, take};
+use crate::mla::{MlaActivations, MlaForward, mla_backward, mla_forward};
 use crate::moe::{BalanceStats, MoeActivations, Routing, moe_backward, moe_forward};
 use crate::{ModelConfig, Result};
 
 /// What a layer's MLP keeps for its backward.
 pub(crate) enum MlpActivations<A> {
-    Dense { gate: A, up: A, act: A },
-    Sparse(Box<MoeActivations<A>>),
+    Dense {
+        gate: A,
+        up: A,
+        act: A,
+    },
+    /// The routed experts', and DeepSeek's shared experts' `[gate, up, act]`.
+    Sparse(Box<MoeActivations<A>>, Option<[A; 3]>),
 }
 
 /// What one layer's forward keeps for its backward. `q_pre`, `k_pre` and their `rstd` exist
@@ -31,6 +37,9 @@ pub(crate) struct LayerActivations<A> {
     /// Gemma's (and GLM-4's) outputs of the attention and the MLP before their norms, with those norms'
     /// rstd: `[o, o_rstd, m, m_rstd]`.
     pub sandwich: Option<[A; 4]>,
+    /// DeepSeek's latent attention (then `attn` is `o_proj`'s input, the trimmed output, and
+    /// `v` the padded values).
+    pub mla: Option<Box<MlaActivations<A>>>,
 }
 
 /// The experts each token was routed to in the sparse layers of a forward, `[tokens × sparse
@@ -46,7 +55,7 @@ impl<A> LayerActivations<A> {
     /// The routing of a sparse layer.
     pub fn routing(&self) -> Option<&Routing> {
         match &self.mlp {
-            MlpActivations::Sparse(m) => Some(&m.routing),
+            MlpActivations::Sparse(m, _) => Some(&m.routing),
             MlpActivations::Dense { .. } => None,
         }
     }
@@ -63,9 +72,19 @@ pub(crate) fn layer_forward<B: Backend>(
     replay: Option<&[u32]>,
 ) -> Result<(B::Act, LayerActivations<B::Act>)> {
     let (n1, rstd1) = b.rmsnorm(layer, Norm::Input, &x)?;
-    let [q, k, v] = take(b.linear(layer, Linear::Qkv, &n1)?);
-    let (q, k, qk_norm) = b.qk_norm_rope(c, layer, q, k)?;
-    let (attn, lse) = attention(layer, &q, &k, &v)?;
+    let (q, k, v, attn, lse, qk_norm, mla) = match &c.mla {
+        Some(m) => {
+            let MlaForward { q, k, v, out, lse, acts } =
+                mla_forward(b, c, m, layer, &n1, attention)?;
+            (q, k, v, out, lse, None, Some(Box::new(acts)))
+        }
+        None => {
+            let [q, k, v] = take(b.linear(layer, Linear::Qkv, &n1)?);
+            let (q, k, qk_norm) = b.qk_norm_rope(c, layer, q, k)?;
+            let (attn, lse) = attention(layer, &q, &k, &v)?;
+            (q, k, v, attn, lse, qk_norm, None)
+        }
+    };
     let [o] = take(b.linear(layer, Linear::O, &attn)?);
     let sandwich = c.sandwich_norms();
     let (o, o_kept) = if sandwich {
@@ -78,7 +97,16 @@ pub(crate) fn layer_forward<B: Backend>(
     let (m, mlp) = match &c.moe {
         Some(moe) if moe.is_sparse(layer) => {
             let (m, a) = moe_forward(b, moe, layer, &n2, c.hidden_size, replay)?;
-            (m, MlpActivations::Sparse(Box::new(a)))
+            if moe.shared_experts == 0 {
+                (m, MlpActivations::Sparse(Box::new(a), None))
+            } else {
+                // (transformers adds the shared experts' output to the routed ones'.)
+                let [gate, up] = take(b.linear(layer, Linear::SharedGateUp, &n2)?);
+                let act = b.glu(&gate, &up)?;
+                let [shared] = take(b.linear(layer, Linear::SharedDown, &act)?);
+                let m = b.add(&m, &shared)?;
+                (m, MlpActivations::Sparse(Box::new(a), Some([gate, up, act])))
+            }
         }
         _ => {
             let [gate, up] = take(b.linear(layer, Linear::GateUp, &n2)?);
@@ -110,6 +138,7 @@ pub(crate) fn layer_forward<B: Backend>(
         rstd2,
         mlp,
         sandwich,
+        mla,
     };
     Ok((x_out, a))
 }
@@ -140,10 +169,21 @@ pub(crate) fn layer_backward<B: BackwardBackend>(
             drop(d_act);
             b.linear_backward(layer, Linear::GateUp, &[&d_gate, &d_up], &a.n2)?
         }
-        (MlpActivations::Sparse(m), Some(moe)) => {
-            moe_backward(b, moe, layer, m, &a.n2, c.hidden_size, d_m, balance)?
+        (MlpActivations::Sparse(m, shared), Some(moe)) => {
+            let d = moe_backward(b, moe, layer, m, &a.n2, c.hidden_size, d_m, balance)?;
+            match shared {
+                Some([gate, up, act]) => {
+                    let d_act = b.linear_backward(layer, Linear::SharedDown, &[d_m], act)?;
+                    let (d_gate, d_up) = b.glu_backward(&d_act, gate, up)?;
+                    drop(d_act);
+                    let gate_up = Linear::SharedGateUp;
+                    let d_shared = b.linear_backward(layer, gate_up, &[&d_gate, &d_up], &a.n2)?;
+                    b.add(&d, &d_shared)?
+                }
+                None => d,
+            }
         }
-        (MlpActivations::Sparse(_), None) => {
+        (MlpActivations::Sparse(..), None) => {
             return Err(crate::Error::Invalid("internal: experts without a MoE config".into()));
         }
     };
@@ -159,6 +199,11 @@ pub(crate) fn layer_backward<B: BackwardBackend>(
         None => None,
     };
     let d_attn = b.linear_backward(layer, Linear::O, &[d_o.as_ref().unwrap_or(&dx)], &a.attn)?;
+    if let Some(m) = &a.mla {
+        let d_n1 = mla_backward(b, c, layer, (&a.q, &a.k, &a.v, &a.lse), m, &a.n1, &d_attn)?;
+        let d = b.rmsnorm_backward(layer, Norm::Input, &d_n1, &a.x_in, &a.rstd1)?;
+        return b.add(&dx, &d);
+    }
     let (dq, dk, dv) = b.attention_backward(layer, &d_attn, &a.q, &a.k, &a.v, &a.attn, &a.lse)?;
     let mut dq = b.rope(layer, dq, nq, true)?;
     let mut dk = b.rope(layer, dk, nkv, true)?;

@@ -16,6 +16,7 @@ mod error;
 pub mod file_layout;
 pub mod kv;
 mod layer;
+mod mla;
 pub mod model;
 pub mod moe;
 pub mod presets;
