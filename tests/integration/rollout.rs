@@ -165,6 +165,7 @@ fn rollout_logprobs_equal_the_scorers_bit_for_bit() {
         Architecture::Gemma2,
         Architecture::Gemma3,
         Architecture::Glm4,
+        Architecture::DeepseekV3,
     ] {
         let m = model(arch, 3);
         let p = params(30);

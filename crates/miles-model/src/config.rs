@@ -1380,6 +1380,7 @@ mod tests {
             Architecture::Gemma2,
             Architecture::Gemma3,
             Architecture::Glm4,
+            Architecture::DeepseekV3,
         ] {
             let c = crate::presets::preset("tiny", Some(arch)).unwrap();
             let back = ModelConfig::from_json(&c.to_hf_json("float32"), Path::new("c.json"));

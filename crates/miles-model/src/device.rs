@@ -403,7 +403,9 @@ impl DeviceModel {
             int4_stacked: Vec::new(),
             ones,
             rollout_only: false,
-            frozen: vec![false; spec.len()],
+            // DeepSeek's correction biases steer the routers' choice; training by gradients
+            // would not move them, and weight decay must not.
+            frozen: spec.iter().map(|(n, _)| n.ends_with("e_score_correction_bias")).collect(),
             mla_maps: match &c.mla {
                 Some(mla) => Some(MlaMaps::new(c, mla, device)?),
                 None => None,
@@ -2464,6 +2466,27 @@ mod tests {
             assert_eq!(after.lm_head, m.weights.lm_head, "{device}");
             assert_eq!(after.layers[0].input_norm, m.weights.layers[0].input_norm);
             assert_ne!(after.layers[0].q_proj, m.weights.layers[0].q_proj);
+        }
+    }
+
+    /// DeepSeek's routers' correction biases stay as loaded through AdamW's weight decay.
+    #[test]
+    fn routers_correction_biases_are_left_as_they_are() {
+        let c = crate::presets::preset("tiny", Some(Architecture::DeepseekV3)).unwrap();
+        let mut m = model(c, 2);
+        let mut rng = miles_tensor::rng::Rng::new(9);
+        m.weights.layers[1].router_bias = rng.vec(8, 0.1);
+        for device in devices() {
+            let b = batch();
+            let mut dm = DeviceModel::new(&m, &device, DType::F32).unwrap();
+            let f = dm.forward(&b, 1.0).unwrap();
+            let ones = vec![1.0; f.logp.len()];
+            dm.backward(&f, &b, &ones, &ones).unwrap();
+            let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+            dm.adamw_step(&hyper, 0.0).unwrap();
+            let after = dm.to_weights().unwrap();
+            assert_eq!(after.layers[1].router_bias, m.weights.layers[1].router_bias, "{device}");
+            assert_ne!(after.layers[1].router, m.weights.layers[1].router, "{device}");
         }
     }
 

@@ -39,6 +39,46 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
     };
     let glm = arch == Some(Architecture::Glm4);
     let c = match name {
+        // DeepSeek-V3's layout at the tiny size: latent attention with q_lora and interleaved
+        // pairs, a dense first layer, 8 experts in 4 groups (2 kept), one shared expert.
+        "tiny" if arch == Some(Architecture::DeepseekV3) => {
+            let mla = crate::MlaConfig {
+                q_lora_rank: Some(24),
+                kv_lora_rank: 32,
+                qk_nope_head_dim: 16,
+                qk_rope_head_dim: 8,
+                v_head_dim: 12,
+                rope_interleave: true,
+                softmax_scale: (24f64.powf(-0.5)) as f32,
+                mscale_all_dim: 0.0,
+                mtp_layers: 0,
+            };
+            let tiny = preset("tiny", None)?;
+            ModelConfig {
+                architecture: Architecture::DeepseekV3,
+                num_key_value_heads: tiny.num_attention_heads,
+                head_dim: 24,
+                rotary_dim: 8,
+                tie_word_embeddings: false,
+                moe: Some(Box::new(MoeConfig {
+                    num_experts: 8,
+                    num_experts_per_tok: 2,
+                    moe_intermediate_size: 32,
+                    norm_topk_prob: true,
+                    decoder_sparse_step: 1,
+                    mlp_only_layers: vec![0],
+                    router_aux_loss_coef: 0.0,
+                    routing: crate::Routing::GroupedSigmoid {
+                        n_group: 4,
+                        topk_group: 2,
+                        scaling: 2.5,
+                    },
+                    shared_experts: 1,
+                })),
+                mla: Some(Box::new(mla)),
+                ..tiny
+            }
+        }
         // Sized for tests and the CPU demo; its vocabulary is the project's byte tokenizer.
         "tiny" => ModelConfig {
             architecture: arch.unwrap_or(Architecture::Qwen3),
