@@ -40,16 +40,17 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
     let glm = arch == Some(Architecture::Glm4);
     let c = match name {
         // DeepSeek-V3's layout at the tiny size: latent attention with q_lora and interleaved
-        // pairs, a dense first layer, 8 experts in 4 groups (2 kept), one shared expert.
+        // pairs (a q/k head of 32, the tensor cores' sizes; values of 16), a dense first
+        // layer, 8 experts in 4 groups (2 kept), one shared expert.
         "tiny" if arch == Some(Architecture::DeepseekV3) => {
             let mla = crate::MlaConfig {
                 q_lora_rank: Some(24),
                 kv_lora_rank: 32,
-                qk_nope_head_dim: 16,
+                qk_nope_head_dim: 24,
                 qk_rope_head_dim: 8,
-                v_head_dim: 12,
+                v_head_dim: 16,
                 rope_interleave: true,
-                softmax_scale: (24f64.powf(-0.5)) as f32,
+                softmax_scale: (32f64.powf(-0.5)) as f32,
                 mscale_all_dim: 0.0,
                 mtp_layers: 0,
             };
@@ -57,7 +58,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             ModelConfig {
                 architecture: Architecture::DeepseekV3,
                 num_key_value_heads: tiny.num_attention_heads,
-                head_dim: 24,
+                head_dim: 32,
                 rotary_dim: 8,
                 tie_word_embeddings: false,
                 moe: Some(Box::new(MoeConfig {

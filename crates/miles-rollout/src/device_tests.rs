@@ -20,6 +20,12 @@ fn model(arch: Architecture, seed: u64) -> Model {
     let mut c: ModelConfig = presets::preset("tiny", Some(arch)).unwrap();
     (c.hidden_size, c.intermediate_size, c.num_hidden_layers) = (256, 512, 2);
     (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (4, 2, 64);
+    if let Some(m) = c.mla.as_mut() {
+        // A latent-attention head of 64 (48 + a rotary 16), values of 32, a key per head.
+        (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) = (48, 16, 32);
+        m.softmax_scale = (64f64.powf(-0.5)) as f32;
+        (c.num_key_value_heads, c.rotary_dim) = (4, 16);
+    }
     let mut w = Weights::random(&c, seed);
     let mut rng = Rng::new(seed + 100);
     for t in w.tensors_mut() {
@@ -119,7 +125,8 @@ fn score(
 /// with prefix sharing, continuous batching and top-k/top-p sampling; Qwen3-MoE too (8
 /// experts, top-2: every expert in one grouped product per matrix), its samples carrying
 /// their routing records; Qwen2's biases, Gemma's sliding windows (8 keys, shorter than the
-/// prompts) and Gemma 2's soft-capped scores and logits.
+/// prompts) and Gemma 2's soft-capped scores and logits; DeepSeek-V3's latent attention and
+/// grouped routing.
 #[test]
 fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
     let Some(device) = cuda() else { return };
@@ -131,6 +138,7 @@ fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
         Architecture::Gemma2,
         Architecture::Gemma3,
         Architecture::Glm4,
+        Architecture::DeepseekV3,
     ] {
         let m = model(arch, 3);
         let p = params(40);
