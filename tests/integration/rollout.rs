@@ -849,14 +849,23 @@ fn packed(samples: &[Sample], replay: bool) -> PackedBatch {
     batch::pack(&train).unwrap()
 }
 
-/// A Qwen3-MoE rollout records each position's experts (every position but the last, every
-/// sparse layer, top-k each), the same under preemption and chunked prefill; the trainer's
-/// forward picks the same experts and gives the rollout's logprobs bit for bit, and replaying
-/// the record (R3) changes no bit where they already agree.
+/// A Qwen3-MoE or DeepSeek-V3 rollout records each position's experts (every position but
+/// the last, every sparse layer, top-k each), the same under preemption and chunked prefill;
+/// the trainer's forward picks the same experts and gives the rollout's logprobs bit for bit,
+/// and replaying the record (R3) changes no bit where they already agree.
 #[cfg(feature = "r3")]
 #[test]
 fn moe_rollouts_record_their_experts_and_equal_the_trainer() {
-    let m = model(Architecture::Qwen3Moe, 17);
+    for arch in [Architecture::Qwen3Moe, Architecture::DeepseekV3] {
+        moe_rollouts_record_their_experts(arch);
+    }
+}
+
+#[cfg(feature = "r3")]
+fn moe_rollouts_record_their_experts(arch: Architecture) {
+    let m = model(arch, 17);
+    let c = &m.config;
+    let sparse = (0..c.num_hidden_layers).filter(|&l| c.is_sparse_layer(l)).count();
     let p = params(70);
     let input = groups(3, 18);
     let mut e = engine(&m, EngineConfig { max_running: 5, ..EngineConfig::default() });
@@ -871,7 +880,7 @@ fn moe_rollouts_record_their_experts_and_equal_the_trainer() {
     assert!(tight.stats().preemptions > 0, "{:?}", tight.stats());
     for (s, t) in samples.iter().zip(&again) {
         let r = s.rollout_routed_experts.as_ref().expect("a routing record");
-        assert_eq!((r.num_layers, r.top_k), (2, 2));
+        assert_eq!((r.num_layers, r.top_k), (sparse, 2), "{arch:?}");
         assert_eq!(r.num_tokens().unwrap(), s.tokens.len() - 1);
         assert!(r.ids.iter().all(|&x| x < 8));
         assert_eq!(s.rollout_routed_experts, t.rollout_routed_experts, "preempted, chunked");
@@ -879,11 +888,11 @@ fn moe_rollouts_record_their_experts_and_equal_the_trainer() {
     }
     let want: Vec<u32> =
         samples.iter().flat_map(|s| s.rollout_log_probs.iter().map(|v| v.to_bits())).collect();
-    let recorded: usize = samples.iter().map(|s| (s.tokens.len() - 1) * 2).sum();
+    let recorded: usize = samples.iter().map(|s| (s.tokens.len() - 1) * sparse).sum();
     for replay in [false, true] {
         let f = on_cpu(&m).forward(&packed(&samples, replay), p.temperature).unwrap();
         let bits: Vec<u32> = f.logp.iter().map(|v| v.to_bits()).collect();
-        assert_eq!(bits, want, "replay {replay}");
+        assert_eq!(bits, want, "{arch:?}: replay {replay}");
         let mismatch = f.sparse.routing_mismatch.unwrap();
         assert_eq!(
             (mismatch.compared, mismatch.own_differs, mismatch.used_differs),
