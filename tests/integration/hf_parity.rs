@@ -161,6 +161,35 @@ fn an_int4_checkpoint_loads_dequantized_with_the_codecs_bits() {
     assert!(e.contains("config_groups.group_0.weights.num_bits 8 is not supported"), "{e}");
 }
 
+/// The tiny DeepSeek-V3 as an FP8 checkpoint (`make_fp8_checkpoint.py deepseek_v3`: its latent
+/// attention's projections and routed and shared experts in E4M3 blocks; routers, correction
+/// biases, embeddings and norms F32) loads dequantized: in the files' layout (before memory
+/// reorders the query heads), every matrix is q · s with miles-rs' own codec's codes and scales.
+#[test]
+fn a_deepseek_v3_fp8_checkpoint_loads_dequantized_with_the_codecs_bits() {
+    use miles_model::file_layout::file_tensors;
+    use miles_tensor::cpu::{dequantize_blocks, quantize_blocks};
+    let fp8 = miles_tests::workspace_root().join("tests/fixtures/fp8/deepseek_v3");
+    let config = ModelConfig::from_file(&fp8.join("config.json")).unwrap();
+    let loaded = miles_model::Weights::load(&fp8, &config).unwrap();
+    let original = miles_model::Weights::load(&fixture("deepseek_v3"), &config).unwrap();
+    let (got, want) = (file_tensors(&config, &loaded), file_tensors(&config, &original));
+    let mut quantized = 0;
+    for ((name, shape, got), (_, _, f32s)) in got.iter().zip(&want) {
+        let stem = name.trim_end_matches(".weight");
+        if name.starts_with("model.layers.") && (stem.ends_with("_proj") || stem.ends_with("_mqa"))
+        {
+            let (codes, scales) = quantize_blocks(f32s, shape[0], shape[1]);
+            let want = dequantize_blocks(&codes, &scales, shape[0], shape[1]);
+            assert_eq!(got[..], want[..], "{name}");
+            quantized += 1;
+        } else {
+            assert_eq!(got, f32s, "{name}");
+        }
+    }
+    assert_eq!(quantized, 69);
+}
+
 /// An FP8 checkpoint as DeepSeek-V3 and Qwen3 release them (`tests/fixtures/fp8/qwen3`, the
 /// tiny Qwen3 above quantized by `make_fp8_checkpoint.py` with numpy and ml_dtypes) loads
 /// dequantized: every matrix is q · s with the very codes and scales miles-rs' own codec gives
