@@ -63,7 +63,9 @@ fn results(groups: &[Vec<Sample>]) -> Vec<(Vec<u32>, Vec<u32>)> {
 #[test]
 fn greedy_speculative_decoding_gives_the_plain_tokens() {
     let lens = [5, 64, 70, 13, 1];
-    for arch in [Architecture::Qwen3, Architecture::Llama, Architecture::Qwen3Moe] {
+    for arch in
+        [Architecture::Qwen3, Architecture::Llama, Architecture::Qwen3Moe, Architecture::DeepseekV3]
+    {
         let m = model(arch, 3);
         let policy = on_cpu(&m);
         let mut d = draft(&m, 4);
@@ -117,7 +119,12 @@ fn greedy_speculative_decoding_gives_the_plain_tokens() {
 /// packing; the counts add up.
 #[test]
 fn speculative_logprobs_equal_the_scorers_bit_for_bit() {
-    for arch in [Architecture::Qwen3, Architecture::Gemma2, Architecture::Qwen3Moe] {
+    for arch in [
+        Architecture::Qwen3,
+        Architecture::Gemma2,
+        Architecture::Qwen3Moe,
+        Architecture::DeepseekV3,
+    ] {
         let m = model(arch, 8);
         let policy = on_cpu(&m);
         let d = draft(&m, 9);

@@ -114,7 +114,7 @@ pub fn fit_draft(
 }
 
 /// The draft as a model: one decoder layer of the policy's shape (dense, attending over the
-/// whole sequence) fed by the input stage ([`ModelConfig::mtp_input`]), with the policy's
+/// whole sequence; DeepSeek-V3's a sparse one, as its MTP layer is) fed by the input stage ([`ModelConfig::mtp_input`]), with the policy's
 /// embedding and head.
 pub fn draft_config(policy: &ModelConfig) -> Result<ModelConfig> {
     if policy.architecture == Architecture::Glm4 {
@@ -124,7 +124,11 @@ pub fn draft_config(policy: &ModelConfig) -> Result<ModelConfig> {
     }
     let mut c = policy.clone();
     c.num_hidden_layers = 1;
-    c.moe = None;
+    // DeepSeek-V3's MTP layer is one of its sparse layers; other drafts are dense.
+    match c.moe.as_mut().filter(|_| policy.mla.is_some()) {
+        Some(m) => m.mlp_only_layers.clear(),
+        None => c.moe = None,
+    }
     c.mtp_input = true;
     if let Some(g) = c.gemma.as_mut() {
         g.sliding = vec![false];
@@ -193,7 +197,8 @@ impl Draft {
             Some((name.strip_prefix("model.layers.0.")?.to_string(), shape))
         });
         for ((rest, shape), t) in layer_spec.zip(self.layer.tensors()) {
-            out.push((format!("{p}{rest}"), shape, Cow::Borrowed(&t[..])));
+            let rows = crate::file_layout::layer_rows(&c, &rest, t, shape[0], true);
+            out.push((format!("{p}{rest}"), shape, rows));
         }
         Ok(out)
     }
@@ -316,11 +321,14 @@ impl Draft {
             )?;
         }
         let c = draft_config(policy)?;
-        let mut layer = LayerWeights::default();
+        let experts = c.moe.as_ref().map_or(0, |m| m.num_experts);
+        let mut layer =
+            LayerWeights { experts: vec![Default::default(); experts], ..Default::default() };
         for (name, shape) in tensor_spec(&c) {
             let Some(rest) = name.strip_prefix("model.layers.0.") else { continue };
             let slot = layer.slot(rest).expect("tensor_spec names a layer tensor");
-            *slot = files.f32(&format!("{p}{rest}"), &shape)?;
+            let data = files.f32(&format!("{p}{rest}"), &shape)?;
+            *slot = crate::file_layout::layer_rows(&c, rest, &data, shape[0], false).into_owned();
         }
         Ok(Draft {
             format,
@@ -370,7 +378,12 @@ mod tests {
 
     #[test]
     fn drafts_round_trip_in_both_formats_bit_for_bit() {
-        for arch in [Architecture::Qwen3, Architecture::Qwen2, Architecture::Gemma3] {
+        for arch in [
+            Architecture::Qwen3,
+            Architecture::Qwen2,
+            Architecture::Gemma3,
+            Architecture::DeepseekV3,
+        ] {
             let policy = preset("tiny", Some(arch)).unwrap();
             for format in [DraftFormat::DeepSeek, DraftFormat::MiMo] {
                 let d = Draft::random(&policy, format, 3).unwrap();
@@ -388,6 +401,15 @@ mod tests {
         let names: Vec<String> = d.named(&policy).unwrap().into_iter().map(|t| t.0).collect();
         assert!(names.contains(&"model.layers.2.eh_proj.weight".to_string()), "{names:?}");
         assert!(names.contains(&"model.layers.2.self_attn.q_norm.weight".to_string()));
+        // DeepSeek-V3's MTP layer is sparse, its query heads in the files' order.
+        let policy = preset("tiny", Some(Architecture::DeepseekV3)).unwrap();
+        let d = Draft::random(&policy, DraftFormat::DeepSeek, 1).unwrap();
+        let named = d.named(&policy).unwrap();
+        let find = |n: &str| named.iter().find(|t| t.0 == n).map(|t| t.2.to_vec());
+        assert!(find("model.layers.2.mlp.experts.7.down_proj.weight").is_some());
+        assert!(find("model.layers.2.mlp.shared_experts.up_proj.weight").is_some());
+        let q = find("model.layers.2.self_attn.q_b_proj.weight").unwrap();
+        assert_ne!(q, d.layer.q_b_proj, "reordered in the file");
     }
 
     #[test]
@@ -437,8 +459,11 @@ mod tests {
         use crate::{DeviceModel, Model};
         use miles_tensor::testing::{check_gradient, dot};
         use miles_tensor::{DType, Device, Tensor};
-        for (arch, tie) in [(Architecture::Qwen3, true), (Architecture::Llama, false)] {
-            let policy = model(tiny(arch, tie), 4);
+        let deepseek = crate::presets::preset("tiny", Some(Architecture::DeepseekV3)).unwrap();
+        for config in [tiny(Architecture::Qwen3, true), tiny(Architecture::Llama, false), deepseek]
+        {
+            let arch = config.architecture;
+            let policy = model(config, 4);
             let pc = &policy.config;
             let c = draft_config(pc).unwrap();
             let mut w = Draft::random(pc, DraftFormat::MiMo, 2)

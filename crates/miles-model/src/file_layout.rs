@@ -117,6 +117,21 @@ fn glm_name(layer: &str, rest: &str) -> Option<String> {
     Some(format!("{layer}{file}"))
 }
 
+/// A layer's tensor `rest` (`rows` rows) of a `c` model in the files' row order (`to_file`)
+/// or in memory's: the rows a draft's MTP layer reorders as the model's layers do.
+pub(crate) fn layer_rows<'a>(
+    c: &ModelConfig,
+    rest: &str,
+    data: &'a [f32],
+    rows: usize,
+    to_file: bool,
+) -> Cow<'a, [f32]> {
+    match row_order(c, rest) {
+        Some((d, order)) => Cow::Owned(reorder(data, rows, d, &order, to_file)),
+        None => Cow::Borrowed(data),
+    }
+}
+
 /// How memory orders the rows of a layer's tensor `rest` against the file, where it does:
 /// in blocks of `d` rows, memory's row `j` of a block is the file's `order[j]`.
 fn row_order(c: &ModelConfig, rest: &str) -> Option<(usize, Vec<usize>)> {
