@@ -88,12 +88,7 @@ impl DecodeGraphs {
             .graphs
             .iter()
             .filter_map(|g| g.graph.as_ref().map(|graph| (g, graph)))
-            .map(|(g, graph)| {
-                let (rows, device) = (g.rows, g.ids.device());
-                device.time(1, || graph.launch())?; // warm
-                let t = device.time(iters, || graph.launch())?;
-                Ok((rows, t.as_secs_f64() / iters.max(1) as f64))
-            })
+            .map(|(g, graph)| Ok((g.rows, replay_time(graph, &g.ids.device(), iters)?)))
             .collect();
         #[cfg(not(feature = "cuda"))]
         {
@@ -101,6 +96,15 @@ impl DecodeGraphs {
             Ok(Vec::new())
         }
     }
+}
+
+/// Device seconds of one replay of `graph`, over `iters` back-to-back replays after a warm
+/// one.
+#[cfg(feature = "cuda")]
+pub(crate) fn replay_time(graph: &miles_tensor::Graph, device: &Device, iters: u64) -> Result<f64> {
+    device.time(1, || graph.launch())?;
+    let t = device.time(iters, || graph.launch())?;
+    Ok(t.as_secs_f64() / iters.max(1) as f64)
 }
 
 /// One bucket's graph and the buffers it reads and writes.

@@ -689,6 +689,24 @@ mod tests {
         assert_eq!(stats.rows, 2);
     }
 
+    /// `got` against central differences of `f` at `logits` (steps of 1e-2).
+    fn assert_matches_central_differences(
+        got: &[f32],
+        logits: &[f32],
+        f: impl Fn(&[f32]) -> f64,
+        what: &str,
+    ) {
+        for i in 0..logits.len() {
+            let h = 1e-2;
+            let (mut a, mut b) = (logits.to_vec(), logits.to_vec());
+            a[i] += h;
+            b[i] -= h;
+            let want = (f(&a) - f(&b)) / (2.0 * f64::from(h));
+            let err = (f64::from(got[i]) - want).abs();
+            assert!(err < 2e-3, "{what} logit {i}: {} vs {want}", got[i]);
+        }
+    }
+
     /// The router's backward against finite differences of a scalar of the gate weights and
     /// the balance loss, with and without renormalization.
     #[test]
@@ -717,15 +735,7 @@ mod tests {
             let mut stats = BalanceStats::default();
             stats.add(&base);
             let got = router_backward(&base, &probe, &m, Some((coef, &stats)));
-            for i in 0..logits.len() {
-                let h = 1e-2;
-                let (mut a, mut b) = (logits.clone(), logits.clone());
-                a[i] += h;
-                b[i] -= h;
-                let want = (f(&a) - f(&b)) / (2.0 * f64::from(h));
-                let err = (f64::from(got[i]) - want).abs();
-                assert!(err < 2e-3, "norm {norm} logit {i}: {} vs {want}", got[i]);
-            }
+            assert_matches_central_differences(&got, &logits, f, &format!("norm {norm}"));
         }
     }
 
@@ -779,15 +789,7 @@ mod tests {
                 r.weights.iter().zip(&probe).map(|(w, p)| f64::from(w * p)).sum()
             };
             let got = router_backward(&base, &probe, &m, None);
-            for i in 0..logits.len() {
-                let h = 1e-2;
-                let (mut a, mut b) = (logits.clone(), logits.clone());
-                a[i] += h;
-                b[i] -= h;
-                let want = (f(&a) - f(&b)) / (2.0 * f64::from(h));
-                let err = (f64::from(got[i]) - want).abs();
-                assert!(err < 2e-3, "norm {norm} logit {i}: {} vs {want}", got[i]);
-            }
+            assert_matches_central_differences(&got, &logits, f, &format!("norm {norm}"));
         }
     }
 }

@@ -20,7 +20,7 @@ use miles_tensor::ops::{self, ChainTables, DraftChain};
 use miles_tensor::{DType, Device};
 
 #[cfg(feature = "cuda")]
-use crate::decode::{DecodeGraph, Outputs, bucket};
+use crate::decode::{DecodeGraph, Outputs, bucket, replay_time};
 use crate::{DeviceModel, Error, KvCache, Result, SampleParams, StepRow};
 
 /// One speculative step's rows for its `n` sequences, each proposing `k` drafts, as the
@@ -134,12 +134,7 @@ impl SpecGraphs {
             .graphs
             .iter()
             .filter_map(|g| g.graph.as_ref().map(|graph| (g, graph)))
-            .map(|(g, graph)| {
-                let device = g.from.device();
-                device.time(1, || graph.launch())?; // warm
-                let t = device.time(iters, || graph.launch())?;
-                Ok((g.seqs, t.as_secs_f64() / iters.max(1) as f64))
-            })
+            .map(|(g, graph)| Ok((g.seqs, replay_time(graph, &g.from.device(), iters)?)))
             .collect();
         #[cfg(not(feature = "cuda"))]
         {
