@@ -1382,9 +1382,11 @@ mod tests {
             Architecture::Glm4,
             Architecture::DeepseekV3,
         ] {
-            let c = crate::presets::preset("tiny", Some(arch)).unwrap();
-            let back = ModelConfig::from_json(&c.to_hf_json("float32"), Path::new("c.json"));
-            assert_eq!(back.unwrap(), c, "{arch:?}");
+            for name in ["tiny", "tiny-h64"] {
+                let c = crate::presets::preset(name, Some(arch)).unwrap();
+                let back = ModelConfig::from_json(&c.to_hf_json("float32"), Path::new("c.json"));
+                assert_eq!(back.unwrap(), c, "{name} {arch:?}");
+            }
         }
         let c = crate::presets::preset("llama3.2-1b", None).unwrap();
         assert_eq!(ModelConfig::from_json(&c.to_hf_json("bfloat16"), Path::new("c")).unwrap(), c);

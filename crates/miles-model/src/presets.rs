@@ -26,7 +26,12 @@ pub const PRESETS: [&str; 12] = [
 /// for another is an error.
 pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
     if name == "tiny-h64" {
-        let c = preset("tiny", arch)?;
+        let mut c = preset("tiny", arch)?;
+        if let Some(m) = c.mla.as_mut() {
+            // A latent-attention head of 64: 48 + a rotary 16, values of 32.
+            (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) = (48, 16, 32);
+            m.softmax_scale = (64f64.powf(-0.5)) as f32;
+        }
         return Ok(ModelConfig { head_dim: 64, rotary_dim: 64 * c.rotary_dim / c.head_dim, ..c });
     }
     let fixed = |own: Architecture| match arch {

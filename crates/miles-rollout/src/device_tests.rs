@@ -17,15 +17,9 @@ use crate::{Engine, EngineConfig};
 
 /// A small model at head_dim 64 (the tensor-core attention's), far from uniform.
 fn model(arch: Architecture, seed: u64) -> Model {
-    let mut c: ModelConfig = presets::preset("tiny", Some(arch)).unwrap();
+    // Heads of 64, the tensor cores' size (DeepSeek's latent heads too: a key per head).
+    let mut c: ModelConfig = presets::preset("tiny-h64", Some(arch)).unwrap();
     (c.hidden_size, c.intermediate_size, c.num_hidden_layers) = (256, 512, 2);
-    (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (4, 2, 64);
-    if let Some(m) = c.mla.as_mut() {
-        // A latent-attention head of 64 (48 + a rotary 16), values of 32, a key per head.
-        (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) = (48, 16, 32);
-        m.softmax_scale = (64f64.powf(-0.5)) as f32;
-        (c.num_key_value_heads, c.rotary_dim) = (4, 16);
-    }
     let mut w = Weights::random(&c, seed);
     let mut rng = Rng::new(seed + 100);
     for t in w.tensors_mut() {
