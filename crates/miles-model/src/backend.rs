@@ -238,9 +238,11 @@ pub(crate) trait BackwardBackend: Backend {
     ) -> Result<(Self::Act, Self::Act, Self::Act)>;
 }
 
-/// `(layer, q, k, v) → (attention output, log-sum-exp)`: where the training forward and the
-/// incremental step differ.
-pub(crate) type AttentionFn<'a, A> = dyn FnMut(usize, &A, &A, &A) -> Result<(A, A)> + 'a;
+/// `(layer, q, k, v, kva) → (attention output, log-sum-exp)`: where the training forward and
+/// the incremental step differ. `kva` is a latent attention's `kv_a` output of the rows (what
+/// its step's cache keeps), `None` for other attentions.
+pub(crate) type AttentionFn<'a, A> =
+    dyn FnMut(usize, &A, &A, &A, Option<&A>) -> Result<(A, A)> + 'a;
 
 /// A linear's `N` parts, as [`Backend::linear`] returns them.
 pub(crate) fn take<const N: usize, A>(parts: Vec<A>) -> [A; N] {

@@ -1254,25 +1254,8 @@ mod tests {
         assert_eq!(e, "m.json: missing field 'moe_intermediate_size'");
     }
 
-    /// DeepSeek-V3's published config.json (its FP8 quantization_config left out).
     fn deepseek_v3_json() -> Value {
-        json!({
-            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-            "attention_bias": false, "first_k_dense_replace": 3, "hidden_act": "silu",
-            "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
-            "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
-            "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
-            "norm_topk_prob": true, "num_attention_heads": 128, "num_experts_per_tok": 8,
-            "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
-            "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000, "routed_scaling_factor": 2.5,
-            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                             "type": "yarn"},
-            "scoring_func": "sigmoid", "tie_word_embeddings": false, "topk_group": 4,
-            "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 129280,
-            "bos_token_id": 0, "eos_token_id": 1, "aux_loss_alpha": 0.001, "seq_aux": true
-        })
+        serde_json::from_str(crate::presets::DEEPSEEK_V3).unwrap()
     }
 
     /// 671 B parameters (its MTP layer's 14 B apart), 37 B active, as DeepSeek reports them.

@@ -15,6 +15,7 @@ use miles_tensor::cpu::{self, AdamW, PackedLinear, PagedRows, Transpose};
 use miles_tensor::{DType, Device, Tensor, ops};
 
 use crate::backend::{Backend, BackwardBackend, Linear, Norm};
+use crate::latent_step::LatentStep;
 use crate::layer::{LayerActivations, layer_backward, layer_forward};
 use crate::mla::{Arrange, MlaMaps};
 use crate::moe::{ExpertMatrix, SparseLayers, SparseOutputs};
@@ -947,7 +948,7 @@ impl DeviceModel {
     }
 
     /// The weights as the engine's steps read them.
-    fn weights(&self) -> DeviceWeights<'_> {
+    pub(crate) fn weights(&self) -> DeviceWeights<'_> {
         DeviceWeights {
             config: &self.config,
             ones: &self.ones,
@@ -1086,7 +1087,7 @@ impl DeviceModel {
             Some(x) => x,
             None => self.embed(ops::embedding_forward(self.weight(0), &batch.tokens)?)?,
         };
-        let mut attention = |layer, q: &Tensor, k: &Tensor, v: &Tensor| {
+        let mut attention = |layer, q: &Tensor, k: &Tensor, v: &Tensor, _: Option<&Tensor>| {
             let shape = c.attention_shape(layer);
             Ok(ops::attention_forward(q, k, v, &batch.cu_seqlens, shape)?)
         };
@@ -1360,13 +1361,26 @@ impl DeviceModel {
     ) -> Result<Tensor> {
         let c = &self.config;
         let dev = Dev { w: self.weights(), cos, sin, local, cu_seqlens: &[], grads: None };
+        let mut latent = match kv.is_latent() {
+            true => Some(LatentStep::new(self, plan, kv)?),
+            false => None,
+        };
         for layer in 0..c.num_hidden_layers {
-            let mut attention = |layer, q: &Tensor, k: &Tensor, v: &Tensor| {
-                ops::paged_kv_write(kv.data_mut(), k, v, layer, plan)?;
-                let q_heads = c.num_attention_heads;
-                let scores = c.attention_shape(layer).scores;
-                Ok(ops::paged_attention(q, kv.data(), layer, plan, q_heads, &scores)?)
-            };
+            let mut attention =
+                |layer, q: &Tensor, k: &Tensor, v: &Tensor, kva: Option<&Tensor>| {
+                    if let Some(step) = &mut latent {
+                        let kva = kva.ok_or_else(|| {
+                            Error::Invalid(
+                                "a latent KV cache for a model without latent attention".into(),
+                            )
+                        })?;
+                        return self.latent_attention(layer, q, kva, step, kv);
+                    }
+                    ops::paged_kv_write(kv.data_mut(), k, v, layer, plan)?;
+                    let q_heads = c.num_attention_heads;
+                    let scores = c.attention_shape(layer).scores;
+                    Ok(ops::paged_attention(q, kv.data(), layer, plan, q_heads, &scores)?)
+                };
             let (out, a) = layer_forward(&dev, c, layer, x, &mut attention, None)?;
             x = out;
             if let (Some(routes), Some(r)) = (routes.as_deref_mut(), a.routing()) {
@@ -1904,7 +1918,7 @@ impl DeviceModel {
 
 /// The weights as the layers read them.
 #[derive(Clone, Copy)]
-struct DeviceWeights<'a> {
+pub(crate) struct DeviceWeights<'a> {
     config: &'a ModelConfig,
     /// Vectors of ones of the norms' widths, for Gemma's (1 + w); empty otherwise.
     ones: &'a [Tensor],
@@ -2015,14 +2029,14 @@ fn stack_parts(parts: &[&Tensor], picks: &[(u32, u32)]) -> Result<(Tensor, Vec<u
 }
 
 /// The device's layer primitives over tensors `[tokens × width]`.
-struct Dev<'a> {
-    w: DeviceWeights<'a>,
-    cos: &'a Tensor,
-    sin: &'a Tensor,
+pub(crate) struct Dev<'a> {
+    pub w: DeviceWeights<'a>,
+    pub cos: &'a Tensor,
+    pub sin: &'a Tensor,
     /// The sliding layers' rotary tables, when they have their own (Gemma 3).
-    local: Option<(&'a Tensor, &'a Tensor)>,
-    cu_seqlens: &'a [usize],
-    grads: Option<&'a mut Vec<Tensor>>,
+    pub local: Option<(&'a Tensor, &'a Tensor)>,
+    pub cu_seqlens: &'a [usize],
+    pub grads: Option<&'a mut Vec<Tensor>>,
 }
 
 impl DeviceWeights<'_> {

@@ -81,7 +81,7 @@ pub(crate) fn layer_forward<B: Backend>(
         None => {
             let [q, k, v] = take(b.linear(layer, Linear::Qkv, &n1)?);
             let (q, k, qk_norm) = b.qk_norm_rope(c, layer, q, k)?;
-            let (attn, lse) = attention(layer, &q, &k, &v)?;
+            let (attn, lse) = attention(layer, &q, &k, &v, None)?;
             (q, k, v, attn, lse, qk_norm, None)
         }
     };

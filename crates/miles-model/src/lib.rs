@@ -15,6 +15,7 @@ pub mod draft;
 mod error;
 pub mod file_layout;
 pub mod kv;
+mod latent_step;
 mod layer;
 mod mla;
 pub mod model;

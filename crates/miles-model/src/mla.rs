@@ -129,17 +129,37 @@ pub(crate) fn mla_forward<B: Backend>(
         }
     };
     let [kva] = take(b.linear(layer, Linear::KvA, n1)?);
-    let c_kv = b.gather_columns(Arrange::Latent, &[&kva])?;
-    let (c_kv_n, kv_rstd) = b.rmsnorm(layer, Norm::KvA, &c_kv)?;
-    let [kv] = take(b.linear(layer, Linear::KvB, &c_kv_n)?);
-    let k = b.gather_columns(Arrange::Keys, &[&kv, &kva])?;
-    let v = b.gather_columns(Arrange::Values, &[&kv])?;
+    let KeysValues { k, v, latent } = keys_values(b, layer, &kva)?;
     let q = b.rope(layer, q, heads, false)?;
     let k = b.rope(layer, k, heads, false)?;
-    let (padded, lse) = attention(layer, &q, &k, &v)?;
+    let (padded, lse) = attention(layer, &q, &k, &v, Some(&kva))?;
     let out = b.gather_columns(Arrange::Outputs, &[&padded])?;
-    let acts = MlaActivations { q_a, latent: [c_kv, kv_rstd, c_kv_n], padded };
+    let acts = MlaActivations { q_a, latent, padded };
     Ok(MlaForward { q, k, v, out, lse, acts })
+}
+
+/// Each head's key (in the rotary layout, not yet rotated: `b`'s rows' positions rotate it)
+/// and padded value from rows of `kv_a`'s output, with the latent's `[c_kv, rstd, normed]`:
+/// the same ops in the training forward and in a step expanding a latent cache, so the same
+/// bits.
+pub(crate) fn keys_values<B: Backend>(
+    b: &B,
+    layer: usize,
+    kva: &B::Act,
+) -> Result<KeysValues<B::Act>> {
+    let c_kv = b.gather_columns(Arrange::Latent, &[kva])?;
+    let (c_kv_n, kv_rstd) = b.rmsnorm(layer, Norm::KvA, &c_kv)?;
+    let [kv] = take(b.linear(layer, Linear::KvB, &c_kv_n)?);
+    let k = b.gather_columns(Arrange::Keys, &[&kv, kva])?;
+    let v = b.gather_columns(Arrange::Values, &[&kv])?;
+    Ok(KeysValues { k, v, latent: [c_kv, kv_rstd, c_kv_n] })
+}
+
+/// [`keys_values`]' results.
+pub(crate) struct KeysValues<A> {
+    pub k: A,
+    pub v: A,
+    pub latent: [A; 3],
 }
 
 /// The latent attention's backward from d(loss)/d(trimmed output) to d(loss)/d`n1`, adding

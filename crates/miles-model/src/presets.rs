@@ -5,13 +5,14 @@ use crate::{
     Architecture, Biases, Error, GemmaConfig, ModelConfig, MoeConfig, Result, RopeScaling,
 };
 
-pub const PRESETS: [&str; 12] = [
+pub const PRESETS: [&str; 13] = [
     "tiny",
     "tiny-h64",
     "qwen3-0.6b",
     "qwen3-8b",
     "smollm2-135m",
     "qwen3-30b-a3b-4l",
+    "deepseek-v3-4l",
     "qwen2.5-0.5b",
     "qwen2.5-1.5b",
     "llama3.2-1b",
@@ -19,6 +20,25 @@ pub const PRESETS: [&str; 12] = [
     "gemma2-2b",
     "glm4-9b",
 ];
+
+/// DeepSeek-V3's published config.json (its FP8 quantization_config left out).
+pub(crate) const DEEPSEEK_V3: &str = r#"{
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "attention_bias": false, "first_k_dense_replace": 3, "hidden_act": "silu",
+    "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+    "norm_topk_prob": true, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "routed_scaling_factor": 2.5,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "scoring_func": "sigmoid", "tie_word_embeddings": false, "topk_group": 4,
+    "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 129280,
+    "bos_token_id": 0, "eos_token_id": 1, "aux_loss_alpha": 0.001, "seq_aux": true
+}"#;
 
 /// The configuration of preset `name`. `tiny` takes any architecture (default Qwen3; with
 /// Qwen3-MoE, 8 experts of which 2 per token), and so does `tiny-h64`, the same with heads of
@@ -243,6 +263,14 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
             mtp_input: false,
             mla: None,
         },
+        // DeepSeek-V3 as released with 4 layers: 3 dense, one of 256 experts.
+        "deepseek-v3-4l" => {
+            fixed(Architecture::DeepseekV3)?;
+            let mut v: serde_json::Value =
+                serde_json::from_str(DEEPSEEK_V3).expect("the embedded config is JSON");
+            v["num_hidden_layers"] = 4.into();
+            ModelConfig::from_json(&v, std::path::Path::new("preset deepseek-v3-4l"))?
+        }
         // Qwen2.5-0.5B-Instruct's and Qwen2.5-1.5B-Instruct's published config.json.
         "qwen2.5-0.5b" | "qwen2.5-1.5b" => {
             let small = name == "qwen2.5-0.5b";
@@ -402,6 +430,10 @@ mod tests {
         assert!(preset("gpt2", None).unwrap_err().to_string().contains("presets: tiny"));
         let moe = preset("qwen3-30b-a3b-4l", None).unwrap();
         assert_eq!((moe.num_parameters(), moe.active_parameters()), (3_114_814_464, 849_890_304));
+        let ds = preset("deepseek-v3-4l", None).unwrap();
+        // 15.1 B, 4.2 B active; a bf16 latent cache keeps 4 × (512 + 64) × 2 bytes a token.
+        assert_eq!((ds.num_parameters(), ds.active_parameters()), (15_111_101_696, 4_189_134_080));
+        assert_eq!(crate::KvCache::bytes_per_token(&ds, miles_tensor::DType::BF16), 4 * 576 * 2);
         let tiny = preset("tiny", Some(Architecture::Qwen3Moe)).unwrap();
         assert!(tiny.moe.is_some() && preset("tiny", None).unwrap().moe.is_none());
         let h64 = preset("tiny-h64", Some(Architecture::Qwen3Moe)).unwrap();

@@ -7,7 +7,7 @@ use anyhow::{Context, bail};
 use miles_core::config::RunConfig;
 use miles_core::{Rollout, Speculator};
 use miles_model::draft::{Draft, DraftFormat, draft_config};
-use miles_model::{DeviceModel, Fp8Layers, Int4Layers, Model, Tokenizer, Weights};
+use miles_model::{DeviceModel, Fp8Layers, Int4Layers, KvCache, Model, Tokenizer, Weights};
 use miles_rollout::{Engine, EngineConfig};
 use miles_tensor::cpu::AdamW;
 use miles_tensor::{DType, Device};
@@ -138,6 +138,20 @@ impl Actor {
         }
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let kv = engine_config.kv_cache_bytes as u64;
+        let per_token = KvCache::bytes_per_token(&dm.config, dm.dtype());
+        let held = match &dm.config.mla {
+            Some(m) => format!(
+                "the latent attention's kv_lora_rank {} + qk_rope_head_dim {} values a layer",
+                m.kv_lora_rank, m.qk_rope_head_dim
+            ),
+            None => "every kv head's key and value a layer".into(),
+        };
+        eprintln!(
+            "KV cache: {per_token} bytes a token ({held}, {} layers), {} tokens in {:.2} GiB",
+            dm.config.num_hidden_layers,
+            kv / per_token as u64,
+            gib(kv)
+        );
         if let Some((free, total)) = device.memory_info()? {
             eprintln!(
                 "memory plan on {device}: model, gradients and AdamW state {:.2} GiB in use, \
