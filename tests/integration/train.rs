@@ -1116,6 +1116,55 @@ fn bad_speculative_settings_and_drafts_are_named() {
     assert!(train(&base, &more).is_ok(), "{out}");
 }
 
+/// A DeepSeek-V3 checkpoint's own MTP layer (`miles init-model --arch deepseek-v3` writes one
+/// at model.layers.2): a run that speculates without a draft path starts from it and
+/// `--save-hf` writes it back unchanged; with `--enable-mtp-training` it is trained and written
+/// trained; a run with neither keeps it as it came. Rollout logprobs stay the trainer's.
+#[cfg(feature = "eagle-spec")]
+#[test]
+fn a_deepseek_checkpoints_mtp_layer_is_its_draft_and_is_kept() {
+    use miles_model::draft::Draft;
+    let dir = scratch("train_deepseek_mtp");
+    let ckpt = dir.join("ckpt");
+    let made = miles(&["init-model", "--arch", "deepseek-v3", "--out", ckpt.to_str().unwrap()]);
+    assert!(made.unwrap().contains("and an MTP layer"));
+    let data = dir.join("prompts.jsonl");
+    std::fs::write(&data, "{\"input\": \"1+1=\", \"label\": \"2\"}\n").unwrap();
+    let config = miles_model::ModelConfig::from_file(&ckpt.join("config.json")).unwrap();
+    let own = Draft::load(&ckpt, &config).unwrap();
+    let base = format!(
+        "--hf-checkpoint {} --prompt-data {} --label-key label --rm-type exact_match \
+         --num-rollout 2 --rollout-batch-size 1 --n-samples-per-prompt 4 \
+         --rollout-max-response-len 6",
+        ckpt.display(),
+        data.display()
+    );
+    let run = |name: &str, flags: &[&str]| -> (Draft, Vec<Value>) {
+        let (hf, run_dir) = (dir.join(format!("{name}_hf")), dir.join(name));
+        let paths = ["--save-hf", hf.to_str().unwrap(), "--run-dir", run_dir.to_str().unwrap()];
+        let report = train(&base, &[flags, &paths[..]].concat()).unwrap();
+        assert!(report.contains("trained 2 iterations"), "{name}: {report}");
+        let saved = miles_model::ModelConfig::from_file(&hf.join("config.json")).unwrap();
+        assert_eq!(saved.mla.as_ref().unwrap().mtp_layers, 1, "{name}");
+        let records = iteration_records(&run_dir);
+        for r in &records {
+            assert_eq!(r["train/train_rollout_logprob_abs_diff"], 0.0, "{name}: {r}");
+        }
+        (Draft::load(&hf, &saved).unwrap(), records)
+    };
+    let speculate =
+        ["--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "2"];
+    let (frozen, records) = run("speculate", &speculate);
+    assert!(frozen == own, "the checkpoint's MTP layer, not trained, comes back as it was");
+    assert!(records.iter().any(|r| r["rollout/spec_accept_rate"].as_f64().is_some()));
+    let trained = [&speculate[..], &["--enable-mtp-training"]].concat();
+    let (trained, records) = run("mtp", &trained);
+    assert!(trained != own, "MTP training changed nothing");
+    assert!(records.iter().all(|r| r["train/mtp_loss"].as_f64().is_some_and(f64::is_finite)));
+    let (kept, _) = run("plain", &[]);
+    assert!(kept == own, "a run without a draft keeps the checkpoint's MTP layer");
+}
+
 #[test]
 fn bad_prompt_files_name_the_file_and_line() {
     let dir = scratch("train_bad_prompts");

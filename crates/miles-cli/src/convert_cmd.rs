@@ -6,6 +6,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use miles_core::registry;
 use miles_gguf::OutputDtype;
 use miles_model::Fp8Layers;
+use miles_model::draft::Draft;
 use miles_train::checkpoint::{QuantExport, export_hf};
 
 use crate::common::load_model;
@@ -67,7 +68,9 @@ fn fp8(args: &Fp8Args, out: &mut dyn Write) -> anyhow::Result<()> {
     let names = miles_model::fp8_weight_names(&model.config, Fp8Layers::default());
     let tokenizer = src.join("tokenizer.json").is_file().then_some(src.as_path());
     let fp8 = QuantExport { quantizer: &*quantizer, names };
-    export_hf(&args.out, &model.config, &model.weights, tokenizer, Some(&fp8))
+    let mtp = Draft::of_checkpoint(src, &model.config)
+        .with_context(|| format!("convert fp8 {}: its MTP layer", src.display()))?;
+    export_hf(&args.out, &model.config, &model.weights, tokenizer, Some(&fp8), mtp.as_ref())
         .with_context(|| format!("convert fp8: writing {}", args.out.display()))?;
     writeln!(
         out,

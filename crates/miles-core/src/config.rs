@@ -818,8 +818,9 @@ impl RunConfig {
             })?;
         }
         let has_draft = self.sglang_speculative_draft_model_path.is_some();
+        // (A DeepSeek-V3 --hf-checkpoint may carry its MTP layer: the trainer looks.)
         check(
-            !on || has_draft || self.enable_mtp_training,
+            !on || has_draft || self.enable_mtp_training || self.hf_checkpoint.is_some(),
             "sglang-speculative-algorithm",
             || {
                 "needs a draft: --sglang-speculative-draft-model-path DIR (an MTP layer's \

@@ -203,6 +203,42 @@ impl Draft {
         Ok(out)
     }
 
+    /// The tensors a DeepSeek-V3 checkpoint holds for its MTP layer beside the policy's:
+    /// [`Draft::named`], and in DeepSeek's format the copies of the policy's embedding and
+    /// head that the layer carries (`embed_tokens`, `shared_head.head`).
+    pub fn checkpoint_tensors<'a>(
+        &'a self,
+        policy: &ModelConfig,
+        policy_weights: &'a Weights,
+    ) -> Result<Vec<FileTensor<'a>>> {
+        let mut out = self.named(policy)?;
+        if self.format == DraftFormat::DeepSeek {
+            let p = prefix(self.format, policy);
+            let shape = vec![policy.vocab_size, policy.hidden_size];
+            let head = policy_weights.lm_head.as_ref().unwrap_or(&policy_weights.embed);
+            out.push((
+                format!("{p}embed_tokens.weight"),
+                shape.clone(),
+                Cow::Borrowed(&policy_weights.embed),
+            ));
+            out.push((format!("{p}shared_head.head.weight"), shape, Cow::Borrowed(head)));
+        }
+        Ok(out)
+    }
+
+    /// The MTP layer that a DeepSeek-V3 checkpoint in `dir` carries for `policy` (its
+    /// `num_nextn_predict_layers` and `model.layers.{num_hidden_layers}.eh_proj`), if any.
+    pub fn of_checkpoint(dir: &Path, policy: &ModelConfig) -> Result<Option<Self>> {
+        if policy.mla.as_ref().is_none_or(|m| m.mtp_layers == 0) {
+            return Ok(None);
+        }
+        let proj = format!("{}eh_proj.weight", prefix(DraftFormat::DeepSeek, policy));
+        if !TensorFiles::open(dir)?.names().iter().any(|n| *n == proj) {
+            return Ok(None);
+        }
+        Self::load(dir, policy).map(Some)
+    }
+
     /// The draft as a model of [`draft_config`]: the policy's embedding and head (copies,
     /// which the model keeps frozen), the input stage with the projection split into the
     /// halves that take the embedding and the policy's states, the layer, the final norm.

@@ -66,7 +66,7 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
     let c = match name {
         // DeepSeek-V3's layout at the tiny size: latent attention with q_lora and interleaved
         // pairs (a q/k head of 32, the tensor cores' sizes; values of 16), a dense first
-        // layer, 8 experts in 4 groups (2 kept), one shared expert.
+        // layer, 8 experts in 4 groups (2 kept), one shared expert, an MTP layer.
         "tiny" if arch == Some(Architecture::DeepseekV3) => {
             let mla = crate::MlaConfig {
                 q_lora_rank: Some(24),
@@ -77,7 +77,8 @@ pub fn preset(name: &str, arch: Option<Architecture>) -> Result<ModelConfig> {
                 rope_interleave: true,
                 softmax_scale: (32f64.powf(-0.5)) as f32,
                 mscale_all_dim: 0.0,
-                mtp_layers: 0,
+                // (As DeepSeek-V3 ships: one MTP layer, which `miles init-model` writes.)
+                mtp_layers: 1,
             };
             let tiny = preset("tiny", None)?;
             ModelConfig {

@@ -416,6 +416,19 @@ impl Weights {
         dtype: Dtype,
         max_shard_bytes: usize,
     ) -> Result<()> {
+        self.save_with(dir, c, dtype, max_shard_bytes, Vec::new())
+    }
+
+    /// [`Weights::save`] with `extra` tensors after the model's (a DeepSeek-V3 checkpoint's
+    /// MTP layer).
+    pub fn save_with(
+        &self,
+        dir: &Path,
+        c: &ModelConfig,
+        dtype: Dtype,
+        max_shard_bytes: usize,
+        extra: Vec<crate::file_layout::FileTensor<'_>>,
+    ) -> Result<()> {
         let elem = match dtype {
             Dtype::F32 => 4,
             Dtype::BF16 => 2,
@@ -427,7 +440,8 @@ impl Weights {
         };
         std::fs::create_dir_all(dir)
             .map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
-        let tensors = crate::file_layout::file_tensors(c, self);
+        let mut tensors = crate::file_layout::file_tensors(c, self);
+        tensors.extend(extra);
         // Group tensors into shards in order.
         let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
         let mut bytes = 0usize;

@@ -62,7 +62,7 @@ use std::path::{Path, PathBuf};
 
 use miles_core::Quantizer;
 use miles_model::config::config_path;
-use miles_model::draft::Draft;
+use miles_model::draft::{Draft, DraftFormat};
 use miles_model::file_layout::{file_name, file_tensors, weights_from_files};
 use miles_model::{ModelConfig, Weights};
 use miles_tensor::cpu::AdamW;
@@ -396,15 +396,18 @@ fn check_shapes(config: &ModelConfig, w: &Weights, what: &str) -> Result<()> {
 
 /// Writes `config.json` and `model.safetensors` (F32, or with `fp8` those weights in E4M3)
 /// into `dir`.
+/// `extra` tensors follow the model's (a DeepSeek-V3 export's MTP layer, unquantized).
 fn write_config_and_model(
     dir: &Path,
     config: &ModelConfig,
     weights: &Weights,
     quant: Option<&QuantExport<'_>>,
+    extra: NamedViews<'_>,
 ) -> Result<()> {
     let path = config_path(dir);
     let mut json = config.to_hf_json("float32");
     let mut tensors = named(config, weights, "");
+    tensors.extend(extra);
     if let Some(quant) = quant {
         let kept;
         // (Named as the files name them: GLM-4's gate and up are one tensor there.)
@@ -691,7 +694,7 @@ pub fn save(root: &Path, iteration: u64, ckpt: &CheckpointRef) -> Result<PathBuf
 fn write_checkpoint(tmp: &Path, iteration: u64, ckpt: &CheckpointRef) -> Result<()> {
     let config = ckpt.config;
     let (m, v) = ckpt.optimizer.moments();
-    write_config_and_model(tmp, config, ckpt.weights, None)?;
+    write_config_and_model(tmp, config, ckpt.weights, None, Vec::new())?;
     match fault_in_save(iteration) {
         Some(Fault::Abort) => {
             eprintln!("{FAULT_ENV}=abort-during-save: aborting in the middle of a save");
@@ -957,6 +960,7 @@ pub fn export_hf(
     weights: &Weights,
     tokenizer_dir: Option<&Path>,
     quant: Option<&QuantExport<'_>>,
+    mtp: Option<&Draft>,
 ) -> Result<()> {
     check_shapes(config, weights, "the weights")?;
     let tmp = beside(dir, ".tmp")?;
@@ -967,7 +971,8 @@ pub fn export_hf(
     check_space(&parent, needed)?;
     fresh_tmp_dir(&tmp)?;
     writing(&tmp, needed, || {
-        write_config_and_model(&tmp, config, weights, quant)?;
+        let (config, extra) = with_mtp(config, weights, mtp)?;
+        write_config_and_model(&tmp, &config, weights, quant, extra)?;
         if let Some(from) = tokenizer_dir {
             copy_tokenizer(from, &tmp)?;
         }
@@ -975,6 +980,29 @@ pub fn export_hf(
         sync_dir(&tmp)
     })?;
     commit_dir(&tmp, dir)
+}
+
+/// A DeepSeek-V3 export's config and MTP tensors: `mtp` (a draft in DeepSeek's format)
+/// written after the layers as DeepSeek ships it, and `num_nextn_predict_layers` saying
+/// whether it is there. Other families' files have no place for a draft.
+fn with_mtp<'a>(
+    config: &ModelConfig,
+    weights: &'a Weights,
+    mtp: Option<&'a Draft>,
+) -> Result<(ModelConfig, NamedViews<'a>)> {
+    let mut out = config.clone();
+    let Some(mla) = out.mla.as_mut() else { return Ok((out, Vec::new())) };
+    let mtp = mtp.filter(|d| d.format == DraftFormat::DeepSeek);
+    mla.mtp_layers = usize::from(mtp.is_some());
+    let extra = match mtp {
+        Some(d) => d
+            .checkpoint_tensors(config, weights)?
+            .into_iter()
+            .map(|(name, shape, data)| (name, TensorView::F32 { shape, data }))
+            .collect(),
+        None => Vec::new(),
+    };
+    Ok((out, extra))
 }
 
 pub mod manifest;

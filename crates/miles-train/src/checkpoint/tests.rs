@@ -394,7 +394,7 @@ fn export_hf_writes_a_model_dir_that_loads_back() {
     tokenizer::write_byte_level_tokenizer(&tok).unwrap();
     fs::write(tok.join("generation_config.json"), "{\"eos_token_id\": 258}").unwrap();
     let run = Run::new(2);
-    export_hf(&out, &run.config, &run.weights, Some(&tok), None).unwrap();
+    export_hf(&out, &run.config, &run.weights, Some(&tok), None, None).unwrap();
     assert!(manifest::verify(&out).unwrap(), "an export carries its checksums");
     assert_eq!(
         names_in(&out),
@@ -414,7 +414,7 @@ fn export_hf_writes_a_model_dir_that_loads_back() {
 
     // Exporting again replaces the dir and leaves nothing beside it.
     let other = Weights::random(&run.config, 5);
-    export_hf(&out, &run.config, &other, None, None).unwrap();
+    export_hf(&out, &run.config, &other, None, None, None).unwrap();
     assert_eq!(names_in(&out), ["checksums.json", "config.json", "model.safetensors"]);
     assert_eq!(Weights::load(&out, &config).unwrap(), other);
     assert_eq!(names_in(&tmp.0.join("hf")), ["final"]);

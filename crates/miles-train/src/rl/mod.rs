@@ -273,7 +273,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
     let start = Start { cfg: &cfg, needs_ref, hyper };
     let saved_draft = resumed.as_ref().and_then(|l| l.draft.clone());
     let (policy, optimizer, state, reference) = start.run(model, resumed, &mut data)?;
-    let draft = draft_start(&cfg, &policy.config, saved_draft)?;
+    let (draft, kept_mtp) = draft_start(&cfg, &policy.config, saved_draft)?;
     let engine = (engine_config(&cfg), &tokenizer);
     let fp8 = actor::fp8_layers(&cfg, fp8_checkpoint);
     let speculation = (draft, speculator.map(std::sync::Arc::from));
@@ -332,6 +332,7 @@ pub fn train(setup: Setup, observe: &mut dyn FnMut(&Record)) -> anyhow::Result<S
         eos,
         dist: dist.as_ref(),
         sync_dir,
+        kept_mtp,
     };
     let behind = match cfg.one_step_off {
         true => Some(Behind::new(&actor, engine_config(&cfg), &tokenizer, state.iteration as u64)?),
@@ -414,26 +415,41 @@ impl Start<'_> {
 }
 
 /// Where the run's draft starts, when it has one (speculative rollouts or MTP training): the
-/// checkpoint's on resume, else `--sglang-speculative-draft-model-path`, else a fresh one
-/// (HF's initialization, seeded by `--seed`) that MTP training teaches from scratch.
+/// checkpoint's on resume, else `--sglang-speculative-draft-model-path`, else the MTP layer
+/// that a DeepSeek-V3 `--hf-checkpoint` carries, else a fresh one (HF's initialization,
+/// seeded by `--seed`) that MTP training teaches from scratch. A run without a draft still
+/// gets the checkpoint's MTP layer back (second), for `--save-hf` to keep.
 fn draft_start(
     cfg: &RunConfig,
     policy: &miles_model::ModelConfig,
     saved: Option<checkpoint::DraftState>,
-) -> anyhow::Result<Option<checkpoint::DraftState>> {
-    if cfg.sglang_speculative_algorithm.is_none() && !cfg.enable_mtp_training {
-        return Ok(None);
+) -> anyhow::Result<(Option<checkpoint::DraftState>, Option<Draft>)> {
+    let own = || -> anyhow::Result<Option<Draft>> {
+        let Some(dir) = &cfg.hf_checkpoint else { return Ok(None) };
+        Draft::of_checkpoint(dir, policy)
+            .with_context(|| format!("--hf-checkpoint {}: its MTP layer", dir.display()))
+    };
+    let speculates = cfg.sglang_speculative_algorithm.is_some();
+    if !speculates && !cfg.enable_mtp_training {
+        return Ok((None, own()?));
     }
     if let Some(saved) = saved {
-        return Ok(Some(saved));
+        return Ok((Some(saved), None));
     }
-    let draft = match &cfg.sglang_speculative_draft_model_path {
-        Some(dir) => Draft::load(dir, policy)
+    let draft = match (&cfg.sglang_speculative_draft_model_path, own()?) {
+        (Some(dir), _) => Draft::load(dir, policy)
             .with_context(|| format!("--sglang-speculative-draft-model-path {}", dir.display()))?,
-        None => Draft::random(policy, DraftFormat::DeepSeek, cfg.seed)
+        (None, Some(own)) => own,
+        (None, None) if !cfg.enable_mtp_training => bail!(
+            "--sglang-speculative-algorithm EAGLE needs a draft: \
+             --sglang-speculative-draft-model-path DIR (an MTP layer's safetensors), \
+             --enable-mtp-training to train one from scratch during the run, or a DeepSeek-V3 \
+             --hf-checkpoint with its MTP layer (this one carries none)"
+        ),
+        (None, None) => Draft::random(policy, DraftFormat::DeepSeek, cfg.seed)
             .context("--enable-mtp-training: a fresh draft for this policy")?,
     };
-    Ok(Some(checkpoint::DraftState { draft, moments: None }))
+    Ok((Some(checkpoint::DraftState { draft, moments: None }), None))
 }
 
 /// The rollout engine's settings of the run.

@@ -51,6 +51,9 @@ pub(super) struct Run<'a> {
     pub(super) dist: Option<&'a Dist>,
     /// `--rollout-backend sglang`: where the policy's weights are written for the servers.
     pub(super) sync_dir: Option<std::path::PathBuf>,
+    /// The MTP layer of a DeepSeek-V3 `--hf-checkpoint` in a run without a draft: `--save-hf`
+    /// writes it back as it came.
+    pub(super) kept_mtp: Option<miles_model::draft::Draft>,
 }
 
 /// A checkpoint that a thread of its own is writing (`--async-save`).
@@ -212,7 +215,10 @@ impl Run<'_> {
                 .quantizer
                 .zip(names)
                 .map(|(quantizer, names)| checkpoint::QuantExport { quantizer, names });
-            checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir, quant.as_ref())
+            let draft = actor.draft_parts()?.map(|d| d.draft);
+            let mtp = draft.as_ref().or(self.kept_mtp.as_ref());
+            let to = (quant.as_ref(), mtp);
+            checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir, to.0, to.1)
                 .with_context(|| format!("--save-hf {}", dir.display()))?;
         }
         Ok(Summary {
@@ -229,7 +235,7 @@ impl Run<'_> {
     fn sync_remote(&self, actor: &Actor) -> anyhow::Result<()> {
         let (Some(remote), Some(dir)) = (actor.remote(), &self.sync_dir) else { return Ok(()) };
         let weights = actor.weights()?;
-        checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir, None)
+        checkpoint::export_hf(dir, self.config, &weights, self.tokenizer_dir, None, None)
             .with_context(|| format!("the weights for the rollout servers, {}", dir.display()))?;
         Ok(remote.load_weights(dir)?)
     }
