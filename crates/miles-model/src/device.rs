@@ -2701,6 +2701,11 @@ mod tests {
                 dm.backward(&f, &r.batch, &r.advantages, &r.entropy_coefs).unwrap();
                 let grads = dm.grads_to_host().unwrap();
                 r.assert_matches(&format!("{device} {name}"), &logp, &entropy, &grads);
+                if name.starts_with("deepseek") {
+                    // Issue 37's bar: every gradient within 1e-5 (relative L2 and per element
+                    // beside 1e-5 absolute; the CPU measured 1.8e-6 and 9.1e-6 at most).
+                    r.assert_grads_within(&format!("{device} {name}"), &grads, 1e-5);
+                }
             }
         }
     }
