@@ -319,6 +319,7 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         "w4a16": dm.int4_w4a16(),
         "rollout_weight_gib": dm.rollout_weight_bytes() as f64 / (1u64 << 30) as f64,
         "weights_resident_gib": weights_resident as f64 / (1u64 << 30) as f64,
+        "kv_bytes_per_token": miles_model::KvCache::bytes_per_token(&model.config, dm.dtype()),
         "threads": rayon::current_num_threads(),
         "batch": args.batch,
         "prompt_len": args.prompt_len,
