@@ -245,14 +245,21 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         set_route(args.gemm);
     }
     let before = device.memory_in_use()?;
-    let mut dm = args.engine.place(&model).context("placing the model")?;
-    args.fp8.apply(&mut dm)?;
-    if let Some(group_size) = args.int4_group_size {
-        let q = miles_model::Int4Layers { group_size, experts_only: false, w4a16: true };
-        dm.set_int4(Some(q)).context("--int4-group-size")?;
-    }
-    // An engine that only generates holds its rollout weights only, as a served model would.
-    dm.keep_rollout_weights_only()?;
+    // An engine that only generates holds its rollout weights only, as a served model would
+    // (quantized ones made from the masters first).
+    let mut dm = match args.fp8.fp8_format.is_some() || args.int4_group_size.is_some() {
+        true => {
+            let mut dm = args.engine.place(&model).context("placing the model")?;
+            args.fp8.apply(&mut dm)?;
+            if let Some(group_size) = args.int4_group_size {
+                let q = miles_model::Int4Layers { group_size, experts_only: false, w4a16: true };
+                dm.set_int4(Some(q)).context("--int4-group-size")?;
+            }
+            dm.keep_rollout_weights_only()?;
+            dm
+        }
+        false => args.engine.place_for_rollout(&model).context("placing the model")?,
+    };
     let weights_resident = device.memory_in_use()?.saturating_sub(before);
     device.synchronize()?;
     let resident = device.peak_memory()?;
@@ -455,7 +462,11 @@ fn model_bench(
     if device != Device::Cpu {
         set_route(args.gemm);
     }
-    let mut dm = DeviceModel::new(model, &device, dtype)?;
+    // (A forward alone needs no masters: none beside the compute copies.)
+    let mut dm = match step.train || args.fp8.fp8_format.is_some() {
+        true => DeviceModel::new(model, &device, dtype)?,
+        false => DeviceModel::for_rollout(model, &device, dtype)?,
+    };
     args.fp8.apply(&mut dm)?;
     device.synchronize()?;
     let resident = device.peak_memory()?;

@@ -115,12 +115,26 @@ pub(crate) fn launch(n: usize, command: &str, out: &mut dyn Write) -> anyhow::Re
 impl EngineArgs {
     /// `model` on `--device` in its compute dtype: f32 on the CPU, `--dtype` on a GPU.
     pub fn place(&self, model: &Model) -> anyhow::Result<DeviceModel> {
+        self.placed(model, DeviceModel::new)
+    }
+
+    /// [`EngineArgs::place`] for a model that only generates: never more than one f32 weight
+    /// on the device at a time ([`DeviceModel::for_rollout`]).
+    pub fn place_for_rollout(&self, model: &Model) -> anyhow::Result<DeviceModel> {
+        self.placed(model, DeviceModel::for_rollout)
+    }
+
+    fn placed(
+        &self,
+        model: &Model,
+        build: fn(&Model, &Device, DType) -> miles_model::Result<DeviceModel>,
+    ) -> anyhow::Result<DeviceModel> {
         let device = self.device;
         if device != Device::Cpu {
             device.ensure_available().with_context(|| format!("--device {device}"))?;
         }
         let dtype = if device == Device::Cpu { DType::F32 } else { self.dtype.dtype() };
-        Ok(DeviceModel::new(model, &device, dtype)?)
+        Ok(build(model, &device, dtype)?)
     }
 }
 

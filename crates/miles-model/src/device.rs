@@ -30,6 +30,11 @@ pub struct SampleParams {
     pub top_p: f32,
 }
 
+/// Matrices and biases compute in the model's dtype; norms stay f32.
+fn computes_in_dtype(name: &str) -> bool {
+    !name.ends_with("norm.weight")
+}
+
 /// Products of at most this many rows use the stacked q/k/v and gate/up matrices.
 const STACK_MAX_ROWS: usize = 256;
 /// Row counts at which the stacked products are checked against their parts': each decode
@@ -365,6 +370,22 @@ impl Forward {
 impl DeviceModel {
     /// Copies `model`'s weights to `device`, computing in `dtype` (bf16, or f32 for parity).
     pub fn new(model: &Model, device: &Device, dtype: DType) -> Result<Self> {
+        Self::build(model, device, dtype, false)
+    }
+
+    /// [`DeviceModel::new`] then [`DeviceModel::keep_rollout_weights_only`], the same model,
+    /// without the f32 masters ever on the device together: each weight goes up, takes the
+    /// compute dtype and its f32 copy goes, so a model whose masters and compute copies would
+    /// not fit side by side still generates and scores (no FP8 nor INT4 afterwards: those are
+    /// made from the masters).
+    pub fn for_rollout(model: &Model, device: &Device, dtype: DType) -> Result<Self> {
+        let mut m = Self::build(model, device, dtype, true)?;
+        m.keep_rollout_weights_only()?;
+        Ok(m)
+    }
+
+    /// `cast`: the matrices cast to `dtype` as they arrive (no f32 masters kept).
+    fn build(model: &Model, device: &Device, dtype: DType, cast: bool) -> Result<Self> {
         if dtype == DType::I32 {
             return Err(Error::Invalid("the compute dtype is bf16 or f32, not i32".into()));
         }
@@ -379,8 +400,12 @@ impl DeviceModel {
         };
         let spec = tensor_spec(c);
         let mut masters = Vec::with_capacity(spec.len());
-        for ((_, shape), w) in spec.iter().zip(model.weights.tensors()) {
-            masters.push(Tensor::from_f32(shape, w.clone(), device)?);
+        for ((name, shape), w) in spec.iter().zip(model.weights.tensors()) {
+            let t = Tensor::from_f32(shape, w.clone(), device)?;
+            masters.push(match cast && computes_in_dtype(name) && dtype != DType::F32 {
+                true => t.to_dtype(dtype)?,
+                false => t,
+            });
         }
         let layout = Layout::new(c);
         let mut m = DeviceModel {
@@ -750,9 +775,8 @@ impl DeviceModel {
             .iter()
             .zip(&self.masters)
             .map(|((name, _), m)| {
-                // Matrices and biases compute in the dtype; norms stay f32.
-                let cast = !name.ends_with("norm.weight");
-                Ok(if cast && self.dtype != DType::F32 {
+                // (A master already in the dtype, a rollout model's, is its own copy.)
+                Ok(if computes_in_dtype(name) && m.dtype() != self.dtype {
                     Some(m.to_dtype(self.dtype)?)
                 } else {
                     None
@@ -3149,8 +3173,9 @@ mod invariance {
         }
     }
 
-    /// A model kept for rollouts only (the masters freed) scores with the bits it had, on
-    /// every device in f32 and bf16, and refuses training and weight updates by name.
+    /// A model kept for rollouts only (the masters freed), or built as one
+    /// ([`DeviceModel::for_rollout`], holding the same tensors), scores with the bits it had,
+    /// on every device in f32 and bf16, and refuses training and weight updates by name.
     #[test]
     fn a_rollout_only_model_scores_as_before_and_refuses_training() {
         let m = model(decode_config(Architecture::Qwen3), 8);
@@ -3161,6 +3186,12 @@ mod invariance {
                 let want = dm.logprobs(&long, 0.8).unwrap();
                 dm.keep_rollout_weights_only().unwrap();
                 assert_eq!(dm.logprobs(&long, 0.8).unwrap(), want, "{device} {dtype}");
+                let built = DeviceModel::for_rollout(&m, &device, dtype).unwrap();
+                assert_eq!(built.logprobs(&long, 0.8).unwrap(), want, "{device} {dtype}");
+                assert_eq!(built.rollout_weight_bytes(), dm.rollout_weight_bytes());
+                for (a, b) in built.masters.iter().zip(&dm.masters) {
+                    assert_eq!((a.dtype(), a.shape()), (b.dtype(), b.shape()));
+                }
                 let e = dm.zero_grads().unwrap_err().to_string();
                 assert!(e.contains("training") && e.contains("rollout weights only"), "{e}");
                 let e = dm.set_weights(&m.weights).unwrap_err().to_string();
