@@ -226,7 +226,7 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         num_draft_tokens: args.sglang_speculative_num_draft_tokens,
     })?;
     let draft = place_draft(args, &model, speculator.is_some())?;
-    let model = args.engine.place(&model)?;
+    let model = args.engine.place_for_rollout(&model)?;
     let kv_cache_bytes =
         kv_cache_budget(args.rollout_kv_cache_mb, args.rollout_kv_cache_fraction, &device)?;
     let config = EngineConfig {
