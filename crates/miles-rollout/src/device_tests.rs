@@ -98,13 +98,40 @@ fn score(
     per_batch: usize,
     t: f32,
 ) -> Vec<Vec<f32>> {
+    score_replaying(dm, samples, order, per_batch, t, false)
+}
+
+/// [`score`], with `replay`: the experts each sample's record holds replayed (R3; the last
+/// token, which no record covers, routes itself).
+fn score_replaying(
+    dm: &DeviceModel,
+    samples: &[Sample],
+    order: &[usize],
+    per_batch: usize,
+    t: f32,
+    replay: bool,
+) -> Vec<Vec<f32>> {
     let mut by_sample = vec![Vec::new(); samples.len()];
     for chunk in order.chunks(per_batch) {
         let batch: Vec<_> = chunk
             .iter()
             .map(|&i| (samples[i].tokens.clone(), samples[i].prompt_length().unwrap()))
             .collect();
-        let (lp, _) = dm.logprobs(&PackedBatch::new(&batch).unwrap(), t).unwrap();
+        let mut batch = PackedBatch::new(&batch).unwrap();
+        if replay {
+            let r = samples[chunk[0]].rollout_routed_experts.as_ref().expect("a record");
+            let row = r.num_layers * r.top_k;
+            let mut ids = Vec::new();
+            for &i in chunk {
+                let record = samples[i].rollout_routed_experts.as_ref().expect("a record");
+                ids.extend(record.ids.iter().map(|&e| u32::from(e)));
+                ids.extend(std::iter::repeat_n(miles_model::moe::OWN_CHOICE, row));
+            }
+            let (layers, top_k) = (r.num_layers, r.top_k);
+            let replay = Some(ids.clone());
+            batch.routed = Some(miles_model::RoutedBatch { layers, top_k, ids, replay });
+        }
+        let (lp, _) = dm.logprobs(&batch, t).unwrap();
         let mut at = 0;
         for &i in chunk {
             let n = samples[i].response_length;
@@ -120,7 +147,7 @@ fn score(
 /// experts, top-2: every expert in one grouped product per matrix), its samples carrying
 /// their routing records; Qwen2's biases, Gemma's sliding windows (8 keys, shorter than the
 /// prompts) and Gemma 2's soft-capped scores and logits; DeepSeek-V3's latent attention and
-/// grouped routing.
+/// grouped routing; the mixtures' scores again with their recorded experts replayed (R3).
 #[test]
 fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
     let Some(device) = cuda() else { return };
@@ -154,12 +181,14 @@ fn rollout_logprobs_equal_the_device_scorers_bit_for_bit() {
         let want: Vec<Vec<f32>> = samples.iter().map(|s| s.rollout_log_probs.clone()).collect();
         let forward: Vec<usize> = (0..samples.len()).collect();
         let reversed: Vec<usize> = forward.iter().rev().copied().collect();
-        for (order, per, what) in [
-            (&forward, samples.len(), "one batch"),
-            (&reversed, 5, "reversed by 5"),
-            (&forward, 1, "alone"),
+        let moe = m.config.moe.is_some();
+        for (order, per, what, replay) in [
+            (&forward, samples.len(), "one batch", false),
+            (&reversed, 5, "reversed by 5", false),
+            (&forward, 1, "alone", false),
+            (&reversed, 5, "reversed by 5, experts replayed (R3)", moe),
         ] {
-            let got = score(&dm, &samples, order, per, p.temperature);
+            let got = score_replaying(&dm, &samples, order, per, p.temperature, replay);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(g), bits(w), "{arch:?} {what}: sample {i}");
