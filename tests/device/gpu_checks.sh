@@ -4,7 +4,7 @@
 # bf16 against HF, the benchmarks beside HF transformers, the real SmolLM2 on the GPU engine,
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
-#                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|
+#                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|ds-bench|
 #                                  dp|fp8|fp8-bench|fp8-addition|int4-addition|families|families-bench|
 #                                  spec-addition|spec-gsm8k|spec-bench|int4-bench|partial-gsm8k|
 #                                  serve-load|all]
@@ -488,6 +488,16 @@ if [ "$what" = moe-bench ]; then
     --new-tokens 64 2>&1 | tail -1 | tee -a "$OUT/moe-bench.jsonl"
   timeout 300 python3 tests/device/hf_moe_baseline.py --batch 8 --seq-len 512 --gen-batch 64 \
     2>/dev/null | tee -a "$OUT/moe-bench.jsonl"
+fi
+if [ "$what" = ds-bench ]; then
+  # DeepSeek-V3's published shapes with 4 of its 61 layers (15.1 B) beside HF transformers'
+  # DeepseekV3 (issue 37): the logprob forward and decode (the train step fits neither one card).
+  timeout 250 $miles bench logprob --device cuda --preset deepseek-v3-4l --batch 4 --seq-len 512 \
+    2>&1 | tail -1 | tee -a "$OUT/ds-bench.jsonl"
+  timeout 250 $miles bench rollout --device cuda --preset deepseek-v3-4l --batch 64 --prompt-len 64 \
+    --new-tokens 64 2>&1 | tail -1 | tee -a "$OUT/ds-bench.jsonl"
+  timeout 250 python3 tests/device/hf_moe_baseline.py --model deepseek-v3-4l --skip-train --batch 4 \
+    --seq-len 512 --gen-batch 64 2>/dev/null | tee -a "$OUT/ds-bench.jsonl"
 fi
 if [ "$what" = dp ]; then
   # Several processes (issue 14): the addition example on NPROC processes beside one, same
