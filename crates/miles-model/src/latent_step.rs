@@ -27,8 +27,8 @@ pub(crate) struct LatentStep {
     /// ...from these of its rows, where two rows write one slot (a captured step's padding
     /// rows): the later one's, as the paged cache keeps. `None`: every row, in order.
     writers: Option<Vec<u32>>,
-    /// Layer 0's latent rows of every block the step's sequences see, whole blocks, each
-    /// block once (sequences share their prompt's blocks).
+    /// Layer 0's latent rows of every block the step's sequences see, up to the last slot
+    /// they read, each block once (sequences share their prompt's blocks).
     history: Vec<u32>,
     /// The history rows' rotary tables.
     cos: Tensor,
@@ -46,9 +46,10 @@ impl LatentStep {
         let c = &model.config;
         let seqs = plan.seqs();
         // Each block seen, with its scratch block and its index in the tables (the same in
-        // every table that shares it: shared blocks are prompts').
+        // every table that shares it: shared blocks are prompts'); in `order` also the slots
+        // the step's sequences read of it.
         let mut seen: HashMap<u32, (u32, usize)> = HashMap::new();
-        let mut order: Vec<(u32, usize)> = Vec::new();
+        let mut order: Vec<(u32, usize, usize)> = Vec::new();
         let mut tables: Vec<Vec<u32>> = Vec::with_capacity(seqs.len());
         let mut written = Vec::with_capacity(plan.rows());
         for s in &seqs {
@@ -56,7 +57,7 @@ impl LatentStep {
             let mut table = Vec::with_capacity(end.div_ceil(KEY_BLOCK));
             for (j, &block) in s.table[..end.div_ceil(KEY_BLOCK)].iter().enumerate() {
                 let (scratch, at) = *seen.entry(block).or_insert_with(|| {
-                    order.push((block, j));
+                    order.push((block, j, 0));
                     ((order.len() - 1) as u32, j)
                 });
                 if at != j {
@@ -66,6 +67,8 @@ impl LatentStep {
                         j * KEY_BLOCK
                     )));
                 }
+                let read = &mut order[scratch as usize].2;
+                *read = (*read).max((end - j * KEY_BLOCK).min(KEY_BLOCK));
                 table.push(scratch);
             }
             written.extend(
@@ -85,11 +88,11 @@ impl LatentStep {
         });
         let history: Vec<u32> = order
             .iter()
-            .flat_map(|&(block, _)| (0..KEY_BLOCK).map(move |slot| kv.latent_row(block, 0, slot)))
+            .flat_map(|&(block, _, read)| (0..read).map(move |slot| kv.latent_row(block, 0, slot)))
             .collect();
         let positions: Vec<u32> = order
             .iter()
-            .flat_map(|&(_, j)| (0..KEY_BLOCK).map(move |slot| (j * KEY_BLOCK + slot) as u32))
+            .flat_map(|&(_, j, read)| (0..read).map(move |slot| (j * KEY_BLOCK + slot) as u32))
             .collect();
         let (cos, sin) = model.rope_tensors(&positions)?;
         let layout = PagedLayout {
@@ -99,13 +102,14 @@ impl LatentStep {
             head_dim: c.head_dim,
         };
         let device = model.device();
-        // Block i written whole at its positions: a table reaching index j, all of it i.
+        // Block i's slots read, written at their positions: a table reaching index j, all
+        // of it i.
         let block_tables: Vec<Vec<u32>> =
-            order.iter().enumerate().map(|(i, &(_, j))| vec![i as u32; j + 1]).collect();
+            order.iter().enumerate().map(|(i, &(_, j, _))| vec![i as u32; j + 1]).collect();
         let blocks: Vec<PagedRows> = order
             .iter()
             .zip(&block_tables)
-            .map(|(&(_, j), table)| PagedRows { n: KEY_BLOCK, pos0: j * KEY_BLOCK, table })
+            .map(|(&(_, j, read), table)| PagedRows { n: read, pos0: j * KEY_BLOCK, table })
             .collect();
         let write = ops::PagedPlan::new(&blocks, layout, &device)?;
         let rows: Vec<PagedRows> = seqs
