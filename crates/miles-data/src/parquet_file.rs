@@ -531,6 +531,18 @@ mod tests {
         }
     }
 
+    /// A footer whose metadata holds a map of 2^31 booleans (a fuzzer's find): parquet 60.1
+    /// skipped it one element at a time without reading a byte (seconds of CPU); 60.2 reads
+    /// each element's byte and fails at the end of the footer. An error naming the file.
+    #[test]
+    fn a_footer_with_a_huge_map_of_booleans_is_an_error() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let file = root.join("fuzz/regressions/parquet/map-of-booleans-2e9.parquet");
+        let err = load_err(file.to_str().unwrap(), &keys("input", None, None));
+        assert!(err.contains("map-of-booleans-2e9.parquet"), "{err}");
+        assert!(err.contains("not a readable Parquet file"), "{err}");
+    }
+
     #[test]
     fn parquet_rows_equal_those_of_the_jsonl_twin() {
         for k in [
