@@ -286,9 +286,13 @@ fn rollout(args: &RolloutBenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
         timed_generate(&mut engine, (&dm, draft.as_ref()), groups.clone(), &warm)
             .context("the warm-up generation")?;
         engine.reset_stats();
+        miles_model::stage_clock::reset();
     }
     let served_groups = args.serve_clients.map(|_| groups.clone());
     let seconds = timed_generate(&mut engine, (&dm, draft.as_ref()), groups, &params)?;
+    if let Some(stages) = miles_model::stage_clock::report() {
+        eprintln!("stage times of the timed generation (MILES_STAGE_TIMES):\n{stages}");
+    }
     let replay = engine.decode_replay_seconds(50)?;
     // A speculative step's verifying forward and one draft round, each its widest graph.
     let widest = |r: &[(usize, f64)]| r.iter().max_by_key(|r| r.0).map(|r| 1e3 * r.1);

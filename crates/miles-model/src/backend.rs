@@ -56,6 +56,11 @@ pub(crate) trait Backend {
     /// Rotates `heads` heads of every token by its position, with layer `layer`'s rotary
     /// (`inverse`: the backward).
     fn rope(&self, layer: usize, x: Self::Act, heads: usize, inverse: bool) -> Result<Self::Act>;
+    /// Runs `f` as a named stage of the forward, timed on devices that keep a
+    /// [`crate::stage_clock`].
+    fn stage<T>(&self, _name: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        f()
+    }
     /// The gated MLP's `act(gate) · up` (SwiGLU, or Gemma's GeGLU).
     fn glu(&self, gate: &Self::Act, up: &Self::Act) -> Result<Self::Act>;
     fn add(&self, a: &Self::Act, b: &Self::Act) -> Result<Self::Act>;

@@ -1400,10 +1400,12 @@ impl DeviceModel {
                         })?;
                         return self.latent_attention(layer, q, kva, step, kv);
                     }
-                    ops::paged_kv_write(kv.data_mut(), k, v, layer, plan)?;
-                    let q_heads = c.num_attention_heads;
-                    let scores = c.attention_shape(layer).scores;
-                    Ok(ops::paged_attention(q, kv.data(), layer, plan, q_heads, &scores)?)
+                    crate::stage_clock::stage(self.device, "attention: paged", || {
+                        ops::paged_kv_write(kv.data_mut(), k, v, layer, plan)?;
+                        let q_heads = c.num_attention_heads;
+                        let scores = c.attention_shape(layer).scores;
+                        Ok(ops::paged_attention(q, kv.data(), layer, plan, q_heads, &scores)?)
+                    })
                 };
             let (out, a) = layer_forward(&dev, c, layer, x, &mut attention, None)?;
             x = out;
@@ -2130,6 +2132,10 @@ impl Dev<'_> {
 
 impl Backend for Dev<'_> {
     type Act = Tensor;
+
+    fn stage<T>(&self, name: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        crate::stage_clock::stage(self.w.masters[0].device(), name, f)
+    }
 
     fn rmsnorm(&self, layer: usize, norm: Norm, x: &Tensor) -> Result<(Tensor, Tensor)> {
         let w = self.w.norm(self.w.layout.norm(layer, norm))?;

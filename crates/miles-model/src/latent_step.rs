@@ -18,6 +18,7 @@ use miles_tensor::{Tensor, ops};
 use crate::backend::Backend;
 use crate::device::Dev;
 use crate::mla::{KeysValues, keys_values};
+use crate::stage_clock::stage;
 use crate::{DeviceModel, Error, KvCache, Result};
 
 /// What every layer of one step over a latent cache shares.
@@ -138,28 +139,32 @@ impl DeviceModel {
         let in_layer = |rows: &[u32]| -> Vec<u32> {
             rows.iter().map(|r| r + (layer * KEY_BLOCK) as u32).collect()
         };
-        let rows = in_layer(&step.written);
-        match &step.writers {
-            Some(writers) => {
-                ops::scatter_rows(kv.data_mut(), &ops::gather_rows(kva, writers)?, &rows)?
-            }
-            None => ops::scatter_rows(kv.data_mut(), kva, &rows)?,
-        }
-        let history = ops::gather_rows(kv.data(), &in_layer(&step.history))?;
-        let dev = Dev {
-            w: self.weights(),
-            cos: &step.cos,
-            sin: &step.sin,
-            local: None,
-            cu_seqlens: &[],
-            grads: None,
-        };
         let heads = c.num_attention_heads;
-        let KeysValues { k, v, .. } = keys_values(&dev, layer, &history)?;
-        let k = dev.rope(layer, k, heads, false)?;
-        ops::paged_kv_write(&mut step.scratch, &k, &v, 0, &step.write)?;
-        let scores = c.attention_shape(layer).scores;
-        Ok(ops::paged_attention(q, &step.scratch, 0, &step.attend, heads, &scores)?)
+        stage(self.device(), "attention: latent expand", || {
+            let rows = in_layer(&step.written);
+            match &step.writers {
+                Some(writers) => {
+                    ops::scatter_rows(kv.data_mut(), &ops::gather_rows(kva, writers)?, &rows)?
+                }
+                None => ops::scatter_rows(kv.data_mut(), kva, &rows)?,
+            }
+            let history = ops::gather_rows(kv.data(), &in_layer(&step.history))?;
+            let dev = Dev {
+                w: self.weights(),
+                cos: &step.cos,
+                sin: &step.sin,
+                local: None,
+                cu_seqlens: &[],
+                grads: None,
+            };
+            let KeysValues { k, v, .. } = keys_values(&dev, layer, &history)?;
+            let k = dev.rope(layer, k, heads, false)?;
+            Ok(ops::paged_kv_write(&mut step.scratch, &k, &v, 0, &step.write)?)
+        })?;
+        stage(self.device(), "attention: latent attend", || {
+            let scores = c.attention_shape(layer).scores;
+            Ok(ops::paged_attention(q, &step.scratch, 0, &step.attend, heads, &scores)?)
+        })
     }
 }
 

@@ -72,19 +72,19 @@ pub(crate) fn layer_forward<B: Backend>(
     replay: Option<&[u32]>,
 ) -> Result<(B::Act, LayerActivations<B::Act>)> {
     let (n1, rstd1) = b.rmsnorm(layer, Norm::Input, &x)?;
-    let (q, k, v, attn, lse, qk_norm, mla) = match &c.mla {
+    let (q, k, v, attn, lse, qk_norm, mla) = b.stage("attention block", || match &c.mla {
         Some(m) => {
             let MlaForward { q, k, v, out, lse, acts } =
                 mla_forward(b, c, m, layer, &n1, attention)?;
-            (q, k, v, out, lse, None, Some(Box::new(acts)))
+            Ok((q, k, v, out, lse, None, Some(Box::new(acts))))
         }
         None => {
             let [q, k, v] = take(b.linear(layer, Linear::Qkv, &n1)?);
             let (q, k, qk_norm) = b.qk_norm_rope(c, layer, q, k)?;
             let (attn, lse) = attention(layer, &q, &k, &v, None)?;
-            (q, k, v, attn, lse, qk_norm, None)
+            Ok((q, k, v, attn, lse, qk_norm, None))
         }
-    };
+    })?;
     let [o] = take(b.linear(layer, Linear::O, &attn)?);
     let sandwich = c.sandwich_norms();
     let (o, o_kept) = if sandwich {
@@ -96,24 +96,28 @@ pub(crate) fn layer_forward<B: Backend>(
     let (x_mid, n2, rstd2) = b.add_rmsnorm(layer, Norm::Post, &x, &o)?;
     let (m, mlp) = match &c.moe {
         Some(moe) if moe.is_sparse(layer) => {
-            let (m, a) = moe_forward(b, moe, layer, &n2, c.hidden_size, replay)?;
+            let (m, a) = b.stage("mlp: routed experts", || {
+                moe_forward(b, moe, layer, &n2, c.hidden_size, replay)
+            })?;
             if moe.shared_experts == 0 {
                 (m, MlpActivations::Sparse(Box::new(a), None))
             } else {
                 // (transformers adds the shared experts' output to the routed ones'.)
-                let [gate, up] = take(b.linear(layer, Linear::SharedGateUp, &n2)?);
-                let act = b.glu(&gate, &up)?;
-                let [shared] = take(b.linear(layer, Linear::SharedDown, &act)?);
-                let m = b.add(&m, &shared)?;
-                (m, MlpActivations::Sparse(Box::new(a), Some([gate, up, act])))
+                b.stage("mlp: shared experts", || {
+                    let [gate, up] = take(b.linear(layer, Linear::SharedGateUp, &n2)?);
+                    let act = b.glu(&gate, &up)?;
+                    let [shared] = take(b.linear(layer, Linear::SharedDown, &act)?);
+                    let m = b.add(&m, &shared)?;
+                    Ok((m, MlpActivations::Sparse(Box::new(a), Some([gate, up, act]))))
+                })?
             }
         }
-        _ => {
+        _ => b.stage("mlp: dense", || {
             let [gate, up] = take(b.linear(layer, Linear::GateUp, &n2)?);
             let act = b.glu(&gate, &up)?;
             let [m] = take(b.linear(layer, Linear::Down, &act)?);
-            (m, MlpActivations::Dense { gate, up, act })
-        }
+            Ok((m, MlpActivations::Dense { gate, up, act }))
+        })?,
     };
     let (m, sandwich) = match o_kept {
         Some((o, o_rstd)) => {

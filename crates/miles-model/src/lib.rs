@@ -23,6 +23,7 @@ pub mod moe;
 pub mod presets;
 pub mod rope;
 mod spec_graph;
+pub mod stage_clock;
 pub mod testing;
 pub mod tokenizer;
 pub mod weights;

@@ -403,9 +403,11 @@ pub(crate) fn moe_forward<B: Backend>(
     hidden: usize,
     replay: Option<&[u32]>,
 ) -> Result<(B::Act, MoeActivations<B::Act>)> {
-    let [logits] = take(b.linear(layer, Linear::Router, x)?);
-    let bias = b.router_bias(layer)?;
-    let routing = route(&b.to_host(&logits)?, bias.as_deref(), m, replay)?;
+    let routing = b.stage("moe: route (host)", || {
+        let [logits] = take(b.linear(layer, Linear::Router, x)?);
+        let bias = b.router_bias(layer)?;
+        route(&b.to_host(&logits)?, bias.as_deref(), m, replay)
+    })?;
     let k = m.num_experts_per_tok;
     if b.grouped_experts() {
         let order = ExpertOrder::new(&routing);

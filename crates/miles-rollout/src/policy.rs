@@ -5,6 +5,7 @@
 //! token ids and logprobs come back.
 
 use miles_core::SamplingParams;
+use miles_model::stage_clock::stage;
 use miles_model::{
     BlockId, DecodeGraphs, DeviceModel, KvCache, ModelConfig, SampleParams, SpecGraphs, SpecOut,
     SpecRows, StepRow,
@@ -237,12 +238,23 @@ impl Policy {
             && draws.iter().enumerate().all(|(i, d)| d.0 == i);
         let (drawn, routes) = if decode {
             let graphs = self.graphs.over(model, Some(how));
-            let drawn = model.decode(graphs, rows, &uniforms, &mut self.kv).map_err(model_error)?;
+            let drawn = stage(model.device(), "step: decode (graphs)", || {
+                model.decode(graphs, rows, &uniforms, &mut self.kv)
+            })
+            .map_err(model_error)?;
             (drawn, Vec::new())
         } else {
-            let (hidden, routes) = model.step_routed(rows, &mut self.kv).map_err(model_error)?;
+            let device = model.device();
+            let (hidden, routes) = stage(device, "step: layers", || {
+                model.step_routed(rows, &mut self.kv)
+            })
+            .map_err(model_error)?;
             let picks: Vec<u32> = draws.iter().map(|&(r, _)| r as u32).collect();
-            (model.sample(&hidden, &picks, how, &uniforms).map_err(model_error)?, routes)
+            let drawn = stage(device, "step: head + sample", || {
+                model.sample(&hidden, &picks, how, &uniforms)
+            })
+            .map_err(model_error)?;
+            (drawn, routes)
         };
         let drawn = drawn.into_iter().map(|d| d.map(|(token, logprob)| Draw { token, logprob }));
         Ok((drawn.collect(), routes))
