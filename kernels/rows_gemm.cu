@@ -21,9 +21,11 @@ constexpr int BK = 32;
 constexpr int SKEW = 8;  // bf16 of padding per shared row: ldmatrix without bank conflicts
 constexpr int LD = BK + SKEW;
 
-template <int MT, int BN, int STAGES>
-__device__ __forceinline__ void rows_gemm(bf16* c, const bf16* a, const bf16* w, int m, int n,
-                                          int k) {
+// c = a · wᵀ for rows r < m, read from `a_row(r)` and written to `c_row(r)`; w [n × k], this
+// block's BN of its rows.
+template <int MT, int BN, int STAGES, class ARow, class CRow>
+__device__ __forceinline__ void rows_product(ARow a_row, CRow c_row, const bf16* w, int m, int n,
+                                             int k) {
     constexpr int ROWS = MT * 16;
     constexpr int THREADS = MT * 32;
     constexpr int CHUNKS = BK / 8;  // 16-byte chunks per stage row
@@ -36,8 +38,7 @@ __device__ __forceinline__ void rows_gemm(bf16* c, const bf16* a, const bf16* w,
         for (int e = threadIdx.x; e < ROWS * CHUNKS; e += THREADS) {
             const int r = e / CHUNKS, at = k0 + (e % CHUNKS) * 8;
             const bool real = r < m && at < k;
-            cp_async16(da + r * LD + (e % CHUNKS) * 8, real ? a + (size_t)r * k + at : a,
-                       real ? 16 : 0);
+            cp_async16(da + r * LD + (e % CHUNKS) * 8, real ? a_row(r) + at : w, real ? 16 : 0);
         }
         bf16* db = sb + stage * BN * LD;
         for (int e = threadIdx.x; e < BN * CHUNKS; e += THREADS) {
@@ -89,11 +90,18 @@ __device__ __forceinline__ void rows_gemm(bf16* c, const bf16* a, const bf16* w,
         for (int h = 0; h < 2; ++h) {
             const int row = warp * 16 + (lane >> 2) + h * 8;
             if (row >= m || col >= n) continue;
-            bf16* o = c + (size_t)row * n + col;
+            bf16* o = c_row(row) + col;
             o[0] = __float2bfloat16_rn(acc[j][2 * h]);
             if (col + 1 < n) o[1] = __float2bfloat16_rn(acc[j][2 * h + 1]);
         }
     }
+}
+
+template <int MT, int BN, int STAGES>
+__device__ __forceinline__ void rows_gemm(bf16* c, const bf16* a, const bf16* w, int m, int n,
+                                          int k) {
+    rows_product<MT, BN, STAGES>([&](int r) { return a + (size_t)r * k; },
+                                 [&](int r) { return c + (size_t)r * n; }, w, m, n, k);
 }
 
 }  // namespace
@@ -109,3 +117,19 @@ ROWS_GEMM(rows_gemm_m16_n16, 1, 16, 32)
 ROWS_GEMM(rows_gemm_m16_n64, 1, 64, 16)
 ROWS_GEMM(rows_gemm_m64_n16, 4, 16, 16)
 ROWS_GEMM(rows_gemm_m64_n64, 4, 64, 12)
+
+// A mixture's experts at decode sizes (ops::grouped_matmul, x·W_eᵀ): grid (n / 64, pieces);
+// a piece (`tiles`: expert, first row, end row) holds at most 16 of one expert's sorted rows,
+// x's row `rows[s]` (or s) for sorted row s. The k order is grouped_gemm.cu's, so a row gets
+// the bits the large tiles give it, with a sixteenth of their products and a deep pipeline.
+extern "C" __global__ void __launch_bounds__(32)
+    grouped_rows_m16_n64(bf16* out, const bf16* x, const int* rows, int use_rows,
+                         const unsigned long long* w, const int* tiles, int n, int k) {
+    const int expert = tiles[3 * blockIdx.y];
+    const int first = tiles[3 * blockIdx.y + 1];
+    const int end = tiles[3 * blockIdx.y + 2];
+    rows_product<1, 64, 16>(
+        [&](int r) { return x + (size_t)(use_rows ? rows[first + r] : first + r) * k; },
+        [&](int r) { return out + (size_t)(first + r) * n; },
+        reinterpret_cast<const bf16*>(w[expert]), end - first, n, k);
+}

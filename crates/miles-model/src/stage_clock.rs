@@ -14,7 +14,8 @@ type Totals = Vec<(&'static str, u64, Duration)>;
 
 fn clock() -> Option<&'static Mutex<Totals>> {
     static CLOCK: OnceLock<Option<Mutex<Totals>>> = OnceLock::new();
-    CLOCK.get_or_init(|| std::env::var_os("MILES_STAGE_TIMES").map(|_| Mutex::new(Vec::new())))
+    CLOCK
+        .get_or_init(|| std::env::var_os("MILES_STAGE_TIMES").map(|_| Mutex::new(Vec::new())))
         .as_ref()
 }
 
@@ -64,7 +65,8 @@ pub fn report() -> Option<String> {
 }
 
 fn table(totals: &Totals) -> String {
-    let mut out = format!("{:<28} {:>8} {:>12} {:>12}\n", "stage", "calls", "total ms", "ms a call");
+    let mut out =
+        format!("{:<28} {:>8} {:>12} {:>12}\n", "stage", "calls", "total ms", "ms a call");
     for &(name, calls, total) in totals {
         let ms = total.as_secs_f64() * 1e3;
         out += &format!("{name:<28} {calls:>8} {ms:>12.2} {:>12.4}\n", ms / calls as f64);

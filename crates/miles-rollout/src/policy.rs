@@ -245,10 +245,9 @@ impl Policy {
             (drawn, Vec::new())
         } else {
             let device = model.device();
-            let (hidden, routes) = stage(device, "step: layers", || {
-                model.step_routed(rows, &mut self.kv)
-            })
-            .map_err(model_error)?;
+            let (hidden, routes) =
+                stage(device, "step: layers", || model.step_routed(rows, &mut self.kv))
+                    .map_err(model_error)?;
             let picks: Vec<u32> = draws.iter().map(|&(r, _)| r as u32).collect();
             let drawn = stage(device, "step: head + sample", || {
                 model.sample(&hidden, &picks, how, &uniforms)

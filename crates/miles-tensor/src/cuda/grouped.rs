@@ -79,6 +79,19 @@ pub(crate) fn grouped_rows(
     }
     let total = *offsets.last().unwrap_or(&0) as usize;
     let mut out = gpu.alloc::<u16>((total * n).max(1))?;
+    let aligned = k.is_multiple_of(8)
+        && ptrs.iter().all(|p| p % 16 == 0)
+        && x.device_ptr(&stream).0 % 16 == 0;
+    let busy = offsets.windows(2).filter(|w| w[1] > w[0]).count();
+    if nt && aligned && n > 0 && total <= SMALL_ROWS * busy {
+        let tiles = pieces(offsets, SMALL_ROWS);
+        let table = upload(gpu, &ptrs)?;
+        let tiles_dev = upload(gpu, &tiles)?;
+        let rows = rows_table(gpu, rows)?;
+        small_rows(gpu, &mut out, x, (&rows.0, rows.1), &table, &tiles_dev, n, k)?;
+        drop(guards);
+        return Ok(Buffer { gpu: gpu.clone(), data: DeviceData::BF16(out) });
+    }
     let tiles = pieces(offsets, BM);
     if !tiles.is_empty() && n > 0 {
         let table = upload(gpu, &ptrs)?;
@@ -117,6 +130,48 @@ pub(crate) fn grouped_rows(
     }
     drop(guards);
     Ok(Buffer { gpu: gpu.clone(), data: DeviceData::BF16(out) })
+}
+
+/// The rows of a piece of `kernels/rows_gemm.cu`'s `grouped_rows_m16_n64`, its columns a
+/// block and its stages (shared memory: stages × (16 + 64) rows of BK + SKEW).
+const SMALL_ROWS: usize = 16;
+const SMALL_COLS: usize = 64;
+const SMALL_STAGES: usize = 16;
+
+/// [`grouped_rows`]'s decode-sized form (`nt`, 16-byte rows): experts whose runs average at
+/// most 16 rows, where the 128-row tiles would spend most of their products on empty rows.
+/// Each row gets the same bits (the same k order).
+#[allow(clippy::too_many_arguments)]
+fn small_rows(
+    gpu: &Gpu,
+    out: &mut CudaSlice<u16>,
+    x: &CudaSlice<u16>,
+    (rows, use_rows): (&CudaSlice<i32>, i32),
+    table: &CudaSlice<u64>,
+    tiles: &CudaSlice<i32>,
+    n: usize,
+    k: usize,
+) -> Result<()> {
+    const KERNEL: &str = "grouped_rows_m16_n64";
+    let bytes = (SMALL_STAGES * (SMALL_ROWS + SMALL_COLS) * (BK + SKEW) * 2) as u32;
+    // Over 48 KiB of shared memory is asked for explicitly.
+    gpu.function("rows_gemm", KERNEL)?
+        .set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| driver_error(KERNEL, e))?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid_dim("column tiles", n.div_ceil(SMALL_COLS))?,
+            grid_dim("pieces", tiles.len() / 3)?,
+            1,
+        ),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: bytes,
+    };
+    let (n, k) = (n as i32, k as i32);
+    launch!(gpu, "rows_gemm", KERNEL, cfg, out, x, rows, &use_rows, table, tiles, &n, &k)
 }
 
 /// `G_e += a[seg e]ᵀ · b[row(seg e)]` into each expert's f32 gradient `[m × n]`.

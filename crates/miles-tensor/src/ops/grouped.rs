@@ -199,9 +199,12 @@ mod tests {
     #[test]
     fn grouped_products_match_per_expert_loops_on_every_device() {
         let mut rng = Rng::new(71);
-        for &(experts, total, k, n) in
-            &[(4usize, 300usize, 64usize, 136usize), (3, 37, 6, 10), (5, 260, 200, 72)]
-        {
+        for &(experts, total, k, n) in &[
+            (4usize, 300usize, 64usize, 136usize),
+            (3, 37, 6, 10),
+            (5, 260, 200, 72),
+            (24, 200, 72, 100),
+        ] {
             let offsets = random_offsets(&mut rng, experts, total);
             let x_rows = total / 2 + 3;
             let rows: Vec<u32> = (0..total).map(|_| rng.below(x_rows) as u32).collect();
@@ -297,7 +300,9 @@ mod tests {
     }
 
     /// On CUDA a row's outputs have the same bits whether its expert has 1 row or hundreds
-    /// (decode against training): every row alone against the whole batch.
+    /// (decode against training; the 128-row tiles against the 16-row pieces of decode-sized
+    /// runs): every row alone against the whole batch, with few experts (large tiles) and many
+    /// (pieces, some experts over 16 rows), at widths that fill the tiles and ones that do not.
     #[test]
     fn grouped_rows_have_the_bits_of_the_row_alone() {
         let device = Device::Cuda(0);
@@ -306,23 +311,31 @@ mod tests {
             return;
         }
         let mut rng = Rng::new(72);
-        let (experts, total, k, n) = (8usize, 700usize, 256usize, 192usize);
-        let offsets = random_offsets(&mut rng, experts, total);
-        let x = tensor(&[total, k], &rng.vec(total * k, 1.0), DType::BF16, &device);
-        let wt: Vec<Tensor> = (0..experts)
-            .map(|_| tensor(&[n, k], &rng.vec(n * k, 0.1), DType::BF16, &device))
-            .collect();
-        let wr: Vec<&Tensor> = wt.iter().collect();
-        let rows: Vec<u32> = (0..total as u32).collect();
-        let all = grouped_matmul(&x, Some(&rows), &offsets, &wr, Transpose::Yes).unwrap();
-        let all = all.to_vec_f32().unwrap();
-        for s in [0usize, 1, 63, 128, 129, 300, 699] {
-            let e = offsets.windows(2).position(|o| s < o[1] as usize).unwrap();
-            let mut one = vec![0u32; experts + 1];
-            one[e + 1..].iter_mut().for_each(|o| *o = 1);
-            let got = grouped_matmul(&x, Some(&[s as u32]), &one, &wr, Transpose::Yes).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got.to_vec_f32().unwrap()), bits(&all[s * n..(s + 1) * n]), "row {s}");
+        for (experts, total, k, n) in
+            [(8usize, 700usize, 256usize, 192usize), (8, 700, 72, 100), (40, 600, 72, 100)]
+        {
+            let offsets = random_offsets(&mut rng, experts, total);
+            let x = tensor(&[total, k], &rng.vec(total * k, 1.0), DType::BF16, &device);
+            let wt: Vec<Tensor> = (0..experts)
+                .map(|_| tensor(&[n, k], &rng.vec(n * k, 0.1), DType::BF16, &device))
+                .collect();
+            let wr: Vec<&Tensor> = wt.iter().collect();
+            let rows: Vec<u32> = (0..total as u32).collect();
+            let all = grouped_matmul(&x, Some(&rows), &offsets, &wr, Transpose::Yes).unwrap();
+            let all = all.to_vec_f32().unwrap();
+            for s in [0usize, 1, 15, 16, 63, 128, 129, 300, total - 1] {
+                let e = offsets.windows(2).position(|o| s < o[1] as usize).unwrap();
+                let mut one = vec![0u32; experts + 1];
+                one[e + 1..].iter_mut().for_each(|o| *o = 1);
+                let got = grouped_matmul(&x, Some(&[s as u32]), &one, &wr, Transpose::Yes).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let what = format!("{experts}×{total}×{k}×{n} row {s}");
+                assert_eq!(
+                    bits(&got.to_vec_f32().unwrap()),
+                    bits(&all[s * n..(s + 1) * n]),
+                    "{what}"
+                );
+            }
         }
     }
 
