@@ -1,5 +1,5 @@
-// The optimizer on the device: AdamW over f32 master weights and moments, and the sum of
-// squares behind the global gradient norm.
+// The optimizer on the device: AdamW over f32 master weights and moments (or bf16 moments:
+// Megatron's precision-aware optimizer), and the sum of squares behind the global gradient norm.
 //
 // adamw_multi_f32 computes exactly what miles-tensor's cpu::AdamW::step computes, rounding after
 // every operation as the CPU does (the _rn intrinsics keep nvcc from fusing multiply-adds), so
@@ -13,12 +13,13 @@ namespace {
 constexpr int SUMSQ_THREADS = 256;
 
 // One tensor of a multi-tensor launch: its buffers (copy, the bf16 compute copy AdamW refreshes,
-// may be null; m, v and param are null for a sum of squares), its size, and the first of its
-// blocks in the launch (blocks of `chunk` elements, tensor after tensor, in order).
+// may be null; m, v and param are null for a sum of squares; m and v are f32 or bf16 as the
+// launch says), its size, and the first of its blocks in the launch (blocks of `chunk` elements,
+// tensor after tensor, in order).
 struct Slot {
     float* param;
-    float* m;
-    float* v;
+    void* m;
+    void* v;
     const float* grad;
     __nv_bfloat16* copy;
     long long n;
@@ -39,16 +40,33 @@ __device__ __forceinline__ int slot_of(const Slot* slots, int count, long long b
     return lo;
 }
 
-__device__ __forceinline__ float adamw_element(float* param, float* m, float* v, const float* grad,
+// A moment's element as f32, from f32 or bf16 storage; and stored back (bf16: to nearest even).
+__device__ __forceinline__ float load_moment(const void* x, size_t i, bool bf16) {
+    return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(x)[i])
+                : static_cast<const float*>(x)[i];
+}
+__device__ __forceinline__ void store_moment(void* x, size_t i, float value, bool bf16) {
+    if (bf16) {
+        static_cast<__nv_bfloat16*>(x)[i] = __float2bfloat16_rn(value);
+    } else {
+        static_cast<float*>(x)[i] = value;
+    }
+}
+
+// The update reads the moments' new values before their storage rounds them.
+__device__ __forceinline__ float adamw_element(float* param, void* m, void* v, const float* grad,
                                                size_t i, float grad_scale, float beta1,
                                                float beta2, float eps, float decay,
-                                               float step_size, float bc2_sqrt) {
+                                               float step_size, float bc2_sqrt, bool m_bf16,
+                                               bool v_bf16) {
     const float g = __fmul_rn(grad[i], grad_scale);
-    const float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(1.0f - beta1, g));
-    const float vi = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(1.0f - beta2, g), g));
+    const float mi =
+        __fadd_rn(__fmul_rn(beta1, load_moment(m, i, m_bf16)), __fmul_rn(1.0f - beta1, g));
+    const float vi = __fadd_rn(__fmul_rn(beta2, load_moment(v, i, v_bf16)),
+                               __fmul_rn(__fmul_rn(1.0f - beta2, g), g));
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
-    m[i] = mi;
-    v[i] = vi;
+    store_moment(m, i, mi, m_bf16);
+    store_moment(v, i, vi, v_bf16);
     const float p = __fsub_rn(__fmul_rn(param[i], decay), __fdiv_rn(__fmul_rn(step_size, mi), denom));
     param[i] = p;
     return p;
@@ -79,16 +97,19 @@ __device__ double block_sumsq(const float* x, long long start, long long end) {
 // p ← p·decay − step_size·m / (sqrt(v)/bc2_sqrt + eps), with step_size = lr/(1 − β1^t) and
 // bc2_sqrt = sqrt(1 − β2^t) computed on the host in f64 as the CPU does; over every tensor of
 // `slots` in one launch, each block one chunk of one tensor, writing the bf16 compute copy
-// (round to nearest even) where the slot has one.
+// (round to nearest even) where the slot has one. `bf16_moments`: bit 0, every m is bf16; bit 1,
+// every v.
 extern "C" __global__ void adamw_multi_f32(const Slot* slots, int count, long long chunk,
                                            float grad_scale, float beta1, float beta2, float eps,
-                                           float decay, float step_size, float bc2_sqrt) {
+                                           float decay, float step_size, float bc2_sqrt,
+                                           int bf16_moments) {
+    const bool m_bf16 = bf16_moments & 1, v_bf16 = bf16_moments & 2;
     const Slot s = slots[slot_of(slots, count, blockIdx.x)];
     const long long start = (blockIdx.x - s.first_block) * chunk;
     const long long end = start + chunk < s.n ? start + chunk : s.n;
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
         const float p = adamw_element(s.param, s.m, s.v, s.grad, i, grad_scale, beta1, beta2, eps,
-                                      decay, step_size, bc2_sqrt);
+                                      decay, step_size, bc2_sqrt, m_bf16, v_bf16);
         if (s.copy != nullptr) s.copy[i] = __float2bfloat16_rn(p);
     }
 }

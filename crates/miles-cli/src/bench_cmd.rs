@@ -152,6 +152,12 @@ pub struct BenchArgs {
     pub warmup: usize,
     #[command(flatten)]
     pub fp8: Fp8Arg,
+    /// AdamW's first and second moments' dtypes in a train step (as `miles train`'s
+    /// `--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`).
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
+    pub exp_avg_dtype: String,
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
+    pub exp_avg_sq_dtype: String,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
@@ -472,6 +478,10 @@ fn model_bench(
         false => DeviceModel::for_rollout(model, &device, dtype)?,
     };
     args.fp8.apply(&mut dm)?;
+    let moment = |d: &str| if d == "bf16" { DType::BF16 } else { DType::F32 };
+    if step.train {
+        dm.set_moment_dtypes(moment(&args.exp_avg_dtype), moment(&args.exp_avg_sq_dtype))?;
+    }
     device.synchronize()?;
     let resident = device.peak_memory()?;
     let mut times = Vec::new();
@@ -506,6 +516,7 @@ fn model_bench(
         "dtype": dtype.to_string(),
         "gemm": format!("{:?}", args.gemm).to_lowercase(),
         "fp8": args.fp8.label(),
+        "adamw_moments": step.train.then_some([&args.exp_avg_dtype, &args.exp_avg_sq_dtype]),
         "threads": rayon::current_num_threads(),
         "params": config.num_parameters(),
         "active_params": config.active_parameters(),

@@ -533,6 +533,23 @@ pub const FLAGS: &[Flag] = &[
     value(OPTIM, "adam-beta1", Ty::Float, "Adam's first-moment decay."),
     value(OPTIM, "adam-beta2", Ty::Float, "Adam's second-moment decay."),
     value(OPTIM, "adam-eps", Ty::Float, "Adam's epsilon."),
+    switch(
+        OPTIM,
+        "use-precision-aware-optimizer",
+        "Megatron's precision-aware optimizer: AdamW's moments in the dtypes below.",
+    ),
+    value(
+        OPTIM,
+        "exp-avg-dtype",
+        Ty::Enum(&["fp32", "bf16"]),
+        "AdamW's first moment's dtype (with --use-precision-aware-optimizer; bf16 halves it).",
+    ),
+    value(
+        OPTIM,
+        "exp-avg-sq-dtype",
+        Ty::Enum(&["fp32", "bf16"]),
+        "AdamW's second moment's dtype (with --use-precision-aware-optimizer).",
+    ),
     value(OPTIM, "clip-grad", Ty::Float, "Clip the gradient's global norm to this; 0 disables."),
     value(
         OPTIM,

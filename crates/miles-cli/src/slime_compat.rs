@@ -164,7 +164,6 @@ pub const COMPAT: &[Compat] = &[
     inert("bf16", Takes::Switch, "a GPU computes in bf16 with f32 masters already"),
     inert("optimizer-cpu-offload", Takes::Switch, "the optimizer state stays on the GPU"),
     inert("overlap-cpu-optimizer-d2h-h2d", Takes::Switch, "the optimizer state stays on the GPU"),
-    inert("use-precision-aware-optimizer", Takes::Switch, "AdamW keeps f32 moments"),
     inert("ref-load", Takes::Value, "the KL reference is --hf-checkpoint's weights"),
     // Ray's placement.
     Compat {

@@ -120,6 +120,26 @@ pub enum Optimizer {
     Adam,
 }
 
+/// `--exp-avg-dtype`, `--exp-avg-sq-dtype`: the dtype AdamW keeps a moment in (Megatron's
+/// precision-aware optimizer; its fp16 and fp8 are not built).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MomentDtype {
+    #[default]
+    Fp32,
+    Bf16,
+}
+
+impl MomentDtype {
+    /// The flag's spelling.
+    pub fn label(self) -> &'static str {
+        match self {
+            MomentDtype::Fp32 => "fp32",
+            MomentDtype::Bf16 => "bf16",
+        }
+    }
+}
+
 /// A list given as one string or as a list (`--config`'s `eval-prompt-data = "FILE"`).
 fn one_or_many<'de, D: serde::Deserializer<'de>>(
     d: D,
@@ -402,6 +422,10 @@ pub struct RunConfig {
     pub adam_beta1: f32,
     pub adam_beta2: f32,
     pub adam_eps: f32,
+    /// Megatron's switch for the optimizer dtypes below (without it they must stay fp32).
+    pub use_precision_aware_optimizer: bool,
+    pub exp_avg_dtype: MomentDtype,
+    pub exp_avg_sq_dtype: MomentDtype,
     pub clip_grad: f32,
     pub num_steps_per_rollout: usize,
     pub global_batch_size: Option<usize>,
@@ -562,6 +586,9 @@ impl Default for RunConfig {
             adam_beta1: 0.9,
             adam_beta2: 0.98,
             adam_eps: 1e-8,
+            use_precision_aware_optimizer: false,
+            exp_avg_dtype: MomentDtype::Fp32,
+            exp_avg_sq_dtype: MomentDtype::Fp32,
             clip_grad: 1.0,
             num_steps_per_rollout: 1,
             global_batch_size: None,
@@ -746,6 +773,7 @@ impl RunConfig {
         self.validate_correction()?;
         self.validate_fp8()?;
         self.validate_int4()?;
+        self.validate_optimizer_dtypes()?;
         self.validate_speculative()?;
         check(self.opsm_delta.is_finite(), "opsm-delta", || {
             format!("{} is not finite", self.opsm_delta)
@@ -852,6 +880,18 @@ impl RunConfig {
             check(lr.is_finite() && lr > 0.0, "mtp-lr", || format!("{lr} must be a number > 0"))?;
             check(self.enable_mtp_training, "mtp-lr", || {
                 "is the draft's learning rate: it takes effect with --enable-mtp-training".into()
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The moments' dtypes take effect with `--use-precision-aware-optimizer`, as in Megatron.
+    fn validate_optimizer_dtypes(&self) -> Result<()> {
+        for (key, d) in
+            [("exp-avg-dtype", self.exp_avg_dtype), ("exp-avg-sq-dtype", self.exp_avg_sq_dtype)]
+        {
+            check(self.use_precision_aware_optimizer || d == MomentDtype::Fp32, key, || {
+                format!("{} needs --use-precision-aware-optimizer (Megatron's rule)", d.label())
             })?;
         }
         Ok(())

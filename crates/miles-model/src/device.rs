@@ -288,6 +288,8 @@ pub struct DeviceModel {
     /// the first of those (scoring and generation need none).
     grads: Vec<Tensor>,
     moments: Option<Moments>,
+    /// The dtypes AdamW keeps its first and second moments in ([`DeviceModel::set_moment_dtypes`]).
+    moment_dtypes: [DType; 2],
     /// Names the current compute copies ([`DeviceModel::buffers_id`]).
     buffers: u64,
     /// Unified FP8, when on ([`DeviceModel::set_fp8`]).
@@ -421,6 +423,7 @@ impl DeviceModel {
             fused_decode: false,
             grads: Vec::new(),
             moments: None,
+            moment_dtypes: [DType::F32; 2],
             buffers: 0,
             fp8: None,
             quantized: Vec::new(),
@@ -1849,11 +1852,15 @@ impl DeviceModel {
         let scale = cpu::clip_scale(norm, clip_grad);
         let device = self.device;
         if self.moments.is_none() {
-            let zeros = |ts: &[Tensor]| -> Result<Vec<Tensor>> {
-                ts.iter().map(|t| Ok(Tensor::zeros(t.shape(), DType::F32, &device)?)).collect()
+            let zeros = |ts: &[Tensor], dtype| -> Result<Vec<Tensor>> {
+                ts.iter().map(|t| Ok(Tensor::zeros(t.shape(), dtype, &device)?)).collect()
             };
-            self.moments =
-                Some(Moments { m: zeros(&self.masters)?, v: zeros(&self.masters)?, step: 0 });
+            let [dm, dv] = self.moment_dtypes;
+            self.moments = Some(Moments {
+                m: zeros(&self.masters, dm)?,
+                v: zeros(&self.masters, dv)?,
+                step: 0,
+            });
         }
         let moments = self.moments.as_mut().expect("set above");
         moments.step += 1;
@@ -1899,13 +1906,40 @@ impl DeviceModel {
         m.check(&self.config)?;
         v.check(&self.config)?;
         let spec = tensor_spec(&self.config);
-        let upload = |w: &Weights| -> Result<Vec<Tensor>> {
+        let upload = |w: &Weights, dtype| -> Result<Vec<Tensor>> {
             spec.iter()
                 .zip(w.tensors())
-                .map(|((_, shape), t)| Ok(Tensor::from_f32(shape, t.clone(), &self.device)?))
+                .map(|((_, shape), t)| {
+                    Ok(Tensor::from_f32(shape, t.clone(), &self.device)?.to_dtype(dtype)?)
+                })
                 .collect()
         };
-        self.moments = Some(Moments { m: upload(m)?, v: upload(v)?, step });
+        let [dm, dv] = self.moment_dtypes;
+        self.moments = Some(Moments { m: upload(m, dm)?, v: upload(v, dv)?, step });
+        Ok(())
+    }
+
+    /// Keeps AdamW's first and second moments in `m` and `v` (f32 or bf16: Megatron's
+    /// precision-aware optimizer, `--exp-avg-dtype`/`--exp-avg-sq-dtype`): each step reads
+    /// them in f32 and stores them rounded. Moments already held are converted.
+    pub fn set_moment_dtypes(&mut self, m: DType, v: DType) -> Result<()> {
+        for (what, d) in [("first", m), ("second", v)] {
+            if !matches!(d, DType::F32 | DType::BF16) {
+                return Err(Error::Invalid(format!(
+                    "AdamW's {what} moments are kept in f32 or bf16, not {d:?}"
+                )));
+            }
+        }
+        self.moment_dtypes = [m, v];
+        if let Some(moments) = &mut self.moments {
+            for (ts, d) in [(&mut moments.m, m), (&mut moments.v, v)] {
+                for t in ts.iter_mut() {
+                    if t.dtype() != d {
+                        *t = t.to_dtype(d)?;
+                    }
+                }
+            }
+        }
         Ok(())
     }
 

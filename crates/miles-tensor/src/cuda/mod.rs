@@ -31,7 +31,7 @@ pub(crate) use ops::{
     add_rmsnorm, matmul, matmul_into, qk_norm_rope, qkv_rope_kv_write, rmsnorm_backward,
     rmsnorm_forward,
 };
-pub(crate) use optim::{AdamWSlot, adamw, adamw_multi, sum_squares, sum_squares_multi};
+pub(crate) use optim::{AdamWSlot, Moment, adamw, adamw_multi, sum_squares, sum_squares_multi};
 pub(crate) use sample::{sample_rows, sample_rows_on_device, spec_verify};
 
 use crate::tensor::Storage;

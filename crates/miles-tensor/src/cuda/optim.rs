@@ -18,7 +18,7 @@ pub(crate) fn adamw(
     v: &mut CudaSlice<f32>,
     grad: &CudaSlice<f32>,
 ) -> Result<()> {
-    let slot = AdamWSlot { param, m, v, grad, copy: None };
+    let slot = AdamWSlot { param, m: Moment::F32(m), v: Moment::F32(v), grad, copy: None };
     adamw_multi(gpu, hyper, step, grad_scale, &mut [slot])
 }
 
@@ -31,11 +31,23 @@ pub(crate) fn sum_squares(gpu: &Gpu, x: &CudaSlice<f32>) -> Result<f64> {
     sum_squares_multi(gpu, &[x])
 }
 
+/// An AdamW moment's buffer: f32, or bf16 (Megatron's precision-aware optimizer).
+pub(crate) enum Moment<'a> {
+    F32(&'a mut CudaSlice<f32>),
+    BF16(&'a mut CudaSlice<u16>),
+}
+
+impl Moment<'_> {
+    fn is_bf16(&self) -> bool {
+        matches!(self, Moment::BF16(_))
+    }
+}
+
 /// The buffers of one tensor in a multi-tensor AdamW step.
 pub(crate) struct AdamWSlot<'a> {
     pub param: &'a mut CudaSlice<f32>,
-    pub m: &'a mut CudaSlice<f32>,
-    pub v: &'a mut CudaSlice<f32>,
+    pub m: Moment<'a>,
+    pub v: Moment<'a>,
     pub grad: &'a CudaSlice<f32>,
     /// The bf16 compute copy to refresh from the updated weights, if the tensor has one.
     pub copy: Option<&'a mut CudaSlice<u16>>,
@@ -66,13 +78,26 @@ pub(crate) fn adamw_multi(
 ) -> Result<()> {
     let stream = gpu.stream().clone();
     let sizes: Vec<usize> = slots.iter().map(|s| s.param.len()).collect();
+    let dtypes = |s: &AdamWSlot| i32::from(s.m.is_bf16()) | (i32::from(s.v.is_bf16()) << 1);
+    let bf16_moments = slots.first().map_or(0, dtypes);
+    if slots.iter().any(|s| dtypes(s) != bf16_moments) {
+        return Err(crate::Error::Device(
+            "adamw_multi: every tensor's moments must have one dtype pair in a launch".into(),
+        ));
+    }
     let (table, blocks) = {
         let mut ptrs = Vec::with_capacity(slots.len());
         let mut guards = Vec::new();
         for s in slots.iter_mut() {
             let (p, gp) = s.param.device_ptr_mut(&stream);
-            let (m, gm) = s.m.device_ptr_mut(&stream);
-            let (v, gv) = s.v.device_ptr_mut(&stream);
+            let (m, gm) = match &mut s.m {
+                Moment::F32(x) => x.device_ptr_mut(&stream),
+                Moment::BF16(x) => x.device_ptr_mut(&stream),
+            };
+            let (v, gv) = match &mut s.v {
+                Moment::F32(x) => x.device_ptr_mut(&stream),
+                Moment::BF16(x) => x.device_ptr_mut(&stream),
+            };
             let (g, gg) = s.grad.device_ptr(&stream);
             let copy = match s.copy.as_mut() {
                 Some(c) => {
@@ -109,7 +134,8 @@ pub(crate) fn adamw_multi(
         &eps,
         &decay,
         &step_size,
-        &bc2_sqrt
+        &bc2_sqrt,
+        &bf16_moments
     )
 }
 

@@ -1,5 +1,6 @@
-//! The optimizer's ops: one AdamW step over f32 master weights and moments, and the sum of
-//! squares behind the global gradient norm, both giving the same bits on every device.
+//! The optimizer's ops: one AdamW step over f32 master weights and f32 or bf16 moments, and
+//! the sum of squares behind the global gradient norm, both giving the same bits on every
+//! device.
 
 use super::{dtype_is, same_device};
 use crate::cpu::{self, AdamW};
@@ -27,6 +28,14 @@ fn device_bf16_mut(t: &mut Tensor) -> &mut cudarc::driver::CudaSlice<u16> {
     match &mut t.storage {
         Storage::Cuda(crate::cuda::Buffer { data: crate::cuda::DeviceData::BF16(s), .. }) => s,
         _ => unreachable!("device_bf16_mut of a non-bf16 or host tensor (checked by the op)"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn device_moment(t: &mut Tensor) -> crate::cuda::Moment<'_> {
+    match t.dtype() {
+        DType::BF16 => crate::cuda::Moment::BF16(device_bf16_mut(t)),
+        _ => crate::cuda::Moment::F32(device_f32_mut(t)),
     }
 }
 
@@ -87,8 +96,9 @@ pub fn adamw_step(
     }
 }
 
-/// One tensor of [`adamw_multi`]: the f32 master, its moments and gradient (one shape), and
-/// the bf16 compute copy of the master that the step refreshes, if it has one.
+/// One tensor of [`adamw_multi`]: the f32 master, its moments (f32, or bf16 as Megatron's
+/// precision-aware optimizer keeps them) and gradient (one shape), and the bf16 compute copy
+/// of the master that the step refreshes, if it has one.
 pub struct AdamWTensors<'a> {
     pub param: &'a mut Tensor,
     pub m: &'a mut Tensor,
@@ -112,9 +122,22 @@ pub fn adamw_multi(
         let mut all = vec![&*t.param, &*t.m, &*t.v, t.grad];
         all.extend(t.copy.as_deref());
         ensure(same_device(OP, &all)? == device, OP, || "tensors on different devices".into())?;
-        for (what, x) in [("param", &*t.param), ("m", &*t.m), ("v", &*t.v), ("grad", t.grad)] {
+        for (what, x) in [("param", &*t.param), ("grad", t.grad)] {
             dtype_is(OP, what, x, DType::F32)?;
         }
+        for (what, x) in [("m", &*t.m), ("v", &*t.v)] {
+            ensure(matches!(x.dtype(), DType::F32 | DType::BF16), OP, || {
+                format!("{what} is {:?}: moments are f32 or bf16", x.dtype())
+            })?;
+        }
+        let pair = |t: &AdamWTensors| (t.m.dtype(), t.v.dtype());
+        ensure(pair(t) == pair(first), OP, || {
+            format!(
+                "moments {:?} beside {:?}: one dtype pair for every tensor",
+                pair(t),
+                pair(first)
+            )
+        })?;
         if let Some(c) = t.copy.as_deref() {
             dtype_is(OP, "copy", c, DType::BF16)?;
         }
@@ -128,7 +151,17 @@ pub fn adamw_multi(
     match device {
         Device::Cpu => {
             for t in tensors.iter_mut() {
-                adamw_step(hyper, step, grad_scale, t.param, t.m, t.v, t.grad)?;
+                // bf16 moments: the step in f32 (the update reads the unrounded new moments),
+                // stored back rounded to nearest even, as the kernel does.
+                if (t.m.dtype(), t.v.dtype()) == (DType::F32, DType::F32) {
+                    adamw_step(hyper, step, grad_scale, t.param, t.m, t.v, t.grad)?;
+                } else {
+                    let mut m = t.m.to_dtype(DType::F32)?;
+                    let mut v = t.v.to_dtype(DType::F32)?;
+                    adamw_step(hyper, step, grad_scale, t.param, &mut m, &mut v, t.grad)?;
+                    *t.m = m.to_dtype(t.m.dtype())?;
+                    *t.v = v.to_dtype(t.v.dtype())?;
+                }
                 if let Some(c) = t.copy.as_deref_mut() {
                     *c = t.param.to_dtype(DType::BF16)?;
                 }
@@ -145,8 +178,8 @@ pub fn adamw_multi(
                 .iter_mut()
                 .map(|t| crate::cuda::AdamWSlot {
                     param: device_f32_mut(t.param),
-                    m: device_f32_mut(t.m),
-                    v: device_f32_mut(t.v),
+                    m: device_moment(t.m),
+                    v: device_moment(t.v),
                     grad: device_f32(t.grad),
                     copy: t.copy.as_deref_mut().map(device_bf16_mut),
                 })
@@ -312,6 +345,69 @@ mod tests {
                 copy: Some(&mut bad_copy),
             }];
             assert!(adamw_multi(&hyper, 1, 1.0, &mut parts).is_err(), "an f32 copy");
+        }
+    }
+
+    /// bf16 moments (Megatron's `--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`): each step
+    /// in f32 from the stored values, the weights updated with the unrounded new moments, which
+    /// are then stored to nearest even; the same bits on every device, for either moment alone
+    /// in bf16 too. Mixed pairs in one call are refused.
+    #[test]
+    fn bf16_moments_step_in_f32_and_store_rounded_on_every_device() {
+        let mut rng = Rng::new(54);
+        let hyper = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
+        let n = (1 << 16) + 77;
+        let param0 = rng.vec(n, 1.0);
+        let grads: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(n, 0.05)).collect();
+        let round =
+            |x: &mut [f32]| x.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+        for (m_bf16, v_bf16) in [(true, true), (true, false), (false, true)] {
+            let (mut p, mut m, mut v) = (param0.clone(), vec![0.0; n], vec![0.0; n]);
+            for (i, g) in grads.iter().enumerate() {
+                hyper.step(&mut p, g, &mut m, &mut v, i as u64 + 1).unwrap();
+                if m_bf16 {
+                    round(&mut m);
+                }
+                if v_bf16 {
+                    round(&mut v);
+                }
+            }
+            let dtype = |bf16: bool| if bf16 { DType::BF16 } else { DType::F32 };
+            for device in devices() {
+                let t = |x: &[f32], d| tensor(&[n], x, d, &device);
+                let mut pt = t(&param0, DType::F32);
+                let mut mt = t(&vec![0.0; n], dtype(m_bf16));
+                let mut vt = t(&vec![0.0; n], dtype(v_bf16));
+                for (i, g) in grads.iter().enumerate() {
+                    let g = t(g, DType::F32);
+                    let mut parts = [AdamWTensors {
+                        param: &mut pt,
+                        m: &mut mt,
+                        v: &mut vt,
+                        grad: &g,
+                        copy: None,
+                    }];
+                    adamw_multi(&hyper, i as u64 + 1, 1.0, &mut parts).unwrap();
+                }
+                let what = format!("{device} m bf16 {m_bf16} v bf16 {v_bf16}");
+                assert_eq!(mt.dtype(), dtype(m_bf16), "{what}");
+                assert_eq!(pt.to_vec_f32().unwrap(), p, "{what}: weights");
+                assert_eq!(mt.to_vec_f32().unwrap(), m, "{what}: first moments");
+                assert_eq!(vt.to_vec_f32().unwrap(), v, "{what}: second moments");
+            }
+        }
+        for device in devices() {
+            let t = |x: &[f32], d| tensor(&[1], x, d, &device);
+            let (mut p1, mut p2) = (t(&[1.0], DType::F32), t(&[1.0], DType::F32));
+            let (mut m1, mut v1) = (t(&[0.0], DType::BF16), t(&[0.0], DType::BF16));
+            let (mut m2, mut v2) = (t(&[0.0], DType::F32), t(&[0.0], DType::F32));
+            let g = t(&[1.0], DType::F32);
+            let mut parts = [
+                AdamWTensors { param: &mut p1, m: &mut m1, v: &mut v1, grad: &g, copy: None },
+                AdamWTensors { param: &mut p2, m: &mut m2, v: &mut v2, grad: &g, copy: None },
+            ];
+            let err = adamw_multi(&hyper, 1, 1.0, &mut parts).unwrap_err().to_string();
+            assert!(err.contains("one dtype pair"), "{device}: {err}");
         }
     }
 
