@@ -17,13 +17,15 @@ constexpr int SUMSQ_THREADS = 256;
 // launch says), its size, and the first of its blocks in the launch (blocks of `chunk` elements,
 // tensor after tensor, in order).
 struct Slot {
-    float* param;
+    void* param;
     void* m;
     void* v;
     const float* grad;
     __nv_bfloat16* copy;
     long long n;
     long long first_block;
+    // With stochastic rounding (bf16 master weights), the tensor's key for the random bits.
+    unsigned long long key;
 };
 
 // The slot that block `b` belongs to (the last one starting at or before it).
@@ -53,8 +55,26 @@ __device__ __forceinline__ void store_moment(void* x, size_t i, float value, boo
     }
 }
 
+// cpu::rounding_bits: 16 random bits for element i of tensor `key` at `step`.
+__device__ __forceinline__ unsigned rounding_bits(unsigned long long key, unsigned long long step,
+                                                  unsigned long long i) {
+    unsigned long long z = key * 0x9E3779B97F4A7C15ull ^ step * 0xBF58476D1CE4E5B9ull ^
+                           i * 0x94D049BB133111EBull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return (unsigned)((z ^ (z >> 31)) & 0xffffull);
+}
+
+// cpu::round_bf16_stochastic: x to a bf16 value, away from zero with the probability of the
+// dropped share of a step (not-finite values to nearest).
+__device__ __forceinline__ __nv_bfloat16 round_bf16_stochastic(float x, unsigned r) {
+    if (!isfinite(x)) return __float2bfloat16_rn(x);
+    const unsigned short hi = (unsigned short)((__float_as_uint(x) + r) >> 16);
+    return __ushort_as_bfloat16(hi);
+}
+
 // The update reads the moments' new values before their storage rounds them.
-__device__ __forceinline__ float adamw_element(float* param, void* m, void* v, const float* grad,
+__device__ __forceinline__ float adamw_element(float p0, void* m, void* v, const float* grad,
                                                size_t i, float grad_scale, float beta1,
                                                float beta2, float eps, float decay,
                                                float step_size, float bc2_sqrt, bool m_bf16,
@@ -67,9 +87,7 @@ __device__ __forceinline__ float adamw_element(float* param, void* m, void* v, c
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
     store_moment(m, i, mi, m_bf16);
     store_moment(v, i, vi, v_bf16);
-    const float p = __fsub_rn(__fmul_rn(param[i], decay), __fdiv_rn(__fmul_rn(step_size, mi), denom));
-    param[i] = p;
-    return p;
+    return __fsub_rn(__fmul_rn(p0, decay), __fdiv_rn(__fmul_rn(step_size, mi), denom));
 }
 
 // Σ x² over [start, end) of x by one block: threads stride, then a fixed shared-memory tree.
@@ -97,19 +115,31 @@ __device__ double block_sumsq(const float* x, long long start, long long end) {
 // p ← p·decay − step_size·m / (sqrt(v)/bc2_sqrt + eps), with step_size = lr/(1 − β1^t) and
 // bc2_sqrt = sqrt(1 − β2^t) computed on the host in f64 as the CPU does; over every tensor of
 // `slots` in one launch, each block one chunk of one tensor, writing the bf16 compute copy
-// (round to nearest even) where the slot has one. `bf16_moments`: bit 0, every m is bf16; bit 1,
-// every v.
+// (round to nearest even) where the slot has one. `flags`: bit 0, every m is bf16; bit 1, every
+// v; bit 2, every weight is rounded to a bf16 value stochastically (cpu::rounding_bits of the
+// slot's key, `step` and the element), bit 3, and kept in bf16 (else in f32).
 extern "C" __global__ void adamw_multi_f32(const Slot* slots, int count, long long chunk,
                                            float grad_scale, float beta1, float beta2, float eps,
                                            float decay, float step_size, float bc2_sqrt,
-                                           int bf16_moments) {
-    const bool m_bf16 = bf16_moments & 1, v_bf16 = bf16_moments & 2;
+                                           int flags, unsigned long long step) {
+    const bool m_bf16 = flags & 1, v_bf16 = flags & 2, rounded = flags & 4, p_bf16 = flags & 8;
     const Slot s = slots[slot_of(slots, count, blockIdx.x)];
     const long long start = (blockIdx.x - s.first_block) * chunk;
     const long long end = start + chunk < s.n ? start + chunk : s.n;
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
-        const float p = adamw_element(s.param, s.m, s.v, s.grad, i, grad_scale, beta1, beta2, eps,
-                                      decay, step_size, bc2_sqrt, m_bf16, v_bf16);
+        const float p0 = p_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(s.param)[i])
+                                : static_cast<const float*>(s.param)[i];
+        float p = adamw_element(p0, s.m, s.v, s.grad, i, grad_scale, beta1, beta2, eps, decay,
+                                step_size, bc2_sqrt, m_bf16, v_bf16);
+        if (rounded) {
+            const __nv_bfloat16 b = round_bf16_stochastic(p, rounding_bits(s.key, step, i));
+            if (p_bf16) {
+                static_cast<__nv_bfloat16*>(s.param)[i] = b;
+                continue;
+            }
+            p = __bfloat162float(b);
+        }
+        static_cast<float*>(s.param)[i] = p;
         if (s.copy != nullptr) s.copy[i] = __float2bfloat16_rn(p);
     }
 }

@@ -381,6 +381,7 @@ fn optimizer(c: &mut Criterion) {
                 v,
                 grad,
                 copy: Some(copy),
+                rounding_key: None,
             })
             .collect();
         ops::adamw_multi(&hyper, 3, 1.0, &mut parts).expect("adamw");

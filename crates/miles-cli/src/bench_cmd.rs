@@ -152,8 +152,11 @@ pub struct BenchArgs {
     pub warmup: usize,
     #[command(flatten)]
     pub fp8: Fp8Arg,
-    /// AdamW's first and second moments' dtypes in a train step (as `miles train`'s
-    /// `--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`).
+    /// The optimizer state's dtypes in a train step, as `miles train`'s with
+    /// `--use-precision-aware-optimizer`: the matrices' master weights (bf16: their own
+    /// compute copies, rounded stochastically) and AdamW's first and second moments.
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
+    pub main_params_dtype: String,
     #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
     pub exp_avg_dtype: String,
     #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
@@ -473,7 +476,9 @@ fn model_bench(
         set_route(args.gemm);
     }
     // (A forward alone needs no masters: none beside the compute copies.)
+    let bf16_masters = step.train && args.main_params_dtype == "bf16";
     let mut dm = match step.train || args.fp8.fp8_format.is_some() {
+        true if bf16_masters => DeviceModel::with_bf16_masters(model, &device, dtype, args.seed)?,
         true => DeviceModel::new(model, &device, dtype)?,
         false => DeviceModel::for_rollout(model, &device, dtype)?,
     };
@@ -516,7 +521,9 @@ fn model_bench(
         "dtype": dtype.to_string(),
         "gemm": format!("{:?}", args.gemm).to_lowercase(),
         "fp8": args.fp8.label(),
-        "adamw_moments": step.train.then_some([&args.exp_avg_dtype, &args.exp_avg_sq_dtype]),
+        "optimizer_state": step.train.then_some(
+            [&args.main_params_dtype, &args.exp_avg_dtype, &args.exp_avg_sq_dtype]
+        ),
         "threads": rayon::current_num_threads(),
         "params": config.num_parameters(),
         "active_params": config.active_parameters(),

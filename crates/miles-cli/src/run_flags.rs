@@ -540,6 +540,14 @@ pub const FLAGS: &[Flag] = &[
     ),
     value(
         OPTIM,
+        "main-params-dtype",
+        Ty::Enum(&["fp32", "bf16"]),
+        "The matrices' master weights' dtype (with --use-precision-aware-optimizer): bf16 makes \
+         each its own compute copy, AdamW rounding updates stochastically (4 bytes a parameter \
+         less).",
+    ),
+    value(
+        OPTIM,
         "exp-avg-dtype",
         Ty::Enum(&["fp32", "bf16"]),
         "AdamW's first moment's dtype (with --use-precision-aware-optimizer; bf16 halves it).",

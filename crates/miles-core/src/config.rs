@@ -120,22 +120,23 @@ pub enum Optimizer {
     Adam,
 }
 
-/// `--exp-avg-dtype`, `--exp-avg-sq-dtype`: the dtype AdamW keeps a moment in (Megatron's
-/// precision-aware optimizer; its fp16 and fp8 are not built).
+/// `--main-params-dtype`, `--exp-avg-dtype`, `--exp-avg-sq-dtype`: the dtype the optimizer
+/// keeps its master weights or a moment in (Megatron's precision-aware optimizer; its fp16 and
+/// fp8 are not built, and bf16 masters are ours: Megatron's are fp32 or fp16).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum MomentDtype {
+pub enum StateDtype {
     #[default]
     Fp32,
     Bf16,
 }
 
-impl MomentDtype {
+impl StateDtype {
     /// The flag's spelling.
     pub fn label(self) -> &'static str {
         match self {
-            MomentDtype::Fp32 => "fp32",
-            MomentDtype::Bf16 => "bf16",
+            StateDtype::Fp32 => "fp32",
+            StateDtype::Bf16 => "bf16",
         }
     }
 }
@@ -424,8 +425,11 @@ pub struct RunConfig {
     pub adam_eps: f32,
     /// Megatron's switch for the optimizer dtypes below (without it they must stay fp32).
     pub use_precision_aware_optimizer: bool,
-    pub exp_avg_dtype: MomentDtype,
-    pub exp_avg_sq_dtype: MomentDtype,
+    /// bf16: the matrices' master weights are their bf16 compute copies, AdamW rounding each
+    /// update stochastically.
+    pub main_params_dtype: StateDtype,
+    pub exp_avg_dtype: StateDtype,
+    pub exp_avg_sq_dtype: StateDtype,
     pub clip_grad: f32,
     pub num_steps_per_rollout: usize,
     pub global_batch_size: Option<usize>,
@@ -587,8 +591,9 @@ impl Default for RunConfig {
             adam_beta2: 0.98,
             adam_eps: 1e-8,
             use_precision_aware_optimizer: false,
-            exp_avg_dtype: MomentDtype::Fp32,
-            exp_avg_sq_dtype: MomentDtype::Fp32,
+            main_params_dtype: StateDtype::Fp32,
+            exp_avg_dtype: StateDtype::Fp32,
+            exp_avg_sq_dtype: StateDtype::Fp32,
             clip_grad: 1.0,
             num_steps_per_rollout: 1,
             global_batch_size: None,
@@ -887,14 +892,24 @@ impl RunConfig {
 
     /// The moments' dtypes take effect with `--use-precision-aware-optimizer`, as in Megatron.
     fn validate_optimizer_dtypes(&self) -> Result<()> {
-        for (key, d) in
-            [("exp-avg-dtype", self.exp_avg_dtype), ("exp-avg-sq-dtype", self.exp_avg_sq_dtype)]
-        {
-            check(self.use_precision_aware_optimizer || d == MomentDtype::Fp32, key, || {
+        for (key, d) in [
+            ("main-params-dtype", self.main_params_dtype),
+            ("exp-avg-dtype", self.exp_avg_dtype),
+            ("exp-avg-sq-dtype", self.exp_avg_sq_dtype),
+        ] {
+            check(self.use_precision_aware_optimizer || d == StateDtype::Fp32, key, || {
                 format!("{} needs --use-precision-aware-optimizer (Megatron's rule)", d.label())
             })?;
         }
-        Ok(())
+        let bf16_masters = self.main_params_dtype == StateDtype::Bf16;
+        check(
+            !(bf16_masters && (self.int4_qat || self.fp8_format.is_some())),
+            "main-params-dtype",
+            || {
+                "bf16 goes without --int4-qat and --fp8-format (they quantize from f32 masters)"
+                    .into()
+            },
+        )
     }
 
     /// INT4 QAT's flags go together, its groups are miles' sizes, and it is the only

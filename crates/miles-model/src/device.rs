@@ -290,6 +290,9 @@ pub struct DeviceModel {
     moments: Option<Moments>,
     /// The dtypes AdamW keeps its first and second moments in ([`DeviceModel::set_moment_dtypes`]).
     moment_dtypes: [DType; 2],
+    /// Bf16 master weights ([`DeviceModel::set_bf16_masters`]): the seed of their stochastic
+    /// rounding.
+    bf16_masters: Option<u64>,
     /// Names the current compute copies ([`DeviceModel::buffers_id`]).
     buffers: u64,
     /// Unified FP8, when on ([`DeviceModel::set_fp8`]).
@@ -386,6 +389,19 @@ impl DeviceModel {
         Ok(m)
     }
 
+    /// [`DeviceModel::new`] then [`DeviceModel::set_bf16_masters`], without the matrices' f32
+    /// masters ever on the device: each arrives and takes bf16.
+    pub fn with_bf16_masters(
+        model: &Model,
+        device: &Device,
+        dtype: DType,
+        seed: u64,
+    ) -> Result<Self> {
+        let mut m = Self::build(model, device, dtype, true)?;
+        m.set_bf16_masters(seed)?;
+        Ok(m)
+    }
+
     /// `cast`: the matrices cast to `dtype` as they arrive (no f32 masters kept).
     fn build(model: &Model, device: &Device, dtype: DType, cast: bool) -> Result<Self> {
         if dtype == DType::I32 {
@@ -424,6 +440,7 @@ impl DeviceModel {
             grads: Vec::new(),
             moments: None,
             moment_dtypes: [DType::F32; 2],
+            bf16_masters: None,
             buffers: 0,
             fp8: None,
             quantized: Vec::new(),
@@ -478,6 +495,7 @@ impl DeviceModel {
     /// read the compute copies, are left off.
     pub fn set_fp8(&mut self, fp8: Option<Fp8Layers>) -> Result<()> {
         self.trainable("set_fp8")?;
+        self.f32_masters_for(fp8.is_some(), "FP8")?;
         if let Some(f) = fp8 {
             let layers = self.layout.layers;
             if f.bf16_at_start + f.bf16_at_end > layers {
@@ -505,6 +523,7 @@ impl DeviceModel {
     /// FP8, off the CPU's f32, and where a group does not divide a matrix's rows.
     pub fn set_int4(&mut self, int4: Option<Int4Layers>) -> Result<()> {
         self.trainable("set_int4")?;
+        self.f32_masters_for(int4.is_some(), "INT4 QAT")?;
         if let Some(q) = int4 {
             if self.fp8.is_some() {
                 return Err(Error::Invalid(
@@ -943,8 +962,8 @@ impl DeviceModel {
             for (stack, linear) in stacks.iter_mut().zip([Linear::Qkv, Linear::GateUp]) {
                 let mut row = 0u32;
                 for i in self.layout.linear(layer, linear) {
-                    let part =
-                        self.compute[i].as_ref().expect("a bf16 copy (stacks exist in bf16)");
+                    // (A bf16 master is its own copy.)
+                    let part = self.compute[i].as_ref().unwrap_or(&self.masters[i]);
                     let n = part.shape()[0] as u32;
                     let rows: Vec<u32> = (row..row + n).collect();
                     ops::scatter_rows(stack, part, &rows)?;
@@ -1745,7 +1764,10 @@ impl DeviceModel {
         let mut masters: Vec<&mut Tensor> = self.masters.iter_mut().collect();
         set(&mut masters)?;
         self.refresh_compute()?;
-        self.refresh_stacked()
+        match self.bf16_masters {
+            Some(_) => self.masters_to_bf16(),
+            None => self.refresh_stacked(),
+        }
     }
 
     /// Replaces the master weights with `weights` (a weight sync from elsewhere) and rebuilds
@@ -1777,7 +1799,11 @@ impl DeviceModel {
         }
         self.set_masters_with(|masters| {
             for (m, from) in masters.iter_mut().zip(&other.masters) {
-                m.copy_from(from)?;
+                match m.dtype() == from.dtype() {
+                    true => m.copy_from(from)?,
+                    // (One of the two keeps bf16 masters.)
+                    false => **m = from.to_dtype(m.dtype())?,
+                }
             }
             Ok(())
         })
@@ -1864,6 +1890,7 @@ impl DeviceModel {
         }
         let moments = self.moments.as_mut().expect("set above");
         moments.step += 1;
+        let spec = tensor_spec(&self.config);
         let mut parts: Vec<ops::AdamWTensors> = self
             .masters
             .iter_mut()
@@ -1871,18 +1898,29 @@ impl DeviceModel {
             .zip(moments.m.iter_mut().zip(&mut moments.v))
             .zip(&mut self.compute)
             .zip(&self.frozen)
-            .filter(|(_, frozen)| !**frozen)
-            .map(|((((param, grad), (m, v)), copy), _)| ops::AdamWTensors {
+            .zip(&spec)
+            .enumerate()
+            .filter(|(_, ((_, frozen), _))| !**frozen)
+            .map(|(i, (((((param, grad), (m, v)), copy), _), (name, _)))| ops::AdamWTensors {
                 param,
                 m,
                 v,
                 grad,
                 // (An f32 model's only copies are INT4 QAT's, made again below.)
                 copy: copy.as_mut().filter(|c| c.dtype() != DType::F32),
+                rounding_key: self
+                    .bf16_masters
+                    .filter(|_| computes_in_dtype(name))
+                    .map(|seed| seed.wrapping_mul(1 << 20).wrapping_add(i as u64)),
             })
             .collect();
-        ops::adamw_multi(hyper, moments.step, scale, &mut parts)?;
-        drop(parts);
+        // (Bf16 masters and f32 ones, the norms', are stepped in a launch each.)
+        let (mut rounded, mut plain): (Vec<_>, Vec<_>) =
+            parts.drain(..).partition(|t| t.rounding_key.is_some());
+        for group in [&mut rounded, &mut plain] {
+            ops::adamw_multi(hyper, moments.step, scale, group)?;
+        }
+        drop((rounded, plain));
         self.fake_quantize()?;
         self.quantize()?;
         self.repack()?;
@@ -1917,6 +1955,59 @@ impl DeviceModel {
         let [dm, dv] = self.moment_dtypes;
         self.moments = Some(Moments { m: upload(m, dm)?, v: upload(v, dv)?, step });
         Ok(())
+    }
+
+    /// Keeps the matrices' master weights in bf16, each its own compute copy, with AdamW
+    /// rounding every update to a bf16 value stochastically (unbiased, so updates below a bf16
+    /// step still count on average; the random bits a counter of `seed`, the tensor, the step
+    /// and the element, so runs repeat and resume exactly): 4 bytes a parameter less than f32
+    /// masters beside bf16 copies. Norms keep f32 masters. On the CPU, whose forward computes
+    /// in f32, the masters stay f32 tensors holding the same bf16 values (the twin). Refused
+    /// beside FP8 and INT4 QAT, which quantize from f32 masters.
+    pub fn set_bf16_masters(&mut self, seed: u64) -> Result<()> {
+        self.trainable("set_bf16_masters")?;
+        if self.fp8.is_some() || self.int4.is_some() {
+            return Err(Error::Invalid(
+                "bf16 master weights (--main-params-dtype bf16): FP8 and INT4 QAT quantize from \
+                 f32 masters; use one or the other"
+                    .into(),
+            ));
+        }
+        self.bf16_masters = Some(seed);
+        self.masters_to_bf16()
+    }
+
+    /// Refuses `what` (on) beside bf16 masters: it quantizes from f32 ones.
+    fn f32_masters_for(&self, on: bool, what: &str) -> Result<()> {
+        if on && self.bf16_masters.is_some() {
+            return Err(Error::Invalid(format!(
+                "{what} quantizes from f32 master weights; bf16 masters (--main-params-dtype \
+                 bf16) go without it"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The matrices' masters made bf16 values ([`DeviceModel::set_bf16_masters`]), from the
+    /// compute copies where they are bf16 (the masters rounded to nearest).
+    fn masters_to_bf16(&mut self) -> Result<()> {
+        let spec = tensor_spec(&self.config);
+        for (i, (name, _)) in spec.iter().enumerate() {
+            if !computes_in_dtype(name) {
+                continue;
+            }
+            self.masters[i] = match self.compute[i].take() {
+                Some(copy) if copy.dtype() == DType::BF16 => copy,
+                None if self.masters[i].dtype() == DType::BF16 => continue,
+                copy => {
+                    self.compute[i] = copy;
+                    let m = &self.masters[i];
+                    m.to_dtype(DType::BF16)?.to_dtype(m.dtype())?
+                }
+            };
+        }
+        self.repack()?;
+        self.refresh_stacked()
     }
 
     /// Keeps AdamW's first and second moments in `m` and `v` (f32 or bf16: Megatron's
@@ -2738,6 +2829,51 @@ mod tests {
                 assert!(a == b, "{device} {dtype}: two runs differ");
                 assert!(a != m.weights, "{device} {dtype}: the steps changed nothing");
             }
+        }
+    }
+
+    /// Bf16 master weights: steps repeat bit for bit, the matrices stay bf16 values (the CPU's
+    /// f32 twin too), the norms f32, and on the CPU the loss falls as with f32 masters.
+    #[test]
+    fn bf16_masters_train_repeatably_as_bf16_values_on_every_device() {
+        let m = model(tiny(Architecture::Qwen3, true), 8);
+        let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+        let spec = tensor_spec(&m.config);
+        for device in devices() {
+            let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
+            let run = |bf16: bool| {
+                let mut dm = DeviceModel::new(&m, &device, dtype).unwrap();
+                if bf16 {
+                    dm.set_bf16_masters(3).unwrap();
+                    assert!(
+                        dm.set_int4(Some(Int4Layers {
+                            group_size: 32,
+                            experts_only: false,
+                            w4a16: false
+                        }))
+                        .is_err()
+                    );
+                }
+                let mut losses = Vec::new();
+                for _ in 0..6 {
+                    let f = dm.forward(&batch(), 1.0).unwrap();
+                    let n = f.logp.len();
+                    losses.push(-f.logp.iter().sum::<f32>() / n as f32);
+                    dm.zero_grads().unwrap();
+                    dm.backward(&f, &batch(), &vec![-1.0 / n as f32; n], &vec![0.0; n]).unwrap();
+                    dm.adamw_step(&hyper, 1.0).unwrap();
+                }
+                (dm.to_weights().unwrap(), losses)
+            };
+            let ((a, losses), (b, _)) = (run(true), run(true));
+            assert!(a == b, "{device}: two runs differ");
+            assert!(losses[5] < losses[0] - 0.1, "{device}: the loss fell: {losses:?}");
+            for ((name, _), w) in spec.iter().zip(a.tensors()) {
+                let bf16_values = w.iter().all(|x| x.to_bits() & 0xffff == 0);
+                assert_eq!(bf16_values, computes_in_dtype(name) || w.is_empty(), "{device} {name}");
+            }
+            let (f32_masters, _) = run(false);
+            assert!(a != f32_masters, "{device}: rounding changed the weights");
         }
     }
 

@@ -34,7 +34,9 @@ pub use logprob::{
     logprob_row_backward, logprob_rows_backward, logprob_rows_forward, tempered_log_softmax,
 };
 pub use matmul::{Transpose, matmul};
-pub use optim::{AdamW, clip_scale, global_norm, sum_squares};
+pub use optim::{
+    AdamW, clip_scale, global_norm, round_bf16_stochastic, rounding_bits, sum_squares,
+};
 pub use sample::{MASS_BITS, draw, kept_masses, sample_mass, sample_row, sample_rows};
 pub use speculative::{
     StepUniforms, Verdict, accept_draft, residual_draw, verify_chain, verify_logits,

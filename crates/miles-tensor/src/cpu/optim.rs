@@ -57,6 +57,29 @@ impl AdamW {
     }
 }
 
+/// The 16 random bits that round element `i` of the tensor keyed `key` at optimizer step
+/// `step` (SplitMix64's finalizer over the three): a counter, not a stream, so every device
+/// draws the same bits for the same element and a resumed run the same as a straight one.
+pub fn rounding_bits(key: u64, step: u64, i: u64) -> u32 {
+    let mut z = key.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ step.wrapping_mul(0xBF58_476D_1CE4_E5B9)
+        ^ i.wrapping_mul(0x94D0_49BB_1331_11EB);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) & 0xffff) as u32
+}
+
+/// `x` rounded to a bf16 value stochastically with the random bits `r` (< 2¹⁶): away from zero
+/// with probability equal to the share of a bf16 step that truncation would drop, so the
+/// rounding is unbiased and updates smaller than a step still move the weight on average.
+/// Not-finite values round to nearest.
+pub fn round_bf16_stochastic(x: f32, r: u32) -> half::bf16 {
+    if !x.is_finite() {
+        return half::bf16::from_f32(x);
+    }
+    half::bf16::from_bits((x.to_bits().wrapping_add(r & 0xffff) >> 16) as u16)
+}
+
 /// The L2 norm of all gradients together, summed tensor by tensor in order (in f64).
 pub fn global_norm(grads: &[&[f32]]) -> f64 {
     grads.iter().map(|g| sum_squares(g)).sum::<f64>().sqrt()
@@ -105,5 +128,36 @@ mod tests {
         assert!((f64::from(clip_scale(norm, 1.0)) - 1.0 / (5.0 + 1e-6)).abs() < 1e-7);
         assert_eq!(clip_scale(norm, 10.0), 1.0);
         assert_eq!(clip_scale(norm, 0.0), 1.0);
+    }
+}
+
+#[cfg(test)]
+mod rounding_tests {
+    use super::*;
+
+    /// Unbiased: the mean of many roundings of one value is the value; each rounding is one
+    /// of its two bf16 neighbours; bf16 values and not-finite ones stay as they are.
+    #[test]
+    fn stochastic_rounding_is_unbiased_between_neighbours() {
+        for x in [1.0f32 + 1.0 / 1024.0, -3.3071, 1e-3, 7.25e5] {
+            let down = half::bf16::from_bits((x.to_bits() >> 16) as u16).to_f32();
+            let up = half::bf16::from_bits(((x.to_bits() >> 16) + 1) as u16).to_f32();
+            let n = 20_000u64;
+            let mut sum = 0.0f64;
+            for i in 0..n {
+                let y = round_bf16_stochastic(x, rounding_bits(7, 3, i)).to_f32();
+                assert!(y == down || y == up, "{x}: {y} outside {down}..{up}");
+                sum += f64::from(y);
+            }
+            let step = f64::from((up - down).abs());
+            let err = (sum / n as f64 - f64::from(x)).abs() / step;
+            assert!(err < 0.02, "{x}: mean off by {err} of a step");
+        }
+        for x in [1.0f32, -2.5, 0.0, f32::INFINITY] {
+            assert_eq!(round_bf16_stochastic(x, 0xffff).to_f32(), x);
+        }
+        assert!(round_bf16_stochastic(f32::NAN, 5).is_nan());
+        assert_ne!(rounding_bits(1, 2, 3), rounding_bits(1, 2, 4));
+        assert_ne!(rounding_bits(1, 2, 3), rounding_bits(1, 3, 3));
     }
 }

@@ -1,6 +1,8 @@
 //! AdamW and the gradient sum of squares of `kernels/optim.cu`, over f32 device buffers.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
 
 use super::{Gpu, driver_error};
 use crate::Result;
@@ -18,7 +20,14 @@ pub(crate) fn adamw(
     v: &mut CudaSlice<f32>,
     grad: &CudaSlice<f32>,
 ) -> Result<()> {
-    let slot = AdamWSlot { param, m: Moment::F32(m), v: Moment::F32(v), grad, copy: None };
+    let slot = AdamWSlot {
+        param: Moment::F32(param),
+        m: Moment::F32(m),
+        v: Moment::F32(v),
+        grad,
+        copy: None,
+        rounding_key: None,
+    };
     adamw_multi(gpu, hyper, step, grad_scale, &mut [slot])
 }
 
@@ -31,7 +40,8 @@ pub(crate) fn sum_squares(gpu: &Gpu, x: &CudaSlice<f32>) -> Result<f64> {
     sum_squares_multi(gpu, &[x])
 }
 
-/// An AdamW moment's buffer: f32, or bf16 (Megatron's precision-aware optimizer).
+/// An AdamW moment's or weight's buffer: f32, or bf16 (Megatron's precision-aware optimizer;
+/// bf16 master weights).
 pub(crate) enum Moment<'a> {
     F32(&'a mut CudaSlice<f32>),
     BF16(&'a mut CudaSlice<u16>),
@@ -45,22 +55,46 @@ impl Moment<'_> {
 
 /// The buffers of one tensor in a multi-tensor AdamW step.
 pub(crate) struct AdamWSlot<'a> {
-    pub param: &'a mut CudaSlice<f32>,
+    pub param: Moment<'a>,
     pub m: Moment<'a>,
     pub v: Moment<'a>,
     pub grad: &'a CudaSlice<f32>,
     /// The bf16 compute copy to refresh from the updated weights, if the tensor has one.
     pub copy: Option<&'a mut CudaSlice<u16>>,
+    /// The weights rounded to bf16 values stochastically, with this key's random bits.
+    pub rounding_key: Option<u64>,
 }
 
-/// `kernels/optim.cu`'s `Slot` table on the device (seven 8-byte words per tensor) and the
-/// launch's block count: blocks of SUMSQ_CHUNK elements, tensor after tensor.
-fn slot_table(gpu: &Gpu, slots: &[[u64; 5]], sizes: &[usize]) -> Result<(CudaSlice<u64>, u32)> {
-    let mut words = Vec::with_capacity(slots.len() * 7);
+impl Moment<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Moment::F32(x) => x.len(),
+            Moment::BF16(x) => x.len(),
+        }
+    }
+
+    fn ptr_mut<'s>(&'s mut self, stream: &'s Arc<CudaStream>) -> (u64, SyncOnDrop<'s>) {
+        match self {
+            Moment::F32(x) => x.device_ptr_mut(stream),
+            Moment::BF16(x) => x.device_ptr_mut(stream),
+        }
+    }
+}
+
+/// `kernels/optim.cu`'s `Slot` table on the device (eight 8-byte words per tensor: its five
+/// pointers, size, first block and rounding key) and the launch's block count: blocks of
+/// SUMSQ_CHUNK elements, tensor after tensor.
+fn slot_table(
+    gpu: &Gpu,
+    slots: &[[u64; 5]],
+    sizes: &[usize],
+    keys: &[u64],
+) -> Result<(CudaSlice<u64>, u32)> {
+    let mut words = Vec::with_capacity(slots.len() * 8);
     let mut block = 0usize;
-    for (ptrs, &n) in slots.iter().zip(sizes) {
+    for ((ptrs, &n), i) in slots.iter().zip(sizes).zip(0..) {
         words.extend_from_slice(ptrs);
-        words.extend([n as u64, block as u64]);
+        words.extend([n as u64, block as u64, keys.get(i).copied().unwrap_or(0)]);
         block += n.div_ceil(SUMSQ_CHUNK);
     }
     let table = gpu.stream().clone_htod(&words).map_err(|e| driver_error("copy to device", e))?;
@@ -78,26 +112,26 @@ pub(crate) fn adamw_multi(
 ) -> Result<()> {
     let stream = gpu.stream().clone();
     let sizes: Vec<usize> = slots.iter().map(|s| s.param.len()).collect();
-    let dtypes = |s: &AdamWSlot| i32::from(s.m.is_bf16()) | (i32::from(s.v.is_bf16()) << 1);
-    let bf16_moments = slots.first().map_or(0, dtypes);
-    if slots.iter().any(|s| dtypes(s) != bf16_moments) {
+    let flags_of = |s: &AdamWSlot| {
+        i32::from(s.m.is_bf16())
+            | (i32::from(s.v.is_bf16()) << 1)
+            | (i32::from(s.rounding_key.is_some()) << 2)
+            | (i32::from(s.param.is_bf16()) << 3)
+    };
+    let flags = slots.first().map_or(0, flags_of);
+    if slots.iter().any(|s| flags_of(s) != flags) {
         return Err(crate::Error::Device(
-            "adamw_multi: every tensor's moments must have one dtype pair in a launch".into(),
+            "adamw_multi: every tensor's moments and weights must have one kind in a launch".into(),
         ));
     }
+    let keys: Vec<u64> = slots.iter().map(|s| s.rounding_key.unwrap_or(0)).collect();
     let (table, blocks) = {
         let mut ptrs = Vec::with_capacity(slots.len());
         let mut guards = Vec::new();
         for s in slots.iter_mut() {
-            let (p, gp) = s.param.device_ptr_mut(&stream);
-            let (m, gm) = match &mut s.m {
-                Moment::F32(x) => x.device_ptr_mut(&stream),
-                Moment::BF16(x) => x.device_ptr_mut(&stream),
-            };
-            let (v, gv) = match &mut s.v {
-                Moment::F32(x) => x.device_ptr_mut(&stream),
-                Moment::BF16(x) => x.device_ptr_mut(&stream),
-            };
+            let (p, gp) = s.param.ptr_mut(&stream);
+            let (m, gm) = s.m.ptr_mut(&stream);
+            let (v, gv) = s.v.ptr_mut(&stream);
             let (g, gg) = s.grad.device_ptr(&stream);
             let copy = match s.copy.as_mut() {
                 Some(c) => {
@@ -110,7 +144,7 @@ pub(crate) fn adamw_multi(
             guards.extend([gp, gm, gv, gg]);
             ptrs.push([p, m, v, g, copy]);
         }
-        slot_table(gpu, &ptrs, &sizes)?
+        slot_table(gpu, &ptrs, &sizes, &keys)?
     };
     if blocks == 0 {
         return Ok(());
@@ -135,7 +169,8 @@ pub(crate) fn adamw_multi(
         &decay,
         &step_size,
         &bc2_sqrt,
-        &bf16_moments
+        &flags,
+        &step
     )
 }
 
@@ -151,7 +186,7 @@ pub(crate) fn sum_squares_multi(gpu: &Gpu, xs: &[&CudaSlice<f32>]) -> Result<f64
             guards.push(guard);
             ptrs.push([0, 0, 0, g, 0]);
         }
-        slot_table(gpu, &ptrs, &sizes)?
+        slot_table(gpu, &ptrs, &sizes, &[])?
     };
     if blocks == 0 {
         return Ok(0.0);

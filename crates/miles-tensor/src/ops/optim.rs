@@ -100,11 +100,16 @@ pub fn adamw_step(
 /// precision-aware optimizer keeps them) and gradient (one shape), and the bf16 compute copy
 /// of the master that the step refreshes, if it has one.
 pub struct AdamWTensors<'a> {
+    /// The master: f32, or bf16 with `rounding_key` (a bf16 master is its own compute copy).
     pub param: &'a mut Tensor,
     pub m: &'a mut Tensor,
     pub v: &'a mut Tensor,
     pub grad: &'a Tensor,
     pub copy: Option<&'a mut Tensor>,
+    /// Bf16 master weights: the new weight is rounded to a bf16 value stochastically
+    /// ([`cpu::round_bf16_stochastic`] with [`cpu::rounding_bits`] of this key, the step and the
+    /// element), kept in the param's dtype.
+    pub rounding_key: Option<u64>,
 }
 
 /// [`adamw_step`] over many tensors, with the same bits, refreshing each compute copy from
@@ -122,9 +127,25 @@ pub fn adamw_multi(
         let mut all = vec![&*t.param, &*t.m, &*t.v, t.grad];
         all.extend(t.copy.as_deref());
         ensure(same_device(OP, &all)? == device, OP, || "tensors on different devices".into())?;
-        for (what, x) in [("param", &*t.param), ("grad", t.grad)] {
-            dtype_is(OP, what, x, DType::F32)?;
-        }
+        dtype_is(OP, "grad", t.grad, DType::F32)?;
+        let kind = |t: &AdamWTensors| (t.param.dtype(), t.rounding_key.is_some());
+        ensure(
+            match kind(t) {
+                (DType::F32, _) => true,
+                (DType::BF16, rounded) => rounded && t.copy.is_none(),
+                _ => false,
+            },
+            OP,
+            || {
+                format!(
+                    "param is {:?}: f32, or bf16 rounded stochastically with no copy",
+                    t.param.dtype()
+                )
+            },
+        )?;
+        ensure(kind(t) == kind(first), OP, || {
+            "every tensor's weights of one kind (dtype and rounding)".into()
+        })?;
         for (what, x) in [("m", &*t.m), ("v", &*t.v)] {
             ensure(matches!(x.dtype(), DType::F32 | DType::BF16), OP, || {
                 format!("{what} is {:?}: moments are f32 or bf16", x.dtype())
@@ -151,14 +172,25 @@ pub fn adamw_multi(
     match device {
         Device::Cpu => {
             for t in tensors.iter_mut() {
-                // bf16 moments: the step in f32 (the update reads the unrounded new moments),
-                // stored back rounded to nearest even, as the kernel does.
-                if (t.m.dtype(), t.v.dtype()) == (DType::F32, DType::F32) {
+                // bf16 moments and weights: the step in f32 (the update reads the unrounded new
+                // moments), stored back rounded as the kernel does: moments to nearest even,
+                // weights stochastically.
+                let all_f32 = [&*t.param, &*t.m, &*t.v].iter().all(|x| x.dtype() == DType::F32);
+                if all_f32 && t.rounding_key.is_none() {
                     adamw_step(hyper, step, grad_scale, t.param, t.m, t.v, t.grad)?;
                 } else {
+                    let mut p = t.param.to_dtype(DType::F32)?;
                     let mut m = t.m.to_dtype(DType::F32)?;
                     let mut v = t.v.to_dtype(DType::F32)?;
-                    adamw_step(hyper, step, grad_scale, t.param, &mut m, &mut v, t.grad)?;
+                    adamw_step(hyper, step, grad_scale, &mut p, &mut m, &mut v, t.grad)?;
+                    if let Some(key) = t.rounding_key {
+                        let rounded = host_f32_mut(&mut p).iter_mut().enumerate();
+                        rounded.for_each(|(i, x)| {
+                            let r = cpu::rounding_bits(key, step, i as u64);
+                            *x = cpu::round_bf16_stochastic(*x, r).to_f32();
+                        });
+                    }
+                    *t.param = p.to_dtype(t.param.dtype())?;
                     *t.m = m.to_dtype(t.m.dtype())?;
                     *t.v = v.to_dtype(t.v.dtype())?;
                 }
@@ -177,11 +209,12 @@ pub fn adamw_multi(
             let mut slots: Vec<crate::cuda::AdamWSlot> = tensors
                 .iter_mut()
                 .map(|t| crate::cuda::AdamWSlot {
-                    param: device_f32_mut(t.param),
+                    param: device_moment(t.param),
                     m: device_moment(t.m),
                     v: device_moment(t.v),
                     grad: device_f32(t.grad),
                     copy: t.copy.as_deref_mut().map(device_bf16_mut),
+                    rounding_key: t.rounding_key,
                 })
                 .collect();
             crate::cuda::adamw_multi(&gpu, hyper, step, grad_scale, &mut slots)
@@ -315,6 +348,7 @@ mod tests {
                         v,
                         grad,
                         copy: (i != 3).then_some(copy),
+                        rounding_key: None,
                     })
                     .collect();
                 adamw_multi(&hyper, step, 0.7, &mut parts).unwrap();
@@ -343,6 +377,7 @@ mod tests {
                 v: &mut v,
                 grad: &g,
                 copy: Some(&mut bad_copy),
+                rounding_key: None,
             }];
             assert!(adamw_multi(&hyper, 1, 1.0, &mut parts).is_err(), "an f32 copy");
         }
@@ -386,6 +421,7 @@ mod tests {
                         v: &mut vt,
                         grad: &g,
                         copy: None,
+                        rounding_key: None,
                     }];
                     adamw_multi(&hyper, i as u64 + 1, 1.0, &mut parts).unwrap();
                 }
@@ -403,11 +439,85 @@ mod tests {
             let (mut m2, mut v2) = (t(&[0.0], DType::F32), t(&[0.0], DType::F32));
             let g = t(&[1.0], DType::F32);
             let mut parts = [
-                AdamWTensors { param: &mut p1, m: &mut m1, v: &mut v1, grad: &g, copy: None },
-                AdamWTensors { param: &mut p2, m: &mut m2, v: &mut v2, grad: &g, copy: None },
+                AdamWTensors {
+                    param: &mut p1,
+                    m: &mut m1,
+                    v: &mut v1,
+                    grad: &g,
+                    copy: None,
+                    rounding_key: None,
+                },
+                AdamWTensors {
+                    param: &mut p2,
+                    m: &mut m2,
+                    v: &mut v2,
+                    grad: &g,
+                    copy: None,
+                    rounding_key: None,
+                },
             ];
             let err = adamw_multi(&hyper, 1, 1.0, &mut parts).unwrap_err().to_string();
             assert!(err.contains("one dtype pair"), "{device}: {err}");
+        }
+    }
+
+    /// bf16 master weights: each step's new weight rounded to a bf16 value stochastically
+    /// with the counter's bits, the same bits on every device and whether the weights are kept
+    /// in bf16 or (the CPU's twin) as f32 values; a bf16 weight without rounding is refused.
+    #[test]
+    fn bf16_weights_round_stochastically_with_the_same_bits_on_every_device() {
+        let mut rng = Rng::new(55);
+        let hyper = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
+        let n = (1 << 16) + 33;
+        let round = |x: f32| half::bf16::from_f32(x).to_f32();
+        let param0: Vec<f32> = rng.vec(n, 1.0).into_iter().map(round).collect();
+        let grads: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(n, 0.05)).collect();
+        let key = 17u64;
+        let (mut p, mut m, mut v) = (param0.clone(), vec![0.0; n], vec![0.0; n]);
+        for (i, g) in grads.iter().enumerate() {
+            let step = i as u64 + 1;
+            hyper.step(&mut p, g, &mut m, &mut v, step).unwrap();
+            for (j, x) in p.iter_mut().enumerate() {
+                *x = cpu::round_bf16_stochastic(*x, cpu::rounding_bits(key, step, j as u64))
+                    .to_f32();
+            }
+        }
+        let moved = p.iter().zip(&param0).filter(|(a, b)| a != b).count();
+        assert!(moved > n / 10, "the weights moved: {moved}");
+        for device in devices() {
+            for dtype in [DType::BF16, DType::F32] {
+                let t = |x: &[f32], d| tensor(&[n], x, d, &device);
+                let mut pt = t(&param0, dtype);
+                let (mut mt, mut vt) = (t(&vec![0.0; n], DType::F32), t(&vec![0.0; n], DType::F32));
+                for (i, g) in grads.iter().enumerate() {
+                    let g = t(g, DType::F32);
+                    let mut parts = [AdamWTensors {
+                        param: &mut pt,
+                        m: &mut mt,
+                        v: &mut vt,
+                        grad: &g,
+                        copy: None,
+                        rounding_key: Some(key),
+                    }];
+                    adamw_multi(&hyper, i as u64 + 1, 1.0, &mut parts).unwrap();
+                }
+                assert_eq!(pt.dtype(), dtype);
+                assert_eq!(pt.to_vec_f32().unwrap(), p, "{device} weights kept in {dtype}");
+                assert_eq!(mt.to_vec_f32().unwrap(), m, "{device} {dtype}: first moments");
+            }
+            let t = |x: &[f32], d| tensor(&[1], x, d, &device);
+            let (mut p1, mut m1, mut v1) =
+                (t(&[1.0], DType::BF16), t(&[0.0], DType::F32), t(&[0.0], DType::F32));
+            let g = t(&[1.0], DType::F32);
+            let mut parts = [AdamWTensors {
+                param: &mut p1,
+                m: &mut m1,
+                v: &mut v1,
+                grad: &g,
+                copy: None,
+                rounding_key: None,
+            }];
+            assert!(adamw_multi(&hyper, 1, 1.0, &mut parts).is_err(), "{device}: bf16 unrounded");
         }
     }
 

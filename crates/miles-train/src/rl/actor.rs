@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use miles_core::config::{MomentDtype, RunConfig};
+use miles_core::config::{RunConfig, StateDtype};
 use miles_core::{Rollout, Speculator};
 use miles_model::draft::{Draft, DraftFormat, draft_config};
 use miles_model::{DeviceModel, Fp8Layers, Int4Layers, KvCache, Model, Tokenizer, Weights};
@@ -116,26 +116,31 @@ impl Actor {
         }
         dm.set_fp8(fp8).context("FP8")?;
         dm.set_int4(int4_layers(cfg)).context("--int4-qat")?;
+        if let Some(d) = dist {
+            d.broadcast_weights(&mut dm)?;
+        }
         let moments = [cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype].map(|d| match d {
-            MomentDtype::Fp32 => DType::F32,
-            MomentDtype::Bf16 => DType::BF16,
+            StateDtype::Fp32 => DType::F32,
+            StateDtype::Bf16 => DType::BF16,
         });
         dm.set_moment_dtypes(moments[0], moments[1]).context("--exp-avg-dtype")?;
+        // (After the broadcast: ranks start from rank 0's f32 masters.)
+        if cfg.main_params_dtype == StateDtype::Bf16 {
+            dm.set_bf16_masters(cfg.seed).context("--main-params-dtype bf16")?;
+        }
         if cfg.use_precision_aware_optimizer {
             let params: usize = dm.grad_lens().iter().sum();
             let bytes: usize = moments.iter().map(|d| params * d.size_in_bytes()).sum();
             let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
             eprintln!(
-                "precision-aware optimizer: AdamW's moments in {} and {}, {:.1} MiB ({:.1} MiB \
-                 in fp32)",
+                "precision-aware optimizer: master weights in {} (norms fp32), AdamW's moments \
+                 in {} and {}, {:.1} MiB ({:.1} MiB in fp32)",
+                cfg.main_params_dtype.label(),
                 cfg.exp_avg_dtype.label(),
                 cfg.exp_avg_sq_dtype.label(),
                 mib(bytes),
                 mib(params * 8)
             );
-        }
-        if let Some(d) = dist {
-            d.broadcast_weights(&mut dm)?;
         }
         if optimizer.steps() > 0 {
             let (m, v) = optimizer.moments();
