@@ -4,7 +4,7 @@
 # bf16 against HF, the benchmarks beside HF transformers, the real SmolLM2 on the GPU engine,
 # and where a decode step's time goes. Results under $OUT.
 #   sh tests/device/gpu_checks.sh [tests|parity|sft|bench|kernels|rollout|smollm2|decode-profile|
-#                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|ds-bench|
+#                                  trl|addition|gsm8k|resume|resume-random|moe-fixture|moe-bench|moe-state|ds-bench|
 #                                  dp|fp8|fp8-bench|fp8-addition|int4-addition|families|families-bench|
 #                                  spec-addition|spec-gsm8k|spec-bench|int4-bench|partial-gsm8k|
 #                                  serve-load|all]
@@ -488,6 +488,18 @@ if [ "$what" = moe-bench ]; then
     --new-tokens 64 2>&1 | tail -1 | tee -a "$OUT/moe-bench.jsonl"
   timeout 300 python3 tests/device/hf_moe_baseline.py --batch 8 --seq-len 512 --gen-batch 64 \
     2>/dev/null | tee -a "$OUT/moe-bench.jsonl"
+fi
+if [ "$what" = moe-state ]; then
+  # Issue 35: the Qwen3-30B-A3B-shaped train step with the optimizer state in f32 (f32 masters
+  # beside bf16 copies, f32 moments) and in bf16 (--main-params-dtype bf16 --exp-avg-dtype bf16
+  # --exp-avg-sq-dtype bf16), beside HF transformers' bf16 AdamW: speed and peak memory.
+  for state in fp32 bf16; do
+    timeout 200 $miles bench train --device cuda --preset qwen3-30b-a3b-4l --batch 8 --seq-len 512 \
+      --main-params-dtype $state --exp-avg-dtype $state --exp-avg-sq-dtype $state \
+      2>&1 | tail -1 | tee -a "$OUT/moe-state.jsonl"
+  done
+  timeout 250 python3 tests/device/hf_moe_baseline.py --batch 8 --seq-len 512 --skip-generate \
+    2>/dev/null | tee -a "$OUT/moe-state.jsonl"
 fi
 if [ "$what" = ds-bench ]; then
   # DeepSeek-V3's published shapes with 4 of its 61 layers (15.1 B) beside HF transformers'
