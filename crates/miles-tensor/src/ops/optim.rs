@@ -383,6 +383,18 @@ mod tests {
         }
     }
 
+    /// [`adamw_multi`] over one tensor without a copy: `[param, m, v]`.
+    fn one_step(
+        hyper: &AdamW,
+        step: u64,
+        [param, m, v]: [&mut Tensor; 3],
+        grad: &Tensor,
+        rounding_key: Option<u64>,
+    ) -> Result<()> {
+        let mut parts = [AdamWTensors { param, m, v, grad, copy: None, rounding_key }];
+        adamw_multi(hyper, step, 1.0, &mut parts)
+    }
+
     /// bf16 moments (Megatron's `--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`): each step
     /// in f32 from the stored values, the weights updated with the unrounded new moments, which
     /// are then stored to nearest even; the same bits on every device, for either moment alone
@@ -415,15 +427,7 @@ mod tests {
                 let mut vt = t(&vec![0.0; n], dtype(v_bf16));
                 for (i, g) in grads.iter().enumerate() {
                     let g = t(g, DType::F32);
-                    let mut parts = [AdamWTensors {
-                        param: &mut pt,
-                        m: &mut mt,
-                        v: &mut vt,
-                        grad: &g,
-                        copy: None,
-                        rounding_key: None,
-                    }];
-                    adamw_multi(&hyper, i as u64 + 1, 1.0, &mut parts).unwrap();
+                    one_step(&hyper, i as u64 + 1, [&mut pt, &mut mt, &mut vt], &g, None).unwrap();
                 }
                 let what = format!("{device} m bf16 {m_bf16} v bf16 {v_bf16}");
                 assert_eq!(mt.dtype(), dtype(m_bf16), "{what}");
@@ -491,15 +495,8 @@ mod tests {
                 let (mut mt, mut vt) = (t(&vec![0.0; n], DType::F32), t(&vec![0.0; n], DType::F32));
                 for (i, g) in grads.iter().enumerate() {
                     let g = t(g, DType::F32);
-                    let mut parts = [AdamWTensors {
-                        param: &mut pt,
-                        m: &mut mt,
-                        v: &mut vt,
-                        grad: &g,
-                        copy: None,
-                        rounding_key: Some(key),
-                    }];
-                    adamw_multi(&hyper, i as u64 + 1, 1.0, &mut parts).unwrap();
+                    let state = [&mut pt, &mut mt, &mut vt];
+                    one_step(&hyper, i as u64 + 1, state, &g, Some(key)).unwrap();
                 }
                 assert_eq!(pt.dtype(), dtype);
                 assert_eq!(pt.to_vec_f32().unwrap(), p, "{device} weights kept in {dtype}");
@@ -509,15 +506,8 @@ mod tests {
             let (mut p1, mut m1, mut v1) =
                 (t(&[1.0], DType::BF16), t(&[0.0], DType::F32), t(&[0.0], DType::F32));
             let g = t(&[1.0], DType::F32);
-            let mut parts = [AdamWTensors {
-                param: &mut p1,
-                m: &mut m1,
-                v: &mut v1,
-                grad: &g,
-                copy: None,
-                rounding_key: None,
-            }];
-            assert!(adamw_multi(&hyper, 1, 1.0, &mut parts).is_err(), "{device}: bf16 unrounded");
+            let state = [&mut p1, &mut m1, &mut v1];
+            assert!(one_step(&hyper, 1, state, &g, None).is_err(), "{device}: bf16 unrounded");
         }
     }
 
