@@ -2,6 +2,8 @@
 //! the sum of squares behind the global gradient norm, both giving the same bits on every
 //! device.
 
+use rayon::prelude::*;
+
 use super::{dtype_is, same_device};
 use crate::cpu::{self, AdamW};
 use crate::tensor::Storage;
@@ -175,20 +177,24 @@ pub fn adamw_multi(
                 // bf16 moments and weights: the step in f32 (the update reads the unrounded new
                 // moments), stored back rounded as the kernel does: moments to nearest even,
                 // weights stochastically.
-                let all_f32 = [&*t.param, &*t.m, &*t.v].iter().all(|x| x.dtype() == DType::F32);
-                if all_f32 && t.rounding_key.is_none() {
+                let round = |p: &mut Tensor, key| {
+                    host_f32_mut(p).par_iter_mut().enumerate().for_each(|(i, x)| {
+                        let r = cpu::rounding_bits(key, step, i as u64);
+                        *x = cpu::round_bf16_stochastic(*x, r).to_f32();
+                    })
+                };
+                if [&*t.param, &*t.m, &*t.v].iter().all(|x| x.dtype() == DType::F32) {
                     adamw_step(hyper, step, grad_scale, t.param, t.m, t.v, t.grad)?;
+                    if let Some(key) = t.rounding_key {
+                        round(t.param, key);
+                    }
                 } else {
                     let mut p = t.param.to_dtype(DType::F32)?;
                     let mut m = t.m.to_dtype(DType::F32)?;
                     let mut v = t.v.to_dtype(DType::F32)?;
                     adamw_step(hyper, step, grad_scale, &mut p, &mut m, &mut v, t.grad)?;
                     if let Some(key) = t.rounding_key {
-                        let rounded = host_f32_mut(&mut p).iter_mut().enumerate();
-                        rounded.for_each(|(i, x)| {
-                            let r = cpu::rounding_bits(key, step, i as u64);
-                            *x = cpu::round_bf16_stochastic(*x, r).to_f32();
-                        });
+                        round(&mut p, key);
                     }
                     *t.param = p.to_dtype(t.param.dtype())?;
                     *t.m = m.to_dtype(t.m.dtype())?;
